@@ -1,0 +1,122 @@
+"""BatcherActor: the single owner of the model, driving the engine's step loop.
+
+Turns arrive as `Submit` messages; the actor answers each through the `reply`
+callable that came with it (called on the batcher's thread with a `TurnResult`
+or an exception carrying the turn id). It drives the engine with self-addressed
+step messages, so new turns interleave with steps and the mailbox never waits
+behind a busy loop; with no work it idles. Stopping or crashing fails every
+queued and in-flight turn, so no caller waits forever.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import pykka
+
+from runtime.engine import Engine, Turn, TurnError
+
+
+class BatcherStopped(TurnError):
+    """The batcher stopped before the turn finished; resubmit to a new batcher."""
+
+
+class BatcherCrashed(TurnError):
+    """The batcher crashed while the turn was queued or running."""
+
+
+@dataclass(frozen=True)
+class Submit:
+    """Message: run `turn`, then call `reply(TurnResult | TurnError)` on the batcher's thread."""
+
+    turn: Turn
+    reply: Callable
+
+
+_STEP = object()
+
+
+class BatcherActor(pykka.ThreadingActor):
+    """The GPU owner. Its thread is the only one that runs the model.
+
+    Construct with the loaded model, tokenizer and `ModelCacheSpec`; the other
+    keyword arguments go to `Engine`.
+    """
+
+    def __init__(self, model, tokenizer, spec, **engine_options):
+        super().__init__()
+        self.engine = Engine(model, tokenizer, spec, **engine_options)
+        self.replies: dict[str, Callable] = {}
+        self.step_queued = False
+
+    def on_receive(self, message):
+        if message is _STEP:
+            self.step_queued = False
+            for outcome in self.engine.step():
+                self._reply(outcome)
+            self._queue_step()
+        elif isinstance(message, Submit):
+            self._submit(message)
+        else:
+            raise TypeError(f"BatcherActor got an unknown message {message!r}")
+
+    def _submit(self, msg: Submit):
+        turn_id = msg.turn.turn_id
+        if turn_id in self.replies:
+            msg.reply(TurnError(turn_id, "a turn with this id is already running; use unique turn ids"))
+            return
+        try:
+            self.engine.submit(msg.turn)
+        except TurnError as e:
+            msg.reply(e)
+            return
+        self.replies[turn_id] = msg.reply
+        self._queue_step()
+
+    def _queue_step(self):
+        if self.engine.has_work() and not self.step_queued:
+            self.step_queued = True
+            self.actor_ref.tell(_STEP)
+
+    def _reply(self, outcome):
+        reply = self.replies.pop(outcome.turn_id, None)
+        if reply is not None:
+            reply(outcome)
+
+    def on_stop(self):
+        self._fail_everything(lambda tid: BatcherStopped(tid, "the batcher stopped"))
+
+    def on_failure(self, exception_type, exception_value, traceback):
+        why = f"the batcher crashed: {exception_type.__name__}: {exception_value}"
+        self._fail_everything(lambda tid: BatcherCrashed(tid, why))
+
+    def _fail_everything(self, make_error):
+        for e in self.engine.fail_all(make_error):
+            self._reply(e)
+        # pykka drops tells still in the inbox of a stopped actor: answer them.
+        while not self.actor_inbox.empty():
+            msg = self.actor_inbox.get_nowait().message
+            if isinstance(msg, Submit):
+                msg.reply(make_error(msg.turn.turn_id))
+
+
+def submit(batcher: pykka.ActorRef, turn: Turn) -> pykka.Future:
+    """Send `turn` to `batcher`; return a future of its `TurnResult`.
+
+    The future raises the turn's `TurnError` (BatcherStopped if the batcher is
+    gone). For use outside actors; an actor passes its own `reply` in `Submit`.
+    """
+    future = pykka.ThreadingFuture()
+
+    def reply(outcome):
+        if isinstance(outcome, BaseException):
+            future.set_exception((type(outcome), outcome, outcome.__traceback__))
+        else:
+            future.set(outcome)
+
+    try:
+        batcher.tell(Submit(turn, reply))
+    except pykka.ActorDeadError:
+        reply(BatcherStopped(turn.turn_id, "the batcher is not running"))
+    return future

@@ -1,0 +1,63 @@
+"""The `kvactors` command line: demo, inspect, bench."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _demo(args) -> int:
+    from runtime.demo import run_demo
+
+    return run_demo(model=args.model, cache_dir=args.cache_dir, max_tokens=args.max_tokens)
+
+
+def _inspect(args) -> int:
+    from runtime.store import inspect_table
+
+    print(inspect_table(args.cache_dir))
+    return 0
+
+
+def _bench(args) -> int:
+    from benchmarks.__main__ import main as bench_main
+
+    return bench_main(args.bench_args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the `kvactors` command."""
+    p = argparse.ArgumentParser(
+        prog="kvactors",
+        description="Persistent LLM agents as actors, with batched 4-bit KV caches kept on disk.",
+    )
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    demo = sub.add_parser("demo", help="run a short multi-agent demo (default: the embedded tiny model)")
+    demo.add_argument("--model", default=None, help="model folder or Hugging Face id (default: embedded tiny model)")
+    demo.add_argument("--cache-dir", default=None, help="where agent caches live (default: a fresh temporary folder)")
+    demo.add_argument("--max-tokens", type=int, default=24, help="tokens generated per turn (default: 24)")
+    demo.set_defaults(func=_demo)
+
+    ins = sub.add_parser("inspect", help="list the agents stored in a cache folder")
+    ins.add_argument("cache_dir", nargs="?", default="~/.cache/kvactors/agents", help="cache folder (default: %(default)s)")
+    ins.set_defaults(func=_inspect)
+
+    bench = sub.add_parser("bench", help="run the benchmarks (see `kvactors bench -- --help`)")
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark driver")
+    bench.set_defaults(func=_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `kvactors` console script; returns the process exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

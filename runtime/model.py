@@ -1,0 +1,172 @@
+"""Loading mlx-lm models and describing the shape of their KV cache.
+
+`load_model` goes through the real `mlx_lm.load`; `ModelCacheSpec` tells the rest
+of the runtime everything it needs about a model's KV cache (layers, heads, head
+dims, full or sliding layers, sinks, bytes per token) and carries the model
+fingerprint that every stored cache is tagged with.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+_SAMPLE_CHUNKS = 16
+_SAMPLE_BYTES = 1 << 16
+
+
+class ModelLoadError(RuntimeError):
+    """The model could not be found or loaded."""
+
+
+@dataclass(frozen=True)
+class ModelCacheSpec:
+    """The KV-cache geometry of one model, plus its fingerprint.
+
+    `layer_kinds[i]` is "full" or "sliding"; `windows[i]` is the sliding window of
+    layer i (None for full layers). Q4 sizes use `kv_bits` and `kv_group_size`.
+    """
+
+    model_id: str
+    fingerprint: str
+    n_layers: int
+    n_kv_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    layer_kinds: tuple[str, ...]
+    windows: tuple[int | None, ...]
+    has_sinks: bool
+    dtype: str
+    kv_bits: int = 4
+    kv_group_size: int = 64
+
+    @classmethod
+    def from_model(cls, model, model_id, kv_bits: int = 4, kv_group_size: int = 64):
+        """Describe `model` (an mlx-lm model) loaded from `model_id` (a folder or hub id).
+
+        The geometry is read off the caches the model itself builds after a
+        one-token forward pass, so no architecture is special-cased. Raises
+        ValueError if a head dim is not a multiple of `kv_group_size`.
+        """
+        import mlx.core as mx
+        from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
+
+        caches = make_prompt_cache(model)
+        model(mx.array([[0]]), cache=caches)
+        keys, values = caches[0].state[:2]
+        mx.eval(keys, values)
+        kinds, windows = [], []
+        for c in caches:
+            sliding = isinstance(c, RotatingKVCache)
+            kinds.append("sliding" if sliding else "full")
+            windows.append(c.max_size if sliding else None)
+        for name, dim in (("key", keys.shape[-1]), ("value", values.shape[-1])):
+            if dim % kv_group_size:
+                raise ValueError(
+                    f"{name} head dim {dim} is not a multiple of the Q4 group size "
+                    f"{kv_group_size}; pass a kv_group_size that divides it (e.g. 32)"
+                )
+        return cls(
+            model_id=str(model_id),
+            fingerprint=fingerprint(resolve_model_path(model_id)),
+            n_layers=len(caches),
+            n_kv_heads=keys.shape[1],
+            k_head_dim=keys.shape[-1],
+            v_head_dim=values.shape[-1],
+            layer_kinds=tuple(kinds),
+            windows=tuple(windows),
+            has_sinks=any(
+                hasattr(getattr(layer, "self_attn", None), "sinks")
+                for layer in model.layers
+            ),
+            dtype=str(keys.dtype).removeprefix("mlx.core."),
+            kv_bits=kv_bits,
+            kv_group_size=kv_group_size,
+        )
+
+    def fp16_bytes_per_token(self) -> int:
+        """Bytes of one token's K and V over all layers in a 16-bit KVCache."""
+        return 2 * self.n_layers * self.n_kv_heads * (self.k_head_dim + self.v_head_dim)
+
+    def q4_bytes_per_token(self, bits: int | None = None, group_size: int | None = None) -> float:
+        """Bytes of one token's packed K and V over all layers (words + fp16 scales and biases)."""
+        bits = bits or self.kv_bits
+        group_size = group_size or self.kv_group_size
+        per_element = bits / 8 + 2 * 2 / group_size
+        dims = self.k_head_dim + self.v_head_dim
+        return self.n_layers * self.n_kv_heads * dims * per_element
+
+
+def resolve_model_path(model: str | Path | None) -> Path:
+    """Return the local folder of `model`: a folder, a cached hub id, or None for the default.
+
+    A hub id not yet on disk is downloaded by mlx-lm (this needs network access).
+    """
+    if model is None:
+        from runtime.testing import default_model_path
+
+        return default_model_path()
+    from mlx_lm.utils import _download
+
+    try:
+        return Path(_download(str(model)))
+    except Exception as e:  # hub errors come in many types
+        raise ModelLoadError(
+            f"cannot find model {model!r}: give a local model folder or a Hugging Face id "
+            f"that is cached or reachable ({type(e).__name__}: {e})"
+        ) from e
+
+
+def load_model(model: str | Path | None = None, kv_bits: int = 4, kv_group_size: int = 64):
+    """Load `model` with `mlx_lm.load`; return (model, tokenizer, ModelCacheSpec).
+
+    `model` is a local folder, a Hugging Face id, or None for the embedded default
+    (a tiny llama built locally on first use; see `runtime.testing`).
+    """
+    import mlx_lm
+
+    path = resolve_model_path(model)
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path} has no config.json: it is not a model folder")
+    net, tokenizer = mlx_lm.load(str(path))
+    spec = ModelCacheSpec.from_model(net, path, kv_bits=kv_bits, kv_group_size=kv_group_size)
+    return net, tokenizer, spec
+
+
+def fingerprint(path: str | Path) -> str:
+    """A hex digest identifying the model in folder `path`.
+
+    It covers config.json, the tokenizer files, and every weight file's name, size
+    and 16 sampled 64 KiB chunks (reading whole multi-GB weights on every load would
+    be slow; any retrained or re-quantized weights change the sampled bytes).
+    """
+    path = Path(path)
+    h = hashlib.sha256()
+    config = json.loads((path / "config.json").read_text())
+    h.update(json.dumps(config, sort_keys=True).encode())
+    for name in TOKENIZER_FILES:
+        f = path / name
+        if f.is_file():
+            h.update(name.encode() + b"\0" + f.read_bytes())
+    for f in sorted(path.glob("*.safetensors")):
+        size = f.stat().st_size
+        h.update(f"{f.name}\0{size}\0".encode())
+        with open(f, "rb") as fh:
+            for i in range(_SAMPLE_CHUNKS):
+                fh.seek(size * i // _SAMPLE_CHUNKS)
+                h.update(fh.read(_SAMPLE_BYTES))
+            fh.seek(max(0, size - _SAMPLE_BYTES))
+            h.update(fh.read())
+    return h.hexdigest()[:32]

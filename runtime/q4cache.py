@@ -1,0 +1,441 @@
+"""A quantized (Q4) KV cache that batches: merge, extract, filter, extend.
+
+`BatchQuantizedKVCache` is one layer's cache for a batch of agents. Unmodified
+mlx-lm model code drives it (`update_and_fetch`, `make_mask`, a per-row `offset`
+array for RoPE). Keys and values are stored as packed quantized tuples
+(uint32 words, scales, biases) of shape (B, kv_heads, tokens, ...), left-padded
+to a common length. Quantization groups run along head_dim, so every token row
+is quantized on its own: merging, slicing and padding packed rows is exact and
+nothing is ever dequantized and requantized.
+
+Attention has three routes, chosen per backend by measurement
+(`benchmarks/q4_attention.py`) and overridable (`route=` or the environment
+variable KVACTORS_Q4_ROUTE):
+
+- "quantized": attention by quantized matmuls on the packed K/V (mlx-lm's
+  scheme; our version does not scale the caller's queries in place). No
+  attention sinks. Crashes on CUDA decode and is slow there.
+- "dequant": the layer's packed K/V are dequantized transiently every call and
+  fed to the fused `mx.fast.scaled_dot_product_attention` (sinks supported).
+- "dequant_once": like "dequant", but the dequantized K/V are kept while the
+  batch lives and only new tokens are dequantized each step. Numerically the
+  same as "dequant"; costs 16-bit memory for the rows while they are active.
+
+Sliding-window layers use the same cache: the model passes the window to
+`make_mask`, which masks keys older than it. They keep their full Q4 history
+(so a cache can still be trimmed back for prefix reuse); their memory is not
+bounded by the window.
+"""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+from mlx_lm.models import base as mlx_base
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import QuantizedKVCache, _BaseCache
+
+ROUTES = ("quantized", "dequant", "dequant_once")
+STEP = 256
+
+
+class Q4CacheError(ValueError):
+    """A Q4 cache was built or combined with incompatible parameters."""
+
+
+def default_route() -> str:
+    """The attention route for this process's default device.
+
+    KVACTORS_Q4_ROUTE overrides. Otherwise: "quantized" on Metal (mlx-lm's
+    native path there), "dequant_once" on CUDA and CPU, where quantized-matmul
+    attention crashes (CUDA decode) or measured slower (see the benchmark).
+    """
+    route = os.environ.get("KVACTORS_Q4_ROUTE")
+    if route:
+        return check_route(route)
+    if mx.default_device() == mx.gpu and mx.metal.is_available():
+        return "quantized"
+    return "dequant_once"
+
+
+def check_route(route: str) -> str:
+    """Return `route` if it is one of ROUTES, else raise Q4CacheError."""
+    if route not in ROUTES:
+        raise Q4CacheError(f"unknown Q4 attention route {route!r}; choose one of {ROUTES}")
+    return route
+
+
+def quantized_sdpa(queries, q_keys, q_values, scale, mask, group_size=64, bits=4):
+    """Attention of `queries` over packed quantized keys and values.
+
+    queries: (B, n_q_heads, L, D); q_keys / q_values: (words, scales, biases) of
+    shape (B, n_kv_heads, S, ...). `mask` is None, "causal", or a boolean or
+    additive array broadcastable to (B, heads, L, S). `queries` is not modified.
+    """
+    B, n_q_heads, L, D = queries.shape
+    n_kv_heads = q_keys[0].shape[-3]
+    n_repeats = n_q_heads // n_kv_heads
+    queries = queries * scale
+    if n_repeats > 1:
+        queries = mx.reshape(queries, (B, n_kv_heads, n_repeats, L, D))
+        q_keys = [mx.expand_dims(x, -3) for x in q_keys]
+        q_values = [mx.expand_dims(x, -3) for x in q_values]
+    scores = mx.quantized_matmul(queries, *q_keys, transpose=True, group_size=group_size, bits=bits)
+    if isinstance(mask, str):
+        qL, kL = scores.shape[-2:]
+        mask = mx.arange(kL - qL, kL)[:, None] >= mx.arange(kL)[None]
+    if mask is not None:
+        if n_repeats > 1 and mask.ndim > 3:
+            mask = mx.expand_dims(mask, -3)
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
+        else:
+            scores = scores + mask
+    scores = mx.softmax(scores, axis=-1, precise=True)
+    out = mx.quantized_matmul(scores, *q_values, transpose=False, group_size=group_size, bits=bits)
+    if n_repeats > 1:
+        out = mx.reshape(out, (B, n_q_heads, L, -1))
+    return out
+
+
+def _install_quantized_sdpa():
+    # mlx-lm's models reach `base.quantized_scaled_dot_product_attention` for any
+    # cache with a `bits` attribute; ours does the same math without scaling the
+    # caller's queries in place.
+    mlx_base.quantized_scaled_dot_product_attention = quantized_sdpa
+
+
+def _quantize(x, group_size, bits):
+    return tuple(mx.quantize(x, group_size=group_size, bits=bits))
+
+
+def _dequantize(packed, group_size, bits):
+    return mx.dequantize(*packed, group_size=group_size, bits=bits)
+
+
+def _map(fn, packed):
+    return tuple(fn(x) for x in packed)
+
+
+class BatchQuantizedKVCache(_BaseCache):
+    """One layer's Q4 KV cache for a left-padded batch of agents.
+
+    Row b holds `offset[b]` tokens in columns [left_padding[b], size()). Build one
+    with `merge`, grow it with `update_and_fetch` (what the model calls), take a
+    row out with `extract`, drop rows with `filter`, add rows with `extend`.
+    """
+
+    def __init__(self, left_padding, bits: int = 4, group_size: int = 64, route: str | None = None):
+        self.kv_bits = bits
+        self.kv_group_size = group_size
+        self.route = check_route(route or default_route())
+        self.keys = None  # (words, scales, biases), each (B, H, allocated, ...)
+        self.values = None
+        self.left_padding = mx.array(left_padding, dtype=mx.int32)
+        self.offset = -self.left_padding
+        self._idx = 0
+        self._dense = None  # "dequant_once": dequantized (keys, values) of columns [0, _idx)
+        if self.route == "quantized":
+            _install_quantized_sdpa()
+
+    # -- what the model drives -------------------------------------------------
+
+    def update_and_fetch(self, keys, values):
+        """Quantize and append keys/values of shape (B, H, N, D); return what attention reads.
+
+        Returns packed tuples under the "quantized" route, else 16-bit arrays
+        (the dequantized cache including the new tokens).
+        """
+        B, H, N, Dk = keys.shape
+        Dv = values.shape[-1]
+        for name, d in (("key", Dk), ("value", Dv)):
+            if d % self.kv_group_size:
+                raise Q4CacheError(
+                    f"{name} head dim {d} is not divisible by the group size {self.kv_group_size}; "
+                    "use a group size that divides it (32 or 64)"
+                )
+        prev = self._idx
+        self._reserve(B, H, Dk, Dv, keys.dtype, prev + N)
+        new_k = _quantize(keys, self.kv_group_size, self.kv_bits)
+        new_v = _quantize(values, self.kv_group_size, self.kv_bits)
+        for dst, src in zip(self.keys + self.values, new_k + new_v):
+            dst[..., prev : prev + N, :] = src
+        self._idx += N
+        self.offset = self.offset + N
+        return self._fetch(new_k, new_v)
+
+    def _reserve(self, B, H, Dk, Dv, dtype, needed):
+        allocated = 0 if self.keys is None else self.keys[0].shape[2]
+        if needed <= allocated:
+            return
+        grow = (needed - allocated + STEP - 1) // STEP * STEP
+        per_word = 32 // self.kv_bits
+
+        def empty(d):
+            shape = (B, H, grow)
+            return (
+                mx.zeros((*shape, d // per_word), mx.uint32),
+                mx.zeros((*shape, d // self.kv_group_size), dtype),
+                mx.zeros((*shape, d // self.kv_group_size), dtype),
+            )
+
+        if self.keys is None:
+            self.keys, self.values = empty(Dk), empty(Dv)
+        else:
+            self.keys = self._grown(self.keys, empty(Dk))
+            self.values = self._grown(self.values, empty(Dv))
+
+    def _grown(self, packed, extra):
+        return tuple(mx.concatenate([x[..., : self._idx, :], e], axis=2) for x, e in zip(packed, extra))
+
+    def _fetch(self, new_k, new_v):
+        k, v = self.keys_and_values()
+        if self.route == "quantized":
+            return k, v
+        g, b = self.kv_group_size, self.kv_bits
+        if self.route == "dequant":
+            return _dequantize(k, g, b), _dequantize(v, g, b)
+        if self._dense is None or self._dense[0].shape[2] + new_k[0].shape[2] != self._idx:
+            self._dense = (_dequantize(k, g, b), _dequantize(v, g, b))
+        else:
+            self._dense = tuple(
+                mx.concatenate([d, _dequantize(n, g, b)], axis=2)
+                for d, n in zip(self._dense, (new_k, new_v))
+            )
+        return self._dense
+
+    def keys_and_values(self):
+        """The packed (keys, values) of the used columns [0, size())."""
+        if self.keys is None:
+            return None, None
+        return (
+            _map(lambda x: x[..., : self._idx, :], self.keys),
+            _map(lambda x: x[..., : self._idx, :], self.values),
+        )
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        """Boolean mask (B, 1, N, size()+N) for N new queries: causal, padding and window."""
+        return create_causal_mask(
+            N, offset=self._idx, window_size=window_size, left_padding=self.left_padding
+        )
+
+    @property
+    def bits(self):
+        if self.route != "quantized":
+            # mlx-lm routes attention by hasattr(cache, "bits"): the dequant routes
+            # hand it 16-bit arrays, which must go to the fused kernel.
+            raise AttributeError("bits")
+        return self.kv_bits
+
+    @property
+    def group_size(self):
+        if self.route != "quantized":
+            raise AttributeError("group_size")
+        return self.kv_group_size
+
+    # -- batch surgery ----------------------------------------------------------
+
+    @classmethod
+    def merge(cls, caches, bits: int = 4, group_size: int = 64, route: str | None = None):
+        """One batch from per-agent `QuantizedKVCache`s (None or empty: no history).
+
+        Rows are left-padded to the longest; packed words are copied, never
+        requantized. All caches must share bits and group size.
+        """
+        lengths = []
+        for c in caches:
+            if c is not None and not c.empty():
+                if (c.bits, c.group_size) != (bits, group_size):
+                    raise Q4CacheError(
+                        f"cannot merge a {c.bits}-bit/group-{c.group_size} cache into a "
+                        f"{bits}-bit/group-{group_size} batch; re-prefill that agent"
+                    )
+            lengths.append(0 if c is None or c.empty() else c.offset)
+        longest = max(lengths, default=0)
+        cache = cls([longest - n for n in lengths], bits, group_size, route)
+        if longest == 0:
+            return cache
+        template = next(c for c, n in zip(caches, lengths) if n)
+
+        def rows(part):
+            out = []
+            for c, n in zip(caches, lengths):
+                if n:
+                    src = getattr(c, part)
+                    out.append(_map(lambda x: mx.pad(x[..., :n, :], [(0, 0), (0, 0), (longest - n, 0), (0, 0)]), src))
+                else:
+                    t = getattr(template, part)
+                    out.append(_map(lambda x: mx.zeros((1, x.shape[1], longest, x.shape[3]), x.dtype), t))
+            return tuple(mx.concatenate(list(xs), axis=0) for xs in zip(*out))
+
+        cache.keys, cache.values = rows("keys"), rows("values")
+        cache._idx = longest
+        cache.offset = cache.offset + longest
+        return cache
+
+    def extract(self, i: int) -> QuantizedKVCache:
+        """Row `i` as an mlx-lm `QuantizedKVCache` of exactly its used tokens, evaluated."""
+        out = QuantizedKVCache(group_size=self.kv_group_size, bits=self.kv_bits)
+        pad = int(self.left_padding[i].item())
+        if self.keys is None or pad >= self._idx:
+            return out
+        k, v = self.keys_and_values()
+        out.keys = _map(lambda x: mx.contiguous(x[i : i + 1, :, pad:, :]), k)
+        out.values = _map(lambda x: mx.contiguous(x[i : i + 1, :, pad:, :]), v)
+        out.offset = self._idx - pad
+        mx.eval(out.keys, out.values)
+        return out
+
+    def filter(self, keep) -> None:
+        """Keep only rows `keep` (a list of row indices), in that order; trim shared padding."""
+        idx = mx.array(keep, dtype=mx.int32)
+        self.left_padding = self.left_padding[idx]
+        self.offset = self.offset[idx]
+        if self.keys is not None:
+            self.keys = _map(lambda x: x[idx], self.keys)
+            self.values = _map(lambda x: x[idx], self.values)
+        if self._dense is not None:
+            self._dense = tuple(x[idx] for x in self._dense)
+        shared = min(self.left_padding.tolist(), default=0)
+        if shared > 0:
+            self._drop_front(shared)
+
+    def _drop_front(self, n):
+        if self.keys is not None:
+            self.keys = _map(lambda x: x[..., n:, :], self.keys)
+            self.values = _map(lambda x: x[..., n:, :], self.values)
+        if self._dense is not None:
+            self._dense = tuple(x[..., n:, :] for x in self._dense)
+        self._idx -= n
+        self.left_padding = self.left_padding - n
+
+    def extend(self, other: "BatchQuantizedKVCache") -> None:
+        """Append the rows of `other` (same bits and group size) after this batch's rows."""
+        if (other.kv_bits, other.kv_group_size) != (self.kv_bits, self.kv_group_size):
+            raise Q4CacheError("cannot extend a batch with a cache of other bits or group size")
+        if other.keys is None and self.keys is None:
+            self.left_padding = mx.concatenate([self.left_padding, other.left_padding])
+            self.offset = mx.concatenate([self.offset, other.offset])
+            return
+        longest = max(self._idx, other._idx)
+        template = self if self.keys is not None else other
+
+        def aligned(c, part):
+            shift = longest - c._idx
+            src = getattr(c, part)
+            if src is None:
+                t = getattr(template, part)
+                rows = c.left_padding.shape[0]
+                return _map(lambda x: mx.zeros((rows, x.shape[1], longest, x.shape[3]), x.dtype), t)
+            return _map(lambda x: mx.pad(x[..., : c._idx, :], [(0, 0), (0, 0), (shift, 0), (0, 0)]), src)
+
+        parts = {}
+        for part in ("keys", "values"):
+            parts[part] = tuple(
+                mx.concatenate([a, b], axis=0) for a, b in zip(aligned(self, part), aligned(other, part))
+            )
+        self.left_padding = mx.concatenate(
+            [self.left_padding + (longest - self._idx), other.left_padding + (longest - other._idx)]
+        )
+        self.offset = mx.concatenate([self.offset, other.offset])
+        self.keys, self.values = parts["keys"], parts["values"]
+        self._idx = longest
+        self._dense = None
+
+    # -- the rest of mlx-lm's cache protocol ------------------------------------
+
+    def size(self) -> int:
+        """Number of used columns (the longest row plus its padding)."""
+        return self._idx
+
+    def empty(self) -> bool:
+        """True if nothing was ever stored."""
+        return self.keys is None
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Drop the last `n` columns of every row; return how many were dropped."""
+        n = min(self._idx, n)
+        self._idx -= n
+        self.offset = self.offset - n
+        if self._dense is not None:
+            self._dense = tuple(x[..., : self._idx, :] for x in self._dense)
+        return n
+
+    @property
+    def state(self):
+        return self.keys, self.values, self.offset, self.left_padding
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: the packed buffers (allocated) plus any dequantized working copy."""
+        total = 0
+        for part in (self.keys, self.values, self._dense):
+            if part is not None:
+                total += sum(x.nbytes for x in part)
+        return total
+
+
+def route_for(spec, route: str | None = None) -> str:
+    """The route to use for the model of `spec`: `route` or the default, checked.
+
+    The "quantized" route cannot serve attention sinks: asking for it on such a
+    model raises Q4CacheError.
+    """
+    route = check_route(route or default_route())
+    if route == "quantized" and spec.has_sinks:
+        raise Q4CacheError(
+            "the quantized route cannot serve attention sinks; use 'dequant' or 'dequant_once'"
+        )
+    return route
+
+
+def make_batch_cache(spec, batch_size: int = 1, route: str | None = None):
+    """An empty per-layer list of `BatchQuantizedKVCache` for a model described by `spec`.
+
+    Every layer, full or sliding, gets the same cache type (the model passes the
+    sliding window to the mask). The route is checked by `route_for`.
+    """
+    route = route_for(spec, route)
+    return [
+        BatchQuantizedKVCache([0] * batch_size, spec.kv_bits, spec.kv_group_size, route)
+        for _ in range(spec.n_layers)
+    ]
+
+
+def merge_caches(spec, agent_caches, route: str | None = None):
+    """Merge per-agent caches (each a per-layer list of QuantizedKVCache, or None) into a batch."""
+    route = route_for(spec, route)
+    return [
+        BatchQuantizedKVCache.merge(
+            [None if c is None else c[layer] for c in agent_caches], spec.kv_bits, spec.kv_group_size, route
+        )
+        for layer in range(spec.n_layers)
+    ]
+
+
+def extract_cache(batch, i: int):
+    """Row `i` of a per-layer batch as a per-layer list of evaluated `QuantizedKVCache`."""
+    return [layer.extract(i) for layer in batch]
+
+
+def filter_cache(batch, keep) -> None:
+    """Keep rows `keep` in every layer of `batch`."""
+    for layer in batch:
+        layer.filter(keep)
+
+
+def extend_cache(batch, other) -> None:
+    """Append the rows of per-layer batch `other` to every layer of `batch`."""
+    for mine, theirs in zip(batch, other):
+        mine.extend(theirs)
+
+
+def cache_tokens(cache) -> int:
+    """Number of tokens in a per-agent cache (per-layer list of QuantizedKVCache), 0 for None."""
+    if not cache or cache[0].empty():
+        return 0
+    return cache[0].offset

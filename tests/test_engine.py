@@ -1,0 +1,168 @@
+"""The engine's step loop: batched == solo, staggered joins, budget, stops, sampling, continuation."""
+
+import pytest
+
+from runtime.engine import Engine, Sampling, Turn, TurnError, TurnTooLarge
+from runtime.model import ModelCacheSpec
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model_path, load_tiny):
+    model, tokenizer = load_tiny("llama")
+    return model, tokenizer, ModelCacheSpec.from_model(model, tiny_model_path("llama"))
+
+
+def run(engine, turns, on_step=None):
+    """Submit `turns`, step until idle; return {turn_id: result or error}."""
+    for t in turns:
+        engine.submit(t)
+    out = {}
+    while engine.has_work():
+        for r in engine.step():
+            out[r.turn_id] = r
+        if on_step:
+            on_step(engine, out)
+    return out
+
+
+def encode(tokenizer, text):
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def with_history(engine, tokenizer, name, words):
+    """A turn of agent `name` whose cache holds a first turn over `words` words."""
+    first = run(engine, [Turn(f"{name}-h", name, None, encode(tokenizer, "the cat sat " * words), max_tokens=4)])
+    r = first[f"{name}-h"]
+    return Turn(name, name, r.cache, [r.tokens[-1]] + encode(tokenizer, " and then?"), max_tokens=24)
+
+
+def solo(llama, turn):
+    model, tokenizer, spec = llama
+    return run(Engine(model, tokenizer, spec), [turn])[turn.turn_id]
+
+
+def test_four_agents_together_equal_solo(llama):
+    model, tokenizer, spec = llama
+    engine = Engine(model, tokenizer, spec)
+    turns = [with_history(engine, tokenizer, f"a{i}", w) for i, w in enumerate((1, 9, 30, 4))]
+    together = run(engine, turns)
+    assert engine.peak_admitted == 4
+    for t in turns:
+        assert together[t.turn_id].tokens == solo(llama, t).tokens
+        assert together[t.turn_id].cached_tokens == t.cache[0].offset + len(t.tokens) + 23
+
+
+def test_staggered_arrival_gets_first_token_before_others_finish(llama):
+    model, tokenizer, spec = llama
+    engine = Engine(model, tokenizer, spec)
+    early = [Turn(f"e{i}", f"e{i}", None, encode(tokenizer, "one two three " * (i + 1)), max_tokens=40) for i in range(2)]
+    late = Turn("late", "late", None, encode(tokenizer, "a late arrival " * 5), max_tokens=10)
+    seen = {}
+
+    def join_late(eng, out):
+        seen.setdefault("steps", 0)
+        seen["steps"] += 1
+        if seen["steps"] == 5:
+            eng.submit(late)
+        if "late_first" not in seen and any(r.turn.turn_id == "late" and r.generated for r in eng.decoding):
+            seen["late_first"] = set(out)
+
+    out = run(engine, early, join_late)
+    assert seen["late_first"] == set()  # no early turn had finished yet
+    assert out["late"].tokens == solo(llama, late).tokens
+    for t in early:
+        assert out[t.turn_id].tokens == solo(llama, t).tokens
+
+
+def test_budget_for_two_admits_at_most_two(llama):
+    model, tokenizer, spec = llama
+    probe = Engine(model, tokenizer, spec)
+    turns = [Turn(f"t{i}", f"t{i}", None, encode(tokenizer, "budget " * (3 + i)), max_tokens=12) for i in range(5)]
+    per_turn = max(probe.turn_bytes(t) for t in turns)
+    engine = Engine(model, tokenizer, spec, memory_budget=2 * per_turn)
+    peaks = []
+    out = run(engine, turns, lambda eng, _: peaks.append(eng.active()))
+    assert sorted(out) == [t.turn_id for t in turns]
+    assert all(not isinstance(r, TurnError) for r in out.values())
+    assert max(peaks) == 2 and engine.peak_admitted == 2
+
+
+def test_turn_that_can_never_fit_fails_at_once(llama):
+    model, tokenizer, spec = llama
+    engine = Engine(model, tokenizer, spec, memory_budget=1000)
+    with pytest.raises(TurnTooLarge, match="raise memory_budget"):
+        engine.submit(Turn("huge", "x", None, [5] * 10, max_tokens=100))
+    assert not engine.has_work()
+
+
+def test_max_tokens_stop_tokens_eos_and_stop_strings(llama):
+    model, tokenizer, spec = llama
+    prompt = encode(tokenizer, "stop conditions are checked here")
+    free = solo(llama, Turn("free", "s", None, prompt, max_tokens=16))
+    assert free.finish_reason == "length" and len(free.tokens) == 16
+
+    k = 5
+    stopped = solo(llama, Turn("st", "s", None, prompt, max_tokens=16, stop_tokens=(free.tokens[k],)))
+    first = free.tokens.index(free.tokens[k])
+    assert stopped.finish_reason == "stop" and stopped.tokens == free.tokens[: first + 1]
+
+    saved = set(tokenizer.eos_token_ids)
+    tokenizer.eos_token_ids = saved | {free.tokens[k]}
+    try:
+        eos = solo(llama, Turn("eos", "s", None, prompt, max_tokens=16))
+    finally:
+        tokenizer.eos_token_ids = saved
+    assert eos.finish_reason == "stop" and eos.tokens == free.tokens[: first + 1]
+
+    stop = free.text[len(free.text) // 2 : len(free.text) // 2 + 2]
+    cut = solo(llama, Turn("ss", "s", None, prompt, max_tokens=16, stop_strings=(stop,)))
+    assert cut.finish_reason == "stop"
+    assert cut.text == free.text[: free.text.find(stop)]
+
+
+def test_seeded_sampling_is_reproducible_alone_and_batched(llama):
+    model, tokenizer, spec = llama
+    prompt = encode(tokenizer, "sample me something")
+
+    def turn(tid, seed):
+        return Turn(tid, tid, None, prompt, Sampling(temperature=1.0, top_p=0.9, seed=seed), max_tokens=20)
+
+    a = solo(llama, turn("a", 7)).tokens
+    assert solo(llama, turn("b", 7)).tokens == a
+    batched = run(Engine(model, tokenizer, spec), [turn("c", 7), turn("d", 8)])
+    assert batched["c"].tokens == a
+    assert batched["d"].tokens != a
+
+
+def test_returned_cache_continues_like_one_longer_turn(llama):
+    model, tokenizer, spec = llama
+    p, q = encode(tokenizer, "first part of the talk"), encode(tokenizer, " and the second part")
+    r1 = solo(llama, Turn("1", "c", None, p, max_tokens=10))
+    assert r1.cached_tokens == len(p) + 9
+    r2 = solo(llama, Turn("2", "c", r1.cache, [r1.tokens[-1]] + q, max_tokens=12))
+    whole = solo(llama, Turn("w", "c", None, p + r1.tokens + q, max_tokens=12))
+    assert r2.tokens == whole.tokens
+
+
+def test_failing_callback_fails_only_its_turn(llama):
+    model, tokenizer, spec = llama
+    engine = Engine(model, tokenizer, spec)
+
+    def boom(piece):
+        raise RuntimeError("callback exploded")
+
+    good = Turn("good", "g", None, encode(tokenizer, "all is well"), max_tokens=8)
+    bad = Turn("bad", "b", None, encode(tokenizer, "all is not well"), max_tokens=8, on_token=boom)
+    out = run(engine, [good, bad])
+    assert isinstance(out["bad"], TurnError) and out["bad"].turn_id == "bad"
+    assert out["good"].tokens == solo(llama, good).tokens
+    assert engine.reserved == 0
+    again = run(engine, [Turn("again", "g", None, good.tokens, max_tokens=8)])
+    assert again["again"].tokens == out["good"].tokens
+
+
+def test_streamed_pieces_add_up_to_the_text(llama):
+    pieces = []
+    turn = Turn("s", "s", None, encode(llama[1], "stream this"), max_tokens=16, on_token=pieces.append)
+    r = solo(llama, turn)
+    assert "".join(pieces) == r.text

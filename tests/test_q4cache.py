@@ -1,0 +1,224 @@
+"""BatchQuantizedKVCache: exact merge/extract, batched == solo, filter/extend, size, routes.
+
+Tolerance for batched-vs-solo logits: 1e-5 absolute on float32 tiny models. The
+batch only adds masked, left-padded columns; the masked scores get zero weight,
+so the math is the same and only the order of float reductions could differ.
+Greedy tokens must be identical.
+"""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+from runtime.model import ModelCacheSpec
+from runtime.q4cache import (
+    ROUTES,
+    BatchQuantizedKVCache,
+    Q4CacheError,
+    default_route,
+    extend_cache,
+    extract_cache,
+    filter_cache,
+    make_batch_cache,
+    merge_caches,
+    route_for,
+)
+
+ARCHS = ["llama", "qwen2", "gemma3_text", "gpt_oss"]
+ATOL = 1e-5
+
+
+def random_q4(T, heads=2, dim=64, dtype=mx.float32, seed=0):
+    """A QuantizedKVCache of T random tokens, exactly T long."""
+    c = QuantizedKVCache(group_size=64, bits=4)
+    if T == 0:
+        return c
+    key = mx.random.key(seed)
+    k1, k2 = mx.random.split(key)
+    c.update_and_fetch(
+        mx.random.normal((1, heads, T, dim), key=k1).astype(dtype),
+        mx.random.normal((1, heads, T, dim), key=k2).astype(dtype),
+    )
+    c.keys, c.values = c.keys_and_values()
+    mx.eval(c.keys, c.values)
+    return c
+
+
+def assert_same_packed(a, b):
+    assert a.offset == b.offset
+    if a.offset == 0:
+        assert b.empty()
+        return
+    for x, y in zip(a.keys + a.values, b.keys + b.values):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert mx.array_equal(x, y).item()
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_merge_extract_round_trip_is_bit_exact(dtype):
+    lengths = [0, 1, 63, 64, 257, 1000]
+    rows = [random_q4(T, dtype=dtype, seed=i) for i, T in enumerate(lengths)]
+    batch = BatchQuantizedKVCache.merge(rows, route="dequant")
+    assert batch.size() == 1000
+    assert batch.offset.tolist() == lengths
+    for i, row in enumerate(rows):
+        assert_same_packed(batch.extract(i), row)
+
+
+def test_filter_and_extend_keep_rows_bit_exact():
+    rows = [random_q4(T, seed=T) for T in (3, 300, 40)]
+    batch = BatchQuantizedKVCache.merge(rows, route="dequant")
+    batch.filter([2, 0])  # the longest row leaves: shared padding is trimmed
+    assert batch.size() == 40
+    assert_same_packed(batch.extract(0), rows[2])
+    assert_same_packed(batch.extract(1), rows[0])
+    other = BatchQuantizedKVCache.merge([random_q4(500, seed=9), None], route="dequant")
+    batch.extend(other)
+    assert batch.offset.tolist() == [40, 3, 500, 0]
+    assert_same_packed(batch.extract(0), rows[2])
+    assert_same_packed(batch.extract(2), random_q4(500, seed=9))
+    assert batch.extract(3).empty()
+
+
+def test_merge_rejects_other_bits():
+    c = QuantizedKVCache(group_size=64, bits=8)
+    c.update_and_fetch(mx.zeros((1, 1, 2, 64)), mx.zeros((1, 1, 2, 64)))
+    with pytest.raises(Q4CacheError, match="8-bit"):
+        BatchQuantizedKVCache.merge([c], bits=4, group_size=64, route="dequant")
+
+
+def test_head_dim_not_divisible_by_group_is_a_clear_error():
+    cache = BatchQuantizedKVCache([0], bits=4, group_size=64, route="dequant")
+    with pytest.raises(Q4CacheError, match="not divisible by the group size"):
+        cache.update_and_fetch(mx.zeros((1, 1, 2, 80)), mx.zeros((1, 1, 2, 80)))
+
+
+@pytest.mark.parametrize("T", [256, 300, 1024])
+def test_resident_bytes_at_most_029_of_fp16(T):
+    k = mx.random.normal((1, 8, T, 128)).astype(mx.float16)
+    fp16 = KVCache()
+    fp16.update_and_fetch(k, k)
+    q4 = BatchQuantizedKVCache([0], route="quantized")
+    q4.update_and_fetch(k, k)
+    mx.eval(q4.keys, q4.values, fp16.keys, fp16.values)
+    assert q4.nbytes <= 0.29 * fp16.nbytes
+    extracted = q4.extract(0)
+    assert extracted.nbytes <= 0.29 * 2 * 2 * 8 * T * 128
+
+
+# -- with real (tiny) models --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_path, load_tiny):
+    out = {}
+    for arch in ARCHS:
+        model, tokenizer = load_tiny(arch)
+        out[arch] = (model, ModelCacheSpec.from_model(model, tiny_model_path(arch)))
+    return out
+
+
+def prefill(model, spec, tokens, route=None):
+    """Solo prefill of `tokens`; returns (per-agent cache, logits of the last token)."""
+    cache = make_batch_cache(spec, 1, route)
+    logits = model(mx.array(tokens)[None], cache=cache)[:, -1]
+    mx.eval(logits)
+    return extract_cache(cache, 0), logits[0]
+
+
+def greedy(model, batch, first, steps):
+    """Greedy decode `steps` tokens for every row of `batch`, starting from tokens `first`."""
+    tokens = mx.array(first)[:, None]
+    out = []
+    for _ in range(steps):
+        logits = model(tokens, cache=batch)[:, -1]
+        tokens = mx.argmax(logits, axis=-1)[:, None]
+        mx.eval(tokens)
+        out.append(tokens[:, 0].tolist())
+    return [list(col) for col in zip(*out)]
+
+
+def histories(seed=0):
+    lengths = [5, 90, 33]  # 90 crosses the tiny models' sliding windows
+    mx.random.seed(seed)
+    return [mx.random.randint(3, 500, (n,)).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_batched_forward_matches_solo(models, arch):
+    model, spec = models[arch]
+    hist = histories()
+    solo = [prefill(model, spec, h[:-1]) for h in hist]
+    solo_logits = []
+    for h, (cache, _) in zip(hist, solo):
+        b = merge_caches(spec, [cache])
+        solo_logits.append(model(mx.array([[h[-1]]]), cache=b)[0, -1])
+    batch = merge_caches(spec, [c for c, _ in solo])
+    logits = model(mx.array([[h[-1]] for h in hist]), cache=batch)[:, -1]
+    for i in range(3):
+        assert mx.allclose(logits[i], solo_logits[i], atol=ATOL).item()
+
+    firsts = [h[-1] for h in hist]
+    batched = greedy(model, merge_caches(spec, [c for c, _ in solo]), firsts, 32)
+    for i, (cache, _) in enumerate(solo):
+        alone = greedy(model, merge_caches(spec, [cache]), [firsts[i]], 32)[0]
+        assert batched[i] == alone
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_filter_and_extend_mid_generation_leave_other_rows_unchanged(models, arch):
+    model, spec = models[arch]
+    hist = histories(seed=1)
+    caches = [prefill(model, spec, h[:-1])[0] for h in hist]
+    firsts = [h[-1] for h in hist]
+    alone = [greedy(model, merge_caches(spec, [c]), [f], 16)[0] for c, f in zip(caches, firsts)]
+
+    batch = merge_caches(spec, caches[:2])
+    head = greedy(model, batch, firsts[:2], 8)
+    filter_cache(batch, [1])  # row 0 finishes early
+    newcomer = merge_caches(spec, [caches[2]])
+    extend_cache(batch, newcomer)  # row 2 joins mid-flight
+    tail = greedy(model, batch, [head[1][-1], firsts[2]], 8)
+    assert head[0] == alone[0][:8]
+    assert head[1] + tail[0] == alone[1]
+    assert tail[1] == alone[2][:8]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_default_route_on_this_machine_serves_every_arch(models, arch):
+    model, spec = models[arch]
+    route = default_route()
+    cache, logits = prefill(model, spec, list(range(3, 40)), route)
+    assert cache[0].offset == 37
+    assert not mx.isnan(logits).any().item()
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_all_routes_agree(models, route):
+    model, spec = models["llama"]
+    tokens = list(range(3, 60))
+    _, reference = prefill(model, spec, tokens, "dequant")
+    _, logits = prefill(model, spec, tokens, route)
+    assert mx.allclose(logits, reference, atol=1e-4).item()
+
+
+def test_route_override(models, monkeypatch):
+    monkeypatch.setenv("KVACTORS_Q4_ROUTE", "quantized")
+    assert default_route() == "quantized"
+    monkeypatch.setenv("KVACTORS_Q4_ROUTE", "dequant")
+    assert make_batch_cache(models["llama"][1])[0].route == "dequant"
+    monkeypatch.setenv("KVACTORS_Q4_ROUTE", "fast")
+    with pytest.raises(Q4CacheError, match="unknown Q4 attention route"):
+        default_route()
+    monkeypatch.delenv("KVACTORS_Q4_ROUTE")
+    with pytest.raises(Q4CacheError, match="sinks"):
+        route_for(models["gpt_oss"][1], "quantized")
+
+
+def test_quantized_route_leaves_queries_untouched():
+    from runtime.q4cache import quantized_sdpa
+
+    q = mx.ones((1, 2, 1, 64))
+    k = tuple(mx.quantize(mx.ones((1, 1, 4, 64)), group_size=64, bits=4))
+    quantized_sdpa(q, k, k, scale=0.125, mask=None)
+    assert mx.array_equal(q, mx.ones((1, 2, 1, 64))).item()
