@@ -135,7 +135,8 @@ class BatchQuantizedKVCache(_BaseCache):
         self.left_padding = mx.array(left_padding, dtype=mx.int32)
         self.offset = -self.left_padding
         self._idx = 0
-        self._dense = None  # "dequant_once": dequantized (keys, values) of columns [0, _idx)
+        self._dense = None  # "dequant_once": dequantized (keys, values), valid in [0, _dense_len)
+        self._dense_len = 0
         if self.route == "quantized":
             _install_quantized_sdpa()
 
@@ -169,7 +170,7 @@ class BatchQuantizedKVCache(_BaseCache):
         allocated = 0 if self.keys is None else self.keys[0].shape[2]
         if needed <= allocated:
             return
-        grow = (needed - allocated + STEP - 1) // STEP * STEP
+        grow = (needed - self._idx + STEP - 1) // STEP * STEP
         per_word = 32 // self.kv_bits
 
         def empty(d):
@@ -196,14 +197,22 @@ class BatchQuantizedKVCache(_BaseCache):
         g, b = self.kv_group_size, self.kv_bits
         if self.route == "dequant":
             return _dequantize(k, g, b), _dequantize(v, g, b)
-        if self._dense is None or self._dense[0].shape[2] + new_k[0].shape[2] != self._idx:
-            self._dense = (_dequantize(k, g, b), _dequantize(v, g, b))
+        N = new_k[0].shape[2]
+        prev = self._idx - N
+        if self._dense is None or self._dense_len != prev:
+            # (re)build the working copy over the whole allocation, padding included
+            self._dense = (_dequantize(self.keys, g, b), _dequantize(self.values, g, b))
         else:
-            self._dense = tuple(
-                mx.concatenate([d, _dequantize(n, g, b)], axis=2)
-                for d, n in zip(self._dense, (new_k, new_v))
-            )
-        return self._dense
+            allocated = self.keys[0].shape[2]
+            if self._dense[0].shape[2] < allocated:
+                self._dense = tuple(
+                    mx.concatenate([d, mx.zeros((*d.shape[:2], allocated - d.shape[2], d.shape[3]), d.dtype)], 2)
+                    for d in self._dense
+                )
+            for d, n in zip(self._dense, (new_k, new_v)):
+                d[..., prev : self._idx, :] = _dequantize(n, g, b)
+        self._dense_len = self._idx
+        return tuple(d[..., : self._idx, :] for d in self._dense)
 
     def keys_and_values(self):
         """The packed (keys, values) of the used columns [0, size())."""
@@ -307,6 +316,7 @@ class BatchQuantizedKVCache(_BaseCache):
             self.values = _map(lambda x: x[..., n:, :], self.values)
         if self._dense is not None:
             self._dense = tuple(x[..., n:, :] for x in self._dense)
+            self._dense_len -= n
         self._idx -= n
         self.left_padding = self.left_padding - n
 
@@ -361,8 +371,7 @@ class BatchQuantizedKVCache(_BaseCache):
         n = min(self._idx, n)
         self._idx -= n
         self.offset = self.offset - n
-        if self._dense is not None:
-            self._dense = tuple(x[..., : self._idx, :] for x in self._dense)
+        self._dense_len = min(self._dense_len, self._idx)
         return n
 
     @property

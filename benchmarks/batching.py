@@ -1,0 +1,131 @@
+"""Batched against one-after-another serving, and the engine's own overhead.
+
+For 1, 2, 4 and 8 agents (each a prompt of --prompt tokens, generating --new
+tokens): system tokens/s and per-agent TTFT when the engine batches them,
+against the same engine serving them one at a time (max_batch=1). Overhead:
+a batched decode step of the engine against the bare model forward (+ argmax
++ eval) of the same batch and cache, for the largest agent count.
+
+    python -m benchmarks.batching                                   # CPU, tiny model
+    python -m benchmarks.batching --model llama-8b-shape --prompt 1024 --new 64   # GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from benchmarks.common import RESULTS, environment, load_bench_model, write_results
+from runtime.engine import Engine, Turn
+from runtime.q4cache import extract_cache, merge_caches
+
+COLUMNS = ["agents", "mode", "wall_s", "system_tok_s", "x_sequential", "ttft_mean_s", "ttft_max_s"]
+
+
+class _NoText:
+    """Stands in for a tokenizer on a weights-only model: no eos, no text."""
+
+    eos_token_ids = set()
+
+    class detokenizer:  # noqa: N801 - mimics TokenizerWrapper.detokenizer (a fresh one per access)
+        last_segment = ""
+
+        def add_token(self, token):
+            pass
+
+        def finalize(self):
+            pass
+
+
+def agent_turns(n, prompt, new, vocab, seed=0):
+    mx.random.seed(seed)
+    return [
+        Turn(f"a{i}", f"a{i}", None, mx.random.randint(3, vocab, (prompt,)).tolist(), max_tokens=new)
+        for i in range(n)
+    ]
+
+
+def serve(engine, turns):
+    """(wall seconds, results) of serving `turns` to completion."""
+    t0 = time.perf_counter()
+    for t in turns:
+        engine.submit(t)
+    out = []
+    while engine.has_work():
+        out += engine.step()
+    return time.perf_counter() - t0, out
+
+
+def overhead(model, tokenizer, spec, turns, steps):
+    """(engine decode-step seconds, bare forward seconds) per step at batch len(turns)."""
+    engine = Engine(model, tokenizer, spec, max_batch=len(turns))
+    for t in turns:
+        t.max_tokens = 10 * steps
+        engine.submit(t)
+    while len(engine.decoding) < len(turns):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    mx.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    mx.synchronize()
+    engine_s = (time.perf_counter() - t0) / steps
+
+    batch = merge_caches(spec, [extract_cache(engine.batch, i) for i in range(len(turns))], engine.route)
+    tokens = mx.array([[r.generated[-1]] for r in engine.decoding])
+    times = []
+    for _ in range(steps + 3):
+        t0 = time.perf_counter()
+        tokens = mx.argmax(model(tokens, cache=batch)[:, -1], axis=-1)[:, None]
+        mx.eval(tokens, [c.state for c in batch])
+        times.append(time.perf_counter() - t0)
+    return engine_s, statistics.mean(times[3:])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny", help="'tiny' (CPU) or 'llama-8b-shape' (GPU)")
+    ap.add_argument("--agents", default="1,2,4,8")
+    ap.add_argument("--prompt", type=int, default=256, help="prompt tokens per agent")
+    ap.add_argument("--new", type=int, default=32, help="tokens generated per agent")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--name", default=None, help="result file name (default: batching-<model>)")
+    args = ap.parse_args(argv)
+    env = environment()
+    print(env, flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        model, tokenizer, spec = load_bench_model(args.model, Path(tmp))
+    tokenizer = tokenizer or _NoText()
+    vocab = model.args.vocab_size
+    counts = [int(n) for n in args.agents.split(",")]
+    serve(Engine(model, tokenizer, spec), agent_turns(2, args.prompt, 8, vocab, seed=99))  # warm-up
+
+    rows = []
+    for n in counts:
+        seq_s, _ = serve(Engine(model, tokenizer, spec, max_batch=1), agent_turns(n, args.prompt, args.new, vocab))
+        bat_s, results = serve(Engine(model, tokenizer, spec, max_batch=max(counts)), agent_turns(n, args.prompt, args.new, vocab))
+        ttfts = [r.timings.ttft_s for r in results]
+        tokens = n * args.new
+        rows.append(dict(agents=n, mode="sequential", wall_s=seq_s, system_tok_s=tokens / seq_s, x_sequential=1.0))
+        rows.append(dict(agents=n, mode="batched", wall_s=bat_s, system_tok_s=tokens / bat_s, x_sequential=seq_s / bat_s,
+                         ttft_mean_s=statistics.mean(ttfts), ttft_max_s=max(ttfts)))
+        print(rows[-2:], flush=True)
+    engine_s, bare_s = overhead(model, tokenizer, spec, agent_turns(max(counts), args.prompt, 0, vocab), 16)
+    notes = (f"model {args.model}; prompt {args.prompt} tokens, {args.new} new tokens per agent; route {Engine(model, tokenizer, spec).route}.\n"
+             f"Engine overhead at batch {max(counts)}: engine decode step {engine_s * 1e3:.2f} ms, bare forward "
+             f"{bare_s * 1e3:.2f} ms: ratio {bare_s / engine_s:.3f} (target >= 0.9).")
+    rows.append(dict(agents=max(counts), mode="overhead", wall_s=engine_s, system_tok_s=bare_s, x_sequential=bare_s / engine_s))
+    write_results(args.name or f"batching-{args.model}", env, rows, COLUMNS, args.out, notes=notes)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

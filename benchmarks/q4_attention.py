@@ -1,0 +1,121 @@
+"""Prefill and decode speed of the Q4 cache under each attention route, against fp16 KV.
+
+At each context length C: the cache is filled to C - chunk tokens (untimed),
+then one prefill chunk is timed (prefill tok/s at that context), then decode
+steps at batch size 1 (decode tok/s). Each timed phase runs twice and the
+second run counts (MLX-CUDA compiles kernels per shape on first use). Ratios
+are against the fp16 KVCache of the same model in the same run.
+
+    python -m benchmarks.q4_attention                                  # CPU, tiny model
+    python -m benchmarks.q4_attention --model llama-8b-shape --contexts 4096,16384   # GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from benchmarks.common import RESULTS, environment, load_bench_model, timed, write_results
+from runtime.q4cache import ROUTES, extract_cache, make_batch_cache, merge_caches
+
+COLUMNS = ["context", "kv", "route", "prefill_tok_s", "prefill_x_fp16", "decode_tok_s", "decode_x_fp16", "cache_bytes", "bytes_x_fp16"]
+
+
+def measure(model, cache, chunk, decode_steps, vocab):
+    """(prefill tok/s of `chunk` on top of `cache`, decode tok/s) — second of two runs each."""
+    speeds = []
+    for _ in range(2):
+        dt, _ = timed(lambda: model(chunk[None], cache=cache)[:, -1])
+        for c in cache:
+            c.trim(chunk.size)
+        speeds.append(chunk.size / dt)
+    model(chunk[None], cache=cache)
+    token = mx.array([[1]])
+    decode = []
+    for _ in range(2):
+        def run():
+            t = token
+            for _ in range(decode_steps):
+                t = mx.argmax(model(t, cache=cache)[:, -1], axis=-1)[:, None] % vocab
+                mx.eval(t)
+            return t
+
+        dt, _ = timed(run)
+        decode.append(decode_steps / dt)
+        for c in cache:
+            c.trim(decode_steps)
+    return speeds[-1], decode[-1]
+
+
+def bench_context(model, spec, context, chunk_size, decode_steps, routes, vocab):
+    rows = []
+    mx.random.seed(context)
+    tokens = mx.random.randint(0, vocab, (context,))
+    base, chunk = tokens[: context - chunk_size], tokens[context - chunk_size :]
+
+    fp16 = [KVCache() for _ in range(spec.n_layers)]
+    _fill(model, fp16, base, chunk_size)
+    prefill, decode = measure(model, fp16, chunk, decode_steps, vocab)
+    fp16_bytes = sum(c.nbytes for c in fp16)
+    rows.append(dict(context=context, kv="fp16", route="-", prefill_tok_s=prefill, prefill_x_fp16=1.0,
+                     decode_tok_s=decode, decode_x_fp16=1.0, cache_bytes=fp16_bytes, bytes_x_fp16=1.0))
+    del fp16
+
+    filler = make_batch_cache(spec, 1, "dequant_once")
+    _fill(model, filler, base, chunk_size)
+    q4 = extract_cache(filler, 0)
+    del filler
+    for route in routes:
+        row = dict(context=context, kv="q4", route=route)
+        try:
+            cache = merge_caches(spec, [q4], route)
+            p, d = measure(model, cache, chunk, decode_steps, vocab)
+            q4_bytes = sum(c.nbytes for c in extract_cache(cache, 0))
+            row.update(prefill_tok_s=p, prefill_x_fp16=p / prefill, decode_tok_s=d, decode_x_fp16=d / decode,
+                       cache_bytes=q4_bytes, bytes_x_fp16=q4_bytes / fp16_bytes)
+        except Exception as e:  # e.g. the quantized route on CUDA decode
+            row.update(prefill_tok_s=f"failed: {type(e).__name__}: {str(e)[:80]}")
+            traceback.print_exc()
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+def _fill(model, cache, tokens, chunk):
+    for i in range(0, tokens.size, chunk):
+        model(tokens[i : i + chunk][None], cache=cache)
+        mx.eval([c.state for c in cache])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny", help="'tiny' (CPU) or 'llama-8b-shape' (GPU)")
+    ap.add_argument("--contexts", default="512,2048,8192", help="comma-separated context lengths")
+    ap.add_argument("--chunk", type=int, default=512, help="prefill chunk timed at each context (default 512)")
+    ap.add_argument("--decode-steps", type=int, default=16)
+    ap.add_argument("--routes", default=",".join(ROUTES), help="Q4 routes to measure")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="output folder for JSON and markdown")
+    ap.add_argument("--name", default=None, help="result file name (default: q4_attention-<model>)")
+    args = ap.parse_args(argv)
+    env = environment()
+    print(env, flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        model, _, spec = load_bench_model(args.model, Path(tmp))
+    vocab = model.args.vocab_size
+    rows = []
+    for context in [int(c) for c in args.contexts.split(",")]:
+        chunk = min(args.chunk, context // 2)
+        rows += bench_context(model, spec, context, chunk, args.decode_steps, args.routes.split(","), vocab)
+    write_results(args.name or f"q4_attention-{args.model}", env, rows, COLUMNS, args.out,
+                  notes=f"model {args.model}; prefill = one {args.chunk}-token chunk at the context; decode batch 1.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

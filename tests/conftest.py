@@ -1,0 +1,61 @@
+"""Shared test fixtures: tiny local models, offline, in session temp folders."""
+
+import os
+
+import pytest
+
+# Never touch the network or the user's real cache from the test suite.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def kvactors_home(tmp_path_factory):
+    """Point KVACTORS_HOME at a session temp folder for the whole session."""
+    home = tmp_path_factory.mktemp("kvactors_home")
+    old = os.environ.get("KVACTORS_HOME")
+    os.environ["KVACTORS_HOME"] = str(home)
+    yield home
+    if old is None:
+        os.environ.pop("KVACTORS_HOME", None)
+    else:
+        os.environ["KVACTORS_HOME"] = old
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory):
+    """``tiny_model_path(arch="llama", **overrides) -> Path``, built once per session.
+
+    Builds with ``runtime.testing.make_tiny_model`` (seed 0, float32) and caches
+    by ``(arch, overrides)``. Treat the folders as read-only.
+    """
+    from runtime.testing import make_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny_models")
+    built = {}
+
+    def get(arch="llama", **overrides):
+        key = (arch, tuple(sorted((k, repr(v)) for k, v in overrides.items())))
+        if key not in built:
+            built[key] = make_tiny_model(root / f"{arch}-{len(built)}", arch=arch, **overrides)
+        return built[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def load_tiny(tiny_model_path):
+    """``load_tiny(arch="llama") -> (model, tokenizer)`` via ``mlx_lm.load``, cached.
+
+    The objects are shared across tests: do not mutate the model.
+    """
+    import mlx_lm
+
+    loaded = {}
+
+    def get(arch="llama"):
+        if arch not in loaded:
+            loaded[arch] = mlx_lm.load(str(tiny_model_path(arch)))
+        return loaded[arch]
+
+    return get
