@@ -15,6 +15,7 @@ from typing import Callable
 
 import pykka
 
+from actors.supervisor import SupervisedActor
 from runtime.engine import Engine, Turn, TurnError
 
 
@@ -37,15 +38,15 @@ class Submit:
 _STEP = object()
 
 
-class BatcherActor(pykka.ThreadingActor):
+class BatcherActor(SupervisedActor):
     """The GPU owner. Its thread is the only one that runs the model.
 
-    Construct with the loaded model, tokenizer and `ModelCacheSpec`; the other
-    keyword arguments go to `Engine`.
+    Construct with the loaded model, tokenizer and `ModelCacheSpec`; `supervisor`
+    (optional) is told when it exits; the other keyword arguments go to `Engine`.
     """
 
-    def __init__(self, model, tokenizer, spec, **engine_options):
-        super().__init__()
+    def __init__(self, model, tokenizer, spec, supervisor=None, **engine_options):
+        super().__init__(supervisor)
         self.engine = Engine(model, tokenizer, spec, **engine_options)
         self.replies: dict[str, Callable] = {}
         self.step_queued = False

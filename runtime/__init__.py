@@ -1,0 +1,22 @@
+"""kvactors' machinery: models, the Q4 cache, the engine, the store; and the `Runtime` facade.
+
+`from runtime import Runtime` is lazy, so importing a submodule (e.g. `runtime.engine`,
+which the actors import) never imports the actors.
+"""
+
+_FACADE = ("Runtime", "AgentRef", "RuntimeEscalated", "DeadLetter")
+_AGENT = ("Reply", "AgentCrashed", "TurnTimeout", "UnknownAgent", "AgentError")
+
+__all__ = [*_FACADE, *_AGENT]
+
+
+def __getattr__(name):
+    if name in _FACADE:
+        from runtime import facade
+
+        return getattr(facade, name)
+    if name in _AGENT:
+        from actors import agent
+
+        return getattr(agent, name)
+    raise AttributeError(f"module 'runtime' has no attribute {name!r}")

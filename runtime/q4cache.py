@@ -34,7 +34,7 @@ import os
 import mlx.core as mx
 from mlx_lm.models import base as mlx_base
 from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import QuantizedKVCache, _BaseCache
+from mlx_lm.models.cache import QuantizedKVCache, _BaseCache, create_attention_mask
 
 ROUTES = ("quantized", "dequant", "dequant_once")
 STEP = 256
@@ -133,6 +133,7 @@ class BatchQuantizedKVCache(_BaseCache):
         self.keys = None  # (words, scales, biases), each (B, H, allocated, ...)
         self.values = None
         self.left_padding = mx.array(left_padding, dtype=mx.int32)
+        self._padded = any(left_padding)
         self.offset = -self.left_padding
         self._idx = 0
         self._dense = None  # "dequant_once": dequantized (keys, values), valid in [0, _dense_len)
@@ -224,7 +225,14 @@ class BatchQuantizedKVCache(_BaseCache):
         )
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
-        """Boolean mask (B, 1, N, size()+N) for N new queries: causal, padding and window."""
+        """The attention mask for N new queries: causal, left padding and window.
+
+        Without padding it is what mlx-lm's own caches give (None or "causal"),
+        so the fused attention kernel keeps its fast unmasked paths; with padding
+        it is a boolean array (B, 1, N, size()+N).
+        """
+        if not self._padded:
+            return create_attention_mask(N, self._idx, return_array, window_size)
         return create_causal_mask(
             N, offset=self._idx, window_size=window_size, left_padding=self.left_padding
         )
@@ -306,7 +314,9 @@ class BatchQuantizedKVCache(_BaseCache):
             self.values = _map(lambda x: x[idx], self.values)
         if self._dense is not None:
             self._dense = tuple(x[idx] for x in self._dense)
-        shared = min(self.left_padding.tolist(), default=0)
+        padding = self.left_padding.tolist()
+        shared = min(padding, default=0)
+        self._padded = max(padding, default=0) > shared
         if shared > 0:
             self._drop_front(shared)
 
@@ -326,6 +336,7 @@ class BatchQuantizedKVCache(_BaseCache):
             raise Q4CacheError("cannot extend a batch with a cache of other bits or group size")
         if other.keys is None and self.keys is None:
             self.left_padding = mx.concatenate([self.left_padding, other.left_padding])
+            self._padded = any(self.left_padding.tolist())
             self.offset = mx.concatenate([self.offset, other.offset])
             return
         longest = max(self._idx, other._idx)
@@ -348,6 +359,7 @@ class BatchQuantizedKVCache(_BaseCache):
         self.left_padding = mx.concatenate(
             [self.left_padding + (longest - self._idx), other.left_padding + (longest - other._idx)]
         )
+        self._padded = any(self.left_padding.tolist())
         self.offset = mx.concatenate([self.offset, other.offset])
         self.keys, self.values = parts["keys"], parts["values"]
         self._idx = longest

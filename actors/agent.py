@@ -1,0 +1,391 @@
+"""AgentActor: one LLM agent, owning its KV-cache handle, running its turns one at a time.
+
+An agent's work arrives as `Ask` (take a turn on a message) and `Note` (append a
+message to the history without a turn) envelopes whose payload is msgpack, so no
+mutable object is shared between actors. Work items run strictly in arrival order:
+a turn renders the conversation with the chat template, matches the rendered text
+against the text its cache holds (`runtime.prefix`), sends only the new tokens to
+the batcher and returns to its mailbox; the result comes back as a message. The
+cache is then handed to the persistence actor, and the caller's future resolves
+once the write is durable (`durability="durable"`, the default) or at once
+(`durability="memory"`: a crash may lose the last turns).
+
+Before its first message the agent loads its durable state: the journal (the
+history) and the cache if it is valid; a bad or missing cache means the next turn
+re-prefills the history ("cold"). Any failure in a turn is a crash: the caller
+gets `AgentCrashed`, the actor stops and its supervisor starts a fresh one, which
+reloads the durable state. The actor never blocks on another actor's future,
+except on the persistence actor, which never waits on agents.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, replace
+from typing import Any
+
+import msgpack
+import pykka
+
+from actors import persistence
+from actors.batcher import Submit
+from actors.supervisor import SupervisedActor
+from runtime import prefix, store
+from runtime.engine import Sampling, Timings, Turn, TurnError, TurnResult
+
+log = logging.getLogger(__name__)
+DURABILITY = ("durable", "memory")
+
+
+class AgentError(RuntimeError):
+    """Base class of the errors an agent's caller can get."""
+
+
+class AgentCrashed(AgentError):
+    """The agent crashed during turn `turn_id`; it restarts from its durable state. Retry the turn."""
+
+    def __init__(self, turn_id: str | None, message: str):
+        super().__init__(f"turn {turn_id}: {message}" if turn_id else message)
+        self.turn_id = turn_id
+
+
+class TurnTimeout(AgentCrashed):
+    """The turn did not finish within its timeout; the agent was restarted."""
+
+
+class UnknownAgent(AgentError, KeyError):
+    """No agent has that name (never spawned, or stopped); spawn it first."""
+
+    def __str__(self):
+        return str(self.args[0])
+
+
+@dataclass(frozen=True)
+class Reply:
+    """An agent's answer to one turn.
+
+    `cache` is "cold" (the whole context was prefilled), "hot" (the agent's cache was
+    in memory) or "warm" (loaded from disk). `timings.ttft_s` counts from the moment
+    the agent started the turn, a reload from disk included.
+    """
+
+    agent: str
+    turn_id: str
+    text: str
+    tokens: list
+    cache: str
+    finish_reason: str
+    timings: Timings
+
+
+@dataclass(frozen=True)
+class Ask:
+    """Envelope: take a turn on msgpack `payload`; resolve `future` with the Reply."""
+
+    payload: bytes
+    future: Any
+
+
+@dataclass(frozen=True)
+class Note:
+    """Envelope: append the msgpack `payload` message to the history; no turn."""
+
+    payload: bytes
+
+
+@dataclass
+class _Item:
+    """One unit of an agent's work: a turn ("ask") or a note, until its write is acked."""
+
+    kind: str
+    msg: dict
+    future: Any = None
+    turn_id: str | None = None
+    reply: Reply | None = None
+    records: list | None = None  # written, awaiting the ack
+
+
+@dataclass(frozen=True)
+class _Done:
+    turn_id: str
+    outcome: Any
+
+
+@dataclass(frozen=True)
+class _Watchdog:
+    turn_id: str
+
+
+@dataclass(frozen=True)
+class _Fault:
+    pass
+
+
+def encode_message(text: str, sender: str | None = None, **fields) -> bytes:
+    """A message payload: sender, text, conversation id, message id, plus turn options."""
+    fields.setdefault("message_id", uuid.uuid4().hex)
+    fields.setdefault("conversation_id", None)
+    return msgpack.packb({"text": text, "sender": sender, **fields})
+
+
+def render_messages(system: str, records) -> list[dict]:
+    """Chat messages for the template from a system prompt and journal records.
+
+    A message from another agent is a user message prefixed with its sender's name.
+    """
+    messages = [{"role": "system", "content": system}] if system else []
+    for r in records:
+        if r["role"] == "assistant":
+            messages.append({"role": "assistant", "content": r["text"]})
+        elif r["role"] == "user":
+            text = f"{r['sender']}: {r['text']}" if r.get("sender") else r["text"]
+            messages.append({"role": "user", "content": text})
+    return messages
+
+
+class AgentActor(SupervisedActor):
+    """One agent. Started by the runtime's supervisor; talk to it through an `AgentRef`.
+
+    `env` carries what all agents share (see `runtime.facade.Env`): the tokenizer,
+    the model spec, the current batcher and persistence refs, the hot-cache tier,
+    the directory of agents and the dead-letter sink.
+    """
+
+    def __init__(self, supervisor, env, name: str, system: str):
+        super().__init__(supervisor)
+        self.env, self.name, self.system = env, name, system
+        self.records: list[dict] = []
+        self.seq = 0
+        self.meta: store.CacheMeta | None = None  # what the cache holds
+        self.work: collections.deque = collections.deque()
+        self.current = None  # the item in progress
+        self.fault = False
+        self.load_s = 0.0
+        self.from_disk = False
+
+    # -- life cycle ------------------------------------------------------------------
+
+    def on_start(self):
+        t0 = time.perf_counter()
+        loaded = self.env.persistence().proxy().load(self.name).get(timeout=self.env.io_timeout)
+        self.records = list(loaded.records)
+        self.seq = self.records[-1]["seq"] if self.records else 0
+        system = next((r["text"] for r in self.records if r["role"] == "system"), None)
+        if system is None and self.system:
+            self._persist_now([self._record("system", self.system)])
+        elif system is not None:
+            if self.system and system != self.system:
+                log.warning("agent %s keeps its stored system prompt; the new one is ignored", self.name)
+            self.system = system
+        if loaded.host is not None:
+            self.env.hot.put(self.name, store.host_to_cache(loaded.host))
+            self.meta = loaded.meta
+            self.from_disk = True
+        elif loaded.error is not None and not isinstance(loaded.error, store.CacheMissing):
+            log.warning("agent %s: unusable cache, re-prefilling from the journal: %s", self.name, loaded.error)
+        self.load_s = time.perf_counter() - t0
+
+    def on_failure(self, exception_type, exception_value, traceback):
+        self.env.hot.discard(self.name)
+        why = f"{exception_type.__name__}: {exception_value}"
+        if self.current is not None:
+            _fail(self.current.future, AgentCrashed(self.current.turn_id, f"the agent crashed ({why})"))
+        for item in self.work:
+            _fail(item.future, AgentCrashed(None, f"the agent crashed before this message ({why}); retry it"))
+        self._drain_inbox(why)
+
+    def on_stop(self):
+        self._drain_inbox("the agent stopped")
+
+    def _drain_inbox(self, why):
+        # pykka drops tells left in a stopped actor's inbox: answer or dead-letter them.
+        while not self.actor_inbox.empty():
+            msg = self.actor_inbox.get_nowait().message
+            if isinstance(msg, Ask):
+                _fail(msg.future, AgentCrashed(None, f"{why} before this message; retry it"))
+            elif isinstance(msg, Note):
+                self.env.dead_letter(self.name, msg, why)
+
+    # -- the mailbox ------------------------------------------------------------------
+
+    def on_receive(self, message):
+        if isinstance(message, Ask):
+            self.work.append(_Item("ask", msgpack.unpackb(message.payload), message.future))
+        elif isinstance(message, Note):
+            self.work.append(_Item("note", msgpack.unpackb(message.payload)))
+        elif isinstance(message, _Done):
+            self._finish_turn(message)
+        elif isinstance(message, persistence.Ack):
+            self._acked(message)
+        elif isinstance(message, _Watchdog):
+            if self.current is not None and self.current.turn_id == message.turn_id:
+                raise TurnTimeout(message.turn_id, "the turn did not finish within its timeout")
+        elif isinstance(message, _Fault):
+            self.fault = True
+        else:
+            raise TypeError(f"agent {self.name} got an unknown message {message!r}")
+        self._next()
+
+    def history(self) -> list[dict]:
+        """The durable conversation: journal records (seq, role, text, sender, ...)."""
+        return [dict(r) for r in self.records]
+
+    def _next(self):
+        while self.current is None and self.work:
+            item = self.current = self.work.popleft()
+            if item.kind == "note":
+                msg = item.msg
+                item.records = [self._record("user", msg["text"], sender=msg.get("sender"), msg=msg)]
+                self.records += item.records
+                self._persist(item.records)
+            else:
+                self._start_turn(item)
+
+    # -- a turn ------------------------------------------------------------------
+
+    def _start_turn(self, item: _Item):
+        msg = item.msg
+        turn_id = item.turn_id = f"{self.name}-{self.seq + 1}-{uuid.uuid4().hex[:8]}"
+        user = self._record("user", msg["text"], sender=msg.get("sender"), msg=msg, turn_id=turn_id)
+        rendered = self.env.render(self.system, self.records + [user])
+        cache, tokens, label, keep_ids, keep_ends, keep_text = self._reuse(rendered)
+        self.pending = dict(user=user, rendered=rendered, label=label, keep_ids=keep_ids,
+                            keep_ends=keep_ends, keep_text=keep_text, fed=tokens)
+        turn = Turn(
+            turn_id=turn_id,
+            agent_id=self.name,
+            cache=cache,
+            tokens=tokens,
+            sampling=Sampling(msg.get("temperature", 0.0), msg.get("top_p", 1.0), msg.get("seed", 0)),
+            max_tokens=msg.get("max_tokens", 128),
+            stop_strings=tuple(msg.get("stop", ())),
+        )
+        me = self.actor_ref
+        env = self.env
+
+        def reply(outcome):  # runs on the batcher's thread: never raise there
+            try:
+                me.tell(_Done(turn_id, outcome))
+            except pykka.ActorDeadError:
+                env.dead_letter(self.name, outcome, "the agent was gone when its turn finished")
+
+        try:
+            env.batcher().tell(Submit(turn, reply))
+        except pykka.ActorDeadError:
+            raise AgentCrashed(turn_id, "the batcher is not running") from None
+        timeout = msg.get("timeout")
+        if timeout:
+            timer = threading.Timer(timeout, _tell_quietly, (me, _Watchdog(turn_id)))
+            timer.daemon = True
+            timer.start()
+
+    def _reuse(self, rendered):
+        """(cache, tokens to feed, cache label, kept ids, kept ends, kept text) for `rendered`."""
+        cache = self.env.hot.get(self.name) if self.meta else None
+        label = "warm" if self.from_disk else "hot"
+        if cache is None and self.meta is not None:
+            t0 = time.perf_counter()
+            loaded = self.env.persistence().proxy().load(self.name).get(timeout=self.env.io_timeout)
+            if loaded.host is not None and loaded.meta == self.meta:
+                cache = store.host_to_cache(loaded.host)
+                label = "warm"
+            self.load_s += time.perf_counter() - t0
+        encode = self.env.tokenizer.encode
+        if cache is None:
+            return None, encode(rendered, add_special_tokens=False), "cold", [], [], ""
+        m = self.meta
+        match = prefix.match_prefix(m.text, m.token_ids, m.token_ends, rendered)
+        if match.kind == prefix.COLD:
+            return None, encode(rendered, add_special_tokens=False), "cold", [], [], ""
+        if match.keep < len(m.token_ids):
+            cache = store.trim_cache(cache, match.keep)
+        tokens = list(match.refeed) + (encode(match.suffix, add_special_tokens=False) if match.suffix else [])
+        keep_text = rendered[: match.start] if not match.refeed else m.text[: max([0, *m.token_ends[: match.keep]])]
+        return cache, tokens, label, m.token_ids[: match.keep], m.token_ends[: match.keep], keep_text
+
+    def _finish_turn(self, done: _Done):
+        item = self.current
+        if item is None or item.turn_id != done.turn_id:
+            return  # a late answer to a turn that already failed
+        msg, turn_id, outcome = item.msg, item.turn_id, done.outcome
+        if isinstance(outcome, BaseException):
+            raise AgentCrashed(turn_id, f"the turn failed: {outcome}") from outcome
+        if self.fault:
+            self.fault = False
+            raise AgentCrashed(turn_id, "injected fault (AgentRef.inject_crash)")
+        p = self.pending
+        result: TurnResult = outcome
+        assistant = self._record("assistant", result.text, turn_id=turn_id)
+        meta = self._cache_meta(p, result, assistant["seq"])
+        self.records.append(p["user"])
+        self.records.append(assistant)
+        self.meta = meta
+        self.from_disk = False
+        self.env.hot.put(self.name, result.cache)
+        timings = replace(result.timings, ttft_s=result.timings.ttft_s + self.load_s)
+        self.load_s = 0.0
+        item.reply = Reply(self.name, turn_id, result.text, list(result.tokens), p["label"], result.finish_reason, timings)
+        item.records = [p["user"], assistant]
+        self._persist(item.records, store.cache_to_host(result.cache), meta)
+        if msg.get("reply_to_agent"):
+            self.env.notify(msg["reply_to_agent"], encode_message(result.text, sender=self.name,
+                                                                 conversation_id=msg.get("conversation_id")))
+
+    def _cache_meta(self, p, result, seq) -> store.CacheMeta:
+        """What the returned cache holds: kept tokens + fed tokens + generated tokens but the last."""
+        new_ids = list(p["fed"]) + list(result.tokens[:-1])
+        ids = list(p["keep_ids"]) + new_ids
+        ids = ids[: result.cached_tokens]
+        previous = p["keep_ids"][-1] if p["keep_ids"] else None
+        text = p["rendered"] + self.env.tokenizer.decode(list(result.tokens[:-1]))
+        ends = list(p["keep_ends"]) + prefix.token_ends(self.env.tokenizer, new_ids, len(p["keep_text"]), previous)
+        return store.CacheMeta(seq=seq, token_ids=ids, token_ends=ends[: len(ids)], text=text, turn_id=result.turn_id)
+
+    # -- persistence ------------------------------------------------------------------
+
+    def _record(self, role, text, sender=None, msg=None, turn_id=None):
+        self.seq += 1
+        extra = {}
+        if msg:
+            extra = {"message_id": msg.get("message_id"), "conversation_id": msg.get("conversation_id")}
+        return store.journal_record(self.seq, role, text, turn_id=turn_id, sender=sender, **extra)
+
+    def _persist_now(self, records):
+        persistence.submit(self.env.persistence(), self.name, records[-1]["seq"], records=records).get(
+            timeout=self.env.io_timeout)
+        self.records += records
+
+    def _persist(self, records, host=None, meta=None):
+        persistence.submit(self.env.persistence(), self.name, records[-1]["seq"], host, meta, records,
+                           reply_to=self.actor_ref)
+        if self.env.durability == "memory":
+            self._complete(self.current)
+
+    def _acked(self, ack: persistence.Ack):
+        if ack.error is not None:
+            raise AgentCrashed(None, f"persisting seq {ack.seq} failed: {ack.error}") from ack.error
+        item = self.current
+        if item is not None and item.records and ack.seq == item.records[-1]["seq"]:
+            self._complete(item)
+
+    def _complete(self, item: _Item):
+        self.current = None
+        if item.future is not None:
+            item.future.set(item.reply)
+
+
+def _fail(future, error):
+    if future is not None:
+        future.set_exception((type(error), error, None))
+
+
+def _tell_quietly(ref, message):
+    try:
+        ref.tell(message)
+    except pykka.ActorDeadError:
+        pass
+

@@ -1,0 +1,310 @@
+"""The Runtime: spawn agents, talk to them, and let supervision keep them alive.
+
+    with Runtime(model=None, cache_dir="~/.cache/kvactors/agents") as rt:
+        alice = rt.spawn("alice", system="You are Alice.")
+        r = alice.ask("hi", max_tokens=64, timeout=60)   # Reply(text, tokens, cache, timings)
+
+One Runtime owns one model: a batcher actor (the only thread that runs the
+model), a persistence actor (caches and journals on disk), and a supervisor
+per group (the agents; the batcher and persistence actor). Agents are found by
+name: an `AgentRef` stays valid across restarts of the actor behind it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pykka
+
+from actors import agent as agent_mod
+from actors.agent import DURABILITY, AgentActor, AgentCrashed, Ask, Note, Reply, TurnTimeout, UnknownAgent
+from actors.batcher import BatcherActor
+from actors.persistence import PersistenceActor
+from actors.supervisor import Backoff, ChildSpec, Supervisor
+from runtime import store
+from runtime.model import load_model
+
+log = logging.getLogger(__name__)
+DEFAULT_CACHE_DIR = "~/.cache/kvactors/agents"
+
+
+class RuntimeEscalated(RuntimeError):
+    """Supervision gave up (too many restarts in too short a time); the runtime is stopped."""
+
+
+@dataclass
+class DeadLetter:
+    """A message that could not be delivered: to whom, what, and why."""
+
+    recipient: str
+    message: object
+    reason: str
+    at: float = field(default_factory=time.time)
+
+
+class Env:
+    """What all agents of one runtime share. Thread-safe; agents read it, never block on it."""
+
+    def __init__(self, tokenizer, spec, durability, hot_budget, io_timeout):
+        self.tokenizer, self.spec, self.durability, self.io_timeout = tokenizer, spec, durability, io_timeout
+        self.hot = store.HotCaches(hot_budget)
+        self.refs: dict[str, pykka.ActorRef] = {}  # name -> current actor (agents and services)
+        self.dead_letters: list[DeadLetter] = []
+        self._lock = threading.Lock()
+
+    def render(self, system: str, records) -> str:
+        """The chat-template text of a conversation, ending with the assistant's prompt."""
+        messages = agent_mod.render_messages(system, records)
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    def batcher(self) -> pykka.ActorRef:
+        return self.refs["@batcher"]
+
+    def persistence(self) -> pykka.ActorRef:
+        return self.refs["@persistence"]
+
+    def notify(self, name: str, payload: bytes) -> None:
+        """Deliver a `Note` to agent `name`, or dead-letter it."""
+        ref = self.refs.get(name)
+        try:
+            if ref is None:
+                raise pykka.ActorDeadError(name)
+            ref.tell(Note(payload))
+        except pykka.ActorDeadError:
+            self.dead_letter(name, payload, "no running agent with that name")
+
+    def dead_letter(self, recipient: str, message, reason: str) -> None:
+        """Record an undeliverable message (inspect `Runtime.dead_letters`) and log it."""
+        log.warning("dead letter to %s: %s", recipient, reason)
+        with self._lock:
+            self.dead_letters.append(DeadLetter(recipient, message, reason))
+
+
+class AgentRef:
+    """A stable handle on an agent, valid across restarts of its actor."""
+
+    def __init__(self, runtime: "Runtime", name: str):
+        self.runtime, self.name = runtime, name
+
+    def __repr__(self):
+        return f"AgentRef({self.name!r})"
+
+    def send(self, text: str, *, max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
+             seed: int = 0, stop=(), timeout: float | None = 60.0, sender: str | None = None,
+             conversation_id: str | None = None, _reply_to_agent: str | None = None) -> pykka.Future:
+        """Queue a turn on `text`; return a future of its `Reply`.
+
+        The future raises AgentCrashed (with the turn id) if the agent crashes in the
+        turn, TurnTimeout after `timeout` seconds (the hung turn is failed and the
+        agent restarted; None disables the watchdog), UnknownAgent if the agent is
+        gone. `sender` attributes the message to another agent.
+        """
+        if not text:
+            raise ValueError("an empty message gives the model nothing to answer")
+        payload = agent_mod.encode_message(
+            text, sender, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+            stop=list(stop), timeout=timeout, conversation_id=conversation_id, reply_to_agent=_reply_to_agent,
+        )
+        future = pykka.ThreadingFuture()
+        self.runtime._deliver(self.name, Ask(payload, future), future)
+        return future
+
+    def ask(self, text: str, *, timeout: float | None = 60.0, **options) -> Reply:
+        """Take a turn on `text` and wait for the `Reply` (see `send` for the options and errors)."""
+        future = self.send(text, timeout=timeout, **options)
+        try:
+            return future.get(timeout=None if timeout is None else timeout + 5)
+        except pykka.Timeout:
+            raise TurnTimeout(None, f"{self.name} did not answer within {timeout}s") from None
+
+    async def ask_async(self, text: str, *, timeout: float | None = 60.0, **options) -> Reply:
+        """`ask` for asyncio code: awaits the reply without blocking the event loop."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, lambda: self.ask(text, timeout=timeout, **options))
+
+    def send_to(self, other: "AgentRef", text: str, **options) -> pykka.Future:
+        """Send `text` from this agent to `other`, which takes a turn on it.
+
+        The returned future resolves with `other`'s Reply; the reply is also added to
+        this agent's history as a message from `other`, without starting a turn here.
+        """
+        return other.send(text, sender=self.name, _reply_to_agent=self.name, **options)
+
+    def history(self) -> list[dict]:
+        """This agent's durable conversation (journal records), oldest first."""
+        return self.runtime._ref(self.name).proxy().history().get(timeout=30)
+
+    def inject_crash(self) -> None:
+        """For tests and demos: make the agent crash at the end of its next turn."""
+        self.runtime._ref(self.name).tell(agent_mod._Fault())
+
+    def stop(self) -> None:
+        """Stop the agent for good (no restart); its durable state stays on disk."""
+        self.runtime._stop_agent(self.name)
+
+
+class Runtime:
+    """Agents on one model; see the module docstring. Use as a context manager.
+
+    model: folder or Hugging Face id; None: the embedded tiny model.
+    cache_dir: where caches and journals live (per model fingerprint, per agent).
+    kv_bits: bits of the KV cache (4). memory_budget: bytes of KV cache the
+    batcher may hold for running turns (None: half the device memory).
+    hot_budget: bytes of agents' caches kept in memory between turns; beyond it
+    the least recently used go "warm" (disk only). durability: "durable" (a turn
+    is acknowledged once its cache and journal are fsynced) or "memory" (at once).
+    strategy / max_restarts / restart_period / backoff: agent supervision.
+    on_escalate(name, error): called when supervision gives up; the runtime then stops.
+    """
+
+    def __init__(self, model=None, cache_dir=None, kv_bits: int = 4, memory_budget: int | None = None, *,
+                 hot_budget: int = 1 << 30, durability: str = "durable", max_batch: int = 8,
+                 route: str | None = None, strategy: str = "one_for_one", max_restarts: int = 3,
+                 restart_period: float = 5.0, backoff: Backoff = Backoff(min=0.01, max=1.0, reset=10.0),
+                 retention_s: float | None = None, on_escalate=None, io_timeout: float = 60.0):
+        if durability not in DURABILITY:
+            raise ValueError(f"durability must be one of {DURABILITY}, got {durability!r}")
+        self.cache_dir = Path(cache_dir or DEFAULT_CACHE_DIR).expanduser()
+        self.model, self.tokenizer, self.spec = load_model(model, kv_bits=kv_bits)
+        self.env = Env(self.tokenizer, self.spec, durability, hot_budget, io_timeout)
+        self.escalation: tuple | None = None
+        self._on_escalate = on_escalate
+        self._names: list[str] = []
+        self.services = Supervisor.start("one_for_one", max_restarts=max_restarts, period=restart_period,
+                                         backoff=backoff, on_escalate=self._escalated)
+        self.supervisor = Supervisor.start(strategy, max_restarts=max_restarts, period=restart_period,
+                                           backoff=backoff, on_escalate=self._escalated)
+        engine_options = dict(memory_budget=memory_budget, max_batch=max_batch, route=route)
+        self._start_child(self.services, "@persistence",
+                          lambda sup: PersistenceActor.start(self.cache_dir, self.spec, retention_s=retention_s, supervisor=sup))
+        self._start_child(self.services, "@batcher",
+                          lambda sup: BatcherActor.start(self.model, self.tokenizer, self.spec, supervisor=sup, **engine_options))
+
+    # -- agents ------------------------------------------------------------------
+
+    def spawn(self, name: str, system: str = "", restart: str = "permanent") -> AgentRef:
+        """Start agent `name` (resuming its history and cache from `cache_dir` if any); return its ref.
+
+        restart: "permanent" (always restarted), "transient" (only after a crash) or
+        "temporary" (never). Raises InvalidAgentId for a bad name, ValueError if an
+        agent of that name is running.
+        """
+        self._check_running()
+        store.check_agent_id(name)
+        if name in self._names:
+            raise ValueError(f"agent {name!r} is already running; use rt.agent({name!r})")
+        self._start_child(self.supervisor, name,
+                          lambda sup: AgentActor.start(sup, self.env, name, system), restart)
+        self._names.append(name)
+        return AgentRef(self, name)
+
+    def agent(self, name: str) -> AgentRef:
+        """The ref of running agent `name`; raises UnknownAgent otherwise."""
+        if name not in self._names:
+            raise UnknownAgent(f"no running agent named {name!r}; running: {self._names}")
+        return AgentRef(self, name)
+
+    def agents(self) -> list[str]:
+        """Names of the running agents, in spawn order."""
+        return list(self._names)
+
+    def converse(self, agents, opening: str, rounds: int, **options) -> list[Reply]:
+        """Round-robin: the first agent answers `opening`, each next one answers the previous reply.
+
+        Every message is attributed to the agent that wrote it. Returns all replies in order.
+        """
+        replies, text, previous = [], opening, None
+        for _ in range(rounds):
+            for a in agents:
+                r = a.ask(text, sender=previous.name if previous else None, **options)
+                replies.append(r)
+                text, previous = r.text or "...", a
+        return replies
+
+    def broadcast(self, group, text: str, **options) -> list[pykka.Future]:
+        """Send `text` to every agent in `group` (each takes a turn); return their futures."""
+        return [a.send(text, **options) for a in group]
+
+    @property
+    def dead_letters(self) -> list[DeadLetter]:
+        """Messages that could not be delivered, oldest first."""
+        return list(self.env.dead_letters)
+
+    # -- life cycle ------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Stop every agent, flush every write to disk, stop the batcher. Idempotent."""
+        for ref in (self.supervisor, self.services):
+            try:
+                ref.stop(timeout=60)
+            except pykka.ActorDeadError:
+                pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    # -- internals ------------------------------------------------------------------
+
+    def _start_child(self, sup, name, start, restart="permanent"):
+        env = self.env
+
+        def started():
+            ref = start(sup)
+            env.refs[name] = ref
+            return ref
+
+        sup.proxy().start_child(ChildSpec(name, started, restart)).get(timeout=60)
+
+    def _ref(self, name: str) -> pykka.ActorRef:
+        """The current actor of agent `name`, waiting briefly while it restarts."""
+        self._check_running()
+        if name not in self._names:
+            raise UnknownAgent(f"no running agent named {name!r}; running: {self._names}")
+        deadline = time.monotonic() + 10
+        while True:
+            ref = self.env.refs.get(name)
+            if ref is not None and ref.is_alive():
+                return ref
+            if time.monotonic() > deadline or self.escalation:
+                self._check_running()
+                raise AgentCrashed(None, f"agent {name!r} did not come back from a restart")
+            time.sleep(0.005)
+
+    def _deliver(self, name, message, future):
+        try:
+            ref = self._ref(name)
+        except UnknownAgent as e:
+            self.env.dead_letter(name, message, str(e))
+            raise
+        try:
+            ref.tell(message)
+        except pykka.ActorDeadError:  # it crashed just now: give the next incarnation the message
+            self._ref(name).tell(message)
+
+    def _stop_agent(self, name):
+        if name not in self._names:
+            raise UnknownAgent(f"no running agent named {name!r}")
+        self._names.remove(name)
+        self.supervisor.proxy().stop_child(name).get(timeout=60)
+        self.env.refs.pop(name, None)
+        self.env.hot.discard(name)
+
+    def _escalated(self, name, error):
+        self.escalation = (name, error)
+        log.error("supervision escalated (%s): %s", name, error)
+        if self._on_escalate:
+            self._on_escalate(name, error)
+
+    def _check_running(self):
+        if self.escalation:
+            name, error = self.escalation
+            raise RuntimeEscalated(f"supervision gave up after {name!r} kept failing ({error}); "
+                                   "start a new Runtime") from error

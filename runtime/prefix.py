@@ -1,0 +1,115 @@
+"""Character-level prefix matching between the text an agent's cache holds and its new prompt.
+
+An agent renders its whole conversation with the chat template each turn and compares
+the result with the text its cached tokens spell (`CacheMeta.text`). Comparing text,
+not token ids, matters: tokenizers are not compositional (tokenize(a + b) is often not
+tokenize(a) + tokenize(b)), so re-tokenizing the new prompt and comparing ids misses
+reuse that is there. The outcomes:
+
+- EXACT: the texts are identical. Keep all cached tokens but the last and feed that
+  one again (its logits are needed to sample the next token).
+- EXTEND: the cached text is a prefix of the new one. Keep everything; tokenize only
+  the new suffix, with no special tokens added.
+- DIVERGE: the common prefix is at least `threshold` (default 0.8) of the cached text.
+  Cut the cache back to the last token boundary inside the common prefix and prefill
+  the rest of the new text from there.
+- COLD: anything else; start over from the whole new text.
+
+Cuts happen only at token boundaries recorded in the metadata: `token_ends[i]` is the
+character offset where token i's text ends, -1 where it ends inside a character.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+EXACT, EXTEND, DIVERGE, COLD = "exact", "extend", "diverge", "cold"
+DEFAULT_THRESHOLD = 0.8
+
+
+@dataclass(frozen=True)
+class Match:
+    """What to reuse: keep `keep` cached tokens, feed `refeed` token ids, then tokenize `suffix`.
+
+    `suffix` is `new_text[start:]`; tokenize it with no special tokens added. The
+    cache after this turn spells `new_text[:start]` + the suffix (+ whatever is generated).
+    """
+
+    kind: str
+    keep: int
+    start: int
+    suffix: str
+    refeed: tuple = ()
+
+
+def common_prefix_len(a: str, b: str) -> int:
+    """Length of the longest common prefix of `a` and `b` (binary search over C-speed slice compares)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def last_boundary(token_ends, limit: int) -> int:
+    """The largest k such that token k-1 ends at a recorded offset <= `limit` (0 if none)."""
+    for k in range(len(token_ends), 0, -1):
+        if 0 <= token_ends[k - 1] <= limit:
+            return k
+    return 0
+
+
+def match_prefix(cached_text: str, token_ids, token_ends, new_text: str, threshold: float = DEFAULT_THRESHOLD) -> Match:
+    """Decide how much of a cache (`token_ids` spelling `cached_text`) serves `new_text`.
+
+    Returns a `Match` of kind EXACT, EXTEND, DIVERGE or COLD (see the module doc).
+    `token_ends` is as in `CacheMeta`; a cache whose last token does not end exactly at
+    the end of `cached_text` is only reused up to its last recorded boundary.
+    """
+    n = len(token_ids)
+    if len(token_ends) != n:
+        raise ValueError(f"{n} token ids but {len(token_ends)} token ends")
+    cold = Match(COLD, 0, 0, new_text)
+    if n == 0 or not cached_text:
+        return cold
+    whole = token_ends[-1] == len(cached_text)
+    if whole and new_text == cached_text:
+        return Match(EXACT, n - 1, len(new_text), "", (int(token_ids[-1]),))
+    if whole and new_text.startswith(cached_text):
+        return Match(EXTEND, n, len(cached_text), new_text[len(cached_text) :])
+    common = common_prefix_len(cached_text, new_text)
+    if common < threshold * len(cached_text):
+        return cold
+    keep = last_boundary(token_ends, common)
+    if keep == 0:
+        return cold
+    start = token_ends[keep - 1]
+    return Match(DIVERGE, keep, start, new_text[start:])
+
+
+def token_ends(tokenizer, token_ids, start: int = 0, previous: int | None = None) -> list[int]:
+    """Character end offsets of `token_ids` (for `CacheMeta.token_ends`), their text starting at `start`.
+
+    Decodes each token after an anchor token (`previous`: the cached token just before
+    them, if any) so tokenizers that strip a leading space decode consistently. A
+    token whose text ends inside a character (a byte-level piece completed later) gets
+    -1. Valid when `tokenizer.decode` reproduces the text the tokens came from; check
+    `tokenizer.decode(ids) == text` if unsure.
+    """
+    ids = [int(t) for t in token_ids]
+    anchor = [] if previous is None else [int(previous)]
+    base = tokenizer.decode(anchor) if anchor else ""
+    ends, pos, begin = [], start, 0
+    for i in range(len(ids)):
+        text = tokenizer.decode(anchor + ids[begin : i + 1])
+        if not text.startswith(base) or text.endswith("\ufffd"):
+            ends.append(-1)
+            continue
+        pos += len(text) - len(base)
+        ends.append(pos)
+        anchor, begin = [ids[i]], i + 1
+        base = tokenizer.decode(anchor)
+    return ends

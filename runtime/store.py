@@ -1,0 +1,936 @@
+"""On-disk store of agent KV caches and journals: format, atomic writes, validation, tiers.
+
+Layout, one folder per (model fingerprint, agent id), folders 0700, files 0600::
+
+    cache_dir/<fingerprint>/<agent>/cache.safetensors   Q4 cache of the used tokens + metadata
+    cache_dir/<fingerprint>/<agent>/journal.msgpack     append-only record of every turn
+
+`cache.safetensors` is written with the `safetensors` package. Tensors, per layer i:
+`layers.<i>.{keys,values}.{packed,scales,biases}` of shape (1, kv_heads, tokens, ...):
+packed words U32, scales and biases in the activation dtype (F32, F16 or BF16, moved
+as raw bits so they round-trip exactly). The header's `__metadata__` holds
+`format` ("kvactors-q4-cache"), `format_version` ("1"), `meta` (JSON: fingerprint,
+kv_bits, kv_group_size, dtype, n_layers, n_tokens, seq, turn_id, text, token_ids,
+token_ends, created) and `checksum` ("crc32:<hex>" over the meta string, then every
+tensor's name, dtype, shape and bytes in name order). `token_ends[i]` is the character
+offset in `text` where token i's text ends, or -1 when token i ends inside a character
+(its bytes are completed by a later token): prefix matching only cuts where it is >= 0.
+
+`journal.msgpack` starts with `JOURNAL_MAGIC`, then one frame per record:
+little-endian u32 payload length, u32 crc32 of the payload, payload = a msgpack map
+(seq, turn_id, role, sender, text, time). Reading stops at the first incomplete or
+damaged frame (a torn tail, left by a crash in the middle of an append) and drops it;
+the next append moves those bytes aside to `journal.torn-<time>` and truncates. The
+journal is the source of truth for an agent's history; the cache only accelerates.
+
+Every cache write goes to a temp file in the same folder, is fsynced, renamed over
+the old file, and the folder is fsynced: after a crash each file is the previous or
+the new complete version. One process writes a cache folder at a time.
+
+Loading validates everything and raises one `CacheError` subclass per problem; the
+caller falls back to re-prefilling from the journal (`load_agent` does that split).
+
+Tiers: a cache in memory is "hot" (`HotCaches`, an LRU under a byte budget), one on
+disk is "warm". Retention: `prune(cache_dir, max_age_s)` deletes caches (and, if
+asked, whole agent folders with their journals) unused for `max_age_s` seconds;
+the persistence actor runs it at start with its `retention_s` setting (default None:
+keep everything). `delete` removes one agent, `inspect_table` summarizes a folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import struct
+import threading
+import time
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import msgpack
+import numpy as np
+from safetensors import TensorSpec, serialize
+
+FORMAT = "kvactors-q4-cache"
+FORMAT_VERSION = 1
+CACHE_FILE = "cache.safetensors"
+JOURNAL_FILE = "journal.msgpack"
+JOURNAL_MAGIC = b"kvactors-journal-1\n"
+AGENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+MAX_HEADER = 100 << 20  # the safetensors package's own limit
+_FRAME = struct.Struct("<II")
+_TMP_SUFFIX = ".tmp"
+
+# safetensors header dtype -> (numpy dtype that holds the bytes, activation dtype name)
+_DTYPES = {
+    "U32": (np.uint32, "uint32"),
+    "F32": (np.float32, "float32"),
+    "F16": (np.float16, "float16"),
+    "BF16": (np.uint16, "bfloat16"),
+}
+_SCALE_HEADER = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+_PARTS = ("packed", "scales", "biases")
+
+
+# ---------------------------------------------------------------- errors
+
+
+class InvalidAgentId(ValueError):
+    """An agent id that is not `[A-Za-z0-9][A-Za-z0-9._-]{0,127}`."""
+
+
+class CacheError(Exception):
+    """A stored cache cannot be used; re-prefill the agent from its journal."""
+
+
+class CacheMissing(CacheError):
+    """There is no stored cache for this agent (a cold start)."""
+
+
+class CorruptCache(CacheError):
+    """The file is not a readable kvactors cache (garbage, a damaged header)."""
+
+
+class TruncatedCache(CacheError):
+    """The file ends before the data its header announces."""
+
+
+class UnsupportedVersion(CacheError):
+    """The cache was written in a format version this code does not read."""
+
+
+class ChecksumMismatch(CacheError):
+    """The tensors or metadata do not match the checksum written with them."""
+
+
+class ForeignModel(CacheError):
+    """The cache belongs to another model (another fingerprint)."""
+
+
+class QuantizationMismatch(CacheError):
+    """The cache was quantized with other bits or group size than the runtime uses."""
+
+
+class ShapeMismatch(CacheError):
+    """The tensors' shapes or dtype contradict the model's cache spec."""
+
+
+class JournalError(Exception):
+    """A journal that cannot be read at all (another format); it is left untouched."""
+
+
+# ---------------------------------------------------------------- host tensors
+
+
+@dataclass(frozen=True)
+class HostCache:
+    """A Q4 cache copied to host memory: plain numpy arrays, safe to hand to any thread.
+
+    `tensors` maps `layers.<i>.<keys|values>.<packed|scales|biases>` to arrays of
+    shape (1, kv_heads, n_tokens, ...). Scales and biases in bfloat16 are held as their
+    raw uint16 bits; `dtype` names the real activation dtype. Empty when n_tokens == 0.
+    """
+
+    tensors: dict
+    dtype: str
+    bits: int
+    group_size: int
+    n_layers: int
+    n_tokens: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all tensors."""
+        return sum(a.nbytes for a in self.tensors.values())
+
+
+@dataclass(frozen=True)
+class CacheMeta:
+    """What the cached tokens are: `token_ids`, the `text` they spell, where each ends.
+
+    `seq` is the agent's turn sequence number the cache reflects (the journal record
+    with the same seq is the last one included); `token_ends` as in the module doc.
+    """
+
+    seq: int
+    token_ids: list
+    token_ends: list
+    text: str
+    turn_id: str | None = None
+    created: float = field(default=0.0, compare=False)
+    fingerprint: str = field(default="", compare=False)  # set when loaded
+
+
+def _name(layer: int, kind: str, part: str) -> str:
+    return f"layers.{layer}.{kind}.{part}"
+
+
+def cache_to_host(cache) -> HostCache:
+    """Copy a per-layer list of evaluated `QuantizedKVCache` to a `HostCache`.
+
+    Reads only evaluated arrays (building one `view` per bfloat16 array on the calling
+    thread, evaluated there), so any thread may call it. Tokens beyond `offset` are
+    dropped. Raises ValueError for layers that disagree in bits, group, length or dtype.
+    """
+    import mlx.core as mx
+
+    first = cache[0]
+    bits, group_size = first.bits, first.group_size
+    n_tokens = 0 if first.keys is None else first.offset
+    tensors, dtype = {}, "float32"
+    for i, layer in enumerate(cache):
+        if (layer.bits, layer.group_size) != (bits, group_size):
+            raise ValueError(f"layer {i} has bits/group {layer.bits}/{layer.group_size}, layer 0 {bits}/{group_size}")
+        tokens = 0 if layer.keys is None else layer.offset
+        if tokens != n_tokens:
+            raise ValueError(f"layer {i} holds {tokens} tokens, layer 0 holds {n_tokens}")
+        if n_tokens == 0:
+            continue
+        for kind, packed in (("keys", layer.keys), ("values", layer.values)):
+            dtype = str(packed[1].dtype).removeprefix("mlx.core.")
+            for part, x in zip(_PARTS, packed):
+                x = x[..., :n_tokens, :] if x.shape[-2] != n_tokens else x
+                if x.dtype == mx.bfloat16:
+                    x = x.view(mx.uint16)
+                tensors[_name(i, kind, part)] = np.array(x, copy=True)
+    host = HostCache(tensors, dtype, bits, group_size, len(cache), n_tokens)
+    _check_host(host)
+    return host
+
+
+def host_to_cache(host: HostCache) -> list:
+    """Build a per-layer list of `QuantizedKVCache` from `host`, evaluated on this thread.
+
+    Arrays are exactly `n_tokens` long and `offset == n_tokens`; with no tokens each
+    layer is an empty cache (`keys is None`).
+    """
+    import mlx.core as mx
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    caches = [QuantizedKVCache(group_size=host.group_size, bits=host.bits) for _ in range(host.n_layers)]
+    if host.n_tokens == 0:
+        return caches
+    for i, c in enumerate(caches):
+        for kind in ("keys", "values"):
+            arrays = []
+            for part in _PARTS:
+                a = mx.array(host.tensors[_name(i, kind, part)])
+                if part != "packed" and host.dtype == "bfloat16":
+                    a = a.view(mx.bfloat16)
+                arrays.append(a)
+            setattr(c, kind, tuple(arrays))
+        c.offset = host.n_tokens
+    mx.eval([(c.keys, c.values) for c in caches])
+    return caches
+
+
+def trim_host(host: HostCache, meta: CacheMeta, keep: int) -> tuple[HostCache, CacheMeta]:
+    """Keep the first `keep` tokens of a loaded cache and its metadata (numpy views, no copy).
+
+    The text is cut at the last recorded token end among the kept tokens; cut where
+    `runtime.prefix.match_prefix` says (EXACT re-feeds its last token by id).
+    """
+    if not 0 <= keep <= host.n_tokens:
+        raise ValueError(f"cannot keep {keep} of {host.n_tokens} tokens")
+    if keep == host.n_tokens:
+        return host, meta
+    tensors = {} if keep == 0 else {k: v[..., :keep, :] for k, v in host.tensors.items()}
+    end = max([0, *meta.token_ends[:keep]])
+    trimmed = replace(host, tensors=tensors, n_tokens=keep)
+    ids, ends = meta.token_ids[:keep], meta.token_ends[:keep]
+    return trimmed, replace(meta, token_ids=ids, token_ends=ends, text=meta.text[:end])
+
+
+def trim_cache(cache, keep: int) -> list:
+    """A new per-layer list of `QuantizedKVCache` holding the first `keep` tokens of `cache`.
+
+    The slices are evaluated before returning, on the calling thread; `cache` is unchanged.
+    """
+    import mlx.core as mx
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    out = []
+    for layer in cache:
+        c = QuantizedKVCache(group_size=layer.group_size, bits=layer.bits)
+        if keep > 0 and layer.keys is not None:
+            c.keys = tuple(mx.contiguous(x[..., :keep, :]) for x in layer.keys)
+            c.values = tuple(mx.contiguous(x[..., :keep, :]) for x in layer.values)
+            c.offset = min(keep, layer.offset)
+        out.append(c)
+    mx.eval([(c.keys, c.values) for c in out if c.keys is not None])
+    return out
+
+
+def check_cache(host: HostCache, meta: CacheMeta) -> None:
+    """Raise ValueError unless `host` is consistent and `meta` describes its tokens."""
+    _check_host(host)
+    _check_meta(meta, host.n_tokens)
+
+
+def _check_host(host: HostCache) -> None:
+    """Raise ValueError unless `host` is internally consistent (shapes, dtypes, names)."""
+    if host.dtype not in _SCALE_HEADER:
+        raise ValueError(f"unsupported scales dtype {host.dtype!r}")
+    if 32 % host.bits:
+        raise ValueError(f"unsupported bits {host.bits}")
+    names = {_name(i, k, p) for i in range(host.n_layers) for k in ("keys", "values") for p in _PARTS}
+    if host.n_tokens == 0:
+        names = set()
+    if set(host.tensors) != names:
+        raise ValueError(f"tensors {sorted(set(host.tensors) ^ names)[:4]} missing or unexpected")
+    scale_np = _DTYPES[_SCALE_HEADER[host.dtype]][0]
+    for name, a in host.tensors.items():
+        want = np.uint32 if name.endswith("packed") else scale_np
+        if a.dtype != want or a.ndim != 4 or a.shape[0] != 1 or a.shape[2] != host.n_tokens:
+            raise ValueError(f"{name}: {a.dtype}{a.shape}, expected {np.dtype(want)} (1, H, {host.n_tokens}, D)")
+    for i in range(host.n_layers if host.n_tokens else 0):
+        for kind in ("keys", "values"):
+            p, s, b = (host.tensors[_name(i, kind, part)] for part in _PARTS)
+            dim = p.shape[-1] * 32 // host.bits
+            if s.shape != b.shape or s.shape[:3] != p.shape[:3] or s.shape[-1] * host.group_size != dim:
+                raise ValueError(f"layer {i} {kind}: packed {p.shape}, scales {s.shape}, biases {b.shape} disagree")
+
+
+# ---------------------------------------------------------------- cache file format
+
+
+def _checksum(meta_json: str, tensors: dict, dtypes: dict) -> str:
+    crc = zlib.crc32(meta_json.encode())
+    for name in sorted(tensors):
+        a = tensors[name]
+        crc = zlib.crc32(f"{name}:{dtypes[name]}:{list(a.shape)}".encode(), crc)
+        crc = zlib.crc32(np.ascontiguousarray(a).data, crc)
+    return f"crc32:{crc:08x}"
+
+
+def _header_dtype(name: str, host: HostCache) -> str:
+    return "U32" if name.endswith("packed") else _SCALE_HEADER[host.dtype]
+
+
+def _check_meta(meta: CacheMeta, n_tokens: int) -> None:
+    ids, ends = meta.token_ids, meta.token_ends
+    if len(ids) != n_tokens or len(ends) != n_tokens:
+        raise ValueError(f"{len(ids)} token ids and {len(ends)} token ends for {n_tokens} cached tokens")
+    last = 0
+    for e in ends:
+        if e >= 0:
+            if e < last or e > len(meta.text):
+                raise ValueError(f"token end {e} out of order or past the text ({len(meta.text)} chars)")
+            last = e
+
+
+def encode_cache(host: HostCache, meta: CacheMeta, fingerprint: str) -> bytes:
+    """Serialize `host` and `meta` of the model `fingerprint` to the bytes of a cache file.
+
+    Raises ValueError when `host` or `meta` is inconsistent (lengths, shapes, dtypes).
+    """
+    check_cache(host, meta)
+    meta_json = json.dumps(
+        {
+            "fingerprint": fingerprint,
+            "kv_bits": host.bits,
+            "kv_group_size": host.group_size,
+            "dtype": host.dtype,
+            "n_layers": host.n_layers,
+            "n_tokens": host.n_tokens,
+            "seq": int(meta.seq),
+            "turn_id": meta.turn_id,
+            "text": meta.text,
+            "token_ids": [int(t) for t in meta.token_ids],
+            "token_ends": [int(e) for e in meta.token_ends],
+            "created": meta.created or time.time(),
+        },
+        separators=(",", ":"),
+    )
+    tensors = {k: np.ascontiguousarray(v) for k, v in host.tensors.items()}
+    dtypes = {k: _header_dtype(k, host) for k in tensors}
+    specs = {
+        k: TensorSpec(dtype=_DTYPES[dtypes[k]][1], shape=list(a.shape), data_ptr=a.ctypes.data, data_len=a.nbytes)
+        for k, a in tensors.items()
+    }
+    header = {
+        "format": FORMAT,
+        "format_version": str(FORMAT_VERSION),
+        "meta": meta_json,
+        "checksum": _checksum(meta_json, tensors, dtypes),
+    }
+    return serialize(specs, header)  # `tensors` keeps the buffers alive until here
+
+
+def decode_cache(data, spec=None) -> tuple[HostCache, CacheMeta]:
+    """Parse and validate the bytes of a cache file; return (HostCache, CacheMeta).
+
+    The arrays are numpy views into `data`. With `spec` (a ModelCacheSpec or anything
+    with its attributes) the file is also checked against the model: fingerprint, bits
+    and group, layers, heads, head dims and (if the spec has one) dtype. Raises
+    TruncatedCache, CorruptCache, UnsupportedVersion, ChecksumMismatch, ForeignModel,
+    QuantizationMismatch or ShapeMismatch.
+    """
+    header, body = _parse_safetensors(data)
+    info = header.pop("__metadata__", None)
+    if not isinstance(info, dict) or info.get("format") != FORMAT:
+        raise CorruptCache("not a kvactors cache file (no kvactors format tag in the header)")
+    if info.get("format_version") != str(FORMAT_VERSION):
+        raise UnsupportedVersion(
+            f"cache format version {info.get('format_version')!r}, this kvactors reads version "
+            f"{FORMAT_VERSION}; the agent re-prefills from its journal (upgrade kvactors to reuse it)"
+        )
+    try:
+        m = json.loads(info["meta"])
+        tensors = {k: _tensor(body, v) for k, v in header.items()}
+        dtypes = {k: v["dtype"] for k, v in header.items()}
+        host = HostCache(
+            tensors, m["dtype"], int(m["kv_bits"]), int(m["kv_group_size"]), int(m["n_layers"]), int(m["n_tokens"])
+        )
+        meta = CacheMeta(
+            int(m["seq"]), list(m["token_ids"]), list(m["token_ends"]), str(m["text"]),
+            m["turn_id"], float(m["created"]), str(m["fingerprint"]),
+        )
+        checksum = info["checksum"]
+    except (KeyError, TypeError, ValueError) as e:
+        raise CorruptCache(f"cache header is damaged ({type(e).__name__}: {e})") from e
+    if _checksum(info["meta"], tensors, dtypes) != checksum:
+        raise ChecksumMismatch("cache contents do not match their checksum: the file is damaged")
+    try:
+        _check_host(host)
+        _check_meta(meta, host.n_tokens)
+    except ValueError as e:
+        raise CorruptCache(f"cache file is inconsistent: {e}") from e
+    if spec is not None:
+        _check_spec(host, meta.fingerprint, spec)
+    return host, meta
+
+
+def _parse_safetensors(data) -> tuple[dict, memoryview]:
+    """Split a safetensors file into its JSON header and its data; strict about sizes."""
+    view = memoryview(data)
+    if len(view) < 8:
+        raise TruncatedCache(f"cache file is {len(view)} bytes: it was cut short")
+    n = int.from_bytes(view[:8], "little")
+    if n == 0 or n > MAX_HEADER:
+        raise CorruptCache(f"header length {n} is not plausible: not a safetensors file")
+    if 8 + n > len(view):
+        raise TruncatedCache(f"cache file is {len(view)} bytes but its header alone needs {8 + n}: it was cut short")
+    try:
+        header = json.loads(bytes(view[8 : 8 + n]))
+        if not isinstance(header, dict):
+            raise ValueError("header is not an object")
+        end = 0
+        tensors = sorted((t["data_offsets"], name, t) for name, t in header.items() if name != "__metadata__")
+        for _, name, t in tensors:
+            start, stop = t["data_offsets"]
+            size = int(np.prod(t["shape"], dtype=np.int64)) * np.dtype(_DTYPES[t["dtype"]][0]).itemsize
+            if start != end or stop - start != size:
+                raise ValueError(f"tensor {name} spans bytes {start}..{stop}, expected {end}..{end + size}")
+            end = stop
+    except (KeyError, TypeError, ValueError, UnicodeDecodeError) as e:
+        raise CorruptCache(f"cache header is damaged ({type(e).__name__}: {e})") from e
+    if 8 + n + end > len(view):
+        raise TruncatedCache(f"cache file is {len(view)} bytes, its header announces {8 + n + end}: it was cut short")
+    if 8 + n + end < len(view):
+        raise CorruptCache(f"cache file has {len(view) - 8 - n - end} bytes of trailing garbage")
+    return header, view[8 + n :]
+
+
+def _tensor(body: memoryview, t: dict) -> np.ndarray:
+    start, stop = t["data_offsets"]
+    np_dtype = _DTYPES[t["dtype"]][0]
+    return np.frombuffer(body[start:stop], dtype=np_dtype).reshape(t["shape"])
+
+
+def _check_spec(host: HostCache, fingerprint: str, spec) -> None:
+    if fingerprint != spec.fingerprint:
+        raise ForeignModel(
+            f"cache was made by model {fingerprint}, the runtime runs {spec.fingerprint}; "
+            "it cannot be reused, the agent re-prefills from its journal"
+        )
+    if (host.bits, host.group_size) != (spec.kv_bits, spec.kv_group_size):
+        raise QuantizationMismatch(
+            f"cache is {host.bits}-bit with group {host.group_size}, the runtime uses {spec.kv_bits}-bit "
+            f"with group {spec.kv_group_size}; the agent re-prefills from its journal"
+        )
+    problems = []
+    if host.n_layers != spec.n_layers:
+        problems.append(f"{host.n_layers} layers, the model has {spec.n_layers}")
+    spec_dtype = getattr(spec, "dtype", None)
+    if host.n_tokens and isinstance(spec_dtype, str) and spec_dtype != host.dtype:
+        problems.append(f"scales in {host.dtype}, the model computes in {spec_dtype}")
+    for i in range(min(host.n_layers, spec.n_layers) if host.n_tokens else 0):
+        for kind, dim in (("keys", spec.k_head_dim), ("values", spec.v_head_dim)):
+            want = (1, spec.n_kv_heads, host.n_tokens, dim * host.bits // 32)
+            got = host.tensors[_name(i, kind, "packed")].shape
+            if tuple(got) != want:
+                problems.append(f"layer {i} {kind} packed {tuple(got)}, expected {want}")
+    if problems:
+        raise ShapeMismatch(
+            "cache does not fit the model: " + "; ".join(problems[:3]) + "; the agent re-prefills from its journal"
+        )
+
+
+# ---------------------------------------------------------------- paths and atomic writes
+
+
+def check_agent_id(agent: str) -> str:
+    """Return `agent` if it is a valid id (`[A-Za-z0-9][A-Za-z0-9._-]{0,127}`), else raise InvalidAgentId."""
+    if not isinstance(agent, str) or not AGENT_ID.fullmatch(agent):
+        raise InvalidAgentId(
+            f"invalid agent id {agent!r}: use 1-128 characters from A-Z a-z 0-9 . _ -, starting with a letter or digit"
+        )
+    return agent
+
+
+def agent_dir(cache_dir, fingerprint: str, agent: str) -> Path:
+    """The folder of `agent`'s files under model `fingerprint` (validates both; creates nothing)."""
+    if not isinstance(fingerprint, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,128}", fingerprint):
+        raise ValueError(f"invalid model fingerprint {fingerprint!r}")
+    return Path(cache_dir).expanduser() / fingerprint / check_agent_id(agent)
+
+
+def make_dirs(folder: Path) -> None:
+    """Create `folder` and its two parents (model folder, cache_dir) as needed, mode 0700."""
+    for d in (folder.parent.parent, folder.parent, folder):
+        if not d.is_dir():
+            try:
+                d.mkdir(mode=0o700, parents=True)
+            except FileExistsError:
+                if not d.is_dir():
+                    raise
+            os.chmod(d, 0o700)
+
+
+def temp_path(path: Path) -> Path:
+    """A fresh temp file name next to `path` (same folder, so the rename is atomic)."""
+    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}{_TMP_SUFFIX}")
+
+
+def open_private(path, flags: int) -> int:
+    """`os.open` that creates files with mode exactly 0600 (an `opener` for `open`)."""
+    fd = os.open(path, flags, 0o600)
+    if flags & os.O_CREAT:
+        os.fchmod(fd, 0o600)
+    return fd
+
+
+def fsync_dir(folder) -> None:
+    """fsync a folder, making renames and new files in it durable."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data) -> None:
+    """Replace `path` by `data`: temp file in the same folder, fsync, rename, fsync the folder."""
+    tmp = temp_path(path)
+    try:
+        with open(tmp, "xb", opener=open_private) as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def remove_temps(folder: Path) -> None:
+    """Delete temp files a crashed writer left in `folder` (one writer per folder)."""
+    for p in folder.glob(f".*{_TMP_SUFFIX}"):
+        p.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------- journal
+
+
+def journal_record(
+    seq: int, role: str, text: str, *, turn_id: str | None = None, sender: str | None = None, **extra
+) -> dict:
+    """A journal record (a plain dict, msgpack-ready) for one turn; `time` is now if not given."""
+    record = {"seq": int(seq), "turn_id": turn_id, "role": role, "sender": sender, "text": text, "time": time.time()}
+    record.update(extra)
+    check_record(record)
+    return record
+
+
+def check_record(record: dict) -> None:
+    """Raise ValueError unless `record` has an int `seq`, str `role` and str `text`."""
+    if not isinstance(record, dict):
+        raise ValueError(f"a journal record is a dict, got {type(record).__name__}")
+    seq, role, text = record.get("seq"), record.get("role"), record.get("text")
+    if not (isinstance(seq, int) and isinstance(role, str) and isinstance(text, str)):
+        raise ValueError(f"journal record needs int seq, str role and str text: {record!r:.200}")
+
+
+def encode_records(records) -> bytes:
+    """The journal frames of `records` (each checked by `check_record`), ready to append."""
+    out = bytearray()
+    for r in records:
+        check_record(r)
+        payload = msgpack.packb(r, use_bin_type=True)
+        out += _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
+    return bytes(out)
+
+
+def parse_journal(data) -> tuple[list, int]:
+    """Decode journal bytes; return (records, length of the valid part).
+
+    Stops at the first incomplete or damaged frame: that torn tail is not returned.
+    Raises JournalError if `data` does not start with JOURNAL_MAGIC (empty is fine).
+    """
+    view = memoryview(data)
+    if len(view) < len(JOURNAL_MAGIC):
+        if bytes(view) != JOURNAL_MAGIC[: len(view)]:
+            raise JournalError("not a kvactors journal (bad magic bytes)")
+        return [], 0  # creation was cut short: nothing was ever recorded
+    if bytes(view[: len(JOURNAL_MAGIC)]) != JOURNAL_MAGIC:
+        raise JournalError("not a kvactors journal, or a newer journal version; it is left untouched")
+    records, pos = [], len(JOURNAL_MAGIC)
+    while pos + _FRAME.size <= len(view):
+        n, crc = _FRAME.unpack_from(view, pos)
+        payload = view[pos + _FRAME.size : pos + _FRAME.size + n]
+        if len(payload) < n or zlib.crc32(payload) != crc:
+            break
+        try:
+            record = msgpack.unpackb(payload, raw=False)
+            check_record(record)
+        except (ValueError, msgpack.UnpackException):
+            break
+        records.append(record)
+        pos += _FRAME.size + n
+    return records, pos
+
+
+def read_journal(cache_dir, spec, agent: str) -> list:
+    """All complete records of `agent`'s journal, oldest first ([] if none); drops a torn tail."""
+    path = agent_dir(cache_dir, spec.fingerprint, agent) / JOURNAL_FILE
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    return parse_journal(data)[0]
+
+
+def repair_journal(path: Path, valid: int, size: int) -> None:
+    """Move a torn tail (bytes `valid`..`size`) aside to `journal.torn-<ns>` and truncate."""
+    with open(path, "rb") as f:
+        f.seek(valid)
+        tail = f.read()
+    if tail:
+        write_atomic(path.with_name(f"journal.torn-{time.time_ns()}"), tail)
+    with open(path, "r+b") as f:
+        f.truncate(valid)
+        os.fsync(f.fileno())
+
+
+def append_journal(cache_dir, spec, agent: str, records) -> list:
+    """Durably append `records` to `agent`'s journal; return the records appended.
+
+    Records whose seq is not above the journal's last seq are skipped (retries are
+    idempotent). Creates the journal (atomically) if needed and repairs a torn tail.
+    """
+    folder = agent_dir(cache_dir, spec.fingerprint, agent)
+    make_dirs(folder)
+    path = folder / JOURNAL_FILE
+    if not path.exists():
+        write_atomic(path, JOURNAL_MAGIC)
+    data = path.read_bytes()
+    old, valid = parse_journal(data)
+    if valid < len(data):
+        repair_journal(path, valid, len(data))
+    last = old[-1]["seq"] if old else -1
+    new = []
+    for r in sorted(records, key=lambda r: r["seq"]):
+        if r["seq"] > last:
+            new.append(r)
+            last = r["seq"]
+    if new:
+        with open(path, "ab") as f:
+            f.write(encode_records(new))
+            f.flush()
+            os.fsync(f.fileno())
+    return new
+
+
+# ---------------------------------------------------------------- cache files
+
+
+def save_cache(cache_dir, spec, agent: str, host: HostCache, meta: CacheMeta) -> Path:
+    """Atomically write `agent`'s cache (`host` + `meta`) for model `spec.fingerprint`; return its path."""
+    folder = agent_dir(cache_dir, spec.fingerprint, agent)
+    data = encode_cache(host, meta, spec.fingerprint)
+    make_dirs(folder)
+    path = folder / CACHE_FILE
+    write_atomic(path, data)
+    return path
+
+
+def read_file(path: Path) -> bytearray:
+    """The whole file at `path` in one buffer (one read, no extra copy)."""
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        buf = bytearray(size)
+        view, got = memoryview(buf), 0
+        while got < size:
+            n = f.readinto(view[got:])
+            if not n:
+                break
+            got += n
+    return buf[:got] if got < size else buf
+
+
+def load_cache(cache_dir, spec, agent: str) -> tuple[HostCache, CacheMeta]:
+    """Read and validate `agent`'s cache for model `spec`; return (HostCache, CacheMeta).
+
+    Raises CacheMissing when there is none, or another CacheError subclass (see
+    `decode_cache`) when it cannot be used: the caller re-prefills from the journal.
+    """
+    path = agent_dir(cache_dir, spec.fingerprint, agent) / CACHE_FILE
+    try:
+        data = read_file(path)
+    except FileNotFoundError:
+        raise CacheMissing(f"no cache for agent {agent!r} under {path.parent}: cold start") from None
+    try:
+        return decode_cache(data, spec)
+    except CacheError as e:
+        raise type(e)(f"{path}: {e}") from e
+
+
+def cache_seq(path: Path) -> int | None:
+    """The seq recorded in the cache file at `path` (reading its header only), or None if unreadable."""
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if not 0 < n <= MAX_HEADER:
+                return None
+            header = json.loads(f.read(n))
+        return int(json.loads(header["__metadata__"]["meta"])["seq"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """An agent's durable state: journal `records`, and its cache if usable.
+
+    `host`/`meta` are None when there is no usable cache; `error` then says why
+    (a CacheError; CacheMissing on a plain cold start). Re-prefill from `records`.
+    """
+
+    records: list
+    host: HostCache | None = None
+    meta: CacheMeta | None = None
+    error: CacheError | None = None
+
+
+def load_agent(cache_dir, spec, agent: str) -> Loaded:
+    """Load `agent`'s journal and, if usable, its cache; never raises for a bad cache.
+
+    Raises InvalidAgentId for a bad id, and JournalError/OSError when the journal itself
+    cannot be read (history must never be silently replaced by nothing).
+    """
+    records = read_journal(cache_dir, spec, agent)
+    try:
+        host, meta = load_cache(cache_dir, spec, agent)
+    except CacheError as e:
+        return Loaded(records, error=e)
+    return Loaded(records, host, meta)
+
+
+def delete(cache_dir, spec, agent: str) -> bool:
+    """Delete `agent`'s folder (cache and journal) for model `spec`; return whether it existed."""
+    folder = agent_dir(cache_dir, spec.fingerprint, agent)
+    if not folder.exists():
+        return False
+    shutil.rmtree(folder)
+    fsync_dir(folder.parent)
+    return True
+
+
+def agent_folders(cache_dir) -> list[Path]:
+    """Agent folders under `cache_dir` (`<fingerprint>/<agent>` holding a cache or journal), sorted."""
+    root = Path(cache_dir).expanduser()
+    return sorted(
+        d for d in root.glob("*/*")
+        if d.is_dir() and AGENT_ID.fullmatch(d.name) and ((d / CACHE_FILE).exists() or (d / JOURNAL_FILE).exists())
+    )
+
+
+def prune(cache_dir, max_age_s: float, *, journals: bool = False, now: float | None = None) -> list:
+    """Retention: delete caches of every model not written for `max_age_s` seconds.
+
+    With `journals=True` whole agent folders (history included) idle that long go;
+    only kvactors' own files are deleted, and the folder if it is then empty.
+    Returns the deleted paths. Temp files left by crashed writers are removed too.
+    """
+    now = time.time() if now is None else now
+    deleted = []
+    for folder in agent_folders(cache_dir):
+        remove_temps(folder)
+        ours = [folder / CACHE_FILE, folder / JOURNAL_FILE, *folder.glob("journal.torn-*")]
+        newest = max((p.stat().st_mtime for p in ours if p.exists()), default=0.0)
+        if now - newest < max_age_s:
+            continue
+        if journals:
+            for p in ours:
+                p.unlink(missing_ok=True)
+            try:
+                folder.rmdir()
+            except OSError:
+                pass
+            deleted.append(folder)
+        elif (folder / CACHE_FILE).exists():
+            (folder / CACHE_FILE).unlink()
+            deleted.append(folder / CACHE_FILE)
+    return deleted
+
+
+# ---------------------------------------------------------------- inspect
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
+
+
+def _agent_row(folder: Path) -> list[str]:
+    """[agent, tokens, bytes, last turn, health] of one agent folder."""
+    health, tokens, cseq = [], "-", None
+    size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+    records, jpath = [], folder / JOURNAL_FILE
+    if jpath.exists():
+        try:
+            data = jpath.read_bytes()
+            records, valid = parse_journal(data)
+            if valid < len(data):
+                health.append(f"torn journal tail ({len(data) - valid} B dropped)")
+        except JournalError as e:
+            health.append(f"journal unreadable: {e}")
+    else:
+        health.append("no journal")
+    cpath = folder / CACHE_FILE
+    if cpath.exists():
+        try:
+            host, meta = decode_cache(read_file(cpath))
+            tokens, cseq = str(host.n_tokens), meta.seq
+            if meta.fingerprint != folder.parent.name:
+                health.append(f"cache of another model ({meta.fingerprint})")
+        except CacheError as e:
+            health.append(f"bad cache: {type(e).__name__}")
+    else:
+        health.append("no cache (cold start)")
+    if records and cseq is not None and cseq < records[-1]["seq"]:
+        health.append(f"cache at seq {cseq}, journal at {records[-1]['seq']}")
+    if records:
+        r = records[-1]
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.get("time") or jpath.stat().st_mtime))
+        last = f"#{r['seq']} {r['role']} {when}"
+    else:
+        last = "-"
+    return [folder.name, tokens, _human(size), last, "; ".join(health) or "ok"]
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def inspect_table(cache_dir) -> str:
+    """A text table per model folder of `cache_dir`: agent, tokens, bytes on disk, last turn, health.
+
+    Reads every file (checksums included); changes nothing.
+    """
+    root = Path(cache_dir).expanduser()
+    if not root.is_dir():
+        return f"{root}: no such folder (no agents stored yet)"
+    models: dict[str, list[Path]] = {}
+    for folder in agent_folders(root):
+        models.setdefault(folder.parent.name, []).append(folder)
+    out = []
+    for model, agents in models.items():
+        rows = [["agent", "tokens", "on disk", "last turn", "health"]] + [_agent_row(a) for a in agents]
+        out.append(f"model {model} ({len(agents)} agents)\n{_table(rows)}")
+    return "\n\n".join(out) or f"{root}: no agents stored"
+
+
+# ---------------------------------------------------------------- hot tier
+
+
+def cache_nbytes(cache) -> int:
+    """Bytes held by a per-layer list of QuantizedKVCache."""
+    return sum(sum(x.nbytes for x in (*c.keys, *c.values)) for c in cache if c.keys is not None)
+
+
+class HotCaches:
+    """In-memory ("hot") caches under a byte budget; the least recently used drop to warm.
+
+    Thread-safe. Holds the only runtime reference to each cache it keeps, so dropping
+    one (eviction, `pop`, `discard`) frees its memory. A dropped cache is "warm": the
+    persistence actor already holds or wrote its host copy.
+    """
+
+    def __init__(self, budget_bytes: int):
+        self.budget_bytes = budget_bytes
+        self._caches: OrderedDict = OrderedDict()  # agent -> (cache, nbytes)
+        self._lock = threading.Lock()
+        self.nbytes = 0
+
+    def put(self, agent: str, cache) -> list[str]:
+        """Keep `cache` as `agent`'s hot cache; return the agents evicted to make room.
+
+        A cache larger than the whole budget is not kept (`agent` is then in the result).
+        """
+        size = cache_nbytes(cache)
+        with self._lock:
+            self._drop(agent)
+            self._caches[agent] = (cache, size)
+            self.nbytes += size
+            evicted = []
+            while self.nbytes > self.budget_bytes and self._caches:
+                victim = next(iter(self._caches))
+                self._drop(victim)
+                evicted.append(victim)
+            return evicted
+
+    def get(self, agent: str):
+        """`agent`'s hot cache (now the most recently used), or None."""
+        with self._lock:
+            entry = self._caches.get(agent)
+            if entry is None:
+                return None
+            self._caches.move_to_end(agent)
+            return entry[0]
+
+    def pop(self, agent: str):
+        """Remove and return `agent`'s hot cache, or None (e.g. to hand it to the batcher)."""
+        with self._lock:
+            entry = self._caches.get(agent)
+            self._drop(agent)
+            return None if entry is None else entry[0]
+
+    def discard(self, agent: str) -> None:
+        """Forget `agent`'s hot cache, if any (the agent went away)."""
+        with self._lock:
+            self._drop(agent)
+
+    def __contains__(self, agent) -> bool:
+        return agent in self._caches
+
+    def __len__(self) -> int:
+        return len(self._caches)
+
+    def _drop(self, agent: str) -> None:
+        entry = self._caches.pop(agent, None)
+        if entry is not None:
+            self.nbytes -= entry[1]

@@ -1,0 +1,236 @@
+"""actors.persistence: acks once durable, coalescing, seq ordering, flush on stop, errors,
+and a real crash harness (a child process SIGKILLed 50 times)."""
+
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pykka
+import pytest
+
+from actors.persistence import Ack, PersistenceActor, submit
+from persistence_crash_child import AGENTS, SPEC, expected
+from runtime import store
+
+CHILD = Path(__file__).with_name("persistence_crash_child.py")
+
+
+class Gated(PersistenceActor):
+    """A PersistenceActor that can be held busy, so that writes queue up behind it."""
+
+    def hold(self, gate: threading.Event) -> None:
+        gate.wait(10)
+
+
+@pytest.fixture
+def actor(tmp_path):
+    refs = []
+
+    def start(cls=Gated, **kw):
+        refs.append(cls.start(tmp_path, SPEC, **kw))
+        return refs[-1]
+
+    yield start
+    for ref in refs:
+        ref.stop()
+
+
+def write(ref, agent, seq, **kw):
+    host, meta, record = expected(agent, seq)
+    return submit(ref, agent, seq, host, meta, [record], **kw)
+
+
+def assert_cache_is(tmp_path, agent, seq):
+    host, meta = store.load_cache(tmp_path, SPEC, agent)
+    want_host, want_meta, _ = expected(agent, seq)
+    assert meta == want_meta and host.dtype == want_host.dtype
+    assert all(host.tensors[k].tobytes() == v.tobytes() for k, v in want_host.tensors.items())
+
+
+def journal_seqs(tmp_path, agent):
+    return [r["seq"] for r in store.read_journal(tmp_path, SPEC, agent)]
+
+
+def test_ack_means_durable(tmp_path, actor):
+    ref = actor()
+    ack = write(ref, "alpha", 0).get(timeout=10)
+    assert ack == Ack("alpha", 0, 0)
+    assert_cache_is(tmp_path, "alpha", 0)
+    assert store.read_journal(tmp_path, SPEC, "alpha") == [expected("alpha", 0)[2]]
+    journal_only = submit(ref, "alpha", 1, records=[{"seq": 1, "role": "user", "text": "hi"}]).get(timeout=10)
+    assert journal_only == Ack("alpha", 1, 0) and journal_seqs(tmp_path, "alpha") == [0, 1]
+
+
+def test_queued_writes_coalesce_and_the_newest_cache_wins(tmp_path, actor, monkeypatch):
+    encoded = []
+    real = store.encode_cache
+    monkeypatch.setattr(store, "encode_cache", lambda host, meta, fp: encoded.append(meta.seq) or real(host, meta, fp))
+    ref = actor()
+    gate = threading.Event()
+    ref.proxy().hold(gate)
+    futures = [write(ref, "alpha", seq) for seq in range(4)] + [write(ref, "beta", 0)]
+    time.sleep(0.05)
+    assert not any(f._result for f in futures)  # nothing is acked while queued  # noqa: SLF001
+    gate.set()
+    acks = [f.get(timeout=10) for f in futures]
+    assert [a.cache_seq for a in acks] == [3, 3, 3, 3, 0]
+    assert sorted(encoded) == [0, 3]  # alpha's caches 0..2 were never written
+    assert journal_seqs(tmp_path, "alpha") == [0, 1, 2, 3]  # every record was
+    assert_cache_is(tmp_path, "alpha", 3)
+
+
+def test_an_older_seq_never_replaces_a_newer_one(tmp_path, actor):
+    ref = actor()
+    write(ref, "alpha", 5).get(timeout=10)
+    assert write(ref, "alpha", 4).get(timeout=10) == Ack("alpha", 4, 5)
+    ref.stop()
+    restarted = actor()  # a new actor learns the seq on disk
+    assert write(restarted, "alpha", 3).get(timeout=10) == Ack("alpha", 3, 5)
+    assert_cache_is(tmp_path, "alpha", 5)
+    assert journal_seqs(tmp_path, "alpha") == [5]  # replays of older seqs are skipped
+    assert write(restarted, "alpha", 6).get(timeout=10).cache_seq == 6
+
+
+def test_stop_flushes_everything_queued(tmp_path, actor):
+    ref = actor()
+    gate = threading.Event()
+    ref.proxy().hold(gate)
+    before = [write(ref, agent, 0) for agent in AGENTS]
+    ref.stop(block=False)
+    after = write(ref, "alpha", 1)  # told after the stop request, before the actor stopped
+    gate.set()
+    assert [f.get(timeout=10).cache_seq for f in before + [after]] == [1, 0, 1]
+    assert not ref.is_alive()
+    assert_cache_is(tmp_path, "alpha", 1)
+    assert_cache_is(tmp_path, "beta", 0)
+    with pytest.raises(pykka.ActorDeadError):
+        write(ref, "alpha", 2)
+
+
+def test_acks_reach_an_actor_as_messages(actor):
+    class Inbox(pykka.ThreadingActor):
+        def __init__(self):
+            super().__init__()
+            self.acks = []
+
+        def on_receive(self, message):
+            self.acks.append(message)
+
+        def received(self):
+            return self.acks
+
+    inbox = Inbox.start()
+    try:
+        ref = actor()
+        write(ref, "alpha", 0, reply_to=inbox).get(timeout=10)
+        write(ref, "beta", 0, reply_to=inbox).get(timeout=10)
+        assert inbox.proxy().received().get(timeout=10) == [Ack("alpha", 0, 0), Ack("beta", 0, 0)]
+    finally:
+        inbox.stop()
+
+
+def test_errors_go_to_the_acks_and_the_actor_survives(tmp_path, actor):
+    (tmp_path / SPEC.fingerprint).mkdir(mode=0o700)
+    (tmp_path / SPEC.fingerprint / "alpha").write_bytes(b"a file where a folder should be")
+    ref = actor()
+    gate = threading.Event()
+    ref.proxy().hold(gate)
+    bad, good = write(ref, "alpha", 0), write(ref, "beta", 0)
+    gate.set()
+    with pytest.raises(OSError):
+        bad.get(timeout=10)
+    assert good.get(timeout=10).cache_seq == 0
+    folder = tmp_path / SPEC.fingerprint / "gamma"
+    folder.mkdir(mode=0o700)
+    (folder / store.JOURNAL_FILE).write_bytes(b"not a journal")
+    with pytest.raises(store.JournalError):
+        write(ref, "gamma", 0).get(timeout=10)
+    assert (folder / store.JOURNAL_FILE).read_bytes() == b"not a journal"
+    assert ref.is_alive() and write(ref, "beta", 1).get(timeout=10).cache_seq == 1
+
+
+def test_bad_requests_fail_at_submit(actor):
+    ref = actor()
+    host, meta, record = expected("alpha", 3)
+    with pytest.raises(store.InvalidAgentId):
+        submit(ref, "../alpha", 3, host, meta, [record])
+    with pytest.raises(ValueError, match="seq 3"):
+        submit(ref, "alpha", 4, host, meta)
+    with pytest.raises(ValueError, match="past the write seq"):
+        submit(ref, "alpha", 2, records=[record])
+    with pytest.raises(ValueError, match="together"):
+        submit(ref, "alpha", 3, host)
+
+
+def test_load_and_delete_through_the_actor(tmp_path, actor):
+    ref = actor()
+    proxy = ref.proxy()
+    write(ref, "alpha", 0)
+    loaded = proxy.load("alpha").get(timeout=10)  # sees the queued write: load flushes first
+    assert loaded.meta == expected("alpha", 0)[1] and loaded.records == [expected("alpha", 0)[2]]
+    path = tmp_path / SPEC.fingerprint / "alpha" / store.CACHE_FILE
+    path.write_bytes(path.read_bytes()[:-1])
+    loaded = proxy.load("alpha").get(timeout=10)
+    assert loaded.host is None and isinstance(loaded.error, store.TruncatedCache) and len(loaded.records) == 1
+    assert proxy.delete("alpha").get(timeout=10) and not proxy.delete("alpha").get(timeout=10)
+    assert isinstance(proxy.load("alpha").get(timeout=10).error, store.CacheMissing)
+    assert write(ref, "alpha", 0).get(timeout=10).cache_seq == 0  # a fresh start after delete
+
+
+def test_retention_prunes_idle_caches_at_start(tmp_path, actor):
+    ref = actor()
+    write(ref, "alpha", 0).get(timeout=10)
+    ref.stop()
+    time.sleep(0.05)
+    actor(retention_s=0.01).proxy().flush().get(timeout=10)  # on_start has run
+    assert journal_seqs(tmp_path, "alpha") == [0]
+    assert isinstance(store.load_agent(tmp_path, SPEC, "alpha").error, store.CacheMissing)
+
+
+def check_after_kill(cache_dir, acked, previous):
+    """Each file is some complete version, and every acknowledged seq is in the journal.
+
+    Returns how many writes the kill interrupted (temp files left behind)."""
+    for agent in AGENTS:
+        records = store.read_journal(cache_dir, SPEC, agent)  # a torn tail is dropped
+        seqs = [r["seq"] for r in records]
+        assert seqs == list(range(len(seqs)))
+        assert acked[agent] <= set(seqs), f"{agent}: acked {sorted(acked[agent] - set(seqs))} lost"
+        assert records[: len(previous[agent])] == previous[agent]  # append-only
+        assert all(r == expected(agent, r["seq"])[2] for r in records[len(previous[agent]) :])
+        previous[agent] = records
+        path = cache_dir / SPEC.fingerprint / agent / store.CACHE_FILE
+        assert path.exists() or not acked[agent]
+        if path.exists():
+            _, meta = store.decode_cache(path.read_bytes(), SPEC)  # complete and valid
+            assert max(acked[agent], default=-1) <= meta.seq <= seqs[-1]
+            assert_cache_is(cache_dir, agent, meta.seq)
+    return len(list(cache_dir.glob("*/*/.*.tmp")))
+
+
+def test_crash_harness_sigkill_50_times(tmp_path):
+    rng = random.Random(0)
+    acked = {agent: set() for agent in AGENTS}
+    previous = {agent: [] for agent in AGENTS}
+    interrupted = 0
+    for _ in range(50):
+        child = subprocess.Popen([sys.executable, str(CHILD), str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        ready = child.stdout.readline()
+        if ready != "ready\n":
+            child.kill()
+            pytest.fail(f"child did not start: {ready!r} {child.communicate()[1]}")
+        time.sleep(rng.uniform(0.03, 0.15))
+        child.send_signal(signal.SIGKILL)
+        out, err = child.communicate()
+        assert child.returncode == -signal.SIGKILL, err
+        for line in out.splitlines():
+            _, agent, seq = line.split()
+            acked[agent].add(int(seq))
+        interrupted += check_after_kill(tmp_path, acked, previous)
+    assert min(len(a) for a in acked.values()) > 50  # the child did real work between kills
+    torn = len(list(tmp_path.rglob("journal.torn-*")))
+    print(f"acked {[len(a) for a in acked.values()]}, {interrupted} cache writes interrupted, {torn} torn journal tails")

@@ -1,0 +1,412 @@
+"""runtime.store: bit-exact round trips, every corruption kind with its error and fallback,
+journal torn tails, agent ids, permissions, retention, inspect, the hot tier."""
+
+import json
+import os
+import random
+import stat
+import threading
+import types
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from safetensors import TensorSpec, serialize
+
+from runtime import store
+from runtime.store import CacheMeta
+
+SPEC = types.SimpleNamespace(
+    fingerprint="fp-test", n_layers=2, n_kv_heads=2, k_head_dim=64, v_head_dim=64, kv_bits=4, kv_group_size=64
+)
+
+
+def spec(**changes):
+    return types.SimpleNamespace(**{**vars(SPEC), **changes})
+
+
+def q4_cache(T, dtype=mx.float32, layers=2, heads=2, dim=64, bits=4, group=64, seed=0):
+    """Per-layer QuantizedKVCache list per the batcher's contract: exactly T long, evaluated."""
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    key = mx.random.key(seed)
+    out = []
+    for _ in range(layers):
+        c = QuantizedKVCache(group_size=group, bits=bits)
+        if T:
+            key, k1, k2 = mx.random.split(key, 3)
+            c.keys = mx.quantize(mx.random.normal((1, heads, T, dim), key=k1).astype(dtype), group, bits)
+            c.values = mx.quantize(mx.random.normal((1, heads, T, dim), key=k2).astype(dtype), group, bits)
+            c.offset = T
+            mx.eval(c.keys, c.values)
+        out.append(c)
+    return out
+
+
+def meta_for(T, seq=1):
+    return CacheMeta(seq=seq, token_ids=list(range(5, 5 + T)), token_ends=list(range(1, T + 1)), text="x" * T, turn_id=f"t{seq}")
+
+
+def raw(x):
+    return np.array(x.view(mx.uint16) if x.dtype == mx.bfloat16 else x)
+
+
+def assert_same_cache(a, b):
+    for la, lb in zip(a, b):
+        assert la.offset == lb.offset and (la.bits, la.group_size) == (lb.bits, lb.group_size)
+        if la.keys is None:
+            assert lb.keys is None
+            continue
+        for x, y in zip((*la.keys, *la.values), (*lb.keys, *lb.values)):
+            assert x.dtype == y.dtype and x.shape == y.shape
+            assert raw(x).tobytes() == raw(y).tobytes()
+
+
+def saved(tmp_path, T=40, agent="a", seq=1, **kw):
+    """Save a cache and two journal records for `agent`; return (path, records)."""
+    records = [store.journal_record(seq - 1, "user", "hi"), store.journal_record(seq, "assistant", "x" * T)]
+    store.append_journal(tmp_path, SPEC, agent, records)
+    path = store.save_cache(tmp_path, SPEC, agent, store.cache_to_host(q4_cache(T, **kw)), meta_for(T, seq))
+    return path, store.read_journal(tmp_path, SPEC, agent)
+
+
+# ---------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("T", [0, 1, 63, 64, 257])
+def test_save_load_is_bit_exact(tmp_path, dtype, T):
+    cache = q4_cache(T, dtype=dtype, seed=T)
+    got = {}
+    t = threading.Thread(target=lambda: got.update(host=store.cache_to_host(cache)))  # another thread, as an agent would
+    t.start()
+    t.join()
+    store.save_cache(tmp_path, SPEC, "agent-1", got["host"], meta_for(T))
+    host, meta = store.load_cache(tmp_path, SPEC, "agent-1")
+    assert meta == meta_for(T) and meta.fingerprint == SPEC.fingerprint
+    assert host.n_tokens == T and host.dtype == (str(dtype).split(".")[-1] if T else "float32")
+    assert_same_cache(cache, store.host_to_cache(host))
+
+
+def test_special_scale_values_survive_in_bfloat16(tmp_path):
+    cache = q4_cache(3, dtype=mx.bfloat16)
+    special = mx.array([float("nan"), -0.0, float("inf"), 1e-40], dtype=mx.bfloat16)  # 1e-40: subnormal
+    scales = mx.broadcast_to(special.reshape(1, 1, 1, 4)[..., :1], cache[0].keys[1].shape)
+    cache[0].keys = (cache[0].keys[0], mx.contiguous(scales.astype(mx.bfloat16)), cache[0].keys[2])
+    mx.eval(cache[0].keys)
+    store.save_cache(tmp_path, SPEC, "a", store.cache_to_host(cache), meta_for(3))
+    assert_same_cache(cache, store.host_to_cache(store.load_cache(tmp_path, SPEC, "a")[0]))
+
+
+def test_spare_buffer_beyond_offset_is_not_stored(tmp_path):
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    c = QuantizedKVCache(group_size=64, bits=4)
+    c.update_and_fetch(mx.random.normal((1, 2, 10, 64)), mx.random.normal((1, 2, 10, 64)))  # 256-step buffer
+    host = store.cache_to_host([c, c])
+    assert host.n_tokens == 10 and all(a.shape[2] == 10 for a in host.tensors.values())
+
+
+def test_trim_host_and_trim_cache_keep_the_first_tokens(tmp_path):
+    cache = q4_cache(20)
+    host, meta = store.cache_to_host(cache), meta_for(20)
+    h, m = store.trim_host(host, meta, 7)
+    assert h.n_tokens == 7 and m.token_ids == meta.token_ids[:7] and m.text == meta.text[:7]
+    assert_same_cache(store.host_to_cache(h), store.trim_cache(cache, 7))
+    assert store.trim_host(host, meta, 0)[0].tensors == {}
+    with pytest.raises(ValueError):
+        store.trim_host(host, meta, 21)
+
+
+def test_inconsistent_cache_or_metadata_is_refused_on_save(tmp_path):
+    host = store.cache_to_host(q4_cache(5))
+    with pytest.raises(ValueError, match="token ids"):
+        store.save_cache(tmp_path, SPEC, "a", host, meta_for(4))
+    with pytest.raises(ValueError, match="out of order"):
+        store.save_cache(tmp_path, SPEC, "a", host, CacheMeta(1, [1] * 5, [1, 2, 9, 3, 4], "xxxx"))
+    assert not (tmp_path / SPEC.fingerprint / "a" / store.CACHE_FILE).exists()
+
+
+# ---------------------------------------------------------------- corruption
+
+
+def assert_fallback(tmp_path, records, error):
+    """load_agent reports `error` and keeps the full history; a re-prefilled cache then loads."""
+    loaded = store.load_agent(tmp_path, SPEC, "a")
+    assert loaded.host is None and type(loaded.error) is error, loaded.error
+    assert loaded.records == records
+    assert str(loaded.error)  # a message that says what happened
+    # the fallback: re-prefill from the journal, save, and the next load is warm again
+    T = len(loaded.records[-1]["text"])
+    store.save_cache(tmp_path, SPEC, "a", store.cache_to_host(q4_cache(T)), meta_for(T, seq=records[-1]["seq"]))
+    assert store.load_agent(tmp_path, SPEC, "a").host.n_tokens == T
+
+
+def test_truncation_at_random_offsets(tmp_path):
+    path, records = saved(tmp_path, T=70)
+    data = path.read_bytes()
+    rng = random.Random(5)
+    for cut in [0, 4, 9] + rng.sample(range(10, len(data)), 7):
+        path.write_bytes(data[:cut])
+        with pytest.raises(store.TruncatedCache, match="cut short"):
+            store.load_cache(tmp_path, SPEC, "a")
+    assert_fallback(tmp_path, records, store.TruncatedCache)
+
+
+def test_flipped_bytes_in_header_and_body(tmp_path):
+    path, records = saved(tmp_path, T=70)
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header_positions = list(range(8, 8 + n, max(1, n // 60)))
+    header_positions += [data.index(b"fp-test"), data.index(b"token_ids") + 12, data.index(b"crc32:") + 8]
+    for pos in header_positions:
+        path.write_bytes(data[:pos] + bytes([data[pos] ^ 0xFF]) + data[pos + 1 :])
+        with pytest.raises((store.CorruptCache, store.ChecksumMismatch)):
+            store.load_cache(tmp_path, SPEC, "a")
+    for pos in random.Random(1).sample(range(8 + n, len(data)), 20):
+        path.write_bytes(data[:pos] + bytes([data[pos] ^ 0x01]) + data[pos + 1 :])
+        with pytest.raises(store.ChecksumMismatch):
+            store.load_cache(tmp_path, SPEC, "a")
+    assert_fallback(tmp_path, records, store.ChecksumMismatch)
+
+
+def test_another_models_cache(tmp_path):
+    _, records = saved(tmp_path)
+    other = spec(fingerprint="fp-other")
+    store.save_cache(tmp_path, other, "x", store.cache_to_host(q4_cache(40)), meta_for(40))
+    foreign = tmp_path / "fp-other" / "x" / store.CACHE_FILE
+    os.replace(foreign, tmp_path / SPEC.fingerprint / "a" / store.CACHE_FILE)
+    with pytest.raises(store.ForeignModel, match="fp-other"):
+        store.load_cache(tmp_path, SPEC, "a")
+    assert_fallback(tmp_path, records, store.ForeignModel)
+
+
+@pytest.mark.parametrize("bits, group", [(8, 64), (4, 32)])
+def test_other_bits_or_group(tmp_path, bits, group):
+    _, records = saved(tmp_path, bits=bits, group=group)
+    with pytest.raises(store.QuantizationMismatch, match=f"{bits}-bit with group {group}"):
+        store.load_cache(tmp_path, SPEC, "a")
+    assert_fallback(tmp_path, records, store.QuantizationMismatch)
+
+
+@pytest.mark.parametrize("change", [{"n_layers": 3}, {"n_kv_heads": 4}, {"k_head_dim": 128}, {"dtype": "bfloat16"}])
+def test_shapes_that_contradict_the_spec(tmp_path, change):
+    path, _ = saved(tmp_path)
+    with pytest.raises(store.ShapeMismatch, match="does not fit"):
+        store.decode_cache(path.read_bytes(), spec(**change))
+
+
+def test_wrong_shape_on_disk_falls_back(tmp_path):
+    _, records = saved(tmp_path, heads=4)
+    assert_fallback(tmp_path, records, store.ShapeMismatch)
+
+
+def rewrite_header(path, **changes):
+    """Rewrite a cache file with changed `__metadata__` entries (a valid safetensors file)."""
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    info = {**header.pop("__metadata__"), **changes}
+    arrays = {k: np.frombuffer(data[8 + n + v["data_offsets"][0] : 8 + n + v["data_offsets"][1]], np.uint8) for k, v in header.items()}
+    dt = {"U32": "uint32", "F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+    specs = {k: TensorSpec(dtype=dt[v["dtype"]], shape=v["shape"], data_ptr=arrays[k].ctypes.data, data_len=arrays[k].nbytes) for k, v in header.items()}
+    path.write_bytes(serialize(specs, info))
+
+
+def test_unknown_format_version(tmp_path):
+    path, records = saved(tmp_path)
+    rewrite_header(path, format_version="2")
+    with pytest.raises(store.UnsupportedVersion, match="version '2'"):
+        store.load_cache(tmp_path, SPEC, "a")
+    assert_fallback(tmp_path, records, store.UnsupportedVersion)
+
+
+def test_valid_safetensors_that_is_not_ours(tmp_path):
+    path, records = saved(tmp_path)
+    rewrite_header(path, format="something-else")
+    assert_fallback(tmp_path, records, store.CorruptCache)
+
+
+@pytest.mark.parametrize("garbage", [b"\x00" * 64, os.urandom(5000), b'{"json": "not safetensors"}' * 3, b"\x10\x00\x00\x00\x00\x00\x00\x00[1,2,3]         "])
+def test_garbage(tmp_path, garbage):
+    path, records = saved(tmp_path)
+    path.write_bytes(garbage)
+    with pytest.raises(store.CacheError) as e:
+        store.load_cache(tmp_path, SPEC, "a")
+    assert type(e.value) in (store.CorruptCache, store.TruncatedCache)
+    assert_fallback(tmp_path, records, type(e.value))
+
+
+def test_missing_cache_is_a_cold_start(tmp_path):
+    loaded = store.load_agent(tmp_path, SPEC, "nobody")
+    assert loaded.records == [] and isinstance(loaded.error, store.CacheMissing)
+
+
+# ---------------------------------------------------------------- journal
+
+
+def test_journal_round_trip_and_idempotent_append(tmp_path):
+    recs = [store.journal_record(i, "user", f"msg {i} é🙂", turn_id=f"t{i}", sender="bob") for i in range(5)]
+    assert store.append_journal(tmp_path, SPEC, "a", recs[:3]) == recs[:3]
+    assert store.append_journal(tmp_path, SPEC, "a", recs[1:]) == recs[3:]  # seqs 1, 2 already there
+    assert store.read_journal(tmp_path, SPEC, "a") == recs
+
+
+def test_torn_journal_tail_is_dropped_then_repaired(tmp_path):
+    recs = [store.journal_record(i, "user", "x" * i) for i in range(4)]
+    store.append_journal(tmp_path, SPEC, "a", recs)
+    path = tmp_path / SPEC.fingerprint / "a" / store.JOURNAL_FILE
+    data = path.read_bytes()
+    last = len(store.encode_records(recs[-1:]))
+    for cut in range(len(data) - last, len(data)):  # every cut inside the last frame
+        path.write_bytes(data[:cut])
+        assert store.read_journal(tmp_path, SPEC, "a") == recs[:3]
+    path.write_bytes(data[:-1] + b"\x00")  # damaged last byte: crc catches it
+    assert store.read_journal(tmp_path, SPEC, "a") == recs[:3]
+    store.append_journal(tmp_path, SPEC, "a", [store.journal_record(3, "user", "again")])
+    assert [r["text"] for r in store.read_journal(tmp_path, SPEC, "a")] == ["", "x", "xx", "again"]
+    torn = list(path.parent.glob("journal.torn-*"))
+    assert len(torn) == 1 and torn[0].read_bytes() == data[-last:-1] + b"\x00"
+
+
+def test_journal_of_another_format_is_not_touched(tmp_path):
+    folder = tmp_path / SPEC.fingerprint / "a"
+    folder.mkdir(parents=True)
+    (folder / store.JOURNAL_FILE).write_bytes(b"kvactors-journal-9\nfuture")
+    with pytest.raises(store.JournalError):
+        store.read_journal(tmp_path, SPEC, "a")
+    with pytest.raises(store.JournalError):
+        store.append_journal(tmp_path, SPEC, "a", [store.journal_record(0, "user", "x")])
+    assert (folder / store.JOURNAL_FILE).read_bytes() == b"kvactors-journal-9\nfuture"
+
+
+def test_bad_records_are_refused():
+    with pytest.raises(ValueError):
+        store.encode_records([{"seq": "1", "role": "user", "text": "x"}])
+    with pytest.raises(ValueError):
+        store.journal_record(1, "user", b"bytes")
+
+
+# ---------------------------------------------------------------- ids, permissions, files
+
+
+BAD_IDS = ["", ".", "..", "../x", "a/../../b", "/etc", "a/b", "a\\b", "-a", ".hidden", "_a", "a b", "a\n", "a\x00b", "é", "a" * 129, None, 3]
+
+
+@pytest.mark.parametrize("agent", BAD_IDS)
+def test_malformed_agent_ids_are_rejected(tmp_path, agent):
+    with pytest.raises(store.InvalidAgentId):
+        store.agent_dir(tmp_path, SPEC.fingerprint, agent)
+    with pytest.raises(store.InvalidAgentId):
+        store.append_journal(tmp_path, SPEC, agent, [])
+    with pytest.raises(store.InvalidAgentId):
+        store.load_agent(tmp_path, SPEC, agent)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("agent", ["a", "Z", "0", "alice.v2_x-1", "a" * 128, "a..b"])
+def test_valid_agent_ids_stay_inside_their_folder(tmp_path, agent):
+    folder = store.agent_dir(tmp_path, SPEC.fingerprint, agent)
+    assert folder.parent == tmp_path / SPEC.fingerprint and folder.name == agent
+
+
+def test_fingerprint_cannot_escape(tmp_path):
+    with pytest.raises(ValueError):
+        store.agent_dir(tmp_path, "../x", "a")
+
+
+def test_permissions_files_0600_folders_0700(tmp_path):
+    old = os.umask(0)  # a permissive umask must not leak through
+    try:
+        root = tmp_path / "cache"
+        saved(root)
+    finally:
+        os.umask(old)
+    folders = [root, root / SPEC.fingerprint, root / SPEC.fingerprint / "a"]
+    assert [stat.S_IMODE(d.stat().st_mode) for d in folders] == [0o700] * 3
+    files = list(folders[-1].iterdir())
+    assert sorted(f.name for f in files) == [store.CACHE_FILE, store.JOURNAL_FILE]  # no temp left
+    assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files)
+
+
+def test_failed_atomic_write_leaves_old_file_and_no_temp(tmp_path, monkeypatch):
+    path = tmp_path / "f"
+    store.write_atomic(path, b"old")
+
+    def boom(fd):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(store.os, "fsync", boom)
+    with pytest.raises(OSError, match="disk full"):
+        store.write_atomic(path, b"new")
+    assert path.read_bytes() == b"old" and os.listdir(tmp_path) == ["f"]
+
+
+def test_delete_and_retention(tmp_path):
+    saved(tmp_path, agent="old")
+    saved(tmp_path, agent="new")
+    assert store.delete(tmp_path, SPEC, "new") and not store.delete(tmp_path, SPEC, "new")
+    saved(tmp_path, agent="new")
+    folder = tmp_path / SPEC.fingerprint
+    past = os.path.getmtime(folder / "new" / store.CACHE_FILE) - 3600
+    for f in (folder / "old").iterdir():
+        os.utime(f, (past, past))
+    (folder / "old" / ".cache.safetensors.1.ab.tmp").write_bytes(b"crash leftover")
+    assert store.prune(tmp_path, 600) == [folder / "old" / store.CACHE_FILE]
+    assert sorted(p.name for p in (folder / "old").iterdir()) == [store.JOURNAL_FILE]  # history kept
+    assert (folder / "new" / store.CACHE_FILE).exists()
+    assert store.prune(tmp_path, 600, journals=True) == [folder / "old"]
+    assert not (folder / "old").exists()
+    model = tmp_path / "models" / "tiny-llama-v1"  # not an agent folder: never touched
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    os.utime(model / "config.json", (past, past))
+    assert store.prune(tmp_path, 600, journals=True) == [] and (model / "config.json").exists()
+    assert "tiny-llama" not in store.inspect_table(tmp_path)
+
+
+def test_inspect_table(tmp_path):
+    saved(tmp_path, agent="alice", T=12, seq=3)
+    path, _ = saved(tmp_path, agent="bob", T=5)
+    path.write_bytes(path.read_bytes()[:-3])
+    store.append_journal(tmp_path, SPEC, "carol", [store.journal_record(0, "user", "hi")])
+    (tmp_path / SPEC.fingerprint / "carol" / store.JOURNAL_FILE).open("ab").write(b"\x05\x00")
+    table = store.inspect_table(tmp_path)
+    print(table)
+    lines = {line.split()[0]: line for line in table.splitlines()[3:]}
+    assert table.startswith(f"model {SPEC.fingerprint} (3 agents)")
+    assert " 12 " in lines["alice"] and lines["alice"].endswith("ok") and "#3 assistant" in lines["alice"]
+    assert "bad cache: TruncatedCache" in lines["bob"]
+    assert "torn journal tail (2 B dropped)" in lines["carol"] and "no cache" in lines["carol"]
+    assert "no such folder" in store.inspect_table(tmp_path / "nope")
+
+
+# ---------------------------------------------------------------- hot tier
+
+
+def test_hot_caches_lru_under_a_byte_budget():
+    caches = {name: q4_cache(64, seed=i) for i, name in enumerate("abcd")}
+    size = store.cache_nbytes(caches["a"])
+    hot = store.HotCaches(budget_bytes=3 * size)
+    assert hot.put("a", caches["a"]) == [] and hot.put("b", caches["b"]) == [] and hot.put("c", caches["c"]) == []
+    assert hot.get("a") is caches["a"]  # a is now the most recent
+    assert hot.put("d", caches["d"]) == ["b"]
+    assert "b" not in hot and len(hot) == 3 and hot.nbytes == 3 * size
+    assert hot.put("a", caches["a"]) == []  # replacing does not double count
+    assert hot.pop("c") is caches["c"] and hot.nbytes == 2 * size
+    hot.discard("a")
+    assert hot.get("a") is None and hot.nbytes == size
+    assert hot.put("huge", q4_cache(1024)) == ["d", "huge"]  # larger than the budget: not kept
+    assert hot.nbytes == 0 and len(hot) == 0
+
+
+def test_hot_caches_release_memory_when_agents_go():
+    hot = store.HotCaches(budget_bytes=1 << 40)
+    base = mx.get_active_memory()
+    for i in range(4):
+        hot.put(f"a{i}", q4_cache(2048, seed=i))
+    held = mx.get_active_memory() - base
+    assert held >= hot.nbytes > 0
+    for i in range(4):
+        hot.discard(f"a{i}")
+    assert mx.get_active_memory() - base < held / 10
