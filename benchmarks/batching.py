@@ -28,21 +28,6 @@ from runtime.q4cache import extract_cache, merge_caches
 COLUMNS = ["agents", "mode", "wall_s", "system_tok_s", "x_sequential", "ttft_mean_s", "ttft_max_s"]
 
 
-class _NoText:
-    """Stands in for a tokenizer on a weights-only model: no eos, no text."""
-
-    eos_token_ids = set()
-
-    class detokenizer:  # noqa: N801 - mimics TokenizerWrapper.detokenizer (a fresh one per access)
-        last_segment = ""
-
-        def add_token(self, token):
-            pass
-
-        def finalize(self):
-            pass
-
-
 def agent_turns(n, prompt, new, vocab, seed=0):
     mx.random.seed(seed)
     return [
@@ -103,15 +88,19 @@ def main(argv=None) -> int:
     print(env, flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         model, tokenizer, spec = load_bench_model(args.model, Path(tmp))
-    tokenizer = tokenizer or _NoText()
+    tokenizer.eos_token_ids = set()  # random weights: never stop early, every agent makes --new tokens
     vocab = model.args.vocab_size
     counts = [int(n) for n in args.agents.split(",")]
-    serve(Engine(model, tokenizer, spec), agent_turns(2, args.prompt, 8, vocab, seed=99))  # warm-up
+    # warm-up: MLX-CUDA compiles kernels per shape; let every batch size occur once
+    serve(Engine(model, tokenizer, spec, max_batch=max(counts)), agent_turns(max(counts), args.prompt, 8, vocab, seed=99))
 
     rows = []
     for n in counts:
         seq_s, _ = serve(Engine(model, tokenizer, spec, max_batch=1), agent_turns(n, args.prompt, args.new, vocab))
         bat_s, results = serve(Engine(model, tokenizer, spec, max_batch=max(counts)), agent_turns(n, args.prompt, args.new, vocab))
+        failed = [r for r in results if isinstance(r, Exception)]
+        if failed:
+            raise SystemExit(f"{len(failed)} turns failed, first: {failed[0]}")
         ttfts = [r.timings.ttft_s for r in results]
         tokens = n * args.new
         rows.append(dict(agents=n, mode="sequential", wall_s=seq_s, system_tok_s=tokens / seq_s, x_sequential=1.0))

@@ -42,36 +42,48 @@ def environment() -> dict:
     return info
 
 
-def load_bench_model(name: str, workdir: Path):
-    """(model, tokenizer or None, spec) for `name`: "tiny" (CPU, float32) or "llama-8b-shape".
+def bench_model_folder(name: str, workdir: Path) -> Path:
+    """A real model folder for `name` under `workdir`, built once; `mlx_lm.load` reads it.
 
-    "llama-8b-shape" builds Llama-3.1-8B's architecture with random weights,
-    4-bit weights (group 64) and bf16 activations, in memory: no download.
+    "tiny": the embedded tiny llama (float32, CPU). "llama-8b-shape": Llama-3.1-8B's
+    architecture with random weights, 4-bit weights (group 64), bf16 activations and
+    the local 2048-token tokenizer (so its vocabulary is 2048, not 128256). No download.
     """
-    from runtime.model import ModelCacheSpec
+    from runtime.testing import make_tiny_model
 
+    path = Path(workdir) / name
+    if (path / "config.json").exists():
+        return path
     if name == "tiny":
-        from runtime.model import load_model
-        from runtime.testing import make_tiny_model
-
-        path = workdir / "tiny-llama"
-        if not (path / "config.json").exists():
-            make_tiny_model(path, "llama")
-        return load_model(path)
+        return make_tiny_model(path, "llama")
     if name != "llama-8b-shape":
         raise SystemExit(f"unknown model {name!r}: use 'tiny' or 'llama-8b-shape'")
     import mlx.nn as nn
+    from mlx.utils import tree_flatten
     from mlx_lm.models import llama
 
-    path = workdir / "llama-8b-shape"
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(LLAMA_8B))
+    tiny = make_tiny_model(Path(workdir) / "tokenizer-donor", "llama")
+    path.mkdir(parents=True)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (path / f).write_bytes((tiny / f).read_bytes())
+    config = dict(LLAMA_8B, vocab_size=json.loads((tiny / "config.json").read_text())["vocab_size"])
+    config["eos_token_id"] = json.loads((tiny / "config.json").read_text()).get("eos_token_id")
+    config["quantization"] = {"group_size": 64, "bits": 4}
     mx.random.seed(0)
-    model = llama.Model(llama.ModelArgs.from_dict(LLAMA_8B))
+    model = llama.Model(llama.ModelArgs.from_dict(config))
     model.set_dtype(mx.bfloat16)
     nn.quantize(model, group_size=64, bits=4)
     mx.eval(model.parameters())
-    return model, None, ModelCacheSpec.from_model(model, path)
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def load_bench_model(name: str, workdir: Path):
+    """(model, tokenizer, spec) for `name` (see `bench_model_folder`), through `load_model`."""
+    from runtime.model import load_model
+
+    return load_model(bench_model_folder(name, workdir))
 
 
 def write_results(name: str, env: dict, rows: list[dict], columns: list[str], out_dir: Path, notes: str = "") -> None:
@@ -110,3 +122,25 @@ def timed(fn, *args):
     mx.eval(out)
     mx.synchronize()
     return time.perf_counter() - t0, out
+
+
+def plot_lines(path: Path, curves: dict, xlabel: str, ylabel: str, title: str) -> None:
+    """Save a line plot of `curves` (label -> y values) as a PNG; skipped without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed (pip install 'kvactors[bench]'): no plot {path.name}")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, ys in curves.items():
+        ax.plot(range(1, len(ys) + 1), ys, marker="o", markersize=3, label=label)
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -20,8 +21,13 @@ def _inspect(args) -> int:
 
 
 def _bench(args) -> int:
-    from benchmarks.__main__ import main as bench_main
-
+    sys.path.insert(0, os.getcwd())  # the benchmarks/ folder of a source checkout
+    try:
+        from benchmarks.__main__ import main as bench_main
+    except ImportError:
+        print("kvactors bench runs from a source checkout (the benchmarks/ folder); "
+              "cd into it or run `python -m benchmarks`", file=sys.stderr)
+        return 2
     return bench_main(args.bench_args)
 
 
@@ -43,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("cache_dir", nargs="?", default="~/.cache/kvactors/agents", help="cache folder (default: %(default)s)")
     ins.set_defaults(func=_inspect)
 
-    bench = sub.add_parser("bench", help="run the benchmarks (see `kvactors bench -- --help`)")
+    bench = sub.add_parser("bench", help="run the benchmarks from a source checkout (see `kvactors bench --help`)")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark driver")
     bench.set_defaults(func=_bench)
     return p
@@ -51,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `kvactors` console script; returns the process exit code."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # everything after `bench` belongs to the benchmark driver
+        return _bench(argparse.Namespace(bench_args=argv[1:]))
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

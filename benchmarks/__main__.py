@@ -1,0 +1,60 @@
+"""Run the benchmark scenarios: `python -m benchmarks [SCENARIO ...] [--model M] [--out DIR]`.
+
+Scenarios (each writes JSON, a markdown table and, where it has curves, a PNG):
+  ttft       cold / hot / warm time to first token at several contexts
+  workload   5 agents x 8 turns: stateless re-prefill vs mlx-lm prompt cache vs kvactors
+  batching   batched vs sequential agents, engine overhead, resident capacity Q4 vs fp16
+  q4         prefill / decode speed of the Q4 cache routes against fp16 KV
+  persistence  save / load time against size and the disk's read bandwidth
+  actors     actor round trips, crash-to-answer time, warm vs cold after a restart
+With no scenario, all run. `--model tiny` (default) runs on any machine; on a GPU use
+`--model llama-8b-shape` (Llama-3.1-8B's shape, random 4-bit weights).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+from benchmarks.common import RESULTS
+
+SCENARIOS = {
+    "ttft": ("benchmarks.ttft", {"llama-8b-shape": ["--contexts", "1024,4096,16384,32768"]}),
+    "workload": ("benchmarks.workload", {"llama-8b-shape": ["--system-tokens", "2000", "--turn-tokens", "200", "--new", "64"]}),
+    "batching": ("benchmarks.batching", {"llama-8b-shape": ["--prompt", "1024", "--new", "64"]}),
+    "q4": ("benchmarks.q4_attention", {"llama-8b-shape": ["--contexts", "4096,16384", "--chunk", "2048"]}),
+    "persistence": ("benchmarks.persistence", {}),
+    "actors": ("benchmarks.actors", {}),
+}
+
+
+def main(argv=None) -> int:
+    """Run the chosen scenarios in order; returns non-zero if any failed."""
+    ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("scenarios", nargs="*", choices=[[], *SCENARIOS], metavar="SCENARIO",
+                    help=f"any of {', '.join(SCENARIOS)} (default: all)")
+    ap.add_argument("--model", default="tiny", help="'tiny' (any machine) or 'llama-8b-shape' (GPU)")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="output folder (default: %(default)s)")
+    args = ap.parse_args(argv)
+    failed = []
+    for name in args.scenarios or list(SCENARIOS):
+        module, presets = SCENARIOS[name]
+        argv = ["--out", str(args.out)] + presets.get(args.model, [])
+        if name != "persistence":
+            argv += ["--model", args.model]
+        print(f"== {name}: python -m {module} {' '.join(argv)}", flush=True)
+        try:
+            importlib.import_module(module).main(argv)
+        except Exception as e:  # one scenario failing must not hide the others' results
+            print(f"== {name} failed: {type(e).__name__}: {e}", flush=True)
+            failed.append(name)
+    if failed:
+        print(f"failed scenarios: {', '.join(failed)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""A multi-agent, multi-turn workload, three ways, in one run.
+
+5 agents x 8 turns; each turn adds about --turn-tokens tokens and generates
+--new tokens; a system prompt of --system-tokens makes contexts grow to about
+system + turns x (turn + new). The same conversation is served by:
+  (a) stateless: `mlx_lm.stream_generate` on the full history every turn, one
+      agent at a time (what an agent framework over a stateless server pays);
+  (b) mlx-lm prompt-cache reuse: an fp16 prompt cache per agent kept in memory,
+      token-prefix matched, one agent at a time;
+  (c) kvactors: agents as actors, the agents of a round batched, Q4 caches on
+      disk, with a full Runtime restart halfway (caches reload from disk).
+Total wall time, TTFT per turn, and peak MLX memory for each.
+
+    python -m benchmarks.workload                                    # CPU, tiny model, small
+    python -m benchmarks.workload --model llama-8b-shape --system-tokens 2000 --turn-tokens 200 --new 64   # GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx_lm
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from mlx_lm.sample_utils import make_sampler
+
+from benchmarks.common import RESULTS, bench_model_folder, environment, plot_lines, write_results
+from benchmarks.ttft import long_text
+from actors.agent import render
+from runtime import Runtime
+
+COLUMNS = ["variant", "total_s", "x_stateless", "ttft_mean_s", "ttft_p50_s", "ttft_max_s", "peak_mem_gb", "final_context"]
+
+
+def script(tokenizer, agents, turns, turn_tokens, system_tokens):
+    """The workload: per agent a system prompt, per turn a user message (deterministic)."""
+    systems = [long_text(tokenizer, system_tokens, seed=100 + a) for a in range(agents)]
+    messages = [[long_text(tokenizer, turn_tokens, seed=1000 * a + t) for t in range(turns)] for a in range(agents)]
+    return systems, messages
+
+
+def stateless(model, tokenizer, systems, messages, new, prompt_cache=False):
+    """Variants (a) and (b): one agent-turn at a time through mlx-lm; returns TTFTs and the final context."""
+    sampler = make_sampler(0.0)
+    histories = [[] for _ in systems]
+    caches = [make_prompt_cache(model) for _ in systems] if prompt_cache else None
+    cached = [[] for _ in systems]
+    ttfts, context = [], 0
+    for t in range(len(messages[0])):
+        for a, system in enumerate(systems):
+            histories[a].append({"role": "user", "text": messages[a][t]})
+            tokens = tokenizer.encode(render(tokenizer, system, histories[a]), add_special_tokens=False)
+            feed, kwargs = tokens, {}
+            if prompt_cache:
+                common = 0
+                for x, y in zip(cached[a], tokens):
+                    if x != y:
+                        break
+                    common += 1
+                common = min(common, len(tokens) - 1)
+                trim_prompt_cache(caches[a], caches[a][0].offset - common)
+                feed, kwargs = tokens[common:], {"prompt_cache": caches[a]}
+            t0 = time.perf_counter()
+            out, first = [], None
+            for r in mlx_lm.stream_generate(model, tokenizer, feed, max_tokens=new, sampler=sampler, **kwargs):
+                first = first or time.perf_counter() - t0
+                out.append(r.token)
+            ttfts.append(first)
+            histories[a].append({"role": "assistant", "text": tokenizer.decode(out)})
+            if prompt_cache:
+                cached[a] = (tokens + out)[: caches[a][0].offset]
+            context = max(context, len(tokens) + len(out))
+    return ttfts, context
+
+
+def actors(model_path, cache_dir, systems, messages, new):
+    """Variant (c): all agents of a round at once; the Runtime restarts halfway. Returns TTFTs and labels."""
+    turns = len(messages[0])
+    ttfts, labels = [], []
+    for half in (range(turns // 2), range(turns // 2, turns)):
+        with Runtime(model=model_path, cache_dir=cache_dir) as rt:
+            agents = [rt.spawn(f"agent{a}", system=s) for a, s in enumerate(systems)]
+            for t in half:
+                futures = [agent.send(messages[a][t], max_tokens=new, timeout=600) for a, agent in enumerate(agents)]
+                for f in futures:
+                    r = f.get(timeout=900)
+                    ttfts.append(r.timings.ttft_s)
+                    labels.append(r.cache)
+    return ttfts, labels
+
+
+def measure(fn, *args):
+    mx.synchronize()
+    mx.reset_peak_memory()
+    t0 = time.perf_counter()
+    out = fn(*args)
+    mx.synchronize()
+    return time.perf_counter() - t0, mx.get_peak_memory() / 1e9, out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny", help="'tiny' (CPU) or 'llama-8b-shape' (GPU)")
+    ap.add_argument("--agents", type=int, default=5)
+    ap.add_argument("--turns", type=int, default=8)
+    ap.add_argument("--system-tokens", type=int, default=300)
+    ap.add_argument("--turn-tokens", type=int, default=60)
+    ap.add_argument("--new", type=int, default=16)
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--name", default=None, help="result file name (default: workload-<model>)")
+    args = ap.parse_args(argv)
+    env = environment()
+    print(env, flush=True)
+    rows, curves = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_path = bench_model_folder(args.model, Path(tmp))
+        model, tokenizer = mlx_lm.load(str(model_path))
+        tokenizer.eos_token_ids = set()  # random weights: every turn generates --new tokens
+        systems, messages = script(tokenizer, args.agents, args.turns, args.turn_tokens, args.system_tokens)
+        stateless(model, tokenizer, systems[:1], [m[:1] for m in messages[:1]], 4)  # warm-up
+        for name, fn, fargs in (
+            ("a: stateless re-prefill", stateless, (model, tokenizer, systems, messages, args.new)),
+            ("b: mlx-lm prompt cache (fp16)", stateless, (model, tokenizer, systems, messages, args.new, True)),
+        ):
+            total, peak, (ttfts, context) = measure(fn, *fargs)
+            rows.append(dict(variant=name, total_s=total, ttft_mean_s=statistics.mean(ttfts),
+                             ttft_p50_s=statistics.median(ttfts), ttft_max_s=max(ttfts), peak_mem_gb=peak,
+                             final_context=context))
+            curves[name] = ttfts
+            print(rows[-1], flush=True)
+        del model
+        total, peak, (ttfts, labels) = measure(actors, model_path, Path(tmp) / "agents", systems, messages, args.new)
+        rows.append(dict(variant="c: kvactors (restart halfway)", total_s=total, ttft_mean_s=statistics.mean(ttfts),
+                         ttft_p50_s=statistics.median(ttfts), ttft_max_s=max(ttfts), peak_mem_gb=peak,
+                         final_context=rows[0]["final_context"]))
+        curves["c: kvactors (restart halfway)"] = ttfts
+        print(rows[-1], "cache states:", labels, flush=True)
+    for r in rows:
+        r["x_stateless"] = rows[0]["total_s"] / r["total_s"]
+    name = args.name or f"workload-{args.model}"
+    write_results(name, env, rows, COLUMNS, args.out,
+                  notes=f"model {args.model}; {args.agents} agents x {args.turns} turns, +{args.turn_tokens} tokens and "
+                        f"{args.new} generated per turn, system prompt {args.system_tokens} tokens. "
+                        f"(c)'s cache states per turn: {' '.join(labels)}. Target (GPU): c >= 3x faster than a.")
+    plot_lines(args.out / f"{name}.png", curves, "agent-turn (round-major)", "TTFT (s)", f"TTFT per turn, {args.model}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
