@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 from importlib.metadata import version
@@ -43,7 +44,7 @@ def environment() -> dict:
 
 
 def bench_model_folder(name: str, workdir: Path) -> Path:
-    """A real model folder for `name` under `workdir`, built once; `mlx_lm.load` reads it.
+    """A real model folder for `name` under `workdir` (or $KVACTORS_BENCH_MODELS), built once.
 
     "tiny": the embedded tiny llama (float32, CPU). "llama-8b-shape": Llama-3.1-8B's
     architecture with random weights, 4-bit weights (group 64), bf16 activations and
@@ -51,7 +52,8 @@ def bench_model_folder(name: str, workdir: Path) -> Path:
     """
     from runtime.testing import make_tiny_model
 
-    path = Path(workdir) / name
+    workdir = Path(os.environ.get("KVACTORS_BENCH_MODELS") or workdir)  # reuse across scenarios
+    path = workdir / name
     if (path / "config.json").exists():
         return path
     if name == "tiny":
