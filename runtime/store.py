@@ -12,9 +12,10 @@ as raw bits so they round-trip exactly). The header's `__metadata__` holds
 `format` ("kvactors-q4-cache"), `format_version` ("1"), `meta` (JSON: fingerprint,
 kv_bits, kv_group_size, dtype, n_layers, n_tokens, seq, turn_id, text, token_ids,
 token_ends, created) and `checksum` ("crc32:<hex>" over the meta string, then every
-tensor's name, dtype, shape and bytes in name order). `token_ends[i]` is the character
-offset in `text` where token i's text ends, or -1 when token i ends inside a character
-(its bytes are completed by a later token): prefix matching only cuts where it is >= 0.
+tensor's name, dtype, shape and crc32 of its bytes, in name order). `token_ends[i]` is
+the character offset in `text` where token i's text ends, or -1 when token i ends
+inside a character (its bytes are completed by a later token): prefix matching only
+cuts where it is >= 0.
 
 `journal.msgpack` starts with `JOURNAL_MAGIC`, then one frame per record:
 little-endian u32 payload length, u32 crc32 of the payload, payload = a msgpack map
@@ -49,6 +50,7 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -65,6 +67,7 @@ AGENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 MAX_HEADER = 100 << 20  # the safetensors package's own limit
 _FRAME = struct.Struct("<II")
 _TMP_SUFFIX = ".tmp"
+_PARALLEL_CRC_BYTES = 16 << 20
 
 # safetensors header dtype -> (numpy dtype that holds the bytes, activation dtype name)
 _DTYPES = {
@@ -299,12 +302,28 @@ def _check_host(host: HostCache) -> None:
 # ---------------------------------------------------------------- cache file format
 
 
+def _crcs(arrays: list) -> list[int]:
+    return [zlib.crc32(np.ascontiguousarray(a).data) for a in arrays]
+
+
 def _checksum(meta_json: str, tensors: dict, dtypes: dict) -> str:
+    """crc32 over the meta string and each tensor's name, dtype, shape and crc32 (in name order).
+
+    Tensor crcs run in threads (zlib releases the GIL) once there is enough data to pay.
+    """
+    names = sorted(tensors)
+    arrays = [tensors[n] for n in names]
+    k = min(8, os.cpu_count() or 1, len(arrays))
+    if k > 1 and sum(a.nbytes for a in arrays) >= _PARALLEL_CRC_BYTES:
+        crcs = [0] * len(arrays)
+        with ThreadPoolExecutor(k) as pool:
+            for i, part in enumerate(pool.map(_crcs, [arrays[i::k] for i in range(k)])):
+                crcs[i::k] = part
+    else:
+        crcs = _crcs(arrays)
     crc = zlib.crc32(meta_json.encode())
-    for name in sorted(tensors):
-        a = tensors[name]
-        crc = zlib.crc32(f"{name}:{dtypes[name]}:{list(a.shape)}".encode(), crc)
-        crc = zlib.crc32(np.ascontiguousarray(a).data, crc)
+    for name, a, c in zip(names, arrays, crcs):
+        crc = zlib.crc32(f"{name}:{dtypes[name]}:{list(a.shape)}:{c:08x}".encode(), crc)
     return f"crc32:{crc:08x}"
 
 

@@ -410,3 +410,13 @@ def test_hot_caches_release_memory_when_agents_go():
     for i in range(4):
         hot.discard(f"a{i}")
     assert mx.get_active_memory() - base < held / 10
+
+
+def test_parallel_and_serial_checksums_agree(tmp_path, monkeypatch):
+    path, _ = saved(tmp_path, T=64)  # small: checksummed serially
+    monkeypatch.setattr(store, "_PARALLEL_CRC_BYTES", 0)  # now in threads
+    assert store.load_cache(tmp_path, SPEC, "a")[1].seq == 1
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 1
+    with pytest.raises(store.ChecksumMismatch):
+        store.decode_cache(data, SPEC)
