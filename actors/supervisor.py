@@ -24,6 +24,7 @@ their arithmetic is testable without sleeping.
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import random
 import threading
@@ -49,6 +50,13 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+_PYKKA_INTERNALS = ("_actor_loop", "_actor_loop_teardown", "_handle_receive", "_stop")
+if not all(hasattr(pykka.Actor, name) for name in _PYKKA_INTERNALS):
+    raise ImportError(
+        f"actors.supervisor builds on pykka 4.5's actor loop ({', '.join(_PYKKA_INTERNALS)}); "
+        f"installed pykka is {importlib.metadata.version('pykka')}: install pykka>=4.5,<5"
+    )
 
 RESTART_TYPES = ("permanent", "transient", "temporary")
 STRATEGIES = ("one_for_one", "one_for_all", "rest_for_one")
