@@ -32,7 +32,7 @@ import msgpack
 import pykka
 
 from actors import persistence
-from actors.batcher import Submit
+from actors.batcher import BatcherStopped, Submit
 from actors.supervisor import SupervisedActor
 from runtime import prefix, store
 from runtime.engine import Sampling, Timings, Turn, TurnError, TurnResult
@@ -147,6 +147,11 @@ def render_messages(system: str, records) -> list[dict]:
     return messages
 
 
+def render(tokenizer, system: str, records) -> str:
+    """The chat-template text of a conversation, ending with the assistant's prompt."""
+    return tokenizer.apply_chat_template(render_messages(system, records), add_generation_prompt=True, tokenize=False)
+
+
 class AgentActor(SupervisedActor):
     """One agent. Started by the runtime's supervisor; talk to it through an `AgentRef`.
 
@@ -193,13 +198,28 @@ class AgentActor(SupervisedActor):
         self.env.hot.discard(self.name)
         why = f"{exception_type.__name__}: {exception_value}"
         if self.current is not None:
-            _fail(self.current.future, AgentCrashed(self.current.turn_id, f"the agent crashed ({why})"))
-        for item in self.work:
-            _fail(item.future, AgentCrashed(None, f"the agent crashed before this message ({why}); retry it"))
+            error = exception_value  # e.g. the watchdog's TurnTimeout: the caller gets it as is
+            if not (isinstance(error, AgentCrashed) and error.turn_id == self.current.turn_id):
+                error = AgentCrashed(self.current.turn_id, f"the agent crashed ({why})")
+            _fail(self.current.future, error)
+        self._drop_work(f"the agent crashed before this message ({why}); retry it")
         self._drain_inbox(why)
 
     def on_stop(self):
+        # A stop can come while a turn is in flight or queued in `work`: answer them too.
+        if self.current is not None:
+            _fail(self.current.future, AgentCrashed(self.current.turn_id, "the agent stopped before the turn finished"))
+        self._drop_work("the agent stopped before this message; retry it")
         self._drain_inbox("the agent stopped")
+
+    def _drop_work(self, why):
+        # Items taken from the inbox but not started: fail the turns, dead-letter the notes.
+        for item in self.work:
+            if item.kind == "note":
+                self.env.dead_letter(self.name, Note(msgpack.packb(item.msg)), why)
+            else:
+                _fail(item.future, AgentCrashed(None, why))
+        self.work.clear()
 
     def _drain_inbox(self, why):
         # pykka drops tells left in a stopped actor's inbox: answer or dead-letter them.
@@ -273,11 +293,13 @@ class AgentActor(SupervisedActor):
             except pykka.ActorDeadError:
                 env.dead_letter(self.name, outcome, "the agent was gone when its turn finished")
 
-        try:
-            env.batcher().tell(Submit(turn, reply))
-        except pykka.ActorDeadError:
-            raise AgentCrashed(turn_id, "the batcher is not running") from None
         timeout = msg.get("timeout")
+        submit = Submit(turn, reply)
+        try:
+            env.batcher().tell(submit)
+        except pykka.ActorDeadError:  # its supervisor is restarting it: submit once it is back
+            threading.Thread(target=_submit_when_back, args=(env, submit, me, timeout or env.io_timeout),
+                             name=f"{self.name}-resubmit", daemon=True).start()
         if timeout:
             timer = threading.Timer(timeout, _tell_quietly, (me, _Watchdog(turn_id)))
             timer.daemon = True
@@ -381,6 +403,19 @@ class AgentActor(SupervisedActor):
 def _fail(future, error):
     if future is not None:
         future.set_exception((type(error), error, None))
+
+
+def _submit_when_back(env, submit: Submit, agent, wait_s: float):
+    """Tell `submit` to the batcher once it is running again (off the agent's thread), or fail it."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and agent.is_alive():
+        time.sleep(0.005)
+        try:
+            env.batcher().tell(submit)
+            return
+        except pykka.ActorDeadError:
+            pass
+    submit.reply(BatcherStopped(submit.turn.turn_id, "the batcher is not running"))
 
 
 def _tell_quietly(ref, message):

@@ -25,7 +25,7 @@ from actors import agent as agent_mod
 from actors.agent import DURABILITY, AgentActor, AgentCrashed, Ask, Note, Reply, TurnTimeout, UnknownAgent
 from actors.batcher import BatcherActor
 from actors.persistence import PersistenceActor
-from actors.supervisor import Backoff, ChildSpec, Supervisor
+from actors.supervisor import Backoff, ChildSpec, Supervisor, UnknownChild
 from runtime import store
 from runtime.model import load_model
 
@@ -59,8 +59,7 @@ class Env:
 
     def render(self, system: str, records) -> str:
         """The chat-template text of a conversation, ending with the assistant's prompt."""
-        messages = agent_mod.render_messages(system, records)
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return agent_mod.render(self.tokenizer, system, records)
 
     def batcher(self) -> pykka.ActorRef:
         return self.refs["@batcher"]
@@ -273,10 +272,26 @@ class Runtime:
             ref = self.env.refs.get(name)
             if ref is not None and ref.is_alive():
                 return ref
+            if self._exited(name):  # a temporary (or transient) agent that was not restarted
+                if name in self._names:
+                    self._names.remove(name)
+                self.env.refs.pop(name, None)
+                self.env.hot.discard(name)
+                raise UnknownAgent(f"agent {name!r} exited and was not restarted; spawn it again")
             if time.monotonic() > deadline or self.escalation:
                 self._check_running()
                 raise AgentCrashed(None, f"agent {name!r} did not come back from a restart")
             time.sleep(0.005)
+
+    def _exited(self, name) -> bool:
+        """Whether the agents' supervisor dropped child `name` (so no restart is coming)."""
+        try:
+            self.supervisor.proxy().whereis(name).get(timeout=10)
+        except UnknownChild:
+            return name in self._names
+        except (pykka.ActorDeadError, pykka.Timeout):
+            pass
+        return False
 
     def _deliver(self, name, message, future):
         try:

@@ -1,0 +1,651 @@
+"""Agents and the Runtime facade: cache states, restarts, messaging, supervision.
+
+Everything runs on the embedded tiny model (random weights, greedy, a few tokens per
+turn). `stalled_batcher` parks the batcher's thread inside a reply callback, so a test
+can hold turns in flight deterministically (watchdog, batcher crash, dead letters).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import msgpack
+import pykka
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import agent_restart_child as child
+from actors.agent import Ask, AgentActor, Note, encode_message
+from actors.batcher import Submit
+from actors.supervisor import Backoff
+from runtime import AgentCrashed, Reply, Runtime, RuntimeEscalated, TurnTimeout, UnknownAgent, store
+from runtime.engine import Turn
+from runtime.facade import AgentRef
+
+TESTS = Path(__file__).resolve().parent
+FAST = Backoff(min=0.001, max=0.02, reset=10.0)
+
+
+# -- helpers ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def rt(tmp_path_factory):
+    """One runtime shared by the tests that only need fresh agent names."""
+    with Runtime(model=None, cache_dir=tmp_path_factory.mktemp("agents"), max_restarts=50, backoff=FAST) as r:
+        yield r
+
+
+@contextlib.contextmanager
+def stalled_batcher(rt):
+    """Park the batcher's thread (inside the reply of a 1-token turn) until the block exits."""
+    entered, release = threading.Event(), threading.Event()
+
+    def reply(outcome):
+        entered.set()
+        release.wait(30)
+
+    tokens = rt.tokenizer.encode("gate", add_special_tokens=False)
+    rt.env.batcher().tell(Submit(Turn(f"gate-{uuid.uuid4().hex[:8]}", "gate", None, tokens, max_tokens=1), reply))
+    assert entered.wait(30), "the batcher never ran the gate turn"
+    try:
+        yield
+    finally:
+        release.set()
+
+
+def wait_for(predicate, timeout=10.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.005)
+
+
+def wait_batcher_restarted(rt, old):
+    wait_for(lambda: rt.env.batcher() is not old and rt.env.batcher().is_alive(), what="the batcher's restart")
+
+
+def note_of(letter):
+    """The decoded message of a dead letter (payload bytes or an Ask/Note envelope), or None."""
+    message = letter.message
+    payload = message.payload if isinstance(message, (Ask, Note)) else message
+    return msgpack.unpackb(payload) if isinstance(payload, bytes) else None
+
+
+def turn_ids(history):
+    return [r["turn_id"] for r in history if r["turn_id"] is not None]
+
+
+def live_agents(env) -> dict[str, int]:
+    """Name -> number of live AgentActors of the runtime with `env`."""
+    counts: dict[str, int] = {}
+    for ref in pykka.ActorRegistry.get_by_class(AgentActor):
+        actor = ref._actor_weakref()
+        if actor is not None and ref.is_alive() and actor.env is env:
+            counts[actor.name] = counts.get(actor.name, 0) + 1
+    return counts
+
+
+def journal(cache_dir, rt, name) -> list[dict]:
+    """`name`'s journal records as on disk now."""
+    path = store.agent_dir(cache_dir, rt.spec.fingerprint, name) / store.JOURNAL_FILE
+    return store.parse_journal(path.read_bytes())[0] if path.exists() else []
+
+
+LONG_SYSTEM = "You are Alice, a careful planner who writes short plans. " * 4
+
+
+# -- cache states ---------------------------------------------------------------------
+
+
+def test_cold_then_hot_then_warm_after_a_new_runtime(tmp_path):
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        alice = rt.spawn("alice", system=LONG_SYSTEM)
+        r1 = alice.ask("Plan a bake sale.", max_tokens=6)
+        r2 = alice.ask("Go on.", max_tokens=6)
+        full2 = len(rt.tokenizer.encode(rt.env.render(LONG_SYSTEM, alice.history()), add_special_tokens=False))
+    assert (r1.cache, r2.cache) == ("cold", "hot")
+    assert isinstance(r1, Reply) and r1.agent == "alice" and len(r1.tokens) == 6 and r1.finish_reason == "length"
+    assert r2.timings.prefill_tokens < r1.timings.prefill_tokens  # only the new suffix
+
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        alice = rt.spawn("alice", system=LONG_SYSTEM)
+        assert turn_ids(alice.history()) == [r1.turn_id, r1.turn_id, r2.turn_id, r2.turn_id]
+        r3 = alice.ask("And then?", max_tokens=6)
+        r4 = alice.ask("Thanks.", max_tokens=6)
+    assert (r3.cache, r4.cache) == ("warm", "hot")
+    assert r3.timings.prefill_tokens < full2 // 2  # no re-prefill of the history
+
+
+def test_hot_budget_zero_makes_every_turn_warm_with_the_same_output(tmp_path):
+    texts = ["Plan a bake sale.", "Go on.", "Who bakes?"]
+    with Runtime(model=None, cache_dir=tmp_path / "hot") as rt:
+        a = rt.spawn("alice", system="You are Alice.")
+        hot = [a.ask(t, max_tokens=6) for t in texts]
+    with Runtime(model=None, cache_dir=tmp_path / "warm", hot_budget=0) as rt:
+        a = rt.spawn("alice", system="You are Alice.")
+        warm = [a.ask(t, max_tokens=6) for t in texts]
+        assert len(rt.env.hot) == 0
+    assert [r.cache for r in hot] == ["cold", "hot", "hot"]
+    assert [r.cache for r in warm] == ["cold", "warm", "warm"]
+    assert [r.tokens for r in warm] == [r.tokens for r in hot]
+
+
+def test_process_restart_resumes_warm_with_the_uninterrupted_greedy_output(tmp_path):
+    n, cut = len(child.STEPS), 3
+    assert child.STEPS[cut][0] == "ask"
+    whole = child.run(tmp_path / "whole", 0, n)  # in-process, uninterrupted (also builds the model)
+
+    def run_child(start, end):
+        proc = subprocess.run(
+            [sys.executable, str(TESTS / "agent_restart_child.py"), str(tmp_path / "split"), str(start), str(end)],
+            capture_output=True, text=True, timeout=120, env=dict(os.environ),
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    first, second = run_child(0, cut), run_child(cut, n)
+    assert [r["step"] for r in first + second] == list(range(n))
+    assert [r["tokens"] for r in first + second] == [r["tokens"] for r in whole]
+    assert [r["text"] for r in first + second] == [r["text"] for r in whole]
+    assert whole[cut]["cache"] == "hot"
+    assert second[0]["cache"] == "warm"  # alice resumed from disk, no full re-prefill
+    assert second[1] == {**second[1], "agent": "bob", "cache": "warm"}
+
+
+# -- messages between agents ---------------------------------------------------------
+
+
+def test_send_to_is_a_turn_of_bob_attributed_to_alice_and_a_note_to_alice(rt):
+    alice = rt.spawn("st-alice", system="You are Alice.")
+    bob = rt.spawn("st-bob", system="You are Bob.")
+    alice.ask("Plan a bake sale.", max_tokens=4)
+    before_alice, before_bob = alice.history(), bob.history()
+
+    future = alice.send_to(bob, "Bob, review this.", max_tokens=6)
+    r = future.get(timeout=60)
+    assert isinstance(r, Reply) and r.agent == "st-bob" and len(r.tokens) == 6
+
+    bob_new = bob.history()[len(before_bob):]
+    assert [(x["role"], x["sender"], x["text"], x["turn_id"]) for x in bob_new] == [
+        ("user", "st-alice", "Bob, review this.", r.turn_id),
+        ("assistant", None, r.text, r.turn_id),
+    ]
+    # bob's model saw the message as coming from alice
+    assert "st-alice: Bob, review this." in rt.env.render(bob.history()[0]["text"], bob.history())
+
+    after_alice = alice.history()
+    assert after_alice[: len(before_alice)] == before_alice
+    new = after_alice[len(before_alice):]
+    assert [(x["role"], x["sender"], x["text"], x["turn_id"]) for x in new] == [("user", "st-bob", r.text, None)]
+    time.sleep(0.2)  # no turn of alice follows later either (no ping-pong)
+    assert alice.history() == after_alice
+    assert len(bob.history()) == len(before_bob) + 2
+
+
+def test_mutual_send_to_never_deadlocks(rt):
+    alice = rt.spawn("dl-alice", system="You are Alice.")
+    bob = rt.spawn("dl-bob", system="You are Bob.")
+    rounds, burst = 4, 2
+    for i in range(rounds):
+        barrier = threading.Barrier(2)
+        results, errors = {}, []
+
+        def go(src, dst, i=i, barrier=barrier, results=results, errors=errors):
+            try:
+                barrier.wait(10)
+                futures = [src.send_to(dst, f"{src.name} ping {i}.{k}", max_tokens=4) for k in range(burst)]
+                results[src.name] = [f.get(timeout=30) for f in futures]
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+
+        threads = [threading.Thread(target=go, args=(alice, bob)), threading.Thread(target=go, args=(bob, alice))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(45)
+        assert not any(t.is_alive() for t in threads), f"round {i}: mutual send_to deadlocked"
+        assert not errors, errors
+        assert {r.agent for r in results["dl-alice"]} == {"dl-bob"}
+        assert {r.agent for r in results["dl-bob"]} == {"dl-alice"}
+    for me, other in ((alice, bob), (bob, alice)):
+        # a note queued behind another note's write shows in history() once it is taken up
+        wait_for(lambda: sum(x["turn_id"] is None and x["role"] == "user" for x in me.history()) == rounds * burst,
+                 what=f"{me.name}'s notes")
+        h = me.history()
+        turns = [x for x in h if x["role"] == "user" and x["turn_id"] is not None]
+        notes = [x for x in h if x["role"] == "user" and x["turn_id"] is None]
+        assert [x["text"] for x in turns] == [f"{other.name} ping {i}.{k}" for i in range(rounds) for k in range(burst)]
+        assert all(x["sender"] == other.name for x in turns + notes)
+        assert len(notes) == rounds * burst
+        assert len(set(turn_ids(h))) == len(turns)
+
+
+def test_converse_and_broadcast_attribute_every_message(rt):
+    a = rt.spawn("cv-a", system="You are A.")
+    b = rt.spawn("cv-b", system="You are B.")
+    replies = rt.converse([a, b], "Let us plan.", rounds=2, max_tokens=4)
+    assert [r.agent for r in replies] == ["cv-a", "cv-b", "cv-a", "cv-b"]
+    b_users = [x for x in b.history() if x["role"] == "user"]
+    expected = [("cv-a", replies[0].text or "..."), ("cv-a", replies[2].text or "...")]
+    assert [(x["sender"], x["text"]) for x in b_users] == expected
+    a_users = [x for x in a.history() if x["role"] == "user"]
+    assert [x["sender"] for x in a_users] == [None, "cv-b"]
+
+    futures = rt.broadcast([a, b], "Vote now.", max_tokens=4)
+    assert sorted(f.get(timeout=60).agent for f in futures) == ["cv-a", "cv-b"]
+    assert a.history()[-2]["text"] == b.history()[-2]["text"] == "Vote now."
+
+
+def test_ask_async(rt):
+    a = rt.spawn("async-a", system="You are A.")
+
+    async def main():
+        return await asyncio.gather(a.ask_async("One.", max_tokens=4), asyncio.sleep(0, "loop free"))
+
+    r, free = asyncio.run(main())
+    assert r.agent == "async-a" and len(r.tokens) == 4 and free == "loop free"
+
+
+def test_messages_are_msgpack_envelopes(rt, monkeypatch):
+    alice = rt.spawn("mp-alice", system="You are Alice.")
+    bob = rt.spawn("mp-bob", system="You are Bob.")
+    delivered, notified = [], []
+    deliver, notify = rt._deliver, rt.env.notify
+
+    def spy_deliver(name, message, future):
+        delivered.append((name, message))
+        deliver(name, message, future)
+
+    def spy_notify(name, payload):
+        notified.append((name, payload))
+        notify(name, payload)
+
+    monkeypatch.setattr(rt, "_deliver", spy_deliver)
+    monkeypatch.setattr(rt.env, "notify", spy_notify)
+
+    r = alice.send_to(bob, "Bob, review this.", conversation_id="conv-1", max_tokens=4).get(timeout=60)
+    [(name, ask)] = delivered
+    assert name == "mp-bob" and isinstance(ask, Ask) and isinstance(ask.payload, bytes)
+    msg = msgpack.unpackb(ask.payload)
+    assert msg["sender"] == "mp-alice" and msg["text"] == "Bob, review this." and msg["conversation_id"] == "conv-1"
+    assert isinstance(msg["message_id"], str) and msg["message_id"]
+    user = next(x for x in bob.history() if x["turn_id"] == r.turn_id and x["role"] == "user")
+    assert (user["message_id"], user["conversation_id"]) == (msg["message_id"], "conv-1")
+
+    [(name, payload)] = notified
+    note = msgpack.unpackb(payload)
+    assert name == "mp-alice" and note["sender"] == "mp-bob" and note["text"] == r.text
+    assert note["conversation_id"] == "conv-1" and note["message_id"] and note["message_id"] != msg["message_id"]
+    assert alice.history()[-1]["message_id"] == note["message_id"]
+
+
+# -- dead letters ---------------------------------------------------------------------
+
+
+def test_a_stopped_agent_is_unknown_and_messages_to_it_are_dead_letters(rt):
+    a = rt.spawn("gone-a", system="You are A.")
+    a.ask("Hello.", max_tokens=4)
+    a.stop()
+    assert "gone-a" not in rt.agents()
+    assert "gone-a" not in live_agents(rt.env)
+    n = len(rt.dead_letters)
+    with pytest.raises(UnknownAgent):
+        a.ask("Anyone there?", max_tokens=4)
+    with pytest.raises(UnknownAgent):
+        rt.agent("gone-a")
+    ghost = AgentRef(rt, "never-spawned")
+    with pytest.raises(UnknownAgent):
+        ghost.send("Boo.")
+    letters = rt.dead_letters[n:]
+    assert [d.recipient for d in letters] == ["gone-a", "never-spawned"]
+    assert note_of(letters[0])["text"] == "Anyone there?"
+    assert all(d.reason for d in letters)
+
+
+def test_a_reply_to_an_agent_stopped_meanwhile_is_a_dead_letter(rt):
+    alice = rt.spawn("dlr-alice", system="You are Alice.")
+    bob = rt.spawn("dlr-bob", system="You are Bob.")
+    n = len(rt.dead_letters)
+    with stalled_batcher(rt):
+        future = alice.send_to(bob, "Answer me later.", max_tokens=4)
+        alice.stop()  # bob's turn can't finish while the batcher is parked
+    r = future.get(timeout=60)
+    assert r.agent == "dlr-bob"
+    wait_for(lambda: len(rt.dead_letters) > n, what="the dead letter")
+    [letter] = [d for d in rt.dead_letters[n:] if d.recipient == "dlr-alice"]
+    note = note_of(letter)
+    assert (note["sender"], note["text"]) == ("dlr-bob", r.text)
+
+
+def test_stopping_an_agent_answers_its_pending_turns_and_dead_letters_its_pending_notes(rt):
+    alice = rt.spawn("stop-alice", system="You are Alice.")
+    n = len(rt.dead_letters)
+    with stalled_batcher(rt):
+        batcher = rt.env.batcher()
+        running = alice.send("One.", max_tokens=4)
+        wait_for(lambda: batcher.actor_inbox.qsize() >= 1, what="the turn to reach the batcher")
+        queued = alice.send("Two.", max_tokens=4)
+        rt.env.notify("stop-alice", encode_message("A note.", sender="bob"))  # as bob's reply would
+        alice.stop()
+        for future in (running, queued):
+            with pytest.raises(AgentCrashed):
+                future.get(timeout=5)  # not left hanging
+    notes = [note_of(d) for d in rt.dead_letters[n:] if d.recipient == "stop-alice"]
+    assert [(m["sender"], m["text"]) for m in notes if m] == [("bob", "A note.")]
+
+
+def test_a_note_queued_behind_a_crashed_turn_is_not_silently_dropped(rt):
+    alice = rt.spawn("crash-note-alice", system="You are Alice.")
+    n = len(rt.dead_letters)
+    with stalled_batcher(rt):
+        future = alice.send("Hang.", max_tokens=4, timeout=0.2)
+        rt.env.notify("crash-note-alice", encode_message("A note.", sender="bob"))
+        with pytest.raises(TurnTimeout):
+            future.get(timeout=10)
+    kept = [x["text"] for x in alice.history() if x["role"] == "user"]
+    lettered = [m["text"] for d in rt.dead_letters[n:] if (m := note_of(d))]
+    assert "A note." in kept + lettered
+
+
+# -- crashes and supervision ----------------------------------------------------------
+
+
+def test_injected_crash_fails_the_turn_and_the_ref_keeps_working(tmp_path):
+    with Runtime(model=None, cache_dir=tmp_path / "a", backoff=FAST) as rt:
+        alice = rt.spawn("alice", system="You are Alice.")
+        r1 = alice.ask("One.", max_tokens=6)
+        old = rt.env.refs["alice"]
+        alice.inject_crash()
+        with pytest.raises(AgentCrashed) as crash:
+            alice.ask("Two.", max_tokens=6)
+        assert not isinstance(crash.value, TurnTimeout)
+        assert crash.value.turn_id and crash.value.turn_id.startswith("alice-") and crash.value.turn_id != r1.turn_id
+        r3 = alice.ask("Three.", max_tokens=6)
+        assert rt.env.refs["alice"] is not old and live_agents(rt.env) == {"alice": 1}
+        assert r3.cache == "warm"  # the restarted actor reloaded its cache from disk
+        h = alice.history()
+        assert turn_ids(h) == [r1.turn_id] * 2 + [r3.turn_id] * 2
+        assert "Two." not in [x["text"] for x in h]
+    with Runtime(model=None, cache_dir=tmp_path / "a") as rt:
+        assert turn_ids(rt.spawn("alice").history()) == [r1.turn_id] * 2 + [r3.turn_id] * 2
+    with Runtime(model=None, cache_dir=tmp_path / "b") as rt:  # as if the crashed turn never happened
+        alice = rt.spawn("alice", system="You are Alice.")
+        assert [alice.ask(t, max_tokens=6).tokens for t in ("One.", "Three.")] == [r1.tokens, r3.tokens]
+
+
+def test_too_many_crashes_escalate(tmp_path):
+    escalated, calls = threading.Event(), []
+
+    def on_escalate(name, error):
+        calls.append((name, error))
+        escalated.set()
+
+    with Runtime(model=None, cache_dir=tmp_path, max_restarts=1, restart_period=60, backoff=FAST,
+                 on_escalate=on_escalate) as rt:
+        alice = rt.spawn("alice", system="You are Alice.")
+        alice.ask("One.", max_tokens=4)
+        for _ in range(2):
+            alice.inject_crash()
+            with pytest.raises(AgentCrashed):
+                alice.ask("Crash.", max_tokens=4)
+        assert escalated.wait(10)
+        assert calls[0][0] == "alice" and isinstance(calls[0][1], BaseException)
+        with pytest.raises(RuntimeEscalated):
+            alice.ask("Still there?", max_tokens=4)
+        with pytest.raises(RuntimeEscalated):
+            rt.spawn("carol")
+        wait_for(lambda: not live_agents(rt.env), what="the group to stop")
+
+
+def test_restart_types_of_agents(tmp_path):
+    with Runtime(model=None, cache_dir=tmp_path, backoff=FAST) as rt:
+        transient = rt.spawn("tr", system="You are T.", restart="transient")
+        temporary = rt.spawn("tmp", system="You are T.", restart="temporary")
+        with pytest.raises(ValueError):
+            rt.spawn("bad", restart="sometimes")
+        for ref in (transient, temporary):
+            ref.ask("One.", max_tokens=4)
+            ref.inject_crash()
+            with pytest.raises(AgentCrashed):
+                ref.ask("Crash.", max_tokens=4)
+        assert transient.ask("Two.", max_tokens=4).agent == "tr"  # restarted after its crash
+        n, t0 = len(rt.dead_letters), time.monotonic()
+        with pytest.raises(UnknownAgent):  # not restarted: gone, like a stopped agent
+            temporary.ask("Two.", max_tokens=4)
+        assert time.monotonic() - t0 < 5
+        assert rt.agents() == ["tr"] and [d.recipient for d in rt.dead_letters[n:]] == ["tmp"]
+        again = rt.spawn("tmp", system="You are T.")  # its durable history is still there
+        assert len(turn_ids(again.history())) == 2
+
+
+def test_hot_caches_over_budget_go_warm(tmp_path):
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        alice = rt.spawn("alice", system="You are Alice.")
+        bob = rt.spawn("bob", system="You are Bob.")
+        assert alice.ask("One.", max_tokens=4).cache == "cold"
+        rt.env.hot.budget_bytes = store.cache_nbytes(rt.env.hot.get("alice")) * 3 // 2  # room for one agent
+        assert bob.ask("One.", max_tokens=4).cache == "cold"
+        assert "alice" not in rt.env.hot and "bob" in rt.env.hot  # least recently used dropped to warm
+        assert alice.ask("Two.", max_tokens=4).cache == "warm"
+
+
+def test_a_batcher_crash_between_turns_is_survived(tmp_path):
+    with Runtime(model=None, cache_dir=tmp_path, backoff=FAST) as rt:
+        alice = rt.spawn("alice", system="You are Alice.")
+        r1 = alice.ask("One.", max_tokens=4)
+        old = rt.env.batcher()
+        old.tell(object())  # an unknown message: TypeError inside the batcher
+        wait_batcher_restarted(rt, old)
+        r2 = alice.ask("Two.", max_tokens=4)
+        assert r2.cache == "hot"
+        assert turn_ids(alice.history()) == [r1.turn_id] * 2 + [r2.turn_id] * 2
+
+
+def test_a_turn_during_the_batchers_restart_waits_for_it(tmp_path):
+    with Runtime(model=None, cache_dir=tmp_path, backoff=Backoff(min=0.2, max=0.3, reset=10.0)) as rt:
+        alice = rt.spawn("alice", system="You are Alice.")
+        alice.ask("One.", max_tokens=4)
+        me, old = rt.env.refs["alice"], rt.env.batcher()
+        old.tell(object())
+        wait_for(lambda: not old.is_alive(), what="the batcher's crash")
+        r = alice.ask("Two.", max_tokens=4)  # sent while the batcher's restart is pending
+        assert rt.env.batcher() is not old
+        assert r.cache == "hot" and rt.env.refs["alice"] is me  # the agent did not crash for it
+
+
+def test_a_batcher_crash_fails_in_flight_turns_and_agents_keep_their_history(tmp_path):
+    with Runtime(model=None, cache_dir=tmp_path, backoff=FAST) as rt:
+        alice = rt.spawn("alice", system="You are Alice.")
+        bob = rt.spawn("bob", system="You are Bob.")
+        r1 = alice.ask("One.", max_tokens=4)
+        b1 = bob.ask("One.", max_tokens=4)
+        old = rt.env.batcher()
+        with stalled_batcher(rt):
+            futures = [alice.send("Two.", max_tokens=4), bob.send("Two.", max_tokens=4)]
+            wait_for(lambda: old.actor_inbox.qsize() >= 2, what="the turns to reach the batcher")
+            old.tell(object())
+        for f in futures:
+            with pytest.raises(AgentCrashed) as crash:
+                f.get(timeout=30)
+            assert crash.value.turn_id and "batcher" in str(crash.value)
+        wait_batcher_restarted(rt, old)
+        r3, b3 = alice.ask("Three.", max_tokens=4), bob.ask("Three.", max_tokens=4)
+        assert turn_ids(alice.history()) == [r1.turn_id] * 2 + [r3.turn_id] * 2
+        assert turn_ids(bob.history()) == [b1.turn_id] * 2 + [b3.turn_id] * 2
+        assert live_agents(rt.env) == {"alice": 1, "bob": 1}
+
+
+def test_the_watchdog_fails_a_hung_turn_and_restarts_the_agent(tmp_path):
+    with Runtime(model=None, cache_dir=tmp_path, backoff=FAST) as rt:
+        alice = rt.spawn("alice", system="You are Alice.")
+        r1 = alice.ask("One.", max_tokens=4)
+        old = rt.env.refs["alice"]
+        with stalled_batcher(rt):
+            t0 = time.monotonic()
+            with pytest.raises(TurnTimeout) as timeout:
+                alice.ask("Hang.", max_tokens=4, timeout=0.2)
+            assert time.monotonic() - t0 < 5  # the watchdog, not the caller's own wait
+            assert timeout.value.turn_id and timeout.value.turn_id.startswith("alice-")
+        r2 = alice.ask("Two.", max_tokens=4)
+        assert rt.env.refs["alice"] is not old
+        h = alice.history()
+        assert turn_ids(h) == [r1.turn_id] * 2 + [r2.turn_id] * 2
+        assert "Hang." not in [x["text"] for x in h]
+
+
+def test_memory_durability(tmp_path):
+    with Runtime(model=None, cache_dir=tmp_path, durability="memory") as rt:
+        alice = rt.spawn("alice", system="You are Alice.")
+        replies = [alice.ask(t, max_tokens=4) for t in ("One.", "Two.")]
+        assert [r.cache for r in replies] == ["cold", "hot"]
+    with Runtime(model=None, cache_dir=tmp_path, durability="memory") as rt:
+        alice = rt.spawn("alice", system="You are Alice.")
+        assert turn_ids(alice.history()) == [t for r in replies for t in (r.turn_id, r.turn_id)]
+        assert alice.ask("Three.", max_tokens=4).cache == "warm"
+    with pytest.raises(ValueError):
+        Runtime(model=None, cache_dir=tmp_path, durability="eventually")
+
+
+# -- the stateful model ---------------------------------------------------------------
+
+NAMES = ("ann", "ben")
+
+
+class AgentsMachine(RuleBasedStateMachine):
+    """Spawn / turn / crash / stop / restart the runtime, against a model of acknowledged turns."""
+
+    def __init__(self):
+        super().__init__()
+        self.dir = Path(tempfile.mkdtemp(prefix="kvactors-agents-sm-"))
+        self.rt = self._runtime()
+        self.running: dict[str, AgentRef] = {}
+        self.acked: dict[str, list[tuple]] = {n: [] for n in NAMES}  # (turn_id, sender, text, reply text)
+        self.crashed: set[str] = set()
+        self.notes: dict[str, list[str]] = {n: [] for n in NAMES}  # replies received by send_to
+        self.counter = 0
+
+    def _runtime(self):
+        return Runtime(model=None, cache_dir=self.dir, max_restarts=1000, backoff=FAST)
+
+    def _text(self):
+        self.counter += 1
+        return f"m{self.counter}."
+
+    def _turn(self, name, sender=None):
+        text = self._text()
+        r = self.running[name].ask(text, max_tokens=4, sender=sender, timeout=60)
+        assert r.agent == name
+        self.acked[name].append((r.turn_id, sender, text, r.text))
+
+    @initialize()
+    def spawn_ann(self):
+        self.running["ann"] = self.rt.spawn("ann", system="You are ann.")
+
+    @rule(name=st.sampled_from(NAMES))
+    def spawn(self, name):
+        if name in self.running:
+            with pytest.raises(ValueError):
+                self.rt.spawn(name, system=f"You are {name}.")
+        else:
+            self.running[name] = self.rt.spawn(name, system=f"You are {name}.")
+
+    @rule(name=st.sampled_from(NAMES), sender=st.sampled_from([None, *NAMES]))
+    def turn(self, name, sender):
+        if name in self.running:
+            self._turn(name, sender)
+        else:
+            with pytest.raises(UnknownAgent):
+                AgentRef(self.rt, name).ask(self._text(), max_tokens=4)
+
+    @precondition(lambda self: len(self.running) == 2)
+    @rule(src=st.sampled_from(NAMES))
+    def send_to(self, src):
+        dst = next(n for n in NAMES if n != src)
+        text = self._text()
+        r = self.running[src].send_to(self.running[dst], text, max_tokens=4, timeout=60).get(timeout=65)
+        assert r.agent == dst
+        self.acked[dst].append((r.turn_id, src, text, r.text))
+        self.notes[src].append(r.text)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def crash_then_turn(self, data):
+        name = data.draw(st.sampled_from(sorted(self.running)))
+        self.running[name].inject_crash()
+        with pytest.raises(AgentCrashed) as crash:
+            self.running[name].ask(self._text(), max_tokens=4)
+        assert crash.value.turn_id
+        self.crashed.add(crash.value.turn_id)
+        self._turn(name)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def stop(self, data):
+        name = data.draw(st.sampled_from(sorted(self.running)))
+        self.running.pop(name).stop()
+
+    @rule()
+    def restart_runtime(self):
+        self.rt.shutdown()
+        for name in NAMES:  # every note was flushed at the shutdown
+            notes = [r for r in journal(self.dir, self.rt, name) if r["role"] == "user" and r["turn_id"] is None]
+            assert [r["text"] for r in notes] == self.notes[name]
+        self.rt = self._runtime()
+        self.running = {name: self.rt.spawn(name, system=f"You are {name}.") for name in self.running}
+        for name, ref in self.running.items():
+            assert [t for t in turn_ids(ref.history())] == [t for a in self.acked[name] for t in (a[0], a[0])]
+
+    @invariant()
+    def acknowledged_turns_are_durable_once_and_in_order(self):
+        for name in NAMES:
+            records = journal(self.dir, self.rt, name)
+            assert [r["seq"] for r in records] == sorted({r["seq"] for r in records})
+            ids = turn_ids(records)
+            by_turn = {}
+            for r in records:
+                if r["turn_id"] is not None:
+                    by_turn.setdefault(r["turn_id"], []).append(r)
+            # no turn applied twice: exactly one user and one assistant record per turn id
+            assert all([x["role"] for x in rs] == ["user", "assistant"] for rs in by_turn.values()), by_turn
+            assert not self.crashed & set(ids)
+            # every acknowledged turn, with its sender and text, in acknowledgement order
+            assert list(dict.fromkeys(ids)) == [a[0] for a in self.acked[name]]
+            for turn_id, sender, text, reply in self.acked[name]:
+                user, assistant = by_turn[turn_id]
+                assert (user["sender"], user["text"], assistant["text"]) == (sender, text, reply)
+            for sender in (None, *NAMES):  # per-sender order
+                sent = [int(r["text"][1:-1]) for r in records if r["role"] == "user" and r["sender"] == sender
+                        and r["turn_id"] is not None]
+                assert sent == sorted(sent)
+
+    @invariant()
+    def one_live_actor_per_name(self):
+        counts = live_agents(self.rt.env)
+        assert all(n == 1 for n in counts.values()), counts
+        assert set(counts) <= set(self.running)
+        assert sorted(self.rt.agents()) == sorted(self.running)
+
+    def teardown(self):
+        self.rt.shutdown()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+AgentsMachine.TestCase.settings = settings(
+    max_examples=8, stateful_step_count=10, deadline=None, suppress_health_check=list(HealthCheck)
+)
+test_agents_state_machine = AgentsMachine.TestCase
