@@ -1,30 +1,71 @@
-"""The demo behind `kvactors demo`."""
+"""The demo behind `kvactors demo`: agents going cold → hot → warm, with their TTFT."""
 
 from __future__ import annotations
 
+import tempfile
 import time
+
+# One brief every agent carries in its system prompt: long enough that re-prefilling it
+# (a cold turn) costs visibly more than feeding one new message (a hot or warm turn).
+BRIEF = "The team plans a bake sale for the school library. " + " ".join(
+    f"Fact {i}: the {item} stall needs one volunteer, a price list and a float of small change."
+    for i, item in enumerate(["cookie", "cake", "muffin", "bread", "pie", "brownie", "lemonade", "coffee"], 1))
+AGENTS = {"alice": "You are Alice, a careful planner. Answer briefly. ",
+          "bob": "You are Bob, a skeptical reviewer. Answer briefly. "}
 
 
 def run_demo(model=None, cache_dir=None, max_tokens: int = 24) -> int:
-    """Load `model` (None: the embedded tiny model) and greedily answer one chat turn.
+    """Run two agents on `model` (None: the embedded tiny model) through three steps; return 0.
 
-    Prints what it does and the timings; returns 0. The embedded model has random
-    weights: its text is nonsense, but every mechanism runs on it.
+    1. cold: each agent's first turn prefills its whole context (alice asks, bob answers her);
+    2. hot: both answer at once, batched, from caches kept in memory;
+    3. warm: a new Runtime over the same `cache_dir` (None: a fresh temporary folder),
+       as after a process restart: both resume from their caches on disk.
+    Prints agent, cache state and time to first token (TTFT) per turn, then the ratios.
     """
-    import mlx_lm
-    from mlx_lm.sample_utils import make_sampler
+    from runtime import Runtime
 
-    from runtime.model import load_model
+    cache_dir = cache_dir or tempfile.mkdtemp(prefix="kvactors-demo-")
+    ttfts: dict[str, list[float]] = {}
+    opts = dict(max_tokens=max_tokens, timeout=120)
+
+    def show(r):
+        ttfts.setdefault(r.cache, []).append(r.timings.ttft_s)
+        text = "".join(c if c.isprintable() else " " for c in r.text.strip())
+        print(f"  {r.agent:<6} {r.cache:<4}  ttft {r.timings.ttft_s * 1000:7.1f} ms  "
+              f"prefill {r.timings.prefill_tokens:4d} tok  {text[:40]!r}")
+        return r
+
+    def spawn(rt, t0):
+        agents = [rt.spawn(name, system=role + BRIEF) for name, role in AGENTS.items()]
+        print(f"runtime up in {time.perf_counter() - t0:.2f}s: model {rt.spec.model_id}, "
+              f"agents {', '.join(rt.agents())}, caches in {cache_dir}")
+        return agents
 
     t0 = time.perf_counter()
-    net, tokenizer, spec = load_model(model)
-    print(f"model: {spec.model_id} ({spec.n_layers} layers, fingerprint {spec.fingerprint[:12]})"
-          f" loaded in {time.perf_counter() - t0:.2f}s")
-    if model is None:
-        print("embedded default model: random weights, so the text below is nonsense")
-    messages = [{"role": "user", "content": "Draft a plan for a bake sale."}]
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    with Runtime(model=model, cache_dir=cache_dir) as rt:
+        alice, bob = spawn(rt, t0)
+        if model is None:
+            print("embedded default model: random weights, so the text below is nonsense")
+        print("1. first turns (alice asks, bob answers her):")
+        plan = show(alice.ask("Draft a plan for the bake sale.", **opts))
+        show(alice.send_to(bob, plan.text or "...", **opts).get(timeout=120))
+        print("2. both at once, batched:")
+        for f in rt.broadcast([alice, bob], "Name the riskiest stall.", **opts):
+            show(f.get(timeout=120))
+    print("3. restart: a new Runtime over the same cache dir")
     t0 = time.perf_counter()
-    text = mlx_lm.generate(net, tokenizer, prompt, max_tokens=max_tokens, sampler=make_sampler(0.0))
-    print(f"reply ({time.perf_counter() - t0:.2f}s): {text!r}")
+    with Runtime(model=model, cache_dir=cache_dir) as rt:
+        alice, bob = spawn(rt, t0)
+        for f in rt.broadcast([alice, bob], "Where did we leave off?", **opts):
+            show(f.get(timeout=120))
+
+    mean = {state: sum(v) / len(v) for state, v in ttfts.items()}
+    parts = [f"{s} {mean[s] * 1000:.0f} ms" for s in ("cold", "hot", "warm") if s in mean]
+    if "cold" in mean:
+        parts += [f"{s}/cold {mean[s] / mean['cold']:.2f} ({mean['cold'] / mean[s]:.1f}x faster)"
+                  for s in ("hot", "warm") if s in mean]
+    else:
+        parts.append(f"no cold turn: alice and bob were already stored in {cache_dir}")
+    print("mean TTFT: " + ", ".join(parts))
     return 0
