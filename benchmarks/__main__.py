@@ -21,7 +21,7 @@ from pathlib import Path
 from benchmarks.common import RESULTS
 
 SCENARIOS = {
-    "ttft": ("benchmarks.ttft", {"llama-8b-shape": ["--contexts", "1024,4096,16384,32768"]}),
+    "ttft": ("benchmarks.ttft", {"llama-8b-shape": ["--contexts", "1024,4096,16384"]}),
     "workload": ("benchmarks.workload", {"llama-8b-shape": ["--system-tokens", "2000", "--turn-tokens", "200", "--new", "64"]}),
     "batching": ("benchmarks.batching", {"llama-8b-shape": ["--prompt", "1024", "--new", "64"]}),
     "q4": ("benchmarks.q4_attention", {"llama-8b-shape": ["--contexts", "4096,16384", "--chunk", "2048"]}),

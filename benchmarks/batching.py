@@ -21,7 +21,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from benchmarks.common import RESULTS, environment, load_bench_model, write_results
+from benchmarks.common import RESULTS, environment, load_bench_model, plot_lines, write_results
 from runtime.engine import Engine, Turn
 from runtime.q4cache import extract_cache, merge_caches
 
@@ -81,6 +81,7 @@ def main(argv=None) -> int:
     ap.add_argument("--agents", default="1,2,4,8")
     ap.add_argument("--prompt", type=int, default=256, help="prompt tokens per agent")
     ap.add_argument("--new", type=int, default=32, help="tokens generated per agent")
+    ap.add_argument("--capacity-gb", type=float, default=16, help="budget for the capacity figure (GiB)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--name", default=None, help="result file name (default: batching-<model>)")
     args = ap.parse_args(argv)
@@ -112,7 +113,17 @@ def main(argv=None) -> int:
              f"Engine overhead at batch {max(counts)}: engine decode step {engine_s * 1e3:.2f} ms, bare forward "
              f"{bare_s * 1e3:.2f} ms: ratio {bare_s / engine_s:.3f} (target >= 0.9).")
     rows.append(dict(agents=max(counts), mode="overhead", wall_s=engine_s, system_tok_s=bare_s, x_sequential=bare_s / engine_s))
-    write_results(args.name or f"batching-{args.model}", env, rows, COLUMNS, args.out, notes=notes)
+    # capacity: agents whose caches stay resident in a fixed budget, at this prompt + new length
+    q4_bytes = sum(sum(x.nbytes for x in (*c.keys, *c.values)) for c in results[0].cache)
+    fp16_bytes = spec.fp16_bytes_per_token() * results[0].cached_tokens
+    budget = args.capacity_gb * 2**30
+    notes += (f"\nCapacity in {args.capacity_gb} GiB at {results[0].cached_tokens} tokens per agent: "
+              f"Q4 {budget // q4_bytes} agents ({q4_bytes / 2**20:.1f} MiB each, measured) vs fp16 "
+              f"{budget // fp16_bytes} agents ({fp16_bytes / 2**20:.1f} MiB each): {fp16_bytes / q4_bytes:.2f}x.")
+    name = args.name or f"batching-{args.model}"
+    write_results(name, env, rows, COLUMNS, args.out, notes=notes)
+    plot_lines(args.out / f"{name}.png", {m: [r["system_tok_s"] for r in rows if r["mode"] == m] for m in ("sequential", "batched")},
+               "agents", "system tokens/s", f"batched vs sequential, {args.model}", x=counts)
     return 0
 
 

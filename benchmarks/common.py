@@ -126,8 +126,8 @@ def timed(fn, *args):
     return time.perf_counter() - t0, out
 
 
-def plot_lines(path: Path, curves: dict, xlabel: str, ylabel: str, title: str) -> None:
-    """Save a line plot of `curves` (label -> y values) as a PNG; skipped without matplotlib."""
+def plot_lines(path: Path, curves: dict, xlabel: str, ylabel: str, title: str, x=None) -> None:
+    """Save a line plot of `curves` (label -> y values, at `x` or 1..n) as a PNG; skipped without matplotlib."""
     try:
         import matplotlib
 
@@ -138,7 +138,9 @@ def plot_lines(path: Path, curves: dict, xlabel: str, ylabel: str, title: str) -
         return
     fig, ax = plt.subplots(figsize=(7, 4))
     for label, ys in curves.items():
-        ax.plot(range(1, len(ys) + 1), ys, marker="o", markersize=3, label=label)
+        ax.plot(x or range(1, len(ys) + 1), ys, marker="o", markersize=3, label=label)
+    if x:
+        ax.set_xscale("log", base=2)
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
     ax.set_yscale("log")
     ax.grid(alpha=0.3)
