@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
@@ -25,7 +24,7 @@ import pykka
 from mlx_lm.models.cache import QuantizedKVCache
 
 from actors.batcher import Submit
-from benchmarks.common import RESULTS, bench_model_folder, environment, write_results
+from benchmarks.common import bench_parser, bench_model_folder, environment, write_results
 from benchmarks.ttft import long_text
 from runtime import AgentCrashed, Runtime
 from runtime.engine import Timings, TurnResult
@@ -86,14 +85,11 @@ def recovery(model_path, cache_dir, context, max_tokens):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="tiny", help="'tiny' (CPU) or 'llama-8b-shape' (GPU)")
+    ap = bench_parser(__doc__)
     ap.add_argument("--echo-turns", type=int, default=200)
     ap.add_argument("--agents", type=int, default=4)
     ap.add_argument("--context", type=int, default=1024, help="history tokens for the crash and warm measures")
     ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--out", type=Path, default=RESULTS)
-    ap.add_argument("--name", default=None, help="result file name (default: actors-<model>)")
     args = ap.parse_args(argv)
     env = environment()
     print(env, flush=True)

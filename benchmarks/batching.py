@@ -12,7 +12,6 @@ a batched decode step of the engine against the bare model forward (+ argmax
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from benchmarks.common import RESULTS, environment, load_bench_model, plot_lines, write_results
+from benchmarks.common import bench_parser, environment, load_bench_model, plot_lines, write_results
 from runtime.engine import Engine, Turn
 from runtime.q4cache import extract_cache, merge_caches
 
@@ -76,14 +75,11 @@ def overhead(model, tokenizer, spec, turns, steps):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="tiny", help="'tiny' (CPU) or 'llama-8b-shape' (GPU)")
+    ap = bench_parser(__doc__)
     ap.add_argument("--agents", default="1,2,4,8")
     ap.add_argument("--prompt", type=int, default=256, help="prompt tokens per agent")
     ap.add_argument("--new", type=int, default=32, help="tokens generated per agent")
     ap.add_argument("--capacity-gb", type=float, default=16, help="budget for the capacity figure (GiB)")
-    ap.add_argument("--out", type=Path, default=RESULTS)
-    ap.add_argument("--name", default=None, help="result file name (default: batching-<model>)")
     args = ap.parse_args(argv)
     env = environment()
     print(env, flush=True)

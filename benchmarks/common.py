@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -27,6 +28,15 @@ LLAMA_8B = dict(
     rope_theta=500000.0,
     tie_word_embeddings=False,
 )
+
+
+def bench_parser(doc: str) -> argparse.ArgumentParser:
+    """An argument parser with the options every model benchmark takes: --model, --out, --name."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny", help="'tiny' (any machine) or 'llama-8b-shape' (GPU)")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="output folder for JSON, markdown and plots")
+    ap.add_argument("--name", default=None, help="result file name (default: <benchmark>-<model>)")
+    return ap
 
 
 def environment() -> dict:

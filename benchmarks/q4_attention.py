@@ -12,7 +12,6 @@ are against the fp16 KVCache of the same model in the same run.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 from pathlib import Path
@@ -20,7 +19,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from benchmarks.common import RESULTS, environment, load_bench_model, timed, write_results
+from benchmarks.common import bench_parser, environment, load_bench_model, timed, write_results
 from runtime.q4cache import ROUTES, extract_cache, make_batch_cache, merge_caches
 
 COLUMNS = ["context", "kv", "route", "prefill_tok_s", "prefill_x_fp16", "decode_tok_s", "decode_x_fp16", "cache_bytes", "bytes_x_fp16"]
@@ -100,14 +99,11 @@ def _fill(model, cache, tokens, chunk):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="tiny", help="'tiny' (CPU) or 'llama-8b-shape' (GPU)")
+    ap = bench_parser(__doc__)
     ap.add_argument("--contexts", default="512,2048,8192", help="comma-separated context lengths")
     ap.add_argument("--chunk", type=int, default=512, help="prefill chunk timed at each context (default 512)")
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--routes", default=",".join(ROUTES), help="Q4 routes to measure")
-    ap.add_argument("--out", type=Path, default=RESULTS, help="output folder for JSON and markdown")
-    ap.add_argument("--name", default=None, help="result file name (default: q4_attention-<model>)")
     args = ap.parse_args(argv)
     env = environment()
     print(env, flush=True)

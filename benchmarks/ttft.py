@@ -16,7 +16,6 @@ when this process may, see `drop_caches`).
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import sys
@@ -24,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import RESULTS, bench_model_folder, environment, plot_lines, write_results
+from benchmarks.common import bench_parser, bench_model_folder, environment, plot_lines, write_results
 from runtime import Runtime, store
 from runtime.testing import tokenizer_corpus
 
@@ -100,12 +99,9 @@ def bench_context(model_path, context, cache_dir, max_tokens):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="tiny", help="'tiny' (CPU) or 'llama-8b-shape' (GPU)")
+    ap = bench_parser(__doc__)
     ap.add_argument("--contexts", default="1024,4096,16384")
     ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--out", type=Path, default=RESULTS)
-    ap.add_argument("--name", default=None, help="result file name (default: ttft-<model>)")
     args = ap.parse_args(argv)
     env = environment()
     print(env, flush=True)

@@ -17,7 +17,6 @@ Total wall time, TTFT per turn, and peak MLX memory for each.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
@@ -29,7 +28,7 @@ import mlx_lm
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
-from benchmarks.common import RESULTS, bench_model_folder, environment, plot_lines, write_results
+from benchmarks.common import bench_parser, bench_model_folder, environment, plot_lines, write_results
 from benchmarks.ttft import long_text
 from actors.agent import render
 from runtime import Runtime
@@ -104,15 +103,12 @@ def measure(fn, *args):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="tiny", help="'tiny' (CPU) or 'llama-8b-shape' (GPU)")
+    ap = bench_parser(__doc__)
     ap.add_argument("--agents", type=int, default=5)
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--system-tokens", type=int, default=300)
     ap.add_argument("--turn-tokens", type=int, default=60)
     ap.add_argument("--new", type=int, default=16)
-    ap.add_argument("--out", type=Path, default=RESULTS)
-    ap.add_argument("--name", default=None, help="result file name (default: workload-<model>)")
     args = ap.parse_args(argv)
     env = environment()
     print(env, flush=True)

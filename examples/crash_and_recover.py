@@ -13,10 +13,9 @@ compares that turn with the first, cold one.
 With no --model the embedded tiny model runs (random weights: the text is nonsense).
 """
 
-import argparse
 import logging
-import tempfile
 
+from common import cache_dir_of, example_parser
 from runtime import AgentCrashed, Runtime
 
 # A long-ish system prompt, so that re-prefilling it would cost something.
@@ -33,14 +32,9 @@ def show(label, r):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None,
-                        help="model folder or Hugging Face id (default: the embedded tiny model)")
-    parser.add_argument("--cache-dir", default=None,
-                        help="where the agent's cache lives (default: a fresh temporary folder)")
-    parser.add_argument("--max-tokens", type=int, default=32, help="tokens generated per turn (default: 32)")
+    parser = example_parser(__doc__, 32)
     args = parser.parse_args()
-    cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="kvactors-crash-")
+    cache_dir = cache_dir_of(args, "crash")
     # The supervisor logs every crash with its traceback; this example prints its own account.
     logging.getLogger("actors.supervisor").setLevel(logging.CRITICAL)
     opts = dict(max_tokens=args.max_tokens, timeout=120)

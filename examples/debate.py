@@ -13,10 +13,9 @@ prefills only the opponent's last message.
 With no --model the embedded tiny model runs (random weights: the text is nonsense).
 """
 
-import argparse
-import tempfile
 import textwrap
 
+from common import cache_dir_of, example_parser
 from runtime import Runtime
 
 
@@ -25,18 +24,13 @@ def printable(text):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None,
-                        help="model folder or Hugging Face id (default: the embedded tiny model)")
-    parser.add_argument("--cache-dir", default=None,
-                        help="where the agents' caches live (default: a fresh temporary folder)")
-    parser.add_argument("--max-tokens", type=int, default=96, help="tokens generated per turn (default: 96)")
+    parser = example_parser(__doc__, 96)
     parser.add_argument("--rounds", type=int, default=2,
                         help="rounds of the debate; each agent speaks once per round (default: 2)")
     parser.add_argument("--topic", default="Cities should ban cars from their centers.",
                         help="the motion to debate (default: %(default)r)")
     args = parser.parse_args()
-    cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="kvactors-debate-")
+    cache_dir = cache_dir_of(args, "debate")
 
     rules = "Reply to your opponent's last point in at most three sentences."
     with Runtime(model=args.model, cache_dir=cache_dir) as rt:

@@ -21,9 +21,8 @@ only appears in phase 5, cold.
 With no --model the embedded tiny model runs (random weights: the text is nonsense).
 """
 
-import argparse
-import tempfile
 
+from common import cache_dir_of, example_parser
 from runtime import Runtime
 
 SENTENCES = {("SILENT", "SILENT"): (1, 1), ("SILENT", "CONFESS"): (10, 0),
@@ -49,14 +48,9 @@ def decision(text):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None,
-                        help="model folder or Hugging Face id (default: the embedded tiny model)")
-    parser.add_argument("--cache-dir", default=None,
-                        help="where the agents' caches live (default: a fresh temporary folder)")
-    parser.add_argument("--max-tokens", type=int, default=64, help="tokens generated per turn (default: 64)")
+    parser = example_parser(__doc__, 64)
     args = parser.parse_args()
-    cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="kvactors-prisoners-")
+    cache_dir = cache_dir_of(args, "prisoners")
     opts = dict(max_tokens=args.max_tokens, timeout=120)
 
     def turn(reply):

@@ -11,9 +11,8 @@ every mechanism runs), or on a real model:
     python examples/quickstart.py --model mlx-community/Llama-3.2-1B-Instruct-4bit
 """
 
-import argparse
-import tempfile
 
+from common import cache_dir_of, example_parser
 from runtime import Runtime
 
 
@@ -23,14 +22,9 @@ def show(who, r):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None,
-                        help="model folder or Hugging Face id (default: the embedded tiny model)")
-    parser.add_argument("--cache-dir", default=None,
-                        help="where the agents' caches live (default: a fresh temporary folder)")
-    parser.add_argument("--max-tokens", type=int, default=64, help="tokens generated per turn (default: 64)")
+    parser = example_parser(__doc__, 64)
     args = parser.parse_args()
-    cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="kvactors-quickstart-")
+    cache_dir = cache_dir_of(args, "quickstart")
 
     with Runtime(model=args.model, cache_dir=cache_dir) as rt:
         alice = rt.spawn("alice", system="You are Alice, a careful planner. Answer in two sentences.")

@@ -13,10 +13,10 @@ With no --model the embedded tiny model runs (random weights: the text is
 nonsense). Caches are kept per model, so switching --model starts cold.
 """
 
-import argparse
 import shutil
 from pathlib import Path
 
+from common import example_parser
 from runtime import Runtime
 from runtime.store import inspect_table
 
@@ -24,13 +24,7 @@ DEFAULT_CACHE_DIR = "~/.cache/kvactors/resume-example"
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None,
-                        help="model folder or Hugging Face id (default: the embedded tiny model)")
-    parser.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR,
-                        help="where the agent's history and cache live; use the same one on every run "
-                             "(default: %(default)s)")
-    parser.add_argument("--max-tokens", type=int, default=48, help="tokens generated per turn (default: 48)")
+    parser = example_parser(__doc__, 48, cache_dir=DEFAULT_CACHE_DIR)
     parser.add_argument("--fresh", action="store_true", help="delete --cache-dir first, to start over")
     args = parser.parse_args()
     cache_dir = Path(args.cache_dir).expanduser()
