@@ -13,6 +13,7 @@ name: an `AgentRef` stays valid across restarts of the actor behind it.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import threading
 import time
@@ -176,6 +177,7 @@ class Runtime:
         self._names: list[str] = []
         self.services = Supervisor.start("one_for_one", max_restarts=max_restarts, period=restart_period,
                                          backoff=backoff, on_escalate=self._escalated)
+        atexit.register(self.shutdown)
         self.supervisor = Supervisor.start(strategy, max_restarts=max_restarts, period=restart_period,
                                            backoff=backoff, on_escalate=self._escalated)
         engine_options = dict(memory_budget=memory_budget, max_batch=max_batch, route=route)
@@ -237,7 +239,12 @@ class Runtime:
     # -- life cycle ------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        """Stop every agent, flush every write to disk, stop the batcher. Idempotent."""
+        """Stop every agent, flush every write to disk, stop the batcher. Idempotent.
+
+        Also runs at interpreter exit for a Runtime that was never shut down (the
+        actors' threads are daemons, so they never keep the process alive).
+        """
+        atexit.unregister(self.shutdown)
         for ref in (self.supervisor, self.services):
             try:
                 ref.stop(timeout=60)

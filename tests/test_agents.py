@@ -649,3 +649,23 @@ AgentsMachine.TestCase.settings = settings(
     max_examples=8, stateful_step_count=10, deadline=None, suppress_health_check=list(HealthCheck)
 )
 test_agents_state_machine = AgentsMachine.TestCase
+
+
+FORGETFUL = """
+import sys
+from runtime import Runtime
+rt = Runtime(cache_dir=sys.argv[1])          # never shut down
+print(rt.spawn("forgetful").ask("hello", max_tokens=4).cache)
+"""
+
+
+def test_a_runtime_never_shut_down_neither_hangs_nor_loses_its_turns(tmp_path):
+    script = tmp_path / "forgetful.py"
+    script.write_text(FORGETFUL)
+    states = []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, str(script), str(tmp_path / "agents")], capture_output=True,
+                             text=True, timeout=120, env=os.environ.copy())
+        assert out.returncode == 0, out.stderr
+        states.append(out.stdout.split()[-1])
+    assert states == ["cold", "warm"]  # the exit flushed the first run's cache to disk
