@@ -256,7 +256,9 @@ class Engine:
                 mx.eval([c.state for c in row.cache])
                 row.prefill_s += time.perf_counter() - t0
                 return []
-            token = self._sample([row], logits[:, -1, :])[0]
+            picks = self._sample([row], logits[:, -1, :])
+            mx.eval(picks, [c.state for c in row.cache])
+            token = picks.tolist()[0]
             row.prefill_s += time.perf_counter() - t0
             row.first_token = time.perf_counter()
         except Exception as e:
@@ -278,16 +280,20 @@ class Engine:
         try:
             inputs = mx.array([[r.generated[-1]] for r in self.decoding])
             logits = self.model(inputs, cache=self.batch)
-            tokens = self._sample(self.decoding, logits[:, -1, :])
-            mx.eval([c.state for c in self.batch])
+            picks = self._sample(self.decoding, logits[:, -1, :])
+            mx.eval(picks, [c.state for c in self.batch])  # one sync per step
+            tokens = picks.tolist()
         except Exception as e:
             rows, self.decoding, self.batch = self.decoding, [], None
             self.reserved -= sum(r.reserved for r in rows)
             return [TurnError(r.turn.turn_id, f"decode step failed: {type(e).__name__}: {e}") for r in rows]
         return self._accept(list(enumerate(tokens)))
 
-    def _sample(self, rows, logits) -> list[int]:
+    def _sample(self, rows, logits):
+        """The next token of every row (a lazy array): greedy, or seeded top-p sampling."""
         greedy = mx.argmax(logits, axis=-1)
+        if all(r.turn.sampling.temperature <= 0 for r in rows):
+            return greedy
         picks = []
         for i, r in enumerate(rows):
             s = r.turn.sampling
@@ -296,9 +302,7 @@ class Engine:
                 continue
             r.key, sub = mx.random.split(r.key)
             picks.append(_sample_top_p(logits[i], s.temperature, s.top_p, sub))
-        picks = mx.stack(picks)
-        mx.eval(picks)
-        return picks.tolist()
+        return mx.stack(picks)
 
     def _accept(self, row_tokens):
         """Record sampled tokens; finish rows that hit a stop; return their results."""
