@@ -290,7 +290,7 @@ def _tokenizer_config() -> dict:
         "pad_token": EOS,
         "add_bos_token": True,
         "clean_up_tokenization_spaces": False,
-        "model_max_length": 4096,
+        "model_max_length": 131072,  # the architecture has no hard limit; avoids spurious warnings
         "chat_template": CHAT_TEMPLATE,
     }
 
