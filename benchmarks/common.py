@@ -146,6 +146,7 @@ def plot_lines(path: Path, curves: dict, xlabel: str, ylabel: str, title: str, x
     except ImportError:
         print(f"matplotlib is not installed (pip install 'kvactors[bench]'): no plot {path.name}")
         return
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(7, 4))
     for label, ys in curves.items():
         ax.plot(x or range(1, len(ys) + 1), ys, marker="o", markersize=3, label=label)
