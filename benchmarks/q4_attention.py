@@ -19,7 +19,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from benchmarks.common import bench_parser, environment, load_bench_model, timed, write_results
+from benchmarks.common import bench_parser, environment, load_bench_model, plot_lines, timed, write_results
 from runtime.q4cache import ROUTES, extract_cache, make_batch_cache, merge_caches
 
 COLUMNS = ["context", "kv", "route", "prefill_tok_s", "prefill_x_fp16", "decode_tok_s", "decode_x_fp16", "cache_bytes", "bytes_x_fp16"]
@@ -114,7 +114,16 @@ def main(argv=None) -> int:
     for context in [int(c) for c in args.contexts.split(",")]:
         chunk = min(args.chunk, context // 2)
         rows += bench_context(model, spec, context, chunk, args.decode_steps, args.routes.split(","), vocab)
-    write_results(args.name or f"q4_attention-{args.model}", env, rows, COLUMNS, args.out,
+    name = args.name or f"q4_attention-{args.model}"
+    contexts = sorted({r["context"] for r in rows})
+    curves = {}
+    for kv, route in dict.fromkeys((r["kv"], r["route"]) for r in rows):
+        speeds = [r["decode_tok_s"] for r in rows if (r["kv"], r["route"]) == (kv, route)]
+        if all(isinstance(s, float) for s in speeds):
+            curves[f"{kv} {route}".replace(" -", "")] = speeds
+    plot_lines(args.out / f"{name}.png", curves, "context (tokens)", "decode tokens/s (batch 1)",
+               f"decode speed, fp16 KV vs Q4 routes, {args.model}", x=contexts)
+    write_results(name, env, rows, COLUMNS, args.out,
                   notes=f"model {args.model}; prefill = one {args.chunk}-token chunk at the context; decode batch 1; "
                         f"'dense' is mlx-lm's KVCache in the model's activation dtype ({spec.dtype}).")
     return 0
