@@ -189,8 +189,6 @@ class SupervisedActor(pykka.ThreadingActor):
     `_actor_loop_teardown`); the tests pin that behaviour.
     """
 
-    use_daemon_thread = True  # a forgotten Runtime must not keep the process alive (see Runtime)
-
     def __init__(self, supervisor: ActorRef[Any] | None) -> None:
         super().__init__()
         self.supervisor = supervisor
@@ -319,8 +317,6 @@ class Supervisor(pykka.ThreadingActor):
     Stopping the supervisor stops its children (last started first) and cancels pending
     restarts. `rng` draws the backoff jitter.
     """
-
-    use_daemon_thread = True
 
     def __init__(
         self,

@@ -13,10 +13,10 @@ name: an `AgentRef` stays valid across restarts of the actor behind it.
 from __future__ import annotations
 
 import asyncio
-import atexit
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +32,13 @@ from runtime.model import load_model
 
 log = logging.getLogger(__name__)
 DEFAULT_CACHE_DIR = "~/.cache/kvactors/agents"
+
+
+def _shutdown_at_exit(runtime: "Runtime") -> None:
+    # threading's exit hooks run before the interpreter joins non-daemon threads (atexit
+    # runs after): the actors stop and flush there. A weak reference: no leak.
+    ref = weakref.ref(runtime)
+    threading._register_atexit(lambda: ref() is not None and ref().shutdown())
 
 
 class RuntimeEscalated(RuntimeError):
@@ -177,7 +184,7 @@ class Runtime:
         self._names: list[str] = []
         self.services = Supervisor.start("one_for_one", max_restarts=max_restarts, period=restart_period,
                                          backoff=backoff, on_escalate=self._escalated)
-        atexit.register(self.shutdown)
+        _shutdown_at_exit(self)
         self.supervisor = Supervisor.start(strategy, max_restarts=max_restarts, period=restart_period,
                                            backoff=backoff, on_escalate=self._escalated)
         engine_options = dict(memory_budget=memory_budget, max_batch=max_batch, route=route)
@@ -241,10 +248,9 @@ class Runtime:
     def shutdown(self) -> None:
         """Stop every agent, flush every write to disk, stop the batcher. Idempotent.
 
-        Also runs at interpreter exit for a Runtime that was never shut down (the
-        actors' threads are daemons, so they never keep the process alive).
+        Also runs at interpreter exit for a Runtime that was never shut down, before
+        Python waits for the actors' threads, so a forgotten Runtime never hangs the exit.
         """
-        atexit.unregister(self.shutdown)
         for ref in (self.supervisor, self.services):
             try:
                 ref.stop(timeout=60)

@@ -14,12 +14,13 @@ variable KVACTORS_Q4_ROUTE):
 
 - "quantized": attention by quantized matmuls on the packed K/V (mlx-lm's
   scheme; our version does not scale the caller's queries in place). No
-  attention sinks. Crashes on CUDA decode and is slow there.
+  attention sinks. Crashes on CUDA decode. The default on Metal and CPU.
 - "dequant": the layer's packed K/V are dequantized transiently every call and
   fed to the fused `mx.fast.scaled_dot_product_attention` (sinks supported).
 - "dequant_once": like "dequant", but the dequantized K/V are kept while the
   batch lives and only new tokens are dequantized each step. Numerically the
   same as "dequant"; costs 16-bit memory for the rows while they are active.
+  The default on CUDA, and for models with attention sinks.
 
 Sliding-window layers use the same cache: the model passes the window to
 `make_mask`, which masks keys older than it. They keep their full Q4 history
@@ -47,16 +48,17 @@ class Q4CacheError(ValueError):
 def default_route() -> str:
     """The attention route for this process's default device.
 
-    KVACTORS_Q4_ROUTE overrides. Otherwise: "quantized" on Metal (mlx-lm's
-    native path there), "dequant_once" on CUDA and CPU, where quantized-matmul
-    attention crashes (CUDA decode) or measured slower (see the benchmark).
+    KVACTORS_Q4_ROUTE overrides. Otherwise, by measurement
+    (`benchmarks/q4_attention.py`, results in benchmarks/results/): "dequant_once"
+    on CUDA, where quantized-matmul attention crashes on decode; "quantized" on
+    Metal (mlx-lm's native path) and on the CPU, where it decoded fastest.
     """
     route = os.environ.get("KVACTORS_Q4_ROUTE")
     if route:
         return check_route(route)
-    if mx.default_device() == mx.gpu and mx.metal.is_available():
-        return "quantized"
-    return "dequant_once"
+    if mx.default_device() == mx.gpu and not mx.metal.is_available():
+        return "dequant_once"
+    return "quantized"
 
 
 def check_route(route: str) -> str:
@@ -404,8 +406,10 @@ def route_for(spec, route: str | None = None) -> str:
     """The route to use for the model of `spec`: `route` or the default, checked.
 
     The "quantized" route cannot serve attention sinks: asking for it on such a
-    model raises Q4CacheError.
+    model raises Q4CacheError; where it is the default, such models get "dequant_once".
     """
+    if route is None and spec.has_sinks:
+        return "dequant_once" if default_route() == "quantized" else default_route()
     route = check_route(route or default_route())
     if route == "quantized" and spec.has_sinks:
         raise Q4CacheError(

@@ -187,7 +187,8 @@ def test_filter_and_extend_mid_generation_leave_other_rows_unchanged(models, arc
 @pytest.mark.parametrize("arch", ARCHS)
 def test_default_route_on_this_machine_serves_every_arch(models, arch):
     model, spec = models[arch]
-    route = default_route()
+    route = route_for(spec)  # this machine's default, or its fallback for attention sinks
+    assert route == default_route() or (spec.has_sinks and route == "dequant_once")
     cache, logits = prefill(model, spec, list(range(3, 40)), route)
     assert cache[0].offset == 37
     assert not mx.isnan(logits).any().item()
