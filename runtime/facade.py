@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 import weakref
@@ -182,16 +183,21 @@ class Runtime:
         self.escalation: tuple | None = None
         self._on_escalate = on_escalate
         self._names: list[str] = []
+        self._lock = store.lock_cache_dir(self.cache_dir)
         self.services = Supervisor.start("one_for_one", max_restarts=max_restarts, period=restart_period,
                                          backoff=backoff, on_escalate=self._escalated)
-        _shutdown_at_exit(self)
         self.supervisor = Supervisor.start(strategy, max_restarts=max_restarts, period=restart_period,
                                            backoff=backoff, on_escalate=self._escalated)
+        _shutdown_at_exit(self)
         engine_options = dict(memory_budget=memory_budget, max_batch=max_batch, route=route)
-        self._start_child(self.services, "@persistence",
-                          lambda sup: PersistenceActor.start(self.cache_dir, self.spec, retention_s=retention_s, supervisor=sup))
-        self._start_child(self.services, "@batcher",
-                          lambda sup: BatcherActor.start(self.model, self.tokenizer, self.spec, supervisor=sup, **engine_options))
+        try:
+            self._start_child(self.services, "@persistence",
+                              lambda sup: PersistenceActor.start(self.cache_dir, self.spec, retention_s=retention_s, supervisor=sup))
+            self._start_child(self.services, "@batcher",
+                              lambda sup: BatcherActor.start(self.model, self.tokenizer, self.spec, supervisor=sup, **engine_options))
+        except BaseException:
+            self.shutdown()
+            raise
 
     # -- agents ------------------------------------------------------------------
 
@@ -256,6 +262,9 @@ class Runtime:
                 ref.stop(timeout=60)
             except pykka.ActorDeadError:
                 pass
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
 
     def __enter__(self):
         return self

@@ -510,6 +510,31 @@ def agent_dir(cache_dir, fingerprint: str, agent: str) -> Path:
     return Path(cache_dir).expanduser() / fingerprint / check_agent_id(agent)
 
 
+class CacheDirInUse(RuntimeError):
+    """Another Runtime (in this or another process) is using the cache folder."""
+
+
+def lock_cache_dir(cache_dir) -> int:
+    """Take the exclusive lock of `cache_dir` (created 0700); return the fd that holds it.
+
+    Two writers would interleave journal appends: a second Runtime on the same folder
+    raises CacheDirInUse instead. Release with `os.close(fd)`; a crash releases it too.
+    """
+    import fcntl
+
+    root = Path(cache_dir).expanduser()
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = open_private(root / ".lock", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise CacheDirInUse(
+            f"{root} is in use by another Runtime; shut that one down or use another cache_dir"
+        ) from None
+    return fd
+
+
 def make_dirs(folder: Path) -> None:
     """Create `folder` and its two parents (model folder, cache_dir) as needed, mode 0700."""
     for d in (folder.parent.parent, folder.parent, folder):

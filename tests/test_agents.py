@@ -669,3 +669,14 @@ def test_a_runtime_never_shut_down_neither_hangs_nor_loses_its_turns(tmp_path):
         assert out.returncode == 0, out.stderr
         states.append(out.stdout.split()[-1])
     assert states == ["cold", "warm"]  # the exit flushed the first run's cache to disk
+
+
+def test_two_runtimes_on_one_cache_dir_is_a_clear_error(tmp_path):
+    from runtime.store import CacheDirInUse
+
+    with Runtime(cache_dir=tmp_path) as rt:
+        rt.spawn("solo").ask("hi", max_tokens=2)
+        with pytest.raises(CacheDirInUse, match="in use by another Runtime"):
+            Runtime(cache_dir=tmp_path)
+    with Runtime(cache_dir=tmp_path) as rt:  # released by the shutdown
+        assert rt.spawn("solo").ask("again", max_tokens=2).cache == "warm"
