@@ -251,7 +251,11 @@ class AgentActor(SupervisedActor):
         self._next()
 
     def history(self) -> list[dict]:
-        """The durable conversation: journal records (seq, role, text, sender, ...)."""
+        """The conversation as journal records (seq, role, text, sender, ...), oldest first.
+
+        It includes the records of a turn whose write is still in flight, which
+        become durable (or, after a crash, are dropped) once that write finishes.
+        """
         return [dict(r) for r in self.records]
 
     def _next(self):

@@ -71,9 +71,11 @@ class Env:
         return agent_mod.render(self.tokenizer, system, records)
 
     def batcher(self) -> pykka.ActorRef:
+        """The current batcher actor (it may be dead while its supervisor restarts it)."""
         return self.refs["@batcher"]
 
     def persistence(self) -> pykka.ActorRef:
+        """The current persistence actor (it may be dead while its supervisor restarts it)."""
         return self.refs["@persistence"]
 
     def notify(self, name: str, payload: bytes) -> None:
@@ -144,7 +146,7 @@ class AgentRef:
         return other.send(text, sender=self.name, _reply_to_agent=self.name, **options)
 
     def history(self) -> list[dict]:
-        """This agent's durable conversation (journal records), oldest first."""
+        """This agent's conversation as journal records, oldest first (see `AgentActor.history`)."""
         return self.runtime._ref(self.name).proxy().history().get(timeout=30)
 
     def inject_crash(self) -> None:

@@ -241,6 +241,7 @@ class BatchQuantizedKVCache(_BaseCache):
 
     @property
     def bits(self):
+        """Bits per element, visible to mlx-lm (which then calls quantized attention) only on the "quantized" route."""
         if self.route != "quantized":
             # mlx-lm routes attention by hasattr(cache, "bits"): the dequant routes
             # hand it 16-bit arrays, which must go to the fused kernel.
@@ -249,6 +250,7 @@ class BatchQuantizedKVCache(_BaseCache):
 
     @property
     def group_size(self):
+        """Quantization group size; visible like `bits`, on the "quantized" route only."""
         if self.route != "quantized":
             raise AttributeError("group_size")
         return self.kv_group_size
@@ -378,6 +380,7 @@ class BatchQuantizedKVCache(_BaseCache):
         return self.keys is None
 
     def is_trimmable(self) -> bool:
+        """Always: `trim` drops trailing columns of every row."""
         return True
 
     def trim(self, n: int) -> int:
@@ -390,6 +393,7 @@ class BatchQuantizedKVCache(_BaseCache):
 
     @property
     def state(self):
+        """(keys, values, offset, left_padding): the arrays to evaluate after a step."""
         return self.keys, self.values, self.offset, self.left_padding
 
     @property
