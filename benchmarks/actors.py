@@ -24,7 +24,7 @@ import pykka
 from mlx_lm.models.cache import QuantizedKVCache
 
 from actors.batcher import Submit
-from benchmarks.common import bench_parser, bench_model_folder, environment, write_results
+from benchmarks.common import bench_model_folder, bench_parser, environment, plot_bars, write_results
 from benchmarks.ttft import long_text
 from runtime import AgentCrashed, Runtime
 from runtime.engine import Timings, TurnResult
@@ -108,7 +108,11 @@ def main(argv=None) -> int:
         dict(measure="TTFT after restart / cold TTFT", value=after.timings.ttft_s / cold_ttft, unit="ratio",
              note=f"{after.timings.ttft_s * 1e3:.1f} ms vs {cold_ttft * 1e3:.1f} ms"),
     ]
-    write_results(args.name or f"actors-{args.model}", env, rows, COLUMNS, args.out, notes=f"model {args.model}")
+    name = args.name or f"actors-{args.model}"
+    write_results(name, env, rows, COLUMNS, args.out, notes=f"model {args.model}")
+    plot_bars(args.out / f"{name}.png", {"cold start": cold_start, "crash to answer": recovered,
+                                         "cold TTFT": cold_ttft, "TTFT after restart": after.timings.ttft_s},
+              "seconds", f"recovery against a cold start, {args.model}")
     return 0
 
 

@@ -136,8 +136,8 @@ def timed(fn, *args):
     return time.perf_counter() - t0, out
 
 
-def plot_lines(path: Path, curves: dict, xlabel: str, ylabel: str, title: str, x=None) -> None:
-    """Save a line plot of `curves` (label -> y values, at `x` or 1..n) as a PNG; skipped without matplotlib."""
+def _pyplot(path: Path):
+    """matplotlib's pyplot (headless), or None with a message when it is not installed."""
     try:
         import matplotlib
 
@@ -145,8 +145,22 @@ def plot_lines(path: Path, curves: dict, xlabel: str, ylabel: str, title: str, x
         import matplotlib.pyplot as plt
     except ImportError:
         print(f"matplotlib is not installed (pip install 'kvactors[bench]'): no plot {path.name}")
-        return
+        return None
     path.parent.mkdir(parents=True, exist_ok=True)
+    return plt
+
+
+def _save(plt, fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_lines(path: Path, curves: dict, xlabel: str, ylabel: str, title: str, x=None) -> None:
+    """Save a line plot of `curves` (label -> y values, at `x` or 1..n) as a PNG; skipped without matplotlib."""
+    plt = _pyplot(path)
+    if plt is None:
+        return
     fig, ax = plt.subplots(figsize=(7, 4))
     for label, ys in curves.items():
         ax.plot(x or range(1, len(ys) + 1), ys, marker="o", markersize=3, label=label)
@@ -156,6 +170,16 @@ def plot_lines(path: Path, curves: dict, xlabel: str, ylabel: str, title: str, x
     ax.set_yscale("log")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
+
+
+def plot_bars(path: Path, values: dict, ylabel: str, title: str) -> None:
+    """Save a bar chart of `values` (label -> number) as a PNG; skipped without matplotlib."""
+    plt = _pyplot(path)
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.bar(list(values), list(values.values()))
+    ax.set(ylabel=ylabel, title=title)
+    ax.set_yscale("log")
+    _save(plt, fig, path)

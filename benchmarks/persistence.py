@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import RESULTS, environment, write_results
+from benchmarks.common import RESULTS, environment, plot_lines, write_results
 from runtime import store
 
 COLUMNS = [
@@ -218,6 +218,10 @@ def main(argv=None) -> int:
         f"{args.repeats} repeats."
     )
     write_results("persistence", env, rows, COLUMNS, args.out, notes)
+    curves = {name: [r[key] for r in rows] for name, key in (
+        ("save", "save_s"), ("load, page cache dropped", "load_cold_s"), ("raw read, dropped", "raw_cold_s"),
+        ("load, page cache warm", "load_warm_s"), ("raw read, warm", "raw_warm_s"))}
+    plot_lines(args.out / "persistence.png", curves, "tokens", "seconds", "Q4 cache save and load", x=args.tokens)
     return 0
 
 
