@@ -107,6 +107,7 @@ class _Item:
     turn_id: str | None = None
     reply: Reply | None = None
     records: list | None = None  # written, awaiting the ack
+    pending: dict | None = None  # a turn in the batcher: what was rendered, kept and fed
 
 
 @dataclass(frozen=True)
@@ -167,7 +168,7 @@ class AgentActor(SupervisedActor):
         self.seq = 0
         self.meta: store.CacheMeta | None = None  # what the cache holds
         self.work: collections.deque = collections.deque()
-        self.current = None  # the item in progress
+        self.current: _Item | None = None  # the item in progress, until its write is acked
         self.fault = False
         self.load_s = 0.0
         self.from_disk = False
@@ -277,7 +278,7 @@ class AgentActor(SupervisedActor):
         user = self._record("user", msg["text"], sender=msg.get("sender"), msg=msg, turn_id=turn_id)
         rendered = self.env.render(self.system, self.records + [user])
         cache, tokens, label, keep_ids, keep_ends, keep_text = self._reuse(rendered)
-        self.pending = dict(user=user, rendered=rendered, label=label, keep_ids=keep_ids,
+        item.pending = dict(user=user, rendered=rendered, label=label, keep_ids=keep_ids,
                             keep_ends=keep_ends, keep_text=keep_text, fed=tokens)
         turn = Turn(
             turn_id=turn_id,
@@ -343,7 +344,7 @@ class AgentActor(SupervisedActor):
         if self.fault:
             self.fault = False
             raise AgentCrashed(turn_id, "injected fault (AgentRef.inject_crash)")
-        p = self.pending
+        p = item.pending
         result: TurnResult = outcome
         assistant = self._record("assistant", result.text, turn_id=turn_id)
         meta = self._cache_meta(p, result, assistant["seq"])
