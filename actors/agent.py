@@ -36,6 +36,7 @@ from actors.batcher import BatcherStopped, Submit
 from actors.supervisor import SupervisedActor
 from runtime import prefix, store
 from runtime.engine import Sampling, Timings, Turn, TurnError, TurnResult
+from runtime.q4cache import can_trim
 
 log = logging.getLogger(__name__)
 DURABILITY = ("durable", "memory")
@@ -326,7 +327,7 @@ class AgentActor(SupervisedActor):
             return None, encode(rendered, add_special_tokens=False), "cold", [], [], ""
         m = self.meta
         match = prefix.match_prefix(m.text, m.token_ids, m.token_ends, rendered)
-        if match.kind == prefix.COLD:
+        if match.kind == prefix.COLD or not can_trim(self.env.spec, cache, match.keep):
             return None, encode(rendered, add_special_tokens=False), "cold", [], [], ""
         if match.keep < len(m.token_ids):
             cache = store.trim_cache(cache, match.keep)

@@ -23,9 +23,11 @@ variable KVACTORS_Q4_ROUTE):
   The default on CUDA, and for models with attention sinks.
 
 Sliding-window layers use the same cache: the model passes the window to
-`make_mask`, which masks keys older than it. They keep their full Q4 history
-(so a cache can still be trimmed back for prefix reuse); their memory is not
-bounded by the window.
+`make_mask`, which masks keys older than it, and `extract` keeps only their
+last window + SLIDING_SLACK tokens, so their memory is bounded by the window.
+Such a layer's `offset` stays the true position (RoPE needs it) while it
+stores fewer tokens; the slack lets a cache be trimmed back that many tokens
+for prefix reuse (`can_trim`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from mlx_lm.models.cache import QuantizedKVCache, _BaseCache, create_attention_m
 
 ROUTES = ("quantized", "dequant", "dequant_once")
 STEP = 256
+SLIDING_SLACK = 256  # tokens a sliding layer keeps beyond its window, for prefix trims
 
 
 class Q4CacheError(ValueError):
@@ -128,7 +131,9 @@ class BatchQuantizedKVCache(_BaseCache):
     row out with `extract`, drop rows with `filter`, add rows with `extend`.
     """
 
-    def __init__(self, left_padding, bits: int = 4, group_size: int = 64, route: str | None = None):
+    def __init__(self, left_padding, bits: int = 4, group_size: int = 64, route: str | None = None,
+                 keep: int | None = None):
+        self.keep = keep  # sliding layers: the most tokens `extract` hands out (None: all)
         self.kv_bits = bits
         self.kv_group_size = group_size
         self.route = check_route(route or default_route())
@@ -258,13 +263,16 @@ class BatchQuantizedKVCache(_BaseCache):
     # -- batch surgery ----------------------------------------------------------
 
     @classmethod
-    def merge(cls, caches, bits: int = 4, group_size: int = 64, route: str | None = None):
+    def merge(cls, caches, bits: int = 4, group_size: int = 64, route: str | None = None,
+              keep: int | None = None):
         """One batch from per-agent `QuantizedKVCache`s (None or empty: no history).
 
         Rows are left-padded to the longest; packed words are copied, never
-        requantized. All caches must share bits and group size.
+        requantized. All caches must share bits and group size. A cache may hold
+        fewer tokens than its `offset` (a bounded sliding layer): the row's
+        position stays `offset`.
         """
-        lengths = []
+        lengths, positions = [], []
         for c in caches:
             if c is not None and not c.empty():
                 if (c.bits, c.group_size) != (bits, group_size):
@@ -272,9 +280,12 @@ class BatchQuantizedKVCache(_BaseCache):
                         f"cannot merge a {c.bits}-bit/group-{c.group_size} cache into a "
                         f"{bits}-bit/group-{group_size} batch; re-prefill that agent"
                     )
-            lengths.append(0 if c is None or c.empty() else c.offset)
+            empty = c is None or c.empty()
+            lengths.append(0 if empty else min(c.offset, c.keys[0].shape[2]))
+            positions.append(0 if empty else c.offset)
         longest = max(lengths, default=0)
-        cache = cls([longest - n for n in lengths], bits, group_size, route)
+        cache = cls([longest - n for n in lengths], bits, group_size, route, keep)
+        cache.offset = mx.array(positions, dtype=mx.int32)
         if longest == 0:
             return cache
         template = next(c for c, n in zip(caches, lengths) if n)
@@ -292,19 +303,24 @@ class BatchQuantizedKVCache(_BaseCache):
 
         cache.keys, cache.values = rows("keys"), rows("values")
         cache._idx = longest
-        cache.offset = cache.offset + longest
         return cache
 
     def extract(self, i: int) -> QuantizedKVCache:
-        """Row `i` as an mlx-lm `QuantizedKVCache` of exactly its used tokens, evaluated."""
+        """Row `i` as an mlx-lm `QuantizedKVCache` of exactly its used tokens, evaluated.
+
+        A layer built with `keep` hands out only its last `keep` tokens; `offset`
+        is the row's position either way.
+        """
         out = QuantizedKVCache(group_size=self.kv_group_size, bits=self.kv_bits)
         pad = int(self.left_padding[i].item())
         if self.keys is None or pad >= self._idx:
             return out
+        if self.keep is not None:
+            pad = max(pad, self._idx - self.keep)
         k, v = self.keys_and_values()
         out.keys = _map(lambda x: mx.contiguous(x[i : i + 1, :, pad:, :]), k)
         out.values = _map(lambda x: mx.contiguous(x[i : i + 1, :, pad:, :]), v)
-        out.offset = self._idx - pad
+        out.offset = int(self.offset[i].item())
         mx.eval(out.keys, out.values)
         return out
 
@@ -426,13 +442,19 @@ def make_batch_cache(spec, batch_size: int = 1, route: str | None = None):
     """An empty per-layer list of `BatchQuantizedKVCache` for a model described by `spec`.
 
     Every layer, full or sliding, gets the same cache type (the model passes the
-    sliding window to the mask). The route is checked by `route_for`.
+    sliding window to the mask; sliding layers hand out at most window +
+    SLIDING_SLACK tokens). The route is checked by `route_for`.
     """
     route = route_for(spec, route)
     return [
-        BatchQuantizedKVCache([0] * batch_size, spec.kv_bits, spec.kv_group_size, route)
-        for _ in range(spec.n_layers)
+        BatchQuantizedKVCache([0] * batch_size, spec.kv_bits, spec.kv_group_size, route, _keep(spec, layer))
+        for layer in range(spec.n_layers)
     ]
+
+
+def _keep(spec, layer):
+    window = spec.windows[layer]
+    return None if window is None else window + SLIDING_SLACK
 
 
 def merge_caches(spec, agent_caches, route: str | None = None):
@@ -440,7 +462,8 @@ def merge_caches(spec, agent_caches, route: str | None = None):
     route = route_for(spec, route)
     return [
         BatchQuantizedKVCache.merge(
-            [None if c is None else c[layer] for c in agent_caches], spec.kv_bits, spec.kv_group_size, route
+            [None if c is None else c[layer] for c in agent_caches], spec.kv_bits, spec.kv_group_size, route,
+            _keep(spec, layer),
         )
         for layer in range(spec.n_layers)
     ]
@@ -468,3 +491,19 @@ def cache_tokens(cache) -> int:
     if not cache or cache[0].empty():
         return 0
     return cache[0].offset
+
+
+def can_trim(spec, cache, keep: int) -> bool:
+    """Whether per-agent `cache` can be cut back to its first `keep` positions exactly.
+
+    Full layers always can; a bounded sliding layer only while it still holds
+    every key the next query's window reaches.
+    """
+    for layer, c in zip(range(spec.n_layers), cache):
+        window = spec.windows[layer]
+        if window is None or c.empty():
+            continue
+        first = c.offset - c.keys[0].shape[2]  # position of its oldest stored token
+        if keep - window + 1 < first and first > 0:
+            return False
+    return True

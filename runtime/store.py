@@ -135,7 +135,8 @@ class HostCache:
     """A Q4 cache copied to host memory: plain numpy arrays, safe to hand to any thread.
 
     `tensors` maps `layers.<i>.<keys|values>.<packed|scales|biases>` to arrays of
-    shape (1, kv_heads, n_tokens, ...). Scales and biases in bfloat16 are held as their
+    shape (1, kv_heads, length(i), ...): a bounded sliding layer keeps only the last
+    `length(i)` of the `n_tokens` positions, every other layer all of them. Scales and biases in bfloat16 are held as their
     raw uint16 bits; `dtype` names the real activation dtype. Empty when n_tokens == 0.
     """
 
@@ -145,6 +146,11 @@ class HostCache:
     group_size: int
     n_layers: int
     n_tokens: int
+    lengths: tuple = ()  # tokens stored per layer when some hold fewer (bounded sliding layers)
+
+    def length(self, layer: int) -> int:
+        """Tokens stored for `layer`: its last `length` positions of `n_tokens`."""
+        return self.lengths[layer] if self.lengths else self.n_tokens
 
     @property
     def nbytes(self) -> int:
@@ -185,7 +191,7 @@ def cache_to_host(cache) -> HostCache:
     first = cache[0]
     bits, group_size = first.bits, first.group_size
     n_tokens = 0 if first.keys is None else first.offset
-    tensors, dtype = {}, "float32"
+    tensors, dtype, lengths = {}, "float32", []
     for i, layer in enumerate(cache):
         if (layer.bits, layer.group_size) != (bits, group_size):
             raise ValueError(f"layer {i} has bits/group {layer.bits}/{layer.group_size}, layer 0 {bits}/{group_size}")
@@ -194,14 +200,17 @@ def cache_to_host(cache) -> HostCache:
             raise ValueError(f"layer {i} holds {tokens} tokens, layer 0 holds {n_tokens}")
         if n_tokens == 0:
             continue
+        stored = min(n_tokens, layer.keys[0].shape[-2])
+        lengths.append(stored)
         for kind, packed in (("keys", layer.keys), ("values", layer.values)):
             dtype = str(packed[1].dtype).removeprefix("mlx.core.")
             for part, x in zip(_PARTS, packed):
-                x = x[..., :n_tokens, :] if x.shape[-2] != n_tokens else x
+                x = x[..., :stored, :] if x.shape[-2] != stored else x
                 if x.dtype == mx.bfloat16:
                     x = x.view(mx.uint16)
                 tensors[_name(i, kind, part)] = np.array(x, copy=True)
-    host = HostCache(tensors, dtype, bits, group_size, len(cache), n_tokens)
+    lengths = () if all(n == n_tokens for n in lengths) else tuple(lengths)
+    host = HostCache(tensors, dtype, bits, group_size, len(cache), n_tokens, lengths)
     _check_host(host)
     return host
 
@@ -242,15 +251,19 @@ def trim_host(host: HostCache, meta: CacheMeta, keep: int) -> tuple[HostCache, C
         raise ValueError(f"cannot keep {keep} of {host.n_tokens} tokens")
     if keep == host.n_tokens:
         return host, meta
-    tensors = {} if keep == 0 else {k: v[..., :keep, :] for k, v in host.tensors.items()}
+    cut = host.n_tokens - keep  # positions dropped from the end, in every layer
+    lengths = tuple(host.length(i) - cut for i in range(host.n_layers))
+    if keep and min(lengths) <= 0:
+        raise ValueError(f"a bounded sliding layer holds too few tokens to keep {keep}")
+    tensors = {} if keep == 0 else {k: v[..., : lengths[int(k.split(".")[1])], :] for k, v in host.tensors.items()}
     end = max([0, *meta.token_ends[:keep]])
-    trimmed = replace(host, tensors=tensors, n_tokens=keep)
+    trimmed = replace(host, tensors=tensors, n_tokens=keep, lengths=lengths if host.lengths and keep else ())
     ids, ends = meta.token_ids[:keep], meta.token_ends[:keep]
     return trimmed, replace(meta, token_ids=ids, token_ends=ends, text=meta.text[:end])
 
 
 def trim_cache(cache, keep: int) -> list:
-    """A new per-layer list of `QuantizedKVCache` holding the first `keep` tokens of `cache`.
+    """A new per-layer list of `QuantizedKVCache` holding the first `keep` positions of `cache`.
 
     The slices are evaluated before returning, on the calling thread; `cache` is unchanged.
     """
@@ -261,9 +274,14 @@ def trim_cache(cache, keep: int) -> list:
     for layer in cache:
         c = QuantizedKVCache(group_size=layer.group_size, bits=layer.bits)
         if keep > 0 and layer.keys is not None:
-            c.keys = tuple(mx.contiguous(x[..., :keep, :]) for x in layer.keys)
-            c.values = tuple(mx.contiguous(x[..., :keep, :]) for x in layer.values)
-            c.offset = min(keep, layer.offset)
+            positions = min(keep, layer.offset)
+            stored = min(layer.offset, layer.keys[0].shape[-2])
+            n = stored - (layer.offset - positions)  # a bounded sliding layer stores its last positions
+            if n <= 0:
+                raise ValueError(f"a bounded sliding layer holds too few tokens to keep {keep}; see q4cache.can_trim")
+            c.keys = tuple(mx.contiguous(x[..., :n, :]) for x in layer.keys)
+            c.values = tuple(mx.contiguous(x[..., :n, :]) for x in layer.values)
+            c.offset = positions
         out.append(c)
     mx.eval([(c.keys, c.values) for c in out if c.keys is not None])
     return out
@@ -286,11 +304,15 @@ def _check_host(host: HostCache) -> None:
         names = set()
     if set(host.tensors) != names:
         raise ValueError(f"tensors {sorted(set(host.tensors) ^ names)[:4]} missing or unexpected")
+    if host.lengths and (len(host.lengths) != host.n_layers
+                         or not all(0 < n <= host.n_tokens for n in host.lengths)):
+        raise ValueError(f"stored lengths {list(host.lengths)[:4]} do not fit {host.n_layers} layers of {host.n_tokens} tokens")
     scale_np = _DTYPES[_SCALE_HEADER[host.dtype]][0]
     for name, a in host.tensors.items():
         want = np.uint32 if name.endswith("packed") else scale_np
-        if a.dtype != want or a.ndim != 4 or a.shape[0] != 1 or a.shape[2] != host.n_tokens:
-            raise ValueError(f"{name}: {a.dtype}{a.shape}, expected {np.dtype(want)} (1, H, {host.n_tokens}, D)")
+        n = host.length(int(name.split(".")[1]))
+        if a.dtype != want or a.ndim != 4 or a.shape[0] != 1 or a.shape[2] != n:
+            raise ValueError(f"{name}: {a.dtype}{a.shape}, expected {np.dtype(want)} (1, H, {n}, D)")
     for i in range(host.n_layers if host.n_tokens else 0):
         for kind in ("keys", "values"):
             p, s, b = (host.tensors[_name(i, kind, part)] for part in _PARTS)
@@ -357,6 +379,7 @@ def encode_cache(host: HostCache, meta: CacheMeta, fingerprint: str) -> bytes:
             "dtype": host.dtype,
             "n_layers": host.n_layers,
             "n_tokens": host.n_tokens,
+            "lengths": list(host.lengths),
             "seq": int(meta.seq),
             "turn_id": meta.turn_id,
             "text": meta.text,
@@ -404,7 +427,8 @@ def decode_cache(data, spec=None) -> tuple[HostCache, CacheMeta]:
         tensors = {k: _tensor(body, v) for k, v in header.items()}
         dtypes = {k: v["dtype"] for k, v in header.items()}
         host = HostCache(
-            tensors, m["dtype"], int(m["kv_bits"]), int(m["kv_group_size"]), int(m["n_layers"]), int(m["n_tokens"])
+            tensors, m["dtype"], int(m["kv_bits"]), int(m["kv_group_size"]), int(m["n_layers"]), int(m["n_tokens"]),
+            tuple(int(n) for n in m.get("lengths", ())),
         )
         meta = CacheMeta(
             int(m["seq"]), list(m["token_ids"]), list(m["token_ends"]), str(m["text"]),
@@ -479,9 +503,13 @@ def _check_spec(host: HostCache, fingerprint: str, spec) -> None:
     spec_dtype = getattr(spec, "dtype", None)
     if host.n_tokens and isinstance(spec_dtype, str) and spec_dtype != host.dtype:
         problems.append(f"scales in {host.dtype}, the model computes in {spec_dtype}")
+    windows = getattr(spec, "windows", None) or (None,) * spec.n_layers
     for i in range(min(host.n_layers, spec.n_layers) if host.n_tokens else 0):
+        window, n = windows[i], host.length(i)
+        if n < (host.n_tokens if window is None else min(host.n_tokens, window)):
+            problems.append(f"layer {i} holds {n} of {host.n_tokens} tokens, its attention needs more")
         for kind, dim in (("keys", spec.k_head_dim), ("values", spec.v_head_dim)):
-            want = (1, spec.n_kv_heads, host.n_tokens, dim * host.bits // 32)
+            want = (1, spec.n_kv_heads, n, dim * host.bits // 32)
             got = host.tensors[_name(i, kind, "packed")].shape
             if tuple(got) != want:
                 problems.append(f"layer {i} {kind} packed {tuple(got)}, expected {want}")

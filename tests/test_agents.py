@@ -680,3 +680,30 @@ def test_two_runtimes_on_one_cache_dir_is_a_clear_error(tmp_path):
             Runtime(cache_dir=tmp_path)
     with Runtime(cache_dir=tmp_path) as rt:  # released by the shutdown
         assert rt.spawn("solo").ask("again", max_tokens=2).cache == "warm"
+
+
+def test_sliding_window_agent_resumes_warm_from_a_bounded_cache(tmp_path, tiny_model_path):
+    path = tiny_model_path("gemma3_text")
+    system = " ".join(f"rule{i}" for i in range(250))  # past the window (64) + slack (256)
+
+    def run(folder, restart_before):
+        rt = Runtime(model=path, cache_dir=tmp_path / folder)
+        agent, out = rt.spawn("sw", system=system), []
+        for i, question in enumerate(["first?", "second?", "third?"]):
+            if i == restart_before:
+                rt.shutdown()
+                rt = Runtime(model=path, cache_dir=tmp_path / folder)
+                agent = rt.spawn("sw")
+            r = agent.ask(question, max_tokens=6)
+            out.append((r.tokens, r.cache))
+        spec = rt.spec
+        rt.shutdown()
+        return out, spec
+
+    whole, _ = run("whole", None)
+    split, spec = run("split", 2)
+    assert [t for t, _ in split] == [t for t, _ in whole]
+    assert [c for _, c in split] == ["cold", "hot", "warm"]
+    host, _ = store.load_cache(tmp_path / "split", spec, "sw")
+    assert host.n_tokens > 400
+    assert sorted(set(host.lengths)) == [64 + 256, host.n_tokens]  # sliding layers bounded, full ones not

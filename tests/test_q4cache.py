@@ -13,8 +13,10 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from runtime.model import ModelCacheSpec
 from runtime.q4cache import (
     ROUTES,
+    SLIDING_SLACK,
     BatchQuantizedKVCache,
     Q4CacheError,
+    can_trim,
     default_route,
     extend_cache,
     extract_cache,
@@ -223,3 +225,50 @@ def test_quantized_route_leaves_queries_untouched():
     k = tuple(mx.quantize(mx.ones((1, 1, 4, 64)), group_size=64, bits=4))
     quantized_sdpa(q, k, k, scale=0.125, mask=None)
     assert mx.array_equal(q, mx.ones((1, 2, 1, 64))).item()
+
+
+# -- bounded sliding-window layers -----------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "gpt_oss"])
+def test_sliding_layers_keep_window_plus_slack_and_continue_exactly(models, arch):
+    model, spec = models[arch]
+    history = list(range(3, 3 + 420))  # beyond window (64) + SLIDING_SLACK (256)
+    batch = make_batch_cache(spec, 1)
+    model(mx.array(history)[None], cache=batch)
+    unbounded = greedy(model, batch, [7], 12)[0]  # continues on the full in-batch cache
+
+    cache, _ = prefill(model, spec, history)
+    for layer, c in enumerate(cache):
+        window = spec.windows[layer]
+        stored = 420 if window is None else window + SLIDING_SLACK
+        assert c.offset == 420 and c.keys[0].shape[2] == stored
+    assert greedy(model, merge_caches(spec, [cache]), [7], 12)[0] == unbounded
+
+
+def test_bounded_cache_bytes_and_trim_limits(models):
+    model, spec = models["gemma3_text"]
+    cache, _ = prefill(model, spec, list(range(3, 3 + 420)))
+    full = [c for c, w in zip(cache, spec.windows) if w is None][0]
+    sliding = [c for c, w in zip(cache, spec.windows) if w is not None][0]
+    assert sliding.nbytes < full.nbytes * 320 / 420 + 1
+    first = 420 - (64 + SLIDING_SLACK)  # the oldest position a sliding layer still holds
+    assert can_trim(spec, cache, 419) and can_trim(spec, cache, first + 63)
+    assert not can_trim(spec, cache, first + 62)
+    assert can_trim(models["llama"][1], prefill(*models["llama"], list(range(3, 300)))[0], 1)
+
+
+def test_bounded_cache_survives_the_store_bit_exact(models, tmp_path):
+    from runtime import store
+
+    model, spec = models["gemma3_text"]
+    cache, _ = prefill(model, spec, list(range(3, 3 + 420)))
+    ids = list(range(3, 3 + 420))
+    meta = store.CacheMeta(seq=1, token_ids=ids, token_ends=list(range(1, 421)), text="x" * 420)
+    store.save_cache(tmp_path, spec, "sw", store.cache_to_host(cache), meta)
+    host, loaded_meta = store.load_cache(tmp_path, spec, "sw")
+    assert host.lengths and loaded_meta.token_ids == ids
+    for a, b in zip(store.host_to_cache(host), cache):
+        assert_same_packed(a, b)
+    trimmed = store.trim_cache(cache, 400)
+    assert trimmed[0].offset == 400 and trimmed[0].keys[0].shape[2] == 300
