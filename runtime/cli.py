@@ -39,13 +39,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
-    demo = sub.add_parser("demo", help="run a short multi-agent demo (default: the embedded tiny model)")
+    demo = sub.add_parser(
+        "demo", help="run a short multi-agent demo (default: the embedded tiny model)",
+        description="Two agents talk, then answer together (batched), then resume from disk after a restart: "
+                    "prints each turn's cache state (cold / hot / warm) and time to first token.",
+    )
     demo.add_argument("--model", default=None, help="model folder or Hugging Face id (default: embedded tiny model)")
     demo.add_argument("--cache-dir", default=None, help="where agent caches live (default: a fresh temporary folder)")
     demo.add_argument("--max-tokens", type=int, default=24, help="tokens generated per turn (default: 24)")
     demo.set_defaults(func=_demo)
 
-    ins = sub.add_parser("inspect", help="list the agents stored in a cache folder")
+    ins = sub.add_parser(
+        "inspect", help="list the agents stored in a cache folder",
+        description="A table per model: each stored agent's cached tokens, bytes on disk, last turn and health "
+                    "(whether its cache file validates).",
+    )
     ins.add_argument("cache_dir", nargs="?", default="~/.cache/kvactors/agents", help="cache folder (default: %(default)s)")
     ins.set_defaults(func=_inspect)
 
