@@ -1,0 +1,43 @@
+"""The `kvactors` command: help, inspect on a real cache folder, the bench driver's help."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+from runtime import Runtime
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def kvactors(*args):
+    return subprocess.run([sys.executable, "-m", "runtime.cli", *map(str, args)], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+
+
+def test_help_lists_the_commands():
+    out = kvactors()
+    assert out.returncode == 0
+    for command in ("demo", "inspect", "bench"):
+        assert command in out.stdout
+
+
+def test_inspect_shows_stored_agents_and_their_health(tmp_path):
+    with Runtime(cache_dir=tmp_path) as rt:
+        rt.spawn("archivist").ask("remember this", max_tokens=3)
+    out = kvactors("inspect", tmp_path)
+    assert out.returncode == 0, out.stderr
+    row = next(line for line in out.stdout.splitlines() if line.startswith("archivist"))
+    assert row.split()[-1] == "ok"
+    cache_file = next(tmp_path.glob("*/archivist/cache.safetensors"))
+    data = bytearray(cache_file.read_bytes())
+    data[-10] ^= 0xFF  # damage the tensors
+    cache_file.write_bytes(bytes(data))
+    damaged = next(line for line in kvactors("inspect", tmp_path).stdout.splitlines() if line.startswith("archivist"))
+    assert "ok" not in damaged.split()[-1:]
+    assert "no such folder" in kvactors("inspect", tmp_path / "missing").stdout
+
+
+def test_bench_help_comes_from_the_driver():
+    out = kvactors("bench", "--help")
+    assert out.returncode == 0, out.stderr
+    assert "ttft" in out.stdout and "workload" in out.stdout
