@@ -41,6 +41,7 @@ keep everything). `delete` removes one agent, `inspect_table` summarizes a folde
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import re
 import secrets
@@ -757,6 +758,19 @@ def read_file(path: Path) -> bytearray:
     return buf[:got] if got < size else buf
 
 
+def map_file(path: Path):
+    """The bytes of the file at `path`, memory-mapped read-only (no copy out of the page cache).
+
+    The returned tensors of `decode_cache` are views into the mapping; it stays open
+    while any of them is alive. Files are replaced by rename, never rewritten in
+    place, so a mapping always sees one complete version.
+    """
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return b""
+        return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+
+
 def load_cache(cache_dir, spec, agent: str) -> tuple[HostCache, CacheMeta]:
     """Read and validate `agent`'s cache for model `spec`; return (HostCache, CacheMeta).
 
@@ -765,7 +779,7 @@ def load_cache(cache_dir, spec, agent: str) -> tuple[HostCache, CacheMeta]:
     """
     path = agent_dir(cache_dir, spec.fingerprint, agent) / CACHE_FILE
     try:
-        data = read_file(path)
+        data = map_file(path)
     except FileNotFoundError:
         raise CacheMissing(f"no cache for agent {agent!r} under {path.parent}: cold start") from None
     try:
@@ -892,7 +906,7 @@ def _agent_row(folder: Path) -> list[str]:
     cpath = folder / CACHE_FILE
     if cpath.exists():
         try:
-            host, meta = decode_cache(read_file(cpath))
+            host, meta = decode_cache(map_file(cpath))
             tokens, cseq = str(host.n_tokens), meta.seq
             if meta.fingerprint != folder.parent.name:
                 health.append(f"cache of another model ({meta.fingerprint})")
