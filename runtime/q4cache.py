@@ -123,6 +123,25 @@ def _map(fn, packed):
     return tuple(fn(x) for x in packed)
 
 
+def _left_padded(packed, used: int, width: int):
+    """The first `used` columns of `packed`, left-padded with zeros to `width` columns."""
+    return _map(lambda x: mx.pad(x[..., :used, :], [(0, 0), (0, 0), (width - used, 0), (0, 0)]), packed)
+
+
+def _zero_rows(template, rows: int, width: int):
+    """Zeros shaped like `template`'s packed tuple, with `rows` rows of `width` columns."""
+    return _map(lambda x: mx.zeros((rows, x.shape[1], width, x.shape[3]), x.dtype), template)
+
+
+def stored_tokens(layer) -> int:
+    """Tokens a per-agent `QuantizedKVCache` layer holds: its last `stored_tokens` positions.
+
+    `offset` for full layers (any buffer past it is spare); fewer for a sliding layer
+    bounded by `extract`.
+    """
+    return 0 if layer.empty() else min(layer.offset, layer.keys[0].shape[2])
+
+
 class BatchQuantizedKVCache(_BaseCache):
     """One layer's Q4 KV cache for a left-padded batch of agents.
 
@@ -280,9 +299,8 @@ class BatchQuantizedKVCache(_BaseCache):
                         f"cannot merge a {c.bits}-bit/group-{c.group_size} cache into a "
                         f"{bits}-bit/group-{group_size} batch; re-prefill that agent"
                     )
-            empty = c is None or c.empty()
-            lengths.append(0 if empty else min(c.offset, c.keys[0].shape[2]))
-            positions.append(0 if empty else c.offset)
+            lengths.append(0 if c is None else stored_tokens(c))
+            positions.append(0 if c is None or c.empty() else c.offset)
         longest = max(lengths, default=0)
         cache = cls([longest - n for n in lengths], bits, group_size, route, keep)
         cache.offset = mx.array(positions, dtype=mx.int32)
@@ -291,14 +309,10 @@ class BatchQuantizedKVCache(_BaseCache):
         template = next(c for c, n in zip(caches, lengths) if n)
 
         def rows(part):
-            out = []
-            for c, n in zip(caches, lengths):
-                if n:
-                    src = getattr(c, part)
-                    out.append(_map(lambda x: mx.pad(x[..., :n, :], [(0, 0), (0, 0), (longest - n, 0), (0, 0)]), src))
-                else:
-                    t = getattr(template, part)
-                    out.append(_map(lambda x: mx.zeros((1, x.shape[1], longest, x.shape[3]), x.dtype), t))
+            out = [
+                _left_padded(getattr(c, part), n, longest) if n else _zero_rows(getattr(template, part), 1, longest)
+                for c, n in zip(caches, lengths)
+            ]
             return tuple(mx.concatenate(list(xs), axis=0) for xs in zip(*out))
 
         cache.keys, cache.values = rows("keys"), rows("values")
@@ -363,13 +377,10 @@ class BatchQuantizedKVCache(_BaseCache):
         template = self if self.keys is not None else other
 
         def aligned(c, part):
-            shift = longest - c._idx
             src = getattr(c, part)
             if src is None:
-                t = getattr(template, part)
-                rows = c.left_padding.shape[0]
-                return _map(lambda x: mx.zeros((rows, x.shape[1], longest, x.shape[3]), x.dtype), t)
-            return _map(lambda x: mx.pad(x[..., : c._idx, :], [(0, 0), (0, 0), (shift, 0), (0, 0)]), src)
+                return _zero_rows(getattr(template, part), c.left_padding.shape[0], longest)
+            return _left_padded(src, c._idx, longest)
 
         parts = {}
         for part in ("keys", "values"):
@@ -428,14 +439,14 @@ def route_for(spec, route: str | None = None) -> str:
     The "quantized" route cannot serve attention sinks: asking for it on such a
     model raises Q4CacheError; where it is the default, such models get "dequant_once".
     """
-    if route is None and spec.has_sinks:
-        return "dequant_once" if default_route() == "quantized" else default_route()
-    route = check_route(route or default_route())
-    if route == "quantized" and spec.has_sinks:
+    chosen = check_route(route) if route else default_route()
+    if chosen == "quantized" and spec.has_sinks:
+        if route is None:
+            return "dequant_once"  # the default here, but sinks need the fused kernel
         raise Q4CacheError(
             "the quantized route cannot serve attention sinks; use 'dequant' or 'dequant_once'"
         )
-    return route
+    return chosen
 
 
 def make_batch_cache(spec, batch_size: int = 1, route: str | None = None):
@@ -499,11 +510,10 @@ def can_trim(spec, cache, keep: int) -> bool:
     Full layers always can; a bounded sliding layer only while it still holds
     every key the next query's window reaches.
     """
-    for layer, c in zip(range(spec.n_layers), cache):
-        window = spec.windows[layer]
+    for window, c in zip(spec.windows, cache):
         if window is None or c.empty():
             continue
-        first = c.offset - c.keys[0].shape[2]  # position of its oldest stored token
+        first = c.offset - stored_tokens(c)  # position of its oldest stored token
         if keep - window + 1 < first and first > 0:
             return False
     return True

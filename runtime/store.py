@@ -189,6 +189,8 @@ def cache_to_host(cache) -> HostCache:
     """
     import mlx.core as mx
 
+    from runtime.q4cache import stored_tokens
+
     first = cache[0]
     bits, group_size = first.bits, first.group_size
     n_tokens = 0 if first.keys is None else first.offset
@@ -201,7 +203,7 @@ def cache_to_host(cache) -> HostCache:
             raise ValueError(f"layer {i} holds {tokens} tokens, layer 0 holds {n_tokens}")
         if n_tokens == 0:
             continue
-        stored = min(n_tokens, layer.keys[0].shape[-2])
+        stored = stored_tokens(layer)
         lengths.append(stored)
         for kind, packed in (("keys", layer.keys), ("values", layer.values)):
             dtype = str(packed[1].dtype).removeprefix("mlx.core.")
@@ -271,13 +273,14 @@ def trim_cache(cache, keep: int) -> list:
     import mlx.core as mx
     from mlx_lm.models.cache import QuantizedKVCache
 
+    from runtime.q4cache import stored_tokens
+
     out = []
     for layer in cache:
         c = QuantizedKVCache(group_size=layer.group_size, bits=layer.bits)
         if keep > 0 and layer.keys is not None:
             positions = min(keep, layer.offset)
-            stored = min(layer.offset, layer.keys[0].shape[-2])
-            n = stored - (layer.offset - positions)  # a bounded sliding layer stores its last positions
+            n = stored_tokens(layer) - (layer.offset - positions)  # a bounded sliding layer stores its last positions
             if n <= 0:
                 raise ValueError(f"a bounded sliding layer holds too few tokens to keep {keep}; see q4cache.can_trim")
             c.keys = tuple(mx.contiguous(x[..., :n, :]) for x in layer.keys)
