@@ -169,7 +169,6 @@ class Engine:
         self.prefilling: list[_Row] = []
         self.decoding: list[_Row] = []
         self.batch = None  # per-layer BatchQuantizedKVCache of the decoding rows
-        self.reserved = 0
         self.peak_admitted = 0
         per_token = spec.q4_bytes_per_token()
         if self.route == "dequant_once":
@@ -204,6 +203,11 @@ class Engine:
         """Number of admitted turns (prefilling or decoding)."""
         return len(self.prefilling) + len(self.decoding)
 
+    @property
+    def reserved(self) -> int:
+        """Bytes of the budget reserved by the admitted turns."""
+        return sum(r.reserved for r in self.prefilling) + sum(r.reserved for r in self.decoding)
+
     def step(self) -> list:
         """Admit what fits, decode one token for every decoding row, prefill one chunk.
 
@@ -221,7 +225,7 @@ class Engine:
         """End every queued and admitted turn with `make_error(turn_id)`; returns them."""
         rows = list(self.waiting) + self.prefilling + self.decoding
         self.waiting.clear()
-        self.prefilling, self.decoding, self.batch, self.reserved = [], [], None, 0
+        self.prefilling, self.decoding, self.batch = [], [], None
         return [make_error(r.turn.turn_id) for r in rows]
 
     # -- admission -------------------------------------------------------------------
@@ -233,7 +237,6 @@ class Engine:
             if self.reserved + row.reserved > self.memory_budget:
                 break  # FIFO: nobody overtakes the head of the queue
             self.waiting.popleft()
-            self.reserved += row.reserved
             row.admitted = now
             row.pending = list(row.turn.tokens)
             row.cache = merge_caches(self.spec, [row.turn.cache], self.route)
@@ -263,7 +266,6 @@ class Engine:
             row.first_token = time.perf_counter()
         except Exception as e:
             self.prefilling.pop(0)
-            self.reserved -= row.reserved
             return [TurnError(row.turn.turn_id, f"prefill failed: {type(e).__name__}: {e}")]
         self.prefilling.pop(0)
         if self.batch is None:
@@ -285,7 +287,6 @@ class Engine:
             tokens = picks.tolist()
         except Exception as e:
             rows, self.decoding, self.batch = self.decoding, [], None
-            self.reserved -= sum(r.reserved for r in rows)
             return [TurnError(r.turn.turn_id, f"decode step failed: {type(e).__name__}: {e}") for r in rows]
         return self._accept(list(enumerate(tokens)))
 
@@ -312,7 +313,6 @@ class Engine:
             try:
                 reason = self._add_token(row, token)
             except Exception as e:  # a failing on_token callback fails its own turn
-                self.reserved -= row.reserved
                 finished.append(i)
                 results.append(TurnError(row.turn.turn_id, f"on_token raised {type(e).__name__}: {e}"))
                 continue
@@ -349,7 +349,6 @@ class Engine:
         return None
 
     def _finish(self, row, i, reason):
-        self.reserved -= row.reserved
         if reason == "length":
             row.detok.finalize()
             tail = row.detok.last_segment
@@ -375,7 +374,7 @@ class Engine:
             tokens=row.generated,
             text=row.text,
             cache=cache,
-            cached_tokens=cache[0].offset,
+            cached_tokens=cache_tokens(cache),
             finish_reason=reason,
             timings=timings,
         )
