@@ -178,7 +178,7 @@ class AgentActor(SupervisedActor):
 
     def on_start(self):
         t0 = time.perf_counter()
-        loaded = self.env.persistence().proxy().load(self.name).get(timeout=self.env.io_timeout)
+        loaded = self._load_durable()
         self.records = list(loaded.records)
         self.seq = self.records[-1]["seq"] if self.records else 0
         system = next((r["text"] for r in self.records if r["role"] == "system"), None)
@@ -317,7 +317,7 @@ class AgentActor(SupervisedActor):
         label = "warm" if self.from_disk else "hot"
         if cache is None and self.meta is not None:
             t0 = time.perf_counter()
-            loaded = self.env.persistence().proxy().load(self.name).get(timeout=self.env.io_timeout)
+            loaded = self._load_durable()
             if loaded.host is not None and loaded.meta == self.meta:
                 cache = store.host_to_cache(loaded.host)
                 label = "warm"
@@ -381,6 +381,10 @@ class AgentActor(SupervisedActor):
         if msg:
             extra = {"message_id": msg.get("message_id"), "conversation_id": msg.get("conversation_id")}
         return store.journal_record(self.seq, role, text, turn_id=turn_id, sender=sender, **extra)
+
+    def _load_durable(self) -> store.Loaded:
+        # Blocks on the persistence actor, which never waits on agents: no deadlock.
+        return self.env.persistence().proxy().load(self.name).get(timeout=self.env.io_timeout)
 
     def _persist_now(self, records):
         persistence.submit(self.env.persistence(), self.name, records[-1]["seq"], records=records).get(
