@@ -224,9 +224,7 @@ class AgentActor(SupervisedActor):
         self.work.clear()
 
     def _drain_inbox(self, why):
-        # pykka drops tells left in a stopped actor's inbox: answer or dead-letter them.
-        while not self.actor_inbox.empty():
-            msg = self.actor_inbox.get_nowait().message
+        for msg in self.take_leftover(Ask, Note):
             if isinstance(msg, Ask):
                 _fail(msg.future, AgentCrashed(None, f"{why} before this message; retry it"))
             elif isinstance(msg, Note):

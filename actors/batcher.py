@@ -95,11 +95,8 @@ class BatcherActor(SupervisedActor):
     def _fail_everything(self, make_error):
         for e in self.engine.fail_all(make_error):
             self._reply(e)
-        # pykka drops tells still in the inbox of a stopped actor: answer them.
-        while not self.actor_inbox.empty():
-            msg = self.actor_inbox.get_nowait().message
-            if isinstance(msg, Submit):
-                msg.reply(make_error(msg.turn.turn_id))
+        for msg in self.take_leftover(Submit):
+            msg.reply(make_error(msg.turn.turn_id))
 
 
 def submit(batcher: pykka.ActorRef, turn: Turn) -> pykka.Future:

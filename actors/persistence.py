@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import queue
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,18 +129,8 @@ class PersistenceActor(SupervisedActor):
 
     def on_stop(self) -> None:
         # Writes told after the stop request are still in the inbox: keep them too.
-        others = []
-        while True:
-            try:
-                envelope = self.actor_inbox.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(envelope.message, Write):
-                self._queue(envelope.message)
-            else:
-                others.append(envelope)
-        for envelope in others:
-            self.actor_inbox.put(envelope)
+        for write in self.take_leftover(Write):
+            self._queue(write)
         self._flush()
         if self._loop is not None:
             self._loop.close()

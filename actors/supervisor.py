@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
+import queue
 import random
 import threading
 import time
@@ -229,6 +230,28 @@ class SupervisedActor(pykka.ThreadingActor):
             if envelope.reply_to is not None:
                 envelope.reply_to.set(response)
         return None
+
+    def take_leftover(self, *types: type) -> list:
+        """Remove and return the tells of `types` still queued for this stopping actor.
+
+        pykka drops tells left in a stopped actor's inbox without a word, so an actor
+        whose messages carry a reply answers them from here (in `on_stop` or
+        `on_failure`). Every other envelope goes back, in order, for pykka's teardown
+        (which answers queued asks with ActorDeadError).
+        """
+        taken, others = [], []
+        while True:
+            try:
+                envelope = self.actor_inbox.get_nowait()
+            except queue.Empty:
+                break
+            if envelope.reply_to is None and isinstance(envelope.message, types):
+                taken.append(envelope.message)
+            else:
+                others.append(envelope)
+        for envelope in others:
+            self.actor_inbox.put(envelope)
+        return taken
 
     def _mark_stopped(self) -> None:
         ActorRegistry.unregister(self.actor_ref)
