@@ -35,7 +35,7 @@ from actors import persistence
 from actors.batcher import BatcherStopped, Submit
 from actors.supervisor import SupervisedActor
 from runtime import prefix, store
-from runtime.engine import Sampling, Timings, Turn, TurnError, TurnResult
+from runtime.engine import Sampling, Timings, Turn, TurnResult
 from runtime.q4cache import can_trim
 
 log = logging.getLogger(__name__)
