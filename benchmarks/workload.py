@@ -78,19 +78,33 @@ def stateless(model, tokenizer, systems, messages, new, prompt_cache=False):
 
 
 def actors(model_path, cache_dir, systems, messages, new):
-    """Variant (c): all agents of a round at once; the Runtime restarts halfway. Returns TTFTs and labels."""
+    """Variant (c): all agents of a round at once; the Runtime restarts halfway.
+
+    Returns TTFTs, cache labels, and where the time went (seconds): opening the two
+    Runtimes (model load), the engine's work per round (from the first submit to the
+    last token of the round), and the rest of each round (until every reply is
+    durable: copying caches out, writing them, acking).
+    """
     turns = len(messages[0])
     ttfts, labels = [], []
+    parts = dict(open_s=0.0, engine_s=0.0, after_s=0.0)
     for half in (range(turns // 2), range(turns // 2, turns)):
+        t0 = time.perf_counter()
         with Runtime(model=model_path, cache_dir=cache_dir) as rt:
+            parts["open_s"] += time.perf_counter() - t0
             agents = [rt.spawn(f"agent{a}", system=s) for a, s in enumerate(systems)]
             for t in half:
+                start = time.perf_counter()
                 futures = [agent.send(messages[a][t], max_tokens=new, timeout=600) for a, agent in enumerate(agents)]
-                for f in futures:
-                    r = f.get(timeout=900)
-                    ttfts.append(r.timings.ttft_s)
-                    labels.append(r.cache)
-    return ttfts, labels
+                replies = [f.get(timeout=900) for f in futures]
+                end = time.perf_counter()
+                # a reply's TTFT counts from its agent's start of the turn, about `start`
+                engine = max(r.timings.ttft_s + r.timings.decode_s for r in replies)
+                parts["engine_s"] += engine
+                parts["after_s"] += (end - start) - engine
+                ttfts += [r.timings.ttft_s for r in replies]
+                labels += [r.cache for r in replies]
+    return ttfts, labels, parts
 
 
 def measure(fn, *args):
@@ -118,7 +132,10 @@ def main(argv=None) -> int:
         model, tokenizer = mlx_lm.load(str(model_path))
         tokenizer.eos_token_ids = set()  # random weights: every turn generates --new tokens
         systems, messages = script(tokenizer, args.agents, args.turns, args.turn_tokens, args.system_tokens)
-        stateless(model, tokenizer, systems[:1], [m[:1] for m in messages[:1]], 4)  # warm-up
+        # warm-up: MLX-CUDA compiles kernels on first use (tens of seconds for some): let every
+        # path run once (a cold turn, a turn after a cache, both for mlx-lm and for kvactors)
+        warm_script = (systems[:1], [messages[0][:2]])
+        stateless(model, tokenizer, *warm_script, 4, True)
         for name, fn, fargs in (
             ("a: stateless re-prefill", stateless, (model, tokenizer, systems, messages, args.new)),
             ("b: mlx-lm prompt cache (fp16)", stateless, (model, tokenizer, systems, messages, args.new, True)),
@@ -130,10 +147,11 @@ def main(argv=None) -> int:
             curves[name] = ttfts
             print(rows[-1], flush=True)
         del model
-        total, peak, (ttfts, labels) = measure(actors, model_path, Path(tmp) / "agents", systems, messages, args.new)
+        actors(model_path, Path(tmp) / "warm-up", *warm_script, 4)
+        total, peak, (ttfts, labels, parts) = measure(actors, model_path, Path(tmp) / "agents", systems, messages, args.new)
         rows.append(dict(variant="c: kvactors (restart halfway)", total_s=total, ttft_mean_s=statistics.mean(ttfts),
                          ttft_p50_s=statistics.median(ttfts), ttft_max_s=max(ttfts), peak_mem_gb=peak,
-                         final_context=rows[0]["final_context"]))
+                         final_context=rows[0]["final_context"], **parts))
         curves["c: kvactors (restart halfway)"] = ttfts
         print(rows[-1], "cache states:", labels, flush=True)
     for r in rows:
@@ -142,6 +160,9 @@ def main(argv=None) -> int:
     write_results(name, env, rows, COLUMNS, args.out,
                   notes=f"model {args.model}; {args.agents} agents x {args.turns} turns, +{args.turn_tokens} tokens and "
                         f"{args.new} generated per turn, system prompt {args.system_tokens} tokens. "
+                        f"Where (c)'s time went: opening two Runtimes (model load) {parts['open_s']:.1f} s, the engine's "
+                        f"work per round {parts['engine_s']:.1f} s, the rest of each round until every reply was durable "
+                        f"(cache copies, writes, acks) {parts['after_s']:.1f} s. "
                         f"(c)'s cache states per turn: {' '.join(labels)}. Target (GPU): c >= 3x faster than a.")
     plot_lines(args.out / f"{name}.png", curves, "agent-turn (round-major)", "TTFT (s)", f"TTFT per turn, {args.model}")
     return 0

@@ -42,6 +42,7 @@ from mlx_lm.models.cache import QuantizedKVCache, _BaseCache, create_attention_m
 ROUTES = ("quantized", "dequant", "dequant_once")
 STEP = 256
 SLIDING_SLACK = 256  # tokens a sliding layer keeps beyond its window, for prefix trims
+DENSE_EXTRA = 1  # columns the "dequant_once" working copy has beyond the allocation: see _working_copy
 
 
 class Q4CacheError(ValueError):
@@ -126,6 +127,26 @@ def _map(fn, packed):
 def _left_padded(packed, used: int, width: int):
     """The first `used` columns of `packed`, left-padded with zeros to `width` columns."""
     return _map(lambda x: mx.pad(x[..., :used, :], [(0, 0), (0, 0), (width - used, 0), (0, 0)]), packed)
+
+
+def _widened(x, width: int):
+    """`x` with zero columns appended up to `width` columns (axis 2)."""
+    return mx.concatenate([x, mx.zeros((*x.shape[:2], width - x.shape[2], x.shape[3]), x.dtype)], axis=2)
+
+
+def _working_copy(packed_kv, group_size, bits, width: int):
+    """The dequantized (keys, values) of `packed_kv`, zero-extended to `width` columns.
+
+    The width is the allocation plus DENSE_EXTRA on purpose. MLX-CUDA decodes with
+    cuDNN whenever the keys are a slice of a buffer whose length is a multiple
+    of 256, and builds a cuDNN graph for every new (batch size, buffer length):
+    on an H100 about 0.6 s for a new batch size and 0.1 s for each new length,
+    that is a stall every 256 tokens of a serving loop. A buffer one column
+    longer sends decoding to the vector kernel, which builds nothing per shape
+    and decodes as fast (`benchmarks/profile.py` measures both ways by setting
+    DENSE_EXTRA to 0). Other backends ignore the extra column.
+    """
+    return tuple(_widened(_dequantize(p, group_size, bits), width) for p in packed_kv)
 
 
 def _zero_rows(template, rows: int, width: int):
@@ -226,16 +247,13 @@ class BatchQuantizedKVCache(_BaseCache):
             return _dequantize(k, g, b), _dequantize(v, g, b)
         N = new_k[0].shape[2]
         prev = self._idx - N
+        width = self.keys[0].shape[2] + DENSE_EXTRA  # see _working_copy
         if self._dense is None or self._dense_len != prev:
             # (re)build the working copy over the whole allocation, padding included
-            self._dense = (_dequantize(self.keys, g, b), _dequantize(self.values, g, b))
+            self._dense = _working_copy((self.keys, self.values), g, b, width)
         else:
-            allocated = self.keys[0].shape[2]
-            if self._dense[0].shape[2] < allocated:
-                self._dense = tuple(
-                    mx.concatenate([d, mx.zeros((*d.shape[:2], allocated - d.shape[2], d.shape[3]), d.dtype)], 2)
-                    for d in self._dense
-                )
+            if self._dense[0].shape[2] < width:
+                self._dense = tuple(_widened(d, width) for d in self._dense)
             for d, n in zip(self._dense, (new_k, new_v)):
                 d[..., prev : self._idx, :] = _dequantize(n, g, b)
         self._dense_len = self._idx

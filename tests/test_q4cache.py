@@ -14,6 +14,7 @@ from runtime.model import ModelCacheSpec
 from runtime.q4cache import (
     ROUTES,
     SLIDING_SLACK,
+    STEP,
     BatchQuantizedKVCache,
     Q4CacheError,
     can_trim,
@@ -272,3 +273,26 @@ def test_bounded_cache_survives_the_store_bit_exact(models, tmp_path):
         assert_same_packed(a, b)
     trimmed = store.trim_cache(cache, 400)
     assert trimmed[0].offset == 400 and trimmed[0].keys[0].shape[2] == 300
+
+
+def test_dequant_once_working_copy_never_spans_whole_steps(models):
+    # MLX-CUDA switches decoding to per-shape cuDNN graphs for 256-multiple buffers
+    # (seconds each, see _working_copy); the extra column must not change any token.
+    model, spec = models["llama"]
+    cache, logits = prefill(model, spec, list(range(3, 3 + STEP)), "dequant_once")
+    first = [mx.argmax(logits).item()]
+    widths = []
+
+    def watched(route):
+        batch = merge_caches(spec, [cache], route)
+        out = []
+        tokens = mx.array(first)[:, None]
+        for _ in range(STEP + 4):  # crosses a growth of the allocation
+            tokens = mx.argmax(model(tokens, cache=batch)[:, -1], axis=-1)[:, None]
+            out.append(tokens.item())
+            if route == "dequant_once":
+                widths.append(batch[0]._dense[0].shape[2])
+        return out
+
+    assert watched("dequant_once") == watched("dequant")
+    assert all(w % STEP for w in widths) and len(set(widths)) > 1
