@@ -277,8 +277,9 @@ class AgentActor(SupervisedActor):
         user = self._record("user", msg["text"], sender=msg.get("sender"), msg=msg, turn_id=turn_id)
         rendered = self.env.render(self.system, self.records + [user])
         cache, tokens, label, keep_ids, keep_ends, keep_text = self._reuse(rendered)
+        reuse = None if cache is None else (self.meta.seq, len(keep_ids))  # lets the store write a delta
         item.pending = dict(user=user, rendered=rendered, label=label, keep_ids=keep_ids,
-                            keep_ends=keep_ends, keep_text=keep_text, fed=tokens)
+                            keep_ends=keep_ends, keep_text=keep_text, fed=tokens, reuse=reuse)
         turn = Turn(
             turn_id=turn_id,
             agent_id=self.name,
@@ -356,7 +357,7 @@ class AgentActor(SupervisedActor):
         self.load_s = 0.0
         item.reply = Reply(self.name, turn_id, result.text, list(result.tokens), p["label"], result.finish_reason, timings)
         item.records = [p["user"], assistant]
-        self._persist(item.records, store.cache_to_host(result.cache), meta)
+        self._persist(item.records, store.cache_to_host(result.cache), meta, p["reuse"])
         if msg.get("reply_to_agent"):
             self.env.notify(msg["reply_to_agent"], encode_message(result.text, sender=self.name,
                                                                  conversation_id=msg.get("conversation_id")))
@@ -389,9 +390,9 @@ class AgentActor(SupervisedActor):
             timeout=self.env.io_timeout)
         self.records += records
 
-    def _persist(self, records, host=None, meta=None):
+    def _persist(self, records, host=None, meta=None, reuse=None):
         persistence.submit(self.env.persistence(), self.name, records[-1]["seq"], host, meta, records,
-                           reply_to=self.actor_ref)
+                           reply_to=self.actor_ref, reuse=reuse)
         if self.env.durability == "memory":
             self._complete(self.current)
 

@@ -2,9 +2,11 @@
 
 Agents hand it a `Write` (agent, seq, cache as host tensors + metadata, journal
 records) with `submit`; it appends the records to the agent's journal, writes the
-cache file atomically, and then acknowledges: the future returned by `submit` gets an
-`Ack`, and `reply_to` (an actor, which must not block on futures) is told the same
-`Ack`. An ack means durable: files and folder entries fsynced.
+cache atomically (only the new rows, as a delta file, when the write says which
+cached tokens it reused: see `store.next_segment`), and then acknowledges: the
+future returned by `submit` gets an `Ack`, and `reply_to` (an actor, which must not
+block on futures) is told the same `Ack`. An ack means durable: files and folder
+entries fsynced.
 
 Writes queue up while the actor is busy and are written in batches, agents in
 parallel (file I/O through aiofiles on an asyncio loop the actor runs on its own
@@ -43,6 +45,8 @@ class Write:
 
     `host`/`meta`: the cache after that turn (both or neither; `meta.seq == seq`).
     `records`: journal records with seq <= `seq` (e.g. the user and assistant turns).
+    `reuse`: (seq, kept) when the cache's first `kept` tokens are those of the cache of
+    turn `seq`, bit for bit; then only the rows after them may be written (a delta).
     """
 
     agent: str
@@ -52,6 +56,7 @@ class Write:
     records: tuple = ()
     reply_to: Any = None
     future: Any = None
+    reuse: tuple | None = None
 
 
 @dataclass(frozen=True)
@@ -67,7 +72,7 @@ class Ack:
     error: BaseException | None = None
 
 
-def submit(ref, agent: str, seq: int, host=None, meta=None, records=(), reply_to=None) -> pykka.Future:
+def submit(ref, agent: str, seq: int, host=None, meta=None, records=(), reply_to=None, reuse=None) -> pykka.Future:
     """Queue a write on the PersistenceActor `ref`; return a future that gets its `Ack`.
 
     The future raises the write's error instead, if it failed. Raises InvalidAgentId or
@@ -86,7 +91,7 @@ def submit(ref, agent: str, seq: int, host=None, meta=None, records=(), reply_to
         if r["seq"] > seq:
             raise ValueError(f"journal record seq {r['seq']} is past the write seq {seq}")
     future = pykka.ThreadingFuture()
-    ref.tell(Write(agent, seq, host, meta, records, reply_to, future))
+    ref.tell(Write(agent, seq, host, meta, records, reply_to, future, reuse))
     return future
 
 
@@ -109,6 +114,7 @@ class PersistenceActor(SupervisedActor):
         self._pending_count = self._pending_bytes = 0
         self._journal_seq: dict[str, int] = {}  # agent -> last seq in its journal
         self._cache_seq: dict[str, int | None] = {}  # agent -> seq of its cache on disk
+        self._segment: dict[str, store.Segment] = {}  # agent -> newest cache file this actor wrote
         self._loop = None
 
     def on_start(self) -> None:
@@ -149,6 +155,7 @@ class PersistenceActor(SupervisedActor):
         self._flush()
         self._journal_seq.pop(agent, None)
         self._cache_seq.pop(agent, None)
+        self._segment.pop(agent, None)
         return self._run(aiofiles.os.wrap(store.delete)(self.cache_dir, self.spec, agent))
 
     # -- internals
@@ -191,9 +198,13 @@ class PersistenceActor(SupervisedActor):
         newest = max((w for w in writes if w.host is not None), key=lambda w: w.seq, default=None)
         on_disk = self._cache_seq[agent]
         if newest is not None and (on_disk is None or newest.seq > on_disk):
-            data = store.encode_cache(newest.host, newest.meta, self.spec.fingerprint)
-            await _write_atomic(folder / CACHE_FILE, data)
+            last = self._segment.pop(agent, None)  # unknown until this write is durable
+            name, data, segment = store.next_segment(newest.host, newest.meta, self.spec.fingerprint, last, newest.reuse)
+            await _write_atomic(folder / name, data)
+            if name == CACHE_FILE:
+                await aiofiles.os.wrap(store.remove_deltas)(folder)
             self._cache_seq[agent] = newest.seq
+            self._segment[agent] = segment
         return self._cache_seq[agent]
 
     async def _open(self, agent: str, folder) -> None:
@@ -209,7 +220,7 @@ class PersistenceActor(SupervisedActor):
         if valid < len(data):
             await aiofiles.os.wrap(store.repair_journal)(path, valid, len(data))
         self._journal_seq[agent] = records[-1]["seq"] if records else -1
-        self._cache_seq[agent] = await aiofiles.os.wrap(store.cache_seq)(folder / CACHE_FILE)
+        self._cache_seq[agent] = await aiofiles.os.wrap(store.cache_seq)(folder)
 
     async def _load(self, agent: str) -> store.Loaded:
         folder = store.agent_dir(self.cache_dir, self.spec.fingerprint, agent)
@@ -218,14 +229,9 @@ class PersistenceActor(SupervisedActor):
             async with aiofiles.open(folder / JOURNAL_FILE, "rb") as f:
                 records = store.parse_journal(await f.read())[0]
         try:
-            async with aiofiles.open(folder / CACHE_FILE, "rb") as f:
-                data = await f.read()
-        except FileNotFoundError:
-            return store.Loaded(records, error=store.CacheMissing(f"no cache for agent {agent!r}: cold start"))
-        try:
-            host, meta = store.decode_cache(data, self.spec)
+            host, meta = await aiofiles.os.wrap(store.load_chain)(folder, self.spec)
         except store.CacheError as e:
-            return store.Loaded(records, error=type(e)(f"{folder / CACHE_FILE}: {e}"))
+            return store.Loaded(records, error=e)
         return store.Loaded(records, host, meta)
 
 

@@ -88,8 +88,8 @@ def main(argv=None) -> int:
     tokenizer.eos_token_ids = set()  # random weights: never stop early, every agent makes --new tokens
     vocab = model.args.vocab_size
     counts = [int(n) for n in args.agents.split(",")]
-    # warm-up: MLX-CUDA compiles kernels per shape; let every batch size occur once
-    serve(Engine(model, tokenizer, spec, max_batch=max(counts)), agent_turns(max(counts), args.prompt, 8, vocab, seed=99))
+    # warm-up: MLX-CUDA compiles kernels per shape; let every batch size decode at least once
+    serve(Engine(model, tokenizer, spec, max_batch=max(counts)), agent_turns(max(counts), args.prompt, 2 * max(counts), vocab, seed=99))
 
     rows = []
     for n in counts:

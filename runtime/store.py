@@ -3,6 +3,7 @@
 Layout, one folder per (model fingerprint, agent id), folders 0700, files 0600::
 
     cache_dir/<fingerprint>/<agent>/cache.safetensors   Q4 cache of the used tokens + metadata
+    cache_dir/<fingerprint>/<agent>/cache.<k>.delta.safetensors   rows added since (k = 1, 2, ...)
     cache_dir/<fingerprint>/<agent>/journal.msgpack     append-only record of every turn
 
 `cache.safetensors` is written with the `safetensors` package. Tensors, per layer i:
@@ -23,6 +24,14 @@ little-endian u32 payload length, u32 crc32 of the payload, payload = a msgpack 
 damaged frame (a torn tail, left by a crash in the middle of an append) and drops it;
 the next append moves those bytes aside to `journal.torn-<time>` and truncates. The
 journal is the source of truth for an agent's history; the cache only accelerates.
+
+A turn that continued the cache on disk writes only a delta file: the same format
+holding just the rows from position `start` on, whose `meta` adds `delta` = {parent:
+the checksum of the file before it, start, lengths: tokens stored per layer after it}.
+Loading applies the chain (cut at `start`, append) while each delta links to the file
+before it. A full file is written instead when the chain is MAX_DELTAS long or its
+deltas would outgrow the full file; the deltas are then removed (a crash in between
+leaves stale deltas that link to nothing, which loading ignores). See `next_segment`.
 
 Every cache write goes to a temp file in the same folder, is fsynced, renamed over
 the old file, and the folder is fsynced: after a crash each file is the previous or
@@ -62,6 +71,8 @@ from safetensors import TensorSpec, serialize
 FORMAT = "kvactors-q4-cache"
 FORMAT_VERSION = 1
 CACHE_FILE = "cache.safetensors"
+DELTA_FILE = "cache.{}.delta.safetensors"  # k = 1, 2, ...: the rows turn after turn added
+MAX_DELTAS = 32
 JOURNAL_FILE = "journal.msgpack"
 JOURNAL_MAGIC = b"kvactors-journal-1\n"
 AGENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -374,6 +385,11 @@ def encode_cache(host: HostCache, meta: CacheMeta, fingerprint: str) -> bytes:
 
     Raises ValueError when `host` or `meta` is inconsistent (lengths, shapes, dtypes).
     """
+    return _encode(host, meta, fingerprint)[0]
+
+
+def _encode(host: HostCache, meta: CacheMeta, fingerprint: str, delta: dict | None = None) -> tuple[bytes, str]:
+    """(file bytes, checksum) of `host` + `meta`; `delta` (a delta file's link) goes into the meta."""
     check_cache(host, meta)
     meta_json = json.dumps(
         {
@@ -390,6 +406,7 @@ def encode_cache(host: HostCache, meta: CacheMeta, fingerprint: str) -> bytes:
             "token_ids": [int(t) for t in meta.token_ids],
             "token_ends": [int(e) for e in meta.token_ends],
             "created": meta.created or time.time(),
+            **({"delta": delta} if delta is not None else {}),
         },
         separators=(",", ":"),
     )
@@ -399,13 +416,9 @@ def encode_cache(host: HostCache, meta: CacheMeta, fingerprint: str) -> bytes:
         k: TensorSpec(dtype=_DTYPES[dtypes[k]][1], shape=list(a.shape), data_ptr=a.ctypes.data, data_len=a.nbytes)
         for k, a in tensors.items()
     }
-    header = {
-        "format": FORMAT,
-        "format_version": str(FORMAT_VERSION),
-        "meta": meta_json,
-        "checksum": _checksum(meta_json, tensors, dtypes),
-    }
-    return serialize(specs, header)  # `tensors` keeps the buffers alive until here
+    checksum = _checksum(meta_json, tensors, dtypes)
+    header = {"format": FORMAT, "format_version": str(FORMAT_VERSION), "meta": meta_json, "checksum": checksum}
+    return serialize(specs, header), checksum  # `tensors` keeps the buffers alive until here
 
 
 def decode_cache(data, spec=None) -> tuple[HostCache, CacheMeta]:
@@ -417,6 +430,11 @@ def decode_cache(data, spec=None) -> tuple[HostCache, CacheMeta]:
     TruncatedCache, CorruptCache, UnsupportedVersion, ChecksumMismatch, ForeignModel,
     QuantizationMismatch or ShapeMismatch.
     """
+    return _decode(data, spec)[:2]
+
+
+def _decode(data, spec=None) -> tuple[HostCache, CacheMeta, str, dict | None]:
+    """`decode_cache`, plus the file's checksum and its delta link (None: a full cache file)."""
     header, body = _parse_safetensors(data)
     info = header.pop("__metadata__", None)
     if not isinstance(info, dict) or info.get("format") != FORMAT:
@@ -439,6 +457,7 @@ def decode_cache(data, spec=None) -> tuple[HostCache, CacheMeta]:
             m["turn_id"], float(m["created"]), str(m["fingerprint"]),
         )
         checksum = info["checksum"]
+        delta = m.get("delta")
     except (KeyError, TypeError, ValueError) as e:
         raise CorruptCache(f"cache header is damaged ({type(e).__name__}: {e})") from e
     if _checksum(info["meta"], tensors, dtypes) != checksum:
@@ -450,7 +469,7 @@ def decode_cache(data, spec=None) -> tuple[HostCache, CacheMeta]:
         raise CorruptCache(f"cache file is inconsistent: {e}") from e
     if spec is not None:
         _check_spec(host, meta.fingerprint, spec)
-    return host, meta
+    return host, meta, checksum, delta
 
 
 def _parse_safetensors(data) -> tuple[dict, memoryview]:
@@ -777,31 +796,162 @@ def map_file(path: Path):
 def load_cache(cache_dir, spec, agent: str) -> tuple[HostCache, CacheMeta]:
     """Read and validate `agent`'s cache for model `spec`; return (HostCache, CacheMeta).
 
-    Raises CacheMissing when there is none, or another CacheError subclass (see
-    `decode_cache`) when it cannot be used: the caller re-prefills from the journal.
+    The cache is the full file followed by its chain of delta files. A delta that is
+    damaged, or does not link to the file before it (left behind by a crash), ends the
+    chain: the result is then the last state before it, which is still one the agent
+    had. Raises CacheMissing when there is no cache, or another CacheError subclass
+    (see `decode_cache`) when the full file cannot be used: the caller re-prefills from
+    the journal.
     """
-    path = agent_dir(cache_dir, spec.fingerprint, agent) / CACHE_FILE
+    return load_chain(agent_dir(cache_dir, spec.fingerprint, agent), spec)
+
+
+def load_chain(folder: Path, spec=None) -> tuple[HostCache, CacheMeta]:
+    """`load_cache` for the agent folder `folder`; without `spec` nothing is checked against a model."""
+    path = folder / CACHE_FILE
     try:
         data = map_file(path)
     except FileNotFoundError:
-        raise CacheMissing(f"no cache for agent {agent!r} under {path.parent}: cold start") from None
+        raise CacheMissing(f"no cache for agent {folder.name!r} under {folder}: cold start") from None
     try:
-        return decode_cache(data, spec)
+        host, meta, checksum, _ = _decode(data)
+        for k in range(1, MAX_DELTAS + 1):
+            try:
+                delta, delta_meta, delta_sum, link = _decode(map_file(folder / DELTA_FILE.format(k)))
+                if not link or link.get("parent") != checksum:
+                    break
+                host = _apply_delta(host, delta, link)
+            except (OSError, CacheError):
+                break
+            meta, checksum = delta_meta, delta_sum
+        if spec is not None:
+            _check_spec(host, meta.fingerprint, spec)
     except CacheError as e:
         raise type(e)(f"{path}: {e}") from e
+    return host, meta
 
 
-def cache_seq(path: Path) -> int | None:
-    """The seq recorded in the cache file at `path` (reading its header only), or None if unreadable."""
+def cache_seq(folder: Path) -> int | None:
+    """The seq of the cache in `folder` (following its delta chain by headers only), or None."""
+    seq, checksum = _header_link(folder / CACHE_FILE)
+    for k in range(1, MAX_DELTAS + 1):
+        delta_seq, delta_sum, parent = _header_link(folder / DELTA_FILE.format(k), with_parent=True)
+        if delta_seq is None or parent != checksum:
+            break
+        seq, checksum = delta_seq, delta_sum
+    return seq
+
+
+def _header_link(path: Path, with_parent: bool = False):
+    """(seq, checksum[, parent checksum]) from the header of the cache file at `path`; Nones if unreadable."""
     try:
         with open(path, "rb") as f:
             n = int.from_bytes(f.read(8), "little")
             if not 0 < n <= MAX_HEADER:
-                return None
-            header = json.loads(f.read(n))
-        return int(json.loads(header["__metadata__"]["meta"])["seq"])
+                raise ValueError(f"header size {n}")
+            info = json.loads(f.read(n))["__metadata__"]
+        m = json.loads(info["meta"])
+        out = (int(m["seq"]), str(info["checksum"]), (m.get("delta") or {}).get("parent"))
     except (OSError, ValueError, KeyError, TypeError):
+        out = (None, None, None)
+    return out if with_parent else out[:2]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """The newest file of an agent's cache chain, as the next write must know it.
+
+    `lengths`: tokens stored per layer; `deltas`: delta files after the full file;
+    `base_bytes`/`delta_bytes`: sizes of the full file and of the deltas together.
+    """
+
+    seq: int
+    checksum: str
+    n_tokens: int
+    lengths: tuple
+    deltas: int
+    base_bytes: int
+    delta_bytes: int
+
+
+def next_segment(host: HostCache, meta: CacheMeta, fingerprint: str, last: Segment | None,
+                 reuse: tuple[int, int] | None) -> tuple[str, bytes, Segment]:
+    """What to write for the cache `host`/`meta`: (file name, file bytes, the Segment it becomes).
+
+    `reuse` = (seq, kept) says that the first `kept` tokens of `host` are, bit for bit,
+    those of the cache of turn `seq`. When that cache is `last` (the newest file on
+    disk), fewer than MAX_DELTAS deltas follow its full file, and the deltas together
+    stay smaller than it, the answer is the next delta file: only the rows after
+    `kept`. Else it is a full cache file (CACHE_FILE), which makes any delta files
+    stale: remove them once it is durable (`remove_deltas`).
+    """
+    lengths = tuple(host.length(i) for i in range(host.n_layers))
+    if last is not None and reuse is not None and reuse[0] == last.seq and last.deltas < MAX_DELTAS:
+        delta = _delta_rows(host, reuse[1], last)
+        if delta is not None and last.delta_bytes + delta.nbytes < last.base_bytes:
+            link = {"parent": last.checksum, "start": reuse[1], "lengths": list(lengths)}
+            data, checksum = _encode(delta, meta, fingerprint, link)
+            k = last.deltas + 1
+            seg = Segment(meta.seq, checksum, host.n_tokens, lengths, k, last.base_bytes, last.delta_bytes + len(data))
+            return DELTA_FILE.format(k), data, seg
+    data, checksum = _encode(host, meta, fingerprint)
+    return CACHE_FILE, data, Segment(meta.seq, checksum, host.n_tokens, lengths, 0, len(data), 0)
+
+
+def _delta_rows(host: HostCache, start: int, last: Segment) -> HostCache | None:
+    """The rows of `host` for positions from `start` on, as a delta after `last`; None if impossible.
+
+    Per layer a delta carries min(new tokens, stored length) rows; when that is fewer
+    than the layer stores, the rest must still be in `last` before `start`.
+    """
+    n = host.n_tokens
+    if not 0 <= start < n or start > last.n_tokens or len(last.lengths) != host.n_layers:
         return None
+    tensors, rows = {}, []
+    for i in range(host.n_layers):
+        stored = host.length(i)
+        new = min(n - start, stored)
+        kept = last.lengths[i] - (last.n_tokens - start)  # rows of `last` before `start`
+        if new < stored and kept < stored - new:
+            return None
+        rows.append(new)
+        for kind in ("keys", "values"):
+            for part in _PARTS:
+                name = _name(i, kind, part)
+                tensors[name] = host.tensors[name][..., stored - new:, :]
+    return replace(host, tensors=tensors, lengths=tuple(rows))
+
+
+def _apply_delta(host: HostCache, delta: HostCache, link: dict) -> HostCache:
+    """`host` cut at `link["start"]` with `delta`'s rows appended; raises CorruptCache if they do not fit."""
+    start, lengths, n = link.get("start"), link.get("lengths"), delta.n_tokens
+    same = (delta.dtype, delta.bits, delta.group_size, delta.n_layers) == (host.dtype, host.bits, host.group_size, host.n_layers)
+    if not same or not isinstance(start, int) or not 0 <= start <= host.n_tokens or start >= n \
+            or not isinstance(lengths, list) or len(lengths) != host.n_layers:
+        raise CorruptCache(f"delta (start {start}) does not fit the cache before it ({host.n_tokens} tokens)")
+    tensors = {}
+    for i in range(host.n_layers):
+        new, stored = delta.length(i), lengths[i]
+        old = stored - new  # rows still needed from before `start`
+        kept = host.length(i) - (host.n_tokens - start)
+        if new > stored or (old > 0 and (new != n - start or kept < old)):
+            raise CorruptCache(f"delta layer {i}: {new} new rows cannot make {stored} after position {start}")
+        for kind in ("keys", "values"):
+            for part in _PARTS:
+                name = _name(i, kind, part)
+                parts = [host.tensors[name][..., kept - old : kept, :]] if old > 0 else []
+                tensors[name] = np.concatenate(parts + [delta.tensors[name]], axis=2)
+    lengths = () if all(x == n for x in lengths) else tuple(lengths)
+    return HostCache(tensors, host.dtype, host.bits, host.group_size, host.n_layers, n, lengths)
+
+
+def remove_deltas(folder: Path) -> None:
+    """Delete the delta files in `folder` (stale once a full cache file replaced their chain)."""
+    stale = list(Path(folder).glob(DELTA_FILE.format("*")))
+    for p in stale:
+        p.unlink(missing_ok=True)
+    if stale:
+        fsync_dir(folder)
 
 
 @dataclass(frozen=True)
@@ -862,7 +1012,8 @@ def prune(cache_dir, max_age_s: float, *, journals: bool = False, now: float | N
     deleted = []
     for folder in agent_folders(cache_dir):
         remove_temps(folder)
-        ours = [folder / CACHE_FILE, folder / JOURNAL_FILE, *folder.glob("journal.torn-*")]
+        deltas = list(folder.glob(DELTA_FILE.format("*")))
+        ours = [folder / CACHE_FILE, *deltas, folder / JOURNAL_FILE, *folder.glob("journal.torn-*")]
         newest = max((p.stat().st_mtime for p in ours if p.exists()), default=0.0)
         if now - newest < max_age_s:
             continue
@@ -874,8 +1025,9 @@ def prune(cache_dir, max_age_s: float, *, journals: bool = False, now: float | N
             except OSError:
                 pass
             deleted.append(folder)
-        elif (folder / CACHE_FILE).exists():
-            (folder / CACHE_FILE).unlink()
+        elif (folder / CACHE_FILE).exists() or deltas:
+            (folder / CACHE_FILE).unlink(missing_ok=True)
+            remove_deltas(folder)
             deleted.append(folder / CACHE_FILE)
     return deleted
 
@@ -906,10 +1058,9 @@ def _agent_row(folder: Path) -> list[str]:
             health.append(f"journal unreadable: {e}")
     else:
         health.append("no journal")
-    cpath = folder / CACHE_FILE
-    if cpath.exists():
+    if (folder / CACHE_FILE).exists():
         try:
-            host, meta = decode_cache(map_file(cpath))
+            host, meta = load_chain(folder)
             tokens, cseq = str(host.n_tokens), meta.seq
             if meta.fingerprint != folder.parent.name:
                 health.append(f"cache of another model ({meta.fingerprint})")

@@ -134,12 +134,16 @@ def test_cold_then_hot_then_warm_after_a_new_runtime(tmp_path):
 def test_hot_budget_zero_makes_every_turn_warm_with_the_same_output(tmp_path):
     texts = ["Plan a bake sale.", "Go on.", "Who bakes?"]
     with Runtime(model=None, cache_dir=tmp_path / "hot") as rt:
-        a = rt.spawn("alice", system="You are Alice.")
+        a = rt.spawn("alice", system=LONG_SYSTEM)
         hot = [a.ask(t, max_tokens=6) for t in texts]
     with Runtime(model=None, cache_dir=tmp_path / "warm", hot_budget=0) as rt:
-        a = rt.spawn("alice", system="You are Alice.")
+        a = rt.spawn("alice", system=LONG_SYSTEM)
         warm = [a.ask(t, max_tokens=6) for t in texts]
         assert len(rt.env.hot) == 0
+        folder = store.agent_dir(tmp_path / "warm", rt.spec.fingerprint, "alice")
+    # turns 2 and 3 continued the cache on disk: each wrote only its new rows
+    assert sorted(p.name for p in folder.glob("cache.*")) == [
+        "cache.1.delta.safetensors", "cache.2.delta.safetensors", "cache.safetensors"]
     assert [r.cache for r in hot] == ["cold", "hot", "hot"]
     assert [r.cache for r in warm] == ["cold", "warm", "warm"]
     assert [r.tokens for r in warm] == [r.tokens for r in hot]

@@ -67,8 +67,8 @@ def test_ack_means_durable(tmp_path, actor):
 
 def test_queued_writes_coalesce_and_the_newest_cache_wins(tmp_path, actor, monkeypatch):
     encoded = []
-    real = store.encode_cache
-    monkeypatch.setattr(store, "encode_cache", lambda host, meta, fp: encoded.append(meta.seq) or real(host, meta, fp))
+    real = store.next_segment
+    monkeypatch.setattr(store, "next_segment", lambda host, meta, *a: encoded.append(meta.seq) or real(host, meta, *a))
     ref = actor()
     gate = threading.Event()
     ref.proxy().hold(gate)

@@ -420,3 +420,98 @@ def test_parallel_and_serial_checksums_agree(tmp_path, monkeypatch):
     data[-5] ^= 1
     with pytest.raises(store.ChecksumMismatch):
         store.decode_cache(data, SPEC)
+
+
+# ---------------------------------------------------------------- delta chains
+
+
+DSPEC = spec(windows=(None, 50))  # layer 1 slides: it may store fewer tokens
+
+
+def grown(host, keep, new, seed, bounded=None):
+    """`host` cut to its first `keep` tokens plus `new` random rows; layer 1 keeps at most `bounded` rows."""
+    rng = np.random.default_rng(seed)
+    n = keep + new
+    tensors, lengths = {}, []
+    for i in range(host.n_layers):
+        cap = bounded if (bounded and i == 1) else n
+        old = host.length(i) - (host.n_tokens - keep) if host.n_tokens else 0
+        for kind in ("keys", "values"):
+            for part in ("packed", "scales", "biases"):
+                name = f"layers.{i}.{kind}.{part}"
+                width = 8 if part == "packed" else 1
+                rows = rng.integers(0, 2**15, (1, 2, new, width)).astype(np.uint32 if part == "packed" else np.float32)
+                prev = host.tensors[name][..., max(0, old - (cap - new)) : old, :] if old > 0 else rows[..., :0, :]
+                tensors[name] = np.concatenate([prev, rows], axis=2)[..., -cap:, :]
+        lengths.append(min(cap, n))
+    lengths = () if all(x == n for x in lengths) else tuple(lengths)
+    return store.HostCache(tensors, "float32", 4, 64, host.n_layers, n, lengths)
+
+
+def write_segment(tmp_path, host, meta, last, reuse):
+    name, data, segment = store.next_segment(host, meta, SPEC.fingerprint, last, reuse)
+    folder = store.agent_dir(tmp_path, SPEC.fingerprint, "a")
+    store.make_dirs(folder)
+    store.write_atomic(folder / name, data)
+    if name == store.CACHE_FILE:
+        store.remove_deltas(folder)
+    return name, len(data), segment
+
+
+def assert_loads_as(tmp_path, host, meta):
+    got, got_meta = store.load_cache(tmp_path, DSPEC, "a")
+    assert got_meta == meta and got.n_tokens == host.n_tokens
+    assert all(got.tensors[k].tobytes() == v.tobytes() for k, v in host.tensors.items())
+
+
+@pytest.mark.parametrize("bounded", [None, 60])
+def test_delta_chain_round_trips_bit_exact_and_stays_small(tmp_path, bounded):
+    empty = store.HostCache({}, "float32", 4, 64, 2, 0)
+    host = grown(empty, 0, 400, seed=0, bounded=bounded)
+    name, size, last = write_segment(tmp_path, host, meta_for(400, seq=1), None, None)
+    assert name == store.CACHE_FILE
+    names = []
+    for seq, (keep_back, new) in enumerate([(0, 30), (5, 20), (0, 1), (12, 40), (0, 25)], start=2):
+        keep = host.n_tokens - keep_back  # a prefix trim, then new rows
+        host = grown(host, keep, new, seed=seq, bounded=bounded)
+        meta = meta_for(host.n_tokens, seq=seq)
+        name, delta_size, last = write_segment(tmp_path, host, meta, last, (seq - 1, keep))
+        names.append(name)
+        assert delta_size < size / 4
+        assert_loads_as(tmp_path, host, meta)
+    assert names == [store.DELTA_FILE.format(k) for k in range(1, 6)]
+    assert store.cache_seq(store.agent_dir(tmp_path, SPEC.fingerprint, "a")) == 6
+
+
+def test_full_write_when_reuse_does_not_match_the_disk_or_deltas_outgrow_it(tmp_path):
+    empty = store.HostCache({}, "float32", 4, 64, 2, 0)
+    host = grown(empty, 0, 100, seed=0)
+    _, _, last = write_segment(tmp_path, host, meta_for(100, 1), None, None)
+    host2 = grown(host, 100, 10, seed=2)
+    assert write_segment(tmp_path, host2, meta_for(110, 2), last, (0, 100))[0] == store.CACHE_FILE  # not seq 1's
+    _, _, last = write_segment(tmp_path, host2, meta_for(110, 2), None, None)
+    name, _, last = write_segment(tmp_path, grown(host2, 110, 60, seed=3), meta_for(170, 3), last, (2, 110))
+    assert name == store.DELTA_FILE.format(1)
+    host4 = grown(host2, 110, 120, seed=4)  # more new rows than the full file holds: rewrite it
+    assert write_segment(tmp_path, host4, meta_for(230, 4), last, (3, 110))[0] == store.CACHE_FILE
+    assert not list((tmp_path / SPEC.fingerprint / "a").glob("*.delta.*"))
+    assert_loads_as(tmp_path, host4, meta_for(230, 4))
+
+
+def test_stale_or_damaged_deltas_end_the_chain_at_a_real_state(tmp_path):
+    empty = store.HostCache({}, "float32", 4, 64, 2, 0)
+    states = [grown(empty, 0, 200, seed=0)]
+    _, _, last = write_segment(tmp_path, states[0], meta_for(200, 1), None, None)
+    for seq in (2, 3):
+        states.append(grown(states[-1], states[-1].n_tokens, 10, seed=seq))
+        _, _, last = write_segment(tmp_path, states[-1], meta_for(states[-1].n_tokens, seq), last, (seq - 1, states[-2].n_tokens))
+    folder = tmp_path / SPEC.fingerprint / "a"
+    second = folder / store.DELTA_FILE.format(2)
+    data = bytearray(second.read_bytes())
+    data[-3] ^= 0xFF
+    second.write_bytes(bytes(data))  # damaged: the chain ends after delta 1
+    assert_loads_as(tmp_path, states[1], meta_for(210, 2))
+    # a crash after a new full file, before the old deltas went: they link to nothing now
+    store.write_atomic(folder / store.CACHE_FILE, store.encode_cache(states[0], meta_for(200, 7), SPEC.fingerprint))
+    assert_loads_as(tmp_path, states[0], meta_for(200, 7))
+    assert store.cache_seq(folder) == 7
