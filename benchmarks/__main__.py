@@ -7,6 +7,7 @@ Scenarios (each writes JSON, a markdown table and, where it has curves, a PNG):
   q4         prefill / decode speed of the Q4 cache routes against fp16 KV
   persistence  save / load time against size and the disk's read bandwidth
   actors     actor round trips, crash-to-answer time, warm vs cold after a restart
+  profile    where a turn's time goes: merge, hot prefill per shape, decode per batch size
 With no scenario, all run. `--model tiny` (default) runs on any machine; on a GPU use
 `--model llama-8b-shape` (Llama-3.1-8B's shape, random 4-bit weights).
 """
@@ -21,12 +22,13 @@ from pathlib import Path
 from benchmarks.common import RESULTS
 
 SCENARIOS = {
-    "ttft": ("benchmarks.ttft", {"llama-8b-shape": ["--contexts", "1024,4096,16384"]}),
+    "ttft": ("benchmarks.ttft", {"llama-8b-shape": ["--contexts", "1024,4096,16384,32768"]}),
     "workload": ("benchmarks.workload", {"llama-8b-shape": ["--system-tokens", "2000", "--turn-tokens", "200", "--new", "64"]}),
     "batching": ("benchmarks.batching", {"llama-8b-shape": ["--prompt", "1024", "--new", "64"]}),
     "q4": ("benchmarks.q4_attention", {"llama-8b-shape": ["--contexts", "4096,16384", "--chunk", "2048"]}),
     "persistence": ("benchmarks.persistence", {}),
     "actors": ("benchmarks.actors", {}),
+    "profile": ("benchmarks.profile", {}),
 }
 
 

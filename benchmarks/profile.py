@@ -62,6 +62,7 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=24)
     ap.add_argument("--route", default=None, help="Q4 attention route (default: this backend's)")
     ap.add_argument("--decode-steps", type=int, default=280, help="steps of the long decode runs")
+    ap.add_argument("--decode-context", type=int, default=1024, help="tokens in each row before decoding")
     args = ap.parse_args(argv)
     env = environment()
     print(env, flush=True)
@@ -84,7 +85,7 @@ def main(argv=None) -> int:
             again, _ = timed(feed, model, spec, route, cache, list(range(3, 3 + n)))
             add(piece="hot prefill", context=context, batch=1, new_tokens=n, first_ms=first * 1e3, typical_ms=again * 1e3)
 
-    base = 1024
+    base = args.decode_context
     short = prefilled(model, spec, route, base, seed=1)
     unequal = [prefilled(model, spec, route, base + 8 * i, seed=2 + i) for i in range(8)]
     long_run = args.decode_steps

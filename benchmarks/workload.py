@@ -17,6 +17,7 @@ Total wall time, TTFT per turn, and peak MLX memory for each.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import sys
 import tempfile
@@ -32,6 +33,7 @@ from benchmarks.common import bench_parser, bench_model_folder, environment, plo
 from benchmarks.ttft import long_text
 from actors.agent import render
 from runtime import Runtime
+from runtime.engine import Engine
 
 COLUMNS = ["variant", "total_s", "x_stateless", "ttft_mean_s", "ttft_p50_s", "ttft_max_s", "peak_mem_gb", "final_context"]
 
@@ -75,6 +77,33 @@ def stateless(model, tokenizer, systems, messages, new, prompt_cache=False):
                 cached[a] = (tokens + out)[: caches[a][0].offset]
             context = max(context, len(tokens) + len(out))
     return ttfts, context
+
+
+@contextlib.contextmanager
+def engine_clock():
+    """Seconds the engine spent in decode steps and prefill chunks (and how many) while open."""
+    clock = dict(decode_s=0.0, decode_steps=0, decode_rows=0, prefill_s=0.0, prefill_chunks=0)
+    originals = {name: getattr(Engine, name) for name in ("_decode_step", "_prefill_chunk")}
+
+    def timed_method(name, kind):
+        def run(engine):
+            rows = len(engine.decoding)
+            t0 = time.perf_counter()
+            try:
+                return originals[name](engine)
+            finally:
+                clock[f"{kind}_s"] += time.perf_counter() - t0
+                clock["decode_steps" if kind == "decode" else "prefill_chunks"] += 1
+                clock["decode_rows"] += rows if kind == "decode" else 0
+        return run
+
+    Engine._decode_step = timed_method("_decode_step", "decode")
+    Engine._prefill_chunk = timed_method("_prefill_chunk", "prefill")
+    try:
+        yield clock
+    finally:
+        for name, fn in originals.items():
+            setattr(Engine, name, fn)
 
 
 def actors(model_path, cache_dir, systems, messages, new):
@@ -132,10 +161,9 @@ def main(argv=None) -> int:
         model, tokenizer = mlx_lm.load(str(model_path))
         tokenizer.eos_token_ids = set()  # random weights: every turn generates --new tokens
         systems, messages = script(tokenizer, args.agents, args.turns, args.turn_tokens, args.system_tokens)
-        # warm-up: MLX-CUDA compiles kernels on first use (tens of seconds for some): let every
-        # path run once (a cold turn, a turn after a cache, both for mlx-lm and for kvactors)
-        warm_script = (systems[:1], [messages[0][:2]])
-        stateless(model, tokenizer, *warm_script, 4, True)
+        # warm-up: MLX-CUDA compiles kernels on first use (tens of seconds for some, per batch
+        # size): let every path run once (a cold turn, a turn after a cache, every batch size)
+        stateless(model, tokenizer, systems[:1], [messages[0][:2]], 4, True)
         for name, fn, fargs in (
             ("a: stateless re-prefill", stateless, (model, tokenizer, systems, messages, args.new)),
             ("b: mlx-lm prompt cache (fp16)", stateless, (model, tokenizer, systems, messages, args.new, True)),
@@ -147,8 +175,9 @@ def main(argv=None) -> int:
             curves[name] = ttfts
             print(rows[-1], flush=True)
         del model
-        actors(model_path, Path(tmp) / "warm-up", *warm_script, 4)
-        total, peak, (ttfts, labels, parts) = measure(actors, model_path, Path(tmp) / "agents", systems, messages, args.new)
+        actors(model_path, Path(tmp) / "warm-up", systems, [m[:2] for m in messages], 8)
+        with engine_clock() as clock:
+            total, peak, (ttfts, labels, parts) = measure(actors, model_path, Path(tmp) / "agents", systems, messages, args.new)
         rows.append(dict(variant="c: kvactors (restart halfway)", total_s=total, ttft_mean_s=statistics.mean(ttfts),
                          ttft_p50_s=statistics.median(ttfts), ttft_max_s=max(ttfts), peak_mem_gb=peak,
                          final_context=rows[0]["final_context"], **parts))
@@ -162,7 +191,9 @@ def main(argv=None) -> int:
                         f"{args.new} generated per turn, system prompt {args.system_tokens} tokens. "
                         f"Where (c)'s time went: opening two Runtimes (model load) {parts['open_s']:.1f} s, the engine's "
                         f"work per round {parts['engine_s']:.1f} s, the rest of each round until every reply was durable "
-                        f"(cache copies, writes, acks) {parts['after_s']:.1f} s. "
+                        f"(cache copies, writes, acks) {parts['after_s']:.1f} s. Inside the engine: "
+                        f"{clock['decode_steps']} decode steps (mean batch {clock['decode_rows'] / max(1, clock['decode_steps']):.1f}) "
+                        f"{clock['decode_s']:.1f} s, {clock['prefill_chunks']} prefill chunks {clock['prefill_s']:.1f} s. "
                         f"(c)'s cache states per turn: {' '.join(labels)}. Target (GPU): c >= 3x faster than a.")
     plot_lines(args.out / f"{name}.png", curves, "agent-turn (round-major)", "TTFT (s)", f"TTFT per turn, {args.model}")
     return 0
