@@ -757,12 +757,16 @@ def append_journal(cache_dir, spec, agent: str, records) -> list:
 
 
 def save_cache(cache_dir, spec, agent: str, host: HostCache, meta: CacheMeta) -> Path:
-    """Atomically write `agent`'s cache (`host` + `meta`) for model `spec.fingerprint`; return its path."""
+    """Atomically write `agent`'s full cache (`host` + `meta`) for model `spec.fingerprint`; return its path.
+
+    Any delta files of an older chain are removed.
+    """
     folder = agent_dir(cache_dir, spec.fingerprint, agent)
     data = encode_cache(host, meta, spec.fingerprint)
     make_dirs(folder)
     path = folder / CACHE_FILE
     write_atomic(path, data)
+    remove_deltas(folder)
     return path
 
 
@@ -815,15 +819,17 @@ def load_chain(folder: Path, spec=None) -> tuple[HostCache, CacheMeta]:
         raise CacheMissing(f"no cache for agent {folder.name!r} under {folder}: cold start") from None
     try:
         host, meta, checksum, _ = _decode(data)
+        chain = _Chain(host)
         for k in range(1, MAX_DELTAS + 1):
             try:
                 delta, delta_meta, delta_sum, link = _decode(map_file(folder / DELTA_FILE.format(k)))
                 if not link or link.get("parent") != checksum:
                     break
-                host = _apply_delta(host, delta, link)
+                chain.apply(delta, link)
             except (OSError, CacheError):
                 break
             meta, checksum = delta_meta, delta_sum
+        host = chain.host()
         if spec is not None:
             _check_spec(host, meta.fingerprint, spec)
     except CacheError as e:
@@ -832,7 +838,11 @@ def load_chain(folder: Path, spec=None) -> tuple[HostCache, CacheMeta]:
 
 
 def cache_seq(folder: Path) -> int | None:
-    """The seq of the cache in `folder` (following its delta chain by headers only), or None."""
+    """The seq of the cache in `folder` (following its delta chain by headers only), or None.
+
+    Headers only: a delta whose data is damaged still counts here, while `load_cache`
+    stops before it, so this may name a newer seq than the cache that loads.
+    """
     seq, checksum = _header_link(folder / CACHE_FILE)
     for k in range(1, MAX_DELTAS + 1):
         delta_seq, delta_sum, parent = _header_link(folder / DELTA_FILE.format(k), with_parent=True)
@@ -861,14 +871,16 @@ def _header_link(path: Path, with_parent: bool = False):
 class Segment:
     """The newest file of an agent's cache chain, as the next write must know it.
 
-    `lengths`: tokens stored per layer; `deltas`: delta files after the full file;
-    `base_bytes`/`delta_bytes`: sizes of the full file and of the deltas together.
+    `lengths`: tokens stored per layer; `token_ids`: the tokens cached; `deltas`: delta
+    files after the full file; `base_bytes`/`delta_bytes`: sizes of the full file and
+    of the deltas together.
     """
 
     seq: int
     checksum: str
     n_tokens: int
     lengths: tuple
+    token_ids: tuple
     deltas: int
     base_bytes: int
     delta_bytes: int
@@ -882,20 +894,23 @@ def next_segment(host: HostCache, meta: CacheMeta, fingerprint: str, last: Segme
     those of the cache of turn `seq`. When that cache is `last` (the newest file on
     disk), fewer than MAX_DELTAS deltas follow its full file, and the deltas together
     stay smaller than it, the answer is the next delta file: only the rows after
-    `kept`. Else it is a full cache file (CACHE_FILE), which makes any delta files
-    stale: remove them once it is durable (`remove_deltas`).
+    `kept` (the first `kept` token ids must also match `last`'s). Else it is a full
+    cache file (CACHE_FILE), which makes any delta files stale: remove them once it
+    is durable (`remove_deltas`).
     """
     lengths = tuple(host.length(i) for i in range(host.n_layers))
-    if last is not None and reuse is not None and reuse[0] == last.seq and last.deltas < MAX_DELTAS:
+    ids = tuple(meta.token_ids)
+    if last is not None and reuse is not None and reuse[0] == last.seq and last.deltas < MAX_DELTAS \
+            and ids[: reuse[1]] == last.token_ids[: reuse[1]]:
         delta = _delta_rows(host, reuse[1], last)
         if delta is not None and last.delta_bytes + delta.nbytes < last.base_bytes:
             link = {"parent": last.checksum, "start": reuse[1], "lengths": list(lengths)}
             data, checksum = _encode(delta, meta, fingerprint, link)
             k = last.deltas + 1
-            seg = Segment(meta.seq, checksum, host.n_tokens, lengths, k, last.base_bytes, last.delta_bytes + len(data))
+            seg = Segment(meta.seq, checksum, host.n_tokens, lengths, ids, k, last.base_bytes, last.delta_bytes + len(data))
             return DELTA_FILE.format(k), data, seg
     data, checksum = _encode(host, meta, fingerprint)
-    return CACHE_FILE, data, Segment(meta.seq, checksum, host.n_tokens, lengths, 0, len(data), 0)
+    return CACHE_FILE, data, Segment(meta.seq, checksum, host.n_tokens, lengths, ids, 0, len(data), 0)
 
 
 def _delta_rows(host: HostCache, start: int, last: Segment) -> HostCache | None:
@@ -922,27 +937,59 @@ def _delta_rows(host: HostCache, start: int, last: Segment) -> HostCache | None:
     return replace(host, tensors=tensors, lengths=tuple(rows))
 
 
-def _apply_delta(host: HostCache, delta: HostCache, link: dict) -> HostCache:
-    """`host` cut at `link["start"]` with `delta`'s rows appended; raises CorruptCache if they do not fit."""
-    start, lengths, n = link.get("start"), link.get("lengths"), delta.n_tokens
-    same = (delta.dtype, delta.bits, delta.group_size, delta.n_layers) == (host.dtype, host.bits, host.group_size, host.n_layers)
-    if not same or not isinstance(start, int) or not 0 <= start <= host.n_tokens or start >= n \
-            or not isinstance(lengths, list) or len(lengths) != host.n_layers:
-        raise CorruptCache(f"delta (start {start}) does not fit the cache before it ({host.n_tokens} tokens)")
-    tensors = {}
-    for i in range(host.n_layers):
-        new, stored = delta.length(i), lengths[i]
-        old = stored - new  # rows still needed from before `start`
-        kept = host.length(i) - (host.n_tokens - start)
-        if new > stored or (old > 0 and (new != n - start or kept < old)):
-            raise CorruptCache(f"delta layer {i}: {new} new rows cannot make {stored} after position {start}")
-        for kind in ("keys", "values"):
-            for part in _PARTS:
-                name = _name(i, kind, part)
-                parts = [host.tensors[name][..., kept - old : kept, :]] if old > 0 else []
-                tensors[name] = np.concatenate(parts + [delta.tensors[name]], axis=2)
-    lengths = () if all(x == n for x in lengths) else tuple(lengths)
-    return HostCache(tensors, host.dtype, host.bits, host.group_size, host.n_layers, n, lengths)
+class _Chain:
+    """A cache being rebuilt from its full file and deltas: per tensor, views of row ranges.
+
+    Applying a delta only cuts and appends views; `host` concatenates once at the
+    end, so loading costs one copy however long the chain is.
+    """
+
+    def __init__(self, host: HostCache):
+        self.first = host
+        self.n = host.n_tokens
+        self.lengths = [host.length(i) for i in range(host.n_layers)]
+        self.pieces = {name: [a] for name, a in host.tensors.items()}
+
+    def apply(self, delta: HostCache, link: dict) -> None:
+        """Cut at `link["start"]` and append `delta`'s rows; raises CorruptCache (changing nothing) if they do not fit."""
+        base, start, lengths, n = self.first, link.get("start"), link.get("lengths"), delta.n_tokens
+        same = (delta.dtype, delta.bits, delta.group_size, delta.n_layers) == (base.dtype, base.bits, base.group_size, base.n_layers)
+        if not same or type(start) is not int or not 0 <= start <= self.n or start >= n or not isinstance(lengths, list) \
+                or len(lengths) != base.n_layers or not all(type(x) is int for x in lengths) or set(delta.tensors) != set(self.pieces):
+            raise CorruptCache(f"delta (start {start!r}) does not fit the cache before it ({self.n} tokens)")
+        pieces = {}
+        for i in range(base.n_layers):
+            new, stored = delta.length(i), lengths[i]
+            old = stored - new  # rows still needed from before `start`
+            kept = self.lengths[i] - (self.n - start)
+            if new > stored or (old > 0 and (new != n - start or kept < old)):
+                raise CorruptCache(f"delta layer {i}: {new} new rows cannot make {stored} after position {start}")
+            for kind in ("keys", "values"):
+                for part in _PARTS:
+                    name = _name(i, kind, part)
+                    d, first = delta.tensors[name], self.pieces[name][0]
+                    if d.shape[:2] + d.shape[3:] != first.shape[:2] + first.shape[3:]:
+                        raise CorruptCache(f"delta {name} has shape {d.shape}, the cache {first.shape}")
+                    pieces[name] = (_rows(self.pieces[name], kept - old, kept) if old > 0 else []) + [delta.tensors[name]]
+        self.pieces, self.n, self.lengths = pieces, n, list(lengths)
+
+    def host(self) -> HostCache:
+        """The rebuilt cache (one concatenation per tensor)."""
+        tensors = {name: parts[0] if len(parts) == 1 else np.concatenate(parts, axis=2) for name, parts in self.pieces.items()}
+        lengths = () if all(x == self.n for x in self.lengths) else tuple(self.lengths)
+        b = self.first
+        return HostCache(tensors, b.dtype, b.bits, b.group_size, b.n_layers, self.n, lengths)
+
+
+def _rows(pieces: list, lo: int, hi: int) -> list:
+    """Views of rows [lo, hi) (axis 2) of the concatenation of `pieces`."""
+    out, at = [], 0
+    for a in pieces:
+        size = a.shape[2]
+        if at < hi and at + size > lo:
+            out.append(a[..., max(lo - at, 0) : min(hi - at, size), :])
+        at += size
+    return out
 
 
 def remove_deltas(folder: Path) -> None:

@@ -515,3 +515,39 @@ def test_stale_or_damaged_deltas_end_the_chain_at_a_real_state(tmp_path):
     store.write_atomic(folder / store.CACHE_FILE, store.encode_cache(states[0], meta_for(200, 7), SPEC.fingerprint))
     assert_loads_as(tmp_path, states[0], meta_for(200, 7))
     assert store.cache_seq(folder) == 7
+
+
+def test_a_chain_at_max_deltas_or_with_other_tokens_gets_a_full_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(store, "MAX_DELTAS", 2)
+    empty = store.HostCache({}, "float32", 4, 64, 2, 0)
+    host = grown(empty, 0, 300, seed=0)
+    _, _, last = write_segment(tmp_path, host, meta_for(300, 1), None, None)
+    names = []
+    for seq in (2, 3, 4):
+        keep = host.n_tokens
+        host = grown(host, keep, 10, seed=seq)
+        name, _, last = write_segment(tmp_path, host, meta_for(host.n_tokens, seq), last, (seq - 1, keep))
+        names.append(name)
+        assert_loads_as(tmp_path, host, meta_for(host.n_tokens, seq))
+    assert names == [store.DELTA_FILE.format(1), store.DELTA_FILE.format(2), store.CACHE_FILE]
+    other = store.CacheMeta(5, [9] * 330, list(range(1, 331)), "x" * 330, "t5")  # a claim the token ids contradict
+    assert write_segment(tmp_path, grown(host, 320, 10, seed=5), other, last, (4, 320))[0] == store.CACHE_FILE
+
+
+def test_a_malformed_delta_ends_the_chain(tmp_path):
+    empty = store.HostCache({}, "float32", 4, 64, 2, 0)
+    first = grown(empty, 0, 200, seed=0)
+    _, _, last = write_segment(tmp_path, first, meta_for(200, 1), None, None)
+    second = grown(first, 200, 10, seed=2)
+    name, data, _ = store.next_segment(second, meta_for(210, 2), SPEC.fingerprint, last, (1, 200))
+    header = store._parse_safetensors(data)[0]["__metadata__"]
+    bad_meta = json.loads(header["meta"])
+    bad_meta["delta"]["lengths"] = ["210", 210]  # well-formed file, nonsense link
+    tensors = store.decode_cache(data)[0].tensors
+    dtypes = {k: "U32" if k.endswith("packed") else "F32" for k in tensors}
+    spec_bad = {k: TensorSpec(dtype="uint32" if k.endswith("packed") else "float32", shape=list(v.shape),
+                              data_ptr=v.ctypes.data, data_len=v.nbytes) for k, v in tensors.items()}
+    meta_json = json.dumps(bad_meta, separators=(",", ":"))
+    raw_file = serialize(spec_bad, {**header, "meta": meta_json, "checksum": store._checksum(meta_json, tensors, dtypes)})
+    store.write_atomic(tmp_path / SPEC.fingerprint / "a" / name, raw_file)
+    assert_loads_as(tmp_path, first, meta_for(200, 1))
