@@ -178,8 +178,9 @@ def plot_bars(path: Path, values: dict, ylabel: str, title: str) -> None:
     plt = _pyplot(path)
     if plt is None:
         return
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(max(7, 0.6 * len(values)), 4.5))
     ax.bar(list(values), list(values.values()))
     ax.set(ylabel=ylabel, title=title)
+    plt.setp(ax.get_xticklabels(), rotation=35, ha="right", fontsize=8)
     ax.set_yscale("log")
     _save(plt, fig, path)

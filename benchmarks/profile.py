@@ -21,7 +21,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from benchmarks.common import bench_parser, environment, load_bench_model, timed, write_results
+from benchmarks.common import bench_parser, environment, load_bench_model, plot_bars, timed, write_results
 from runtime import q4cache
 from runtime.q4cache import extract_cache, merge_caches, route_for
 
@@ -54,6 +54,12 @@ def decode_steps(model, spec, route, caches, steps):
         s, tokens = timed(lambda t: mx.argmax(model(t, cache=batch)[:, -1], axis=-1)[:, None], tokens)
         times.append(s)
     return times
+
+
+def plot_pieces(path, rows, model):
+    """A bar chart of each piece's typical milliseconds (the repeated shape, or the median step)."""
+    plot_bars(path, {f"{r['piece']} {r['context']} b{r['batch']}" + (f" n{r['new_tokens']}" if r["new_tokens"] > 1 else ""):
+                     r["typical_ms"] for r in rows}, "ms", f"where a turn's time goes, {model}")
 
 
 def main(argv=None) -> int:
@@ -100,6 +106,7 @@ def main(argv=None) -> int:
             typical_ms=statistics.median(times[1:]) * 1e3, worst_ms=max(times[1:]) * 1e3)
     q4cache.DENSE_EXTRA = 1
     name = args.name or f"profile-{args.model}"
+    plot_pieces(args.out / f"{name}.png", rows, args.model)
     write_results(name, env, rows, COLUMNS, args.out,
                   notes=f"model {args.model}; route {route}; ms, device synchronized around each piece. "
                         "merge and hot prefill: first = first call at that shape, typical = the same shape again. "
