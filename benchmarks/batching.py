@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import mlx.core as mx
 
@@ -83,8 +81,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     env = environment()
     print(env, flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        model, tokenizer, spec = load_bench_model(args.model, Path(tmp))
+    model, tokenizer, spec = load_bench_model(args.model)
     tokenizer.eos_token_ids = set()  # random weights: never stop early, every agent makes --new tokens
     vocab = model.args.vocab_size
     counts = [int(n) for n in args.agents.split(",")]

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import platform
+import tempfile
 import time
 from importlib.metadata import version
 from pathlib import Path
@@ -91,11 +92,15 @@ def bench_model_folder(name: str, workdir: Path) -> Path:
     return path
 
 
-def load_bench_model(name: str, workdir: Path):
-    """(model, tokenizer, spec) for `name` (see `bench_model_folder`), through `load_model`."""
+def load_bench_model(name: str):
+    """(model, tokenizer, spec) for `name` through `load_model`, its folder built in a temp folder.
+
+    See `bench_model_folder` ($KVACTORS_BENCH_MODELS keeps the folder for reuse).
+    """
     from runtime.model import load_model
 
-    return load_model(bench_model_folder(name, workdir))
+    with tempfile.TemporaryDirectory() as tmp:
+        return load_model(bench_model_folder(name, Path(tmp)))
 
 
 def write_results(name: str, env: dict, rows: list[dict], columns: list[str], out_dir: Path, notes: str = "") -> None:

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import statistics
 import sys
-import tempfile
-from pathlib import Path
 
 import mlx.core as mx
 
@@ -72,8 +70,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     env = environment()
     print(env, flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        model, tokenizer, spec = load_bench_model(args.model, Path(tmp))
+    model, tokenizer, spec = load_bench_model(args.model)
     route = route_for(spec, args.route)
     rows = []
 

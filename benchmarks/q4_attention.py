@@ -13,8 +13,6 @@ are against the fp16 KVCache of the same model in the same run.
 from __future__ import annotations
 
 import sys
-import tempfile
-from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
@@ -107,8 +105,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     env = environment()
     print(env, flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        model, _, spec = load_bench_model(args.model, Path(tmp))
+    model, _, spec = load_bench_model(args.model)
     vocab = model.args.vocab_size
     rows = []
     for context in [int(c) for c in args.contexts.split(",")]:
