@@ -191,6 +191,11 @@ def _name(layer: int, kind: str, part: str) -> str:
     return f"layers.{layer}.{kind}.{part}"
 
 
+def _layer_names(layer: int) -> list[str]:
+    """The six tensor names of `layer`: keys and values, each packed, scales and biases."""
+    return [_name(layer, kind, part) for kind in ("keys", "values") for part in _PARTS]
+
+
 def cache_to_host(cache) -> HostCache:
     """Copy a per-layer list of evaluated `QuantizedKVCache` to a `HostCache`.
 
@@ -314,7 +319,7 @@ def _check_host(host: HostCache) -> None:
         raise ValueError(f"unsupported scales dtype {host.dtype!r}")
     if 32 % host.bits:
         raise ValueError(f"unsupported bits {host.bits}")
-    names = {_name(i, k, p) for i in range(host.n_layers) for k in ("keys", "values") for p in _PARTS}
+    names = {name for i in range(host.n_layers) for name in _layer_names(i)}
     if host.n_tokens == 0:
         names = set()
     if set(host.tensors) != names:
@@ -871,14 +876,13 @@ def _header_link(path: Path, with_parent: bool = False):
 class Segment:
     """The newest file of an agent's cache chain, as the next write must know it.
 
-    `lengths`: tokens stored per layer; `token_ids`: the tokens cached; `deltas`: delta
-    files after the full file; `base_bytes`/`delta_bytes`: sizes of the full file and
+    `lengths`: tokens stored per layer; `token_ids`: the tokens cached (all positions);
+    `deltas`: delta files after the full file; `base_bytes`/`delta_bytes`: sizes of the full file and
     of the deltas together.
     """
 
     seq: int
     checksum: str
-    n_tokens: int
     lengths: tuple
     token_ids: tuple
     deltas: int
@@ -907,10 +911,10 @@ def next_segment(host: HostCache, meta: CacheMeta, fingerprint: str, last: Segme
             link = {"parent": last.checksum, "start": reuse[1], "lengths": list(lengths)}
             data, checksum = _encode(delta, meta, fingerprint, link)
             k = last.deltas + 1
-            seg = Segment(meta.seq, checksum, host.n_tokens, lengths, ids, k, last.base_bytes, last.delta_bytes + len(data))
+            seg = Segment(meta.seq, checksum, lengths, ids, k, last.base_bytes, last.delta_bytes + len(data))
             return DELTA_FILE.format(k), data, seg
     data, checksum = _encode(host, meta, fingerprint)
-    return CACHE_FILE, data, Segment(meta.seq, checksum, host.n_tokens, lengths, ids, 0, len(data), 0)
+    return CACHE_FILE, data, Segment(meta.seq, checksum, lengths, ids, 0, len(data), 0)
 
 
 def _delta_rows(host: HostCache, start: int, last: Segment) -> HostCache | None:
@@ -919,21 +923,19 @@ def _delta_rows(host: HostCache, start: int, last: Segment) -> HostCache | None:
     Per layer a delta carries min(new tokens, stored length) rows; when that is fewer
     than the layer stores, the rest must still be in `last` before `start`.
     """
-    n = host.n_tokens
-    if not 0 <= start < n or start > last.n_tokens or len(last.lengths) != host.n_layers:
+    n, last_n = host.n_tokens, len(last.token_ids)
+    if not 0 <= start < n or start > last_n or len(last.lengths) != host.n_layers:
         return None
     tensors, rows = {}, []
     for i in range(host.n_layers):
         stored = host.length(i)
         new = min(n - start, stored)
-        kept = last.lengths[i] - (last.n_tokens - start)  # rows of `last` before `start`
+        kept = last.lengths[i] - (last_n - start)  # rows of `last` before `start`
         if new < stored and kept < stored - new:
             return None
         rows.append(new)
-        for kind in ("keys", "values"):
-            for part in _PARTS:
-                name = _name(i, kind, part)
-                tensors[name] = host.tensors[name][..., stored - new:, :]
+        for name in _layer_names(i):
+            tensors[name] = host.tensors[name][..., stored - new:, :]
     return replace(host, tensors=tensors, lengths=tuple(rows))
 
 
@@ -964,13 +966,11 @@ class _Chain:
             kept = self.lengths[i] - (self.n - start)
             if new > stored or (old > 0 and (new != n - start or kept < old)):
                 raise CorruptCache(f"delta layer {i}: {new} new rows cannot make {stored} after position {start}")
-            for kind in ("keys", "values"):
-                for part in _PARTS:
-                    name = _name(i, kind, part)
-                    d, first = delta.tensors[name], self.pieces[name][0]
-                    if d.shape[:2] + d.shape[3:] != first.shape[:2] + first.shape[3:]:
-                        raise CorruptCache(f"delta {name} has shape {d.shape}, the cache {first.shape}")
-                    pieces[name] = (_rows(self.pieces[name], kept - old, kept) if old > 0 else []) + [delta.tensors[name]]
+            for name in _layer_names(i):
+                d, first = delta.tensors[name], self.pieces[name][0]
+                if d.shape[:2] + d.shape[3:] != first.shape[:2] + first.shape[3:]:
+                    raise CorruptCache(f"delta {name} has shape {d.shape}, the cache {first.shape}")
+                pieces[name] = (_rows(self.pieces[name], kept - old, kept) if old > 0 else []) + [d]
         self.pieces, self.n, self.lengths = pieces, n, list(lengths)
 
     def host(self) -> HostCache:
