@@ -132,16 +132,22 @@ def resolve_model_path(model: str | Path | None) -> Path:
 def load_model(model: str | Path | None = None, kv_bits: int = 4, kv_group_size: int = 64):
     """Load `model` with `mlx_lm.load`; return (model, tokenizer, ModelCacheSpec).
 
+    The model is prepared for the engine (`runtime.prepare`: on CUDA, quantized
+    linears take flattened inputs and decode through the batch-invariant GEMV).
+
     `model` is a local folder, a Hugging Face id, or None for the embedded default
     (a tiny llama built locally on first use; see `runtime.testing`).
     """
     import mlx_lm
+
+    from runtime.prepare import prepare_model
 
     path = resolve_model_path(model)
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path} has no config.json: it is not a model folder")
     net, tokenizer = mlx_lm.load(str(path))
     spec = ModelCacheSpec.from_model(net, path, kv_bits=kv_bits, kv_group_size=kv_group_size)
+    prepare_model(net)
     return net, tokenizer, spec
 
 

@@ -1,0 +1,178 @@
+"""Decode steps on CUDA: the 4-bit GEMV kernel, batch invariance, and where a step's time goes.
+
+Four parts, in one run:
+- kernel: `qgemv` against MLX's `quantized_matmul` (2-D and 3-D inputs) on the
+  8B shape's matrices, 1 to 16 rows: max error against a float32 reference, and
+  microseconds per call;
+- kernel invariance: row 0 of a 1..16-row call is bitwise equal to the 1-row call;
+- model invariance: one row's logits decoded at batch 1, 2, 4, 8, 16 (the other
+  rows hold other tokens, of the same length and of unequal lengths), bitwise
+  compared with batch 1, with the model as mlx-lm loads it and as the engine
+  prepares it;
+- step time: a whole decode step at batch 1..16 for the model as loaded, with
+  flattened linears only, and prepared (flattened + GEMV), split into building
+  the graph (Python) and running it.
+
+    python -m benchmarks.decode --model llama-8b-shape        # a CUDA GPU
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from benchmarks.common import bench_parser, environment, write_results
+from runtime import prepare, qgemv
+from runtime.q4cache import merge_caches, extract_cache
+
+COLUMNS = ["part", "variant", "shape", "rows", "value", "unit", "note"]
+BATCHES = (1, 2, 4, 5, 8, 16)
+
+
+def _us(fn, reps=50):
+    """Microseconds per call of `fn`, `reps` independent calls evaluated together (no per-call sync)."""
+    mx.eval(fn())
+    mx.synchronize()
+    t0 = time.perf_counter()
+    mx.eval([fn() for _ in range(reps)])
+    mx.synchronize()
+    return (time.perf_counter() - t0) / reps * 1e6
+
+
+def kernel_rows(add):
+    """Correctness, invariance and speed of qgemv on the 8B shape's matrices."""
+    mx.random.seed(0)
+    for n, k in ((4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)):
+        w = (mx.random.normal((n, k)) * 0.02).astype(mx.bfloat16)
+        wq, scales, biases = mx.quantize(w, group_size=64, bits=4)
+        x = mx.random.normal((16, k)).astype(mx.bfloat16)
+        ref = x.astype(mx.float32) @ mx.dequantize(wq, scales, biases, group_size=64, bits=4).astype(mx.float32).T
+        solo = qgemv.qgemv(x[:1], wq, scales, biases, 64)
+        for m in (1, 2, 4, 5, 8, 16):
+            y = qgemv.qgemv(x[:m], wq, scales, biases, 64)
+            err = mx.abs(y.astype(mx.float32) - ref[:m]).max().item() / mx.abs(ref[:m]).max().item()
+            mlx_err = mx.abs(mx.quantized_matmul(x[:m], wq, scales, biases, group_size=64, bits=4)
+                             .astype(mx.float32) - ref[:m]).max().item() / mx.abs(ref[:m]).max().item()
+            same = mx.array_equal(y[:1], solo).item()
+            add(part="kernel", variant="qgemv", shape=f"{n}x{k}", rows=m, value=err, unit="rel max err",
+                note=f"MLX's own: {mlx_err:.2e}; row 0 bitwise equal to 1-row call: {same}")
+            xs = x[:m]
+            add(part="kernel time", variant="qgemv", shape=f"{n}x{k}", rows=m,
+                value=_us(lambda: qgemv.qgemv(xs, wq, scales, biases, 64)), unit="us")
+            add(part="kernel time", variant="mlx 2-D", shape=f"{n}x{k}", rows=m,
+                value=_us(lambda: mx.quantized_matmul(xs, wq, scales, biases, group_size=64, bits=4)), unit="us")
+            x3 = xs[:, None, :]
+            add(part="kernel time", variant="mlx 3-D", shape=f"{n}x{k}", rows=m,
+                value=_us(lambda: mx.quantized_matmul(x3, wq, scales, biases, group_size=64, bits=4)), unit="us")
+
+
+def prefilled(model, spec, n_tokens, seed):
+    mx.random.seed(seed)
+    tokens = mx.random.randint(3, model.args.vocab_size, (n_tokens,))
+    cache = merge_caches(spec, [None])
+    for start in range(0, n_tokens, 2048):
+        model(tokens[start : start + 2048][None], cache=cache)
+        mx.eval([c.state for c in cache])
+    return extract_cache(cache, 0)
+
+
+def row_logits(model, spec, caches, tokens):
+    batch = merge_caches(spec, caches)
+    out = model(mx.array(tokens)[:, None], cache=batch)[:, -1].astype(mx.float32)
+    mx.eval(out)
+    return out
+
+
+def invariance_rows(add, model, spec, variant, same, unequal):
+    """Row 0's logits at batch 1..16 against batch 1, bitwise."""
+    solo = row_logits(model, spec, same[:1], [5])
+    for label, pool in (("same length", same), ("unequal lengths", unequal)):
+        for b in (2, 4, 8, 16):
+            caches = [same[0]] + [pool[i % len(pool)] for i in range(1, b)]
+            out = row_logits(model, spec, caches, [5] + [7 + i for i in range(1, b)])
+            diff = mx.abs(out[0] - solo[0]).max().item()
+            add(part="model invariance", variant=variant, shape=label, rows=b, value=diff, unit="max |logit diff|",
+                note="bitwise equal" if diff == 0 and mx.array_equal(out[0], solo[0]).item() else "differs")
+
+
+def step_rows(add, model, spec, variant, base, steps=24):
+    """Median decode step at each batch size, split into graph building and the rest."""
+    for b in BATCHES:
+        batch = merge_caches(spec, [base] * b)
+        tokens = mx.zeros((b, 1), dtype=mx.int32)
+        build, total = [], []
+        for i in range(steps):
+            mx.synchronize()
+            t0 = time.perf_counter()
+            logits = model(tokens, cache=batch)
+            tokens = mx.argmax(logits[:, -1], axis=-1)[:, None]
+            t1 = time.perf_counter()
+            mx.eval(tokens, [c.state for c in batch])
+            t2 = time.perf_counter()
+            if i >= 4:
+                build.append(t1 - t0)
+                total.append(t2 - t0)
+        add(part="decode step", variant=variant, shape=f"ctx {base[0].offset}", rows=b,
+            value=statistics.median(total) * 1e3, unit="ms",
+            note=f"graph build {statistics.median(build) * 1e3:.2f} ms; p99-ish max {max(total) * 1e3:.1f} ms")
+
+
+def set_gemv(model, on):
+    for m in model.modules():
+        if isinstance(m, (prepare.FlatQuantizedLinear, prepare.FlatQuantizedEmbedding)):
+            object.__setattr__(m, "_kvactors_gemv", on)
+
+
+def main(argv=None) -> int:
+    ap = bench_parser(__doc__)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--skip-kernel", action="store_true")
+    args = ap.parse_args(argv)
+    env = environment()
+    print(env, flush=True)
+    if not qgemv.available():
+        raise SystemExit("this benchmark needs a CUDA GPU (the kernel is CUDA-only)")
+    rows = []
+
+    def add(**row):
+        rows.append(row)
+        print(row, flush=True)
+
+    if not args.skip_kernel:
+        kernel_rows(add)
+    from benchmarks.common import bench_model_folder
+    import tempfile
+    from pathlib import Path
+    import mlx_lm
+    from runtime.model import ModelCacheSpec
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = bench_model_folder(args.model, Path(tmp))
+        model, _ = mlx_lm.load(str(path))
+        spec = ModelCacheSpec.from_model(model, path)
+    base = prefilled(model, spec, args.context, seed=1)
+    same = [base] + [prefilled(model, spec, args.context, seed=10 + i) for i in range(3)]
+    unequal = [base] + [prefilled(model, spec, args.context + 40 * i, seed=20 + i) for i in range(1, 4)]
+    invariance_rows(add, model, spec, "as loaded", same, unequal)
+    step_rows(add, model, spec, "as loaded", base)
+    prepare.prepare_model(model)
+    set_gemv(model, False)
+    step_rows(add, model, spec, "flattened", base)
+    invariance_rows(add, model, spec, "flattened", same, unequal)
+    set_gemv(model, True)
+    step_rows(add, model, spec, "prepared (flattened + qgemv)", base)
+    invariance_rows(add, model, spec, "prepared (flattened + qgemv)", same, unequal)
+    name = args.name or f"decode-{args.model}"
+    write_results(name, env, rows, COLUMNS, args.out,
+                  notes="kernel: the 8B shape's matrices (N x K), 4-bit g64, bf16 x; error relative to the largest "
+                        "|output| of a float32 reference. step: median of 20 steps after 4 warm-up steps at each "
+                        "batch size, rows of equal length; graph build = Python time to build the step's graph.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""A batch-invariant 4-bit matrix-vector kernel for decode steps on CUDA.
+
+`qgemv(x, w, scales, biases, group_size)` computes `x @ dequantize(w).T` for an
+input of 1 to MAX_ROWS rows, reading the packed weights once for all rows. It is
+what `runtime.prepare` routes a decode step's quantized linears through on CUDA.
+
+Why a kernel of our own: MLX-CUDA serves M = 1 with a GEMV, 2 <= M < 8 by
+re-reading the weights once per row, and larger M with a tiled GEMM whose
+reduction order differs from the GEMV's. So a row's logits change with the
+number of rows beside it (up to 3e-2 at batch 8 on an 8B model), and greedy
+output then depends on which other agents happen to be decoding. Here every
+row is reduced in one fixed order whatever the batch: lane `l` of a warp sums
+its 16-element slices of K in ascending order with explicit fused
+multiply-adds, then the warp adds its lanes with a fixed butterfly. Row m's
+result depends on row m's input and the weights alone, so it is bitwise the
+same at batch 1 and batch 16.
+
+Layout (MLX's affine quantization): `w` (N, K * bits / 32) uint32, element j of
+a word in bits [4j, 4j + 4); `scales`, `biases` (N, K / group_size); the weight
+is `q * scale + bias`. Each warp computes COLUMNS output columns, so every load
+of x serves COLUMNS columns.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+MAX_ROWS = 16  # rows one call serves; larger inputs (prefill) take MLX's GEMM
+COLUMNS = 4  # output columns per warp
+WARPS = 8  # warps per block
+
+_SOURCE = r"""
+    const int M = x_shape[0];
+    const int K = x_shape[1];
+    const int N = w_shape[0];
+    const int words_per_row = K / 8;
+    const int groups_per_row = K / G;
+    const int lane = threadIdx.x & 31;
+    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int n0 = warp * COLS;
+    if (n0 >= N) {
+        return;
+    }
+    float acc[COLS][MAXM];
+    #pragma unroll
+    for (int c = 0; c < COLS; ++c) {
+        #pragma unroll
+        for (int m = 0; m < MAXM; ++m) {
+            acc[c][m] = 0.0f;
+        }
+    }
+    for (int idx = lane * 16; idx < K; idx += 512) {
+        float wf[COLS][16];
+        #pragma unroll
+        for (int c = 0; c < COLS; ++c) {
+            const int n = min(n0 + c, N - 1);
+            const uint2 q = *reinterpret_cast<const uint2*>(w + (size_t)n * words_per_row + idx / 8);
+            const float s = static_cast<float>(scales[(size_t)n * groups_per_row + idx / G]);
+            const float b = static_cast<float>(biases[(size_t)n * groups_per_row + idx / G]);
+            #pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                wf[c][i] = fmaf(static_cast<float>((q.x >> (4 * i)) & 15u), s, b);
+                wf[c][8 + i] = fmaf(static_cast<float>((q.y >> (4 * i)) & 15u), s, b);
+            }
+        }
+        #pragma unroll
+        for (int m = 0; m < MAXM; ++m) {
+            if (m < M) {
+                const uint4* xp = reinterpret_cast<const uint4*>(x + (size_t)m * K + idx);
+                uint4 raw[2] = {xp[0], xp[1]};
+                const auto* xv = reinterpret_cast<const T*>(raw);
+                float xf[16];
+                #pragma unroll
+                for (int i = 0; i < 16; ++i) {
+                    xf[i] = static_cast<float>(xv[i]);
+                }
+                #pragma unroll
+                for (int c = 0; c < COLS; ++c) {
+                    float a = acc[c][m];
+                    #pragma unroll
+                    for (int i = 0; i < 16; ++i) {
+                        a = fmaf(xf[i], wf[c][i], a);
+                    }
+                    acc[c][m] = a;
+                }
+            }
+        }
+    }
+    #pragma unroll
+    for (int c = 0; c < COLS; ++c) {
+        #pragma unroll
+        for (int m = 0; m < MAXM; ++m) {
+            float a = acc[c][m];
+            #pragma unroll
+            for (int offset = 16; offset > 0; offset >>= 1) {
+                a += __shfl_xor_sync(0xffffffffu, a, offset);
+            }
+            acc[c][m] = a;
+        }
+    }
+    if (lane == 0) {
+        #pragma unroll
+        for (int c = 0; c < COLS; ++c) {
+            const int n = n0 + c;
+            #pragma unroll
+            for (int m = 0; m < MAXM; ++m) {
+                if (m < M && n < N) {
+                    y[(size_t)m * N + n] = static_cast<T>(acc[c][m]);
+                }
+            }
+        }
+    }
+"""
+
+_kernel = None
+
+
+def available() -> bool:
+    """True where the kernel can run: the default device is a CUDA GPU."""
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
+def supports(x_rows: int, bits: int, group_size: int, mode: str, has_biases: bool) -> bool:
+    """Whether `qgemv` serves this call: 1..MAX_ROWS rows of 4-bit affine weights, group 32/64/128."""
+    return (
+        1 <= x_rows <= MAX_ROWS and bits == 4 and mode == "affine" and has_biases
+        and group_size in (32, 64, 128)
+    )
+
+
+def qgemv(x, w, scales, biases, group_size: int):
+    """`x @ dequantize(w, scales, biases).T` for x of shape (M, K), M <= MAX_ROWS, on CUDA.
+
+    Returns (M, N) in x's dtype. Each row's result is bitwise independent of the
+    other rows (see the module docstring). K must be a multiple of group_size.
+    """
+    global _kernel
+    if _kernel is None:
+        _kernel = mx.fast.cuda_kernel(
+            name="kvactors_qgemv4",
+            input_names=["x", "w", "scales", "biases"],
+            output_names=["y"],
+            source=_SOURCE,
+            ensure_row_contiguous=True,
+        )
+    m, n = x.shape[0], w.shape[0]
+    warps = -(-n // COLUMNS)
+    threads = -(-warps // WARPS) * WARPS * 32
+    return _kernel(
+        inputs=[x, w, scales, biases],
+        template=[("T", x.dtype), ("G", group_size), ("COLS", COLUMNS), ("MAXM", MAX_ROWS)],
+        grid=(threads, 1, 1),
+        threadgroup=(WARPS * 32, 1, 1),
+        output_shapes=[(m, n)],
+        output_dtypes=[x.dtype],
+    )[0]
