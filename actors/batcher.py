@@ -10,6 +10,7 @@ queued and in-flight turn, so no caller waits forever.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Callable
 
@@ -36,6 +37,7 @@ class Submit:
 
 
 _STEP = object()
+STATS = "stats"  # message: answer with a copy of the engine's EngineStats
 
 
 class BatcherActor(SupervisedActor):
@@ -59,6 +61,8 @@ class BatcherActor(SupervisedActor):
             self._queue_step()
         elif isinstance(message, Submit):
             self._submit(message)
+        elif message == STATS:
+            return copy.deepcopy(self.engine.stats)
         else:
             raise TypeError(f"BatcherActor got an unknown message {message!r}")
 

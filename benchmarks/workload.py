@@ -17,7 +17,6 @@ Total wall time, TTFT per turn, and peak MLX memory for each.
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import sys
 import tempfile
@@ -33,7 +32,6 @@ from benchmarks.common import bench_parser, bench_model_folder, environment, plo
 from benchmarks.ttft import long_text
 from actors.agent import render
 from runtime import Runtime
-from runtime.engine import Engine
 
 COLUMNS = ["variant", "total_s", "x_stateless", "ttft_mean_s", "ttft_p50_s", "ttft_max_s", "peak_mem_gb", "final_context"]
 
@@ -79,31 +77,22 @@ def stateless(model, tokenizer, systems, messages, new, prompt_cache=False):
     return ttfts, context
 
 
-@contextlib.contextmanager
-def engine_clock():
-    """Seconds the engine spent in decode steps and prefill chunks (and how many) while open."""
-    clock = dict(decode_s=0.0, decode_steps=0, decode_rows=0, prefill_s=0.0, prefill_chunks=0)
-    originals = {name: getattr(Engine, name) for name in ("_decode_step", "_prefill_chunk")}
-
-    def timed_method(name, kind):
-        def run(engine):
-            rows = len(engine.decoding)
-            t0 = time.perf_counter()
-            try:
-                return originals[name](engine)
-            finally:
-                clock[f"{kind}_s"] += time.perf_counter() - t0
-                clock["decode_steps" if kind == "decode" else "prefill_chunks"] += 1
-                clock["decode_rows"] += rows if kind == "decode" else 0
-        return run
-
-    Engine._decode_step = timed_method("_decode_step", "decode")
-    Engine._prefill_chunk = timed_method("_prefill_chunk", "prefill")
-    try:
-        yield clock
-    finally:
-        for name, fn in originals.items():
-            setattr(Engine, name, fn)
+def engine_profile(stats_list) -> dict:
+    """Where the engine's time went, from the `EngineStats` of each Runtime."""
+    steps = [s for st in stats_list for s in st.decode_steps]
+    chunks = [c for st in stats_list for c in st.prefill_chunks]
+    totals = sorted(t for _, _, t in steps) or [0.0]
+    cold = [c for c in chunks if c[1] == 0]
+    hot = [c for c in chunks if c[1] > 0]
+    return dict(
+        decode_steps=len(steps), decode_s=sum(totals), mean_batch=statistics.mean(r for r, _, _ in steps) if steps else 0,
+        step_p50_ms=totals[len(totals) // 2] * 1e3, step_p99_ms=totals[min(len(totals) - 1, int(len(totals) * 0.99))] * 1e3,
+        build_p50_ms=statistics.median(b for _, b, _ in steps) * 1e3 if steps else 0,
+        cold_chunks=len(cold), cold_chunk_s=sum(c[2] for c in cold), cold_tokens=sum(c[0] for c in cold),
+        hot_chunks=len(hot), hot_chunk_s=sum(c[2] for c in hot), hot_tokens=sum(c[0] for c in hot),
+        hot_chunk_p50_ms=statistics.median(c[2] for c in hot) * 1e3 if hot else 0,
+        hot_chunk_max_ms=max((c[2] for c in hot), default=0) * 1e3,
+    )
 
 
 def actors(model_path, cache_dir, systems, messages, new):
@@ -115,7 +104,7 @@ def actors(model_path, cache_dir, systems, messages, new):
     durable: copying caches out, writing them, acking).
     """
     turns = len(messages[0])
-    ttfts, labels = [], []
+    ttfts, labels, prefilled, stats = [], [], [], []
     parts = dict(open_s=0.0, engine_s=0.0, after_s=0.0)
     for half in (range(turns // 2), range(turns // 2, turns)):
         t0 = time.perf_counter()
@@ -133,6 +122,10 @@ def actors(model_path, cache_dir, systems, messages, new):
                 parts["after_s"] += (end - start) - engine
                 ttfts += [r.timings.ttft_s for r in replies]
                 labels += [r.cache for r in replies]
+                prefilled += [r.timings.prefill_tokens for r in replies]
+            stats.append(rt.engine_stats())
+    parts["prefilled"] = prefilled
+    parts.update(engine_profile(stats))
     return ttfts, labels, parts
 
 
@@ -176,11 +169,12 @@ def main(argv=None) -> int:
             print(rows[-1], flush=True)
         del model
         actors(model_path, Path(tmp) / "warm-up", systems, [m[:2] for m in messages], 8)
-        with engine_clock() as clock:
-            total, peak, (ttfts, labels, parts) = measure(actors, model_path, Path(tmp) / "agents", systems, messages, args.new)
+        total, peak, (ttfts, labels, parts) = measure(actors, model_path, Path(tmp) / "agents", systems, messages, args.new)
+        message_tokens = [len(tokenizer.encode(m, add_special_tokens=False)) for t in range(args.turns) for m in
+                          [messages[a][t] for a in range(args.agents)]]
         rows.append(dict(variant="c: kvactors (restart halfway)", total_s=total, ttft_mean_s=statistics.mean(ttfts),
                          ttft_p50_s=statistics.median(ttfts), ttft_max_s=max(ttfts), peak_mem_gb=peak,
-                         final_context=rows[0]["final_context"], **parts))
+                         final_context=rows[0]["final_context"], **{k: v for k, v in parts.items() if k != "prefilled"}))
         curves["c: kvactors (restart halfway)"] = ttfts
         print(rows[-1], "cache states:", labels, flush=True)
     for r in rows:
@@ -192,8 +186,15 @@ def main(argv=None) -> int:
                         f"Where (c)'s time went: opening two Runtimes (model load) {parts['open_s']:.1f} s, the engine's "
                         f"work per round {parts['engine_s']:.1f} s, the rest of each round until every reply was durable "
                         f"(cache copies, writes, acks) {parts['after_s']:.1f} s. Inside the engine: "
-                        f"{clock['decode_steps']} decode steps (mean batch {clock['decode_rows'] / max(1, clock['decode_steps']):.1f}) "
-                        f"{clock['decode_s']:.1f} s, {clock['prefill_chunks']} prefill chunks {clock['prefill_s']:.1f} s. "
+                        f"{parts['decode_steps']} decode steps (mean batch {parts['mean_batch']:.1f}) {parts['decode_s']:.1f} s, "
+                        f"p50 {parts['step_p50_ms']:.1f} ms, p99 {parts['step_p99_ms']:.1f} ms, of which building the graph "
+                        f"{parts['build_p50_ms']:.1f} ms (p50); {parts['cold_chunks']} cold prefill chunks "
+                        f"({parts['cold_tokens']} tokens) {parts['cold_chunk_s']:.1f} s; {parts['hot_chunks']} prefill chunks "
+                        f"after a cache ({parts['hot_tokens']} tokens) {parts['hot_chunk_s']:.1f} s, p50 "
+                        f"{parts['hot_chunk_p50_ms']:.0f} ms, max {parts['hot_chunk_max_ms']:.0f} ms. Tokens prefilled per "
+                        f"hot or warm turn: mean {statistics.mean(p for p, c in zip(parts['prefilled'], labels) if c != 'cold'):.0f} "
+                        f"(user message alone: mean {statistics.mean(message_tokens):.0f} tokens; the rest is the chat "
+                        f"template and the previous reply's last token). "
                         f"(c)'s cache states per turn: {' '.join(labels)}. Target (GPU): c >= 3x faster than a.")
     plot_lines(args.out / f"{name}.png", curves, "agent-turn (round-major)", "TTFT (s)", f"TTFT per turn, {args.model}")
     return 0

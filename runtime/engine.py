@@ -107,6 +107,20 @@ class TurnTooLarge(TurnError):
 
 
 @dataclass
+class EngineStats:
+    """What the engine did, for profiles in place (the most recent 100,000 of each).
+
+    `decode_steps`: (rows, graph-build seconds, total seconds) per decode step;
+    `prefill_chunks`: (tokens fed, tokens of context before, seconds) per chunk.
+    The build time is the Python side of a step (building MLX's graph), the rest
+    waits for the device.
+    """
+
+    decode_steps: collections.deque = field(default_factory=lambda: collections.deque(maxlen=100_000))
+    prefill_chunks: collections.deque = field(default_factory=lambda: collections.deque(maxlen=100_000))
+
+
+@dataclass
 class _Row:
     turn: Turn
     submitted: float
@@ -128,6 +142,17 @@ def default_memory_budget() -> int:
     if not size:
         size = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return int(size) // 2
+
+
+def default_query_bucket() -> int:
+    """Prefill chunks are padded to a multiple of this many tokens: 64 on CUDA, else 1.
+
+    MLX-CUDA sets up kernels per shape (tens of ms for each new query length of a
+    short prefill on an H100); with lengths from a small set, a server meets each
+    shape once. The padding tokens are computed and then trimmed from the cache
+    exactly. Elsewhere shapes cost nothing and padding would only add work.
+    """
+    return 64 if mx.default_device() == mx.gpu and mx.cuda.is_available() else 1
 
 
 def prefill_chunk_size(context: int, largest: int = 2048) -> int:
@@ -157,6 +182,7 @@ class Engine:
         max_batch: int = 8,
         route: str | None = None,
         max_prefill_chunk: int = 2048,
+        query_bucket: int | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -165,11 +191,14 @@ class Engine:
         self.memory_budget = memory_budget or default_memory_budget()
         self.max_batch = max_batch
         self.max_prefill_chunk = max_prefill_chunk
+        self.query_bucket = query_bucket or default_query_bucket()
         self.waiting: collections.deque[_Row] = collections.deque()
         self.prefilling: list[_Row] = []
         self.decoding: list[_Row] = []
         self.batch = None  # per-layer BatchQuantizedKVCache of the decoding rows
+        self._next = None  # the tokens the step in flight samples, one per decoding row (lazy)
         self.peak_admitted = 0
+        self.stats = EngineStats()
         per_token = spec.q4_bytes_per_token()
         if self.route == "dequant_once":
             per_token += spec.fp16_bytes_per_token()
@@ -225,7 +254,7 @@ class Engine:
         """End every queued and admitted turn with `make_error(turn_id)`; returns them."""
         rows = list(self.waiting) + self.prefilling + self.decoding
         self.waiting.clear()
-        self.prefilling, self.decoding, self.batch = [], [], None
+        self.prefilling, self.decoding, self.batch, self._next = [], [], None, None
         return [make_error(r.turn.turn_id) for r in rows]
 
     # -- admission -------------------------------------------------------------------
@@ -254,41 +283,76 @@ class Engine:
         try:
             n = prefill_chunk_size(row.cache[0].size(), self.max_prefill_chunk)
             chunk, row.pending = row.pending[:n], row.pending[n:]
-            logits = self.model(mx.array(chunk)[None], cache=row.cache)
+            context = row.cache[0].size()
+            pad = -len(chunk) % self.query_bucket  # see default_query_bucket
+            logits = self.model(mx.array(chunk + chunk[-1:] * pad)[None], cache=row.cache)
+            for layer in row.cache:
+                layer.trim(pad)
             if row.pending:
                 mx.eval([c.state for c in row.cache])
-                row.prefill_s += time.perf_counter() - t0
+                row.prefill_s += self._chunk_done(t0, len(chunk), context)
                 return []
-            picks = self._sample([row], logits[:, -1, :])
+            picks = self._sample([row], logits[:, len(chunk) - 1, :])
             mx.eval(picks, [c.state for c in row.cache])
             token = picks.tolist()[0]
-            row.prefill_s += time.perf_counter() - t0
+            row.prefill_s += self._chunk_done(t0, len(chunk), context)
             row.first_token = time.perf_counter()
         except Exception as e:
             self.prefilling.pop(0)
             return [TurnError(row.turn.turn_id, f"prefill failed: {type(e).__name__}: {e}")]
         self.prefilling.pop(0)
+        done = self._settle()
         if self.batch is None:
             self.batch = row.cache
         else:
             extend_cache(self.batch, row.cache)
         row.cache = None
         self.decoding.append(row)
-        return self._accept([(len(self.decoding) - 1, token)])
+        return done + self._accept([(len(self.decoding) - 1, token)], fed=False)
 
     # -- decode -------------------------------------------------------------------
 
     def _decode_step(self):
+        """One token for every decoding row, pipelined: the next step is built while this one runs.
+
+        `_next` holds the tokens the step in flight samples. Before reading them,
+        the step that feeds them is built and queued, so MLX builds a step's graph
+        while the device runs the previous one. A row that finishes has then been
+        fed its last token once too often: `_finish` leaves that column out of its
+        cache, and `filter` drops the row from the step in flight.
+        """
         try:
-            inputs = mx.array([[r.generated[-1]] for r in self.decoding])
-            logits = self.model(inputs, cache=self.batch)
-            picks = self._sample(self.decoding, logits[:, -1, :])
-            mx.eval(picks, [c.state for c in self.batch])  # one sync per step
-            tokens = picks.tolist()
+            t0 = time.perf_counter()
+            if self._next is None:
+                self._next = self._forward(mx.array([[r.generated[-1]] for r in self.decoding]))
+            current = self._next
+            self._next = self._forward(current[:, None])
+            built = time.perf_counter()
+            tokens = current.tolist()
+            self.stats.decode_steps.append((len(tokens), built - t0, time.perf_counter() - t0))
         except Exception as e:
-            rows, self.decoding, self.batch = self.decoding, [], None
+            rows, self.decoding, self.batch, self._next = self.decoding, [], None, None
             return [TurnError(r.turn.turn_id, f"decode step failed: {type(e).__name__}: {e}") for r in rows]
-        return self._accept(list(enumerate(tokens)))
+        return self._accept(list(enumerate(tokens)), fed=True)
+
+    def _forward(self, inputs):
+        """Queue a decode step over the batch; returns its sampled tokens (being computed)."""
+        logits = self.model(inputs, cache=self.batch)
+        picks = self._sample(self.decoding, logits[:, -1, :])
+        mx.async_eval(picks, [c.state for c in self.batch])
+        return picks
+
+    def _settle(self):
+        """Take the tokens of the step in flight (no step beyond it): call before the batch changes shape."""
+        if self._next is None:
+            return []
+        tokens, self._next = self._next.tolist(), None
+        return self._accept(list(enumerate(tokens)), fed=False)
+
+    def _chunk_done(self, t0, tokens, context):
+        seconds = time.perf_counter() - t0
+        self.stats.prefill_chunks.append((tokens, context, seconds))
+        return seconds
 
     def _sample(self, rows, logits):
         """The next token of every row (a lazy array): greedy, or seeded top-p sampling."""
@@ -305,8 +369,11 @@ class Engine:
             picks.append(_sample_top_p(logits[i], s.temperature, s.top_p, sub))
         return mx.stack(picks)
 
-    def _accept(self, row_tokens):
-        """Record sampled tokens; finish rows that hit a stop; return their results."""
+    def _accept(self, row_tokens, fed: bool):
+        """Record sampled tokens; finish rows that hit a stop; return their results.
+
+        `fed`: a step already queued feeds these tokens to the cache (see `_decode_step`).
+        """
         finished, results = [], []
         for i, token in row_tokens:
             row = self.decoding[i]
@@ -318,14 +385,16 @@ class Engine:
                 continue
             if reason:
                 finished.append(i)
-                results.append(self._finish(row, i, reason))
+                results.append(self._finish(row, i, reason, fed))
         if finished:
             keep = [i for i in range(len(self.decoding)) if i not in finished]
             self.decoding = [self.decoding[i] for i in keep]
             if keep:
                 filter_cache(self.batch, keep)
+                if self._next is not None:
+                    self._next = self._next[mx.array(keep)]
             else:
-                self.batch = None
+                self.batch = self._next = None
             return results
         return []
 
@@ -348,7 +417,7 @@ class Engine:
             return "length"
         return None
 
-    def _finish(self, row, i, reason):
+    def _finish(self, row, i, reason, fed):
         if reason == "length":
             row.detok.finalize()
             tail = row.detok.last_segment
@@ -356,7 +425,7 @@ class Engine:
             if tail and row.turn.on_token:
                 row.turn.on_token(tail)
         try:
-            cache = extract_cache(self.batch, i)
+            cache = extract_cache(self.batch, i, drop=int(fed))
         except Exception as e:
             return TurnError(row.turn.turn_id, f"extracting the cache failed: {type(e).__name__}: {e}")
         now = time.perf_counter()

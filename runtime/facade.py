@@ -25,7 +25,7 @@ import pykka
 
 from actors import agent as agent_mod
 from actors.agent import DURABILITY, AgentActor, AgentCrashed, Ask, Note, Reply, TurnTimeout, UnknownAgent
-from actors.batcher import BatcherActor
+from actors.batcher import STATS as _STATS, BatcherActor
 from actors.persistence import PersistenceActor
 from actors.supervisor import Backoff, ChildSpec, Supervisor, UnknownChild
 from runtime import store
@@ -245,6 +245,10 @@ class Runtime:
     def broadcast(self, group, text: str, **options) -> list[pykka.Future]:
         """Send `text` to every agent in `group` (each takes a turn); return their futures."""
         return [a.send(text, **options) for a in group]
+
+    def engine_stats(self, timeout: float = 10.0):
+        """A snapshot of the engine's `EngineStats` (decode step and prefill chunk times), for profiles."""
+        return self.env.batcher().ask(_STATS, timeout=timeout)
 
     @property
     def dead_letters(self) -> list[DeadLetter]:

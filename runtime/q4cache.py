@@ -8,7 +8,7 @@ to a common length. Quantization groups run along head_dim, so every token row
 is quantized on its own: merging, slicing and padding packed rows is exact and
 nothing is ever dequantized and requantized.
 
-Attention has three routes, chosen per backend by measurement
+Attention (`runtime.attention`) has three routes, chosen per backend by measurement
 (`benchmarks/q4_attention.py`) and overridable (`route=` or the environment
 variable KVACTORS_Q4_ROUTE):
 
@@ -16,7 +16,8 @@ variable KVACTORS_Q4_ROUTE):
   scheme; our version does not scale the caller's queries in place). No
   attention sinks. Crashes on CUDA decode. The default on Metal and CPU.
 - "dequant": the layer's packed K/V are dequantized transiently every call and
-  fed to the fused `mx.fast.scaled_dot_product_attention` (sinks supported).
+  fed to `runtime.attention.sdpa` (MLX's fused kernels, or plain ops for short
+  masked queries; models with attention sinks always take the fused kernel).
 - "dequant_once": like "dequant", but the dequantized K/V are kept while the
   batch lives and only new tokens are dequantized each step. Numerically the
   same as "dequant"; costs 16-bit memory for the rows while they are active.
@@ -35,9 +36,10 @@ from __future__ import annotations
 import os
 
 import mlx.core as mx
-from mlx_lm.models import base as mlx_base
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import QuantizedKVCache, _BaseCache, create_attention_mask
+
+from runtime import attention
 
 ROUTES = ("quantized", "dequant", "dequant_once")
 STEP = 256
@@ -70,46 +72,6 @@ def check_route(route: str) -> str:
     if route not in ROUTES:
         raise Q4CacheError(f"unknown Q4 attention route {route!r}; choose one of {ROUTES}")
     return route
-
-
-def quantized_sdpa(queries, q_keys, q_values, scale, mask, group_size=64, bits=4):
-    """Attention of `queries` over packed quantized keys and values.
-
-    queries: (B, n_q_heads, L, D); q_keys / q_values: (words, scales, biases) of
-    shape (B, n_kv_heads, S, ...). `mask` is None, "causal", or a boolean or
-    additive array broadcastable to (B, heads, L, S). `queries` is not modified.
-    """
-    B, n_q_heads, L, D = queries.shape
-    n_kv_heads = q_keys[0].shape[-3]
-    n_repeats = n_q_heads // n_kv_heads
-    queries = queries * scale
-    if n_repeats > 1:
-        queries = mx.reshape(queries, (B, n_kv_heads, n_repeats, L, D))
-        q_keys = [mx.expand_dims(x, -3) for x in q_keys]
-        q_values = [mx.expand_dims(x, -3) for x in q_values]
-    scores = mx.quantized_matmul(queries, *q_keys, transpose=True, group_size=group_size, bits=bits)
-    if isinstance(mask, str):
-        qL, kL = scores.shape[-2:]
-        mask = mx.arange(kL - qL, kL)[:, None] >= mx.arange(kL)[None]
-    if mask is not None:
-        if n_repeats > 1 and mask.ndim > 3:
-            mask = mx.expand_dims(mask, -3)
-        if mask.dtype == mx.bool_:
-            scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
-        else:
-            scores = scores + mask
-    scores = mx.softmax(scores, axis=-1, precise=True)
-    out = mx.quantized_matmul(scores, *q_values, transpose=False, group_size=group_size, bits=bits)
-    if n_repeats > 1:
-        out = mx.reshape(out, (B, n_q_heads, L, -1))
-    return out
-
-
-def _install_quantized_sdpa():
-    # mlx-lm's models reach `base.quantized_scaled_dot_product_attention` for any
-    # cache with a `bits` attribute; ours does the same math without scaling the
-    # caller's queries in place.
-    mlx_base.quantized_scaled_dot_product_attention = quantized_sdpa
 
 
 def _quantize(x, group_size, bits):
@@ -172,7 +134,7 @@ class BatchQuantizedKVCache(_BaseCache):
     """
 
     def __init__(self, left_padding, bits: int = 4, group_size: int = 64, route: str | None = None,
-                 keep: int | None = None):
+                 keep: int | None = None, own_attention: bool = True):
         self.keep = keep  # sliding layers: the most tokens `extract` hands out (None: all)
         self.kv_bits = bits
         self.kv_group_size = group_size
@@ -185,8 +147,14 @@ class BatchQuantizedKVCache(_BaseCache):
         self._idx = 0
         self._dense = None  # "dequant_once": dequantized (keys, values), valid in [0, _dense_len)
         self._dense_len = 0
-        if self.route == "quantized":
-            _install_quantized_sdpa()
+        # attention through runtime.attention (it needs mlx-lm to see `bits`); the
+        # fused kernel directly for models with attention sinks, which mlx-lm
+        # refuses to send to a cache with `bits`
+        self.own_attention = own_attention
+        if own_attention:
+            attention.install()
+        elif self.route == "quantized":
+            raise Q4CacheError("the quantized route cannot serve attention sinks; use 'dequant' or 'dequant_once'")
 
     # -- what the model drives -------------------------------------------------
 
@@ -239,12 +207,13 @@ class BatchQuantizedKVCache(_BaseCache):
         return tuple(mx.concatenate([x[..., : self._idx, :], e], axis=2) for x, e in zip(packed, extra))
 
     def _fetch(self, new_k, new_v):
-        k, v = self.keys_and_values()
-        if self.route == "quantized":
-            return k, v
-        g, b = self.kv_group_size, self.kv_bits
-        if self.route == "dequant":
+        if self.route != "dequant_once":
+            k, v = self.keys_and_values()
+            if self.route == "quantized":
+                return k, v
+            g, b = self.kv_group_size, self.kv_bits
             return _dequantize(k, g, b), _dequantize(v, g, b)
+        g, b = self.kv_group_size, self.kv_bits
         N = new_k[0].shape[2]
         prev = self._idx - N
         width = self.keys[0].shape[2] + DENSE_EXTRA  # see _working_copy
@@ -257,7 +226,21 @@ class BatchQuantizedKVCache(_BaseCache):
             for d, n in zip(self._dense, (new_k, new_v)):
                 d[..., prev : self._idx, :] = _dequantize(n, g, b)
         self._dense_len = self._idx
+        if self._whole_width(N):
+            return self._dense  # masked by make_mask's full-width mask
         return tuple(d[..., : self._idx, :] for d in self._dense)
+
+    def _whole_width(self, N: int) -> bool:
+        """Whether attention for N queries reads the whole working copy under a mask.
+
+        Plain attention (`runtime.attention`: short prefills, and decode rows of
+        unequal length) then sees keys of the allocated width, which changes every
+        256 tokens instead of every token, so MLX's matmuls meet few shapes.
+        """
+        return (
+            self.route == "dequant_once" and self.own_attention
+            and (self._padded or N >= 4) and N < attention.SHORT_QUERY
+        )
 
     def keys_and_values(self):
         """The packed (keys, values) of the used columns [0, size())."""
@@ -272,28 +255,41 @@ class BatchQuantizedKVCache(_BaseCache):
         """The attention mask for N new queries: causal, left padding and window.
 
         Without padding it is what mlx-lm's own caches give (None or "causal"),
-        so the fused attention kernel keeps its fast unmasked paths; with padding
-        it is a boolean array (B, 1, N, size()+N).
+        so the fused attention kernels keep their fast unmasked paths; with padding
+        it is a boolean array (B, 1, N, size()+N). Where attention reads the whole
+        working copy (`_whole_width`), the array spans it.
         """
+        if self._whole_width(N):
+            return self._whole_width_mask(N, window_size)
         if not self._padded:
             return create_attention_mask(N, self._idx, return_array, window_size)
         return create_causal_mask(
             N, offset=self._idx, window_size=window_size, left_padding=self.left_padding
         )
 
+    def _whole_width_mask(self, N: int, window_size: int | None):
+        allocated = 0 if self.keys is None else self.keys[0].shape[2]
+        if self._idx + N > allocated:  # what _reserve will grow it to
+            allocated = self._idx + (N + STEP - 1) // STEP * STEP
+        columns = mx.arange(allocated + DENSE_EXTRA)
+        positions = mx.arange(self._idx, self._idx + N)[:, None]
+        mask = columns[None] <= positions
+        if window_size is not None:
+            mask = mask & (columns[None] > positions - window_size)
+        return mask[None, None] & (columns >= self.left_padding[:, None])[:, None, None, :]
+
     @property
     def bits(self):
-        """Bits per element, visible to mlx-lm (which then calls quantized attention) only on the "quantized" route."""
-        if self.route != "quantized":
-            # mlx-lm routes attention by hasattr(cache, "bits"): the dequant routes
-            # hand it 16-bit arrays, which must go to the fused kernel.
+        """Bits per element. mlx-lm routes attention by hasattr(cache, "bits"): visible unless
+        `own_attention` is off, so attention goes to `runtime.attention.sdpa`."""
+        if not self.own_attention:
             raise AttributeError("bits")
         return self.kv_bits
 
     @property
     def group_size(self):
-        """Quantization group size; visible like `bits`, on the "quantized" route only."""
-        if self.route != "quantized":
+        """Quantization group size; visible like `bits`."""
+        if not self.own_attention:
             raise AttributeError("group_size")
         return self.kv_group_size
 
@@ -301,7 +297,7 @@ class BatchQuantizedKVCache(_BaseCache):
 
     @classmethod
     def merge(cls, caches, bits: int = 4, group_size: int = 64, route: str | None = None,
-              keep: int | None = None):
+              keep: int | None = None, own_attention: bool = True):
         """One batch from per-agent `QuantizedKVCache`s (None or empty: no history).
 
         Rows are left-padded to the longest; packed words are copied, never
@@ -320,7 +316,7 @@ class BatchQuantizedKVCache(_BaseCache):
             lengths.append(0 if c is None else stored_tokens(c))
             positions.append(0 if c is None or c.empty() else c.offset)
         longest = max(lengths, default=0)
-        cache = cls([longest - n for n in lengths], bits, group_size, route, keep)
+        cache = cls([longest - n for n in lengths], bits, group_size, route, keep, own_attention)
         cache.offset = mx.array(positions, dtype=mx.int32)
         if longest == 0:
             return cache
@@ -337,22 +333,22 @@ class BatchQuantizedKVCache(_BaseCache):
         cache._idx = longest
         return cache
 
-    def extract(self, i: int) -> QuantizedKVCache:
+    def extract(self, i: int, drop: int = 0) -> QuantizedKVCache:
         """Row `i` as an mlx-lm `QuantizedKVCache` of exactly its used tokens, evaluated.
 
-        A layer built with `keep` hands out only its last `keep` tokens; `offset`
-        is the row's position either way.
+        The last `drop` columns are left out. A layer built with `keep` hands out
+        only its last `keep` tokens; `offset` is the row's position either way.
         """
         out = QuantizedKVCache(group_size=self.kv_group_size, bits=self.kv_bits)
         pad = int(self.left_padding[i].item())
-        if self.keys is None or pad >= self._idx:
+        end = self._idx - drop
+        if self.keys is None or pad >= end:
             return out
         if self.keep is not None:
-            pad = max(pad, self._idx - self.keep)
-        k, v = self.keys_and_values()
-        out.keys = _map(lambda x: mx.contiguous(x[i : i + 1, :, pad:, :]), k)
-        out.values = _map(lambda x: mx.contiguous(x[i : i + 1, :, pad:, :]), v)
-        out.offset = int(self.offset[i].item())
+            pad = max(pad, end - self.keep)
+        out.keys = _map(lambda x: mx.contiguous(x[i : i + 1, :, pad:end, :]), self.keys)
+        out.values = _map(lambda x: mx.contiguous(x[i : i + 1, :, pad:end, :]), self.values)
+        out.offset = int(self.offset[i].item()) - drop
         mx.eval(out.keys, out.values)
         return out
 
@@ -476,7 +472,8 @@ def make_batch_cache(spec, batch_size: int = 1, route: str | None = None):
     """
     route = route_for(spec, route)
     return [
-        BatchQuantizedKVCache([0] * batch_size, spec.kv_bits, spec.kv_group_size, route, _keep(spec, layer))
+        BatchQuantizedKVCache([0] * batch_size, spec.kv_bits, spec.kv_group_size, route, _keep(spec, layer),
+                              not spec.has_sinks)
         for layer in range(spec.n_layers)
     ]
 
@@ -492,15 +489,18 @@ def merge_caches(spec, agent_caches, route: str | None = None):
     return [
         BatchQuantizedKVCache.merge(
             [None if c is None else c[layer] for c in agent_caches], spec.kv_bits, spec.kv_group_size, route,
-            _keep(spec, layer),
+            _keep(spec, layer), not spec.has_sinks,
         )
         for layer in range(spec.n_layers)
     ]
 
 
-def extract_cache(batch, i: int):
-    """Row `i` of a per-layer batch as a per-layer list of evaluated `QuantizedKVCache`."""
-    return [layer.extract(i) for layer in batch]
+def extract_cache(batch, i: int, drop: int = 0):
+    """Row `i` of a per-layer batch as a per-layer list of evaluated `QuantizedKVCache`.
+
+    `drop`: leave out the row's last `drop` columns (tokens fed after the turn ended).
+    """
+    return [layer.extract(i, drop) for layer in batch]
 
 
 def filter_cache(batch, keep) -> None:

@@ -6,10 +6,15 @@ from runtime.engine import Engine, Sampling, Turn, TurnError, TurnTooLarge
 from runtime.model import ModelCacheSpec
 
 
-@pytest.fixture(scope="module")
-def llama(tiny_model_path, load_tiny):
+# the CPU's defaults, and the CUDA defaults (working copy with whole-width masks,
+# chunks padded to 64 tokens), so the CUDA path's bookkeeping is tested here too
+PATHS = {"default": {}, "cuda-path": {"route": "dequant_once", "query_bucket": 64}}
+
+
+@pytest.fixture(scope="module", params=list(PATHS))
+def llama(request, tiny_model_path, load_tiny):
     model, tokenizer = load_tiny("llama")
-    return model, tokenizer, ModelCacheSpec.from_model(model, tiny_model_path("llama"))
+    return model, tokenizer, ModelCacheSpec.from_model(model, tiny_model_path("llama")), PATHS[request.param]
 
 
 def run(engine, turns, on_step=None):
@@ -37,13 +42,13 @@ def with_history(engine, tokenizer, name, words):
 
 
 def solo(llama, turn):
-    model, tokenizer, spec = llama
-    return run(Engine(model, tokenizer, spec), [turn])[turn.turn_id]
+    model, tokenizer, spec, opts = llama
+    return run(Engine(model, tokenizer, spec, **opts), [turn])[turn.turn_id]
 
 
 def test_four_agents_together_equal_solo(llama):
-    model, tokenizer, spec = llama
-    engine = Engine(model, tokenizer, spec)
+    model, tokenizer, spec, opts = llama
+    engine = Engine(model, tokenizer, spec, **opts)
     turns = [with_history(engine, tokenizer, f"a{i}", w) for i, w in enumerate((1, 9, 30, 4))]
     together = run(engine, turns)
     assert engine.peak_admitted == 4
@@ -53,8 +58,8 @@ def test_four_agents_together_equal_solo(llama):
 
 
 def test_staggered_arrival_gets_first_token_before_others_finish(llama):
-    model, tokenizer, spec = llama
-    engine = Engine(model, tokenizer, spec)
+    model, tokenizer, spec, opts = llama
+    engine = Engine(model, tokenizer, spec, **opts)
     early = [Turn(f"e{i}", f"e{i}", None, encode(tokenizer, "one two three " * (i + 1)), max_tokens=40) for i in range(2)]
     late = Turn("late", "late", None, encode(tokenizer, "a late arrival " * 5), max_tokens=10)
     seen = {}
@@ -75,11 +80,11 @@ def test_staggered_arrival_gets_first_token_before_others_finish(llama):
 
 
 def test_budget_for_two_admits_at_most_two(llama):
-    model, tokenizer, spec = llama
-    probe = Engine(model, tokenizer, spec)
+    model, tokenizer, spec, opts = llama
+    probe = Engine(model, tokenizer, spec, **opts)
     turns = [Turn(f"t{i}", f"t{i}", None, encode(tokenizer, "budget " * (3 + i)), max_tokens=12) for i in range(5)]
     per_turn = max(probe.turn_bytes(t) for t in turns)
-    engine = Engine(model, tokenizer, spec, memory_budget=2 * per_turn)
+    engine = Engine(model, tokenizer, spec, **opts, memory_budget=2 * per_turn)
     peaks = []
     out = run(engine, turns, lambda eng, _: peaks.append(eng.active()))
     assert sorted(out) == [t.turn_id for t in turns]
@@ -88,15 +93,15 @@ def test_budget_for_two_admits_at_most_two(llama):
 
 
 def test_turn_that_can_never_fit_fails_at_once(llama):
-    model, tokenizer, spec = llama
-    engine = Engine(model, tokenizer, spec, memory_budget=1000)
+    model, tokenizer, spec, opts = llama
+    engine = Engine(model, tokenizer, spec, **opts, memory_budget=1000)
     with pytest.raises(TurnTooLarge, match="raise memory_budget"):
         engine.submit(Turn("huge", "x", None, [5] * 10, max_tokens=100))
     assert not engine.has_work()
 
 
 def test_max_tokens_stop_tokens_eos_and_stop_strings(llama):
-    model, tokenizer, spec = llama
+    model, tokenizer, spec, opts = llama
     prompt = encode(tokenizer, "stop conditions are checked here")
     free = solo(llama, Turn("free", "s", None, prompt, max_tokens=16))
     assert free.finish_reason == "length" and len(free.tokens) == 16
@@ -121,7 +126,7 @@ def test_max_tokens_stop_tokens_eos_and_stop_strings(llama):
 
 
 def test_seeded_sampling_is_reproducible_alone_and_batched(llama):
-    model, tokenizer, spec = llama
+    model, tokenizer, spec, opts = llama
     prompt = encode(tokenizer, "sample me something")
 
     def turn(tid, seed):
@@ -129,13 +134,13 @@ def test_seeded_sampling_is_reproducible_alone_and_batched(llama):
 
     a = solo(llama, turn("a", 7)).tokens
     assert solo(llama, turn("b", 7)).tokens == a
-    batched = run(Engine(model, tokenizer, spec), [turn("c", 7), turn("d", 8)])
+    batched = run(Engine(model, tokenizer, spec, **opts), [turn("c", 7), turn("d", 8)])
     assert batched["c"].tokens == a
     assert batched["d"].tokens != a
 
 
 def test_returned_cache_continues_like_one_longer_turn(llama):
-    model, tokenizer, spec = llama
+    model, tokenizer, spec, opts = llama
     p, q = encode(tokenizer, "first part of the talk"), encode(tokenizer, " and the second part")
     r1 = solo(llama, Turn("1", "c", None, p, max_tokens=10))
     assert r1.cached_tokens == len(p) + 9
@@ -145,8 +150,8 @@ def test_returned_cache_continues_like_one_longer_turn(llama):
 
 
 def test_failing_callback_fails_only_its_turn(llama):
-    model, tokenizer, spec = llama
-    engine = Engine(model, tokenizer, spec)
+    model, tokenizer, spec, opts = llama
+    engine = Engine(model, tokenizer, spec, **opts)
 
     def boom(piece):
         raise RuntimeError("callback exploded")

@@ -220,7 +220,7 @@ def test_route_override(models, monkeypatch):
 
 
 def test_quantized_route_leaves_queries_untouched():
-    from runtime.q4cache import quantized_sdpa
+    from runtime.attention import quantized_sdpa
 
     q = mx.ones((1, 2, 1, 64))
     k = tuple(mx.quantize(mx.ones((1, 1, 4, 64)), group_size=64, bits=4))
