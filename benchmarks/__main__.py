@@ -24,7 +24,7 @@ from benchmarks.common import RESULTS
 SCENARIOS = {
     "ttft": ("benchmarks.ttft", {"llama-8b-shape": ["--contexts", "1024,4096,16384,32768"]}),
     "workload": ("benchmarks.workload", {"llama-8b-shape": ["--system-tokens", "2000", "--turn-tokens", "200", "--new", "64"]}),
-    "batching": ("benchmarks.batching", {"llama-8b-shape": ["--prompt", "1024", "--new", "64"]}),
+    "batching": ("benchmarks.batching", {"llama-8b-shape": ["--prompt", "1024", "--new", "64", "--agents", "1,2,4,8,16"]}),
     "q4": ("benchmarks.q4_attention", {"llama-8b-shape": ["--contexts", "4096,16384", "--chunk", "2048"]}),
     "persistence": ("benchmarks.persistence", {}),
     "actors": ("benchmarks.actors", {}),
