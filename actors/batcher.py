@@ -40,6 +40,13 @@ _STEP = object()
 STATS = "stats"  # message: answer with a copy of the engine's EngineStats
 
 
+@dataclass(frozen=True)
+class Warmup:
+    """Message: run `Engine.warmup(progress)` on the batcher's thread; answers the seconds it took."""
+
+    progress: Callable | None = None
+
+
 class BatcherActor(SupervisedActor):
     """The GPU owner. Its thread is the only one that runs the model.
 
@@ -63,6 +70,8 @@ class BatcherActor(SupervisedActor):
             self._submit(message)
         elif message == STATS:
             return copy.deepcopy(self.engine.stats)
+        elif isinstance(message, Warmup):
+            return self.engine.warmup(message.progress)
         else:
             raise TypeError(f"BatcherActor got an unknown message {message!r}")
 

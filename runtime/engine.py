@@ -250,6 +250,39 @@ class Engine:
             done += self._prefill_chunk()
         return done
 
+    def warmup(self, progress: Callable[[int, int, str], None] | None = None) -> float:
+        """Serve synthetic turns so one-time setup happens now, not in users' turns; returns seconds.
+
+        Prefills one chunk of each bucketed length up to `max_prefill_chunk`, then
+        decodes `max_batch` turns that end one after another, so every batch size
+        from 1 to `max_batch` runs. On CUDA this pays MLX's per-shape kernel
+        builds and the first-use compiles (tens of seconds on an H100); elsewhere it
+        costs little and buys little. `progress(done, total, what)` is called
+        after each stage. Must run on the engine's thread with no turn in flight.
+        """
+        if self.has_work():
+            raise RuntimeError("warm up before submitting turns")
+        t0 = time.perf_counter()
+        lengths, n = [], self.query_bucket
+        while n < self.max_prefill_chunk:
+            lengths.append(n)
+            n *= 4
+        lengths.append(self.max_prefill_chunk)
+        ids = self.tokenizer.encode("warm up the engine", add_special_tokens=False) or [0]
+        stages = [[Turn(f"warmup-p{n}", "warmup", None, (ids * n)[:n], max_tokens=1)] for n in lengths]
+        stages.append([Turn(f"warmup-d{i}", "warmup", None, ids, max_tokens=2 + 2 * i) for i in range(self.max_batch)])
+        for done, turns in enumerate(stages, 1):
+            for turn in turns:
+                self.submit(turn)
+            while self.has_work():
+                for outcome in self.step():
+                    if isinstance(outcome, TurnError):
+                        raise outcome
+            if progress:
+                what = f"prefill {len(turns[0].tokens)} tokens" if done < len(stages) else f"decode at batch 1..{self.max_batch}"
+                progress(done, len(stages), what)
+        return time.perf_counter() - t0
+
     def fail_all(self, make_error: Callable[[str], Exception]) -> list:
         """End every queued and admitted turn with `make_error(turn_id)`; returns them."""
         rows = list(self.waiting) + self.prefilling + self.decoding

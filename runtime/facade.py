@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 import threading
 import time
 import weakref
@@ -25,7 +26,7 @@ import pykka
 
 from actors import agent as agent_mod
 from actors.agent import DURABILITY, AgentActor, AgentCrashed, Ask, Note, Reply, TurnTimeout, UnknownAgent
-from actors.batcher import STATS as _STATS, BatcherActor
+from actors.batcher import STATS as _STATS, BatcherActor, Warmup
 from actors.persistence import PersistenceActor
 from actors.supervisor import Backoff, ChildSpec, Supervisor, UnknownChild
 from runtime import store
@@ -33,6 +34,10 @@ from runtime.model import load_model
 
 log = logging.getLogger(__name__)
 DEFAULT_CACHE_DIR = "~/.cache/kvactors/agents"
+
+
+def _print_progress(done: int, total: int, what: str) -> None:
+    print(f"kvactors: warming up {done}/{total}: {what}", file=sys.stderr, flush=True)
 
 
 def _shutdown_at_exit(runtime: "Runtime") -> None:
@@ -170,13 +175,17 @@ class Runtime:
     is acknowledged once its cache and journal are fsynced) or "memory" (at once).
     strategy / max_restarts / restart_period / backoff: agent supervision.
     on_escalate(name, error): called when supervision gives up; the runtime then stops.
+    warmup: serve synthetic turns at start (`Engine.warmup`, a progress line per stage on
+    stderr), so MLX's one-time, per-shape setup is paid before the first real turn. Worth
+    it on CUDA (tens of seconds once); it buys little elsewhere.
     """
 
     def __init__(self, model=None, cache_dir=None, kv_bits: int = 4, memory_budget: int | None = None, *,
                  hot_budget: int = 1 << 30, durability: str = "durable", max_batch: int = 8,
                  route: str | None = None, strategy: str = "one_for_one", max_restarts: int = 3,
                  restart_period: float = 5.0, backoff: Backoff = Backoff(min=0.01, max=1.0, reset=10.0),
-                 retention_s: float | None = None, on_escalate=None, io_timeout: float = 60.0):
+                 retention_s: float | None = None, on_escalate=None, io_timeout: float = 60.0,
+                 warmup: bool = False):
         if durability not in DURABILITY:
             raise ValueError(f"durability must be one of {DURABILITY}, got {durability!r}")
         self.cache_dir = Path(cache_dir or DEFAULT_CACHE_DIR).expanduser()
@@ -197,6 +206,8 @@ class Runtime:
                               lambda sup: PersistenceActor.start(self.cache_dir, self.spec, retention_s=retention_s, supervisor=sup))
             self._start_child(self.services, "@batcher",
                               lambda sup: BatcherActor.start(self.model, self.tokenizer, self.spec, supervisor=sup, **engine_options))
+            if warmup:
+                self.env.batcher().ask(Warmup(_print_progress), timeout=None)
         except BaseException:
             self.shutdown()
             raise

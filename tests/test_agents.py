@@ -711,3 +711,9 @@ def test_sliding_window_agent_resumes_warm_from_a_bounded_cache(tmp_path, tiny_m
     host, _ = store.load_cache(tmp_path / "split", spec, "sw")
     assert host.n_tokens > 400
     assert sorted(set(host.lengths)) == [64 + 256, host.n_tokens]  # sliding layers bounded, full ones not
+
+
+def test_runtime_warmup_then_a_normal_turn(tmp_path, capsys):
+    with Runtime(model=None, cache_dir=tmp_path, warmup=True, max_batch=2) as rt:
+        assert "warming up" in capsys.readouterr().err
+        assert rt.spawn("w").ask("hello after warming up", max_tokens=4).cache == "cold"

@@ -171,3 +171,13 @@ def test_streamed_pieces_add_up_to_the_text(llama):
     turn = Turn("s", "s", None, encode(llama[1], "stream this"), max_tokens=16, on_token=pieces.append)
     r = solo(llama, turn)
     assert "".join(pieces) == r.text
+
+
+def test_warmup_leaves_the_engine_idle_and_output_unchanged(llama):
+    model, tokenizer, spec, opts = llama
+    turn = Turn("t", "t", None, encode(tokenizer, "after a warm up"), max_tokens=8)
+    engine = Engine(model, tokenizer, spec, **opts, max_batch=3, max_prefill_chunk=256)
+    seen = []
+    assert engine.warmup(lambda done, total, what: seen.append((done, total))) > 0
+    assert seen[-1][0] == seen[-1][1] and not engine.has_work() and engine.peak_admitted == 3
+    assert run(engine, [turn])["t"].tokens == solo(llama, turn).tokens
