@@ -363,14 +363,21 @@ class AgentActor(SupervisedActor):
                                                                  conversation_id=msg.get("conversation_id")))
 
     def _cache_meta(self, p, result, seq) -> store.CacheMeta:
-        """What the returned cache holds: kept tokens + fed tokens + generated tokens but the last."""
+        """What the returned cache holds: kept tokens + fed tokens + generated tokens but the last.
+
+        Its text is the prompt + the reply's text, the very text the next render
+        appends (the engine spells replies as `prefix.token_ends` does). A cached
+        token whose text lies past that text (after a stop string) gets end -1,
+        so the next turn's prefix match cuts the cache before it.
+        """
         new_ids = list(p["fed"]) + list(result.tokens[:-1])
         ids = list(p["keep_ids"]) + new_ids
         ids = ids[: result.cached_tokens]
         previous = p["keep_ids"][-1] if p["keep_ids"] else None
-        text = p["rendered"] + self.env.tokenizer.decode(list(result.tokens[:-1]))
+        text = p["rendered"] + result.text
         ends = list(p["keep_ends"]) + prefix.token_ends(self.env.tokenizer, new_ids, len(p["keep_text"]), previous)
-        return store.CacheMeta(seq=seq, token_ids=ids, token_ends=ends[: len(ids)], text=text, turn_id=result.turn_id)
+        ends = [e if e <= len(text) else -1 for e in ends[: len(ids)]]
+        return store.CacheMeta(seq=seq, token_ids=ids, token_ends=ends, text=text, turn_id=result.turn_id)
 
     # -- persistence ------------------------------------------------------------------
 

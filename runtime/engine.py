@@ -22,6 +22,7 @@ from typing import Callable
 
 import mlx.core as mx
 
+from runtime.detok import AnchoredDetokenizer
 from runtime.q4cache import (
     cache_tokens,
     extend_cache,
@@ -82,6 +83,8 @@ class TurnResult:
     history, its prompt and every generated token but the last (which was
     sampled, never fed to the model): `cached_tokens` tokens in all.
     `finish_reason` is "stop" (eos, stop token or stop string) or "length".
+    `text` spells `tokens` as they follow the turn's last fed token
+    (`runtime.detok`), cut before a stop string; eos tokens add no text.
     """
 
     turn_id: str
@@ -240,7 +243,7 @@ class Engine:
             row.admitted = now
             row.pending = list(row.turn.tokens)
             row.cache = merge_caches(self.spec, [row.turn.cache], self.route)
-            row.detok = self.tokenizer.detokenizer
+            row.detok = AnchoredDetokenizer(self.tokenizer, row.turn.tokens[-1])  # spelled in context
             if row.turn.sampling.temperature > 0:
                 row.key = mx.random.key(row.turn.sampling.seed)
             self.prefilling.append(row)

@@ -171,6 +171,57 @@ def test_process_restart_resumes_warm_with_the_uninterrupted_greedy_output(tmp_p
     assert second[1] == {**second[1], "agent": "bob", "cache": "warm"}
 
 
+def _text_tokens(tokenizer, text) -> int:
+    """Tokens of `text` as plain text (special-token strings in it stay text)."""
+    return len(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+
+
+def _template_tokens(tokenizer, contents) -> int:
+    """Tokens the tiny chat template adds after a reply: its end, each user message, the assistant prompt.
+
+    Counted from the template's literal pieces (testing.CHAT_TEMPLATE), not from the runtime.
+    """
+    enc = lambda s: len(tokenizer.encode(s, add_special_tokens=False))  # noqa: E731
+    user_head, end, assistant_head = ("<|start_header_id|>user<|end_header_id|>\n\n", "<|eot_id|>",
+                                      "<|start_header_id|>assistant<|end_header_id|>\n\n")
+    messages = sum(enc(user_head) + _text_tokens(tokenizer, c) + enc(end) for c in contents)
+    return enc(end) + messages + enc(assistant_head)
+
+
+def test_every_next_render_starts_with_the_cached_text_and_hot_turns_prefill_only_the_new_messages(rt):
+    """A multi-agent conversation: alice and bob ask and send_to each other; check every turn."""
+    tok = rt.tokenizer
+    alice = rt.spawn("ct-alice", system="You are Alice, a planner.")
+    bob = rt.spawn("ct-bob", system="You are Bob, a reviewer.")
+    steps = [(alice, None, "Plan a bake sale."), (bob, None, "Review plans today."),
+             (alice, bob, "Is the plan sound?"), (bob, alice, "Answer the doubts."),
+             (alice, None, "Sum it up."), (bob, None, "Any last words?"),
+             (alice, bob, "Final check."), (alice, None, "Thanks.")]
+    seen = {alice.name: 0, bob.name: 0}  # history records (system included) in each agent's cache
+    states = []
+    for who, sender, text in steps:
+        meta = store.load_cache(rt.cache_dir, rt.spec, who.name)[1] if seen[who.name] else None
+        r = who.ask(text, max_tokens=8) if sender is None else sender.send_to(who, text, max_tokens=8).get(timeout=60)
+        states.append(r.cache)
+        history = who.history()
+        render = rt.env.render(history[0]["text"], history[1:-1])  # this turn's prompt
+        if meta is None:
+            assert r.cache == "cold" and r.timings.prefill_tokens == len(tok.encode(render, add_special_tokens=False))
+        else:
+            assert r.cache == "hot"
+            assert render.startswith(meta.text), f"turn {len(states)}: the render does not start with the cached text"
+            # what the cache lacks: the end of the last reply (its last token, never fed, or an unfinished
+            # character), then the new user messages (notes, then this turn's message) in their template
+            last_reply = [x["text"] for x in history[: seen[who.name]] if x["role"] == "assistant"][-1]
+            tail = meta.text[max(meta.token_ends):]
+            assert meta.text.endswith(last_reply) and len(tail) <= len(last_reply)
+            new = [f"{x['sender']}: {x['text']}" if x["sender"] else x["text"]
+                   for x in history[seen[who.name]:-1] if x["role"] == "user"]
+            assert r.timings.prefill_tokens == _text_tokens(tok, tail) + _template_tokens(tok, new), len(states)
+        seen[who.name] = len(history)
+    assert states == ["cold", "cold"] + ["hot"] * 6
+
+
 # -- messages between agents ---------------------------------------------------------
 
 
