@@ -34,7 +34,7 @@ import pykka
 from actors import persistence
 from actors.batcher import BatcherStopped, Submit
 from actors.supervisor import SupervisedActor
-from runtime import prefix, store
+from runtime import chat, prefix, store
 from runtime.engine import Sampling, Timings, Turn, TurnResult
 from runtime.q4cache import can_trim
 
@@ -151,7 +151,12 @@ def render_messages(system: str, records) -> list[dict]:
 
 def render(tokenizer, system: str, records) -> str:
     """The chat-template text of a conversation, ending with the assistant's prompt."""
-    return tokenizer.apply_chat_template(render_messages(system, records), add_generation_prompt=True, tokenize=False)
+    return render_chat(tokenizer, system, records).text
+
+
+def render_chat(tokenizer, system: str, records) -> chat.Rendered:
+    """`render`, with the spans of message text that `chat.encode` keeps as text."""
+    return chat.render(tokenizer, render_messages(system, records))
 
 
 class AgentActor(SupervisedActor):
@@ -275,10 +280,10 @@ class AgentActor(SupervisedActor):
         msg = item.msg
         turn_id = item.turn_id = f"{self.name}-{self.seq + 1}-{uuid.uuid4().hex[:8]}"
         user = self._record("user", msg["text"], sender=msg.get("sender"), msg=msg, turn_id=turn_id)
-        rendered = self.env.render(self.system, self.records + [user])
+        rendered = render_chat(self.env.tokenizer, self.system, self.records + [user])
         cache, tokens, label, keep_ids, keep_ends, keep_text = self._reuse(rendered)
         reuse = None if cache is None else (self.meta.seq, len(keep_ids))  # lets the store write a delta
-        item.pending = dict(user=user, rendered=rendered, label=label, keep_ids=keep_ids,
+        item.pending = dict(user=user, rendered=rendered.text, label=label, keep_ids=keep_ids,
                             keep_ends=keep_ends, keep_text=keep_text, fed=tokens, reuse=reuse)
         turn = Turn(
             turn_id=turn_id,
@@ -310,8 +315,11 @@ class AgentActor(SupervisedActor):
             timer.daemon = True
             timer.start()
 
-    def _reuse(self, rendered):
-        """(cache, tokens to feed, cache label, kept ids, kept ends, kept text) for `rendered`."""
+    def _reuse(self, rendered: chat.Rendered):
+        """(cache, tokens to feed, cache label, kept ids, kept ends, kept text) for `rendered`.
+
+        Message text is tokenized as text: a special-token string in a message stays text.
+        """
         cache = self.env.hot.get(self.name) if self.meta else None
         label = "warm" if self.from_disk else "hot"
         if cache is None and self.meta is not None:
@@ -321,17 +329,18 @@ class AgentActor(SupervisedActor):
                 cache = store.host_to_cache(loaded.host)
                 label = "warm"
             self.load_s += time.perf_counter() - t0
-        encode = self.env.tokenizer.encode
+        tokenizer = self.env.tokenizer
         if cache is None:
-            return None, encode(rendered, add_special_tokens=False), "cold", [], [], ""
+            return None, chat.encode(tokenizer, rendered), "cold", [], [], ""
         m = self.meta
-        match = prefix.match_prefix(m.text, m.token_ids, m.token_ends, rendered)
+        match = prefix.match_prefix(m.text, m.token_ids, m.token_ends, rendered.text)
         if match.kind == prefix.COLD or not can_trim(self.env.spec, cache, match.keep):
-            return None, encode(rendered, add_special_tokens=False), "cold", [], [], ""
+            return None, chat.encode(tokenizer, rendered), "cold", [], [], ""
         if match.keep < len(m.token_ids):
             cache = store.trim_cache(cache, match.keep)
-        tokens = list(match.refeed) + (encode(match.suffix, add_special_tokens=False) if match.suffix else [])
-        keep_text = rendered[: match.start] if not match.refeed else m.text[: max([0, *m.token_ends[: match.keep]])]
+        tokens = list(match.refeed) + (chat.encode(tokenizer, rendered, match.start) if match.suffix else [])
+        keep_text = (rendered.text[: match.start] if not match.refeed
+                     else m.text[: max([0, *m.token_ends[: match.keep]])])
         return cache, tokens, label, m.token_ids[: match.keep], m.token_ends[: match.keep], keep_text
 
     def _finish_turn(self, done: _Done):
