@@ -26,7 +26,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Callable
 
 import msgpack
 import pykka
@@ -85,10 +85,16 @@ class Reply:
 
 @dataclass(frozen=True)
 class Ask:
-    """Envelope: take a turn on msgpack `payload`; resolve `future` with the Reply."""
+    """Envelope: take a turn on msgpack `payload`; resolve `future` with the Reply.
+
+    `on_token` and `on_progress` go to the engine's `Turn` as they are (they run on
+    the batcher's thread); everything else about the turn is in the payload.
+    """
 
     payload: bytes
     future: Any
+    on_token: Callable[[str], None] | None = None
+    on_progress: Callable[[int, int], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -105,6 +111,8 @@ class _Item:
     kind: str
     msg: dict
     future: Any = None
+    on_token: Callable[[str], None] | None = None
+    on_progress: Callable[[int, int], None] | None = None
     turn_id: str | None = None
     reply: Reply | None = None
     records: list | None = None  # written, awaiting the ack
@@ -239,7 +247,8 @@ class AgentActor(SupervisedActor):
 
     def on_receive(self, message):
         if isinstance(message, Ask):
-            self.work.append(_Item("ask", msgpack.unpackb(message.payload), message.future))
+            self.work.append(_Item("ask", msgpack.unpackb(message.payload), message.future,
+                                   on_token=message.on_token, on_progress=message.on_progress))
         elif isinstance(message, Note):
             self.work.append(_Item("note", msgpack.unpackb(message.payload)))
         elif isinstance(message, _Done):
@@ -293,6 +302,8 @@ class AgentActor(SupervisedActor):
             sampling=Sampling(msg.get("temperature", 0.0), msg.get("top_p", 1.0), msg.get("seed", 0)),
             max_tokens=msg.get("max_tokens", 128),
             stop_strings=tuple(msg.get("stop", ())),
+            on_token=item.on_token,
+            on_progress=item.on_progress,
         )
         me = self.actor_ref
         env = self.env

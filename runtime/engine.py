@@ -48,8 +48,10 @@ class Sampling:
 class Turn:
     """One request: feed `tokens` after `cache` (None: no history) and generate.
 
-    `on_token`, if given, is called with each new piece of detokenized text, on
-    the engine's thread: keep it short and never block in it.
+    `on_token`, if given, is called with each new piece of detokenized text, and
+    `on_progress` with (tokens prefilled, tokens to prefill) after each prefill
+    chunk, both on the engine's thread: keep them short and never block in them.
+    An exception in either fails this turn only.
     """
 
     turn_id: str
@@ -61,6 +63,7 @@ class Turn:
     stop_tokens: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
     on_token: Callable[[str], None] | None = None
+    on_progress: Callable[[int, int], None] | None = None
 
 
 @dataclass
@@ -261,12 +264,14 @@ class Engine:
             if row.pending:
                 mx.eval([c.state for c in row.cache])
                 row.prefill_s += time.perf_counter() - t0
+                _report_progress(row)
                 return []
             picks = self._sample([row], logits[:, -1, :])
             mx.eval(picks, [c.state for c in row.cache])
             token = picks.tolist()[0]
             row.prefill_s += time.perf_counter() - t0
             row.first_token = time.perf_counter()
+            _report_progress(row)
         except Exception as e:
             self.prefilling.pop(0)
             return [TurnError(row.turn.turn_id, f"prefill failed: {type(e).__name__}: {e}")]
@@ -381,6 +386,12 @@ class Engine:
             finish_reason=reason,
             timings=timings,
         )
+
+
+def _report_progress(row):
+    if row.turn.on_progress:
+        total = len(row.turn.tokens)
+        row.turn.on_progress(total - len(row.pending), total)
 
 
 def _sample_top_p(logits, temperature, top_p, key):

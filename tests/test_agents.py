@@ -62,7 +62,7 @@ def stalled_batcher(rt):
     rt.env.batcher().tell(Submit(Turn(f"gate-{uuid.uuid4().hex[:8]}", "gate", None, tokens, max_tokens=1), reply))
     assert entered.wait(30), "the batcher never ran the gate turn"
     try:
-        yield
+        yield release  # set it to let the batcher go before the block exits
     finally:
         release.set()
 
@@ -304,6 +304,53 @@ def test_converse_and_broadcast_attribute_every_message(rt):
     futures = rt.broadcast([a, b], "Vote now.", max_tokens=4)
     assert sorted(f.get(timeout=60).agent for f in futures) == ["cv-a", "cv-b"]
     assert a.history()[-2]["text"] == b.history()[-2]["text"] == "Vote now."
+
+
+# -- streaming and asyncio -------------------------------------------------------------
+
+
+def test_stream_yields_pieces_in_order_then_the_reply_and_they_add_up_to_its_text(rt):
+    a, b = rt.spawn("sm-a", system="You are A."), rt.spawn("sm-b", system="You are A.")
+    progress = []
+    *pieces, reply = a.stream("Tell me a story.", max_tokens=16, on_progress=lambda *p: progress.append(p))
+    assert isinstance(reply, Reply) and reply.agent == "sm-a" and len(reply.tokens) == 16
+    assert len(pieces) > 1 and all(isinstance(p, str) and p for p in pieces)
+    assert "".join(pieces) == reply.text == a.history()[-1]["text"]
+    assert progress[-1] == (reply.timings.prefill_tokens, reply.timings.prefill_tokens)
+    # a stop string across two pieces: its first characters were decoded before the engine saw it whole
+    k = len(pieces[0])
+    stop = reply.text[k - 1 : k + 1]
+    *cut, stopped = b.stream("Tell me a story.", max_tokens=16, stop=[stop])
+    assert stopped.finish_reason == "stop" and stopped.text == reply.text[: reply.text.find(stop)]
+    assert "".join(cut) == stopped.text
+
+
+def test_stream_pieces_arrive_while_the_batch_decodes(rt):
+    """A second row holds the batch once the streamed turn has text, until the consumer has a piece.
+
+    Were the pieces delivered only at the end, the consumer would wait for a turn
+    that cannot end, until the hold gives up after 30 s (`held` then has False)."""
+    a = rt.spawn("sw-a", system="You are A.")
+    engine = rt.env.batcher()._actor_weakref().engine
+    go, release, held = threading.Event(), threading.Event(), []
+
+    def hold(piece):  # runs on the batcher's thread, as every row's on_token
+        if any(r.turn.agent_id == a.name and r.text for r in engine.decoding) and not release.is_set():
+            held.append(release.wait(30))
+
+    gate = Turn(f"gate-{uuid.uuid4().hex[:8]}", "gate", None, rt.tokenizer.encode("gate", add_special_tokens=False),
+                max_tokens=100, on_token=hold, on_progress=lambda *_: go.wait(30))
+    batcher = rt.env.batcher()
+    batcher.tell(Submit(gate, lambda outcome: None))
+    stream = a.stream("Stream to me.", max_tokens=12)
+    wait_for(lambda: batcher.actor_inbox.qsize() >= 1, what="the turn to reach the batcher")
+    go.set()
+    first = next(stream)  # once the turn has text the batch is held, so the turn cannot end before this
+    still_decoding = any(r.turn.agent_id == a.name for r in engine.decoding)
+    release.set()
+    *rest, reply = stream
+    assert still_decoding and False not in held  # the piece came out while the turn decoded, not at its end
+    assert first + "".join(rest) == reply.text and len(reply.tokens) == 12
 
 
 def test_ask_async(rt):

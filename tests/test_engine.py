@@ -166,3 +166,21 @@ def test_streamed_pieces_add_up_to_the_text(llama):
     turn = Turn("s", "s", None, encode(llama[1], "stream this"), max_tokens=16, on_token=pieces.append)
     r = solo(llama, turn)
     assert "".join(pieces) == r.text
+
+
+def test_prefill_reports_progress_after_every_chunk_and_a_failing_report_fails_only_its_turn(llama):
+    model, tokenizer, spec = llama
+    engine = Engine(model, tokenizer, spec, max_prefill_chunk=16)
+    reports = []
+    prompt = encode(tokenizer, "a long prompt that takes several chunks " * 6)
+    assert len(prompt) > 3 * 16
+
+    def broken(done, total):
+        raise ValueError("progress bar broke")
+
+    watched = Turn("w", "w", None, prompt, max_tokens=4, on_progress=lambda *p: reports.append(p))
+    out = run(engine, [watched, Turn("x", "x", None, prompt, max_tokens=4, on_progress=broken)])
+    total = len(prompt)
+    assert reports == [(min(k, total), total) for k in range(16, total + 16, 16)]
+    assert isinstance(out["x"], TurnError) and "progress bar broke" in str(out["x"])
+    assert out["w"].tokens == solo(llama, Turn("s", "s", None, prompt, max_tokens=4)).tokens
