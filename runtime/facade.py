@@ -99,7 +99,12 @@ class Env:
 
 
 class ReplyFuture(pykka.ThreadingFuture):
-    """A pykka future of a `Reply` that can call back once it is set (`add_done_callback`)."""
+    """A pykka future of a `Reply` that asyncio code awaits without blocking its event loop.
+
+    `get(timeout=)` works as for any pykka future. `await future` (inside a running
+    event loop) suspends the coroutine and resumes it through
+    `loop.call_soon_threadsafe` once the reply is set: no thread waits for it.
+    """
 
     def __init__(self):
         super().__init__()
@@ -132,6 +137,9 @@ class ReplyFuture(pykka.ThreadingFuture):
                 fn(self)
             except Exception:  # a callback must never break the thread that set the future
                 log.exception("a done callback of a reply future failed")
+
+    def __await__(self):
+        return _on_loop(self, asyncio.get_running_loop()).__await__()
 
 
 def _on_loop(future: ReplyFuture, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
@@ -195,7 +203,7 @@ class AgentRef:
              conversation_id: str | None = None, on_token: Callable[[str], None] | None = None,
              on_progress: Callable[[int, int], None] | None = None,
              _reply_to_agent: str | None = None) -> ReplyFuture:
-        """Queue a turn on `text`; return a future of its `Reply`.
+        """Queue a turn on `text`; return a future of its `Reply` (`await` it in asyncio code).
 
         The future raises AgentCrashed (with the turn id) if the agent crashes in the
         turn, TurnTimeout after `timeout` seconds (the hung turn is failed and the
@@ -229,9 +237,15 @@ class AgentRef:
             raise TurnTimeout(None, f"{self.name} did not answer within {timeout}s") from None
 
     async def ask_async(self, text: str, *, timeout: float | None = 60.0, **options) -> Reply:
-        """`ask` for asyncio code: awaits the reply without blocking the event loop."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, lambda: self.ask(text, timeout=timeout, **options))
+        """`ask` for asyncio code: awaits the reply without blocking the event loop.
+
+        No thread waits for the reply: it is handed to the running loop when it is set.
+        """
+        future = _on_loop(self.send(text, timeout=timeout, **options), asyncio.get_running_loop())
+        try:
+            return await asyncio.wait_for(future, None if timeout is None else timeout + 5)
+        except asyncio.TimeoutError:
+            raise TurnTimeout(None, f"{self.name} did not answer within {timeout}s") from None
 
     def stream(self, text: str, *, timeout: float | None = 60.0, stop=(), **options) -> Iterator[str | Reply]:
         """Take a turn on `text`; iterate over its reply's text pieces as they are decoded, then the `Reply`.

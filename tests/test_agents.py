@@ -353,14 +353,56 @@ def test_stream_pieces_arrive_while_the_batch_decodes(rt):
     assert first + "".join(rest) == reply.text and len(reply.tokens) == 12
 
 
-def test_ask_async(rt):
-    a = rt.spawn("async-a", system="You are A.")
+@pytest.mark.parametrize("how", ["await send", "ask_async", "astream"])
+def test_awaiting_a_turn_never_blocks_the_event_loop(rt, how):
+    """A 10 ms ticker keeps ticking while a turn is awaited; the turn ends only once it ticked."""
+    a = rt.spawn(f"tick-{how.replace(' ', '-')}", system="You are A.")
+
+    async def turn():
+        if how == "await send":
+            return await a.send("Tick.", max_tokens=4)
+        if how == "ask_async":
+            return await a.ask_async("Tick.", max_tokens=4)
+        return [x async for x in a.astream("Tick.", max_tokens=4)][-1]
 
     async def main():
-        return await asyncio.gather(a.ask_async("One.", max_tokens=4), asyncio.sleep(0, "loop free"))
+        with stalled_batcher(rt) as release:
+            task = asyncio.create_task(turn())
+            for _ in range(3):
+                await asyncio.sleep(0.01)
+                assert not task.done()
+            release.set()
+            return await task
 
-    r, free = asyncio.run(main())
-    assert r.agent == "async-a" and len(r.tokens) == 4 and free == "loop free"
+    reply = asyncio.run(main())
+    assert isinstance(reply, Reply) and len(reply.tokens) == 4
+
+
+def test_64_concurrent_ask_async_calls_fill_the_batch_with_no_thread_each(tmp_path):
+    with Runtime(model=None, cache_dir=tmp_path, max_batch=8) as rt:
+        agents = [rt.spawn(f"c{i}", system="You are brief.") for i in range(16)]
+        assert all(a.history() for a in agents)  # each has started and stored its system prompt
+        batcher = rt.env.batcher()
+
+        async def main():
+            with stalled_batcher(rt) as release:
+                threads = threading.active_count()
+                names = {t.name for t in threading.enumerate()}
+                calls = [asyncio.create_task(a.ask_async(f"Call {k}.", max_tokens=2, timeout=None))
+                         for k in range(4) for a in agents]
+                for _ in range(6000):  # every agent's first turn reaches the parked batcher
+                    if batcher.actor_inbox.qsize() >= len(agents):
+                        break
+                    await asyncio.sleep(0.005)
+                assert batcher.actor_inbox.qsize() >= len(agents), "the calls did not all get through"
+                assert threading.active_count() <= threads, [t.name for t in threading.enumerate() if t.name not in names]
+                release.set()
+                return await asyncio.gather(*calls)
+
+        replies = asyncio.run(main())
+        peak = batcher.proxy().engine.get(timeout=10).peak_admitted
+    assert len(replies) == 64 and all(len(r.tokens) == 2 for r in replies)
+    assert peak == 8
 
 
 def test_messages_are_msgpack_envelopes(rt, monkeypatch):
