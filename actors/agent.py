@@ -34,7 +34,7 @@ import pykka
 from actors import persistence
 from actors.batcher import BatcherStopped, Submit
 from actors.supervisor import SupervisedActor
-from runtime import chat, prefix, store
+from runtime import chat, prefix, store, timers
 from runtime.engine import Sampling, Timings, Turn, TurnResult
 from runtime.q4cache import can_trim
 
@@ -71,7 +71,9 @@ class Reply:
 
     `cache` is "cold" (the whole context was prefilled), "hot" (the agent's cache was
     in memory) or "warm" (loaded from disk). `timings.ttft_s` counts from the moment
-    the agent started the turn, a reload from disk included.
+    the agent started the turn, a reload from disk included. `text` is spelled as
+    the tokens follow the prompt (a first token's leading space is kept), and the
+    same text goes to the journal and to the text the agent's cache holds.
     """
 
     agent: str
@@ -321,10 +323,8 @@ class AgentActor(SupervisedActor):
         except pykka.ActorDeadError:  # its supervisor is restarting it: submit once it is back
             threading.Thread(target=_submit_when_back, args=(env, submit, me, timeout or env.io_timeout),
                              name=f"{self.name}-resubmit", daemon=True).start()
-        if timeout:
-            timer = threading.Timer(timeout, _tell_quietly, (me, _Watchdog(turn_id)))
-            timer.daemon = True
-            timer.start()
+        if timeout:  # one shared timer thread, not a thread per turn
+            timers.call_later(timeout, _tell_quietly, me, _Watchdog(turn_id))
 
     def _reuse(self, rendered: chat.Rendered):
         """(cache, tokens to feed, cache label, kept ids, kept ends, kept text) for `rendered`.

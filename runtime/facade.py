@@ -210,7 +210,8 @@ class AgentRef:
         agent restarted; None disables the watchdog), UnknownAgent if the agent is
         gone. `sender` attributes the message to another agent.
 
-        `on_token(piece)` gets the reply's text piece by piece while it decodes, and
+        `on_token(piece)` gets the reply's text piece by piece while it decodes (the
+        last pieces may hold the start of a stop string the reply then drops), and
         `on_progress(done, total)` the tokens prefilled so far after each prefill
         chunk. Both run on the batcher's thread: keep them short and never block in
         them; an exception in one fails the turn (AgentCrashed).

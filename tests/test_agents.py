@@ -386,16 +386,16 @@ def test_64_concurrent_ask_async_calls_fill_the_batch_with_no_thread_each(tmp_pa
 
         async def main():
             with stalled_batcher(rt) as release:
-                threads = threading.active_count()
                 names = {t.name for t in threading.enumerate()}
-                calls = [asyncio.create_task(a.ask_async(f"Call {k}.", max_tokens=2, timeout=None))
+                calls = [asyncio.create_task(a.ask_async(f"Call {k}.", max_tokens=2))
                          for k in range(4) for a in agents]
                 for _ in range(6000):  # every agent's first turn reaches the parked batcher
                     if batcher.actor_inbox.qsize() >= len(agents):
                         break
                     await asyncio.sleep(0.005)
                 assert batcher.actor_inbox.qsize() >= len(agents), "the calls did not all get through"
-                assert threading.active_count() <= threads, [t.name for t in threading.enumerate() if t.name not in names]
+                new = [t.name for t in threading.enumerate() if t.name not in names]
+                assert new in ([], ["kvactors-timers"]), new  # no thread waits for a call or its watchdog
                 release.set()
                 return await asyncio.gather(*calls)
 
