@@ -31,7 +31,7 @@ import agent_restart_child as child
 from actors.agent import Ask, AgentActor, Note, encode_message
 from actors.batcher import Submit
 from actors.supervisor import Backoff
-from runtime import AgentCrashed, Reply, Runtime, RuntimeEscalated, TurnTimeout, UnknownAgent, store
+from runtime import AgentCrashed, Reply, Runtime, RuntimeEscalated, TurnTimeout, UnknownAgent, chat, store
 from runtime.engine import Turn
 from runtime.facade import AgentRef
 
@@ -172,8 +172,11 @@ def test_process_restart_resumes_warm_with_the_uninterrupted_greedy_output(tmp_p
 
 
 def _text_tokens(tokenizer, text) -> int:
-    """Tokens of `text` as plain text (special-token strings in it stay text)."""
-    return len(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+    """Tokens of `text` as plain text (special-token strings in it stay text).
+
+    Not `encode(split_special_tokens=True)`: that flips a flag of the tokenizer the agents share.
+    """
+    return len(chat.encode_text(tokenizer, text))
 
 
 def _template_tokens(tokenizer, contents) -> int:
