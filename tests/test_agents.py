@@ -326,6 +326,10 @@ def test_stream_yields_pieces_in_order_then_the_reply_and_they_add_up_to_its_tex
     *cut, stopped = b.stream("Tell me a story.", max_tokens=16, stop=[stop])
     assert stopped.finish_reason == "stop" and stopped.text == reply.text[: reply.text.find(stop)]
     assert "".join(cut) == stopped.text
+    before = a.history()
+    with pytest.raises(TypeError, match="on_progress must be a callable"):
+        a.stream("Again.", on_progress="a progress bar")  # raised here, nothing was sent
+    assert a.history() == before
 
 
 def test_stream_pieces_arrive_while_the_batch_decodes(rt):
