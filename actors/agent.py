@@ -26,7 +26,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Callable
 
 import msgpack
 import pykka
@@ -34,7 +34,7 @@ import pykka
 from actors import persistence
 from actors.batcher import BatcherStopped, Submit
 from actors.supervisor import SupervisedActor
-from runtime import prefix, store
+from runtime import chat, prefix, store, timers
 from runtime.engine import Sampling, Timings, Turn, TurnResult
 from runtime.q4cache import can_trim
 
@@ -71,7 +71,9 @@ class Reply:
 
     `cache` is "cold" (the whole context was prefilled), "hot" (the agent's cache was
     in memory) or "warm" (loaded from disk). `timings.ttft_s` counts from the moment
-    the agent started the turn, a reload from disk included.
+    the agent started the turn, a reload from disk included. `text` is spelled as
+    the tokens follow the prompt (a first token's leading space is kept), and the
+    same text goes to the journal and to the text the agent's cache holds.
     """
 
     agent: str
@@ -85,10 +87,16 @@ class Reply:
 
 @dataclass(frozen=True)
 class Ask:
-    """Envelope: take a turn on msgpack `payload`; resolve `future` with the Reply."""
+    """Envelope: take a turn on msgpack `payload`; resolve `future` with the Reply.
+
+    `on_token` and `on_progress` go to the engine's `Turn` as they are (they run on
+    the batcher's thread); everything else about the turn is in the payload.
+    """
 
     payload: bytes
     future: Any
+    on_token: Callable[[str], None] | None = None
+    on_progress: Callable[[int, int], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -105,6 +113,8 @@ class _Item:
     kind: str
     msg: dict
     future: Any = None
+    on_token: Callable[[str], None] | None = None
+    on_progress: Callable[[int, int], None] | None = None
     turn_id: str | None = None
     reply: Reply | None = None
     records: list | None = None  # written, awaiting the ack
@@ -151,7 +161,12 @@ def render_messages(system: str, records) -> list[dict]:
 
 def render(tokenizer, system: str, records) -> str:
     """The chat-template text of a conversation, ending with the assistant's prompt."""
-    return tokenizer.apply_chat_template(render_messages(system, records), add_generation_prompt=True, tokenize=False)
+    return render_chat(tokenizer, system, records).text
+
+
+def render_chat(tokenizer, system: str, records) -> chat.Rendered:
+    """`render`, with the spans of message text that `chat.encode` keeps as text."""
+    return chat.render(tokenizer, render_messages(system, records))
 
 
 class AgentActor(SupervisedActor):
@@ -234,7 +249,8 @@ class AgentActor(SupervisedActor):
 
     def on_receive(self, message):
         if isinstance(message, Ask):
-            self.work.append(_Item("ask", msgpack.unpackb(message.payload), message.future))
+            self.work.append(_Item("ask", msgpack.unpackb(message.payload), message.future,
+                                   on_token=message.on_token, on_progress=message.on_progress))
         elif isinstance(message, Note):
             self.work.append(_Item("note", msgpack.unpackb(message.payload)))
         elif isinstance(message, _Done):
@@ -275,10 +291,10 @@ class AgentActor(SupervisedActor):
         msg = item.msg
         turn_id = item.turn_id = f"{self.name}-{self.seq + 1}-{uuid.uuid4().hex[:8]}"
         user = self._record("user", msg["text"], sender=msg.get("sender"), msg=msg, turn_id=turn_id)
-        rendered = self.env.render(self.system, self.records + [user])
+        rendered = render_chat(self.env.tokenizer, self.system, self.records + [user])
         cache, tokens, label, keep_ids, keep_ends, keep_text = self._reuse(rendered)
         reuse = None if cache is None else (self.meta.seq, len(keep_ids))  # lets the store write a delta
-        item.pending = dict(user=user, rendered=rendered, label=label, keep_ids=keep_ids,
+        item.pending = dict(user=user, rendered=rendered.text, label=label, keep_ids=keep_ids,
                             keep_ends=keep_ends, keep_text=keep_text, fed=tokens, reuse=reuse)
         turn = Turn(
             turn_id=turn_id,
@@ -288,6 +304,8 @@ class AgentActor(SupervisedActor):
             sampling=Sampling(msg.get("temperature", 0.0), msg.get("top_p", 1.0), msg.get("seed", 0)),
             max_tokens=msg.get("max_tokens", 128),
             stop_strings=tuple(msg.get("stop", ())),
+            on_token=item.on_token,
+            on_progress=item.on_progress,
         )
         me = self.actor_ref
         env = self.env
@@ -305,13 +323,14 @@ class AgentActor(SupervisedActor):
         except pykka.ActorDeadError:  # its supervisor is restarting it: submit once it is back
             threading.Thread(target=_submit_when_back, args=(env, submit, me, timeout or env.io_timeout),
                              name=f"{self.name}-resubmit", daemon=True).start()
-        if timeout:
-            timer = threading.Timer(timeout, _tell_quietly, (me, _Watchdog(turn_id)))
-            timer.daemon = True
-            timer.start()
+        if timeout:  # one shared timer thread, not a thread per turn
+            timers.call_later(timeout, _tell_quietly, me, _Watchdog(turn_id))
 
-    def _reuse(self, rendered):
-        """(cache, tokens to feed, cache label, kept ids, kept ends, kept text) for `rendered`."""
+    def _reuse(self, rendered: chat.Rendered):
+        """(cache, tokens to feed, cache label, kept ids, kept ends, kept text) for `rendered`.
+
+        Message text is tokenized as text: a special-token string in a message stays text.
+        """
         cache = self.env.hot.get(self.name) if self.meta else None
         label = "warm" if self.from_disk else "hot"
         if cache is None and self.meta is not None:
@@ -321,17 +340,18 @@ class AgentActor(SupervisedActor):
                 cache = store.host_to_cache(loaded.host)
                 label = "warm"
             self.load_s += time.perf_counter() - t0
-        encode = self.env.tokenizer.encode
+        tokenizer = self.env.tokenizer
         if cache is None:
-            return None, encode(rendered, add_special_tokens=False), "cold", [], [], ""
+            return None, chat.encode(tokenizer, rendered), "cold", [], [], ""
         m = self.meta
-        match = prefix.match_prefix(m.text, m.token_ids, m.token_ends, rendered)
+        match = prefix.match_prefix(m.text, m.token_ids, m.token_ends, rendered.text)
         if match.kind == prefix.COLD or not can_trim(self.env.spec, cache, match.keep):
-            return None, encode(rendered, add_special_tokens=False), "cold", [], [], ""
+            return None, chat.encode(tokenizer, rendered), "cold", [], [], ""
         if match.keep < len(m.token_ids):
             cache = store.trim_cache(cache, match.keep)
-        tokens = list(match.refeed) + (encode(match.suffix, add_special_tokens=False) if match.suffix else [])
-        keep_text = rendered[: match.start] if not match.refeed else m.text[: max([0, *m.token_ends[: match.keep]])]
+        tokens = list(match.refeed) + (chat.encode(tokenizer, rendered, match.start) if match.suffix else [])
+        keep_text = (rendered.text[: match.start] if not match.refeed
+                     else m.text[: max([0, *m.token_ends[: match.keep]])])
         return cache, tokens, label, m.token_ids[: match.keep], m.token_ends[: match.keep], keep_text
 
     def _finish_turn(self, done: _Done):
@@ -363,14 +383,21 @@ class AgentActor(SupervisedActor):
                                                                  conversation_id=msg.get("conversation_id")))
 
     def _cache_meta(self, p, result, seq) -> store.CacheMeta:
-        """What the returned cache holds: kept tokens + fed tokens + generated tokens but the last."""
+        """What the returned cache holds: kept tokens + fed tokens + generated tokens but the last.
+
+        Its text is the prompt + the reply's text, the very text the next render
+        appends (the engine spells replies as `prefix.token_ends` does). A cached
+        token whose text lies past that text (after a stop string) gets end -1,
+        so the next turn's prefix match cuts the cache before it.
+        """
         new_ids = list(p["fed"]) + list(result.tokens[:-1])
         ids = list(p["keep_ids"]) + new_ids
         ids = ids[: result.cached_tokens]
         previous = p["keep_ids"][-1] if p["keep_ids"] else None
-        text = p["rendered"] + self.env.tokenizer.decode(list(result.tokens[:-1]))
+        text = p["rendered"] + result.text
         ends = list(p["keep_ends"]) + prefix.token_ends(self.env.tokenizer, new_ids, len(p["keep_text"]), previous)
-        return store.CacheMeta(seq=seq, token_ids=ids, token_ends=ends[: len(ids)], text=text, turn_id=result.turn_id)
+        ends = [e if e <= len(text) else -1 for e in ends[: len(ids)]]
+        return store.CacheMeta(seq=seq, token_ids=ids, token_ends=ends, text=text, turn_id=result.turn_id)
 
     # -- persistence ------------------------------------------------------------------
 

@@ -4,7 +4,7 @@
 which the actors import) never imports the actors.
 """
 
-_FACADE = ("Runtime", "AgentRef", "RuntimeEscalated", "DeadLetter")
+_FACADE = ("Runtime", "AgentRef", "ReplyFuture", "RuntimeEscalated", "DeadLetter")
 _AGENT = ("Reply", "AgentCrashed", "TurnTimeout", "UnknownAgent", "AgentError")
 
 __all__ = [*_FACADE, *_AGENT]

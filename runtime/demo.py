@@ -21,7 +21,8 @@ def run_demo(model=None, cache_dir=None, max_tokens: int = 24) -> int:
     2. hot: both answer at once, batched, from caches kept in memory;
     3. warm: a new Runtime over the same `cache_dir` (None: a fresh temporary folder),
        as after a process restart: both resume from their caches on disk.
-    Prints agent, cache state and time to first token (TTFT) per turn, then the ratios.
+    Prints a prefill progress bar for the first turns, then agent, cache state and time to
+    first token (TTFT) per turn, then the ratios.
     """
     from runtime import Runtime
 
@@ -36,6 +37,13 @@ def run_demo(model=None, cache_dir=None, max_tokens: int = 24) -> int:
               f"prefill {r.timings.prefill_tokens:4d} tok  {text[:40]!r}")
         return r
 
+    def progress(name):
+        def bar(done, total):  # called on the batcher's thread after each prefill chunk
+            filled = 20 * done // max(total, 1)
+            print(f"\r  {name:<6} prefill [{'#' * filled}{'.' * (20 - filled)}] {done}/{total} tok",
+                  end="\n" if done >= total else "", flush=True)
+        return bar
+
     def spawn(rt, t0):
         agents = [rt.spawn(name, system=role + BRIEF) for name, role in AGENTS.items()]
         print(f"runtime up in {time.perf_counter() - t0:.2f}s: model {rt.spec.model_id}, "
@@ -48,8 +56,8 @@ def run_demo(model=None, cache_dir=None, max_tokens: int = 24) -> int:
         if model is None:
             print("embedded default model: random weights, so the text below is nonsense")
         print("1. first turns (alice asks, bob answers her):")
-        plan = show(alice.ask("Draft a plan for the bake sale.", **opts))
-        show(alice.send_to(bob, plan.text or "...", **opts).get(timeout=120))
+        plan = show(alice.ask("Draft a plan for the bake sale.", on_progress=progress("alice"), **opts))
+        show(alice.send_to(bob, plan.text or "...", on_progress=progress("bob"), **opts).get(timeout=120))
         print("2. both at once, batched:")
         for f in rt.broadcast([alice, bob], "Name the riskiest stall.", **opts):
             show(f.get(timeout=120))

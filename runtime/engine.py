@@ -22,6 +22,7 @@ from typing import Callable
 
 import mlx.core as mx
 
+from runtime.detok import AnchoredDetokenizer
 from runtime.q4cache import (
     cache_tokens,
     extend_cache,
@@ -47,8 +48,10 @@ class Sampling:
 class Turn:
     """One request: feed `tokens` after `cache` (None: no history) and generate.
 
-    `on_token`, if given, is called with each new piece of detokenized text, on
-    the engine's thread: keep it short and never block in it.
+    `on_token`, if given, is called with each new piece of detokenized text, and
+    `on_progress` with (tokens prefilled, tokens to prefill) after each prefill
+    chunk, both on the engine's thread: keep them short and never block in them.
+    An exception in either fails this turn only.
     """
 
     turn_id: str
@@ -60,6 +63,7 @@ class Turn:
     stop_tokens: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
     on_token: Callable[[str], None] | None = None
+    on_progress: Callable[[int, int], None] | None = None
 
 
 @dataclass
@@ -82,6 +86,8 @@ class TurnResult:
     history, its prompt and every generated token but the last (which was
     sampled, never fed to the model): `cached_tokens` tokens in all.
     `finish_reason` is "stop" (eos, stop token or stop string) or "length".
+    `text` spells `tokens` as they follow the turn's last fed token
+    (`runtime.detok`), cut before a stop string; eos tokens add no text.
     """
 
     turn_id: str
@@ -302,7 +308,7 @@ class Engine:
             row.admitted = now
             row.pending = list(row.turn.tokens)
             row.cache = merge_caches(self.spec, [row.turn.cache], self.route)
-            row.detok = self.tokenizer.detokenizer
+            row.detok = AnchoredDetokenizer(self.tokenizer, row.turn.tokens[-1])  # spelled in context
             if row.turn.sampling.temperature > 0:
                 row.key = mx.random.key(row.turn.sampling.seed)
             self.prefilling.append(row)
@@ -324,12 +330,14 @@ class Engine:
             if row.pending:
                 mx.eval([c.state for c in row.cache])
                 row.prefill_s += self._chunk_done(t0, len(chunk), context)
+                _report_progress(row)
                 return []
             picks = self._sample([row], logits[:, len(chunk) - 1, :])
             mx.eval(picks, [c.state for c in row.cache])
             token = picks.tolist()[0]
             row.prefill_s += self._chunk_done(t0, len(chunk), context)
             row.first_token = time.perf_counter()
+            _report_progress(row)
         except Exception as e:
             self.prefilling.pop(0)
             return [TurnError(row.turn.turn_id, f"prefill failed: {type(e).__name__}: {e}")]
@@ -480,6 +488,12 @@ class Engine:
             finish_reason=reason,
             timings=timings,
         )
+
+
+def _report_progress(row):
+    if row.turn.on_progress:
+        total = len(row.turn.tokens)
+        row.turn.on_progress(total - len(row.pending), total)
 
 
 def _sample_top_p(logits, temperature, top_p, key):

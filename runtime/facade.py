@@ -15,12 +15,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import queue
 import sys
 import threading
 import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import AsyncIterator, Callable, Iterator
 
 import pykka
 
@@ -100,6 +102,97 @@ class Env:
             self.dead_letters.append(DeadLetter(recipient, message, reason))
 
 
+class ReplyFuture(pykka.ThreadingFuture):
+    """A pykka future of a `Reply` that asyncio code awaits without blocking its event loop.
+
+    `get(timeout=)` works as for any pykka future. `await future` (inside a running
+    event loop) suspends the coroutine and resumes it through
+    `loop.call_soon_threadsafe` once the reply is set: no thread waits for it.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._callbacks: list | None = []
+        self._callbacks_lock = threading.Lock()
+
+    def add_done_callback(self, fn: Callable[["ReplyFuture"], None]) -> None:
+        """Call `fn(self)` once the future is set: at once if it is, else on the setting thread."""
+        with self._callbacks_lock:
+            if self._callbacks is not None:
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def set(self, value=None) -> None:
+        """Set the value (see `pykka.Future.set`), then run the done callbacks."""
+        super().set(value)
+        self._run_callbacks()
+
+    def set_exception(self, exc_info=None) -> None:
+        """Set the exception (see `pykka.Future.set_exception`), then run the done callbacks."""
+        super().set_exception(exc_info or sys.exc_info())
+        self._run_callbacks()
+
+    def _run_callbacks(self):
+        with self._callbacks_lock:
+            callbacks, self._callbacks = self._callbacks or [], None
+        for fn in callbacks:
+            try:
+                fn(self)
+            except Exception:  # a callback must never break the thread that set the future
+                log.exception("a done callback of a reply future failed")
+
+    def __await__(self):
+        return _on_loop(self, asyncio.get_running_loop()).__await__()
+
+
+def _on_loop(future: ReplyFuture, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
+    """An asyncio future on `loop` that takes `future`'s outcome when it is set."""
+    result = loop.create_future()
+
+    def settle():
+        if not result.done():
+            try:
+                result.set_result(future.get(timeout=0))
+            except Exception as e:
+                result.set_exception(e)
+
+    def done(_):
+        try:
+            loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # the loop was closed meanwhile: nobody is waiting any more
+            pass
+
+    future.add_done_callback(done)
+    return result
+
+
+class _Pieces:
+    """Streamed text, held back by as much as a stop string could still cut off.
+
+    The engine cuts a reply before a stop string only once the whole string is
+    there, so a piece could end in its first characters: those are held back
+    until the next piece or the end. What `feed` returns, then `end`, adds up to
+    exactly `Reply.text`.
+    """
+
+    def __init__(self, stop):
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.text, self.sent = "", 0
+
+    def feed(self, piece: str) -> str:
+        self.text += piece
+        upto = max(self.sent, len(self.text) - self.hold)
+        out, self.sent = self.text[self.sent:upto], upto
+        return out
+
+    def end(self, reply_text: str) -> str:
+        return reply_text[self.sent:]
+
+
+_END = object()
+
+
 class AgentRef:
     """A stable handle on an agent, valid across restarts of its actor."""
 
@@ -111,22 +204,33 @@ class AgentRef:
 
     def send(self, text: str, *, max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
              seed: int = 0, stop=(), timeout: float | None = 60.0, sender: str | None = None,
-             conversation_id: str | None = None, _reply_to_agent: str | None = None) -> pykka.Future:
-        """Queue a turn on `text`; return a future of its `Reply`.
+             conversation_id: str | None = None, on_token: Callable[[str], None] | None = None,
+             on_progress: Callable[[int, int], None] | None = None,
+             _reply_to_agent: str | None = None) -> ReplyFuture:
+        """Queue a turn on `text`; return a future of its `Reply` (`await` it in asyncio code).
 
         The future raises AgentCrashed (with the turn id) if the agent crashes in the
         turn, TurnTimeout after `timeout` seconds (the hung turn is failed and the
         agent restarted; None disables the watchdog), UnknownAgent if the agent is
         gone. `sender` attributes the message to another agent.
+
+        `on_token(piece)` gets the reply's text piece by piece while it decodes (the
+        last pieces may hold the start of a stop string the reply then drops), and
+        `on_progress(done, total)` the tokens prefilled so far after each prefill
+        chunk. Both run on the batcher's thread: keep them short and never block in
+        them; an exception in one fails the turn (AgentCrashed).
         """
         if not text:
             raise ValueError("an empty message gives the model nothing to answer")
+        for name, fn in (("on_token", on_token), ("on_progress", on_progress)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"{name} must be a callable or None, got {type(fn).__name__}")
         payload = agent_mod.encode_message(
             text, sender, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
             stop=list(stop), timeout=timeout, conversation_id=conversation_id, reply_to_agent=_reply_to_agent,
         )
-        future = pykka.ThreadingFuture()
-        self.runtime._deliver(self.name, Ask(payload, future), future)
+        future = ReplyFuture()
+        self.runtime._deliver(self.name, Ask(payload, future, on_token, on_progress), future)
         return future
 
     def ask(self, text: str, *, timeout: float | None = 60.0, **options) -> Reply:
@@ -138,11 +242,78 @@ class AgentRef:
             raise TurnTimeout(None, f"{self.name} did not answer within {timeout}s") from None
 
     async def ask_async(self, text: str, *, timeout: float | None = 60.0, **options) -> Reply:
-        """`ask` for asyncio code: awaits the reply without blocking the event loop."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(None, lambda: self.ask(text, timeout=timeout, **options))
+        """`ask` for asyncio code: awaits the reply without blocking the event loop.
 
-    def send_to(self, other: "AgentRef", text: str, **options) -> pykka.Future:
+        No thread waits for the reply: it is handed to the running loop when it is set.
+        """
+        future = _on_loop(self.send(text, timeout=timeout, **options), asyncio.get_running_loop())
+        try:
+            return await asyncio.wait_for(future, None if timeout is None else timeout + 5)
+        except asyncio.TimeoutError:
+            raise TurnTimeout(None, f"{self.name} did not answer within {timeout}s") from None
+
+    def stream(self, text: str, *, timeout: float | None = 60.0, stop=(), **options) -> Iterator[str | Reply]:
+        """Take a turn on `text`; iterate over its reply's text pieces as they are decoded, then the `Reply`.
+
+        The pieces arrive in order while the batch decodes, and add up to exactly
+        `Reply.text`; the last item is the `Reply` itself. The options are `send`'s
+        (except `on_token`); bad options raise here, before anything is sent. Iterating
+        raises what `ask` raises, after the pieces that came before the failure.
+        """
+        pieces: queue.SimpleQueue = queue.SimpleQueue()
+        future = self.send(text, timeout=timeout, stop=stop, on_token=pieces.put, **options)
+        future.add_done_callback(lambda _: pieces.put(_END))
+        return self._stream(future, pieces, _Pieces(stop), timeout)
+
+    def _stream(self, future, pieces, held, timeout):
+        while True:
+            try:
+                item = pieces.get(timeout=None if timeout is None else timeout + 5)
+            except queue.Empty:
+                raise TurnTimeout(None, f"{self.name} did not answer within {timeout}s") from None
+            if item is _END:
+                reply = future.get(timeout=0)
+                if tail := held.end(reply.text):
+                    yield tail
+                yield reply
+                return
+            if out := held.feed(item):
+                yield out
+
+    async def astream(self, text: str, *, timeout: float | None = 60.0, stop=(),
+                      **options) -> AsyncIterator[str | Reply]:
+        """`stream` for asyncio code: `async for piece in ref.astream(text)`; the last item is the `Reply`.
+
+        Pieces reach the running loop through `call_soon_threadsafe`: no thread waits.
+        Bad options raise when the iteration starts.
+        """
+        loop = asyncio.get_running_loop()
+        pieces: asyncio.Queue = asyncio.Queue()
+
+        def put(item):
+            try:
+                loop.call_soon_threadsafe(pieces.put_nowait, item)
+            except RuntimeError:  # the loop was closed: nobody is listening any more
+                pass
+
+        future = self.send(text, timeout=timeout, stop=stop, on_token=put, **options)
+        future.add_done_callback(lambda _: put(_END))
+        held, wait_s = _Pieces(stop), None if timeout is None else timeout + 5
+        while True:
+            try:
+                item = await asyncio.wait_for(pieces.get(), wait_s)
+            except asyncio.TimeoutError:
+                raise TurnTimeout(None, f"{self.name} did not answer within {timeout}s") from None
+            if item is _END:
+                reply = future.get(timeout=0)
+                if tail := held.end(reply.text):
+                    yield tail
+                yield reply
+                return
+            if out := held.feed(item):
+                yield out
+
+    def send_to(self, other: "AgentRef", text: str, **options) -> ReplyFuture:
         """Send `text` from this agent to `other`, which takes a turn on it.
 
         The returned future resolves with `other`'s Reply; the reply is also added to
@@ -253,7 +424,7 @@ class Runtime:
                 text, previous = r.text or "...", a
         return replies
 
-    def broadcast(self, group, text: str, **options) -> list[pykka.Future]:
+    def broadcast(self, group, text: str, **options) -> list[ReplyFuture]:
         """Send `text` to every agent in `group` (each takes a turn); return their futures."""
         return [a.send(text, **options) for a in group]
 

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from runtime.detok import AnchoredDetokenizer
+
 EXACT, EXTEND, DIVERGE, COLD = "exact", "extend", "diverge", "cold"
 DEFAULT_THRESHOLD = 0.8
 
@@ -94,22 +96,12 @@ def token_ends(tokenizer, token_ids, start: int = 0, previous: int | None = None
     """Character end offsets of `token_ids` (for `CacheMeta.token_ends`), their text starting at `start`.
 
     Decodes each token after an anchor token (`previous`: the cached token just before
-    them, if any) so tokenizers that strip a leading space decode consistently. A
+    them, if any) so tokenizers that strip a leading space decode consistently; the
+    engine spells replies with the same rule (`runtime.detok`), so the ends of
+    generated tokens are offsets into the reply's text. A
     token whose text ends inside a character (a byte-level piece completed later) gets
     -1. Valid when `tokenizer.decode` reproduces the text the tokens came from; check
     `tokenizer.decode(ids) == text` if unsure.
     """
-    ids = [int(t) for t in token_ids]
-    anchor = [] if previous is None else [int(previous)]
-    base = tokenizer.decode(anchor) if anchor else ""
-    ends, pos, begin = [], start, 0
-    for i in range(len(ids)):
-        text = tokenizer.decode(anchor + ids[begin : i + 1])
-        if not text.startswith(base) or text.endswith("\ufffd"):
-            ends.append(-1)
-            continue
-        pos += len(text) - len(base)
-        ends.append(pos)
-        anchor, begin = [ids[i]], i + 1
-        base = tokenizer.decode(anchor)
-    return ends
+    stream = AnchoredDetokenizer(tokenizer, previous)
+    return [start + len(stream.text) if stream.add_token(t) else -1 for t in token_ids]

@@ -31,7 +31,7 @@ import agent_restart_child as child
 from actors.agent import Ask, AgentActor, Note, encode_message
 from actors.batcher import Submit
 from actors.supervisor import Backoff
-from runtime import AgentCrashed, Reply, Runtime, RuntimeEscalated, TurnTimeout, UnknownAgent, store
+from runtime import AgentCrashed, Reply, Runtime, RuntimeEscalated, TurnTimeout, UnknownAgent, chat, store
 from runtime.engine import Turn
 from runtime.facade import AgentRef
 
@@ -62,7 +62,7 @@ def stalled_batcher(rt):
     rt.env.batcher().tell(Submit(Turn(f"gate-{uuid.uuid4().hex[:8]}", "gate", None, tokens, max_tokens=1), reply))
     assert entered.wait(30), "the batcher never ran the gate turn"
     try:
-        yield
+        yield release  # set it to let the batcher go before the block exits
     finally:
         release.set()
 
@@ -171,6 +171,60 @@ def test_process_restart_resumes_warm_with_the_uninterrupted_greedy_output(tmp_p
     assert second[1] == {**second[1], "agent": "bob", "cache": "warm"}
 
 
+def _text_tokens(tokenizer, text) -> int:
+    """Tokens of `text` as plain text (special-token strings in it stay text).
+
+    Not `encode(split_special_tokens=True)`: that flips a flag of the tokenizer the agents share.
+    """
+    return len(chat.encode_text(tokenizer, text))
+
+
+def _template_tokens(tokenizer, contents) -> int:
+    """Tokens the tiny chat template adds after a reply: its end, each user message, the assistant prompt.
+
+    Counted from the template's literal pieces (testing.CHAT_TEMPLATE), not from the runtime.
+    """
+    enc = lambda s: len(tokenizer.encode(s, add_special_tokens=False))  # noqa: E731
+    user_head, end, assistant_head = ("<|start_header_id|>user<|end_header_id|>\n\n", "<|eot_id|>",
+                                      "<|start_header_id|>assistant<|end_header_id|>\n\n")
+    messages = sum(enc(user_head) + _text_tokens(tokenizer, c) + enc(end) for c in contents)
+    return enc(end) + messages + enc(assistant_head)
+
+
+def test_every_next_render_starts_with_the_cached_text_and_hot_turns_prefill_only_the_new_messages(rt):
+    """A multi-agent conversation: alice and bob ask and send_to each other; check every turn."""
+    tok = rt.tokenizer
+    alice = rt.spawn("ct-alice", system="You are Alice, a planner.")
+    bob = rt.spawn("ct-bob", system="You are Bob, a reviewer.")
+    steps = [(alice, None, "Plan a bake sale."), (bob, None, "Review plans today."),
+             (alice, bob, "Is the plan sound?"), (bob, alice, "Answer the doubts."),
+             (alice, None, "Sum it up."), (bob, None, "Any last words?"),
+             (alice, bob, "Final check."), (alice, None, "Thanks.")]
+    seen = {alice.name: 0, bob.name: 0}  # history records (system included) in each agent's cache
+    states = []
+    for who, sender, text in steps:
+        meta = store.load_cache(rt.cache_dir, rt.spec, who.name)[1] if seen[who.name] else None
+        r = who.ask(text, max_tokens=8) if sender is None else sender.send_to(who, text, max_tokens=8).get(timeout=60)
+        states.append(r.cache)
+        history = who.history()
+        render = rt.env.render(history[0]["text"], history[1:-1])  # this turn's prompt
+        if meta is None:
+            assert r.cache == "cold" and r.timings.prefill_tokens == len(tok.encode(render, add_special_tokens=False))
+        else:
+            assert r.cache == "hot"
+            assert render.startswith(meta.text), f"turn {len(states)}: the render does not start with the cached text"
+            # what the cache lacks: the end of the last reply (its last token, never fed, or an unfinished
+            # character), then the new user messages (notes, then this turn's message) in their template
+            last_reply = [x["text"] for x in history[: seen[who.name]] if x["role"] == "assistant"][-1]
+            tail = meta.text[max(meta.token_ends):]
+            assert meta.text.endswith(last_reply) and len(tail) <= len(last_reply)
+            new = [f"{x['sender']}: {x['text']}" if x["sender"] else x["text"]
+                   for x in history[seen[who.name]:-1] if x["role"] == "user"]
+            assert r.timings.prefill_tokens == _text_tokens(tok, tail) + _template_tokens(tok, new), len(states)
+        seen[who.name] = len(history)
+    assert states == ["cold", "cold"] + ["hot"] * 6
+
+
 # -- messages between agents ---------------------------------------------------------
 
 
@@ -255,14 +309,107 @@ def test_converse_and_broadcast_attribute_every_message(rt):
     assert a.history()[-2]["text"] == b.history()[-2]["text"] == "Vote now."
 
 
-def test_ask_async(rt):
-    a = rt.spawn("async-a", system="You are A.")
+# -- streaming and asyncio -------------------------------------------------------------
+
+
+def test_stream_yields_pieces_in_order_then_the_reply_and_they_add_up_to_its_text(rt):
+    a, b = rt.spawn("sm-a", system="You are A."), rt.spawn("sm-b", system="You are A.")
+    progress = []
+    *pieces, reply = a.stream("Tell me a story.", max_tokens=16, on_progress=lambda *p: progress.append(p))
+    assert isinstance(reply, Reply) and reply.agent == "sm-a" and len(reply.tokens) == 16
+    assert len(pieces) > 1 and all(isinstance(p, str) and p for p in pieces)
+    assert "".join(pieces) == reply.text == a.history()[-1]["text"]
+    assert progress[-1] == (reply.timings.prefill_tokens, reply.timings.prefill_tokens)
+    # a stop string across two pieces: its first characters were decoded before the engine saw it whole
+    k = len(pieces[0])
+    stop = reply.text[k - 1 : k + 1]
+    *cut, stopped = b.stream("Tell me a story.", max_tokens=16, stop=[stop])
+    assert stopped.finish_reason == "stop" and stopped.text == reply.text[: reply.text.find(stop)]
+    assert "".join(cut) == stopped.text
+    before = a.history()
+    with pytest.raises(TypeError, match="on_progress must be a callable"):
+        a.stream("Again.", on_progress="a progress bar")  # raised here, nothing was sent
+    assert a.history() == before
+
+
+def test_stream_pieces_arrive_while_the_batch_decodes(rt):
+    """A second row holds the batch once the streamed turn has text, until the consumer has a piece.
+
+    Were the pieces delivered only at the end, the consumer would wait for a turn
+    that cannot end, until the hold gives up after 30 s (`held` then has False)."""
+    a = rt.spawn("sw-a", system="You are A.")
+    engine = rt.env.batcher()._actor_weakref().engine
+    go, release, held = threading.Event(), threading.Event(), []
+
+    def hold(piece):  # runs on the batcher's thread, as every row's on_token
+        if any(r.turn.agent_id == a.name and r.text for r in engine.decoding) and not release.is_set():
+            held.append(release.wait(30))
+
+    gate = Turn(f"gate-{uuid.uuid4().hex[:8]}", "gate", None, rt.tokenizer.encode("gate", add_special_tokens=False),
+                max_tokens=100, on_token=hold, on_progress=lambda *_: go.wait(30))
+    batcher = rt.env.batcher()
+    batcher.tell(Submit(gate, lambda outcome: None))
+    stream = a.stream("Stream to me.", max_tokens=12)
+    wait_for(lambda: batcher.actor_inbox.qsize() >= 1, what="the turn to reach the batcher")
+    go.set()
+    first = next(stream)  # once the turn has text the batch is held, so the turn cannot end before this
+    still_decoding = any(r.turn.agent_id == a.name for r in engine.decoding)
+    release.set()
+    *rest, reply = stream
+    assert still_decoding and False not in held  # the piece came out while the turn decoded, not at its end
+    assert first + "".join(rest) == reply.text and len(reply.tokens) == 12
+
+
+@pytest.mark.parametrize("how", ["await send", "ask_async", "astream"])
+def test_awaiting_a_turn_never_blocks_the_event_loop(rt, how):
+    """A 10 ms ticker keeps ticking while a turn is awaited; the turn ends only once it ticked."""
+    a = rt.spawn(f"tick-{how.replace(' ', '-')}", system="You are A.")
+
+    async def turn():
+        if how == "await send":
+            return await a.send("Tick.", max_tokens=4)
+        if how == "ask_async":
+            return await a.ask_async("Tick.", max_tokens=4)
+        return [x async for x in a.astream("Tick.", max_tokens=4)][-1]
 
     async def main():
-        return await asyncio.gather(a.ask_async("One.", max_tokens=4), asyncio.sleep(0, "loop free"))
+        with stalled_batcher(rt) as release:
+            task = asyncio.create_task(turn())
+            for _ in range(3):
+                await asyncio.sleep(0.01)
+                assert not task.done()
+            release.set()
+            return await task
 
-    r, free = asyncio.run(main())
-    assert r.agent == "async-a" and len(r.tokens) == 4 and free == "loop free"
+    reply = asyncio.run(main())
+    assert isinstance(reply, Reply) and len(reply.tokens) == 4
+
+
+def test_64_concurrent_ask_async_calls_fill_the_batch_with_no_thread_each(tmp_path):
+    with Runtime(model=None, cache_dir=tmp_path, max_batch=8) as rt:
+        agents = [rt.spawn(f"c{i}", system="You are brief.") for i in range(16)]
+        assert all(a.history() for a in agents)  # each has started and stored its system prompt
+        batcher = rt.env.batcher()
+
+        async def main():
+            with stalled_batcher(rt) as release:
+                names = {t.name for t in threading.enumerate()}
+                calls = [asyncio.create_task(a.ask_async(f"Call {k}.", max_tokens=2))
+                         for k in range(4) for a in agents]
+                for _ in range(6000):  # every agent's first turn reaches the parked batcher
+                    if batcher.actor_inbox.qsize() >= len(agents):
+                        break
+                    await asyncio.sleep(0.005)
+                assert batcher.actor_inbox.qsize() >= len(agents), "the calls did not all get through"
+                new = [t.name for t in threading.enumerate() if t.name not in names]
+                assert new in ([], ["kvactors-timers"]), new  # no thread waits for a call or its watchdog
+                release.set()
+                return await asyncio.gather(*calls)
+
+        replies = asyncio.run(main())
+        peak = batcher.proxy().engine.get(timeout=10).peak_admitted
+    assert len(replies) == 64 and all(len(r.tokens) == 2 for r in replies)
+    assert peak == 8
 
 
 def test_messages_are_msgpack_envelopes(rt, monkeypatch):

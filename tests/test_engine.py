@@ -181,3 +181,21 @@ def test_warmup_leaves_the_engine_idle_and_output_unchanged(llama):
     assert engine.warmup(lambda done, total, what: seen.append((done, total))) > 0
     assert seen[-1][0] == seen[-1][1] and not engine.has_work() and engine.peak_admitted == 3
     assert run(engine, [turn])["t"].tokens == solo(llama, turn).tokens
+
+
+def test_prefill_reports_progress_after_every_chunk_and_a_failing_report_fails_only_its_turn(llama):
+    model, tokenizer, spec, opts = llama
+    engine = Engine(model, tokenizer, spec, **opts, max_prefill_chunk=16)
+    reports = []
+    prompt = encode(tokenizer, "a long prompt that takes several chunks " * 6)
+    assert len(prompt) > 3 * 16
+
+    def broken(done, total):
+        raise ValueError("progress bar broke")
+
+    watched = Turn("w", "w", None, prompt, max_tokens=4, on_progress=lambda *p: reports.append(p))
+    out = run(engine, [watched, Turn("x", "x", None, prompt, max_tokens=4, on_progress=broken)])
+    total = len(prompt)
+    assert reports == [(min(k, total), total) for k in range(16, total + 16, 16)]
+    assert isinstance(out["x"], TurnError) and "progress bar broke" in str(out["x"])
+    assert out["w"].tokens == solo(llama, Turn("s", "s", None, prompt, max_tokens=4)).tokens

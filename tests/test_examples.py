@@ -101,6 +101,7 @@ def test_prisoners_dilemma(env, tmp_path):
 def test_kvactors_demo(env, tmp_path):
     out = run(env, "-m", "runtime.cli", "demo", "--max-tokens", 4, "--cache-dir", tmp_path)
     assert agent_states(out) == {"alice": ["cold", "hot", "warm"], "bob": ["cold", "hot", "warm"]}
+    assert re.search(r"^  alice +prefill \[#{20}\] (\d+)/\1 tok$", out, re.MULTILINE)  # the progress bar, full
     assert "nonsense" in out
     summary = out.strip().splitlines()[-1]
     assert summary.startswith("mean TTFT:") and "warm/cold" in summary

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runtime import store
+from runtime.detok import AnchoredDetokenizer
 from runtime.prefix import COLD, DIVERGE, EXACT, EXTEND, common_prefix_len, last_boundary, match_prefix, token_ends
 from runtime.testing import NON_COMPOSITIONAL
 
@@ -212,3 +213,33 @@ def test_token_ends_mark_characters_split_across_tokens(load_tiny):
             assert tokenizer.decode(ids[:k]) == text[: end - 100]
     tail = token_ends(tokenizer, ids[5:], start=ends[4], previous=ids[4])
     assert tail == ends[5:]  # computed per turn, the offsets come out the same
+
+
+def test_the_engines_text_is_the_text_the_tokens_add_in_context(load_tiny):
+    """A reply is spelled as its tokens sit after the prompt: its first token keeps its leading space
+    (mlx-lm's streaming detokenizer drops it), and its pieces end where token_ends says."""
+    _, tokenizer = load_tiny("llama")
+    prompt, reply = "<|start_header_id|>assistant<|end_header_id|>\n\n", " careful héllo 🙂 plan"
+    ids = encode(tokenizer, prompt + reply)
+    n = len(encode(tokenizer, prompt))
+    assert tokenizer.decode(ids[:n]) == prompt and tokenizer.decode(ids) == prompt + reply
+    stream = AnchoredDetokenizer(tokenizer, anchor=ids[n - 1])
+    ends = []
+    for t in ids[n:]:
+        ends.append(len(stream.text) if stream.add_token(t) else -1)
+    assert stream.text == reply
+    assert ends == token_ends(tokenizer, ids[n:], previous=ids[n - 1])
+    mlx_lm_stream = tokenizer.detokenizer
+    for t in ids[n:]:
+        mlx_lm_stream.add_token(t)
+    mlx_lm_stream.finalize()
+    assert mlx_lm_stream.text == reply.lstrip()  # why the engine does not use it
+
+
+def test_held_back_bytes_are_flushed_by_finalize(load_tiny):
+    _, tokenizer = load_tiny("llama")
+    ids = encode(tokenizer, "a 🙂")
+    stream = AnchoredDetokenizer(tokenizer)
+    assert [stream.add_token(t) for t in ids[:-1]][-1] is False  # the emoji is unfinished
+    stream.finalize()
+    assert stream.text == tokenizer.decode(ids[:-1]) and stream.text.endswith("\ufffd")
