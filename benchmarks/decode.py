@@ -70,39 +70,84 @@ def kernel_rows(add):
                 value=_us(lambda: mx.quantized_matmul(x3, wq, scales, biases, group_size=64, bits=4)), unit="us")
 
 
+def attention_rows(add):
+    """q4sdpa against a float32 reference per row, and row 0 bitwise alone vs in a padded batch."""
+    from runtime import q4sdpa
+
+    mx.random.seed(3)
+    B, Hq, Hkv, D, W = 5, 32, 8, 128, 4096 + 257
+    starts = [0, 100, 700, 1500, 3000]
+    end = 4096 + 100
+    k = (mx.random.normal((B, Hkv, W, D)) * 2).astype(mx.bfloat16)
+    v = mx.random.normal((B, Hkv, W, D)).astype(mx.bfloat16)
+    q = mx.random.normal((B, Hq, 1, D)).astype(mx.bfloat16)
+    kq = tuple(mx.quantize(k, group_size=64, bits=4))
+    vq = tuple(mx.quantize(v, group_size=64, bits=4))
+    start = mx.array(starts, dtype=mx.int32)
+    out = q4sdpa.q4_decode_sdpa(q, kq, vq, start, end, D ** -0.5, 64)
+    kd = mx.dequantize(*kq, group_size=64, bits=4).astype(mx.float32)
+    vd = mx.dequantize(*vq, group_size=64, bits=4).astype(mx.float32)
+    worst = 0.0
+    for b, s in enumerate(starts):
+        ref = mx.fast.scaled_dot_product_attention(q[b : b + 1].astype(mx.float32), kd[b : b + 1, :, s:end],
+                                                   vd[b : b + 1, :, s:end], scale=D ** -0.5)
+        worst = max(worst, mx.abs(out[b : b + 1].astype(mx.float32) - ref).max().item())
+    # row 3 alone, unpadded: its own columns moved to the front of a buffer of its own
+    own = tuple(mx.contiguous(x[3:4, :, starts[3]:, :]) for x in kq), tuple(mx.contiguous(x[3:4, :, starts[3]:, :]) for x in vq)
+    alone = q4sdpa.q4_decode_sdpa(q[3:4], own[0], own[1], mx.array([0], dtype=mx.int32), end - starts[3], D ** -0.5, 64)
+    same = mx.array_equal(alone, out[3:4]).item()
+    add(part="attention kernel", variant="q4sdpa", shape=f"B{B} Hq{Hq} Hkv{Hkv} D{D} end {end}", rows=B, value=worst,
+        unit="max abs err vs f32", note=f"padded row bitwise equal to the row alone: {same}")
+    for b_rows in (1, 5, 8, 16):
+        qs = mx.concatenate([q] * 4)[:b_rows]
+        ks_ = tuple(mx.concatenate([x] * 4)[:b_rows] for x in kq)
+        vs_ = tuple(mx.concatenate([x] * 4)[:b_rows] for x in vq)
+        st = mx.concatenate([start] * 4)[:b_rows]
+        add(part="attention time", variant="q4sdpa", shape=f"end {end}", rows=b_rows,
+            value=_us(lambda: q4sdpa.q4_decode_sdpa(qs, ks_, vs_, st, end, D ** -0.5, 64), 20), unit="us")
+        kd_ = mx.concatenate([kd.astype(mx.bfloat16)] * 4)[:b_rows, :, :end]
+        vd_ = mx.concatenate([vd.astype(mx.bfloat16)] * 4)[:b_rows, :, :end]
+        add(part="attention time", variant="mlx fused, 16-bit, no mask", shape=f"end {end}", rows=b_rows,
+            value=_us(lambda: mx.fast.scaled_dot_product_attention(qs, kd_, vd_, scale=D ** -0.5), 20), unit="us")
+
+
 def prefilled(model, spec, n_tokens, seed):
     mx.random.seed(seed)
     tokens = mx.random.randint(3, model.args.vocab_size, (n_tokens,))
-    cache = merge_caches(spec, [None])
+    cache = merge_caches(spec, [None], "dequant")
     for start in range(0, n_tokens, 2048):
         model(tokens[start : start + 2048][None], cache=cache)
         mx.eval([c.state for c in cache])
     return extract_cache(cache, 0)
 
 
-def row_logits(model, spec, caches, tokens):
-    batch = merge_caches(spec, caches)
+def row_logits(model, spec, caches, tokens, route):
+    batch = merge_caches(spec, caches, route)
     out = model(mx.array(tokens)[:, None], cache=batch)[:, -1].astype(mx.float32)
     mx.eval(out)
     return out
 
 
-def invariance_rows(add, model, spec, variant, same, unequal):
+def invariance_rows(add, model, spec, variant, same, unequal, route):
     """Row 0's logits at batch 1..16 against batch 1, bitwise."""
-    solo = row_logits(model, spec, same[:1], [5])
+    variant = f"{variant}, {route}"
+    solo = row_logits(model, spec, same[:1], [5], route)
     for label, pool in (("same length", same), ("unequal lengths", unequal)):
         for b in (2, 4, 8, 16):
             caches = [same[0]] + [pool[i % len(pool)] for i in range(1, b)]
-            out = row_logits(model, spec, caches, [5] + [7 + i for i in range(1, b)])
+            out = row_logits(model, spec, caches, [5] + [7 + i for i in range(1, b)], route)
             diff = mx.abs(out[0] - solo[0]).max().item()
             add(part="model invariance", variant=variant, shape=label, rows=b, value=diff, unit="max |logit diff|",
                 note="bitwise equal" if diff == 0 and mx.array_equal(out[0], solo[0]).item() else "differs")
 
 
-def step_rows(add, model, spec, variant, base, steps=24):
-    """Median decode step at each batch size, split into graph building and the rest."""
+def step_rows(add, model, spec, variant, pool, route, steps=24):
+    """Median decode step at each batch size, split into graph building and the rest.
+
+    The rows are taken from `pool` in turn (one cache: equal lengths)."""
+    variant = f"{variant}, {route}, {'equal' if len(pool) == 1 else 'unequal'} lengths"
     for b in BATCHES:
-        batch = merge_caches(spec, [base] * b)
+        batch = merge_caches(spec, [pool[i % len(pool)] for i in range(b)], route)
         tokens = mx.zeros((b, 1), dtype=mx.int32)
         build, total = [], []
         for i in range(steps):
@@ -116,7 +161,7 @@ def step_rows(add, model, spec, variant, base, steps=24):
             if i >= 4:
                 build.append(t1 - t0)
                 total.append(t2 - t0)
-        add(part="decode step", variant=variant, shape=f"ctx {base[0].offset}", rows=b,
+        add(part="decode step", variant=variant, shape=f"ctx {pool[0][0].offset}", rows=b,
             value=statistics.median(total) * 1e3, unit="ms",
             note=f"graph build {statistics.median(build) * 1e3:.2f} ms; p99-ish max {max(total) * 1e3:.1f} ms")
 
@@ -144,6 +189,7 @@ def main(argv=None) -> int:
 
     if not args.skip_kernel:
         kernel_rows(add)
+    attention_rows(add)
     from benchmarks.common import bench_model_folder
     import tempfile
     from pathlib import Path
@@ -157,15 +203,13 @@ def main(argv=None) -> int:
     base = prefilled(model, spec, args.context, seed=1)
     same = [base] + [prefilled(model, spec, args.context, seed=10 + i) for i in range(3)]
     unequal = [base] + [prefilled(model, spec, args.context + 40 * i, seed=20 + i) for i in range(1, 4)]
-    invariance_rows(add, model, spec, "as loaded", same, unequal)
-    step_rows(add, model, spec, "as loaded", base)
+    invariance_rows(add, model, spec, "as loaded", same, unequal, "dequant_once")
+    step_rows(add, model, spec, "as loaded", [base], "dequant_once")
     prepare.prepare_model(model)
-    set_gemv(model, False)
-    step_rows(add, model, spec, "flattened", base)
-    invariance_rows(add, model, spec, "flattened", same, unequal)
-    set_gemv(model, True)
-    step_rows(add, model, spec, "prepared (flattened + qgemv)", base)
-    invariance_rows(add, model, spec, "prepared (flattened + qgemv)", same, unequal)
+    for route in ("dequant_once", "q4kernel"):
+        invariance_rows(add, model, spec, "prepared", same, unequal, route)
+        for pool in ([base], unequal):
+            step_rows(add, model, spec, "prepared", pool, route)
     name = args.name or f"decode-{args.model}"
     write_results(name, env, rows, COLUMNS, args.out,
                   notes="kernel: the 8B shape's matrices (N x K), 4-bit g64, bf16 x; error relative to the largest "

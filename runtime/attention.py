@@ -5,8 +5,10 @@ for any cache that has a `bits` attribute. `install()` puts `sdpa` there; it is
 the one change kvactors makes to a library's module. For packed keys and values
 (the "quantized" route) `sdpa` does the math of mlx-lm's own function without
 scaling the caller's queries in place, so other users of mlx-lm's
-`QuantizedKVCache` in the process get the same results. For 16-bit keys and
-values (the dequantizing routes) it picks the kernel by query length:
+`QuantizedKVCache` in the process get the same results. A `RowRange` mask (the
+"q4kernel" route's decode steps) sends packed keys and values to the CUDA
+kernel of `runtime.q4sdpa`. For 16-bit keys and values (the dequantizing
+routes, and prefill under "q4kernel") it picks the kernel by query length:
 
 - fewer than 4 queries and no array mask: MLX's fused vector kernel;
 - SHORT_QUERY or more: MLX's fused kernel (cuDNN on CUDA);
@@ -19,10 +21,23 @@ values (the dequantizing routes) it picks the kernel by query length:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 from mlx_lm.models import base as mlx_base
 
+from runtime import q4sdpa
+
 SHORT_QUERY = 512  # queries per call from which the fused kernel's per-shape setup pays off
+
+
+@dataclass(frozen=True)
+class RowRange:
+    """A decode mask given as ranges: row b attends to columns [start[b], end) of whole packed buffers."""
+
+    start: mx.array
+    end: int
+    end_array: mx.array  # `end` on the device, made once per step rather than once per layer
 
 
 def install() -> None:
@@ -37,6 +52,8 @@ def sdpa(queries, keys, values, scale, mask, group_size: int = 64, bits: int = 4
     (B, Hkv, S, D). `mask` is None, "causal", or a boolean or additive array
     broadcastable to (B, 1, L, S). `queries` is not modified.
     """
+    if isinstance(mask, RowRange):
+        return q4sdpa.q4_decode_sdpa(queries, keys, values, mask.start, mask.end, scale, group_size, mask.end_array)
     if isinstance(keys, tuple):
         return quantized_sdpa(queries, keys, values, scale, mask, group_size, bits)
     L = queries.shape[2]

@@ -21,7 +21,11 @@ variable KVACTORS_Q4_ROUTE):
 - "dequant_once": like "dequant", but the dequantized K/V are kept while the
   batch lives and only new tokens are dequantized each step. Numerically the
   same as "dequant"; costs 16-bit memory for the rows while they are active.
-  The default on CUDA, and for models with attention sinks.
+  The default for models with attention sinks off CUDA.
+- "q4kernel" (CUDA only): decode attention reads the packed cache directly
+  (`runtime.q4sdpa`), each row over its own columns, so no 16-bit copy is kept
+  and a row's output does not depend on the batch; prefill chunks dequantize
+  transiently. The default on CUDA.
 
 Sliding-window layers use the same cache: the model passes the window to
 `make_mask`, which masks keys older than it, and `extract` keeps only their
@@ -39,9 +43,9 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import QuantizedKVCache, _BaseCache, create_attention_mask
 
-from runtime import attention
+from runtime import attention, q4sdpa
 
-ROUTES = ("quantized", "dequant", "dequant_once")
+ROUTES = ("quantized", "dequant", "dequant_once", "q4kernel")
 STEP = 256
 SLIDING_SLACK = 256  # tokens a sliding layer keeps beyond its window, for prefix trims
 DENSE_EXTRA = 1  # columns the "dequant_once" working copy has beyond the allocation: see _working_copy
@@ -54,23 +58,26 @@ class Q4CacheError(ValueError):
 def default_route() -> str:
     """The attention route for this process's default device.
 
-    KVACTORS_Q4_ROUTE overrides. Otherwise, by measurement
-    (`benchmarks/q4_attention.py`, results in benchmarks/results/): "dequant_once"
-    on CUDA, where quantized-matmul attention crashes on decode; "quantized" on
-    Metal (mlx-lm's native path) and on the CPU, where it decoded fastest.
+    KVACTORS_Q4_ROUTE overrides. Otherwise, by measurement (`benchmarks/decode.py`,
+    `benchmarks/q4_attention.py`, results in benchmarks/results/): "q4kernel" on
+    CUDA, where it decodes from the packed cache faster than MLX's 16-bit kernel
+    at batch 5 and more and is batch-invariant; "quantized" on Metal (mlx-lm's
+    native path) and on the CPU, where it decoded fastest.
     """
     route = os.environ.get("KVACTORS_Q4_ROUTE")
     if route:
         return check_route(route)
-    if mx.default_device() == mx.gpu and not mx.metal.is_available():
-        return "dequant_once"
+    if mx.default_device() == mx.gpu and mx.cuda.is_available():
+        return "q4kernel"
     return "quantized"
 
 
 def check_route(route: str) -> str:
-    """Return `route` if it is one of ROUTES, else raise Q4CacheError."""
+    """Return `route` if it is one of ROUTES and runs here ("q4kernel": CUDA only), else raise Q4CacheError."""
     if route not in ROUTES:
         raise Q4CacheError(f"unknown Q4 attention route {route!r}; choose one of {ROUTES}")
+    if route == "q4kernel" and not (mx.default_device() == mx.gpu and mx.cuda.is_available()):
+        raise Q4CacheError("the q4kernel route runs on CUDA GPUs only; use 'quantized' or 'dequant_once' here")
     return route
 
 
@@ -207,14 +214,18 @@ class BatchQuantizedKVCache(_BaseCache):
         return tuple(mx.concatenate([x[..., : self._idx, :], e], axis=2) for x, e in zip(packed, extra))
 
     def _fetch(self, new_k, new_v):
+        N = new_k[0].shape[2]
+        g, b = self.kv_group_size, self.kv_bits
+        if self.route == "q4kernel":
+            if self._kernel_decode(N):
+                return self.keys, self.values  # whole buffers: make_mask gives each row's columns
+            if self._whole_width(N):
+                return _working_copy((self.keys, self.values), g, b, self.keys[0].shape[2] + DENSE_EXTRA)
         if self.route != "dequant_once":
             k, v = self.keys_and_values()
             if self.route == "quantized":
                 return k, v
-            g, b = self.kv_group_size, self.kv_bits
             return _dequantize(k, g, b), _dequantize(v, g, b)
-        g, b = self.kv_group_size, self.kv_bits
-        N = new_k[0].shape[2]
         prev = self._idx - N
         width = self.keys[0].shape[2] + DENSE_EXTRA  # see _working_copy
         if self._dense is None or self._dense_len != prev:
@@ -238,8 +249,16 @@ class BatchQuantizedKVCache(_BaseCache):
         256 tokens instead of every token, so MLX's matmuls meet few shapes.
         """
         return (
-            self.route == "dequant_once" and self.own_attention
+            self.route in ("dequant_once", "q4kernel") and self.own_attention
             and (self._padded or N >= 4) and N < attention.SHORT_QUERY
+        )
+
+    def _kernel_decode(self, N: int) -> bool:
+        """Whether attention for N queries runs `q4sdpa` on the packed cache (route "q4kernel")."""
+        return (
+            self.route == "q4kernel" and self.own_attention and N == 1 and self.keep is None
+            and self.keys is not None and self.kv_bits == 4
+            and self.keys[0].shape[-1] * 8 in (64, 128) and self.kv_group_size <= self.keys[0].shape[-1] * 8
         )
 
     def keys_and_values(self):
@@ -259,6 +278,8 @@ class BatchQuantizedKVCache(_BaseCache):
         it is a boolean array (B, 1, N, size()+N). Where attention reads the whole
         working copy (`_whole_width`), the array spans it.
         """
+        if window_size is None and self._kernel_decode(N):
+            return attention.RowRange(self.left_padding, self._idx + N, mx.array([self._idx + N], dtype=mx.int32))
         if self._whole_width(N):
             return self._whole_width_mask(N, window_size)
         if not self._padded:
@@ -369,9 +390,9 @@ class BatchQuantizedKVCache(_BaseCache):
             self._drop_front(shared)
 
     def _drop_front(self, n):
-        if self.keys is not None:
-            self.keys = _map(lambda x: x[..., n:, :], self.keys)
-            self.values = _map(lambda x: x[..., n:, :], self.values)
+        if self.keys is not None:  # contiguous: the decode kernel reads whole buffers
+            self.keys = _map(lambda x: mx.contiguous(x[..., n:, :]), self.keys)
+            self.values = _map(lambda x: mx.contiguous(x[..., n:, :]), self.values)
         if self._dense is not None:
             self._dense = tuple(x[..., n:, :] for x in self._dense)
             self._dense_len -= n

@@ -197,13 +197,23 @@ def test_default_route_on_this_machine_serves_every_arch(models, arch):
     assert not mx.isnan(logits).any().item()
 
 
-@pytest.mark.parametrize("route", ROUTES)
+CUDA = mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
+@pytest.mark.parametrize("route", [r for r in ROUTES if CUDA or r != "q4kernel"])
 def test_all_routes_agree(models, route):
     model, spec = models["llama"]
     tokens = list(range(3, 60))
     _, reference = prefill(model, spec, tokens, "dequant")
     _, logits = prefill(model, spec, tokens, route)
     assert mx.allclose(logits, reference, atol=1e-4).item()
+
+
+def test_q4kernel_route_is_refused_off_cuda():
+    if CUDA:
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(Q4CacheError, match="CUDA"):
+        BatchQuantizedKVCache([0], route="q4kernel")
 
 
 def test_route_override(models, monkeypatch):
