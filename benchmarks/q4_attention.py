@@ -24,21 +24,23 @@ COLUMNS = ["context", "kv", "route", "prefill_tok_s", "prefill_x_fp16", "decode_
 # cache_bytes: the cache before the timed chunk (context - chunk tokens); Q4 as extracted (used tokens only)
 
 
-def measure(model, cache, chunk, decode_steps, vocab, row):
-    """Fill `row` with prefill tok/s of `chunk` on top of `cache` and decode tok/s.
+def measure(model, cache, chunk, decode_steps, vocab, row, batch=1):
+    """Fill `row` with prefill tok/s of `chunk` on top of `cache` and decode tok/s, `batch` rows alike.
 
     Each phase runs twice and the second run counts; a phase that raises is
     recorded as failed (the quantized route crashes on CUDA decode).
     """
+    rows = mx.broadcast_to(chunk[None], (batch, chunk.size))
+
     def prefill():
-        dt, _ = timed(lambda: model(chunk[None], cache=cache)[:, -1])
+        dt, _ = timed(lambda: model(rows, cache=cache)[:, -1])
         for c in cache:
             c.trim(chunk.size)
-        return chunk.size / dt
+        return batch * chunk.size / dt
 
     def decode():
         def run():
-            t = mx.array([[1]])
+            t = mx.ones((batch, 1), dtype=mx.int32)
             for _ in range(decode_steps):
                 t = mx.argmax(model(t, cache=cache)[:, -1], axis=-1)[:, None] % vocab
                 mx.eval(t)
@@ -47,7 +49,7 @@ def measure(model, cache, chunk, decode_steps, vocab, row):
         dt, _ = timed(run)
         for c in cache:
             c.trim(decode_steps)
-        return decode_steps / dt
+        return batch * decode_steps / dt
 
     for name, phase in (("prefill_tok_s", prefill), ("decode_tok_s", decode)):
         try:
@@ -56,10 +58,19 @@ def measure(model, cache, chunk, decode_steps, vocab, row):
         except Exception as e:
             row[name] = f"failed: {type(e).__name__}: {str(e)[:70]}"
         if name == "prefill_tok_s":
-            model(chunk[None], cache=cache)
+            model(rows, cache=cache)
 
 
-def bench_context(model, spec, context, chunk_size, decode_steps, routes, vocab):
+def _tiled(caches, batch):
+    """The fp16 KVCaches with their one row repeated `batch` times (layer by layer, to bound memory)."""
+    if batch > 1:
+        for c in caches:
+            c.keys, c.values = mx.concatenate([c.keys] * batch), mx.concatenate([c.values] * batch)
+            mx.eval(c.keys, c.values)
+    return caches
+
+
+def bench_context(model, spec, context, chunk_size, decode_steps, routes, vocab, batch=1):
     rows = []
     mx.random.seed(context)
     tokens = mx.random.randint(0, vocab, (context,))
@@ -68,7 +79,7 @@ def bench_context(model, spec, context, chunk_size, decode_steps, routes, vocab)
     fp16 = [KVCache() for _ in range(spec.n_layers)]
     _fill(model, fp16, base, chunk_size)
     ref = dict(context=context, kv="dense", route="-", cache_bytes=sum(c.nbytes for c in fp16))
-    measure(model, fp16, chunk, decode_steps, vocab, ref)
+    measure(model, _tiled(fp16, batch), chunk, decode_steps, vocab, ref, batch)
     ref.update(prefill_x_fp16=1.0, decode_x_fp16=1.0, bytes_x_fp16=1.0)
     rows.append(ref)
     del fp16
@@ -80,8 +91,8 @@ def bench_context(model, spec, context, chunk_size, decode_steps, routes, vocab)
     del filler
     for route in routes:
         row = dict(context=context, kv="q4", route=route, cache_bytes=q4_bytes, bytes_x_fp16=q4_bytes / ref["cache_bytes"])
-        cache = merge_caches(spec, [q4], route)
-        measure(model, cache, chunk, decode_steps, vocab, row)
+        cache = merge_caches(spec, [q4] * batch, route)
+        measure(model, cache, chunk, decode_steps, vocab, row, batch)
         for name in ("prefill", "decode"):
             if isinstance(row[f"{name}_tok_s"], float):
                 row[f"{name}_x_fp16"] = row[f"{name}_tok_s"] / ref[f"{name}_tok_s"]
@@ -102,6 +113,7 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk", type=int, default=512, help="prefill chunk timed at each context (default 512)")
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--routes", default=",".join(ROUTES), help="Q4 routes to measure")
+    ap.add_argument("--batch", type=int, default=1, help="rows decoded together (each a copy of the cache)")
     args = ap.parse_args(argv)
     env = environment()
     print(env, flush=True)
@@ -110,7 +122,7 @@ def main(argv=None) -> int:
     rows = []
     for context in [int(c) for c in args.contexts.split(",")]:
         chunk = min(args.chunk, context // 2)
-        rows += bench_context(model, spec, context, chunk, args.decode_steps, args.routes.split(","), vocab)
+        rows += bench_context(model, spec, context, chunk, args.decode_steps, args.routes.split(","), vocab, args.batch)
     name = args.name or f"q4_attention-{args.model}"
     contexts = sorted({r["context"] for r in rows})
     curves = {}
@@ -118,10 +130,11 @@ def main(argv=None) -> int:
         speeds = [r["decode_tok_s"] for r in rows if (r["kv"], r["route"]) == (kv, route)]
         if all(isinstance(s, float) for s in speeds):
             curves[f"{kv} {route}".replace(" -", "")] = speeds
-    plot_lines(args.out / f"{name}.png", curves, "context (tokens)", "decode tokens/s (batch 1)",
+    plot_lines(args.out / f"{name}.png", curves, "context (tokens)", f"decode tokens/s (batch {args.batch})",
                f"decode speed, fp16 KV vs Q4 routes, {args.model}", x=contexts)
     write_results(name, env, rows, COLUMNS, args.out,
-                  notes=f"model {args.model}; prefill = one {args.chunk}-token chunk at the context; decode batch 1; "
+                  notes=f"model {args.model}; prefill = one {args.chunk}-token chunk at the context; batch {args.batch} "
+                        f"(rows alike; tok/s count every row); "
                         f"'dense' is mlx-lm's KVCache in the model's activation dtype ({spec.dtype}).")
     return 0
 
