@@ -38,6 +38,16 @@ log = logging.getLogger(__name__)
 DEFAULT_CACHE_DIR = "~/.cache/kvactors/agents"
 
 
+def _emit(item, held, future) -> tuple[list, bool]:
+    """What a stream yields for one queued item: text pieces, then (at the end) the `Reply`; and whether it ended."""
+    if item is _END:
+        reply = future.get(timeout=0)
+        tail = held.end(reply.text)
+        return ([tail] if tail else []) + [reply], True
+    out = held.feed(item)
+    return ([out] if out else []), False
+
+
 def _print_progress(done: int, total: int, what: str) -> None:
     print(f"kvactors: warming up {done}/{total}: {what}", file=sys.stderr, flush=True)
 
@@ -271,14 +281,11 @@ class AgentRef:
                 item = pieces.get(timeout=None if timeout is None else timeout + 5)
             except queue.Empty:
                 raise TurnTimeout(None, f"{self.name} did not answer within {timeout}s") from None
-            if item is _END:
-                reply = future.get(timeout=0)
-                if tail := held.end(reply.text):
-                    yield tail
-                yield reply
-                return
-            if out := held.feed(item):
+            outs, done = _emit(item, held, future)
+            for out in outs:
                 yield out
+            if done:
+                return
 
     async def astream(self, text: str, *, timeout: float | None = 60.0, stop=(),
                       **options) -> AsyncIterator[str | Reply]:
@@ -304,14 +311,11 @@ class AgentRef:
                 item = await asyncio.wait_for(pieces.get(), wait_s)
             except asyncio.TimeoutError:
                 raise TurnTimeout(None, f"{self.name} did not answer within {timeout}s") from None
-            if item is _END:
-                reply = future.get(timeout=0)
-                if tail := held.end(reply.text):
-                    yield tail
-                yield reply
-                return
-            if out := held.feed(item):
+            outs, done = _emit(item, held, future)
+            for out in outs:
                 yield out
+            if done:
+                return
 
     def send_to(self, other: "AgentRef", text: str, **options) -> ReplyFuture:
         """Send `text` from this agent to `other`, which takes a turn on it.
