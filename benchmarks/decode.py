@@ -166,12 +166,6 @@ def step_rows(add, model, spec, variant, pool, route, steps=24):
             note=f"graph build {statistics.median(build) * 1e3:.2f} ms; p99-ish max {max(total) * 1e3:.1f} ms")
 
 
-def set_gemv(model, on):
-    for m in model.modules():
-        if isinstance(m, (prepare.FlatQuantizedLinear, prepare.FlatQuantizedEmbedding)):
-            object.__setattr__(m, "_kvactors_gemv", on)
-
-
 def main(argv=None) -> int:
     ap = bench_parser(__doc__)
     ap.add_argument("--context", type=int, default=1024)

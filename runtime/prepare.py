@@ -30,13 +30,11 @@ def _quantized_matmul(module, x):
     """`x @ module's dequantized weight.T` with x flattened to 2-D; the kernel for small M on CUDA."""
     shape = x.shape
     x = x.reshape(-1, shape[-1])
-    biases = module.get("biases")
-    if module._kvactors_gemv and qgemv.supports(x.shape[0], module.bits, module.group_size, module.mode,
-                                                biases is not None):
-        y = qgemv.qgemv(x, module["weight"], module["scales"], biases, module.group_size)
+    if module._kvactors_gemv and x.shape[0] <= qgemv.MAX_ROWS:
+        y = qgemv.qgemv(x, module["weight"], module["scales"], module["biases"], module.group_size)
     else:
-        y = mx.quantized_matmul(x, module["weight"], scales=module["scales"], biases=biases, transpose=True,
-                                group_size=module.group_size, bits=module.bits, mode=module.mode)
+        y = mx.quantized_matmul(x, module["weight"], scales=module["scales"], biases=module.get("biases"),
+                                transpose=True, group_size=module.group_size, bits=module.bits, mode=module.mode)
     return y.reshape(*shape[:-1], y.shape[-1])
 
 
@@ -79,6 +77,7 @@ def prepare_model(model, force: bool = False, gemv: bool | None = None) -> int:
         if flat is not None:
             module.__class__ = flat
         # a plain attribute, not a dict entry: parameters() and saving never see it
-        object.__setattr__(module, "_kvactors_gemv", gemv)
+        fits = qgemv.supports_weights(module.bits, module.group_size, module.mode, "biases" in module)
+        object.__setattr__(module, "_kvactors_gemv", gemv and fits)
         changed += 1
     return changed

@@ -113,6 +113,7 @@ _SOURCE = r"""
 """
 
 _kernel = None
+_launch = {}  # (dtype, group_size, n) -> (template, grid, threadgroup): built once, looked up per call
 
 
 def available() -> bool:
@@ -120,12 +121,9 @@ def available() -> bool:
     return mx.default_device() == mx.gpu and mx.cuda.is_available()
 
 
-def supports(x_rows: int, bits: int, group_size: int, mode: str, has_biases: bool) -> bool:
-    """Whether `qgemv` serves this call: 1..MAX_ROWS rows of 4-bit affine weights, group 32/64/128."""
-    return (
-        1 <= x_rows <= MAX_ROWS and bits == 4 and mode == "affine" and has_biases
-        and group_size in (32, 64, 128)
-    )
+def supports_weights(bits: int, group_size: int, mode: str, has_biases: bool) -> bool:
+    """Whether `qgemv` serves these weights (any 1..MAX_ROWS rows): 4-bit affine, group 32/64/128."""
+    return bits == 4 and mode == "affine" and has_biases and group_size in (32, 64, 128)
 
 
 def qgemv(x, w, scales, biases, group_size: int):
@@ -143,14 +141,14 @@ def qgemv(x, w, scales, biases, group_size: int):
             source=_SOURCE,
             ensure_row_contiguous=True,
         )
-    m, n = x.shape[0], w.shape[0]
-    warps = -(-n // COLUMNS)
-    threads = -(-warps // WARPS) * WARPS * 32
-    return _kernel(
-        inputs=[x, w, scales, biases],
-        template=[("T", x.dtype), ("G", group_size), ("COLS", COLUMNS), ("MAXM", MAX_ROWS)],
-        grid=(threads, 1, 1),
-        threadgroup=(WARPS * 32, 1, 1),
-        output_shapes=[(m, n)],
-        output_dtypes=[x.dtype],
-    )[0]
+    n = w.shape[0]
+    key = (x.dtype, group_size, n)
+    launch = _launch.get(key)
+    if launch is None:
+        warps = -(-n // COLUMNS)
+        threads = -(-warps // WARPS) * WARPS * 32
+        template = [("T", x.dtype), ("G", group_size), ("COLS", COLUMNS), ("MAXM", MAX_ROWS)]
+        launch = _launch[key] = (template, (threads, 1, 1), (WARPS * 32, 1, 1), [x.dtype])
+    template, grid, threadgroup, dtypes = launch
+    return _kernel(inputs=[x, w, scales, biases], template=template, grid=grid, threadgroup=threadgroup,
+                   output_shapes=[(x.shape[0], n)], output_dtypes=dtypes)[0]
