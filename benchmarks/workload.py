@@ -92,6 +92,9 @@ def engine_profile(stats_list) -> dict:
         hot_chunks=len(hot), hot_chunk_s=sum(c[2] for c in hot), hot_tokens=sum(c[0] for c in hot),
         hot_chunk_p50_ms=statistics.median(c[2] for c in hot) * 1e3 if hot else 0,
         hot_chunk_max_ms=max((c[2] for c in hot), default=0) * 1e3,
+        # raw, for a closer look in the JSON: every chunk, and every decode step
+        chunks_raw=[[n, ctx, round(sec, 5)] for n, ctx, sec in chunks],
+        steps_raw=[[r, round(b, 5), round(t, 5)] for r, b, t in steps],
     )
 
 
