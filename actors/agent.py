@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import threading
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -32,7 +31,7 @@ import msgpack
 import pykka
 
 from actors import persistence
-from actors.batcher import BatcherStopped, Submit
+from actors.batcher import Submit
 from actors.supervisor import SupervisedActor
 from runtime import prefix, store
 from runtime.engine import Sampling, Timings, Turn, TurnResult
@@ -56,6 +55,14 @@ class AgentCrashed(AgentError):
 
 class TurnTimeout(AgentCrashed):
     """The turn did not finish within its timeout; the agent was restarted."""
+
+
+class TurnNotSaved(AgentCrashed):
+    """Turn `turn_id` ran, but writing it to the journal failed (a full disk, an I/O error).
+
+    The journal is as it was before the turn, and the agent went back to its durable
+    state: the turn is not in the history. Retry once the disk is fixed.
+    """
 
 
 class UnknownAgent(AgentError, KeyError):
@@ -93,9 +100,15 @@ class Ask:
 
 @dataclass(frozen=True)
 class Note:
-    """Envelope: append the msgpack `payload` message to the history; no turn."""
+    """Envelope: append the msgpack `payload` message to the history; no turn.
+
+    A `send_to` reply carries the caller's `future` and the `reply` to resolve it with
+    once the note is durable (or dead-lettered: see `AgentRef.send_to`).
+    """
 
     payload: bytes
+    future: Any = None
+    reply: Any = None
 
 
 @dataclass
@@ -109,6 +122,8 @@ class _Item:
     reply: Reply | None = None
     records: list | None = None  # written, awaiting the ack
     pending: dict | None = None  # a turn in the batcher: what was rendered, kept and fed
+    watchdog: int | None = None  # the turn's deadline handle (env.deadlines)
+    forward: tuple | None = None  # a send_to turn: (sender, note payload) to deliver once durable
 
 
 @dataclass(frozen=True)
@@ -173,14 +188,26 @@ class AgentActor(SupervisedActor):
         self.fault = False
         self.load_s = 0.0
         self.from_disk = False
+        self.broken: store.JournalError | None = None  # the journal cannot be read: every turn fails with it
 
     # -- life cycle ------------------------------------------------------------------
 
     def on_start(self):
         t0 = time.perf_counter()
+        self._restore()
+        self.load_s = time.perf_counter() - t0
+
+    def _restore(self):
+        """Take the durable state as this agent's state; an unreadable journal leaves it `broken`."""
         loaded = self._load_durable()
+        self.broken = loaded.journal_error
+        self.env.hot.discard(self.name)
+        self.records, self.seq, self.meta, self.from_disk = [], 0, None, False
+        if self.broken is not None:
+            log.error("agent %s cannot take turns until its files are fixed: %s", self.name, self.broken)
+            return
         self.records = list(loaded.records)
-        self.seq = self.records[-1]["seq"] if self.records else 0
+        self.seq = max(self.records[-1]["seq"] if self.records else 0, loaded.last_seq)  # never reuse a seq
         system = next((r["text"] for r in self.records if r["role"] == "system"), None)
         if system is None and self.system:
             self._persist_now([self._record("system", self.system)])
@@ -194,7 +221,6 @@ class AgentActor(SupervisedActor):
             self.from_disk = True
         elif loaded.error is not None and not isinstance(loaded.error, store.CacheMissing):
             log.warning("agent %s: unusable cache, re-prefilling from the journal: %s", self.name, loaded.error)
-        self.load_s = time.perf_counter() - t0
 
     def on_failure(self, exception_type, exception_value, traceback):
         self.env.hot.discard(self.name)
@@ -203,32 +229,40 @@ class AgentActor(SupervisedActor):
             error = exception_value  # e.g. the watchdog's TurnTimeout: the caller gets it as is
             if not (isinstance(error, AgentCrashed) and error.turn_id == self.current.turn_id):
                 error = AgentCrashed(self.current.turn_id, f"the agent crashed ({why})")
-            _fail(self.current.future, error)
+            self._abandon(self.current, error, f"the agent crashed while recording this note ({why})")
         self._drop_work(f"the agent crashed before this message ({why}); retry it")
         self._drain_inbox(why)
 
     def on_stop(self):
         # A stop can come while a turn is in flight or queued in `work`: answer them too.
         if self.current is not None:
-            _fail(self.current.future, AgentCrashed(self.current.turn_id, "the agent stopped before the turn finished"))
+            self._abandon(self.current, AgentCrashed(self.current.turn_id, "the agent stopped before the turn finished"),
+                          "the agent stopped while recording this note")
         self._drop_work("the agent stopped before this message; retry it")
         self._drain_inbox("the agent stopped")
 
     def _drop_work(self, why):
         # Items taken from the inbox but not started: fail the turns, dead-letter the notes.
         for item in self.work:
-            if item.kind == "note":
-                self.env.dead_letter(self.name, Note(msgpack.packb(item.msg)), why)
-            else:
-                _fail(item.future, AgentCrashed(None, why))
+            self._abandon(item, AgentCrashed(None, why), why)
         self.work.clear()
+
+    def _abandon(self, item: _Item, error: AgentError, why: str):
+        """Fail a turn's caller with `error`; dead-letter a note (its send_to future gets its reply)."""
+        self.env.deadlines.cancel(item.watchdog)
+        if self.current is item:
+            self.current = None
+        if item.kind == "note":
+            _dead_letter(self.env, self.name, Note(msgpack.packb(item.msg), item.future, item.reply), why)
+        else:
+            _fail(item.future, error)
 
     def _drain_inbox(self, why):
         for msg in self.take_leftover(Ask, Note):
             if isinstance(msg, Ask):
                 _fail(msg.future, AgentCrashed(None, f"{why} before this message; retry it"))
             elif isinstance(msg, Note):
-                self.env.dead_letter(self.name, msg, why)
+                _dead_letter(self.env, self.name, msg, why)
 
     # -- the mailbox ------------------------------------------------------------------
 
@@ -236,7 +270,7 @@ class AgentActor(SupervisedActor):
         if isinstance(message, Ask):
             self.work.append(_Item("ask", msgpack.unpackb(message.payload), message.future))
         elif isinstance(message, Note):
-            self.work.append(_Item("note", msgpack.unpackb(message.payload)))
+            self.work.append(_Item("note", msgpack.unpackb(message.payload), message.future, reply=message.reply))
         elif isinstance(message, _Done):
             self._finish_turn(message)
         elif isinstance(message, persistence.Ack):
@@ -261,7 +295,12 @@ class AgentActor(SupervisedActor):
     def _next(self):
         while self.current is None and self.work:
             item = self.current = self.work.popleft()
-            if item.kind == "note":
+            if self.broken is not None:
+                self._restore()  # the files may have been fixed meanwhile
+            if self.broken is not None:
+                error = store.JournalError(f"agent {self.name}: {self.broken}")
+                self._abandon(item, error, f"agent {self.name} cannot record messages: {self.broken}")
+            elif item.kind == "note":
                 msg = item.msg
                 item.records = [self._record("user", msg["text"], sender=msg.get("sender"), msg=msg)]
                 self.records += item.records
@@ -299,16 +338,9 @@ class AgentActor(SupervisedActor):
                 env.dead_letter(self.name, outcome, "the agent was gone when its turn finished")
 
         timeout = msg.get("timeout")
-        submit = Submit(turn, reply)
-        try:
-            env.batcher().tell(submit)
-        except pykka.ActorDeadError:  # its supervisor is restarting it: submit once it is back
-            threading.Thread(target=_submit_when_back, args=(env, submit, me, timeout or env.io_timeout),
-                             name=f"{self.name}-resubmit", daemon=True).start()
         if timeout:
-            timer = threading.Timer(timeout, _tell_quietly, (me, _Watchdog(turn_id)))
-            timer.daemon = True
-            timer.start()
+            item.watchdog = env.deadlines.schedule(timeout, _tell_quietly, me, _Watchdog(turn_id))
+        env.submit_turn(Submit(turn, reply), me)  # held while the batcher restarts
 
     def _reuse(self, rendered):
         """(cache, tokens to feed, cache label, kept ids, kept ends, kept text) for `rendered`."""
@@ -357,10 +389,10 @@ class AgentActor(SupervisedActor):
         self.load_s = 0.0
         item.reply = Reply(self.name, turn_id, result.text, list(result.tokens), p["label"], result.finish_reason, timings)
         item.records = [p["user"], assistant]
+        if msg.get("reply_to_agent"):  # the reply goes to the sender once this turn is durable: see _complete
+            item.forward = (msg["reply_to_agent"], encode_message(result.text, sender=self.name,
+                                                                  conversation_id=msg.get("conversation_id")))
         self._persist(item.records, store.cache_to_host(result.cache), meta, p["reuse"])
-        if msg.get("reply_to_agent"):
-            self.env.notify(msg["reply_to_agent"], encode_message(result.text, sender=self.name,
-                                                                 conversation_id=msg.get("conversation_id")))
 
     def _cache_meta(self, p, result, seq) -> store.CacheMeta:
         """What the returned cache holds: kept tokens + fed tokens + generated tokens but the last."""
@@ -397,15 +429,26 @@ class AgentActor(SupervisedActor):
             self._complete(self.current)
 
     def _acked(self, ack: persistence.Ack):
-        if ack.error is not None:
-            raise AgentCrashed(None, f"persisting seq {ack.seq} failed: {ack.error}") from ack.error
         item = self.current
-        if item is not None and item.records and ack.seq == item.records[-1]["seq"]:
+        mine = item is not None and item.records and ack.seq == item.records[-1]["seq"]
+        if ack.error is not None:
+            if not mine or self.env.durability != "durable":  # memory: later items already built on it
+                raise AgentCrashed(None, f"persisting seq {ack.seq} failed: {ack.error}") from ack.error
+            # The journal is as before this item (the store cuts a failed append back): so is the agent.
+            log.error("agent %s: writing seq %d failed, the item is dropped: %s", self.name, ack.seq, ack.error)
+            self._restore()
+            error = TurnNotSaved(item.turn_id, f"the turn was not saved ({ack.error}); it is not in the history, retry it")
+            self._abandon(item, error, f"recording this note failed: {ack.error}")
+        elif mine:
             self._complete(item)
 
     def _complete(self, item: _Item):
+        """The item is durable (or, with durability="memory", handed to the persistence actor): answer it."""
         self.current = None
-        if item.future is not None:
+        self.env.deadlines.cancel(item.watchdog)
+        if item.forward is not None:  # send_to: the caller's future resolves once the sender has the reply too
+            self.env.notify(*item.forward, future=item.future, reply=item.reply)
+        elif item.future is not None:
             item.future.set(item.reply)
 
 
@@ -414,17 +457,11 @@ def _fail(future, error):
         future.set_exception((type(error), error, None))
 
 
-def _submit_when_back(env, submit: Submit, agent, wait_s: float):
-    """Tell `submit` to the batcher once it is running again (off the agent's thread), or fail it."""
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline and agent.is_alive():
-        time.sleep(0.005)
-        try:
-            env.batcher().tell(submit)
-            return
-        except pykka.ActorDeadError:
-            pass
-    submit.reply(BatcherStopped(submit.turn.turn_id, "the batcher is not running"))
+def _dead_letter(env, name: str, note: Note, why: str):
+    """Dead-letter `note`; a send_to reply's future resolves with the reply (the dead letter keeps the copy)."""
+    env.dead_letter(name, note, why)
+    if note.future is not None:
+        note.future.set(note.reply)
 
 
 def _tell_quietly(ref, message):

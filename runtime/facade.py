@@ -25,14 +25,16 @@ import pykka
 
 from actors import agent as agent_mod
 from actors.agent import DURABILITY, AgentActor, AgentCrashed, Ask, Note, Reply, TurnTimeout, UnknownAgent
-from actors.batcher import BatcherActor
+from actors.batcher import BatcherActor, BatcherStopped
 from actors.persistence import PersistenceActor
-from actors.supervisor import Backoff, ChildSpec, Supervisor, UnknownChild
+from actors.supervisor import STRATEGIES, Backoff, ChildSpec, RestartIntensity, Supervisor, UnknownChild
 from runtime import store
+from runtime.deadlines import Deadlines
 from runtime.model import load_model
 
 log = logging.getLogger(__name__)
 DEFAULT_CACHE_DIR = "~/.cache/kvactors/agents"
+KV_BITS = (4, 8)  # KV cache bits the packed cache supports
 
 
 def _shutdown_at_exit(runtime: "Runtime") -> None:
@@ -44,6 +46,10 @@ def _shutdown_at_exit(runtime: "Runtime") -> None:
 
 class RuntimeEscalated(RuntimeError):
     """Supervision gave up (too many restarts in too short a time); the runtime is stopped."""
+
+
+class RuntimeClosed(RuntimeError):
+    """The Runtime was shut down; start a new one to talk to its agents again."""
 
 
 @dataclass
@@ -64,7 +70,52 @@ class Env:
         self.hot = store.HotCaches(hot_budget)
         self.refs: dict[str, pykka.ActorRef] = {}  # name -> current actor (agents and services)
         self.dead_letters: list[DeadLetter] = []
+        self.deadlines = Deadlines("kvactors-watchdog")  # every turn's timeout, on one thread
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # notified when a ref is registered
+        self._held: list = []  # (Submit, agent ref) told while the batcher was down
+        self._closed = False
+
+    def register(self, name: str, ref: pykka.ActorRef) -> None:
+        """Make `ref` the current actor of `name`; a new batcher gets the turns held for it."""
+        with self._lock:
+            self.refs[name] = ref
+            held, self._held = (self._held, []) if name == "@batcher" else ([], self._held)
+            self._changed.notify_all()
+        for submit, agent in held:
+            if agent.is_alive():
+                self.submit_turn(submit, agent)
+
+    def wait_changed(self, timeout: float) -> None:
+        """Wait until a ref is registered, at most `timeout` seconds."""
+        with self._lock:
+            self._changed.wait(timeout)
+
+    def submit_turn(self, submit, agent: pykka.ActorRef) -> None:
+        """Tell `submit` to the batcher; while its supervisor restarts it, hold it for the next one.
+
+        Held turns go to the new batcher when it is registered, or fail with
+        BatcherStopped when the runtime closes first.
+        """
+        with self._lock:
+            if not self._closed:
+                try:
+                    self.refs["@batcher"].tell(submit)
+                    return
+                except pykka.ActorDeadError:
+                    self._held.append((submit, agent))
+                    return
+        submit.reply(BatcherStopped(submit.turn.turn_id, "the runtime is shut down"))
+
+    def close(self) -> None:
+        """Fail the held turns and stop the watchdog thread (the runtime is stopping). Idempotent."""
+        with self._lock:
+            self._closed = True
+            held, self._held = self._held, []
+            self._changed.notify_all()
+        for submit, _ in held:
+            submit.reply(BatcherStopped(submit.turn.turn_id, "the batcher did not come back before the runtime stopped"))
+        self.deadlines.close()
 
     def render(self, system: str, records) -> str:
         """The chat-template text of a conversation, ending with the assistant's prompt."""
@@ -78,15 +129,21 @@ class Env:
         """The current persistence actor (it may be dead while its supervisor restarts it)."""
         return self.refs["@persistence"]
 
-    def notify(self, name: str, payload: bytes) -> None:
-        """Deliver a `Note` to agent `name`, or dead-letter it."""
+    def notify(self, name: str, payload: bytes, future=None, reply=None) -> None:
+        """Deliver a `Note` to agent `name`, or dead-letter it.
+
+        With a `future` (a send_to reply), the agent resolves it with `reply` once the
+        note is durable; a dead-lettered note resolves it at once.
+        """
         ref = self.refs.get(name)
         try:
             if ref is None:
                 raise pykka.ActorDeadError(name)
-            ref.tell(Note(payload))
+            ref.tell(Note(payload, future, reply))
         except pykka.ActorDeadError:
             self.dead_letter(name, payload, "no running agent with that name")
+            if future is not None:
+                future.set(reply)
 
     def dead_letter(self, recipient: str, message, reason: str) -> None:
         """Record an undeliverable message (inspect `Runtime.dead_letters`) and log it."""
@@ -140,8 +197,13 @@ class AgentRef:
     def send_to(self, other: "AgentRef", text: str, **options) -> pykka.Future:
         """Send `text` from this agent to `other`, which takes a turn on it.
 
-        The returned future resolves with `other`'s Reply; the reply is also added to
-        this agent's history as a message from `other`, without starting a turn here.
+        The reply is also added to this agent's history as a message from `other`,
+        without starting a turn here. The returned future resolves with `other`'s Reply
+        once `other`'s turn and this agent's copy of the reply are both durable (with
+        durability="durable"); the copy waits behind this agent's own turn in progress,
+        if any. If this agent is not running, crashes or cannot record the copy, the
+        copy goes to `Runtime.dead_letters` and the future still resolves with the reply
+        (`other`'s turn happened). It fails as `send` does when `other`'s turn fails.
         """
         return other.send(text, sender=self.name, _reply_to_agent=self.name, **options)
 
@@ -177,22 +239,23 @@ class Runtime:
                  route: str | None = None, strategy: str = "one_for_one", max_restarts: int = 3,
                  restart_period: float = 5.0, backoff: Backoff = Backoff(min=0.01, max=1.0, reset=10.0),
                  retention_s: float | None = None, on_escalate=None, io_timeout: float = 60.0):
-        if durability not in DURABILITY:
-            raise ValueError(f"durability must be one of {DURABILITY}, got {durability!r}")
-        self.cache_dir = Path(cache_dir or DEFAULT_CACHE_DIR).expanduser()
-        self.model, self.tokenizer, self.spec = load_model(model, kv_bits=kv_bits)
-        self.env = Env(self.tokenizer, self.spec, durability, hot_budget, io_timeout)
+        _check_options(kv_bits, durability, strategy, max_restarts, restart_period, backoff)
+        self._lock = self.services = self.supervisor = self.env = None
+        self._closed = False
         self.escalation: tuple | None = None
         self._on_escalate = on_escalate
         self._names: list[str] = []
-        self._lock = store.lock_cache_dir(self.cache_dir)
-        self.services = Supervisor.start("one_for_one", max_restarts=max_restarts, period=restart_period,
-                                         backoff=backoff, on_escalate=self._escalated)
-        self.supervisor = Supervisor.start(strategy, max_restarts=max_restarts, period=restart_period,
-                                           backoff=backoff, on_escalate=self._escalated)
-        _shutdown_at_exit(self)
+        self.cache_dir = Path(cache_dir or DEFAULT_CACHE_DIR).expanduser()
+        self.model, self.tokenizer, self.spec = load_model(model, kv_bits=kv_bits)
         engine_options = dict(memory_budget=memory_budget, max_batch=max_batch, route=route)
-        try:
+        try:  # whatever fails from here on, nothing stays behind: no lock, no thread
+            self.env = Env(self.tokenizer, self.spec, durability, hot_budget, io_timeout)
+            self._lock = store.lock_cache_dir(self.cache_dir)
+            self.services = Supervisor.start("one_for_one", max_restarts=max_restarts, period=restart_period,
+                                             backoff=backoff, on_escalate=self._escalated)
+            self.supervisor = Supervisor.start(strategy, max_restarts=max_restarts, period=restart_period,
+                                               backoff=backoff, on_escalate=self._escalated)
+            _shutdown_at_exit(self)
             self._start_child(self.services, "@persistence",
                               lambda sup: PersistenceActor.start(self.cache_dir, self.spec, retention_s=retention_s, supervisor=sup))
             self._start_child(self.services, "@batcher",
@@ -259,11 +322,16 @@ class Runtime:
         Also runs at interpreter exit for a Runtime that was never shut down, before
         Python waits for the actors' threads, so a forgotten Runtime never hangs the exit.
         """
+        self._closed = True
         for ref in (self.supervisor, self.services):
+            if ref is None:
+                continue
             try:
                 ref.stop(timeout=60)
             except pykka.ActorDeadError:
                 pass
+        if self.env is not None:
+            self.env.close()
         if self._lock is not None:
             os.close(self._lock)
             self._lock = None
@@ -281,7 +349,7 @@ class Runtime:
 
         def started():
             ref = start(sup)
-            env.refs[name] = ref
+            env.register(name, ref)
             return ref
 
         sup.proxy().start_child(ChildSpec(name, started, restart)).get(timeout=60)
@@ -305,7 +373,7 @@ class Runtime:
             if time.monotonic() > deadline or self.escalation:
                 self._check_running()
                 raise AgentCrashed(None, f"agent {name!r} did not come back from a restart")
-            time.sleep(0.005)
+            self.env.wait_changed(0.05)  # woken when the restarted actor registers
 
     def _exited(self, name) -> bool:
         """Whether the agents' supervisor dropped child `name` (so no restart is coming)."""
@@ -338,12 +406,28 @@ class Runtime:
 
     def _escalated(self, name, error):
         self.escalation = (name, error)
+        self.env.close()
         log.error("supervision escalated (%s): %s", name, error)
         if self._on_escalate:
             self._on_escalate(name, error)
 
     def _check_running(self):
+        if self._closed and not self.escalation:
+            raise RuntimeClosed("the Runtime was shut down; start a new Runtime to talk to its agents")
         if self.escalation:
             name, error = self.escalation
             raise RuntimeEscalated(f"supervision gave up after {name!r} kept failing ({error}); "
                                    "start a new Runtime") from error
+
+
+def _check_options(kv_bits, durability, strategy, max_restarts, restart_period, backoff) -> None:
+    """Raise ValueError/TypeError for a bad Runtime option, before anything is acquired."""
+    if kv_bits not in KV_BITS:
+        raise ValueError(f"kv_bits must be one of {KV_BITS}, got {kv_bits!r}")
+    if durability not in DURABILITY:
+        raise ValueError(f"durability must be one of {DURABILITY}, got {durability!r}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}; got {strategy!r}")
+    if not isinstance(backoff, Backoff):
+        raise TypeError(f"backoff must be an actors.supervisor.Backoff, got {type(backoff).__name__}")
+    RestartIntensity(max_restarts, restart_period)  # raises ValueError for bad limits

@@ -1,0 +1,234 @@
+"""Faults a Runtime must survive: a full disk, a damaged, deleted or unreadable journal,
+bad options, use after shutdown. The invariant after each: every acknowledged turn is
+in the history once, in order, and the other agents go on being served.
+
+The full disk is injected at the one call that writes journal bytes (`store._pwrite`:
+part of the frame reaches the disk, then ENOSPC); `test_disk_full_child.py` fills a
+real tmpfs instead, where the system allows one.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from actors.supervisor import Backoff
+from runtime import JournalError, Runtime, RuntimeClosed, TurnNotSaved, store
+
+FAST = Backoff(min=0.001, max=0.02, reset=10.0)
+TESTS = Path(__file__).resolve().parent
+
+
+def folder_of(rt, name):
+    return store.agent_dir(rt.cache_dir, rt.spec.fingerprint, name)
+
+
+def on_disk(rt, name) -> list[dict]:
+    """`name`'s journal records as on disk now."""
+    return store.read_journal(rt.cache_dir, rt.spec, name)
+
+
+def turns(records) -> list[tuple]:
+    """(turn id, role, text) of the records of turns, in journal order."""
+    return [(r["turn_id"], r["role"], r["text"]) for r in records if r["turn_id"] is not None]
+
+
+def replies(acked) -> list[tuple]:
+    """The records an acknowledged list of (text, Reply) must have left, in order."""
+    return [x for text, r in acked for x in ((r.turn_id, "user", text), (r.turn_id, "assistant", r.text))]
+
+
+def test_disk_full_fails_only_that_turn_and_the_runtime_keeps_serving(tmp_path, monkeypatch):
+    real, failures = store._pwrite, []
+
+    def disk_full_once(fd, data, offset):
+        if not failures:
+            failures.append(offset)
+            real(fd, bytes(data[:12]), offset)  # a torn frame on disk, then ENOSPC
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, offset)
+
+    with Runtime(model=None, cache_dir=tmp_path, max_restarts=1, backoff=FAST) as rt:
+        alice, bob = rt.spawn("alice", system="You are Alice."), rt.spawn("bob", system="You are Bob.")
+        acked = {"alice": [("One.", alice.ask("One.", max_tokens=4))], "bob": []}
+        me = rt.env.refs["alice"]
+        monkeypatch.setattr(store, "_pwrite", disk_full_once)
+        with pytest.raises(TurnNotSaved) as lost:
+            alice.ask("Lost.", max_tokens=4)
+        assert lost.value.turn_id and "No space left" in str(lost.value)
+        assert failures and turns(alice.history()) == replies(acked["alice"])  # back at its durable state
+        for name, ref in (("bob", bob), ("alice", alice), ("bob", bob), ("alice", alice)):
+            text = f"After {len(acked[name])}."
+            acked[name].append((text, ref.ask(text, max_tokens=4)))
+        assert rt.env.refs["alice"] is me and rt.escalation is None  # no crash, no restart
+        assert turns(on_disk(rt, "alice")) == replies(acked["alice"])
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        for name in ("alice", "bob"):
+            assert turns(rt.spawn(name).history()) == replies(acked[name])
+        assert not list(tmp_path.rglob("journal.torn-*"))
+
+
+def damage_record(path, index):
+    """Flip a byte inside the payload of the journal's record number `index`."""
+    data = bytearray(path.read_bytes())
+    start, stop = store.scan_journal(bytes(data)).frames[index]
+    data[(start + stop) // 2] ^= 0x5A
+    path.write_bytes(bytes(data))
+
+
+def test_mid_file_journal_damage_keeps_every_record_that_checks_and_writes_go_on(tmp_path, caplog):
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        alice = rt.spawn("alice", system="You are Alice.")
+        acked = [(t, alice.ask(t, max_tokens=4)) for t in ("One.", "Two.", "Three.")]
+        journal = folder_of(rt, "alice") / store.JOURNAL_FILE
+        before = on_disk(rt, "alice")
+    damage_record(journal, 3)  # the user record of "Two." (0 is the system prompt)
+    caplog.set_level(logging.ERROR)
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        alice = rt.spawn("alice")
+        assert alice.history() == before[:3] + before[4:]  # everything after the damage is still there
+        assert "damaged in the middle" in caplog.text and "after seq 3 and before seq 5" in caplog.text
+        more = alice.ask("Four.", max_tokens=4)
+        seqs = [r["seq"] for r in on_disk(rt, "alice")]
+        assert seqs == sorted(set(seqs)) and seqs[-1] > before[-1]["seq"]  # no seq used twice
+        assert store.cache_seq(folder_of(rt, "alice")) == seqs[-1]  # the newer turn's cache was written
+    assert list(journal.parent.glob("journal.damaged-*"))
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        history = rt.spawn("alice").history()
+    want = replies(acked + [("Four.", more)])
+    assert turns(history) == [t for t in want if t != (acked[1][1].turn_id, "user", "Two.")]
+
+
+def test_a_deleted_journal_warns_and_its_orphan_cache_does_not_block_writes(tmp_path, caplog):
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        alice = rt.spawn("alice", system="You are Alice.")
+        for t in ("One.", "Two.", "Three."):
+            alice.ask(t, max_tokens=4)
+        folder = folder_of(rt, "alice")
+        old_seq = store.cache_seq(folder)
+    (folder / store.JOURNAL_FILE).unlink()
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        alice = rt.spawn("alice", system="You are Alice.")
+        r = alice.ask("Again.", max_tokens=4)
+        assert "journal is missing" in caplog.text
+        seqs = [x["seq"] for x in on_disk(rt, "alice")]
+        assert seqs[0] > old_seq and store.cache_seq(folder) == seqs[-1]
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        alice = rt.spawn("alice")
+        assert turns(alice.history()) == replies([("Again.", r)])
+        assert alice.ask("More.", max_tokens=4).cache == "warm"
+
+
+def test_an_unreadable_journal_stops_only_its_agent(tmp_path):
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        fingerprint = rt.spec.fingerprint
+    model = tmp_path / fingerprint
+    (model / "alice").mkdir(mode=0o700, parents=True)
+    (model / "alice" / store.JOURNAL_FILE).write_bytes(b"kvactors-journal-9\nfrom the future")
+    (model / "carol").mkdir(mode=0o700)
+    (model / "carol" / store.JOURNAL_FILE).mkdir()  # unreadable as a file (EISDIR; EACCES takes the same path)
+    (tmp_path / "outside").mkdir()
+    (model / "dave").symlink_to(tmp_path / "outside")  # a planted link out of the store
+    with Runtime(model=None, cache_dir=tmp_path, max_restarts=1, restart_period=60, backoff=FAST) as rt:
+        bad = {name: rt.spawn(name, system="You are bad.") for name in ("alice", "carol", "dave")}
+        bob = rt.spawn("bob", system="You are Bob.")
+        persistence, actors = rt.env.persistence(), {n: rt.env.refs[n] for n in bad}
+        for _ in range(3):  # well past max_restarts, had these been crashes
+            for name, ref in bad.items():
+                with pytest.raises(JournalError, match=name):
+                    ref.ask("Hello?", max_tokens=4)
+            assert bob.ask("Still fine?", max_tokens=4).agent == "bob"
+        assert rt.escalation is None and rt.env.persistence() is persistence
+        assert {n: rt.env.refs[n] for n in bad} == actors  # nothing restarted
+        assert list((tmp_path / "outside").iterdir()) == []
+        (model / "alice" / store.JOURNAL_FILE).rename(model / "alice" / "journal.moved-aside")
+        assert bad["alice"].ask("And now?", max_tokens=4).agent == "alice"  # fixed files: back at work
+
+
+def test_send_to_resolves_once_the_senders_copy_is_durable(tmp_path):
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        alice, bob = rt.spawn("alice", system="You are Alice."), rt.spawn("bob", system="You are Bob.")
+        own = alice.send("Think at length.", max_tokens=150)  # alice is busy while bob answers
+        r = alice.send_to(bob, "Short answer.", max_tokens=2).get(timeout=120)
+        notes = [x for x in on_disk(rt, "alice") if x["sender"] == "bob"]
+        assert [(x["role"], x["text"]) for x in notes] == [("user", r.text)]  # on disk when the future resolved
+        assert own.get(timeout=120).agent == "alice"
+        assert [x["role"] for x in on_disk(rt, "alice")] == ["system", "user", "assistant", "user"]
+
+
+def test_turn_timeouts_leave_no_threads_behind(tmp_path):
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        alice = rt.spawn("alice", system="You are Alice.")
+        for i in range(12):
+            alice.ask(f"Turn {i}.", max_tokens=1, timeout=60)
+        assert not [t for t in threading.enumerate() if isinstance(t, threading.Timer)]
+        assert rt.env.deadlines.pending() == 0
+
+
+@pytest.mark.parametrize("options", [dict(strategy="nope"), dict(max_restarts=-1), dict(kv_bits=3),
+                                     dict(durability="eventually"), dict(backoff=0.1)])
+def test_a_bad_option_is_refused_before_anything_is_acquired(tmp_path, options):
+    threads = set(threading.enumerate())
+    with pytest.raises((ValueError, TypeError)):
+        Runtime(model=None, cache_dir=tmp_path, **options)
+    assert set(threading.enumerate()) <= threads
+    with Runtime(model=None, cache_dir=tmp_path) as rt:  # the cache_dir is free
+        assert rt.spawn("alice").ask("Hi.", max_tokens=2).agent == "alice"
+
+
+def test_a_failure_late_in_init_releases_everything(tmp_path, monkeypatch):
+    from runtime import facade
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the batcher cannot start")
+
+    threads = set(threading.enumerate())
+    monkeypatch.setattr(facade.BatcherActor, "start", broken)
+    with pytest.raises(RuntimeError, match="cannot start"):
+        Runtime(model=None, cache_dir=tmp_path)
+    monkeypatch.undo()
+    assert {t for t in threading.enumerate() if t.is_alive()} <= threads
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        assert rt.spawn("alice").ask("Hi.", max_tokens=2).agent == "alice"
+
+
+def test_use_after_shutdown_fails_at_once_with_runtime_closed(tmp_path):
+    rt = Runtime(model=None, cache_dir=tmp_path)
+    alice = rt.spawn("alice")
+    rt.shutdown()
+    with pytest.raises(RuntimeClosed):
+        alice.ask("Anyone?", max_tokens=2)
+    with pytest.raises(RuntimeClosed):
+        rt.spawn("bob")
+
+
+def _unshare_works() -> bool:
+    try:
+        return subprocess.run(["unshare", "-rm", "true"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not _unshare_works(),
+                    reason="needs a private mount namespace (unshare -rm) for a small tmpfs")
+def test_a_real_full_disk_loses_no_acknowledged_turn(tmp_path):
+    mount = tmp_path / "mnt"
+    mount.mkdir()
+    proc = subprocess.run(["unshare", "-rm", sys.executable, str(TESTS / "disk_full_child.py"), str(mount)],
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["not_saved"] > 0  # the disk really was full for some appends
+    for name, acked in out["acked"].items():
+        want = [x for turn_id, text, reply in acked for x in ((turn_id, "user", text), (turn_id, "assistant", reply))]
+        assert turns(out["journals"][name]) == want  # every acknowledged turn once, in order, nothing else
+        assert turns(out["histories"][name]) == want
+        assert len(acked) > 2  # turns were acknowledged during and after the full disk
