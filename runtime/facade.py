@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import threading
 import time
@@ -27,7 +28,7 @@ from actors import agent as agent_mod
 from actors.agent import DURABILITY, AgentActor, AgentCrashed, Ask, Note, Reply, TurnTimeout, UnknownAgent
 from actors.batcher import BatcherActor, BatcherStopped
 from actors.persistence import PersistenceActor
-from actors.supervisor import STRATEGIES, Backoff, ChildSpec, RestartIntensity, Supervisor, UnknownChild
+from actors.supervisor import RESTART_TYPES, STRATEGIES, Backoff, ChildSpec, RestartIntensity, Supervisor, UnknownChild
 from runtime import store
 from runtime.deadlines import Deadlines
 from runtime.model import load_model
@@ -170,11 +171,19 @@ class AgentRef:
         turn, TurnTimeout after `timeout` seconds (the hung turn is failed and the
         agent restarted; None disables the watchdog), UnknownAgent if the agent is
         gone. `sender` attributes the message to another agent.
+
+        Every option is checked here, in the caller's thread, before any actor sees the
+        turn: a bad one raises TypeError or ValueError (see `check_turn_options`).
+        `stop` is one string or an iterable of strings.
         """
-        if not text:
-            raise ValueError("an empty message gives the model nothing to answer")
+        stop = check_turn_options(text, max_tokens, temperature, top_p, seed, stop, timeout,
+                                  self.runtime.max_context)
+        if sender is not None:
+            store.check_agent_id(sender)
+        if conversation_id is not None and not isinstance(conversation_id, str):
+            raise TypeError(f"conversation_id must be a str or None, got {type(conversation_id).__name__}")
         payload = agent_mod.encode_message(
-            text, sender, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+            text, sender, max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p), seed=seed,
             stop=list(stop), timeout=timeout, conversation_id=conversation_id, reply_to_agent=_reply_to_agent,
         )
         future = pykka.ThreadingFuture()
@@ -247,6 +256,8 @@ class Runtime:
         self._names: list[str] = []
         self.cache_dir = Path(cache_dir or DEFAULT_CACHE_DIR).expanduser()
         self.model, self.tokenizer, self.spec = load_model(model, kv_bits=kv_bits)
+        context = getattr(getattr(self.model, "args", None), "max_position_embeddings", None)
+        self.max_context = context if isinstance(context, int) else None  # the model's positions, when it says
         engine_options = dict(memory_budget=memory_budget, max_batch=max_batch, route=route)
         try:  # whatever fails from here on, nothing stays behind: no lock, no thread
             self.env = Env(self.tokenizer, self.spec, durability, hot_budget, io_timeout)
@@ -275,6 +286,10 @@ class Runtime:
         """
         self._check_running()
         store.check_agent_id(name)
+        if not isinstance(system, str):
+            raise TypeError(f"system must be a str, got {type(system).__name__}")
+        if restart not in RESTART_TYPES:
+            raise ValueError(f"restart must be one of {', '.join(RESTART_TYPES)}; got {restart!r}")
         if name in self._names:
             raise ValueError(f"agent {name!r} is already running; use rt.agent({name!r})")
         self._start_child(self.supervisor, name,
@@ -431,3 +446,53 @@ def _check_options(kv_bits, durability, strategy, max_restarts, restart_period, 
     if not isinstance(backoff, Backoff):
         raise TypeError(f"backoff must be an actors.supervisor.Backoff, got {type(backoff).__name__}")
     RestartIntensity(max_restarts, restart_period)  # raises ValueError for bad limits
+
+
+def _number(name: str, value, kind=(int, float)) -> None:
+    if isinstance(value, bool) or not isinstance(value, kind):
+        kinds = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+        raise TypeError(f"{name} must be {kinds}, got {type(value).__name__}")
+
+
+def check_turn_options(text, max_tokens, temperature, top_p, seed, stop, timeout, max_context=None) -> tuple:
+    """Check a turn's options; return `stop` as a tuple of strings.
+
+    Raises TypeError for a wrong type and ValueError for a value out of range:
+    `text` a non-empty str; `max_tokens` an int >= 1 (and at most `max_context`, the
+    model's positions, when known); `temperature` finite and >= 0; `top_p` in (0, 1];
+    `seed` an int >= 0; `stop` one non-empty str or an iterable of them; `timeout`
+    None or a finite number > 0.
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a str, got {type(text).__name__} (decode bytes first)")
+    if not text:
+        raise ValueError("an empty message gives the model nothing to answer")
+    _number("max_tokens", max_tokens, int)
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if max_context is not None and max_tokens > max_context:
+        raise ValueError(f"max_tokens {max_tokens} is more than the model's {max_context} positions")
+    _number("temperature", temperature)
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be finite and >= 0, got {temperature}")
+    _number("top_p", top_p)
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    _number("seed", seed, int)
+    if seed < 0:
+        raise ValueError(f"seed must be >= 0, got {seed}")
+    stop = (stop,) if isinstance(stop, str) else stop
+    try:
+        stop = tuple(stop)
+    except TypeError:
+        raise TypeError(f"stop must be a str or an iterable of str, got {type(stop).__name__}") from None
+    for s in stop:
+        if not isinstance(s, str):
+            raise TypeError(f"stop strings must be str, got {type(s).__name__}")
+        if not s:
+            raise ValueError("an empty stop string would stop every turn at once")
+    if timeout is not None:
+        _number("timeout", timeout)
+        if not (math.isfinite(timeout) and timeout > 0):
+            raise ValueError(f"timeout must be None or a finite number > 0, got {timeout}")
+    return stop

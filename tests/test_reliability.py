@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -19,6 +20,8 @@ import threading
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from actors.supervisor import Backoff
 from runtime import JournalError, Runtime, RuntimeClosed, TurnNotSaved, store
@@ -232,3 +235,93 @@ def test_a_real_full_disk_loses_no_acknowledged_turn(tmp_path):
         assert turns(out["journals"][name]) == want  # every acknowledged turn once, in order, nothing else
         assert turns(out["histories"][name]) == want
         assert len(acked) > 2  # turns were acknowledged during and after the full disk
+
+
+# -- a caller's mistake is refused at the edge, never a crash ----------------------------------
+
+BAD_OPTIONS = [
+    (dict(max_tokens=10**9), ValueError), (dict(max_tokens=0), ValueError), (dict(max_tokens=-1), ValueError),
+    (dict(max_tokens="3"), TypeError), (dict(max_tokens=2.0), TypeError), (dict(max_tokens=True), TypeError),
+    (dict(temperature=float("nan")), ValueError), (dict(temperature=-1), ValueError),
+    (dict(top_p=0), ValueError), (dict(top_p=1.5), ValueError), (dict(seed=-1, temperature=0.7), ValueError),
+    (dict(stop=[None]), TypeError), (dict(stop=("",)), ValueError), (dict(stop=3), TypeError),
+    (dict(timeout=0), ValueError), (dict(timeout=float("nan")), ValueError), (dict(timeout=-5), ValueError),
+    (dict(text=b"bytes"), TypeError), (dict(text=""), ValueError), (dict(sender="../x"), ValueError),
+]
+
+
+@pytest.fixture(scope="module")
+def edge_rt(tmp_path_factory):
+    with Runtime(model=None, cache_dir=tmp_path_factory.mktemp("edge"), max_restarts=1, restart_period=60,
+                 backoff=FAST) as rt:
+        yield rt
+
+
+@pytest.mark.parametrize("options, error", BAD_OPTIONS)
+def test_bad_turn_options_are_refused_in_the_callers_thread(edge_rt, monkeypatch, options, error):
+    ref = edge_rt.spawn(f"edge-{BAD_OPTIONS.index((options, error))}", system="You are careful.")
+    ref.history()  # started
+    actor, delivered = edge_rt.env.refs[ref.name], []
+    monkeypatch.setattr(edge_rt, "_deliver", lambda *a: delivered.append(a))
+    options = {"text": "Hello.", "max_tokens": 2, **options}
+    with pytest.raises(error):
+        ref.send(options.pop("text"), **options)
+    assert delivered == [] and edge_rt.env.refs[ref.name] is actor and edge_rt.escalation is None
+
+
+def test_stop_as_one_string_is_one_stop_string(edge_rt):
+    ref = edge_rt.spawn("edge-stop", system="You are careful.")
+    delivered = []
+    real = edge_rt._deliver
+    edge_rt._deliver = lambda name, message, future: delivered.append(message) or real(name, message, future)
+    try:
+        ref.ask("Hello.", max_tokens=2, stop="END")
+    finally:
+        del edge_rt._deliver
+    import msgpack
+
+    assert msgpack.unpackb(delivered[0].payload)["stop"] == ["END"]
+
+
+def valid(o) -> bool:
+    """The oracle: whether `send` must accept options `o` (written apart from the code it checks)."""
+    def num(x):
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+    stops = [o["stop"]] if isinstance(o["stop"], str) else o["stop"]
+    return (isinstance(o["max_tokens"], int) and not isinstance(o["max_tokens"], bool) and 1 <= o["max_tokens"] <= 4096
+            and num(o["temperature"]) and o["temperature"] >= 0 and num(o["top_p"]) and 0 < o["top_p"] <= 1
+            and isinstance(o["seed"], int) and not isinstance(o["seed"], bool) and o["seed"] >= 0
+            and isinstance(stops, (list, tuple)) and all(isinstance(s, str) and s for s in stops)
+            and (o["timeout"] is None or (num(o["timeout"]) and o["timeout"] > 0)))
+
+
+ANY = st.one_of(st.none(), st.booleans(), st.text(max_size=3), st.floats(allow_nan=True), st.integers(-3, 3))
+OPTIONS = st.fixed_dictionaries({
+    "max_tokens": st.one_of(st.integers(1, 2), st.sampled_from([0, -1, 10**9, "3", 2.0]), ANY),
+    "temperature": st.one_of(st.sampled_from([0.0, 0.5, 1]), st.floats(allow_nan=True), ANY),
+    "top_p": st.one_of(st.sampled_from([1.0, 0.9, 1]), st.floats(-1, 2), ANY),
+    "seed": st.one_of(st.integers(0, 2**31), st.integers(-5, -1), ANY),
+    "stop": st.one_of(st.just(()), st.text(min_size=1, max_size=4), st.lists(st.one_of(st.text(max_size=3), ANY), max_size=2)),
+    "timeout": st.one_of(st.just(60), st.none(), st.floats(allow_nan=True), ANY),
+})
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(options=OPTIONS)
+def test_random_options_never_reach_an_actor_invalid_nor_crash_one_valid(edge_rt, options):
+    ref = edge_rt.agent("prop") if "prop" in edge_rt.agents() else edge_rt.spawn("prop", system="You are careful.")
+    actor = edge_rt.env.refs.get("prop")
+    if valid(options):
+        assert ref.ask("Hello.", **options).agent == "prop"
+    else:
+        real, delivered = edge_rt._deliver, []
+        edge_rt._deliver = lambda *a: delivered.append(a)
+        try:
+            with pytest.raises((TypeError, ValueError)):
+                ref.send("Hello.", **options)
+        finally:
+            del edge_rt._deliver
+        assert delivered == []
+    assert actor is None or edge_rt.env.refs["prop"] is actor  # no crash, no restart
+    assert edge_rt.escalation is None
