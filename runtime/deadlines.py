@@ -48,9 +48,6 @@ class Deadlines:
             handle = next(self._ids)
             self._live[handle] = (fn, args)
             heapq.heappush(self._heap, (self._clock() + max(0.0, delay), handle))
-            if len(self._heap) > 2 * len(self._live) + 64:  # mostly cancelled entries: rebuild
-                self._heap = [e for e in self._heap if e[1] in self._live]
-                heapq.heapify(self._heap)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
                 self._thread.start()
@@ -60,7 +57,11 @@ class Deadlines:
     def cancel(self, handle: int | None) -> bool:
         """Forget the deadline `handle` (None is ignored); return whether it was still pending."""
         with self._cond:
-            return self._live.pop(handle, None) is not None
+            found = self._live.pop(handle, None) is not None
+            if len(self._heap) > 2 * len(self._live) + 64:  # mostly cancelled entries: rebuild
+                self._heap = [e for e in self._heap if e[1] in self._live]
+                heapq.heapify(self._heap)
+            return found
 
     def pending(self) -> int:
         """How many deadlines are scheduled and not yet run or cancelled."""
