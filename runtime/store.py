@@ -1230,8 +1230,12 @@ def load_agent(cache_dir, spec, agent: str) -> Loaded:
 
 
 def delete(cache_dir, spec, agent: str) -> bool:
-    """Delete `agent`'s folder (cache and journal) for model `spec`; return whether it existed."""
+    """Delete `agent`'s folder (cache and journal) for model `spec`; return whether it existed.
+
+    Raises UnsafePath if the folder is a symlink (nothing outside the store is deleted).
+    """
     folder = agent_dir(cache_dir, spec.fingerprint, agent)
+    refuse_links(folder)
     if not folder.exists():
         return False
     shutil.rmtree(folder)
@@ -1240,11 +1244,14 @@ def delete(cache_dir, spec, agent: str) -> bool:
 
 
 def agent_folders(cache_dir) -> list[Path]:
-    """Agent folders under `cache_dir` (`<fingerprint>/<agent>` holding a cache or journal), sorted."""
+    """Agent folders under `cache_dir` (`<fingerprint>/<agent>` holding a cache or journal), sorted.
+
+    Symlinked model or agent folders are left out: nothing follows them.
+    """
     root = Path(cache_dir).expanduser()
     return sorted(
         d for d in root.glob("*/*")
-        if d.is_dir() and AGENT_ID.fullmatch(d.name) and ((d / CACHE_FILE).exists() or (d / JOURNAL_FILE).exists())
+        if d.is_dir() and not d.is_symlink() and not d.parent.is_symlink() and AGENT_ID.fullmatch(d.name) and ((d / CACHE_FILE).exists() or (d / JOURNAL_FILE).exists())
     )
 
 

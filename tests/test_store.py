@@ -383,6 +383,11 @@ def test_symlinks_inside_the_store_are_never_followed(tmp_path):
     with pytest.raises(store.UnreadableCache):
         store.load_cache(root, SPEC, "b")
     assert store.scan_journal((outside / store.JOURNAL_FILE).read_bytes()).records == recs  # untouched
+    assert store.agent_folders(root) == [folder]  # housekeeping never enters the planted folder
+    store.prune(root, 0, journals=True, now=float("inf"))
+    with pytest.raises(store.UnsafePath):
+        store.delete(root, SPEC, "planted")
+    assert sorted(p.name for p in outside.iterdir()) == [store.CACHE_FILE, store.JOURNAL_FILE]
 
 
 def test_deleting_files_in_cache_dir_does_not_release_its_lock(tmp_path):
