@@ -188,7 +188,7 @@ class AgentActor(SupervisedActor):
         self.fault = False
         self.load_s = 0.0
         self.from_disk = False
-        self.broken: store.JournalError | None = None  # the journal cannot be read: every turn fails with it
+        self.broken: Exception | None = None  # files it cannot read or write: each item retries, then fails
 
     # -- life cycle ------------------------------------------------------------------
 
@@ -198,7 +198,7 @@ class AgentActor(SupervisedActor):
         self.load_s = time.perf_counter() - t0
 
     def _restore(self):
-        """Take the durable state as this agent's state; an unreadable journal leaves it `broken`."""
+        """Take the durable state as this agent's state; files it cannot read or write leave it `broken`."""
         loaded = self._load_durable()
         self.broken = loaded.journal_error
         self.env.hot.discard(self.name)
@@ -210,7 +210,12 @@ class AgentActor(SupervisedActor):
         self.seq = max(self.records[-1]["seq"] if self.records else 0, loaded.last_seq)  # never reuse a seq
         system = next((r["text"] for r in self.records if r["role"] == "system"), None)
         if system is None and self.system:
-            self._persist_now([self._record("system", self.system)])
+            try:
+                self._persist_now([self._record("system", self.system)])
+            except OSError as e:  # a full disk: each later item retries instead of crash-looping
+                self.broken = e
+                log.error("agent %s cannot record its system prompt: %s", self.name, e)
+                return
         elif system is not None:
             if self.system and system != self.system:
                 log.warning("agent %s keeps its stored system prompt; the new one is ignored", self.name)
@@ -298,7 +303,9 @@ class AgentActor(SupervisedActor):
             if self.broken is not None:
                 self._restore()  # the files may have been fixed meanwhile
             if self.broken is not None:
-                error = store.JournalError(f"agent {self.name}: {self.broken}")
+                error = (store.JournalError(f"agent {self.name}: {self.broken}") if isinstance(self.broken, store.JournalError)
+                         else TurnNotSaved(None, f"agent {self.name} cannot record its system prompt ({self.broken}); "
+                                                 "retry once the disk is fixed"))
                 self._abandon(item, error, f"agent {self.name} cannot record messages: {self.broken}")
             elif item.kind == "note":
                 msg = item.msg

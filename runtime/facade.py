@@ -25,7 +25,7 @@ from pathlib import Path
 import pykka
 
 from actors import agent as agent_mod
-from actors.agent import DURABILITY, AgentActor, AgentCrashed, Ask, Note, Reply, TurnTimeout, UnknownAgent
+from actors.agent import DURABILITY, AgentActor, AgentCrashed, AgentError, Ask, Note, Reply, TurnTimeout, UnknownAgent
 from actors.batcher import BatcherActor, BatcherStopped
 from actors.persistence import PersistenceActor
 from actors.supervisor import RESTART_TYPES, STRATEGIES, Backoff, ChildSpec, RestartIntensity, Supervisor, UnknownChild
@@ -61,6 +61,21 @@ class DeadLetter:
     message: object
     reason: str
     at: float = field(default_factory=time.time)
+
+
+class ReplyFuture(pykka.ThreadingFuture):
+    """A future of a `Reply`: `get(timeout=)` raises TurnTimeout (not pykka's Timeout) when no reply came in time.
+
+    Such a timeout only ends the wait: the turn may still finish and be recorded
+    (see `AgentRef.history`).
+    """
+
+    def get(self, *, timeout: float | None = None):
+        """The Reply, or the turn's error; TurnTimeout if none came within `timeout` seconds."""
+        try:
+            return super().get(timeout=timeout)
+        except pykka.Timeout:
+            raise TurnTimeout(None, f"no reply within {timeout}s; the turn may still finish (see history())") from None
 
 
 class Env:
@@ -164,7 +179,7 @@ class AgentRef:
 
     def send(self, text: str, *, max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
              seed: int = 0, stop=(), timeout: float | None = 60.0, sender: str | None = None,
-             conversation_id: str | None = None, _reply_to_agent: str | None = None) -> pykka.Future:
+             conversation_id: str | None = None, _reply_to_agent: str | None = None) -> ReplyFuture:
         """Queue a turn on `text`; return a future of its `Reply`.
 
         The future raises AgentCrashed (with the turn id) if the agent crashes in the
@@ -186,24 +201,21 @@ class AgentRef:
             text, sender, max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p), seed=seed,
             stop=list(stop), timeout=timeout, conversation_id=conversation_id, reply_to_agent=_reply_to_agent,
         )
-        future = pykka.ThreadingFuture()
+        future = ReplyFuture()
         self.runtime._deliver(self.name, Ask(payload, future), future)
         return future
 
     def ask(self, text: str, *, timeout: float | None = 60.0, **options) -> Reply:
         """Take a turn on `text` and wait for the `Reply` (see `send` for the options and errors)."""
         future = self.send(text, timeout=timeout, **options)
-        try:
-            return future.get(timeout=None if timeout is None else timeout + 5)
-        except pykka.Timeout:
-            raise TurnTimeout(None, f"{self.name} did not answer within {timeout}s") from None
+        return future.get(timeout=None if timeout is None else timeout + 5)
 
     async def ask_async(self, text: str, *, timeout: float | None = 60.0, **options) -> Reply:
         """`ask` for asyncio code: awaits the reply without blocking the event loop."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(None, lambda: self.ask(text, timeout=timeout, **options))
 
-    def send_to(self, other: "AgentRef", text: str, **options) -> pykka.Future:
+    def send_to(self, other: "AgentRef", text: str, **options) -> ReplyFuture:
         """Send `text` from this agent to `other`, which takes a turn on it.
 
         The reply is also added to this agent's history as a message from `other`,
@@ -218,11 +230,21 @@ class AgentRef:
 
     def history(self) -> list[dict]:
         """This agent's conversation as journal records, oldest first (see `AgentActor.history`)."""
-        return self.runtime._ref(self.name).proxy().history().get(timeout=30)
+        for _ in range(3):
+            try:
+                return self.runtime._ref(self.name).proxy().history().get(timeout=30)
+            except pykka.ActorDeadError:
+                continue  # it crashed just now: ask its next incarnation
+            except pykka.Timeout:
+                raise AgentError(f"agent {self.name!r} did not answer history() within 30 s; it is busy, retry") from None
+        raise AgentCrashed(None, f"agent {self.name!r} kept crashing while asked for its history; retry")
 
     def inject_crash(self) -> None:
         """For tests and demos: make the agent crash at the end of its next turn."""
-        self.runtime._ref(self.name).tell(agent_mod._Fault())
+        try:
+            self.runtime._ref(self.name).tell(agent_mod._Fault())
+        except pykka.ActorDeadError:
+            raise AgentCrashed(None, f"agent {self.name!r} is restarting; retry") from None
 
     def stop(self) -> None:
         """Stop the agent for good (no restart); its durable state stays on disk."""
@@ -320,7 +342,7 @@ class Runtime:
                 text, previous = r.text or "...", a
         return replies
 
-    def broadcast(self, group, text: str, **options) -> list[pykka.Future]:
+    def broadcast(self, group, text: str, **options) -> list[ReplyFuture]:
         """Send `text` to every agent in `group` (each takes a turn); return their futures."""
         return [a.send(text, **options) for a in group]
 
@@ -409,7 +431,10 @@ class Runtime:
         try:
             ref.tell(message)
         except pykka.ActorDeadError:  # it crashed just now: give the next incarnation the message
-            self._ref(name).tell(message)
+            try:
+                self._ref(name).tell(message)
+            except pykka.ActorDeadError:
+                raise AgentCrashed(None, f"agent {name!r} crashed twice while taking this message; retry") from None
 
     def _stop_agent(self, name):
         if name not in self._names:

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from actors.supervisor import Backoff
-from runtime import JournalError, Runtime, RuntimeClosed, TurnNotSaved, store
+from runtime import JournalError, Runtime, RuntimeClosed, TurnNotSaved, TurnTimeout, store
 
 FAST = Backoff(min=0.001, max=0.02, reset=10.0)
 TESTS = Path(__file__).resolve().parent
@@ -325,3 +325,30 @@ def test_random_options_never_reach_an_actor_invalid_nor_crash_one_valid(edge_rt
         assert delivered == []
     assert actor is None or edge_rt.env.refs["prop"] is actor  # no crash, no restart
     assert edge_rt.escalation is None
+
+
+def test_waiting_too_little_on_a_reply_is_a_turn_timeout_not_a_pykka_error(edge_rt):
+    ref = edge_rt.spawn("edge-wait", system="You are careful.")
+    future = ref.send("Think at length.", max_tokens=40)
+    with pytest.raises(TurnTimeout, match="may still finish"):
+        future.get(timeout=0)
+    assert future.get(timeout=120).agent == "edge-wait"  # the wait ended, not the turn
+
+
+def test_an_agent_spawned_on_a_full_disk_fails_its_turns_without_crash_looping(tmp_path, monkeypatch):
+    real = store._pwrite
+
+    def disk_full(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with Runtime(model=None, cache_dir=tmp_path, max_restarts=1, restart_period=60, backoff=FAST) as rt:
+        monkeypatch.setattr(store, "_pwrite", disk_full)
+        newbie = rt.spawn("newbie", system="You are new.")
+        for _ in range(3):
+            with pytest.raises(TurnNotSaved, match="system prompt"):
+                newbie.ask("Hello?", max_tokens=2)
+        monkeypatch.setattr(store, "_pwrite", real)
+        r = newbie.ask("And now?", max_tokens=2)
+        assert rt.escalation is None
+        assert [(x["role"], x["text"]) for x in on_disk(rt, "newbie")] == [
+            ("system", "You are new."), ("user", "And now?"), ("assistant", r.text)]
