@@ -46,7 +46,11 @@ class AgentError(RuntimeError):
 
 
 class AgentCrashed(AgentError):
-    """The agent crashed during turn `turn_id`; it restarts from its durable state. Retry the turn."""
+    """The agent crashed during turn `turn_id`; it restarts from its durable state.
+
+    Retry with the same turn id (`send(..., turn_id=e.turn_id)`): if the turn did
+    commit after all, the retry returns its reply instead of running it twice.
+    """
 
     def __init__(self, turn_id: str | None, message: str):
         super().__init__(f"turn {turn_id}: {message}" if turn_id else message)
@@ -77,7 +81,8 @@ class Reply:
     """An agent's answer to one turn.
 
     `cache` is "cold" (the whole context was prefilled), "hot" (the agent's cache was
-    in memory) or "warm" (loaded from disk). `timings.ttft_s` counts from the moment
+    in memory), "warm" (loaded from disk) or "committed" (a retry of a turn id that
+    had already committed, answered from the history: nothing ran, timings are zero). `timings.ttft_s` counts from the moment
     the agent started the turn, a reload from disk included.
     """
 
@@ -249,7 +254,7 @@ class AgentActor(SupervisedActor):
     def _drop_work(self, why):
         # Items taken from the inbox but not started: fail the turns, dead-letter the notes.
         for item in self.work:
-            self._abandon(item, AgentCrashed(None, why), why)
+            self._abandon(item, AgentCrashed(item.turn_id, why), why)
         self.work.clear()
 
     def _abandon(self, item: _Item, error: AgentError, why: str):
@@ -265,7 +270,8 @@ class AgentActor(SupervisedActor):
     def _drain_inbox(self, why):
         for msg in self.take_leftover(Ask, Note):
             if isinstance(msg, Ask):
-                _fail(msg.future, AgentCrashed(None, f"{why} before this message; retry it"))
+                turn_id = msgpack.unpackb(msg.payload).get("turn_id")
+                _fail(msg.future, AgentCrashed(turn_id, f"{why} before this message; retry it"))
             elif isinstance(msg, Note):
                 _dead_letter(self.env, self.name, msg, why)
 
@@ -273,7 +279,8 @@ class AgentActor(SupervisedActor):
 
     def on_receive(self, message):
         if isinstance(message, Ask):
-            self.work.append(_Item("ask", msgpack.unpackb(message.payload), message.future))
+            msg = msgpack.unpackb(message.payload)
+            self.work.append(_Item("ask", msg, message.future, turn_id=msg.get("turn_id")))
         elif isinstance(message, Note):
             self.work.append(_Item("note", msgpack.unpackb(message.payload), message.future, reply=message.reply))
         elif isinstance(message, _Done):
@@ -304,9 +311,12 @@ class AgentActor(SupervisedActor):
                 self._restore()  # the files may have been fixed meanwhile
             if self.broken is not None:
                 error = (store.JournalError(f"agent {self.name}: {self.broken}") if isinstance(self.broken, store.JournalError)
-                         else TurnNotSaved(None, f"agent {self.name} cannot record its system prompt ({self.broken}); "
+                         else TurnNotSaved(item.turn_id, f"agent {self.name} cannot record its system prompt ({self.broken}); "
                                                  "retry once the disk is fixed"))
                 self._abandon(item, error, f"agent {self.name} cannot record messages: {self.broken}")
+            elif item.kind == "ask" and (reply := self._committed(item.turn_id)) is not None:
+                item.reply = reply  # a retry of a turn that already committed: answer it, run nothing
+                self._complete(item)
             elif item.kind == "note":
                 msg = item.msg
                 item.records = [self._record("user", msg["text"], sender=msg.get("sender"), msg=msg)]
@@ -319,7 +329,7 @@ class AgentActor(SupervisedActor):
 
     def _start_turn(self, item: _Item):
         msg = item.msg
-        turn_id = item.turn_id = f"{self.name}-{self.seq + 1}-{uuid.uuid4().hex[:8]}"
+        turn_id = item.turn_id = item.turn_id or f"{self.name}-{self.seq + 1}-{uuid.uuid4().hex[:8]}"
         user = self._record("user", msg["text"], sender=msg.get("sender"), msg=msg, turn_id=turn_id)
         rendered = self.env.render(self.system, self.records + [user])
         cache, tokens, label, keep_ids, keep_ends, keep_text = self._reuse(rendered)
@@ -385,7 +395,8 @@ class AgentActor(SupervisedActor):
             raise AgentCrashed(turn_id, "injected fault (AgentRef.inject_crash)")
         p = item.pending
         result: TurnResult = outcome
-        assistant = self._record("assistant", result.text, turn_id=turn_id)
+        assistant = self._record("assistant", result.text, turn_id=turn_id, tokens=[int(t) for t in result.tokens],
+                                 finish_reason=result.finish_reason)
         meta = self._cache_meta(p, result, assistant["seq"])
         self.records.append(p["user"])
         self.records.append(assistant)
@@ -413,12 +424,22 @@ class AgentActor(SupervisedActor):
 
     # -- persistence ------------------------------------------------------------------
 
-    def _record(self, role, text, sender=None, msg=None, turn_id=None):
+    def _record(self, role, text, sender=None, msg=None, turn_id=None, **fields):
         self.seq += 1
         extra = {}
         if msg:
             extra = {"message_id": msg.get("message_id"), "conversation_id": msg.get("conversation_id")}
-        return store.journal_record(self.seq, role, text, turn_id=turn_id, sender=sender, **extra)
+        return store.journal_record(self.seq, role, text, turn_id=turn_id, sender=sender, **extra, **fields)
+
+    def _committed(self, turn_id) -> Reply | None:
+        """The Reply of turn `turn_id` if it is in the history already (cache "committed"), else None."""
+        if turn_id is None:
+            return None
+        for r in reversed(self.records):
+            if r["role"] == "assistant" and r.get("turn_id") == turn_id:
+                return Reply(self.name, turn_id, r["text"], list(r.get("tokens", [])), "committed",
+                             r.get("finish_reason", "unknown"), Timings())
+        return None
 
     def _load_durable(self) -> store.Loaded:
         # Blocks on the persistence actor, which never waits on agents: no deadlock.

@@ -15,9 +15,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import re
 import os
 import threading
 import time
+import uuid
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +37,8 @@ from runtime.model import load_model
 
 log = logging.getLogger(__name__)
 DEFAULT_CACHE_DIR = "~/.cache/kvactors/agents"
-KV_BITS = (4, 8)  # KV cache bits the packed cache supports
+KV_BITS = (4, 8)
+TURN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")  # KV cache bits the packed cache supports
 
 
 def _shutdown_at_exit(runtime: "Runtime") -> None:
@@ -75,7 +78,8 @@ class ReplyFuture(pykka.ThreadingFuture):
         try:
             return super().get(timeout=timeout)
         except pykka.Timeout:
-            raise TurnTimeout(None, f"no reply within {timeout}s; the turn may still finish (see history())") from None
+            raise TurnTimeout(getattr(self, "turn_id", None), f"no reply within {timeout}s; the turn may still "
+                              "finish: wait again, or retry with the same turn_id") from None
 
 
 class Env:
@@ -179,13 +183,19 @@ class AgentRef:
 
     def send(self, text: str, *, max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
              seed: int = 0, stop=(), timeout: float | None = 60.0, sender: str | None = None,
-             conversation_id: str | None = None, _reply_to_agent: str | None = None) -> ReplyFuture:
+             conversation_id: str | None = None, turn_id: str | None = None,
+             _reply_to_agent: str | None = None) -> ReplyFuture:
         """Queue a turn on `text`; return a future of its `Reply`.
 
         The future raises AgentCrashed (with the turn id) if the agent crashes in the
         turn, TurnTimeout after `timeout` seconds (the hung turn is failed and the
         agent restarted; None disables the watchdog), UnknownAgent if the agent is
         gone. `sender` attributes the message to another agent.
+
+        `turn_id` (default: a fresh one, `future.turn_id`) is the idempotency key:
+        every error carries it, and a send with the id of a turn that already
+        committed returns that turn's reply (cache "committed") instead of running it
+        again. So after any error or timeout, retrying with the same id is safe.
 
         Every option is checked here, in the caller's thread, before any actor sees the
         turn: a bad one raises TypeError or ValueError (see `check_turn_options`).
@@ -195,13 +205,19 @@ class AgentRef:
                                   self.runtime.max_context)
         if sender is not None:
             store.check_agent_id(sender)
+        if turn_id is None:
+            turn_id = f"{self.name}-{uuid.uuid4().hex[:12]}"
+        elif not isinstance(turn_id, str) or not TURN_ID.fullmatch(turn_id):
+            raise ValueError(f"turn_id must match {TURN_ID.pattern}, got {turn_id!r}")
         if conversation_id is not None and not isinstance(conversation_id, str):
             raise TypeError(f"conversation_id must be a str or None, got {type(conversation_id).__name__}")
         payload = agent_mod.encode_message(
             text, sender, max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p), seed=seed,
             stop=list(stop), timeout=timeout, conversation_id=conversation_id, reply_to_agent=_reply_to_agent,
+            turn_id=turn_id,
         )
         future = ReplyFuture()
+        future.turn_id = turn_id
         self.runtime._deliver(self.name, Ask(payload, future), future)
         return future
 

@@ -24,7 +24,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from actors.supervisor import Backoff
-from runtime import JournalError, Runtime, RuntimeClosed, TurnNotSaved, TurnTimeout, store
+from runtime import AgentCrashed, JournalError, Runtime, RuntimeClosed, TurnNotSaved, TurnTimeout, store
+from runtime.facade import AgentRef
 
 FAST = Backoff(min=0.001, max=0.02, reset=10.0)
 TESTS = Path(__file__).resolve().parent
@@ -352,3 +353,48 @@ def test_an_agent_spawned_on_a_full_disk_fails_its_turns_without_crash_looping(t
         assert rt.escalation is None
         assert [(x["role"], x["text"]) for x in on_disk(rt, "newbie")] == [
             ("system", "You are new."), ("user", "And now?"), ("assistant", r.text)]
+
+
+# -- turn ids: every error names its turn, and a retry with the same id never runs it twice ------
+
+
+def test_a_retry_with_a_committed_turn_id_returns_that_reply_without_running_again(tmp_path):
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        alice = rt.spawn("alice", system="You are Alice.")
+        first = alice.ask("One.", max_tokens=4, turn_id="order-1")
+        again = alice.ask("One.", max_tokens=4, turn_id="order-1")
+        assert first.turn_id == again.turn_id == "order-1" and first.cache == "cold"
+        assert (again.cache, again.text, again.tokens, again.finish_reason) == ("committed", first.text, first.tokens,
+                                                                               first.finish_reason)
+        slow = alice.send("Two.", max_tokens=30)
+        with pytest.raises(TurnTimeout) as waited:  # the caller stopped waiting; the turn goes on
+            slow.get(timeout=0)
+        assert waited.value.turn_id == slow.turn_id
+        retry = alice.ask("Two.", max_tokens=30, turn_id=waited.value.turn_id)  # queued behind the first
+        assert retry.cache == "committed" and retry.text == slow.get(timeout=60).text
+    with Runtime(model=None, cache_dir=tmp_path) as rt:  # the key outlives the process
+        alice = rt.spawn("alice")
+        assert alice.ask("One.", max_tokens=4, turn_id="order-1").cache == "committed"
+        assert turns(alice.history()) == replies([("One.", first), ("Two.", retry)])
+    with pytest.raises(ValueError):
+        AgentRef(rt, "alice").send("x", turn_id="../bad")
+
+
+def test_errors_carry_the_turn_id_of_turns_that_never_started(tmp_path):
+    from actors.batcher import Submit
+    from runtime.engine import Turn
+
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        alice = rt.spawn("alice", system="You are Alice.")
+        entered, release = threading.Event(), threading.Event()
+        gate = rt.tokenizer.encode("gate", add_special_tokens=False)
+        rt.env.batcher().tell(Submit(Turn("gate", "gate", None, gate, max_tokens=1),
+                                     lambda outcome: entered.set() or release.wait(30)))
+        assert entered.wait(30)
+        futures = [alice.send(f"Queued {i}.", max_tokens=2) for i in range(3)]
+        alice.stop()
+        release.set()
+        for f in futures:
+            with pytest.raises(AgentCrashed) as crash:
+                f.get(timeout=30)
+            assert crash.value.turn_id == f.turn_id
