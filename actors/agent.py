@@ -82,8 +82,9 @@ class Reply:
 
     `cache` is "cold" (the whole context was prefilled), "hot" (the agent's cache was
     in memory), "warm" (loaded from disk) or "committed" (a retry of a turn id that
-    had already committed, answered from the history: nothing ran, timings are zero). `timings.ttft_s` counts from the moment
-    the agent started the turn, a reload from disk included.
+    had already committed, answered from the history: nothing ran, timings are
+    zero). `timings.ttft_s` counts from the moment the agent started the turn, a
+    reload from disk included.
     """
 
     agent: str

@@ -828,7 +828,9 @@ def read_journal_bytes(path: Path) -> bytes | None:
     except FileNotFoundError:
         return None
     except OSError as e:
-        raise JournalError(f"cannot read the journal {path}: {e.strerror or e}; fix its permissions or move it aside") from e
+        raise JournalError(
+            f"cannot read the journal {path}: {e.strerror or e}; fix its permissions or move it aside"
+        ) from e
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise JournalError(f"the journal {path} is not a regular file; move it aside")
@@ -1251,7 +1253,8 @@ def agent_folders(cache_dir) -> list[Path]:
     root = Path(cache_dir).expanduser()
     return sorted(
         d for d in root.glob("*/*")
-        if d.is_dir() and not d.is_symlink() and not d.parent.is_symlink() and AGENT_ID.fullmatch(d.name) and ((d / CACHE_FILE).exists() or (d / JOURNAL_FILE).exists())
+        if d.is_dir() and not d.is_symlink() and not d.parent.is_symlink() and AGENT_ID.fullmatch(d.name)
+        and ((d / CACHE_FILE).exists() or (d / JOURNAL_FILE).exists())
     )
 
 
