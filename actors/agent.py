@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import threading
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -32,9 +31,9 @@ import msgpack
 import pykka
 
 from actors import persistence
-from actors.batcher import BatcherStopped, Submit
+from actors.batcher import Submit
 from actors.supervisor import SupervisedActor
-from runtime import chat, prefix, store, timers
+from runtime import chat, prefix, store
 from runtime.engine import Sampling, Timings, Turn, TurnResult
 from runtime.q4cache import can_trim
 
@@ -47,7 +46,11 @@ class AgentError(RuntimeError):
 
 
 class AgentCrashed(AgentError):
-    """The agent crashed during turn `turn_id`; it restarts from its durable state. Retry the turn."""
+    """The agent crashed during turn `turn_id`; it restarts from its durable state.
+
+    Retry with the same turn id (`send(..., turn_id=e.turn_id)`): if the turn did
+    commit after all, the retry returns its reply instead of running it twice.
+    """
 
     def __init__(self, turn_id: str | None, message: str):
         super().__init__(f"turn {turn_id}: {message}" if turn_id else message)
@@ -56,6 +59,14 @@ class AgentCrashed(AgentError):
 
 class TurnTimeout(AgentCrashed):
     """The turn did not finish within its timeout; the agent was restarted."""
+
+
+class TurnNotSaved(AgentCrashed):
+    """Turn `turn_id` ran, but writing it to the journal failed (a full disk, an I/O error).
+
+    The journal is as it was before the turn, and the agent went back to its durable
+    state: the turn is not in the history. Retry once the disk is fixed.
+    """
 
 
 class UnknownAgent(AgentError, KeyError):
@@ -70,10 +81,12 @@ class Reply:
     """An agent's answer to one turn.
 
     `cache` is "cold" (the whole context was prefilled), "hot" (the agent's cache was
-    in memory) or "warm" (loaded from disk). `timings.ttft_s` counts from the moment
-    the agent started the turn, a reload from disk included. `text` is spelled as
-    the tokens follow the prompt (a first token's leading space is kept), and the
-    same text goes to the journal and to the text the agent's cache holds.
+    in memory), "warm" (loaded from disk) or "committed" (a retry of a turn id that
+    had already committed, answered from the history: nothing ran, timings are
+    zero). `timings.ttft_s` counts from the moment the agent started the turn, a
+    reload from disk included. `text` is spelled as the tokens follow the prompt (a
+    first token's leading space is kept), and the same text goes to the journal and
+    to the text the agent's cache holds.
     """
 
     agent: str
@@ -101,9 +114,15 @@ class Ask:
 
 @dataclass(frozen=True)
 class Note:
-    """Envelope: append the msgpack `payload` message to the history; no turn."""
+    """Envelope: append the msgpack `payload` message to the history; no turn.
+
+    A `send_to` reply carries the caller's `future` and the `reply` to resolve it with
+    once the note is durable (or dead-lettered: see `AgentRef.send_to`).
+    """
 
     payload: bytes
+    future: Any = None
+    reply: Any = None
 
 
 @dataclass
@@ -119,6 +138,8 @@ class _Item:
     reply: Reply | None = None
     records: list | None = None  # written, awaiting the ack
     pending: dict | None = None  # a turn in the batcher: what was rendered, kept and fed
+    watchdog: int | None = None  # the turn's deadline handle (env.deadlines)
+    forward: tuple | None = None  # a send_to turn: (sender, note payload) to deliver once durable
 
 
 @dataclass(frozen=True)
@@ -188,17 +209,34 @@ class AgentActor(SupervisedActor):
         self.fault = False
         self.load_s = 0.0
         self.from_disk = False
+        self.broken: Exception | None = None  # files it cannot read or write: each item retries, then fails
 
     # -- life cycle ------------------------------------------------------------------
 
     def on_start(self):
         t0 = time.perf_counter()
+        self._restore()
+        self.load_s = time.perf_counter() - t0
+
+    def _restore(self):
+        """Take the durable state as this agent's state; files it cannot read or write leave it `broken`."""
         loaded = self._load_durable()
+        self.broken = loaded.journal_error
+        self.env.hot.discard(self.name)
+        self.records, self.seq, self.meta, self.from_disk = [], 0, None, False
+        if self.broken is not None:
+            log.error("agent %s cannot take turns until its files are fixed: %s", self.name, self.broken)
+            return
         self.records = list(loaded.records)
-        self.seq = self.records[-1]["seq"] if self.records else 0
+        self.seq = max(self.records[-1]["seq"] if self.records else 0, loaded.last_seq)  # never reuse a seq
         system = next((r["text"] for r in self.records if r["role"] == "system"), None)
         if system is None and self.system:
-            self._persist_now([self._record("system", self.system)])
+            try:
+                self._persist_now([self._record("system", self.system)])
+            except OSError as e:  # a full disk: each later item retries instead of crash-looping
+                self.broken = e
+                log.error("agent %s cannot record its system prompt: %s", self.name, e)
+                return
         elif system is not None:
             if self.system and system != self.system:
                 log.warning("agent %s keeps its stored system prompt; the new one is ignored", self.name)
@@ -209,7 +247,6 @@ class AgentActor(SupervisedActor):
             self.from_disk = True
         elif loaded.error is not None and not isinstance(loaded.error, store.CacheMissing):
             log.warning("agent %s: unusable cache, re-prefilling from the journal: %s", self.name, loaded.error)
-        self.load_s = time.perf_counter() - t0
 
     def on_failure(self, exception_type, exception_value, traceback):
         self.env.hot.discard(self.name)
@@ -218,41 +255,51 @@ class AgentActor(SupervisedActor):
             error = exception_value  # e.g. the watchdog's TurnTimeout: the caller gets it as is
             if not (isinstance(error, AgentCrashed) and error.turn_id == self.current.turn_id):
                 error = AgentCrashed(self.current.turn_id, f"the agent crashed ({why})")
-            _fail(self.current.future, error)
+            self._abandon(self.current, error, f"the agent crashed while recording this note ({why})")
         self._drop_work(f"the agent crashed before this message ({why}); retry it")
         self._drain_inbox(why)
 
     def on_stop(self):
         # A stop can come while a turn is in flight or queued in `work`: answer them too.
         if self.current is not None:
-            _fail(self.current.future, AgentCrashed(self.current.turn_id, "the agent stopped before the turn finished"))
+            self._abandon(self.current, AgentCrashed(self.current.turn_id, "the agent stopped before the turn finished"),
+                          "the agent stopped while recording this note")
         self._drop_work("the agent stopped before this message; retry it")
         self._drain_inbox("the agent stopped")
 
     def _drop_work(self, why):
         # Items taken from the inbox but not started: fail the turns, dead-letter the notes.
         for item in self.work:
-            if item.kind == "note":
-                self.env.dead_letter(self.name, Note(msgpack.packb(item.msg)), why)
-            else:
-                _fail(item.future, AgentCrashed(None, why))
+            self._abandon(item, AgentCrashed(item.turn_id, why), why)
         self.work.clear()
+
+    def _abandon(self, item: _Item, error: AgentError, why: str):
+        """Fail a turn's caller with `error`; dead-letter a note (its send_to future gets its reply)."""
+        self.env.deadlines.cancel(item.watchdog)
+        if self.current is item:
+            self.current = None
+        if item.kind == "note":
+            _dead_letter(self.env, self.name, Note(msgpack.packb(item.msg), item.future, item.reply), why)
+        else:
+            _fail(item.future, error)
 
     def _drain_inbox(self, why):
         for msg in self.take_leftover(Ask, Note):
             if isinstance(msg, Ask):
-                _fail(msg.future, AgentCrashed(None, f"{why} before this message; retry it"))
+                turn_id = msgpack.unpackb(msg.payload).get("turn_id")
+                _fail(msg.future, AgentCrashed(turn_id, f"{why} before this message; retry it"))
             elif isinstance(msg, Note):
-                self.env.dead_letter(self.name, msg, why)
+                _dead_letter(self.env, self.name, msg, why)
 
     # -- the mailbox ------------------------------------------------------------------
 
     def on_receive(self, message):
         if isinstance(message, Ask):
-            self.work.append(_Item("ask", msgpack.unpackb(message.payload), message.future,
+            msg = msgpack.unpackb(message.payload)
+            self.work.append(_Item("ask", msg, message.future, turn_id=msg.get("turn_id"),
                                    on_token=message.on_token, on_progress=message.on_progress))
         elif isinstance(message, Note):
-            self.work.append(_Item("note", msgpack.unpackb(message.payload)))
+            self.work.append(_Item("note", msgpack.unpackb(message.payload), message.future, reply=message.reply))
         elif isinstance(message, _Done):
             self._finish_turn(message)
         elif isinstance(message, persistence.Ack):
@@ -277,7 +324,17 @@ class AgentActor(SupervisedActor):
     def _next(self):
         while self.current is None and self.work:
             item = self.current = self.work.popleft()
-            if item.kind == "note":
+            if self.broken is not None:
+                self._restore()  # the files may have been fixed meanwhile
+            if self.broken is not None:
+                error = (store.JournalError(f"agent {self.name}: {self.broken}") if isinstance(self.broken, store.JournalError)
+                         else TurnNotSaved(item.turn_id, f"agent {self.name} cannot record its system prompt ({self.broken}); "
+                                                 "retry once the disk is fixed"))
+                self._abandon(item, error, f"agent {self.name} cannot record messages: {self.broken}")
+            elif item.kind == "ask" and (reply := self._committed(item.turn_id)) is not None:
+                item.reply = reply  # a retry of a turn that already committed: answer it, run nothing
+                self._complete(item)
+            elif item.kind == "note":
                 msg = item.msg
                 item.records = [self._record("user", msg["text"], sender=msg.get("sender"), msg=msg)]
                 self.records += item.records
@@ -289,7 +346,7 @@ class AgentActor(SupervisedActor):
 
     def _start_turn(self, item: _Item):
         msg = item.msg
-        turn_id = item.turn_id = f"{self.name}-{self.seq + 1}-{uuid.uuid4().hex[:8]}"
+        turn_id = item.turn_id = item.turn_id or f"{self.name}-{self.seq + 1}-{uuid.uuid4().hex[:8]}"
         user = self._record("user", msg["text"], sender=msg.get("sender"), msg=msg, turn_id=turn_id)
         rendered = render_chat(self.env.tokenizer, self.system, self.records + [user])
         cache, tokens, label, keep_ids, keep_ends, keep_text = self._reuse(rendered)
@@ -317,14 +374,9 @@ class AgentActor(SupervisedActor):
                 env.dead_letter(self.name, outcome, "the agent was gone when its turn finished")
 
         timeout = msg.get("timeout")
-        submit = Submit(turn, reply)
-        try:
-            env.batcher().tell(submit)
-        except pykka.ActorDeadError:  # its supervisor is restarting it: submit once it is back
-            threading.Thread(target=_submit_when_back, args=(env, submit, me, timeout or env.io_timeout),
-                             name=f"{self.name}-resubmit", daemon=True).start()
-        if timeout:  # one shared timer thread, not a thread per turn
-            timers.call_later(timeout, _tell_quietly, me, _Watchdog(turn_id))
+        if timeout:
+            item.watchdog = env.deadlines.schedule(timeout, _tell_quietly, me, _Watchdog(turn_id))
+        env.submit_turn(Submit(turn, reply), me)  # held while the batcher restarts
 
     def _reuse(self, rendered: chat.Rendered):
         """(cache, tokens to feed, cache label, kept ids, kept ends, kept text) for `rendered`.
@@ -366,7 +418,8 @@ class AgentActor(SupervisedActor):
             raise AgentCrashed(turn_id, "injected fault (AgentRef.inject_crash)")
         p = item.pending
         result: TurnResult = outcome
-        assistant = self._record("assistant", result.text, turn_id=turn_id)
+        assistant = self._record("assistant", result.text, turn_id=turn_id, tokens=[int(t) for t in result.tokens],
+                                 finish_reason=result.finish_reason)
         meta = self._cache_meta(p, result, assistant["seq"])
         self.records.append(p["user"])
         self.records.append(assistant)
@@ -377,10 +430,10 @@ class AgentActor(SupervisedActor):
         self.load_s = 0.0
         item.reply = Reply(self.name, turn_id, result.text, list(result.tokens), p["label"], result.finish_reason, timings)
         item.records = [p["user"], assistant]
+        if msg.get("reply_to_agent"):  # the reply goes to the sender once this turn is durable: see _complete
+            item.forward = (msg["reply_to_agent"], encode_message(result.text, sender=self.name,
+                                                                  conversation_id=msg.get("conversation_id")))
         self._persist(item.records, store.cache_to_host(result.cache), meta, p["reuse"])
-        if msg.get("reply_to_agent"):
-            self.env.notify(msg["reply_to_agent"], encode_message(result.text, sender=self.name,
-                                                                 conversation_id=msg.get("conversation_id")))
 
     def _cache_meta(self, p, result, seq) -> store.CacheMeta:
         """What the returned cache holds: kept tokens + fed tokens + generated tokens but the last.
@@ -401,12 +454,22 @@ class AgentActor(SupervisedActor):
 
     # -- persistence ------------------------------------------------------------------
 
-    def _record(self, role, text, sender=None, msg=None, turn_id=None):
+    def _record(self, role, text, sender=None, msg=None, turn_id=None, **fields):
         self.seq += 1
         extra = {}
         if msg:
             extra = {"message_id": msg.get("message_id"), "conversation_id": msg.get("conversation_id")}
-        return store.journal_record(self.seq, role, text, turn_id=turn_id, sender=sender, **extra)
+        return store.journal_record(self.seq, role, text, turn_id=turn_id, sender=sender, **extra, **fields)
+
+    def _committed(self, turn_id) -> Reply | None:
+        """The Reply of turn `turn_id` if it is in the history already (cache "committed"), else None."""
+        if turn_id is None:
+            return None
+        for r in reversed(self.records):
+            if r["role"] == "assistant" and r.get("turn_id") == turn_id:
+                return Reply(self.name, turn_id, r["text"], list(r.get("tokens", [])), "committed",
+                             r.get("finish_reason", "unknown"), Timings())
+        return None
 
     def _load_durable(self) -> store.Loaded:
         # Blocks on the persistence actor, which never waits on agents: no deadlock.
@@ -424,15 +487,26 @@ class AgentActor(SupervisedActor):
             self._complete(self.current)
 
     def _acked(self, ack: persistence.Ack):
-        if ack.error is not None:
-            raise AgentCrashed(None, f"persisting seq {ack.seq} failed: {ack.error}") from ack.error
         item = self.current
-        if item is not None and item.records and ack.seq == item.records[-1]["seq"]:
+        mine = item is not None and item.records and ack.seq == item.records[-1]["seq"]
+        if ack.error is not None:
+            if not mine or self.env.durability != "durable":  # memory: later items already built on it
+                raise AgentCrashed(None, f"persisting seq {ack.seq} failed: {ack.error}") from ack.error
+            # The journal is as before this item (the store cuts a failed append back): so is the agent.
+            log.error("agent %s: writing seq %d failed, the item is dropped: %s", self.name, ack.seq, ack.error)
+            self._restore()
+            error = TurnNotSaved(item.turn_id, f"the turn was not saved ({ack.error}); it is not in the history, retry it")
+            self._abandon(item, error, f"recording this note failed: {ack.error}")
+        elif mine:
             self._complete(item)
 
     def _complete(self, item: _Item):
+        """The item is durable (or, with durability="memory", handed to the persistence actor): answer it."""
         self.current = None
-        if item.future is not None:
+        self.env.deadlines.cancel(item.watchdog)
+        if item.forward is not None:  # send_to: the caller's future resolves once the sender has the reply too
+            self.env.notify(*item.forward, future=item.future, reply=item.reply)
+        elif item.future is not None:
             item.future.set(item.reply)
 
 
@@ -441,17 +515,11 @@ def _fail(future, error):
         future.set_exception((type(error), error, None))
 
 
-def _submit_when_back(env, submit: Submit, agent, wait_s: float):
-    """Tell `submit` to the batcher once it is running again (off the agent's thread), or fail it."""
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline and agent.is_alive():
-        time.sleep(0.005)
-        try:
-            env.batcher().tell(submit)
-            return
-        except pykka.ActorDeadError:
-            pass
-    submit.reply(BatcherStopped(submit.turn.turn_id, "the batcher is not running"))
+def _dead_letter(env, name: str, note: Note, why: str):
+    """Dead-letter `note`; a send_to reply's future resolves with the reply (the dead letter keeps the copy)."""
+    env.dead_letter(name, note, why)
+    if note.future is not None:
+        note.future.set(note.reply)
 
 
 def _tell_quietly(ref, message):

@@ -15,7 +15,16 @@ newest cache of each agent is written: a newer write queued behind an older one
 supersedes it, and a cache never replaces one with a higher seq on disk (its ack then
 reports the newer `cache_seq`). Journal records whose seq is not above the journal's
 last are skipped, so a retried write is harmless. Stopping the actor flushes
-everything queued. Errors never stop the actor: they go to the writes' acks.
+everything queued.
+
+Errors never stop the actor, which serves every agent. A failed journal append (a
+full disk) leaves the journal as it was and fails the acks of that agent's writes in
+the batch, and nothing else. A failed cache write is only logged: the journal holds
+the turn, so the ack succeeds and reports the older cache still on disk. A journal
+that cannot be read fails that agent's writes and comes back from `load` as
+`Loaded.journal_error`. Damage found when a journal is first opened (a torn tail, a
+damaged middle, a missing journal beside a cache) is repaired and logged, saying
+what was lost; `Loaded.last_seq` then keeps new seqs above every seq on disk.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ import pykka
 
 from actors.supervisor import SupervisedActor
 from runtime import store
-from runtime.store import CACHE_FILE, JOURNAL_FILE, JOURNAL_MAGIC
+from runtime.store import CACHE_FILE, JOURNAL_FILE
 
 log = logging.getLogger(__name__)
 _fsync = aiofiles.os.wrap(os.fsync)
@@ -113,6 +122,7 @@ class PersistenceActor(SupervisedActor):
         self._pending: dict[str, list[Write]] = {}
         self._pending_count = self._pending_bytes = 0
         self._journal_seq: dict[str, int] = {}  # agent -> last seq in its journal
+        self._journal_end: dict[str, int] = {}  # agent -> end of its journal's last good frame
         self._cache_seq: dict[str, int | None] = {}  # agent -> seq of its cache on disk
         self._segment: dict[str, store.Segment] = {}  # agent -> newest cache file this actor wrote
         self._loop = None
@@ -146,16 +156,25 @@ class PersistenceActor(SupervisedActor):
         self._flush()
 
     def load(self, agent: str) -> store.Loaded:
-        """`agent`'s journal and usable cache (see `store.Loaded`), after flushing queued writes."""
+        """`agent`'s journal and usable cache (see `store.Loaded`), after flushing queued writes.
+
+        Never raises for a bad file (this actor serves every agent): a journal that
+        cannot be read comes back as `Loaded.journal_error`, a bad cache as `Loaded.error`.
+        """
         self._flush()
-        return self._run(self._load(agent))
+        try:
+            return self._run(self._load(agent))
+        except store.JournalError as e:
+            return store.Loaded([], journal_error=e)
+        except OSError as e:  # a symlink in the store, a folder without permission
+            error = store.JournalError(f"cannot read the files of agent {agent!r}: {e}; fix them or move them aside")
+            error.__cause__ = e
+            return store.Loaded([], journal_error=error)
 
     def delete(self, agent: str) -> bool:
         """Delete `agent`'s cache and journal (after its queued writes); return whether it existed."""
         self._flush()
-        self._journal_seq.pop(agent, None)
-        self._cache_seq.pop(agent, None)
-        self._segment.pop(agent, None)
+        self._forget(agent)
         return self._run(aiofiles.os.wrap(store.delete)(self.cache_dir, self.spec, agent))
 
     # -- internals
@@ -193,46 +212,76 @@ class PersistenceActor(SupervisedActor):
                 fresh.append(r)
                 last = r["seq"]
         if fresh:
-            await _append(folder / JOURNAL_FILE, store.encode_records(fresh))
-            self._journal_seq[agent] = last
+            try:
+                end = await _append_frames(folder / JOURNAL_FILE, store.encode_records(fresh), self._journal_end[agent])
+            except BaseException:
+                self._forget(agent)  # the next write reopens the journal (and repairs it if the cut-back failed)
+                raise
+            self._journal_seq[agent], self._journal_end[agent] = last, end
         newest = max((w for w in writes if w.host is not None), key=lambda w: w.seq, default=None)
         on_disk = self._cache_seq[agent]
         if newest is not None and (on_disk is None or newest.seq > on_disk):
-            last = self._segment.pop(agent, None)  # unknown until this write is durable
-            name, data, segment = store.next_segment(newest.host, newest.meta, self.spec.fingerprint, last, newest.reuse)
-            await _write_atomic(folder / name, data)
-            if name == CACHE_FILE:
-                await aiofiles.os.wrap(store.remove_deltas)(folder)
-            self._cache_seq[agent] = newest.seq
-            self._segment[agent] = segment
+            await self._write_cache(agent, folder, newest)
         return self._cache_seq[agent]
 
-    async def _open(self, agent: str, folder) -> None:
-        """First write to `agent` in this actor: folders, leftovers, journal state, cache seq."""
-        await aiofiles.os.wrap(store.make_dirs)(folder)
-        await aiofiles.os.wrap(store.remove_temps)(folder)
-        path = folder / JOURNAL_FILE
-        if not await aiofiles.os.path.exists(path):
-            await _write_atomic(path, JOURNAL_MAGIC)
-        async with aiofiles.open(path, "rb") as f:
-            data = await f.read()
-        records, valid = store.parse_journal(data)
-        if valid < len(data):
-            await aiofiles.os.wrap(store.repair_journal)(path, valid, len(data))
-        self._journal_seq[agent] = records[-1]["seq"] if records else -1
-        self._cache_seq[agent] = await aiofiles.os.wrap(store.cache_seq)(folder)
+    async def _write_cache(self, agent: str, folder, write: Write) -> None:
+        """Write `write`'s cache; a failure (a full disk) is logged, not raised: the journal already holds the turn."""
+        last = self._segment.pop(agent, None)  # unknown until this write is durable
+        name, data, segment = store.next_segment(write.host, write.meta, self.spec.fingerprint, last, write.reuse)
+        try:
+            await _write_atomic(folder / name, data)
+        except OSError as e:
+            log.warning("agent %s: writing the cache of seq %d failed (%s); the turn is durable in the journal "
+                        "and the cache on disk stays at seq %s", agent, write.seq, e, self._cache_seq[agent])
+            return
+        self._cache_seq[agent] = write.seq
+        self._segment[agent] = segment
+        if name == CACHE_FILE:
+            try:
+                await aiofiles.os.wrap(store.remove_deltas)(folder)
+            except OSError as e:  # stale deltas link to nothing: loading ignores them
+                log.warning("agent %s: removing stale delta files failed: %s", agent, e)
+
+    async def _open(self, agent: str, folder) -> store.JournalScan | None:
+        """First use of `agent` in this actor: folders, leftovers, journal repair, seqs on disk; says what was lost."""
+        scan, end = await aiofiles.os.wrap(store.open_journal)(folder)
+        cache_seq = await aiofiles.os.wrap(store.cache_seq)(folder)
+        last = -1 if scan is None else scan.last_seq
+        if scan is not None and scan.damaged:
+            log.error("agent %s: its journal was damaged in the middle: %s. %d records that check were kept; "
+                      "the damaged file is kept as journal.damaged-* in %s", agent, "; ".join(scan.losses()),
+                      len(scan.records), folder)
+        if scan is not None and scan.torn:
+            log.warning("agent %s: a torn journal tail (%d B, an append cut short) was moved aside to journal.torn-*",
+                        agent, scan.torn)
+        if scan is None and cache_seq is not None:
+            log.error("agent %s: its journal is missing but a cache of seq %d is there: the journal was deleted, "
+                      "its history starts empty; new turns continue after seq %d", agent, cache_seq, cache_seq)
+        elif cache_seq is not None and cache_seq > last:
+            log.error("agent %s: its cache (seq %d) is newer than its journal (last seq %d): the journal lost records; "
+                      "new turns continue after seq %d", agent, cache_seq, last, cache_seq)
+        self._journal_seq[agent], self._journal_end[agent], self._cache_seq[agent] = last, end, cache_seq
+        return scan
+
+    def _forget(self, agent: str) -> None:
+        for state in (self._journal_seq, self._journal_end, self._cache_seq, self._segment):
+            state.pop(agent, None)
 
     async def _load(self, agent: str) -> store.Loaded:
         folder = store.agent_dir(self.cache_dir, self.spec.fingerprint, agent)
-        records = []
-        if await aiofiles.os.path.exists(folder / JOURNAL_FILE):
-            async with aiofiles.open(folder / JOURNAL_FILE, "rb") as f:
-                records = store.parse_journal(await f.read())[0]
+        if agent not in self._journal_seq and await aiofiles.os.wrap(os.path.lexists)(folder):
+            await self._open(agent, folder)  # repairs damage and says what was lost, once
+        await aiofiles.os.wrap(store.refuse_links)(folder)
+        data = await aiofiles.os.wrap(store.read_journal_bytes)(folder / JOURNAL_FILE)
+        records = [] if data is None else store.scan_journal(data).records
+        cache_seq = await aiofiles.os.wrap(store.cache_seq)(folder)
+        last = max(records[-1]["seq"] if records else -1, cache_seq if cache_seq is not None else -1,
+                   self._journal_seq.get(agent, -1))
         try:
             host, meta = await aiofiles.os.wrap(store.load_chain)(folder, self.spec)
         except store.CacheError as e:
-            return store.Loaded(records, error=e)
-        return store.Loaded(records, host, meta)
+            return store.Loaded(records, error=e, last_seq=last)
+        return store.Loaded(records, host, meta, last_seq=last)
 
 
 def _ack(write: Write, result) -> None:
@@ -266,9 +315,4 @@ async def _write_atomic(path, data) -> None:
     await _fsync_dir(path.parent)
 
 
-async def _append(path, data) -> None:
-    """Append `data` to `path` and fsync it."""
-    async with aiofiles.open(path, "ab") as f:
-        await f.write(data)
-        await f.flush()
-        await _fsync(f.fileno())
+_append_frames = aiofiles.os.wrap(store.append_frames)

@@ -4,10 +4,11 @@
 which the actors import) never imports the actors.
 """
 
-_FACADE = ("Runtime", "AgentRef", "ReplyFuture", "RuntimeEscalated", "DeadLetter")
-_AGENT = ("Reply", "AgentCrashed", "TurnTimeout", "UnknownAgent", "AgentError")
+_FACADE = ("Runtime", "AgentRef", "ReplyFuture", "RuntimeEscalated", "RuntimeClosed", "DeadLetter")
+_AGENT = ("Reply", "AgentCrashed", "TurnTimeout", "TurnNotSaved", "UnknownAgent", "AgentError")
+_STORE = ("CacheDirInUse", "InvalidAgentId", "JournalError", "UnsafePath")
 
-__all__ = [*_FACADE, *_AGENT]
+__all__ = [*_FACADE, *_AGENT, *_STORE]
 
 
 def __getattr__(name):
@@ -19,4 +20,8 @@ def __getattr__(name):
         from actors import agent
 
         return getattr(agent, name)
+    if name in _STORE:
+        from runtime import store
+
+        return getattr(store, name)
     raise AttributeError(f"module 'runtime' has no attribute {name!r}")

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import re
 import os
 import queue
 import sys
 import threading
 import time
+import uuid
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,15 +30,18 @@ from typing import AsyncIterator, Callable, Iterator
 import pykka
 
 from actors import agent as agent_mod
-from actors.agent import DURABILITY, AgentActor, AgentCrashed, Ask, Note, Reply, TurnTimeout, UnknownAgent
-from actors.batcher import STATS as _STATS, BatcherActor, Warmup
+from actors.agent import DURABILITY, AgentActor, AgentCrashed, AgentError, Ask, Note, Reply, TurnTimeout, UnknownAgent
+from actors.batcher import STATS as _STATS, BatcherActor, BatcherStopped, Warmup
 from actors.persistence import PersistenceActor
-from actors.supervisor import Backoff, ChildSpec, Supervisor, UnknownChild
+from actors.supervisor import RESTART_TYPES, STRATEGIES, Backoff, ChildSpec, RestartIntensity, Supervisor, UnknownChild
 from runtime import store
+from runtime.deadlines import Deadlines
 from runtime.model import load_model
 
 log = logging.getLogger(__name__)
 DEFAULT_CACHE_DIR = "~/.cache/kvactors/agents"
+KV_BITS = (4, 8)
+TURN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")  # KV cache bits the packed cache supports
 
 
 def _emit(item, held, future) -> tuple[list, bool]:
@@ -63,6 +69,10 @@ class RuntimeEscalated(RuntimeError):
     """Supervision gave up (too many restarts in too short a time); the runtime is stopped."""
 
 
+class RuntimeClosed(RuntimeError):
+    """The Runtime was shut down; start a new one to talk to its agents again."""
+
+
 @dataclass
 class DeadLetter:
     """A message that could not be delivered: to whom, what, and why."""
@@ -81,7 +91,52 @@ class Env:
         self.hot = store.HotCaches(hot_budget)
         self.refs: dict[str, pykka.ActorRef] = {}  # name -> current actor (agents and services)
         self.dead_letters: list[DeadLetter] = []
+        self.deadlines = Deadlines("kvactors-watchdog")  # every turn's timeout, on one thread
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # notified when a ref is registered
+        self._held: list = []  # (Submit, agent ref) told while the batcher was down
+        self._closed = False
+
+    def register(self, name: str, ref: pykka.ActorRef) -> None:
+        """Make `ref` the current actor of `name`; a new batcher gets the turns held for it."""
+        with self._lock:
+            self.refs[name] = ref
+            held, self._held = (self._held, []) if name == "@batcher" else ([], self._held)
+            self._changed.notify_all()
+        for submit, agent in held:
+            if agent.is_alive():
+                self.submit_turn(submit, agent)
+
+    def wait_changed(self, timeout: float) -> None:
+        """Wait until a ref is registered, at most `timeout` seconds."""
+        with self._lock:
+            self._changed.wait(timeout)
+
+    def submit_turn(self, submit, agent: pykka.ActorRef) -> None:
+        """Tell `submit` to the batcher; while its supervisor restarts it, hold it for the next one.
+
+        Held turns go to the new batcher when it is registered, or fail with
+        BatcherStopped when the runtime closes first.
+        """
+        with self._lock:
+            if not self._closed:
+                try:
+                    self.refs["@batcher"].tell(submit)
+                    return
+                except pykka.ActorDeadError:
+                    self._held.append((submit, agent))
+                    return
+        submit.reply(BatcherStopped(submit.turn.turn_id, "the runtime is shut down"))
+
+    def close(self) -> None:
+        """Fail the held turns and stop the watchdog thread (the runtime is stopping). Idempotent."""
+        with self._lock:
+            self._closed = True
+            held, self._held = self._held, []
+            self._changed.notify_all()
+        for submit, _ in held:
+            submit.reply(BatcherStopped(submit.turn.turn_id, "the batcher did not come back before the runtime stopped"))
+        self.deadlines.close()
 
     def render(self, system: str, records) -> str:
         """The chat-template text of a conversation, ending with the assistant's prompt."""
@@ -95,15 +150,21 @@ class Env:
         """The current persistence actor (it may be dead while its supervisor restarts it)."""
         return self.refs["@persistence"]
 
-    def notify(self, name: str, payload: bytes) -> None:
-        """Deliver a `Note` to agent `name`, or dead-letter it."""
+    def notify(self, name: str, payload: bytes, future=None, reply=None) -> None:
+        """Deliver a `Note` to agent `name`, or dead-letter it.
+
+        With a `future` (a send_to reply), the agent resolves it with `reply` once the
+        note is durable; a dead-lettered note resolves it at once.
+        """
         ref = self.refs.get(name)
         try:
             if ref is None:
                 raise pykka.ActorDeadError(name)
-            ref.tell(Note(payload))
+            ref.tell(Note(payload, future, reply))
         except pykka.ActorDeadError:
             self.dead_letter(name, payload, "no running agent with that name")
+            if future is not None:
+                future.set(reply)
 
     def dead_letter(self, recipient: str, message, reason: str) -> None:
         """Record an undeliverable message (inspect `Runtime.dead_letters`) and log it."""
@@ -115,15 +176,25 @@ class Env:
 class ReplyFuture(pykka.ThreadingFuture):
     """A pykka future of a `Reply` that asyncio code awaits without blocking its event loop.
 
-    `get(timeout=)` works as for any pykka future. `await future` (inside a running
-    event loop) suspends the coroutine and resumes it through
-    `loop.call_soon_threadsafe` once the reply is set: no thread waits for it.
+    `get(timeout=)` raises TurnTimeout (not pykka's Timeout) when no reply came in
+    time; such a timeout only ends the wait: the turn may still finish and be
+    recorded (see `AgentRef.history`). `await future` (inside a running event loop)
+    suspends the coroutine and resumes it through `loop.call_soon_threadsafe` once
+    the reply is set: no thread waits for it.
     """
 
     def __init__(self):
         super().__init__()
         self._callbacks: list | None = []
         self._callbacks_lock = threading.Lock()
+
+    def get(self, *, timeout: float | None = None):
+        """The Reply, or the turn's error; TurnTimeout if none came within `timeout` seconds."""
+        try:
+            return super().get(timeout=timeout)
+        except pykka.Timeout:
+            raise TurnTimeout(getattr(self, "turn_id", None), f"no reply within {timeout}s; the turn may still "
+                              "finish: wait again, or retry with the same turn_id") from None
 
     def add_done_callback(self, fn: Callable[["ReplyFuture"], None]) -> None:
         """Call `fn(self)` once the future is set: at once if it is, else on the setting thread."""
@@ -214,8 +285,8 @@ class AgentRef:
 
     def send(self, text: str, *, max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
              seed: int = 0, stop=(), timeout: float | None = 60.0, sender: str | None = None,
-             conversation_id: str | None = None, on_token: Callable[[str], None] | None = None,
-             on_progress: Callable[[int, int], None] | None = None,
+             conversation_id: str | None = None, turn_id: str | None = None,
+             on_token: Callable[[str], None] | None = None, on_progress: Callable[[int, int], None] | None = None,
              _reply_to_agent: str | None = None) -> ReplyFuture:
         """Queue a turn on `text`; return a future of its `Reply` (`await` it in asyncio code).
 
@@ -229,38 +300,55 @@ class AgentRef:
         `on_progress(done, total)` the tokens prefilled so far after each prefill
         chunk. Both run on the batcher's thread: keep them short and never block in
         them; an exception in one fails the turn (AgentCrashed).
+
+        `turn_id` (default: a fresh one, `future.turn_id`) is the idempotency key:
+        every error carries it, and a send with the id of a turn that already
+        committed returns that turn's reply (cache "committed") instead of running it
+        again. So after any error or timeout, retrying with the same id is safe.
+
+        Every option is checked here, in the caller's thread, before any actor sees the
+        turn: a bad one raises TypeError or ValueError (see `check_turn_options`).
+        `stop` is one string or an iterable of strings.
         """
-        if not text:
-            raise ValueError("an empty message gives the model nothing to answer")
+        stop = check_turn_options(text, max_tokens, temperature, top_p, seed, stop, timeout,
+                                  self.runtime.max_context)
+        if sender is not None:
+            store.check_agent_id(sender)
+        if turn_id is None:
+            turn_id = f"{self.name}-{uuid.uuid4().hex[:12]}"
+        elif not isinstance(turn_id, str) or not TURN_ID.fullmatch(turn_id):
+            raise ValueError(f"turn_id must match {TURN_ID.pattern}, got {turn_id!r}")
         for name, fn in (("on_token", on_token), ("on_progress", on_progress)):
             if fn is not None and not callable(fn):
                 raise TypeError(f"{name} must be a callable or None, got {type(fn).__name__}")
+        if conversation_id is not None and not isinstance(conversation_id, str):
+            raise TypeError(f"conversation_id must be a str or None, got {type(conversation_id).__name__}")
         payload = agent_mod.encode_message(
-            text, sender, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+            text, sender, max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p), seed=seed,
             stop=list(stop), timeout=timeout, conversation_id=conversation_id, reply_to_agent=_reply_to_agent,
+            turn_id=turn_id,
         )
         future = ReplyFuture()
+        future.turn_id = turn_id
         self.runtime._deliver(self.name, Ask(payload, future, on_token, on_progress), future)
         return future
 
     def ask(self, text: str, *, timeout: float | None = 60.0, **options) -> Reply:
         """Take a turn on `text` and wait for the `Reply` (see `send` for the options and errors)."""
         future = self.send(text, timeout=timeout, **options)
-        try:
-            return future.get(timeout=None if timeout is None else timeout + 5)
-        except pykka.Timeout:
-            raise TurnTimeout(None, f"{self.name} did not answer within {timeout}s") from None
+        return future.get(timeout=None if timeout is None else timeout + 5)
 
     async def ask_async(self, text: str, *, timeout: float | None = 60.0, **options) -> Reply:
         """`ask` for asyncio code: awaits the reply without blocking the event loop.
 
         No thread waits for the reply: it is handed to the running loop when it is set.
         """
-        future = _on_loop(self.send(text, timeout=timeout, **options), asyncio.get_running_loop())
+        reply = self.send(text, timeout=timeout, **options)
         try:
-            return await asyncio.wait_for(future, None if timeout is None else timeout + 5)
+            return await asyncio.wait_for(_on_loop(reply, asyncio.get_running_loop()),
+                                          None if timeout is None else timeout + 5)
         except asyncio.TimeoutError:
-            raise TurnTimeout(None, f"{self.name} did not answer within {timeout}s") from None
+            raise TurnTimeout(reply.turn_id, f"{self.name} did not answer within {timeout}s") from None
 
     def stream(self, text: str, *, timeout: float | None = 60.0, stop=(), **options) -> Iterator[str | Reply]:
         """Take a turn on `text`; iterate over its reply's text pieces as they are decoded, then the `Reply`.
@@ -280,7 +368,7 @@ class AgentRef:
             try:
                 item = pieces.get(timeout=None if timeout is None else timeout + 5)
             except queue.Empty:
-                raise TurnTimeout(None, f"{self.name} did not answer within {timeout}s") from None
+                raise TurnTimeout(future.turn_id, f"{self.name} did not answer within {timeout}s") from None
             outs, done = _emit(item, held, future)
             for out in outs:
                 yield out
@@ -310,7 +398,7 @@ class AgentRef:
             try:
                 item = await asyncio.wait_for(pieces.get(), wait_s)
             except asyncio.TimeoutError:
-                raise TurnTimeout(None, f"{self.name} did not answer within {timeout}s") from None
+                raise TurnTimeout(future.turn_id, f"{self.name} did not answer within {timeout}s") from None
             outs, done = _emit(item, held, future)
             for out in outs:
                 yield out
@@ -320,18 +408,33 @@ class AgentRef:
     def send_to(self, other: "AgentRef", text: str, **options) -> ReplyFuture:
         """Send `text` from this agent to `other`, which takes a turn on it.
 
-        The returned future resolves with `other`'s Reply; the reply is also added to
-        this agent's history as a message from `other`, without starting a turn here.
+        The reply is also added to this agent's history as a message from `other`,
+        without starting a turn here. The returned future resolves with `other`'s Reply
+        once `other`'s turn and this agent's copy of the reply are both durable (with
+        durability="durable"); the copy waits behind this agent's own turn in progress,
+        if any. If this agent is not running, crashes or cannot record the copy, the
+        copy goes to `Runtime.dead_letters` and the future still resolves with the reply
+        (`other`'s turn happened). It fails as `send` does when `other`'s turn fails.
         """
         return other.send(text, sender=self.name, _reply_to_agent=self.name, **options)
 
     def history(self) -> list[dict]:
         """This agent's conversation as journal records, oldest first (see `AgentActor.history`)."""
-        return self.runtime._ref(self.name).proxy().history().get(timeout=30)
+        for _ in range(3):
+            try:
+                return self.runtime._ref(self.name).proxy().history().get(timeout=30)
+            except pykka.ActorDeadError:
+                continue  # it crashed just now: ask its next incarnation
+            except pykka.Timeout:
+                raise AgentError(f"agent {self.name!r} did not answer history() within 30 s; it is busy, retry") from None
+        raise AgentCrashed(None, f"agent {self.name!r} kept crashing while asked for its history; retry")
 
     def inject_crash(self) -> None:
         """For tests and demos: make the agent crash at the end of its next turn."""
-        self.runtime._ref(self.name).tell(agent_mod._Fault())
+        try:
+            self.runtime._ref(self.name).tell(agent_mod._Fault())
+        except pykka.ActorDeadError:
+            raise AgentCrashed(None, f"agent {self.name!r} is restarting; retry") from None
 
     def stop(self) -> None:
         """Stop the agent for good (no restart); its durable state stays on disk."""
@@ -361,22 +464,25 @@ class Runtime:
                  restart_period: float = 5.0, backoff: Backoff = Backoff(min=0.01, max=1.0, reset=10.0),
                  retention_s: float | None = None, on_escalate=None, io_timeout: float = 60.0,
                  warmup: bool = False):
-        if durability not in DURABILITY:
-            raise ValueError(f"durability must be one of {DURABILITY}, got {durability!r}")
-        self.cache_dir = Path(cache_dir or DEFAULT_CACHE_DIR).expanduser()
-        self.model, self.tokenizer, self.spec = load_model(model, kv_bits=kv_bits)
-        self.env = Env(self.tokenizer, self.spec, durability, hot_budget, io_timeout)
+        _check_options(kv_bits, durability, strategy, max_restarts, restart_period, backoff)
+        self._lock = self.services = self.supervisor = self.env = None
+        self._closed = False
         self.escalation: tuple | None = None
         self._on_escalate = on_escalate
         self._names: list[str] = []
-        self._lock = store.lock_cache_dir(self.cache_dir)
-        self.services = Supervisor.start("one_for_one", max_restarts=max_restarts, period=restart_period,
-                                         backoff=backoff, on_escalate=self._escalated)
-        self.supervisor = Supervisor.start(strategy, max_restarts=max_restarts, period=restart_period,
-                                           backoff=backoff, on_escalate=self._escalated)
-        _shutdown_at_exit(self)
+        self.cache_dir = Path(cache_dir or DEFAULT_CACHE_DIR).expanduser()
+        self.model, self.tokenizer, self.spec = load_model(model, kv_bits=kv_bits)
+        context = getattr(getattr(self.model, "args", None), "max_position_embeddings", None)
+        self.max_context = context if isinstance(context, int) else None  # the model's positions, when it says
         engine_options = dict(memory_budget=memory_budget, max_batch=max_batch, route=route)
-        try:
+        try:  # whatever fails from here on, nothing stays behind: no lock, no thread
+            self.env = Env(self.tokenizer, self.spec, durability, hot_budget, io_timeout)
+            self._lock = store.lock_cache_dir(self.cache_dir)
+            self.services = Supervisor.start("one_for_one", max_restarts=max_restarts, period=restart_period,
+                                             backoff=backoff, on_escalate=self._escalated)
+            self.supervisor = Supervisor.start(strategy, max_restarts=max_restarts, period=restart_period,
+                                               backoff=backoff, on_escalate=self._escalated)
+            _shutdown_at_exit(self)
             self._start_child(self.services, "@persistence",
                               lambda sup: PersistenceActor.start(self.cache_dir, self.spec, retention_s=retention_s, supervisor=sup))
             self._start_child(self.services, "@batcher",
@@ -398,6 +504,10 @@ class Runtime:
         """
         self._check_running()
         store.check_agent_id(name)
+        if not isinstance(system, str):
+            raise TypeError(f"system must be a str, got {type(system).__name__}")
+        if restart not in RESTART_TYPES:
+            raise ValueError(f"restart must be one of {', '.join(RESTART_TYPES)}; got {restart!r}")
         if name in self._names:
             raise ValueError(f"agent {name!r} is already running; use rt.agent({name!r})")
         self._start_child(self.supervisor, name,
@@ -449,11 +559,16 @@ class Runtime:
         Also runs at interpreter exit for a Runtime that was never shut down, before
         Python waits for the actors' threads, so a forgotten Runtime never hangs the exit.
         """
+        self._closed = True
         for ref in (self.supervisor, self.services):
+            if ref is None:
+                continue
             try:
                 ref.stop(timeout=60)
             except pykka.ActorDeadError:
                 pass
+        if self.env is not None:
+            self.env.close()
         if self._lock is not None:
             os.close(self._lock)
             self._lock = None
@@ -471,7 +586,7 @@ class Runtime:
 
         def started():
             ref = start(sup)
-            env.refs[name] = ref
+            env.register(name, ref)
             return ref
 
         sup.proxy().start_child(ChildSpec(name, started, restart)).get(timeout=60)
@@ -495,7 +610,7 @@ class Runtime:
             if time.monotonic() > deadline or self.escalation:
                 self._check_running()
                 raise AgentCrashed(None, f"agent {name!r} did not come back from a restart")
-            time.sleep(0.005)
+            self.env.wait_changed(0.05)  # woken when the restarted actor registers
 
     def _exited(self, name) -> bool:
         """Whether the agents' supervisor dropped child `name` (so no restart is coming)."""
@@ -516,7 +631,10 @@ class Runtime:
         try:
             ref.tell(message)
         except pykka.ActorDeadError:  # it crashed just now: give the next incarnation the message
-            self._ref(name).tell(message)
+            try:
+                self._ref(name).tell(message)
+            except pykka.ActorDeadError:
+                raise AgentCrashed(None, f"agent {name!r} crashed twice while taking this message; retry") from None
 
     def _stop_agent(self, name):
         if name not in self._names:
@@ -528,12 +646,78 @@ class Runtime:
 
     def _escalated(self, name, error):
         self.escalation = (name, error)
+        self.env.close()
         log.error("supervision escalated (%s): %s", name, error)
         if self._on_escalate:
             self._on_escalate(name, error)
 
     def _check_running(self):
+        if self._closed and not self.escalation:
+            raise RuntimeClosed("the Runtime was shut down; start a new Runtime to talk to its agents")
         if self.escalation:
             name, error = self.escalation
             raise RuntimeEscalated(f"supervision gave up after {name!r} kept failing ({error}); "
                                    "start a new Runtime") from error
+
+
+def _check_options(kv_bits, durability, strategy, max_restarts, restart_period, backoff) -> None:
+    """Raise ValueError/TypeError for a bad Runtime option, before anything is acquired."""
+    if kv_bits not in KV_BITS:
+        raise ValueError(f"kv_bits must be one of {KV_BITS}, got {kv_bits!r}")
+    if durability not in DURABILITY:
+        raise ValueError(f"durability must be one of {DURABILITY}, got {durability!r}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}; got {strategy!r}")
+    if not isinstance(backoff, Backoff):
+        raise TypeError(f"backoff must be an actors.supervisor.Backoff, got {type(backoff).__name__}")
+    RestartIntensity(max_restarts, restart_period)  # raises ValueError for bad limits
+
+
+def _number(name: str, value, kind=(int, float)) -> None:
+    if isinstance(value, bool) or not isinstance(value, kind):
+        kinds = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+        raise TypeError(f"{name} must be {kinds}, got {type(value).__name__}")
+
+
+def check_turn_options(text, max_tokens, temperature, top_p, seed, stop, timeout, max_context=None) -> tuple:
+    """Check a turn's options; return `stop` as a tuple of strings.
+
+    Raises TypeError for a wrong type and ValueError for a value out of range:
+    `text` a non-empty str; `max_tokens` an int >= 1 (and at most `max_context`, the
+    model's positions, when known); `temperature` finite and >= 0; `top_p` in (0, 1];
+    `seed` an int >= 0; `stop` one non-empty str or an iterable of them; `timeout`
+    None or a finite number > 0.
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a str, got {type(text).__name__} (decode bytes first)")
+    if not text:
+        raise ValueError("an empty message gives the model nothing to answer")
+    _number("max_tokens", max_tokens, int)
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if max_context is not None and max_tokens > max_context:
+        raise ValueError(f"max_tokens {max_tokens} is more than the model's {max_context} positions")
+    _number("temperature", temperature)
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be finite and >= 0, got {temperature}")
+    _number("top_p", top_p)
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    _number("seed", seed, int)
+    if seed < 0:
+        raise ValueError(f"seed must be >= 0, got {seed}")
+    stop = (stop,) if isinstance(stop, str) else stop
+    try:
+        stop = tuple(stop)
+    except TypeError:
+        raise TypeError(f"stop must be a str or an iterable of str, got {type(stop).__name__}") from None
+    for s in stop:
+        if not isinstance(s, str):
+            raise TypeError(f"stop strings must be str, got {type(s).__name__}")
+        if not s:
+            raise ValueError("an empty stop string would stop every turn at once")
+    if timeout is not None:
+        _number("timeout", timeout)
+        if not (math.isfinite(timeout) and timeout > 0):
+            raise ValueError(f"timeout must be None or a finite number > 0, got {timeout}")
+    return stop

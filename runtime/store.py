@@ -20,10 +20,15 @@ cuts where it is >= 0.
 
 `journal.msgpack` starts with `JOURNAL_MAGIC`, then one frame per record:
 little-endian u32 payload length, u32 crc32 of the payload, payload = a msgpack map
-(seq, turn_id, role, sender, text, time). Reading stops at the first incomplete or
-damaged frame (a torn tail, left by a crash in the middle of an append) and drops it;
-the next append moves those bytes aside to `journal.torn-<time>` and truncates. The
-journal is the source of truth for an agent's history; the cache only accelerates.
+(seq, turn_id, role, sender, text, time); seqs rise strictly. Reading resynchronises
+on the frames past damaged bytes and keeps every record that checks (`scan_journal`);
+an incomplete or damaged last frame is a torn tail (a crash in the middle of an
+append). Opening the journal for appends (`open_journal`) moves a torn tail aside to
+`journal.torn-<time>`; mid-file damage keeps the whole damaged file as
+`journal.damaged-<time>` and rewrites the journal from its good frames. An append
+that fails (a full disk) cuts the file back to its last good frame before raising
+(`append_frames`). The journal is the source of truth for an agent's history; the
+cache only accelerates. No file or folder inside `cache_dir` is followed as a symlink.
 
 A turn that continued the cache on disk writes only a delta file: the same format
 holding just the rows from position `start` on, whose `meta` adds `delta` = {parent:
@@ -55,6 +60,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import struct
 import threading
 import time
@@ -135,8 +141,20 @@ class ShapeMismatch(CacheError):
     """The tensors' shapes or dtype contradict the model's cache spec."""
 
 
+class UnreadableCache(CacheError):
+    """The cache file exists but cannot be read (permissions, a symlink, an I/O error)."""
+
+
 class JournalError(Exception):
-    """A journal that cannot be read at all (another format); it is left untouched."""
+    """A journal that cannot be read at all (another format, no permission); it is left untouched.
+
+    The agent it belongs to cannot work until the file is fixed or moved aside; other
+    agents are not affected.
+    """
+
+
+class UnsafePath(OSError):
+    """A symlink inside the store: kvactors never follows one there. Remove the link."""
 
 
 # ---------------------------------------------------------------- host tensors
@@ -574,13 +592,15 @@ def lock_cache_dir(cache_dir) -> int:
     """Take the exclusive lock of `cache_dir` (created 0700); return the fd that holds it.
 
     Two writers would interleave journal appends: a second Runtime on the same folder
-    raises CacheDirInUse instead. Release with `os.close(fd)`; a crash releases it too.
+    raises CacheDirInUse instead. The lock is on the folder itself, not on a file in
+    it, so deleting files cannot release it. Release with `os.close(fd)`; a crash
+    releases it too.
     """
     import fcntl
 
     root = Path(cache_dir).expanduser()
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
-    fd = open_private(root / ".lock", os.O_RDWR | os.O_CREAT)
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -591,8 +611,23 @@ def lock_cache_dir(cache_dir) -> int:
     return fd
 
 
+def refuse_links(folder: Path) -> None:
+    """Raise UnsafePath if the agent folder `folder` or its model folder is a symlink.
+
+    `cache_dir` itself may be a link (the user's choice); nothing inside it may: files
+    are opened with O_NOFOLLOW, folders are checked here.
+    """
+    for d in (folder.parent, folder):
+        if d.is_symlink():
+            raise UnsafePath(f"{d} is a symlink inside the store; kvactors never follows one there: remove it")
+
+
 def make_dirs(folder: Path) -> None:
-    """Create `folder` and its two parents (model folder, cache_dir) as needed, mode 0700."""
+    """Create `folder` and its two parents (model folder, cache_dir) as needed, mode 0700.
+
+    Raises UnsafePath if the model or agent folder is a symlink.
+    """
+    refuse_links(folder)
     for d in (folder.parent.parent, folder.parent, folder):
         if not d.is_dir():
             try:
@@ -678,83 +713,239 @@ def encode_records(records) -> bytes:
     return bytes(out)
 
 
-def parse_journal(data) -> tuple[list, int]:
-    """Decode journal bytes; return (records, length of the valid part).
+@dataclass(frozen=True)
+class JournalScan:
+    """What the bytes of a journal hold.
 
-    Stops at the first incomplete or damaged frame: that torn tail is not returned.
-    Raises JournalError if `data` does not start with JOURNAL_MAGIC (empty is fine).
+    `records`: every record whose frame checks, oldest first, seqs strictly rising;
+    `frames`: their (start, stop) byte spans; `end`: where the last good frame ends
+    (where the next append goes); `damaged`: (start, stop) spans between good frames
+    that did not check (mid-file damage: records were lost there); `size`: bytes
+    scanned. Bytes from `end` to `size` are a torn tail (an append cut short).
+    """
+
+    records: list
+    frames: list
+    end: int
+    damaged: list
+    size: int
+
+    @property
+    def last_seq(self) -> int:
+        """The seq of the last good record, -1 if none."""
+        return self.records[-1]["seq"] if self.records else -1
+
+    @property
+    def torn(self) -> int:
+        """Bytes of the torn tail."""
+        return self.size - self.end
+
+    def losses(self) -> list[str]:
+        """One line per damaged span: where, how many bytes, between which seqs records were lost."""
+        out = []
+        for start, stop in self.damaged:
+            before = [r["seq"] for r, (_, e) in zip(self.records, self.frames) if e <= start]
+            after = [r["seq"] for r, (s, _) in zip(self.records, self.frames) if s >= stop]
+            between = f"after seq {before[-1] if before else 'start'} and before seq {after[0]}"
+            out.append(f"bytes {start}..{stop} ({stop - start} B) unreadable: records {between} lost")
+        return out
+
+
+def _frame_at(view: memoryview, pos: int, after_seq: int):
+    """(record, end) of a frame that checks at `pos` with a seq above `after_seq`, else None."""
+    if pos + _FRAME.size > len(view):
+        return None
+    n, crc = _FRAME.unpack_from(view, pos)
+    stop = pos + _FRAME.size + n
+    if n == 0 or stop > len(view):
+        return None
+    payload = view[pos + _FRAME.size : stop]
+    if zlib.crc32(payload) != crc:
+        return None
+    try:
+        record = msgpack.unpackb(payload, raw=False)
+        check_record(record)
+    except (ValueError, TypeError, msgpack.UnpackException):
+        return None
+    return (record, stop) if record["seq"] > after_seq else None
+
+
+def _resync(view: memoryview, pos: int, after_seq: int):
+    """The first position from `pos` on where a good frame starts (a record is a msgpack map), or None."""
+    for p in range(pos, len(view) - _FRAME.size):
+        first = view[p + _FRAME.size]
+        if (0x80 <= first <= 0x8F or first in (0xDE, 0xDF)) and _frame_at(view, p, after_seq) is not None:
+            return p
+    return None
+
+
+def scan_journal(data) -> JournalScan:
+    """Decode journal bytes, resynchronising on the length+CRC frames past damaged bytes.
+
+    A damaged frame followed by good ones is mid-file damage: the good ones are kept
+    and the span is reported in `damaged`; a damaged or incomplete frame with no good
+    one after it is the torn tail. Raises JournalError if `data` does not start with
+    JOURNAL_MAGIC (empty, or a prefix of the magic, is a journal whose creation was cut short).
     """
     view = memoryview(data)
     if len(view) < len(JOURNAL_MAGIC):
         if bytes(view) != JOURNAL_MAGIC[: len(view)]:
-            raise JournalError("not a kvactors journal (bad magic bytes)")
-        return [], 0  # creation was cut short: nothing was ever recorded
+            raise JournalError("not a kvactors journal (bad magic bytes); it is left untouched: move it aside")
+        return JournalScan([], [], 0, [], len(view))  # creation was cut short: nothing was ever recorded
     if bytes(view[: len(JOURNAL_MAGIC)]) != JOURNAL_MAGIC:
-        raise JournalError("not a kvactors journal, or a newer journal version; it is left untouched")
-    records, pos = [], len(JOURNAL_MAGIC)
-    while pos + _FRAME.size <= len(view):
-        n, crc = _FRAME.unpack_from(view, pos)
-        payload = view[pos + _FRAME.size : pos + _FRAME.size + n]
-        if len(payload) < n or zlib.crc32(payload) != crc:
-            break
-        try:
-            record = msgpack.unpackb(payload, raw=False)
-            check_record(record)
-        except (ValueError, msgpack.UnpackException):
-            break
+        raise JournalError("not a kvactors journal, or a newer journal version; it is left untouched: move it aside")
+    records, frames, damaged, pos = [], [], [], len(JOURNAL_MAGIC)
+    while pos < len(view):
+        found = _frame_at(view, pos, records[-1]["seq"] if records else -1)
+        if found is None:
+            nxt = _resync(view, pos + 1, records[-1]["seq"] if records else -1)
+            if nxt is None:
+                break  # a torn tail
+            damaged.append((pos, nxt))
+            pos = nxt
+            continue
+        record, stop = found
         records.append(record)
-        pos += _FRAME.size + n
-    return records, pos
+        frames.append((pos, stop))
+        pos = stop
+    return JournalScan(records, frames, pos, damaged, len(view))
+
+
+def parse_journal(data) -> tuple[list, int]:
+    """Decode journal bytes; return (records, end of the last good frame). See `scan_journal`."""
+    scan = scan_journal(data)
+    return scan.records, scan.end
+
+
+def read_journal_bytes(path: Path) -> bytes | None:
+    """The bytes of the journal at `path`, None if there is none.
+
+    Never follows a symlink. Raises JournalError (naming the file and what to do) when
+    it exists but cannot be read: no permission, a folder, a link.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise JournalError(
+            f"cannot read the journal {path}: {e.strerror or e}; fix its permissions or move it aside"
+        ) from e
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise JournalError(f"the journal {path} is not a regular file; move it aside")
+        with open(fd, "rb", closefd=False) as f:
+            return f.read()
+    except OSError as e:
+        raise JournalError(f"cannot read the journal {path}: {e.strerror or e}; fix it or move it aside") from e
+    finally:
+        os.close(fd)
 
 
 def read_journal(cache_dir, spec, agent: str) -> list:
-    """All complete records of `agent`'s journal, oldest first ([] if none); drops a torn tail."""
-    path = agent_dir(cache_dir, spec.fingerprint, agent) / JOURNAL_FILE
+    """All records of `agent`'s journal that check, oldest first ([] if none); see `scan_journal`."""
+    folder = agent_dir(cache_dir, spec.fingerprint, agent)
+    refuse_links(folder)
+    data = read_journal_bytes(folder / JOURNAL_FILE)
+    return [] if data is None else scan_journal(data).records
+
+
+def repair_journal(path: Path, scan: JournalScan) -> None:
+    """Make the journal at `path` hold exactly the good frames of `scan`, keeping what it drops.
+
+    Mid-file damage: the whole file is kept as `journal.damaged-<ns>` and the journal
+    is rewritten (atomically) from its good frames. A torn tail alone is moved aside to
+    `journal.torn-<ns>` and cut off. A journal cut short at creation gets its magic.
+    """
+    data = read_journal_bytes(path) or b""
+    if scan.end < len(JOURNAL_MAGIC):
+        if data:
+            write_atomic(path.with_name(f"journal.torn-{time.time_ns()}"), data)
+        write_atomic(path, JOURNAL_MAGIC)
+    elif scan.damaged:
+        write_atomic(path.with_name(f"journal.damaged-{time.time_ns()}"), data)
+        write_atomic(path, JOURNAL_MAGIC + b"".join(data[a:b] for a, b in scan.frames))
+    elif scan.torn:
+        write_atomic(path.with_name(f"journal.torn-{time.time_ns()}"), data[scan.end :])
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
+        try:
+            os.ftruncate(fd, scan.end)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def open_journal(folder: Path) -> tuple[JournalScan | None, int]:
+    """Make `folder`'s journal ready for appends; return (its scan as found, the byte to append at).
+
+    The scan is None when there was no journal. Creates the folders and an empty
+    journal as needed, removes temp files of crashed writers, and repairs damage
+    (`repair_journal`). Raises JournalError for a journal that cannot be read (it is
+    left untouched) and UnsafePath for a symlink in the store.
+    """
+    make_dirs(folder)
+    remove_temps(folder)
+    path = folder / JOURNAL_FILE
+    data = read_journal_bytes(path)
+    if data is None:
+        write_atomic(path, JOURNAL_MAGIC)
+        return None, len(JOURNAL_MAGIC)
+    scan = scan_journal(data)
+    if scan.damaged or scan.torn or scan.end < len(JOURNAL_MAGIC):
+        repair_journal(path, scan)
+    return scan, len(JOURNAL_MAGIC) + sum(b - a for a, b in scan.frames)
+
+
+_pwrite = os.pwrite  # the one call that puts journal bytes on disk (tests inject a full disk here)
+
+
+def append_frames(path: Path, data: bytes, end: int) -> int:
+    """Write the frames `data` at byte `end` of the journal at `path`, fsync; return the new end.
+
+    All or nothing: on any failure (a full disk, an I/O error) the file is cut back to
+    `end` and fsynced before the error is raised, so later appends follow the last good
+    frame. If even that fails the error is raised as is: reopen the journal
+    (`open_journal` repairs the tail) before appending again. Bytes past `end` (left by
+    such a failure) are cut first. Never follows a symlink and never creates the file:
+    a journal deleted underneath raises FileNotFoundError.
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
     try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return []
-    return parse_journal(data)[0]
-
-
-def repair_journal(path: Path, valid: int, size: int) -> None:
-    """Move a torn tail (bytes `valid`..`size`) aside to `journal.torn-<ns>` and truncate."""
-    with open(path, "rb") as f:
-        f.seek(valid)
-        tail = f.read()
-    if tail:
-        write_atomic(path.with_name(f"journal.torn-{time.time_ns()}"), tail)
-    with open(path, "r+b") as f:
-        f.truncate(valid)
-        os.fsync(f.fileno())
+        size = os.fstat(fd).st_size
+        if size < end:
+            raise JournalError(f"the journal {path} shrank underneath kvactors ({size} < {end} bytes): another writer?")
+        try:
+            if size > end:
+                os.ftruncate(fd, end)
+            at = 0
+            while at < len(data):
+                at += _pwrite(fd, data[at:], end + at)
+            os.fsync(fd)
+        except BaseException:
+            os.ftruncate(fd, end)
+            os.fsync(fd)
+            raise
+    finally:
+        os.close(fd)
+    return end + len(data)
 
 
 def append_journal(cache_dir, spec, agent: str, records) -> list:
     """Durably append `records` to `agent`'s journal; return the records appended.
 
     Records whose seq is not above the journal's last seq are skipped (retries are
-    idempotent). Creates the journal (atomically) if needed and repairs a torn tail.
+    idempotent). Creates and repairs the journal as `open_journal` does; a failed
+    append leaves the journal as it was (`append_frames`).
     """
     folder = agent_dir(cache_dir, spec.fingerprint, agent)
-    make_dirs(folder)
-    path = folder / JOURNAL_FILE
-    if not path.exists():
-        write_atomic(path, JOURNAL_MAGIC)
-    data = path.read_bytes()
-    old, valid = parse_journal(data)
-    if valid < len(data):
-        repair_journal(path, valid, len(data))
-    last = old[-1]["seq"] if old else -1
-    new = []
+    scan, end = open_journal(folder)
+    last, new = -1 if scan is None else scan.last_seq, []
     for r in sorted(records, key=lambda r: r["seq"]):
         if r["seq"] > last:
             new.append(r)
             last = r["seq"]
     if new:
-        with open(path, "ab") as f:
-            f.write(encode_records(new))
-            f.flush()
-            os.fsync(f.fileno())
+        append_frames(folder / JOURNAL_FILE, encode_records(new), end)
     return new
 
 
@@ -777,7 +968,7 @@ def save_cache(cache_dir, spec, agent: str, host: HostCache, meta: CacheMeta) ->
 
 def read_file(path: Path) -> bytearray:
     """The whole file at `path` in one buffer (one read, no extra copy)."""
-    with open(path, "rb", buffering=0) as f:
+    with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         buf = bytearray(size)
         view, got = memoryview(buf), 0
@@ -796,7 +987,7 @@ def map_file(path: Path):
     while any of them is alive. Files are replaced by rename, never rewritten in
     place, so a mapping always sees one complete version.
     """
-    with open(path, "rb") as f:
+    with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
         if os.fstat(f.fileno()).st_size == 0:
             return b""
         return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
@@ -819,9 +1010,12 @@ def load_chain(folder: Path, spec=None) -> tuple[HostCache, CacheMeta]:
     """`load_cache` for the agent folder `folder`; without `spec` nothing is checked against a model."""
     path = folder / CACHE_FILE
     try:
+        refuse_links(folder)
         data = map_file(path)
     except FileNotFoundError:
         raise CacheMissing(f"no cache for agent {folder.name!r} under {folder}: cold start") from None
+    except OSError as e:
+        raise UnreadableCache(f"cannot read {path}: {e}; the agent re-prefills from its journal") from e
     try:
         host, meta, checksum, _ = _decode(data)
         chain = _Chain(host)
@@ -860,7 +1054,7 @@ def cache_seq(folder: Path) -> int | None:
 def _header_link(path: Path, with_parent: bool = False):
     """(seq, checksum[, parent checksum]) from the header of the cache file at `path`; Nones if unreadable."""
     try:
-        with open(path, "rb") as f:
+        with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
             n = int.from_bytes(f.read(8), "little")
             if not 0 < n <= MAX_HEADER:
                 raise ValueError(f"header size {n}")
@@ -1007,12 +1201,18 @@ class Loaded:
 
     `host`/`meta` are None when there is no usable cache; `error` then says why
     (a CacheError; CacheMissing on a plain cold start). Re-prefill from `records`.
+    `last_seq`: the highest seq the agent's files have used (the journal's last record,
+    or a newer cache left by a damaged or deleted journal); new records must go above
+    it, so no seq is ever used twice. `journal_error`: set (and `records` empty) when
+    the journal cannot be read at all; the agent must not run until it is fixed.
     """
 
     records: list
     host: HostCache | None = None
     meta: CacheMeta | None = None
     error: CacheError | None = None
+    last_seq: int = -1
+    journal_error: JournalError | None = None
 
 
 def load_agent(cache_dir, spec, agent: str) -> Loaded:
@@ -1022,16 +1222,22 @@ def load_agent(cache_dir, spec, agent: str) -> Loaded:
     cannot be read (history must never be silently replaced by nothing).
     """
     records = read_journal(cache_dir, spec, agent)
+    folder = agent_dir(cache_dir, spec.fingerprint, agent)
+    last = max(records[-1]["seq"] if records else -1, cache_seq(folder) or -1)
     try:
         host, meta = load_cache(cache_dir, spec, agent)
     except CacheError as e:
-        return Loaded(records, error=e)
-    return Loaded(records, host, meta)
+        return Loaded(records, error=e, last_seq=last)
+    return Loaded(records, host, meta, last_seq=last)
 
 
 def delete(cache_dir, spec, agent: str) -> bool:
-    """Delete `agent`'s folder (cache and journal) for model `spec`; return whether it existed."""
+    """Delete `agent`'s folder (cache and journal) for model `spec`; return whether it existed.
+
+    Raises UnsafePath if the folder is a symlink (nothing outside the store is deleted).
+    """
     folder = agent_dir(cache_dir, spec.fingerprint, agent)
+    refuse_links(folder)
     if not folder.exists():
         return False
     shutil.rmtree(folder)
@@ -1040,11 +1246,15 @@ def delete(cache_dir, spec, agent: str) -> bool:
 
 
 def agent_folders(cache_dir) -> list[Path]:
-    """Agent folders under `cache_dir` (`<fingerprint>/<agent>` holding a cache or journal), sorted."""
+    """Agent folders under `cache_dir` (`<fingerprint>/<agent>` holding a cache or journal), sorted.
+
+    Symlinked model or agent folders are left out: nothing follows them.
+    """
     root = Path(cache_dir).expanduser()
     return sorted(
         d for d in root.glob("*/*")
-        if d.is_dir() and AGENT_ID.fullmatch(d.name) and ((d / CACHE_FILE).exists() or (d / JOURNAL_FILE).exists())
+        if d.is_dir() and not d.is_symlink() and not d.parent.is_symlink() and AGENT_ID.fullmatch(d.name)
+        and ((d / CACHE_FILE).exists() or (d / JOURNAL_FILE).exists())
     )
 
 
@@ -1095,16 +1305,19 @@ def _agent_row(folder: Path) -> list[str]:
     health, tokens, cseq = [], "-", None
     size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
     records, jpath = [], folder / JOURNAL_FILE
-    if jpath.exists():
-        try:
-            data = jpath.read_bytes()
-            records, valid = parse_journal(data)
-            if valid < len(data):
-                health.append(f"torn journal tail ({len(data) - valid} B dropped)")
-        except JournalError as e:
-            health.append(f"journal unreadable: {e}")
-    else:
-        health.append("no journal")
+    try:
+        data = read_journal_bytes(jpath)
+        if data is None:
+            health.append("no journal")
+        else:
+            scan = scan_journal(data)
+            records = scan.records
+            if scan.damaged:
+                health.append(f"journal damaged ({sum(b - a for a, b in scan.damaged)} B unreadable, records lost)")
+            if scan.torn:
+                health.append(f"torn journal tail ({scan.torn} B dropped)")
+    except JournalError as e:
+        health.append(f"journal unreadable: {e}")
     if (folder / CACHE_FILE).exists():
         try:
             host, meta = load_chain(folder)
@@ -1117,6 +1330,8 @@ def _agent_row(folder: Path) -> list[str]:
         health.append("no cache (cold start)")
     if records and cseq is not None and cseq < records[-1]["seq"]:
         health.append(f"cache at seq {cseq}, journal at {records[-1]['seq']}")
+    elif cseq is not None and cseq > (records[-1]["seq"] if records else -1):
+        health.append(f"cache at seq {cseq} is newer than the journal: its turns are not in the history")
     if records:
         r = records[-1]
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.get("time") or jpath.stat().st_mtime))

@@ -422,9 +422,9 @@ def test_messages_are_msgpack_envelopes(rt, monkeypatch):
         delivered.append((name, message))
         deliver(name, message, future)
 
-    def spy_notify(name, payload):
+    def spy_notify(name, payload, **kw):
         notified.append((name, payload))
-        notify(name, payload)
+        notify(name, payload, **kw)
 
     monkeypatch.setattr(rt, "_deliver", spy_deliver)
     monkeypatch.setattr(rt.env, "notify", spy_notify)

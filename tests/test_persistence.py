@@ -1,6 +1,8 @@
 """actors.persistence: acks once durable, coalescing, seq ordering, flush on stop, errors,
 and a real crash harness (a child process SIGKILLed 50 times)."""
 
+import errno
+import os
 import random
 import signal
 import subprocess
@@ -151,6 +153,96 @@ def test_errors_go_to_the_acks_and_the_actor_survives(tmp_path, actor):
         write(ref, "gamma", 0).get(timeout=10)
     assert (folder / store.JOURNAL_FILE).read_bytes() == b"not a journal"
     assert ref.is_alive() and write(ref, "beta", 1).get(timeout=10).cache_seq == 1
+
+
+def test_disk_full_in_a_journal_append_fails_only_that_write(tmp_path, actor, monkeypatch):
+    ref = actor()
+    write(ref, "alpha", 0).get(timeout=10)
+    real, calls = store._pwrite, []
+
+    def disk_full_once(fd, data, offset):  # part of the frame reaches the disk, then ENOSPC
+        calls.append(offset)
+        if len(calls) > 1:
+            return real(fd, data, offset)
+        real(fd, bytes(data[:10]), offset)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(store, "_pwrite", disk_full_once)
+    with pytest.raises(OSError) as full:
+        write(ref, "alpha", 1).get(timeout=10)
+    assert full.value.errno == errno.ENOSPC
+    assert [write(ref, "alpha", 2).get(timeout=10).cache_seq, write(ref, "beta", 0).get(timeout=10).cache_seq] == [2, 0]
+    ref.stop()
+    assert journal_seqs(tmp_path, "alpha") == [0, 2]  # the acknowledged writes, nothing torn between them
+    restarted = actor()
+    assert write(restarted, "alpha", 3).get(timeout=10).cache_seq == 3
+    assert journal_seqs(tmp_path, "alpha") == [0, 2, 3]
+    assert not list(tmp_path.rglob("journal.torn-*"))
+
+
+def test_a_failed_cache_write_still_acks_the_journaled_turn(tmp_path, actor, monkeypatch):
+    import actors.persistence as persistence
+
+    ref = actor()
+    write(ref, "alpha", 0).get(timeout=10)
+    real = persistence._write_atomic
+
+    async def disk_full(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(persistence, "_write_atomic", disk_full)
+    assert write(ref, "alpha", 1).get(timeout=10) == Ack("alpha", 1, 0)  # durable in the journal; old cache kept
+    monkeypatch.setattr(persistence, "_write_atomic", real)
+    assert write(ref, "alpha", 2).get(timeout=10) == Ack("alpha", 2, 2)
+    assert journal_seqs(tmp_path, "alpha") == [0, 1, 2]
+    assert_cache_is(tmp_path, "alpha", 2)
+
+
+ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
+
+
+@pytest.mark.parametrize("damage", ["bad magic", "a folder", "a symlinked folder", pytest.param(
+    "no permission", marks=pytest.mark.skipif(ROOT, reason="root reads any file; 'a folder' takes the same path"))])
+def test_an_unreadable_journal_is_that_agents_error_and_the_actor_serves_the_others(tmp_path, actor, damage):
+    folder = tmp_path / SPEC.fingerprint / "gamma"
+    folder.parent.mkdir(mode=0o700)
+    if damage == "a symlinked folder":
+        (tmp_path / "elsewhere").mkdir()
+        folder.symlink_to(tmp_path / "elsewhere")
+    else:
+        folder.mkdir(mode=0o700)
+        if damage == "bad magic":
+            (folder / store.JOURNAL_FILE).write_bytes(b"not a journal")
+        elif damage == "no permission":
+            (folder / store.JOURNAL_FILE).write_bytes(store.JOURNAL_MAGIC)
+            (folder / store.JOURNAL_FILE).chmod(0)
+        else:
+            (folder / store.JOURNAL_FILE).mkdir()
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    ref = actor()
+    for _ in range(3):
+        loaded = ref.proxy().load("gamma").get(timeout=10)
+        assert isinstance(loaded.journal_error, store.JournalError) and loaded.records == []
+        with pytest.raises((store.JournalError, OSError)):
+            write(ref, "gamma", 0).get(timeout=10)
+    assert ref.is_alive() and write(ref, "beta", 0).get(timeout=10).cache_seq == 0
+    assert ref.proxy().load("beta").get(timeout=10).meta == expected("beta", 0)[1]
+    assert sorted(p.name for p in tmp_path.rglob("*") if "beta" not in str(p)) == before  # left untouched
+
+
+def test_a_cache_newer_than_the_journal_raises_the_seq_floor(tmp_path, actor, caplog):
+    ref = actor()
+    for seq in range(4):
+        write(ref, "alpha", seq).get(timeout=10)
+    ref.stop()
+    journal = tmp_path / SPEC.fingerprint / "alpha" / store.JOURNAL_FILE
+    journal.unlink()
+    restarted = actor()
+    loaded = restarted.proxy().load("alpha").get(timeout=10)
+    assert loaded.records == [] and loaded.last_seq == 3  # new records go above the orphan cache's seq
+    assert "journal is missing" in caplog.text
+    assert write(restarted, "alpha", 4).get(timeout=10).cache_seq == 4  # not blocked by the old cache
+    assert journal_seqs(tmp_path, "alpha") == [4]
 
 
 def test_bad_requests_fail_at_submit(actor):

@@ -1,6 +1,7 @@
 """runtime.store: bit-exact round trips, every corruption kind with its error and fallback,
 journal torn tails, agent ids, permissions, retention, inspect, the hot tier."""
 
+import errno
 import json
 import os
 import random
@@ -278,6 +279,127 @@ def test_journal_of_another_format_is_not_touched(tmp_path):
     with pytest.raises(store.JournalError):
         store.append_journal(tmp_path, SPEC, "a", [store.journal_record(0, "user", "x")])
     assert (folder / store.JOURNAL_FILE).read_bytes() == b"kvactors-journal-9\nfuture"
+
+
+def journal_of(tmp_path, n, agent="a"):
+    """Append records 0..n-1 (texts of several lengths) for `agent`; return (journal path, records, frame spans)."""
+    recs = [store.journal_record(i, "user", f"message {i} " + "y" * (7 * i % 40), turn_id=f"t{i}") for i in range(n)]
+    store.append_journal(tmp_path, SPEC, agent, recs)
+    path = tmp_path / SPEC.fingerprint / agent / store.JOURNAL_FILE
+    return path, recs, store.scan_journal(path.read_bytes()).frames
+
+
+@pytest.mark.parametrize("damage", ["flip", "length", "zeros", "garbage"])
+def test_mid_file_damage_keeps_every_record_that_checks(tmp_path, damage):
+    path, recs, frames = journal_of(tmp_path, 12)
+    data = bytearray(path.read_bytes())
+    hit = {"flip": [4], "length": [4], "zeros": [4, 5], "garbage": [4, 5, 6]}[damage]
+    start, stop = frames[hit[0]][0], frames[hit[-1]][1]
+    if damage == "flip":
+        data[start + 12] ^= 0x40
+    elif damage == "length":
+        data[start : start + 4] = (1 << 30).to_bytes(4, "little")  # a frame that claims to run past the end
+    elif damage == "zeros":
+        data[start:stop] = bytes(stop - start)
+    else:
+        data[start:stop] = random.Random(0).randbytes(stop - start + 9)  # the span even changes length
+    path.write_bytes(bytes(data))
+    kept = [r for i, r in enumerate(recs) if i not in hit]
+    assert store.read_journal(tmp_path, SPEC, "a") == kept  # records after the damage are not dropped
+    scan = store.scan_journal(path.read_bytes())
+    assert len(scan.damaged) == 1 and scan.torn == 0
+    assert scan.losses() == [f"bytes {scan.damaged[0][0]}..{scan.damaged[0][1]} ({scan.damaged[0][1] - scan.damaged[0][0]} B) "
+                             f"unreadable: records after seq {hit[0] - 1} and before seq {hit[-1] + 1} lost"]
+    damaged = bytes(data)
+    after = store.journal_record(12, "user", "after")
+    assert store.append_journal(tmp_path, SPEC, "a", [after]) == [after]
+    assert store.read_journal(tmp_path, SPEC, "a") == kept + [after]
+    again = store.scan_journal(path.read_bytes())
+    assert not again.damaged and not again.torn  # rewritten from the good frames
+    [kept_aside] = path.parent.glob("journal.damaged-*")
+    assert kept_aside.read_bytes() == damaged  # nothing is thrown away
+
+
+def test_random_damage_never_loses_an_intact_frame(tmp_path):
+    path, recs, frames = journal_of(tmp_path, 30)
+    good = path.read_bytes()
+    rng = random.Random(1)
+    for _ in range(40):
+        data = bytearray(good)
+        a = rng.randrange(len(store.JOURNAL_MAGIC), len(data) - 1)
+        b = min(len(data), a + rng.randrange(1, 300))
+        data[a:b] = rng.randbytes(b - a)
+        records = store.scan_journal(bytes(data)).records
+        intact = [r for r, (s, e) in zip(recs, frames) if e <= a or s >= b]
+        assert all(r in records for r in intact)  # resynchronisation found every untouched frame
+        assert [r["seq"] for r in records] == sorted({r["seq"] for r in records})
+
+
+def test_a_failed_append_leaves_the_journal_as_it_was(tmp_path, monkeypatch):
+    path, recs, _ = journal_of(tmp_path, 3)
+    before = path.read_bytes()
+    real = store._pwrite
+
+    def disk_full(fd, data, offset):  # the kernel wrote part of the frame, then the disk was full
+        if len(data) > 8:
+            real(fd, bytes(data[: len(data) // 2]), offset)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(store, "_pwrite", disk_full)
+    with pytest.raises(OSError) as full:
+        store.append_journal(tmp_path, SPEC, "a", [store.journal_record(3, "user", "z" * 500)])
+    assert full.value.errno == errno.ENOSPC
+    assert path.read_bytes() == before  # cut back to the last good frame
+    monkeypatch.setattr(store, "_pwrite", real)
+    later = store.journal_record(3, "user", "later")
+    assert store.append_journal(tmp_path, SPEC, "a", [later]) == [later]
+    assert store.read_journal(tmp_path, SPEC, "a") == recs + [later]
+    assert not list(path.parent.glob("journal.torn-*"))
+
+
+def test_symlinks_inside_the_store_are_never_followed(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / store.JOURNAL_FILE).write_bytes(store.JOURNAL_MAGIC)
+    root = tmp_path / "cache"
+    (root / SPEC.fingerprint).mkdir(parents=True)
+    (root / SPEC.fingerprint / "planted").symlink_to(outside)  # an agent folder that points out
+    with pytest.raises(store.UnsafePath):
+        store.append_journal(root, SPEC, "planted", [store.journal_record(0, "user", "x")])
+    with pytest.raises(store.UnsafePath):
+        store.read_journal(root, SPEC, "planted")
+    assert isinstance(store.load_agent(root / "none", SPEC, "x").error, store.CacheMissing)
+    with pytest.raises(store.UnsafePath):
+        store.load_agent(root, SPEC, "planted")
+    _, recs = saved(root, agent="b")
+    folder = root / SPEC.fingerprint / "b"
+    for name in (store.JOURNAL_FILE, store.CACHE_FILE):  # files planted as links
+        target = outside / name
+        target.write_bytes((folder / name).read_bytes())
+        (folder / name).unlink()
+        (folder / name).symlink_to(target)
+    with pytest.raises(store.JournalError):
+        store.append_journal(root, SPEC, "b", [store.journal_record(9, "user", "x")])
+    with pytest.raises(store.UnreadableCache):
+        store.load_cache(root, SPEC, "b")
+    assert store.scan_journal((outside / store.JOURNAL_FILE).read_bytes()).records == recs  # untouched
+    assert store.agent_folders(root) == [folder]  # housekeeping never enters the planted folder
+    store.prune(root, 0, journals=True, now=float("inf"))
+    with pytest.raises(store.UnsafePath):
+        store.delete(root, SPEC, "planted")
+    assert sorted(p.name for p in outside.iterdir()) == [store.CACHE_FILE, store.JOURNAL_FILE]
+
+
+def test_deleting_files_in_cache_dir_does_not_release_its_lock(tmp_path):
+    fd = store.lock_cache_dir(tmp_path)
+    try:
+        for p in tmp_path.iterdir():
+            p.unlink()  # e.g. a cleanup that removes a lock file
+        with pytest.raises(store.CacheDirInUse):
+            store.lock_cache_dir(tmp_path)
+    finally:
+        os.close(fd)
+    os.close(store.lock_cache_dir(tmp_path))
 
 
 def test_bad_records_are_refused():

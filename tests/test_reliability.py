@@ -1,0 +1,449 @@
+"""Faults a Runtime must survive: a full disk, a damaged, deleted or unreadable journal,
+bad options, use after shutdown. The invariant after each: every acknowledged turn is
+in the history once, in order, and the other agents go on being served.
+
+The full disk is injected at the one call that writes journal bytes (`store._pwrite`:
+part of the frame reaches the disk, then ENOSPC); `test_disk_full_child.py` fills a
+real tmpfs instead, where the system allows one.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import types
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from actors.supervisor import Backoff
+from runtime import AgentCrashed, JournalError, Runtime, RuntimeClosed, TurnNotSaved, TurnTimeout, store
+from runtime.facade import AgentRef
+
+FAST = Backoff(min=0.001, max=0.02, reset=10.0)
+TESTS = Path(__file__).resolve().parent
+
+
+def folder_of(rt, name):
+    return store.agent_dir(rt.cache_dir, rt.spec.fingerprint, name)
+
+
+def on_disk(rt, name) -> list[dict]:
+    """`name`'s journal records as on disk now."""
+    return store.read_journal(rt.cache_dir, rt.spec, name)
+
+
+def turns(records) -> list[tuple]:
+    """(turn id, role, text) of the records of turns, in journal order."""
+    return [(r["turn_id"], r["role"], r["text"]) for r in records if r["turn_id"] is not None]
+
+
+def replies(acked) -> list[tuple]:
+    """The records an acknowledged list of (text, Reply) must have left, in order."""
+    return [x for text, r in acked for x in ((r.turn_id, "user", text), (r.turn_id, "assistant", r.text))]
+
+
+def test_disk_full_fails_only_that_turn_and_the_runtime_keeps_serving(tmp_path, monkeypatch):
+    real, failures = store._pwrite, []
+
+    def disk_full_once(fd, data, offset):
+        if not failures:
+            failures.append(offset)
+            real(fd, bytes(data[:12]), offset)  # a torn frame on disk, then ENOSPC
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, offset)
+
+    with Runtime(model=None, cache_dir=tmp_path, max_restarts=1, backoff=FAST) as rt:
+        alice, bob = rt.spawn("alice", system="You are Alice."), rt.spawn("bob", system="You are Bob.")
+        acked = {"alice": [("One.", alice.ask("One.", max_tokens=4))], "bob": []}
+        me = rt.env.refs["alice"]
+        monkeypatch.setattr(store, "_pwrite", disk_full_once)
+        with pytest.raises(TurnNotSaved) as lost:
+            alice.ask("Lost.", max_tokens=4)
+        assert lost.value.turn_id and "No space left" in str(lost.value)
+        assert failures and turns(alice.history()) == replies(acked["alice"])  # back at its durable state
+        for name, ref in (("bob", bob), ("alice", alice), ("bob", bob), ("alice", alice)):
+            text = f"After {len(acked[name])}."
+            acked[name].append((text, ref.ask(text, max_tokens=4)))
+        assert rt.env.refs["alice"] is me and rt.escalation is None  # no crash, no restart
+        assert turns(on_disk(rt, "alice")) == replies(acked["alice"])
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        for name in ("alice", "bob"):
+            assert turns(rt.spawn(name).history()) == replies(acked[name])
+        assert not list(tmp_path.rglob("journal.torn-*"))
+
+
+def damage_record(path, index):
+    """Flip a byte inside the payload of the journal's record number `index`."""
+    data = bytearray(path.read_bytes())
+    start, stop = store.scan_journal(bytes(data)).frames[index]
+    data[(start + stop) // 2] ^= 0x5A
+    path.write_bytes(bytes(data))
+
+
+def test_mid_file_journal_damage_keeps_every_record_that_checks_and_writes_go_on(tmp_path, caplog):
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        alice = rt.spawn("alice", system="You are Alice.")
+        acked = [(t, alice.ask(t, max_tokens=4)) for t in ("One.", "Two.", "Three.")]
+        journal = folder_of(rt, "alice") / store.JOURNAL_FILE
+        before = on_disk(rt, "alice")
+    damage_record(journal, 3)  # the user record of "Two." (0 is the system prompt)
+    caplog.set_level(logging.ERROR)
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        alice = rt.spawn("alice")
+        assert alice.history() == before[:3] + before[4:]  # everything after the damage is still there
+        assert "damaged in the middle" in caplog.text and "after seq 3 and before seq 5" in caplog.text
+        more = alice.ask("Four.", max_tokens=4)
+        seqs = [r["seq"] for r in on_disk(rt, "alice")]
+        assert seqs == sorted(set(seqs)) and seqs[-1] > before[-1]["seq"]  # no seq used twice
+        assert store.cache_seq(folder_of(rt, "alice")) == seqs[-1]  # the newer turn's cache was written
+    assert list(journal.parent.glob("journal.damaged-*"))
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        history = rt.spawn("alice").history()
+    want = replies(acked + [("Four.", more)])
+    assert turns(history) == [t for t in want if t != (acked[1][1].turn_id, "user", "Two.")]
+
+
+def test_a_deleted_journal_warns_and_its_orphan_cache_does_not_block_writes(tmp_path, caplog):
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        alice = rt.spawn("alice", system="You are Alice.")
+        for t in ("One.", "Two.", "Three."):
+            alice.ask(t, max_tokens=4)
+        folder = folder_of(rt, "alice")
+        old_seq = store.cache_seq(folder)
+    (folder / store.JOURNAL_FILE).unlink()
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        alice = rt.spawn("alice", system="You are Alice.")
+        r = alice.ask("Again.", max_tokens=4)
+        assert "journal is missing" in caplog.text
+        seqs = [x["seq"] for x in on_disk(rt, "alice")]
+        assert seqs[0] > old_seq and store.cache_seq(folder) == seqs[-1]
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        alice = rt.spawn("alice")
+        assert turns(alice.history()) == replies([("Again.", r)])
+        assert alice.ask("More.", max_tokens=4).cache == "warm"
+
+
+def test_an_unreadable_journal_stops_only_its_agent(tmp_path):
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        fingerprint = rt.spec.fingerprint
+    model = tmp_path / fingerprint
+    (model / "alice").mkdir(mode=0o700, parents=True)
+    (model / "alice" / store.JOURNAL_FILE).write_bytes(b"kvactors-journal-9\nfrom the future")
+    (model / "carol").mkdir(mode=0o700)
+    (model / "carol" / store.JOURNAL_FILE).mkdir()  # unreadable as a file (EISDIR; EACCES takes the same path)
+    (tmp_path / "outside").mkdir()
+    (model / "dave").symlink_to(tmp_path / "outside")  # a planted link out of the store
+    with Runtime(model=None, cache_dir=tmp_path, max_restarts=1, restart_period=60, backoff=FAST) as rt:
+        bad = {name: rt.spawn(name, system="You are bad.") for name in ("alice", "carol", "dave")}
+        bob = rt.spawn("bob", system="You are Bob.")
+        persistence, actors = rt.env.persistence(), {n: rt.env.refs[n] for n in bad}
+        for _ in range(3):  # well past max_restarts, had these been crashes
+            for name, ref in bad.items():
+                with pytest.raises(JournalError, match=name):
+                    ref.ask("Hello?", max_tokens=4)
+            assert bob.ask("Still fine?", max_tokens=4).agent == "bob"
+        assert rt.escalation is None and rt.env.persistence() is persistence
+        assert {n: rt.env.refs[n] for n in bad} == actors  # nothing restarted
+        assert list((tmp_path / "outside").iterdir()) == []
+        (model / "alice" / store.JOURNAL_FILE).rename(model / "alice" / "journal.moved-aside")
+        assert bad["alice"].ask("And now?", max_tokens=4).agent == "alice"  # fixed files: back at work
+
+
+def test_send_to_resolves_once_the_senders_copy_is_durable(tmp_path):
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        alice, bob = rt.spawn("alice", system="You are Alice."), rt.spawn("bob", system="You are Bob.")
+        own = alice.send("Think at length.", max_tokens=150)  # alice is busy while bob answers
+        r = alice.send_to(bob, "Short answer.", max_tokens=2).get(timeout=120)
+        notes = [x for x in on_disk(rt, "alice") if x["sender"] == "bob"]
+        assert [(x["role"], x["text"]) for x in notes] == [("user", r.text)]  # on disk when the future resolved
+        assert own.get(timeout=120).agent == "alice"
+        assert [x["role"] for x in on_disk(rt, "alice")] == ["system", "user", "assistant", "user"]
+
+
+def test_turn_timeouts_leave_no_threads_behind(tmp_path):
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        alice = rt.spawn("alice", system="You are Alice.")
+        for i in range(12):
+            alice.ask(f"Turn {i}.", max_tokens=1, timeout=60)
+        assert not [t for t in threading.enumerate() if isinstance(t, threading.Timer)]
+        assert rt.env.deadlines.pending() == 0
+
+
+@pytest.mark.parametrize("options", [dict(strategy="nope"), dict(max_restarts=-1), dict(kv_bits=3),
+                                     dict(durability="eventually"), dict(backoff=0.1)])
+def test_a_bad_option_is_refused_before_anything_is_acquired(tmp_path, options):
+    threads = set(threading.enumerate())
+    with pytest.raises((ValueError, TypeError)):
+        Runtime(model=None, cache_dir=tmp_path, **options)
+    assert set(threading.enumerate()) <= threads
+    with Runtime(model=None, cache_dir=tmp_path) as rt:  # the cache_dir is free
+        assert rt.spawn("alice").ask("Hi.", max_tokens=2).agent == "alice"
+
+
+def test_a_failure_late_in_init_releases_everything(tmp_path, monkeypatch):
+    from runtime import facade
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the batcher cannot start")
+
+    threads = set(threading.enumerate())
+    monkeypatch.setattr(facade.BatcherActor, "start", broken)
+    with pytest.raises(RuntimeError, match="cannot start"):
+        Runtime(model=None, cache_dir=tmp_path)
+    monkeypatch.undo()
+    assert {t for t in threading.enumerate() if t.is_alive()} <= threads
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        assert rt.spawn("alice").ask("Hi.", max_tokens=2).agent == "alice"
+
+
+def test_use_after_shutdown_fails_at_once_with_runtime_closed(tmp_path):
+    rt = Runtime(model=None, cache_dir=tmp_path)
+    alice = rt.spawn("alice")
+    rt.shutdown()
+    with pytest.raises(RuntimeClosed):
+        alice.ask("Anyone?", max_tokens=2)
+    with pytest.raises(RuntimeClosed):
+        rt.spawn("bob")
+
+
+def _unshare_works() -> bool:
+    try:
+        return subprocess.run(["unshare", "-rm", "true"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not _unshare_works(),
+                    reason="needs a private mount namespace (unshare -rm) for a small tmpfs")
+def test_a_real_full_disk_loses_no_acknowledged_turn(tmp_path):
+    mount = tmp_path / "mnt"
+    mount.mkdir()
+    proc = subprocess.run(["unshare", "-rm", sys.executable, str(TESTS / "disk_full_child.py"), str(mount)],
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["not_saved"] > 0  # the disk really was full for some appends
+    for name, acked in out["acked"].items():
+        want = [x for turn_id, text, reply in acked for x in ((turn_id, "user", text), (turn_id, "assistant", reply))]
+        assert turns(out["journals"][name]) == want  # every acknowledged turn once, in order, nothing else
+        assert turns(out["histories"][name]) == want
+        assert len(acked) > 2  # turns were acknowledged during and after the full disk
+
+
+# -- a caller's mistake is refused at the edge, never a crash ----------------------------------
+
+BAD_OPTIONS = [
+    (dict(max_tokens=10**9), ValueError), (dict(max_tokens=0), ValueError), (dict(max_tokens=-1), ValueError),
+    (dict(max_tokens="3"), TypeError), (dict(max_tokens=2.0), TypeError), (dict(max_tokens=True), TypeError),
+    (dict(temperature=float("nan")), ValueError), (dict(temperature=-1), ValueError),
+    (dict(top_p=0), ValueError), (dict(top_p=1.5), ValueError), (dict(seed=-1, temperature=0.7), ValueError),
+    (dict(stop=[None]), TypeError), (dict(stop=("",)), ValueError), (dict(stop=3), TypeError),
+    (dict(timeout=0), ValueError), (dict(timeout=float("nan")), ValueError), (dict(timeout=-5), ValueError),
+    (dict(text=b"bytes"), TypeError), (dict(text=""), ValueError), (dict(sender="../x"), ValueError),
+]
+
+
+@pytest.fixture(scope="module")
+def edge_rt(tmp_path_factory):
+    with Runtime(model=None, cache_dir=tmp_path_factory.mktemp("edge"), max_restarts=1, restart_period=60,
+                 backoff=FAST) as rt:
+        yield rt
+
+
+@pytest.mark.parametrize("options, error", BAD_OPTIONS)
+def test_bad_turn_options_are_refused_in_the_callers_thread(edge_rt, monkeypatch, options, error):
+    ref = edge_rt.spawn(f"edge-{BAD_OPTIONS.index((options, error))}", system="You are careful.")
+    ref.history()  # started
+    actor, delivered = edge_rt.env.refs[ref.name], []
+    monkeypatch.setattr(edge_rt, "_deliver", lambda *a: delivered.append(a))
+    options = {"text": "Hello.", "max_tokens": 2, **options}
+    with pytest.raises(error):
+        ref.send(options.pop("text"), **options)
+    assert delivered == [] and edge_rt.env.refs[ref.name] is actor and edge_rt.escalation is None
+
+
+def test_stop_as_one_string_is_one_stop_string(edge_rt):
+    ref = edge_rt.spawn("edge-stop", system="You are careful.")
+    delivered = []
+    real = edge_rt._deliver
+    edge_rt._deliver = lambda name, message, future: delivered.append(message) or real(name, message, future)
+    try:
+        ref.ask("Hello.", max_tokens=2, stop="END")
+    finally:
+        del edge_rt._deliver
+    import msgpack
+
+    assert msgpack.unpackb(delivered[0].payload)["stop"] == ["END"]
+
+
+def valid(o) -> bool:
+    """The oracle: whether `send` must accept options `o` (written apart from the code it checks)."""
+    def num(x):
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+    stops = [o["stop"]] if isinstance(o["stop"], str) else o["stop"]
+    return (isinstance(o["max_tokens"], int) and not isinstance(o["max_tokens"], bool) and 1 <= o["max_tokens"] <= 4096
+            and num(o["temperature"]) and o["temperature"] >= 0 and num(o["top_p"]) and 0 < o["top_p"] <= 1
+            and isinstance(o["seed"], int) and not isinstance(o["seed"], bool) and o["seed"] >= 0
+            and isinstance(stops, (list, tuple)) and all(isinstance(s, str) and s for s in stops)
+            and (o["timeout"] is None or (num(o["timeout"]) and o["timeout"] > 0)))
+
+
+ANY = st.one_of(st.none(), st.booleans(), st.text(max_size=3), st.floats(allow_nan=True), st.integers(-3, 3))
+OPTIONS = st.fixed_dictionaries({
+    "max_tokens": st.one_of(st.integers(1, 2), st.sampled_from([0, -1, 10**9, "3", 2.0]), ANY),
+    "temperature": st.one_of(st.sampled_from([0.0, 0.5, 1]), st.floats(allow_nan=True), ANY),
+    "top_p": st.one_of(st.sampled_from([1.0, 0.9, 1]), st.floats(-1, 2), ANY),
+    "seed": st.one_of(st.integers(0, 2**31), st.integers(-5, -1), ANY),
+    "stop": st.one_of(st.just(()), st.text(min_size=1, max_size=4), st.lists(st.one_of(st.text(max_size=3), ANY), max_size=2)),
+    "timeout": st.one_of(st.just(60), st.none(), st.floats(allow_nan=True), ANY),
+})
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(options=OPTIONS)
+def test_random_options_never_reach_an_actor_invalid_nor_crash_one_valid(edge_rt, options):
+    ref = edge_rt.agent("prop") if "prop" in edge_rt.agents() else edge_rt.spawn("prop", system="You are careful.")
+    actor = edge_rt.env.refs.get("prop")
+    if valid(options):
+        assert ref.ask("Hello.", **options).agent == "prop"
+    else:
+        real, delivered = edge_rt._deliver, []
+        edge_rt._deliver = lambda *a: delivered.append(a)
+        try:
+            with pytest.raises((TypeError, ValueError)):
+                ref.send("Hello.", **options)
+        finally:
+            del edge_rt._deliver
+        assert delivered == []
+    assert actor is None or edge_rt.env.refs["prop"] is actor  # no crash, no restart
+    assert edge_rt.escalation is None
+
+
+def test_waiting_too_little_on_a_reply_is_a_turn_timeout_not_a_pykka_error(edge_rt):
+    ref = edge_rt.spawn("edge-wait", system="You are careful.")
+    future = ref.send("Think at length.", max_tokens=40)
+    with pytest.raises(TurnTimeout, match="may still finish"):
+        future.get(timeout=0)
+    assert future.get(timeout=120).agent == "edge-wait"  # the wait ended, not the turn
+
+
+def test_an_agent_spawned_on_a_full_disk_fails_its_turns_without_crash_looping(tmp_path, monkeypatch):
+    real = store._pwrite
+
+    def disk_full(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with Runtime(model=None, cache_dir=tmp_path, max_restarts=1, restart_period=60, backoff=FAST) as rt:
+        monkeypatch.setattr(store, "_pwrite", disk_full)
+        newbie = rt.spawn("newbie", system="You are new.")
+        for _ in range(3):
+            with pytest.raises(TurnNotSaved, match="system prompt"):
+                newbie.ask("Hello?", max_tokens=2)
+        monkeypatch.setattr(store, "_pwrite", real)
+        r = newbie.ask("And now?", max_tokens=2)
+        assert rt.escalation is None
+        assert [(x["role"], x["text"]) for x in on_disk(rt, "newbie")] == [
+            ("system", "You are new."), ("user", "And now?"), ("assistant", r.text)]
+
+
+# -- turn ids: every error names its turn, and a retry with the same id never runs it twice ------
+
+
+def test_a_retry_with_a_committed_turn_id_returns_that_reply_without_running_again(tmp_path):
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        alice = rt.spawn("alice", system="You are Alice.")
+        first = alice.ask("One.", max_tokens=4, turn_id="order-1")
+        again = alice.ask("One.", max_tokens=4, turn_id="order-1")
+        assert first.turn_id == again.turn_id == "order-1" and first.cache == "cold"
+        assert (again.cache, again.text, again.tokens, again.finish_reason) == ("committed", first.text, first.tokens,
+                                                                               first.finish_reason)
+        slow = alice.send("Two.", max_tokens=30)
+        with pytest.raises(TurnTimeout) as waited:  # the caller stopped waiting; the turn goes on
+            slow.get(timeout=0)
+        assert waited.value.turn_id == slow.turn_id
+        retry = alice.ask("Two.", max_tokens=30, turn_id=waited.value.turn_id)  # queued behind the first
+        assert retry.cache == "committed" and retry.text == slow.get(timeout=60).text
+    with Runtime(model=None, cache_dir=tmp_path) as rt:  # the key outlives the process
+        alice = rt.spawn("alice")
+        assert alice.ask("One.", max_tokens=4, turn_id="order-1").cache == "committed"
+        assert turns(alice.history()) == replies([("One.", first), ("Two.", retry)])
+    with pytest.raises(ValueError):
+        AgentRef(rt, "alice").send("x", turn_id="../bad")
+
+
+def test_errors_carry_the_turn_id_of_turns_that_never_started(tmp_path):
+    from actors.batcher import Submit
+    from runtime.engine import Turn
+
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        alice = rt.spawn("alice", system="You are Alice.")
+        entered, release = threading.Event(), threading.Event()
+        gate = rt.tokenizer.encode("gate", add_special_tokens=False)
+        rt.env.batcher().tell(Submit(Turn("gate", "gate", None, gate, max_tokens=1),
+                                     lambda outcome: entered.set() or release.wait(30)))
+        assert entered.wait(30)
+        futures = [alice.send(f"Queued {i}.", max_tokens=2) for i in range(3)]
+        alice.stop()
+        release.set()
+        for f in futures:
+            with pytest.raises(AgentCrashed) as crash:
+                f.get(timeout=30)
+            assert crash.value.turn_id == f.turn_id
+
+
+# -- SIGKILL: a process running agents is killed at random moments ---------------------------
+
+
+def test_sigkill_at_random_moments_loses_no_acknowledged_turn_or_send_to_copy(tmp_path):
+    """KVACTORS_KILLS (default 3) kills; every acknowledged turn is on disk once, in order, after each."""
+    kills, rng = int(os.environ.get("KVACTORS_KILLS", "3")), random.Random(0)
+    acked = {name: [] for name in ("alice", "bob", "carol")}  # (turn_id, text) in acknowledgement order
+    notes = {name: [] for name in acked}  # reply texts each agent must hold
+    for kill in range(kills):
+        child = subprocess.Popen([sys.executable, str(TESTS / "chaos_child.py"), str(tmp_path), str(kill)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+        ready = child.stdout.readline()
+        if ready != "ready\n":
+            child.kill()
+            pytest.fail(f"child did not start: {ready!r} {child.communicate()[1][-3000:]}")
+        threading.Event().wait(rng.uniform(0.2, 1.5))  # let it work, then kill it wherever it is
+        child.send_signal(signal.SIGKILL)
+        out, err = child.communicate()
+        assert child.returncode == -signal.SIGKILL, err[-3000:]
+        for line in out.splitlines():
+            kind, name, key, text = line.split(" ", 3)
+            if kind == "ack":
+                acked[name].append((key, json.loads(text)))
+            else:
+                notes[name].append(json.loads(text))
+        spec = types.SimpleNamespace(fingerprint=next(p.name for p in tmp_path.iterdir() if p.is_dir()))
+        for name in acked:
+            records = store.read_journal(tmp_path, spec, name)
+            seqs = [r["seq"] for r in records]
+            assert seqs == sorted(set(seqs))
+            by_turn = {}
+            for r in records:
+                if r["turn_id"] is not None:
+                    by_turn.setdefault(r["turn_id"], []).append(r)
+            assert all([x["role"] for x in rs] == ["user", "assistant"] for rs in by_turn.values())  # once each
+            ids = list(by_turn)
+            assert [ids.index(t) for t, _ in acked[name]] == sorted(ids.index(t) for t, _ in acked[name])  # in order
+            assert all(by_turn[t][0]["text"] == text for t, text in acked[name])
+            held = [r["text"] for r in records if r["turn_id"] is None and r["role"] == "user"]
+            assert not Counter(notes[name]) - Counter(held), f"{name} lost send_to copies"
+    assert sum(len(a) for a in acked.values()) > kills  # the children did real work between kills
+    print(f"{kills} kills, {sum(len(a) for a in acked.values())} turns and "
+          f"{sum(len(n) for n in notes.values())} send_to copies acknowledged, none lost")
