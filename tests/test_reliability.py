@@ -216,6 +216,9 @@ def test_use_after_shutdown_fails_at_once_with_runtime_closed(tmp_path):
         alice.ask("Anyone?", max_tokens=2)
     with pytest.raises(RuntimeClosed):
         rt.spawn("bob")
+    for call in (alice.history, alice.stop, alice.inject_crash, lambda: alice.send_to(alice, "x")):
+        with pytest.raises(RuntimeClosed):
+            call()
 
 
 def _unshare_works() -> bool:
