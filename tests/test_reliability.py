@@ -1,10 +1,12 @@
 """Faults a Runtime must survive: a full disk, a damaged, deleted or unreadable journal,
-bad options, use after shutdown. The invariant after each: every acknowledged turn is
-in the history once, in order, and the other agents go on being served.
+bad options, retries, use after shutdown, SIGKILL. The invariant after each: every
+acknowledged turn is in the history once, in order, and the other agents go on being
+served.
 
 The full disk is injected at the one call that writes journal bytes (`store._pwrite`:
-part of the frame reaches the disk, then ENOSPC); `test_disk_full_child.py` fills a
-real tmpfs instead, where the system allows one.
+part of the frame reaches the disk, then ENOSPC); `disk_full_child.py` fills a real
+tmpfs instead, where the system allows one. `chaos_child.py` is the process the
+SIGKILL test kills (KVACTORS_KILLS sets how many times; 3 by default).
 """
 
 from __future__ import annotations
