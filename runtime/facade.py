@@ -637,6 +637,7 @@ class Runtime:
                 raise AgentCrashed(None, f"agent {name!r} crashed twice while taking this message; retry") from None
 
     def _stop_agent(self, name):
+        self._check_running()
         if name not in self._names:
             raise UnknownAgent(f"no running agent named {name!r}")
         self._names.remove(name)

@@ -1,10 +1,12 @@
 """Faults a Runtime must survive: a full disk, a damaged, deleted or unreadable journal,
-bad options, use after shutdown. The invariant after each: every acknowledged turn is
-in the history once, in order, and the other agents go on being served.
+bad options, retries, use after shutdown, SIGKILL. The invariant after each: every
+acknowledged turn is in the history once, in order, and the other agents go on being
+served.
 
 The full disk is injected at the one call that writes journal bytes (`store._pwrite`:
-part of the frame reaches the disk, then ENOSPC); `test_disk_full_child.py` fills a
-real tmpfs instead, where the system allows one.
+part of the frame reaches the disk, then ENOSPC); `disk_full_child.py` fills a real
+tmpfs instead, where the system allows one. `chaos_child.py` is the process the
+SIGKILL test kills (KVACTORS_KILLS sets how many times; 3 by default).
 """
 
 from __future__ import annotations
@@ -216,6 +218,9 @@ def test_use_after_shutdown_fails_at_once_with_runtime_closed(tmp_path):
         alice.ask("Anyone?", max_tokens=2)
     with pytest.raises(RuntimeClosed):
         rt.spawn("bob")
+    for call in (alice.history, alice.stop, alice.inject_crash, lambda: alice.send_to(alice, "x")):
+        with pytest.raises(RuntimeClosed):
+            call()
 
 
 def _unshare_works() -> bool:
