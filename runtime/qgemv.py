@@ -17,8 +17,8 @@ same at batch 1 and batch 16.
 
 Layout (MLX's affine quantization): `w` (N, K * bits / 32) uint32, element j of
 a word in bits [4j, 4j + 4); `scales`, `biases` (N, K / group_size); the weight
-is `q * scale + bias`. Each warp computes COLUMNS output columns, so every load
-of x serves COLUMNS columns.
+is `q * scale + bias`. Each warp computes `columns(rows)` output columns, so
+every load of x serves that many columns.
 """
 
 from __future__ import annotations
@@ -26,8 +26,14 @@ from __future__ import annotations
 import mlx.core as mx
 
 MAX_ROWS = 16  # rows one call serves; larger inputs (prefill) take MLX's GEMM
-COLUMNS = 4  # output columns per warp
 WARPS = 8  # warps per block
+
+
+def columns(rows: int) -> int:
+    """Output columns per warp for `rows` rows: 1 for 1-2 rows (more warps in flight), else 4
+    (each load of x serves 4 columns). Per-row sums are the same either way: a column's
+    reduction order does not depend on how many columns a warp holds."""
+    return 1 if rows <= 2 else 4
 
 _SOURCE = r"""
     const int M = x_shape[0];
@@ -113,7 +119,7 @@ _SOURCE = r"""
 """
 
 _kernel = None
-_launch = {}  # (dtype, group_size, n) -> (template, grid, threadgroup): built once, looked up per call
+_launch = {}  # (dtype, group_size, n, columns) -> launch parameters: built once, looked up per call
 
 
 def available() -> bool:
@@ -141,13 +147,13 @@ def qgemv(x, w, scales, biases, group_size: int):
             source=_SOURCE,
             ensure_row_contiguous=True,
         )
-    n = w.shape[0]
-    key = (x.dtype, group_size, n)
+    n, cols = w.shape[0], columns(x.shape[0])
+    key = (x.dtype, group_size, n, cols)
     launch = _launch.get(key)
     if launch is None:
-        warps = -(-n // COLUMNS)
+        warps = -(-n // cols)
         threads = -(-warps // WARPS) * WARPS * 32
-        template = [("T", x.dtype), ("G", group_size), ("COLS", COLUMNS), ("MAXM", MAX_ROWS)]
+        template = [("T", x.dtype), ("G", group_size), ("COLS", cols), ("MAXM", MAX_ROWS)]
         launch = _launch[key] = (template, (threads, 1, 1), (WARPS * 32, 1, 1), [x.dtype])
     template, grid, threadgroup, dtypes = launch
     return _kernel(inputs=[x, w, scales, biases], template=template, grid=grid, threadgroup=threadgroup,
