@@ -1,7 +1,8 @@
 """AgentActor: one LLM agent, owning its KV-cache handle, running its turns one at a time.
 
-An agent's work arrives as `Ask` (take a turn on a message) and `Note` (append a
-message to the history without a turn) envelopes whose payload is msgpack, so no
+An agent's work arrives as `Ask` (take a turn on a message), `Note` (append a
+message to the history without a turn) and `Reset` (start the conversation over
+from given messages) envelopes whose payload is msgpack, so no
 mutable object is shared between actors. Work items run strictly in arrival order:
 a turn renders the conversation with the chat template, matches the rendered text
 against the text its cache holds (`runtime.prefix`), sends only the new tokens to
@@ -70,7 +71,9 @@ class Reply:
     """An agent's answer to one turn.
 
     `cache` is "cold" (the whole context was prefilled), "hot" (the agent's cache was
-    in memory) or "warm" (loaded from disk). `timings.ttft_s` counts from the moment
+    in memory) or "warm" (loaded from disk). `reused_tokens` is how many of the
+    prompt's tokens the cache served (0 when cold); the prompt held
+    `reused_tokens + timings.prefill_tokens` tokens. `timings.ttft_s` counts from the moment
     the agent started the turn, a reload from disk included. `text` is spelled as
     the tokens follow the prompt (a first token's leading space is kept), and the
     same text goes to the journal and to the text the agent's cache holds.
@@ -83,6 +86,7 @@ class Reply:
     cache: str
     finish_reason: str
     timings: Timings
+    reused_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,21 @@ class Note:
     """Envelope: append the msgpack `payload` message to the history; no turn."""
 
     payload: bytes
+
+
+@dataclass(frozen=True)
+class Reset:
+    """Envelope: start a new conversation from msgpack `payload`; resolve `future` once durable.
+
+    The payload holds `system` (None keeps the current system prompt) and `records`
+    ({"role": "user" | "assistant", "text", "sender"} dicts). The journal gets a
+    system record followed by those messages: a system record starts a conversation,
+    so the history is what follows the last one. The cache is kept; the next turn
+    reuses whatever prefix of it the new conversation still matches.
+    """
+
+    payload: bytes
+    future: Any
 
 
 @dataclass
@@ -159,6 +178,16 @@ def render_messages(system: str, records) -> list[dict]:
     return messages
 
 
+def current_conversation(records) -> list:
+    """The records of the current conversation: from the last system record on (all if none).
+
+    A system record starts a conversation; `Reset` writes a new one, so older
+    records stay in the journal but are no longer part of the history.
+    """
+    starts = [i for i, r in enumerate(records) if r["role"] == "system"]
+    return list(records[starts[-1]:] if starts else records)
+
+
 def render(tokenizer, system: str, records) -> str:
     """The chat-template text of a conversation, ending with the assistant's prompt."""
     return render_chat(tokenizer, system, records).text
@@ -194,9 +223,9 @@ class AgentActor(SupervisedActor):
     def on_start(self):
         t0 = time.perf_counter()
         loaded = self._load_durable()
-        self.records = list(loaded.records)
-        self.seq = self.records[-1]["seq"] if self.records else 0
-        system = next((r["text"] for r in self.records if r["role"] == "system"), None)
+        self.records = current_conversation(loaded.records)
+        self.seq = loaded.records[-1]["seq"] if loaded.records else 0
+        system = self.records[0]["text"] if self.records and self.records[0]["role"] == "system" else None
         if system is None and self.system:
             self._persist_now([self._record("system", self.system)])
         elif system is not None:
@@ -239,8 +268,8 @@ class AgentActor(SupervisedActor):
         self.work.clear()
 
     def _drain_inbox(self, why):
-        for msg in self.take_leftover(Ask, Note):
-            if isinstance(msg, Ask):
+        for msg in self.take_leftover(Ask, Note, Reset):
+            if isinstance(msg, (Ask, Reset)):
                 _fail(msg.future, AgentCrashed(None, f"{why} before this message; retry it"))
             elif isinstance(msg, Note):
                 self.env.dead_letter(self.name, msg, why)
@@ -253,6 +282,8 @@ class AgentActor(SupervisedActor):
                                    on_token=message.on_token, on_progress=message.on_progress))
         elif isinstance(message, Note):
             self.work.append(_Item("note", msgpack.unpackb(message.payload)))
+        elif isinstance(message, Reset):
+            self.work.append(_Item("reset", msgpack.unpackb(message.payload), message.future))
         elif isinstance(message, _Done):
             self._finish_turn(message)
         elif isinstance(message, persistence.Ack):
@@ -282,8 +313,19 @@ class AgentActor(SupervisedActor):
                 item.records = [self._record("user", msg["text"], sender=msg.get("sender"), msg=msg)]
                 self.records += item.records
                 self._persist(item.records)
+            elif item.kind == "reset":
+                self._reset(item)
             else:
                 self._start_turn(item)
+
+    def _reset(self, item: _Item):
+        msg = item.msg
+        if msg.get("system") is not None:
+            self.system = msg["system"]
+        item.records = [self._record("system", self.system)] + [
+            self._record(r["role"], r["text"], sender=r.get("sender")) for r in msg["records"]]
+        self.records = list(item.records)
+        self._persist(item.records)
 
     # -- a turn ------------------------------------------------------------------
 
@@ -375,7 +417,8 @@ class AgentActor(SupervisedActor):
         self.env.hot.put(self.name, result.cache)
         timings = replace(result.timings, ttft_s=result.timings.ttft_s + self.load_s)
         self.load_s = 0.0
-        item.reply = Reply(self.name, turn_id, result.text, list(result.tokens), p["label"], result.finish_reason, timings)
+        item.reply = Reply(self.name, turn_id, result.text, list(result.tokens), p["label"], result.finish_reason, timings,
+                           reused_tokens=len(p["keep_ids"]))
         item.records = [p["user"], assistant]
         self._persist(item.records, store.cache_to_host(result.cache), meta, p["reuse"])
         if msg.get("reply_to_agent"):

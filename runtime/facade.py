@@ -24,10 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Callable, Iterator
 
+import msgpack
 import pykka
 
 from actors import agent as agent_mod
-from actors.agent import DURABILITY, AgentActor, AgentCrashed, Ask, Note, Reply, TurnTimeout, UnknownAgent
+from actors.agent import DURABILITY, AgentActor, AgentCrashed, Ask, Note, Reply, Reset, TurnTimeout, UnknownAgent
 from actors.batcher import STATS as _STATS, BatcherActor, Warmup
 from actors.persistence import PersistenceActor
 from actors.supervisor import Backoff, ChildSpec, Supervisor, UnknownChild
@@ -329,6 +330,37 @@ class AgentRef:
         """This agent's conversation as journal records, oldest first (see `AgentActor.history`)."""
         return self.runtime._ref(self.name).proxy().history().get(timeout=30)
 
+    def note(self, text: str, sender: str | None = None) -> None:
+        """Append a user message to the history without taking a turn (in order with turns)."""
+        if not isinstance(text, str) or not text:
+            raise ValueError("a note needs a non-empty text")
+        self.runtime._deliver(self.name, Note(agent_mod.encode_message(text, sender)), None)
+
+    def reset(self, records: list[dict], system: str | None = None) -> ReplyFuture:
+        """Start the conversation over from `records`; return a future that resolves (to None) once durable.
+
+        `records` are {"role": "user" | "assistant", "text": str, "sender": str | None}
+        dicts, oldest first (the shape `history()` returns); `system` replaces the system
+        prompt (None keeps it). Queued after the agent's pending work. The journal keeps
+        the old conversation; `history()` shows only the new one. The cache is kept and
+        the next turn reuses the prefix of it that the new conversation still renders to.
+        Raises ValueError for a malformed record.
+        """
+        clean = []
+        for r in records:
+            if r.get("role") not in ("user", "assistant") or not isinstance(r.get("text"), str):
+                raise ValueError(f"a record needs role 'user' or 'assistant' and a str text, got {r!r:.200}")
+            sender = r.get("sender")
+            if sender is not None and not isinstance(sender, str):
+                raise ValueError(f"a record's sender is a str or None, got {sender!r:.100}")
+            clean.append({"role": r["role"], "text": r["text"], "sender": sender})
+        if system is not None and not isinstance(system, str):
+            raise ValueError(f"system must be a str or None, got {type(system).__name__}")
+        future = ReplyFuture()
+        payload = msgpack.packb({"system": system, "records": clean})
+        self.runtime._deliver(self.name, Reset(payload, future), future)
+        return future
+
     def inject_crash(self) -> None:
         """For tests and demos: make the agent crash at the end of its next turn."""
         self.runtime._ref(self.name).tell(agent_mod._Fault())
@@ -414,6 +446,22 @@ class Runtime:
     def agents(self) -> list[str]:
         """Names of the running agents, in spawn order."""
         return list(self._names)
+
+    def forget(self, name: str, timeout: float = 60.0) -> bool:
+        """Stop agent `name` if it runs and delete its cache and journal; return whether any were stored.
+
+        Its queued writes land first, then its folder goes. Raises InvalidAgentId for a bad name.
+        """
+        self._check_running()
+        store.check_agent_id(name)
+        if name in self._names:
+            self._stop_agent(name)
+        return self.env.persistence().proxy().delete(name).get(timeout=timeout)
+
+    def stored(self, name: str) -> bool:
+        """Whether agent `name` has a journal or cache in `cache_dir` (running or not)."""
+        store.check_agent_id(name)
+        return store.agent_dir(self.cache_dir, self.spec.fingerprint, name).exists()
 
     def converse(self, agents, opening: str, rounds: int, **options) -> list[Reply]:
         """Round-robin: the first agent answers `opening`, each next one answers the previous reply.
