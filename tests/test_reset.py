@@ -62,3 +62,16 @@ def test_forget_deletes_a_stored_agent(tmp_path):
         with pytest.raises(InvalidAgentId):
             rt.forget("../escape")
         assert turns(rt.spawn("ephemeral").history()) == []
+
+
+def test_a_question_asked_again_after_a_reset_reuses_the_cache(tmp_path):
+    # The new prompt is a prefix of the cached text ending at a token boundary: nothing new
+    # to feed, so the last prompt token is fed again (it used to crash the agent).
+    with Runtime(cache_dir=tmp_path) as rt:
+        a = rt.spawn("again", system="s")
+        first = a.ask("the same question", max_tokens=3)
+        a.reset([]).get(timeout=30)
+        second = a.ask("the same question", max_tokens=3)
+        assert second.cache == "hot" and second.timings.prefill_tokens == 1
+        assert second.reused_tokens + 1 == first.timings.prefill_tokens
+        assert second.text == first.text
