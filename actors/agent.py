@@ -101,6 +101,7 @@ class Ask:
     future: Any
     on_token: Callable[[str], None] | None = None
     on_progress: Callable[[int, int], None] | None = None
+    cancel: Callable[[], bool] | None = None
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,7 @@ class _Item:
     future: Any = None
     on_token: Callable[[str], None] | None = None
     on_progress: Callable[[int, int], None] | None = None
+    cancel: Callable[[], bool] | None = None
     turn_id: str | None = None
     reply: Reply | None = None
     records: list | None = None  # written, awaiting the ack
@@ -279,7 +281,8 @@ class AgentActor(SupervisedActor):
     def on_receive(self, message):
         if isinstance(message, Ask):
             self.work.append(_Item("ask", msgpack.unpackb(message.payload), message.future,
-                                   on_token=message.on_token, on_progress=message.on_progress))
+                                   on_token=message.on_token, on_progress=message.on_progress,
+                                   cancel=message.cancel))
         elif isinstance(message, Note):
             self.work.append(_Item("note", msgpack.unpackb(message.payload)))
         elif isinstance(message, Reset):
@@ -348,6 +351,7 @@ class AgentActor(SupervisedActor):
             stop_strings=tuple(msg.get("stop", ())),
             on_token=item.on_token,
             on_progress=item.on_progress,
+            cancel=item.cancel,
         )
         me = self.actor_ref
         env = self.env

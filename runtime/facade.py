@@ -217,7 +217,7 @@ class AgentRef:
              seed: int = 0, stop=(), timeout: float | None = 60.0, sender: str | None = None,
              conversation_id: str | None = None, on_token: Callable[[str], None] | None = None,
              on_progress: Callable[[int, int], None] | None = None,
-             _reply_to_agent: str | None = None) -> ReplyFuture:
+             cancel: Callable[[], bool] | None = None, _reply_to_agent: str | None = None) -> ReplyFuture:
         """Queue a turn on `text`; return a future of its `Reply` (`await` it in asyncio code).
 
         The future raises AgentCrashed (with the turn id) if the agent crashes in the
@@ -229,11 +229,14 @@ class AgentRef:
         last pieces may hold the start of a stop string the reply then drops), and
         `on_progress(done, total)` the tokens prefilled so far after each prefill
         chunk. Both run on the batcher's thread: keep them short and never block in
-        them; an exception in one fails the turn (AgentCrashed).
+        them; an exception in one fails the turn (AgentCrashed). `cancel()` is asked
+        after each generated token (on the batcher's thread too, so make it cheap, e.g.
+        `threading.Event().is_set`); once it returns True the turn ends with the text so
+        far, `finish_reason` "cancelled", and is stored like any other turn.
         """
         if not text:
             raise ValueError("an empty message gives the model nothing to answer")
-        for name, fn in (("on_token", on_token), ("on_progress", on_progress)):
+        for name, fn in (("on_token", on_token), ("on_progress", on_progress), ("cancel", cancel)):
             if fn is not None and not callable(fn):
                 raise TypeError(f"{name} must be a callable or None, got {type(fn).__name__}")
         payload = agent_mod.encode_message(
@@ -241,7 +244,7 @@ class AgentRef:
             stop=list(stop), timeout=timeout, conversation_id=conversation_id, reply_to_agent=_reply_to_agent,
         )
         future = ReplyFuture()
-        self.runtime._deliver(self.name, Ask(payload, future, on_token, on_progress), future)
+        self.runtime._deliver(self.name, Ask(payload, future, on_token, on_progress, cancel), future)
         return future
 
     def ask(self, text: str, *, timeout: float | None = 60.0, **options) -> Reply:

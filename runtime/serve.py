@@ -33,6 +33,7 @@ import hashlib
 import hmac
 import json
 import logging
+import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -44,8 +45,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from actors.agent import AgentCrashed, Reply, TurnTimeout, UnknownAgent
-from runtime.facade import Runtime, RuntimeEscalated
+from runtime import AgentCrashed, Reply, Runtime, RuntimeEscalated, TurnTimeout, UnknownAgent
 from runtime.store import InvalidAgentId, check_agent_id
 
 log = logging.getLogger(__name__)
@@ -285,6 +285,7 @@ class Server:
         self._used: OrderedDict[str, None] = OrderedDict()  # running agents, least recently used first
         self._spawning = asyncio.Lock()
         self._tasks: set = set()
+        self.cancelled = 0  # streamed turns cut short because their client hung up
 
     # -- agents ------------------------------------------------------------------
 
@@ -320,8 +321,11 @@ class Server:
         return dict(max_tokens=req.max_tokens or self.default_max_tokens, temperature=req.temperature,
                     top_p=req.top_p, seed=req.seed, stop=tuple(req.stop), timeout=self.turn_timeout)
 
-    async def run_chat(self, req: ChatRequest, name: str, pieces: asyncio.Queue | None) -> Reply:
-        """Map `req` onto agent `name` and run its turn, holding the agent's lock; stream pieces into `pieces`."""
+    async def run_chat(self, req: ChatRequest, name: str, pieces: asyncio.Queue | None, cancel=None) -> Reply:
+        """Map `req` onto agent `name` and run its turn, holding the agent's lock; stream pieces into `pieces`.
+
+        `cancel()` returning True ends the turn at its next token (see `AgentRef.send`).
+        """
         async with self.lock(name):
             ref = await self.agent(name, req.system or "")
             history = await asyncio.to_thread(ref.history)
@@ -331,7 +335,7 @@ class Server:
             for text, sender in plan.notes:
                 if text:
                     ref.note(text, sender)
-            options = dict(self.options(req), sender=plan.ask_sender)
+            options = dict(self.options(req), sender=plan.ask_sender, cancel=cancel)
             if pieces is None:
                 return await ref.ask_async(plan.ask, **options)
             async for item in ref.astream(plan.ask, **options):
@@ -422,7 +426,8 @@ def routes(server: Server) -> list[Route]:
     rt = server.rt
 
     async def health(request):
-        return JSONResponse({"status": "ok", "model": server.model_id, "agents": len(rt.agents())})
+        return JSONResponse({"status": "ok", "model": server.model_id, "agents": len(rt.agents()),
+                             "turns_cancelled": server.cancelled})
 
     async def models(request):
         return JSONResponse({"object": "list", "data": [
@@ -437,14 +442,20 @@ def routes(server: Server) -> list[Route]:
             return JSONResponse(server.completion(reply, created),
                                 headers={"X-Agent-Id": name, "X-KV-Cache": reply.cache})
         pieces: asyncio.Queue = asyncio.Queue()
-        task = server.background(server.run_chat(req, name, pieces))
+        gone = threading.Event()  # the client hung up: the turn stops at its next token
+        task = server.background(server.run_chat(req, name, pieces, cancel=gone.is_set))
         task.add_done_callback(lambda _: pieces.put_nowait(None))
         cid = f"chatcmpl-{uuid.uuid4().hex}"
 
         async def events():
-            yield server.chunk(cid, created, {"role": "assistant", "content": ""})
-            while (piece := await pieces.get()) is not None:
-                yield server.chunk(cid, created, {"content": piece})
+            try:
+                yield server.chunk(cid, created, {"role": "assistant", "content": ""})
+                while (piece := await pieces.get()) is not None:
+                    yield server.chunk(cid, created, {"content": piece})
+            finally:
+                if not task.done():
+                    gone.set()
+                    server.cancelled += 1
             try:
                 reply = task.result()
             except Exception as e:  # the stream has begun: the error goes in an event

@@ -1,4 +1,4 @@
-"""A conversation started over (`AgentRef.reset`), notes, `Runtime.forget`, and the tokens a cache served."""
+"""The agent API beside ask: reset, notes, forget, cancel, and the tokens a cache served."""
 
 import pytest
 
@@ -75,3 +75,14 @@ def test_a_question_asked_again_after_a_reset_reuses_the_cache(tmp_path):
         assert second.cache == "hot" and second.timings.prefill_tokens == 1
         assert second.reused_tokens + 1 == first.timings.prefill_tokens
         assert second.text == first.text
+
+
+def test_a_cancelled_turn_ends_at_its_next_token_and_is_stored(tmp_path):
+    with Runtime(cache_dir=tmp_path) as rt:
+        a = rt.spawn("impatient")
+        r = a.ask("go on and on", max_tokens=500, cancel=lambda: True)
+        assert r.finish_reason == "cancelled" and len(r.tokens) == 1
+        assert a.history()[-1]["text"] == r.text
+        assert a.ask("next", max_tokens=2).cache == "hot"
+        with pytest.raises(TypeError):
+            a.send("x", cancel=True)

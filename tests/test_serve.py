@@ -212,10 +212,10 @@ def test_a_named_agent_takes_only_the_new_message_and_a_changed_system_prompt_st
     assert history["system"] == "another persona" and len(history["messages"]) == 2
 
 
-def test_a_client_that_leaves_mid_stream_does_not_break_the_agent(served):
+def test_a_client_that_leaves_mid_stream_cancels_its_turn(served):
     req = urllib.request.Request(served.url + "/v1/chat/completions", method="POST", headers={
         "Content-Type": "application/json", "X-Agent-Id": "leaver"}, data=json.dumps({
-            "model": "kvactors-tiny", "stream": True, "max_tokens": 8,
+            "model": "kvactors-tiny", "stream": True, "max_tokens": 100000,
             "messages": [{"role": "user", "content": "talk"}]}).encode())
     with urllib.request.urlopen(req, timeout=120) as r:
         assert r.readline().startswith(b"data: ")  # the role chunk; then hang up
@@ -224,7 +224,8 @@ def test_a_client_that_leaves_mid_stream_does_not_break_the_agent(served):
         extra_headers={"X-Agent-Id": "leaver"})
     assert after.choices[0].message.content is not None
     users = [m["content"] for m in served.request("GET", "/v1/agents/leaver")[1]["messages"] if m["role"] == "user"]
-    assert users == ["talk", "still there?"]  # the abandoned turn finished and stays in the history
+    assert users == ["talk", "still there?"]  # the cut-short turn stays in the history
+    assert served.request("GET", "/health")[1]["turns_cancelled"] == 1
 
 
 def test_a_restarted_server_serves_the_same_conversations_warm(tmp_path):
@@ -333,3 +334,14 @@ def test_derived_ids_are_valid_stable_and_scoped_by_user():
     a = derive_agent_id(None, "s", "hello")
     assert a == derive_agent_id(None, "s", "hello") != derive_agent_id("bob", "s", "hello")
     assert a != derive_agent_id(None, None, "s hello") and a.startswith("chat-")
+
+
+def test_the_load_benchmark_loses_nothing(tmp_path):
+    from benchmarks import serve as bench
+
+    argv = ["--clients", "4", "--turns", "2", "--new", "4", "--system-words", "20", "--turn-words", "8",
+            "--servers", "kvactors", "--out", str(tmp_path)]
+    assert bench.main(argv) == 0
+    row = json.loads((tmp_path / "serve-tiny.json").read_text())["rows"][0]
+    assert (row["requests"], row["failed"]) == (8, 0)
+    assert row["cache states"] == "cold 4 hot 4"  # each conversation's second turn reuses its cache
