@@ -33,6 +33,7 @@ import hashlib
 import hmac
 import json
 import logging
+import secrets
 import threading
 import time
 import uuid
@@ -186,15 +187,15 @@ def parse_chat(body, agent_header: str | None = None) -> ChatRequest:
     if fmt is not None and fmt != {"type": "text"}:
         raise bad("response_format other than {\"type\": \"text\"} is not supported", "response_format",
                   "unsupported_parameter")
-    n = _integer(body, "n", 1, 1)
-    del n  # only 1 choice: _integer refuses anything else
+    _integer(body, "n", 1, 1)  # one choice only
     system, messages = parse_messages(body.get("messages"))
     req = ChatRequest(system, messages)
     maxes = [_integer(body, k, 1, 1 << 20) for k in ("max_completion_tokens", "max_tokens")]
     req.max_tokens = next((m for m in maxes if m is not None), None)
     req.temperature = float(_number(body, "temperature", 0, 2, 1.0))
     req.top_p = float(_number(body, "top_p", 0, 1, 1.0, lo_open=True))
-    req.seed = _integer(body, "seed", 0, (1 << 63) - 1) or 0
+    seed = _integer(body, "seed", 0, (1 << 63) - 1)
+    req.seed = secrets.randbits(63) if seed is None else seed  # unseeded sampling varies, as OpenAI's does
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]

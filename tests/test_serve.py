@@ -17,7 +17,7 @@ import pytest
 import uvicorn
 
 from runtime import Runtime
-from runtime.serve import ChatRequest, Server, build_app, derive_agent_id, parse_messages, plan_turn
+from runtime.serve import ChatRequest, Server, build_app, derive_agent_id, parse_chat, parse_messages, plan_turn
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEM = {"role": "system", "content": "You answer briefly."}
@@ -345,3 +345,13 @@ def test_the_load_benchmark_loses_nothing(tmp_path):
     row = json.loads((tmp_path / "serve-tiny.json").read_text())["rows"][0]
     assert (row["requests"], row["failed"]) == (8, 0)
     assert row["cache states"] == "cold 4 hot 4"  # each conversation's second turn reuses its cache
+
+
+def test_request_defaults_follow_openai():
+    body = {"model": "any", "messages": [{"role": "developer", "content": "d"}, {"role": "user", "content": "hi", "name": "ann"}]}
+    a, b = parse_chat(body), parse_chat(body)
+    assert (a.temperature, a.top_p, a.max_tokens, a.stream, a.stop) == (1.0, 1.0, None, False, [])
+    assert a.seed != b.seed  # unseeded requests sample differently
+    assert a.system == "d" and a.messages == [("user", "hi", "ann")]
+    c = parse_chat({**body, "seed": 5, "stop": "x", "max_completion_tokens": 3, "max_tokens": 9, "n": 1})
+    assert (c.seed, c.stop, c.max_tokens) == (5, ["x"], 3)
