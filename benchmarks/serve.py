@@ -9,7 +9,8 @@ new user message); half of the clients stream. Each server runs in its own proce
   from its system prompt and first message); kvactors-memory: the same with
   `--durability memory` (turns acknowledged before their writes are fsynced);
 - mlx-lm: `mlx_lm server` (its prompt-cache trie, in memory, fp16 KV), with room in
-  its prompt cache for every conversation (`--prompt-cache-size`, default 10).
+  its prompt cache for every conversation (`--prompt-cache-size`); mlx-lm-default: its
+  default of 10 caches, fewer than the conversations, so some turns re-prefill.
 
 Reported per server: total time, requests answered and failed (nothing may be lost),
 latency p50 / p99 over all requests, TTFT p50 / p99 over the streamed ones, and for
@@ -54,7 +55,7 @@ def free_port() -> int:
 
 
 def start(server: str, model: Path, workdir: Path, conversations: int = 16) -> tuple[subprocess.Popen, str]:
-    """Start `server` ("kvactors", "kvactors-memory" or "mlx-lm") on `model` in a child process; return it and its URL."""
+    """Start `server` (see the module doc for the names) on `model` in a child process; return it and its URL."""
     port = free_port()
     if server.startswith("kvactors"):
         cmd = [sys.executable, "-m", "runtime.cli", "serve", "--model", str(model), "--cache-dir",
@@ -62,7 +63,9 @@ def start(server: str, model: Path, workdir: Path, conversations: int = 16) -> t
                "--durability", "memory" if server == "kvactors-memory" else "durable"]
     else:
         cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model), "--port", str(port),
-               "--log-level", "WARNING", "--prompt-cache-size", str(max(10, 2 * conversations))]
+               "--log-level", "WARNING"]
+        if server == "mlx-lm":
+            cmd += ["--prompt-cache-size", str(max(10, 2 * conversations))]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     log = open(workdir / f"{server}.log", "w")
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
@@ -164,8 +167,8 @@ def main(argv=None) -> int:
     ap.add_argument("--new", type=int, default=16, help="max_tokens per turn")
     ap.add_argument("--system-words", type=int, default=150)
     ap.add_argument("--turn-words", type=int, default=40)
-    ap.add_argument("--servers", default="kvactors,kvactors-memory,mlx-lm",
-                    help="comma-separated: kvactors, kvactors-memory, mlx-lm (default: %(default)s)")
+    ap.add_argument("--servers", default="kvactors,kvactors-memory,mlx-lm,mlx-lm-default",
+                    help="comma-separated, from the default: %(default)s")
     args = ap.parse_args(argv)
     env = environment()
     print(env, flush=True)
