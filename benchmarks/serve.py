@@ -202,10 +202,14 @@ def main(argv=None) -> int:
              f"max_tokens {args.new}, temperature 0. Model {args.model}. {notes}")
     name = args.name or f"serve-{args.model}"
     write_results(name, env, rows, COLUMNS, args.out, notes=notes)
-    plot_bars(args.out / f"{name}.png", {f"{r['server']} {k}": r[k] / 1e3 for r in rows
-                                         for k in ("latency p50 ms", "latency p99 ms", "TTFT p50 ms", "TTFT p99 ms")},
-              "seconds", f"{args.clients} clients x {args.turns} turns over HTTP, {args.model}")
+    plot(args.out / f"{name}.png", rows, f"{args.clients} clients x {args.turns} turns over HTTP, {args.model}")
     return 1 if any(r["failed"] for r in rows) else 0
+
+
+def plot(path: Path, rows: list, title: str) -> None:
+    """Bars of each server's latency and TTFT percentiles, in seconds."""
+    plot_bars(path, {f"{r['server']} {k.removesuffix(' ms')}": r[k] / 1e3 for r in rows
+                     for k in ("latency p50 ms", "latency p99 ms", "TTFT p50 ms", "TTFT p99 ms")}, "seconds", title)
 
 
 def argparse_copy(args, **changes):
