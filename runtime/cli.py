@@ -23,7 +23,7 @@ def _serve(args) -> int:
     return serve(model=args.model, cache_dir=args.cache_dir, host=args.host, port=args.port,
                  api_key=args.api_key or os.environ.get("KVACTORS_API_KEY") or None, max_agents=args.max_agents,
                  default_max_tokens=args.max_tokens, turn_timeout=args.turn_timeout, log_level=args.log_level,
-                 durability=args.durability)
+                 durability=args.durability, max_batch=args.max_batch)
 
 
 def _inspect(args) -> int:
@@ -82,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="tokens generated when a request gives no max_tokens (default: %(default)s)")
     srv.add_argument("--durability", default="durable", choices=["durable", "memory"],
                      help="durable: a reply is sent once its turn is fsynced; memory: at once (default: %(default)s)")
+    srv.add_argument("--max-batch", type=int, default=8, help="turns decoded together at most (default: %(default)s)")
     srv.add_argument("--turn-timeout", type=float, default=600.0, help="seconds a turn may take (default: %(default)s)")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     srv.set_defaults(func=_serve)
