@@ -1,7 +1,8 @@
 """AgentActor: one LLM agent, owning its KV-cache handle, running its turns one at a time.
 
-An agent's work arrives as `Ask` (take a turn on a message) and `Note` (append a
-message to the history without a turn) envelopes whose payload is msgpack, so no
+An agent's work arrives as `Ask` (take a turn on a message), `Note` (append a
+message to the history without a turn) and `Reset` (start the conversation over
+from given messages) envelopes whose payload is msgpack, so no
 mutable object is shared between actors. Work items run strictly in arrival order:
 a turn renders the conversation with the chat template, matches the rendered text
 against the text its cache holds (`runtime.prefix`), sends only the new tokens to
@@ -83,10 +84,12 @@ class Reply:
     `cache` is "cold" (the whole context was prefilled), "hot" (the agent's cache was
     in memory), "warm" (loaded from disk) or "committed" (a retry of a turn id that
     had already committed, answered from the history: nothing ran, timings are
-    zero). `timings.ttft_s` counts from the moment the agent started the turn, a
-    reload from disk included. `text` is spelled as the tokens follow the prompt (a
-    first token's leading space is kept), and the same text goes to the journal and
-    to the text the agent's cache holds.
+    zero). `reused_tokens` is how many of the prompt's tokens the cache served (0
+    when cold); the prompt held `reused_tokens + timings.prefill_tokens` tokens.
+    `timings.ttft_s` counts from the moment the agent started the turn, a reload
+    from disk included. `text` is spelled as the tokens follow the prompt (a first
+    token's leading space is kept), and the same text goes to the journal and to
+    the text the agent's cache holds.
     """
 
     agent: str
@@ -96,6 +99,7 @@ class Reply:
     cache: str
     finish_reason: str
     timings: Timings
+    reused_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,7 @@ class Ask:
     future: Any
     on_token: Callable[[str], None] | None = None
     on_progress: Callable[[int, int], None] | None = None
+    cancel: Callable[[], bool] | None = None
 
 
 @dataclass(frozen=True)
@@ -125,6 +130,21 @@ class Note:
     reply: Any = None
 
 
+@dataclass(frozen=True)
+class Reset:
+    """Envelope: start a new conversation from msgpack `payload`; resolve `future` once durable.
+
+    The payload holds `system` (None keeps the current system prompt) and `records`
+    ({"role": "user" | "assistant", "text", "sender"} dicts). The journal gets a
+    system record followed by those messages: a system record starts a conversation,
+    so the history is what follows the last one. The cache is kept; the next turn
+    reuses whatever prefix of it the new conversation still matches.
+    """
+
+    payload: bytes
+    future: Any
+
+
 @dataclass
 class _Item:
     """One unit of an agent's work: a turn ("ask") or a note, until its write is acked."""
@@ -134,6 +154,7 @@ class _Item:
     future: Any = None
     on_token: Callable[[str], None] | None = None
     on_progress: Callable[[int, int], None] | None = None
+    cancel: Callable[[], bool] | None = None
     turn_id: str | None = None
     reply: Reply | None = None
     records: list | None = None  # written, awaiting the ack
@@ -178,6 +199,16 @@ def render_messages(system: str, records) -> list[dict]:
             text = f"{r['sender']}: {r['text']}" if r.get("sender") else r["text"]
             messages.append({"role": "user", "content": text})
     return messages
+
+
+def current_conversation(records) -> list:
+    """The records of the current conversation: from the last system record on (all if none).
+
+    A system record starts a conversation; `Reset` writes a new one, so older
+    records stay in the journal but are no longer part of the history.
+    """
+    starts = [i for i, r in enumerate(records) if r["role"] == "system"]
+    return list(records[starts[-1]:] if starts else records)
 
 
 def render(tokenizer, system: str, records) -> str:
@@ -227,9 +258,9 @@ class AgentActor(SupervisedActor):
         if self.broken is not None:
             log.error("agent %s cannot take turns until its files are fixed: %s", self.name, self.broken)
             return
-        self.records = list(loaded.records)
-        self.seq = max(self.records[-1]["seq"] if self.records else 0, loaded.last_seq)  # never reuse a seq
-        system = next((r["text"] for r in self.records if r["role"] == "system"), None)
+        self.records = current_conversation(loaded.records)
+        self.seq = max(loaded.records[-1]["seq"] if loaded.records else 0, loaded.last_seq)  # never reuse a seq
+        system = self.records[0]["text"] if self.records and self.records[0]["role"] == "system" else None
         if system is None and self.system:
             try:
                 self._persist_now([self._record("system", self.system)])
@@ -284,10 +315,12 @@ class AgentActor(SupervisedActor):
             _fail(item.future, error)
 
     def _drain_inbox(self, why):
-        for msg in self.take_leftover(Ask, Note):
+        for msg in self.take_leftover(Ask, Note, Reset):
             if isinstance(msg, Ask):
                 turn_id = msgpack.unpackb(msg.payload).get("turn_id")
                 _fail(msg.future, AgentCrashed(turn_id, f"{why} before this message; retry it"))
+            elif isinstance(msg, Reset):
+                _fail(msg.future, AgentCrashed(None, f"{why} before this message; retry it"))
             elif isinstance(msg, Note):
                 _dead_letter(self.env, self.name, msg, why)
 
@@ -297,9 +330,12 @@ class AgentActor(SupervisedActor):
         if isinstance(message, Ask):
             msg = msgpack.unpackb(message.payload)
             self.work.append(_Item("ask", msg, message.future, turn_id=msg.get("turn_id"),
-                                   on_token=message.on_token, on_progress=message.on_progress))
+                                   on_token=message.on_token, on_progress=message.on_progress,
+                                   cancel=message.cancel))
         elif isinstance(message, Note):
             self.work.append(_Item("note", msgpack.unpackb(message.payload), message.future, reply=message.reply))
+        elif isinstance(message, Reset):
+            self.work.append(_Item("reset", msgpack.unpackb(message.payload), message.future))
         elif isinstance(message, _Done):
             self._finish_turn(message)
         elif isinstance(message, persistence.Ack):
@@ -339,8 +375,19 @@ class AgentActor(SupervisedActor):
                 item.records = [self._record("user", msg["text"], sender=msg.get("sender"), msg=msg)]
                 self.records += item.records
                 self._persist(item.records)
+            elif item.kind == "reset":
+                self._reset(item)
             else:
                 self._start_turn(item)
+
+    def _reset(self, item: _Item):
+        msg = item.msg
+        if msg.get("system") is not None:
+            self.system = msg["system"]
+        item.records = [self._record("system", self.system)] + [
+            self._record(r["role"], r["text"], sender=r.get("sender")) for r in msg["records"]]
+        self.records = list(item.records)
+        self._persist(item.records)
 
     # -- a turn ------------------------------------------------------------------
 
@@ -363,6 +410,7 @@ class AgentActor(SupervisedActor):
             stop_strings=tuple(msg.get("stop", ())),
             on_token=item.on_token,
             on_progress=item.on_progress,
+            cancel=item.cancel,
         )
         me = self.actor_ref
         env = self.env
@@ -428,7 +476,8 @@ class AgentActor(SupervisedActor):
         self.env.hot.put(self.name, result.cache)
         timings = replace(result.timings, ttft_s=result.timings.ttft_s + self.load_s)
         self.load_s = 0.0
-        item.reply = Reply(self.name, turn_id, result.text, list(result.tokens), p["label"], result.finish_reason, timings)
+        item.reply = Reply(self.name, turn_id, result.text, list(result.tokens), p["label"], result.finish_reason, timings,
+                           reused_tokens=len(p["keep_ids"]))
         item.records = [p["user"], assistant]
         if msg.get("reply_to_agent"):  # the reply goes to the sender once this turn is durable: see _complete
             item.forward = (msg["reply_to_agent"], encode_message(result.text, sender=self.name,

@@ -1,4 +1,4 @@
-"""The `kvactors` command line: demo, inspect, bench."""
+"""The `kvactors` command line: demo, serve, inspect, bench."""
 
 from __future__ import annotations
 
@@ -11,6 +11,19 @@ def _demo(args) -> int:
     from runtime.demo import run_demo
 
     return run_demo(model=args.model, cache_dir=args.cache_dir, max_tokens=args.max_tokens)
+
+
+def _serve(args) -> int:
+    try:
+        from runtime.serve import serve
+    except ImportError as e:
+        print(f"kvactors serve needs the serve extra ({e.name} is missing): pip install 'kvactors[serve]'",
+              file=sys.stderr)
+        return 2
+    return serve(model=args.model, cache_dir=args.cache_dir, host=args.host, port=args.port,
+                 api_key=args.api_key or os.environ.get("KVACTORS_API_KEY") or None, max_agents=args.max_agents,
+                 default_max_tokens=args.max_tokens, turn_timeout=args.turn_timeout, log_level=args.log_level,
+                 durability=args.durability, max_batch=args.max_batch)
 
 
 def _inspect(args) -> int:
@@ -48,6 +61,31 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--cache-dir", default=None, help="where agent caches live (default: a fresh temporary folder)")
     demo.add_argument("--max-tokens", type=int, default=24, help="tokens generated per turn (default: 24)")
     demo.set_defaults(func=_demo)
+
+    srv = sub.add_parser(
+        "serve", help="serve an OpenAI-compatible endpoint where every conversation is a persistent agent",
+        description="POST /v1/chat/completions (streaming and not), GET /v1/models, GET /health, and the native "
+                    "agent routes under /v1/agents. A request's agent is named by the X-Agent-Id header, or "
+                    "derived from its user field, system prompt and first user message.",
+    )
+    srv.add_argument("--model", default=None, help="model folder or Hugging Face id (default: embedded tiny model)")
+    srv.add_argument("--cache-dir", default=None, help="where agent caches live (default: ~/.cache/kvactors/agents)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
+    srv.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    srv.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' on every request but /health "
+                          "(default: $KVACTORS_API_KEY, else none)")
+    srv.add_argument("--max-agents", type=int, default=256,
+                     help="agents kept running; the least recently used idle ones stop beyond it and resume "
+                          "from disk when needed (default: %(default)s)")
+    srv.add_argument("--max-tokens", type=int, default=512,
+                     help="tokens generated when a request gives no max_tokens (default: %(default)s)")
+    srv.add_argument("--durability", default="durable", choices=["durable", "memory"],
+                     help="durable: a reply is sent once its turn is fsynced; memory: at once (default: %(default)s)")
+    srv.add_argument("--max-batch", type=int, default=8, help="turns decoded together at most (default: %(default)s)")
+    srv.add_argument("--turn-timeout", type=float, default=600.0, help="seconds a turn may take (default: %(default)s)")
+    srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    srv.set_defaults(func=_serve)
 
     ins = sub.add_parser(
         "inspect", help="list the agents stored in a cache folder",

@@ -51,7 +51,9 @@ class Turn:
     `on_token`, if given, is called with each new piece of detokenized text, and
     `on_progress` with (tokens prefilled, tokens to prefill) after each prefill
     chunk, both on the engine's thread: keep them short and never block in them.
-    An exception in either fails this turn only.
+    An exception in either fails this turn only. `cancel`, if given, is asked after
+    each generated token; once it returns True the turn finishes with what it has,
+    finish reason "cancelled".
     """
 
     turn_id: str
@@ -64,6 +66,7 @@ class Turn:
     stop_strings: tuple[str, ...] = ()
     on_token: Callable[[str], None] | None = None
     on_progress: Callable[[int, int], None] | None = None
+    cancel: Callable[[], bool] | None = None
 
 
 @dataclass
@@ -85,7 +88,7 @@ class TurnResult:
     `cache` is a per-layer list of evaluated `QuantizedKVCache` holding the turn's
     history, its prompt and every generated token but the last (which was
     sampled, never fed to the model): `cached_tokens` tokens in all.
-    `finish_reason` is "stop" (eos, stop token or stop string) or "length".
+    `finish_reason` is "stop" (eos, stop token or stop string), "length" or "cancelled".
     `text` spells `tokens` as they follow the turn's last fed token
     (`runtime.detok`), cut before a stop string; eos tokens add no text.
     """
@@ -456,10 +459,12 @@ class Engine:
             turn.on_token(piece)
         if len(row.generated) >= turn.max_tokens:
             return "length"
+        if turn.cancel is not None and turn.cancel():
+            return "cancelled"
         return None
 
     def _finish(self, row, i, reason, fed):
-        if reason == "length":
+        if reason in ("length", "cancelled"):
             row.detok.finalize()
             tail = row.detok.last_segment
             row.text += tail

@@ -27,10 +27,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Callable, Iterator
 
+import msgpack
 import pykka
 
 from actors import agent as agent_mod
-from actors.agent import DURABILITY, AgentActor, AgentCrashed, AgentError, Ask, Note, Reply, TurnTimeout, UnknownAgent
+from actors.agent import DURABILITY, AgentActor, AgentCrashed, AgentError, Ask, Note, Reply, Reset, TurnTimeout, UnknownAgent
 from actors.batcher import STATS as _STATS, BatcherActor, BatcherStopped, Warmup
 from actors.persistence import PersistenceActor
 from actors.supervisor import RESTART_TYPES, STRATEGIES, Backoff, ChildSpec, RestartIntensity, Supervisor, UnknownChild
@@ -287,7 +288,7 @@ class AgentRef:
              seed: int = 0, stop=(), timeout: float | None = 60.0, sender: str | None = None,
              conversation_id: str | None = None, turn_id: str | None = None,
              on_token: Callable[[str], None] | None = None, on_progress: Callable[[int, int], None] | None = None,
-             _reply_to_agent: str | None = None) -> ReplyFuture:
+             cancel: Callable[[], bool] | None = None, _reply_to_agent: str | None = None) -> ReplyFuture:
         """Queue a turn on `text`; return a future of its `Reply` (`await` it in asyncio code).
 
         The future raises AgentCrashed (with the turn id) if the agent crashes in the
@@ -299,7 +300,10 @@ class AgentRef:
         last pieces may hold the start of a stop string the reply then drops), and
         `on_progress(done, total)` the tokens prefilled so far after each prefill
         chunk. Both run on the batcher's thread: keep them short and never block in
-        them; an exception in one fails the turn (AgentCrashed).
+        them; an exception in one fails the turn (AgentCrashed). `cancel()` is asked
+        after each generated token (on the batcher's thread too, so make it cheap, e.g.
+        `threading.Event().is_set`); once it returns True the turn ends with the text so
+        far, `finish_reason` "cancelled", and is stored like any other turn.
 
         `turn_id` (default: a fresh one, `future.turn_id`) is the idempotency key:
         every error carries it, and a send with the id of a turn that already
@@ -318,7 +322,7 @@ class AgentRef:
             turn_id = f"{self.name}-{uuid.uuid4().hex[:12]}"
         elif not isinstance(turn_id, str) or not TURN_ID.fullmatch(turn_id):
             raise ValueError(f"turn_id must match {TURN_ID.pattern}, got {turn_id!r}")
-        for name, fn in (("on_token", on_token), ("on_progress", on_progress)):
+        for name, fn in (("on_token", on_token), ("on_progress", on_progress), ("cancel", cancel)):
             if fn is not None and not callable(fn):
                 raise TypeError(f"{name} must be a callable or None, got {type(fn).__name__}")
         if conversation_id is not None and not isinstance(conversation_id, str):
@@ -330,7 +334,7 @@ class AgentRef:
         )
         future = ReplyFuture()
         future.turn_id = turn_id
-        self.runtime._deliver(self.name, Ask(payload, future, on_token, on_progress), future)
+        self.runtime._deliver(self.name, Ask(payload, future, on_token, on_progress, cancel), future)
         return future
 
     def ask(self, text: str, *, timeout: float | None = 60.0, **options) -> Reply:
@@ -429,6 +433,37 @@ class AgentRef:
                 raise AgentError(f"agent {self.name!r} did not answer history() within 30 s; it is busy, retry") from None
         raise AgentCrashed(None, f"agent {self.name!r} kept crashing while asked for its history; retry")
 
+    def note(self, text: str, sender: str | None = None) -> None:
+        """Append a user message to the history without taking a turn (in order with turns)."""
+        if not isinstance(text, str) or not text:
+            raise ValueError("a note needs a non-empty text")
+        self.runtime._deliver(self.name, Note(agent_mod.encode_message(text, sender)), None)
+
+    def reset(self, records: list[dict], system: str | None = None) -> ReplyFuture:
+        """Start the conversation over from `records`; return a future that resolves (to None) once durable.
+
+        `records` are {"role": "user" | "assistant", "text": str, "sender": str | None}
+        dicts, oldest first (the shape `history()` returns); `system` replaces the system
+        prompt (None keeps it). Queued after the agent's pending work. The journal keeps
+        the old conversation; `history()` shows only the new one. The cache is kept and
+        the next turn reuses the prefix of it that the new conversation still renders to.
+        Raises ValueError for a malformed record.
+        """
+        clean = []
+        for r in records:
+            if r.get("role") not in ("user", "assistant") or not isinstance(r.get("text"), str):
+                raise ValueError(f"a record needs role 'user' or 'assistant' and a str text, got {r!r:.200}")
+            sender = r.get("sender")
+            if sender is not None and not isinstance(sender, str):
+                raise ValueError(f"a record's sender is a str or None, got {sender!r:.100}")
+            clean.append({"role": r["role"], "text": r["text"], "sender": sender})
+        if system is not None and not isinstance(system, str):
+            raise ValueError(f"system must be a str or None, got {type(system).__name__}")
+        future = ReplyFuture()
+        payload = msgpack.packb({"system": system, "records": clean})
+        self.runtime._deliver(self.name, Reset(payload, future), future)
+        return future
+
     def inject_crash(self) -> None:
         """For tests and demos: make the agent crash at the end of its next turn."""
         try:
@@ -524,6 +559,22 @@ class Runtime:
     def agents(self) -> list[str]:
         """Names of the running agents, in spawn order."""
         return list(self._names)
+
+    def forget(self, name: str, timeout: float = 60.0) -> bool:
+        """Stop agent `name` if it runs and delete its cache and journal; return whether any were stored.
+
+        Its queued writes land first, then its folder goes. Raises InvalidAgentId for a bad name.
+        """
+        self._check_running()
+        store.check_agent_id(name)
+        if name in self._names:
+            self._stop_agent(name)
+        return self.env.persistence().proxy().delete(name).get(timeout=timeout)
+
+    def stored(self, name: str) -> bool:
+        """Whether agent `name` has a journal or cache in `cache_dir` (running or not)."""
+        store.check_agent_id(name)
+        return store.agent_dir(self.cache_dir, self.spec.fingerprint, name).exists()
 
     def converse(self, agents, opening: str, rounds: int, **options) -> list[Reply]:
         """Round-robin: the first agent answers `opening`, each next one answers the previous reply.

@@ -12,7 +12,10 @@ reuse that is there. The outcomes:
   the new suffix, with no special tokens added.
 - DIVERGE: the common prefix is at least `threshold` (default 0.8) of the cached text.
   Cut the cache back to the last token boundary inside the common prefix and prefill
-  the rest of the new text from there.
+  the rest of the new text from there. When the new text ends exactly at that
+  boundary (a client resends a conversation without the reply it got, to have it
+  answered again), nothing would be left to feed: keep one token less and feed that
+  one again, as EXACT does.
 - COLD: anything else; start over from the whole new text.
 
 Cuts happen only at token boundaries recorded in the metadata: `token_ends[i]` is the
@@ -89,6 +92,8 @@ def match_prefix(cached_text: str, token_ids, token_ends, new_text: str, thresho
     if keep == 0:
         return cold
     start = token_ends[keep - 1]
+    if start == len(new_text):  # nothing new to feed, but the next token needs the last one's logits
+        return Match(DIVERGE, keep - 1, start, "", (int(token_ids[keep - 1]),))
     return Match(DIVERGE, keep, start, new_text[start:])
 
 

@@ -40,7 +40,8 @@ def test_diverge_cuts_inside_the_common_prefix_and_threshold():
     assert match_prefix(text, ids, ends, "abcdefgXYZ").kind == COLD  # 0.7 < 0.8
     assert match_prefix(text, ids, ends, "abcdefgXYZ", threshold=0.5).keep == 7
     assert match_prefix(text, ids, ends, "abc").kind == COLD  # shorter new text: 0.3
-    assert match_prefix(text, ids, ends, "abcdefghi").keep == 9  # a shortened text is a DIVERGE too
+    m = match_prefix(text, ids, ends, "abcdefghi")  # a shortened text is a DIVERGE too; it ends at a
+    assert (m.kind, m.keep, m.refeed, m.suffix, m.start) == (DIVERGE, 8, (ids[8],), "", 9)  # boundary: refeed
 
 
 def test_cuts_only_at_recorded_boundaries():
@@ -87,7 +88,9 @@ def test_match_never_reuses_text_that_differs(cached, cut, extra, holes):
     m = match_prefix(cached, ids, ends, new)
     assert 0 <= m.keep <= len(ids) and m.suffix == new[m.start :]
     assert new[: m.start] == cached[: m.start]  # kept text is common text
-    if m.kind in (EXTEND, DIVERGE):
+    if m.kind == DIVERGE and m.refeed:  # the new text ends at a boundary: its last token is fed again
+        assert m.start == ends[m.keep] == len(new) and m.refeed == (ids[m.keep],) and m.suffix == ""
+    elif m.kind in (EXTEND, DIVERGE):
         assert m.start == (ends[m.keep - 1] if m.keep else 0) and not m.refeed
         assert m.start >= 0.8 * len(cached) or m.kind == EXTEND or -1 in ends
     if m.kind == EXACT:

@@ -1,0 +1,605 @@
+"""`kvactors serve`: an OpenAI-compatible HTTP endpoint where every conversation is a persistent agent.
+
+    kvactors serve --model M --cache-dir D [--host 127.0.0.1 --port 8000 --api-key K]
+
+Routes: `POST /v1/chat/completions` (streaming and not), `GET /v1/models`, `GET /health`,
+and native agent routes for what OpenAI's API has no words for (`/v1/agents...`: spawn,
+history, send_to, forget). Built on starlette + uvicorn, on top of the `Runtime` facade.
+
+Which agent serves a request:
+- the header `X-Agent-Id: NAME` names it (a persistent agent, as `rt.spawn(NAME)`);
+- otherwise its id is derived from a hash of the `user` field, the system prompt and
+  the first user message, so a client that resends its conversation lands on the same
+  agent every call. (`user` is an end user's id in OpenAI's API, and one user has many
+  conversations: it scopes derived ids, it does not name an agent.)
+
+How a request's messages map onto the agent's history (see `plan_turn`): if the agent's
+history is a prefix of the messages and only user messages follow, those are appended
+(all but the last as notes, the last as a turn): the cache is hot or warm. Otherwise the
+agent's conversation is reset to the request's messages, and its cache still serves the
+longest prefix the prefix rules (EXACT / EXTEND / DIVERGE) allow. A named agent also
+takes a request holding only user messages (and no new system prompt) as new messages
+to append: a stateful client sends only what is new.
+
+The response says which cache state served it: the headers `X-KV-Cache` (non-streaming)
+and `X-Agent-Id`, a top-level `kvactors` object {agent, cache, ttft_s, prefill_tokens},
+and `usage.prompt_tokens_details.cached_tokens`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import logging
+import secrets
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from runtime import AgentCrashed, Reply, Runtime, RuntimeEscalated, TurnTimeout, UnknownAgent
+from runtime.store import InvalidAgentId, check_agent_id
+
+log = logging.getLogger(__name__)
+SUPPORTED = {"messages", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop",
+             "stream", "stream_options", "user", "n"}
+REFUSED = {  # fields we cannot honour: refused rather than silently ignored
+    "tools": "tools (function calling) are not supported by kvactors serve",
+    "functions": "functions (function calling) are not supported by kvactors serve",
+    "tool_choice": "tool_choice is not supported: kvactors serve has no function calling",
+    "logprobs": "logprobs are not supported by kvactors serve",
+    "top_logprobs": "logprobs are not supported by kvactors serve",
+    "audio": "audio output is not supported by kvactors serve",
+}
+MAX_STOP = 4
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI's error body with an HTTP status (4xx for a bad request)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+
+    def response(self) -> JSONResponse:
+        """The JSON response: {"error": {"message", "type", "param", "code"}} with the status."""
+        return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param,
+                                       "code": self.code}}, status_code=self.status)
+
+
+def bad(message: str, param: str | None = None, code: str | None = "invalid_value") -> ApiError:
+    """A 400 invalid_request_error about `param`."""
+    return ApiError(400, message, param, code)
+
+
+@dataclass
+class ChatRequest:
+    """A validated chat completion request: who, what, and the sampling options."""
+
+    system: str | None  # None: no system message in the request
+    messages: list  # (role, content, sender) tuples after the system message; the last is a user message
+    agent: str | None = None  # named by X-Agent-Id
+    user: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+    stop: list = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+
+
+def _number(body, name, lo, hi, default, lo_open=False):
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad(f"{name} must be a number, got {type(value).__name__}", name, "invalid_type")
+    if value < lo or value > hi or (lo_open and value == lo):
+        raise bad(f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {value}", name)
+    return value
+
+
+def _integer(body, name, lo, hi):
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad(f"{name} must be an integer, got {type(value).__name__}", name, "invalid_type")
+    if not lo <= value <= hi:
+        raise bad(f"{name} must be between {lo} and {hi}, got {value}", name)
+    return value
+
+
+def _content(message: dict, i: int) -> str:
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad("only text content parts are supported (no images, audio or files)",
+                          f"messages[{i}].content", "unsupported_content")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise bad("a message's content must be a string or a list of text parts", f"messages[{i}].content", "invalid_type")
+
+
+def parse_messages(messages) -> tuple[str | None, list]:
+    """(system prompt or None, [(role, content, sender)]) from OpenAI `messages`; raises ApiError.
+
+    System (or developer) messages may only lead; tool messages and tool calls are
+    refused; the last message must be a non-empty user message.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages must be a non-empty list of {role, content} objects", "messages", "invalid_type")
+    system, out = None, []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise bad("each message must be an object with role and content", f"messages[{i}]", "invalid_type")
+        role = m.get("role")
+        if role in ("tool", "function") or m.get("tool_calls") or m.get("function_call"):
+            raise bad("tool messages and tool calls are not supported by kvactors serve",
+                      f"messages[{i}]", "unsupported_parameter")
+        if role in ("system", "developer"):
+            if out:
+                raise bad("system messages must come before the conversation's first user or assistant message",
+                          f"messages[{i}]")
+            text = _content(m, i)
+            system = text if system is None else system + "\n\n" + text
+        elif role in ("user", "assistant"):
+            sender = m.get("name") if role == "user" else None
+            if sender is not None and not isinstance(sender, str):
+                raise bad("a message's name must be a string", f"messages[{i}].name", "invalid_type")
+            out.append((role, _content(m, i), sender or None))
+        else:
+            raise bad(f"unknown role {role!r}: use system, developer, user or assistant", f"messages[{i}].role")
+    if not out or out[-1][0] != "user":
+        raise bad("the last message must be a user message (the one to answer)", "messages")
+    if not out[-1][1]:
+        raise bad("the last user message is empty: give the model something to answer",
+                  f"messages[{len(messages) - 1}].content")
+    return system, out
+
+
+def parse_chat(body, agent_header: str | None = None) -> ChatRequest:
+    """Validate a /v1/chat/completions body (and the X-Agent-Id header); raise ApiError for bad input."""
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object", None, "invalid_type")
+    for name, why in REFUSED.items():
+        if body.get(name) not in (None, False, [], "none"):
+            raise bad(why, name, "unsupported_parameter")
+    if not isinstance(body.get("model"), str):
+        raise bad("model is required (a string; this server serves one model, see GET /v1/models)", "model",
+                  "missing_required_parameter" if "model" not in body else "invalid_type")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise bad("response_format other than {\"type\": \"text\"} is not supported", "response_format",
+                  "unsupported_parameter")
+    _integer(body, "n", 1, 1)  # one choice only
+    system, messages = parse_messages(body.get("messages"))
+    req = ChatRequest(system, messages)
+    maxes = [_integer(body, k, 1, 1 << 20) for k in ("max_completion_tokens", "max_tokens")]
+    req.max_tokens = next((m for m in maxes if m is not None), None)
+    req.temperature = float(_number(body, "temperature", 0, 2, 1.0))
+    req.top_p = float(_number(body, "top_p", 0, 1, 1.0, lo_open=True))
+    seed = _integer(body, "seed", 0, (1 << 63) - 1)
+    req.seed = secrets.randbits(63) if seed is None else seed  # unseeded sampling varies, as OpenAI's does
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None:
+        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP:
+            raise bad(f"stop must be a non-empty string or a list of up to {MAX_STOP} of them", "stop")
+        req.stop = stop
+    stream = body.get("stream", False)
+    if stream is not None and not isinstance(stream, bool):
+        raise bad("stream must be a boolean", "stream", "invalid_type")
+    req.stream = bool(stream)
+    options = body.get("stream_options")
+    if options is not None:
+        if not req.stream:
+            raise bad("stream_options is only allowed with stream: true", "stream_options")
+        if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+            raise bad("stream_options must be an object like {\"include_usage\": true}", "stream_options", "invalid_type")
+        req.include_usage = options.get("include_usage", False)
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise bad("user must be a string", "user", "invalid_type")
+    req.user = user
+    if agent_header is not None:
+        try:
+            req.agent = check_agent_id(agent_header)
+        except InvalidAgentId as e:
+            raise bad(str(e), "X-Agent-Id", "invalid_agent_id") from None
+    return req
+
+
+def derive_agent_id(user: str | None, system: str | None, first_user: str) -> str:
+    """The agent id of an unnamed conversation: a hash of its user, system prompt and first user message."""
+    key = json.dumps([user or "", system or "", first_user], ensure_ascii=False).encode()
+    return "chat-" + hashlib.sha256(key).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to do to an agent for a request: reset (to `records`, maybe a new system), notes, then a turn."""
+
+    ask: str
+    ask_sender: str | None = None
+    notes: tuple = ()  # (text, sender) pairs appended before the turn
+    reset: list | None = None  # new conversation records, or None to keep the history
+    system: str | None = None  # a new system prompt (with reset), or None to keep it
+
+
+def _pairs(history: list[dict]) -> list:
+    return [(r["role"], r["text"], r.get("sender") if r["role"] == "user" else None)
+            for r in history if r["role"] in ("user", "assistant")]
+
+
+def plan_turn(history: list[dict], req: ChatRequest, named: bool) -> Plan:
+    """Map a request's messages onto an agent whose current conversation is `history` (journal records).
+
+    Continue (hot/warm) when the history is a prefix of the messages followed by user
+    messages only, or, for a named agent, when the request holds user messages only;
+    otherwise reset the conversation to the request's messages (the cache still serves
+    the longest prefix the prefix rules allow).
+    """
+    system_now = history[0]["text"] if history and history[0]["role"] == "system" else ""
+    new_system = req.system is not None and req.system != system_now
+    last = req.messages[-1]
+    tail = None
+    if not new_system:
+        have = _pairs(history)
+        if named and all(m[0] == "user" for m in req.messages):
+            tail = req.messages
+        elif req.messages[: len(have)] == have and all(m[0] == "user" for m in req.messages[len(have):]):
+            tail = req.messages[len(have):]
+    if tail is not None:
+        return Plan(last[1], last[2], tuple((m[1], m[2]) for m in tail[:-1]))
+    records = [{"role": r, "text": t, "sender": s} for r, t, s in req.messages[:-1]]
+    return Plan(last[1], last[2], (), records, req.system if new_system else None)
+
+
+class Server:
+    """The HTTP layer's state over one Runtime: agent locks, the running-agent LRU, the routes."""
+
+    def __init__(self, rt: Runtime, model_id: str, *, api_key: str | None = None, max_agents: int = 256,
+                 default_max_tokens: int = 512, turn_timeout: float = 600.0):
+        if max_agents < 1:
+            raise ValueError(f"max_agents must be at least 1, got {max_agents}")
+        self.rt, self.model_id, self.api_key = rt, model_id, api_key
+        self.max_agents, self.default_max_tokens, self.turn_timeout = max_agents, default_max_tokens, turn_timeout
+        self.started = int(time.time())
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._used: OrderedDict[str, None] = OrderedDict()  # running agents, least recently used first
+        self._spawning = asyncio.Lock()
+        self._tasks: set = set()
+        self.cancelled = 0  # streamed turns cut short because their client hung up
+
+    # -- agents ------------------------------------------------------------------
+
+    def lock(self, name: str) -> asyncio.Lock:
+        """The lock held while a request maps onto agent `name` and runs its turn."""
+        return self._locks.setdefault(name, asyncio.Lock())
+
+    async def agent(self, name: str, system: str = ""):
+        """The running agent `name`, spawned (resumed from disk if stored) if needed; evicts idle ones beyond max_agents."""
+        async with self._spawning:
+            if name in self.rt.agents():
+                self._used[name] = None
+                self._used.move_to_end(name)
+                return self.rt.agent(name)
+            for old in list(self._used):
+                if len(self._used) < self.max_agents:
+                    break
+                if not self.lock(old).locked() and old != name:
+                    self._used.pop(old)
+                    self._locks.pop(old, None)
+                    if old in self.rt.agents():
+                        await asyncio.to_thread(self.rt.agent(old).stop)  # its durable state stays
+            ref = await asyncio.to_thread(self.rt.spawn, name, system)
+            self._used[name] = None
+            return ref
+
+    def forgotten(self, name: str) -> None:
+        """Drop what the server tracks about agent `name`."""
+        self._used.pop(name, None)
+
+    def options(self, req: ChatRequest) -> dict:
+        """The turn options (`AgentRef.send`'s) of a request."""
+        return dict(max_tokens=req.max_tokens or self.default_max_tokens, temperature=req.temperature,
+                    top_p=req.top_p, seed=req.seed, stop=tuple(req.stop), timeout=self.turn_timeout)
+
+    async def run_chat(self, req: ChatRequest, name: str, pieces: asyncio.Queue | None, cancel=None) -> Reply:
+        """Map `req` onto agent `name` and run its turn, holding the agent's lock; stream pieces into `pieces`.
+
+        `cancel()` returning True ends the turn at its next token (see `AgentRef.send`).
+        """
+        async with self.lock(name):
+            ref = await self.agent(name, req.system or "")
+            history = await asyncio.to_thread(ref.history)
+            plan = plan_turn(history, req, named=req.agent is not None)
+            if plan.reset is not None:
+                await ref.reset(plan.reset, system=plan.system)
+            for text, sender in plan.notes:
+                if text:
+                    ref.note(text, sender)
+            options = dict(self.options(req), sender=plan.ask_sender, cancel=cancel)
+            if pieces is None:
+                return await ref.ask_async(plan.ask, **options)
+            async for item in ref.astream(plan.ask, **options):
+                if isinstance(item, Reply):
+                    return item
+                pieces.put_nowait(item)
+        raise AssertionError("a stream ends with its Reply")
+
+    def background(self, coro) -> asyncio.Task:
+        """Run `coro` as a task that outlives the request (a turn finishes even if its client left)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+
+        def done(t):
+            self._tasks.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                log.debug("a turn failed: %r", t.exception())
+
+        task.add_done_callback(done)
+        return task
+
+    # -- responses ------------------------------------------------------------------
+
+    def kvactors_info(self, reply: Reply) -> dict:
+        """The `kvactors` object of a response: agent, cache state, TTFT and tokens prefilled."""
+        return {"agent": reply.agent, "cache": reply.cache, "ttft_s": round(reply.timings.ttft_s, 6),
+                "prefill_tokens": reply.timings.prefill_tokens}
+
+    @staticmethod
+    def usage(reply: Reply) -> dict:
+        """OpenAI's usage object of a reply; cached_tokens are the prompt tokens the agent's cache served."""
+        prompt = reply.reused_tokens + reply.timings.prefill_tokens
+        return {"prompt_tokens": prompt, "completion_tokens": len(reply.tokens),
+                "total_tokens": prompt + len(reply.tokens),
+                "prompt_tokens_details": {"cached_tokens": reply.reused_tokens}}
+
+    def completion(self, reply: Reply, created: int) -> dict:
+        """A chat.completion object for `reply`."""
+        return {"id": f"chatcmpl-{reply.turn_id}", "object": "chat.completion", "created": created,
+                "model": self.model_id,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": reply.text},
+                             "finish_reason": reply.finish_reason, "logprobs": None}],
+                "usage": self.usage(reply), "kvactors": self.kvactors_info(reply)}
+
+    def chunk(self, cid: str, created: int, delta: dict | None, finish: str | None = None, **extra) -> str:
+        """One SSE event holding a chat.completion.chunk (no choices when `delta` is None)."""
+        choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
+        body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model_id,
+                "choices": choices, **extra}
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+def error_for(e: BaseException) -> ApiError:
+    """The ApiError a runtime exception is answered with (never a 500 for a bad request)."""
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, InvalidAgentId):
+        return bad(str(e), "agent", "invalid_agent_id")
+    if isinstance(e, UnknownAgent):
+        return ApiError(404, str(e), None, "agent_not_found")
+    if isinstance(e, TurnTimeout):
+        return ApiError(504, f"{e}; the agent was restarted, retry the request", None, "timeout", "server_error")
+    if isinstance(e, AgentCrashed):
+        return ApiError(503, f"{e}; the agent restarts from its durable state, retry the request", None,
+                        "agent_crashed", "server_error")
+    if isinstance(e, (TypeError, ValueError)):  # the Runtime refused an option in the caller's thread
+        return bad(str(e), None, "invalid_value")
+    if isinstance(e, RuntimeEscalated):
+        return ApiError(503, str(e), None, "runtime_stopped", "server_error")
+    log.exception("unexpected error", exc_info=e)
+    return ApiError(500, f"internal error: {type(e).__name__}: {e}", None, "internal_error", "server_error")
+
+
+async def _json(request: Request):
+    try:
+        return json.loads(await request.body())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad(f"the request body is not valid JSON: {e}", None, "invalid_json") from None
+
+
+def _agent_name(request: Request) -> str:
+    try:
+        return check_agent_id(request.path_params["name"])
+    except InvalidAgentId as e:
+        raise bad(str(e), "name", "invalid_agent_id") from None
+
+
+def routes(server: Server) -> list[Route]:
+    """The HTTP routes over `server` (see the module docstring)."""
+    rt = server.rt
+
+    async def health(request):
+        return JSONResponse({"status": "ok", "model": server.model_id, "agents": len(rt.agents()),
+                             "turns_cancelled": server.cancelled})
+
+    async def models(request):
+        return JSONResponse({"object": "list", "data": [
+            {"id": server.model_id, "object": "model", "created": server.started, "owned_by": "kvactors"}]})
+
+    async def chat(request):
+        req = parse_chat(await _json(request), request.headers.get("x-agent-id"))
+        limit, wanted = rt.max_context, req.max_tokens or server.default_max_tokens
+        if limit is not None and wanted > limit:  # refused before a stream begins
+            raise bad(f"max_tokens {wanted} is more than the model's {limit} positions", "max_tokens",
+                      "context_length_exceeded")
+        name = req.agent or derive_agent_id(req.user, req.system, req.messages[0][1])
+        created = int(time.time())
+        if not req.stream:
+            reply = await asyncio.shield(server.background(server.run_chat(req, name, None)))
+            return JSONResponse(server.completion(reply, created),
+                                headers={"X-Agent-Id": name, "X-KV-Cache": reply.cache})
+        pieces: asyncio.Queue = asyncio.Queue()
+        gone = threading.Event()  # the client hung up: the turn stops at its next token
+        task = server.background(server.run_chat(req, name, pieces, cancel=gone.is_set))
+        task.add_done_callback(lambda _: pieces.put_nowait(None))
+        cid = f"chatcmpl-{uuid.uuid4().hex}"
+
+        async def events():
+            try:
+                yield server.chunk(cid, created, {"role": "assistant", "content": ""})
+                while (piece := await pieces.get()) is not None:
+                    yield server.chunk(cid, created, {"content": piece})
+            finally:
+                if not task.done():
+                    gone.set()
+                    server.cancelled += 1
+            try:
+                reply = task.result()
+            except Exception as e:  # the stream has begun: the error goes in an event
+                err = error_for(e)
+                yield f"data: {json.dumps({'error': {'message': err.message, 'type': err.type, 'param': err.param, 'code': err.code}})}\n\n"
+                return
+            yield server.chunk(cid, created, {}, reply.finish_reason, kvactors=server.kvactors_info(reply))
+            if req.include_usage:
+                yield server.chunk(cid, created, None, usage=server.usage(reply))
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"X-Agent-Id": name, "Cache-Control": "no-cache"})
+
+    async def list_agents(request):
+        return JSONResponse({"object": "list", "data": [{"id": n, "object": "agent"} for n in rt.agents()]})
+
+    def agent_view(name, history):
+        system = history[0]["text"] if history and history[0]["role"] == "system" else ""
+        messages = [{"role": r["role"], "content": r["text"], "name": r.get("sender"), "turn_id": r.get("turn_id"),
+                     "time": r.get("time")} for r in history if r["role"] in ("user", "assistant")]
+        return {"id": name, "object": "agent", "system": system, "messages": messages}
+
+    async def spawn(request):
+        body = await _json(request)
+        if not isinstance(body, dict) or not isinstance(body.get("name"), str):
+            raise bad("give the agent a name: {\"name\": \"alice\", \"system\": \"...\"}", "name", "invalid_type")
+        system = body.get("system", "")
+        if not isinstance(system, str):
+            raise bad("system must be a string", "system", "invalid_type")
+        try:
+            name = check_agent_id(body["name"])
+        except InvalidAgentId as e:
+            raise bad(str(e), "name", "invalid_agent_id") from None
+        async with server.lock(name):
+            ref = await server.agent(name, system)
+            history = await asyncio.to_thread(ref.history)
+        return JSONResponse(agent_view(name, history))
+
+    async def history(request):
+        name = _agent_name(request)
+        if name not in rt.agents() and not rt.stored(name):
+            raise ApiError(404, f"no agent named {name!r}: create it with POST /v1/agents", "name", "agent_not_found")
+        async with server.lock(name):
+            ref = await server.agent(name)
+            records = await asyncio.to_thread(ref.history)
+        return JSONResponse(agent_view(name, records))
+
+    async def send_to(request):
+        name = _agent_name(request)
+        body = await _json(request)
+        if not isinstance(body, dict):
+            raise bad("the request body must be a JSON object", None, "invalid_type")
+        try:
+            to = check_agent_id(body.get("to"))
+        except InvalidAgentId as e:
+            raise bad(str(e), "to", "invalid_agent_id") from None
+        if to == name:
+            raise bad("an agent cannot send to itself: use POST /v1/chat/completions with X-Agent-Id", "to")
+        content = body.get("content")
+        if not isinstance(content, str) or not content:
+            raise bad("content must be a non-empty string", "content")
+        req = parse_chat({"model": server.model_id, "messages": [{"role": "user", "content": content}],
+                          **{k: body[k] for k in ("max_tokens", "temperature", "top_p", "seed", "stop") if k in body}})
+        first, second = sorted((name, to))
+        async with server.lock(first), server.lock(second):
+            sender, receiver = await server.agent(name), await server.agent(to)
+            reply = await sender.send_to(receiver, content, **server.options(req))
+        return JSONResponse({"from": name, "to": to, "content": reply.text, "finish_reason": reply.finish_reason,
+                             "usage": server.usage(reply), "kvactors": server.kvactors_info(reply)},
+                            headers={"X-Agent-Id": to, "X-KV-Cache": reply.cache})
+
+    async def forget(request):
+        name = _agent_name(request)
+        async with server.lock(name):
+            async with server._spawning:
+                deleted = await asyncio.to_thread(rt.forget, name)
+                server.forgotten(name)
+        return JSONResponse({"id": name, "object": "agent.deleted", "deleted": deleted})
+
+    return [
+        Route("/health", health, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/agents", list_agents, methods=["GET"]),
+        Route("/v1/agents", spawn, methods=["POST"]),
+        Route("/v1/agents/{name}", history, methods=["GET"]),
+        Route("/v1/agents/{name}", forget, methods=["DELETE"]),
+        Route("/v1/agents/{name}/send_to", send_to, methods=["POST"]),
+    ]
+
+
+class _Auth:
+    """ASGI middleware: every request but GET /health needs `Authorization: Bearer <key>`."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] != "/health":
+            got = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(got, self.key):
+                await ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                               None, "invalid_api_key").response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(server: Server):
+    """The ASGI app of `server`: its routes, OpenAI-style error bodies, and the API key check."""
+
+    async def api_error(request, exc):
+        return error_for(exc).response()
+
+    async def http_error(request, exc: HTTPException):
+        return ApiError(exc.status_code, exc.detail or "", None, None).response()
+
+    app = Starlette(routes=routes(server), exception_handlers={ApiError: api_error, HTTPException: http_error,
+                                                               Exception: api_error})
+    return _Auth(app, server.api_key) if server.api_key else app
+
+
+def serve(model=None, cache_dir=None, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          max_agents: int = 256, default_max_tokens: int = 512, turn_timeout: float = 600.0,
+          log_level: str = "info", **runtime_options) -> int:
+    """Run `kvactors serve` until interrupted: a Runtime on `model` over `cache_dir`, served by uvicorn."""
+    import uvicorn
+
+    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        log.warning("serving on %s without --api-key: anyone who can reach it can use and forget your agents", host)
+    with Runtime(model=model, cache_dir=cache_dir, **runtime_options) as rt:
+        server = Server(rt, model_id(model), api_key=api_key, max_agents=max_agents,
+                        default_max_tokens=default_max_tokens, turn_timeout=turn_timeout)
+        uvicorn.run(build_app(server), host=host, port=port, log_level=log_level)
+    return 0
+
+
+def model_id(model) -> str:
+    """The model id the server reports: the --model value, or "kvactors-tiny" for the embedded model."""
+    return str(model) if model else "kvactors-tiny"

@@ -1,0 +1,363 @@
+"""`kvactors serve` through the real `openai` client against a real uvicorn server on loopback (tiny model)."""
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+import uvicorn
+
+from runtime import Runtime
+from runtime.serve import ChatRequest, Server, build_app, derive_agent_id, parse_chat, parse_messages, plan_turn
+
+ROOT = Path(__file__).resolve().parent.parent
+SYSTEM = {"role": "system", "content": "You answer briefly."}
+
+
+class Served:
+    """A Runtime over `cache_dir` behind a uvicorn server on a free loopback port, in a thread."""
+
+    def __init__(self, cache_dir, api_key=None):
+        self.rt = Runtime(cache_dir=cache_dir)
+        self.server = Server(self.rt, "kvactors-tiny", api_key=api_key, default_max_tokens=4)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.uvicorn = uvicorn.Server(uvicorn.Config(build_app(self.server), log_level="warning"))
+        self.thread = threading.Thread(target=self.uvicorn.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        while not self.uvicorn.started:
+            if not self.thread.is_alive():
+                raise RuntimeError("the server did not start")
+            time.sleep(0.01)
+
+    def client(self, **kw):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, **kw)
+
+    def request(self, method, path, body=None, headers=None):
+        """(status, parsed JSON body, headers) of a raw request."""
+        data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                return r.status, json.loads(r.read()), r.headers
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read()), e.headers
+
+    def close(self):
+        self.uvicorn.should_exit = True
+        self.thread.join(timeout=60)
+        self.rt.shutdown()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    s = Served(tmp_path_factory.mktemp("serve"))
+    yield s
+    s.close()
+
+
+def extra(obj):
+    return obj.model_extra["kvactors"]
+
+
+def test_two_turns_of_a_resent_conversation_the_second_hot(served):
+    client = served.client()
+    messages = [SYSTEM, {"role": "user", "content": "Name a colour."}]
+    raw = client.chat.completions.with_raw_response.create(model="kvactors-tiny", messages=messages, max_tokens=4)
+    first = raw.parse()
+    assert raw.headers["x-kv-cache"] == "cold" and extra(first)["cache"] == "cold"
+    assert first.choices[0].message.role == "assistant" and first.choices[0].finish_reason in ("stop", "length")
+    assert first.usage.completion_tokens >= 1 and first.usage.prompt_tokens_details.cached_tokens == 0
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "Another one."}]
+    second = client.chat.completions.create(model="kvactors-tiny", messages=messages, max_tokens=4)
+    assert extra(second)["agent"] == extra(first)["agent"] == raw.headers["x-agent-id"]
+    assert extra(second)["cache"] == "hot"
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens
+    assert extra(second)["prefill_tokens"] < second.usage.prompt_tokens
+
+
+def test_a_streamed_reply_arrives_in_order_and_adds_up_to_the_stored_reply(served):
+    client = served.client()
+    stream = client.chat.completions.create(
+        model="kvactors-tiny", messages=[{"role": "user", "content": "Stream to me."}], max_tokens=6,
+        stream=True, stream_options={"include_usage": True}, extra_headers={"X-Agent-Id": "streamer"})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finish) == 1 and extra(finish[0])["agent"] == "streamer"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 1  # the usage chunk comes last
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    status, history, _ = served.request("GET", "/v1/agents/streamer")
+    assert status == 200 and history["messages"][-1] == {**history["messages"][-1], "role": "assistant", "content": text}
+
+
+def test_the_async_client_runs_conversations_concurrently(served):
+    async def main():
+        client = openai.AsyncOpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
+        replies = await asyncio.gather(*(client.chat.completions.create(
+            model="kvactors-tiny", messages=[{"role": "user", "content": f"question {i}"}], max_tokens=3)
+            for i in range(4)))
+        streamed = await client.chat.completions.create(
+            model="kvactors-tiny", messages=[{"role": "user", "content": "question 0"}], max_tokens=3, stream=True)
+        pieces = [c async for c in streamed]
+        await client.close()
+        return replies, pieces
+
+    replies, pieces = asyncio.run(main())
+    assert len({extra(r)["agent"] for r in replies}) == 4
+    assert all(r.choices[0].message.content is not None for r in replies)
+    assert pieces[-1].choices[0].finish_reason in ("stop", "length")
+
+
+BAD = [
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": 3}, "temperature"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": "many"}, "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, "top_p"),
+    ({"messages": [{"role": "user", "content": "hi"}], "seed": -1}, "seed"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"messages": [{"role": "user", "content": "hi"}], "user": 7}, "user"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user", "content": ""}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0].content"),
+    ({"messages": [{"role": "tool", "content": "42", "tool_call_id": "c"}, {"role": "user", "content": "hi"}]}, "messages[0]"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "system", "content": "late"}, {"role": "user", "content": "x"}]}, "messages[1]"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+]
+
+
+@pytest.mark.parametrize("body,param", BAD, ids=[p for _, p in BAD])
+def test_bad_requests_get_a_400_with_an_openai_error_body(served, body, param):
+    status, reply, _ = served.request("POST", "/v1/chat/completions", {"model": "kvactors-tiny", **body})
+    assert status == 400
+    assert set(reply["error"]) == {"message", "type", "param", "code"}
+    assert reply["error"]["param"] == param and reply["error"]["type"] == "invalid_request_error"
+
+
+def test_the_openai_client_raises_its_own_errors(served):
+    client = served.client()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="kvactors-tiny", messages=[{"role": "user", "content": "hi"}], n=3)
+    assert e.value.status_code == 400 and e.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="kvactors-tiny", messages=[{"role": "user", "content": "hi"}],
+                                       extra_headers={"X-Agent-Id": "../etc"})
+    assert e.value.body["code"] == "invalid_agent_id"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("kvactors-tiny")  # no such route: a JSON 404, not a crash
+    assert [m.id for m in client.models.list()] == ["kvactors-tiny"]
+
+
+def test_malformed_bodies_and_unknown_routes_are_4xx_json(served):
+    status, reply, _ = served.request("POST", "/v1/chat/completions", b"{not json")
+    assert status == 400 and reply["error"]["code"] == "invalid_json"
+    status, reply, _ = served.request("POST", "/v1/chat/completions", [1, 2])
+    assert status == 400
+    status, reply, _ = served.request("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
+    assert status == 400 and reply["error"]["param"] == "model"
+    status, reply, _ = served.request("GET", "/v1/nothing-here")
+    assert status == 404 and "error" in reply
+    status, reply, _ = served.request("GET", "/v1/chat/completions")
+    assert status == 405 and "error" in reply
+    assert served.request("GET", "/health")[0] == 200
+
+
+def test_native_agent_routes_spawn_send_to_history_and_forget(served):
+    status, alice, _ = served.request("POST", "/v1/agents", {"name": "alice", "system": "You are Alice."})
+    assert status == 200 and alice["system"] == "You are Alice." and alice["messages"] == []
+    served.request("POST", "/v1/agents", {"name": "bob", "system": "You are Bob."})
+    status, sent, headers = served.request("POST", "/v1/agents/alice/send_to", {"to": "bob", "content": "hello bob", "max_tokens": 3})
+    assert status == 200 and sent["to"] == "bob" and headers["X-KV-Cache"] == "cold"
+    bob = served.request("GET", "/v1/agents/bob")[1]
+    assert [(m["role"], m["name"]) for m in bob["messages"]] == [("user", "alice"), ("assistant", None)]
+    alice = served.request("GET", "/v1/agents/alice")[1]
+    assert alice["messages"] == [{**alice["messages"][0], "role": "user", "name": "bob", "content": sent["content"]}]
+    assert {"alice", "bob"} <= {a["id"] for a in served.request("GET", "/v1/agents")[1]["data"]}
+    assert served.request("DELETE", "/v1/agents/bob")[1] == {"id": "bob", "object": "agent.deleted", "deleted": True}
+    assert served.request("GET", "/v1/agents/bob")[0] == 404
+    assert served.request("POST", "/v1/agents/alice/send_to", {"to": "alice", "content": "me"})[0] == 400
+    assert served.request("POST", "/v1/agents", {"name": "no/slashes"})[0] == 400
+
+
+def test_a_named_agent_takes_only_the_new_message_and_a_changed_system_prompt_starts_over(served):
+    client = served.client()
+    ask = lambda messages: client.chat.completions.create(  # noqa: E731
+        model="kvactors-tiny", messages=messages, max_tokens=3, extra_headers={"X-Agent-Id": "stateful"})
+    ask([{"role": "system", "content": "one persona"}, {"role": "user", "content": "first"}])
+    second = ask([{"role": "user", "content": "second"}])
+    assert extra(second)["cache"] == "hot"
+    history = served.request("GET", "/v1/agents/stateful")[1]
+    assert history["system"] == "one persona"
+    assert [m["content"] for m in history["messages"] if m["role"] == "user"] == ["first", "second"]
+    third = ask([{"role": "system", "content": "another persona"}, {"role": "user", "content": "third"}])
+    assert extra(third)["cache"] == "cold"  # a new system prompt: nothing of the cache matches
+    history = served.request("GET", "/v1/agents/stateful")[1]
+    assert history["system"] == "another persona" and len(history["messages"]) == 2
+
+
+def test_a_client_that_leaves_mid_stream_cancels_its_turn(served):
+    req = urllib.request.Request(served.url + "/v1/chat/completions", method="POST", headers={
+        "Content-Type": "application/json", "X-Agent-Id": "leaver"}, data=json.dumps({
+            "model": "kvactors-tiny", "stream": True, "max_tokens": 4000,
+            "messages": [{"role": "user", "content": "talk"}]}).encode())
+    with urllib.request.urlopen(req, timeout=120) as r:
+        assert r.readline().startswith(b"data: ")  # the role chunk; then hang up
+    after = served.client().chat.completions.create(
+        model="kvactors-tiny", messages=[{"role": "user", "content": "still there?"}], max_tokens=3,
+        extra_headers={"X-Agent-Id": "leaver"})
+    assert after.choices[0].message.content is not None
+    users = [m["content"] for m in served.request("GET", "/v1/agents/leaver")[1]["messages"] if m["role"] == "user"]
+    assert users == ["talk", "still there?"]  # the cut-short turn stays in the history
+    assert served.request("GET", "/health")[1]["turns_cancelled"] == 1
+
+
+def test_max_tokens_beyond_the_models_positions_is_a_400_before_any_stream(served):
+    status, body, _ = served.request("POST", "/v1/chat/completions", {
+        "model": "kvactors-tiny", "stream": True, "max_tokens": 100000, "messages": [{"role": "user", "content": "hi"}]})
+    assert status == 400 and body["error"]["param"] == "max_tokens"
+
+
+def test_a_restarted_server_serves_the_same_conversations_warm(tmp_path):
+    messages = [SYSTEM, {"role": "user", "content": "Remember me."}]
+    s = Served(tmp_path)
+    try:
+        first = s.client().chat.completions.create(model="kvactors-tiny", messages=messages, max_tokens=3)
+        named = s.client().chat.completions.create(model="kvactors-tiny", messages=[{"role": "user", "content": "a"}],
+                                                   max_tokens=3, extra_headers={"X-Agent-Id": "keeper"})
+    finally:
+        s.close()
+    s = Served(tmp_path)
+    try:
+        messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "Do you?"}]
+        again = s.client().chat.completions.create(model="kvactors-tiny", messages=messages, max_tokens=3)
+        assert extra(again)["agent"] == extra(first)["agent"] and extra(again)["cache"] == "warm"
+        assert again.usage.prompt_tokens_details.cached_tokens > 0
+        resumed = s.client().chat.completions.create(model="kvactors-tiny", messages=[{"role": "user", "content": "b"}],
+                                                     max_tokens=3, extra_headers={"X-Agent-Id": "keeper"})
+        assert extra(resumed)["cache"] == "warm" and extra(named)["cache"] == "cold"
+    finally:
+        s.close()
+
+
+def test_idle_agents_beyond_max_agents_stop_and_resume_from_disk(tmp_path):
+    s = Served(tmp_path)
+    s.server.max_agents = 2
+    try:
+        client = s.client()
+        for name in ("a1", "a2", "a3"):
+            client.chat.completions.create(model="kvactors-tiny", messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=2, extra_headers={"X-Agent-Id": name})
+        assert len(s.rt.agents()) == 2 and "a1" not in s.rt.agents()
+        back = client.chat.completions.create(model="kvactors-tiny", messages=[{"role": "user", "content": "again"}],
+                                              max_tokens=2, extra_headers={"X-Agent-Id": "a1"})
+        assert extra(back)["cache"] == "warm"
+    finally:
+        s.close()
+
+
+def test_the_command_line_server_checks_the_api_key(tmp_path):
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "runtime.cli", "serve", "--cache-dir", str(tmp_path), "--port",
+                             str(port), "--api-key", "sesame", "--log-level", "warning"], env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(1200):  # bounded wait for the server to listen (model load included)
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                    assert r.status == 200  # health needs no key
+                break
+            except (urllib.error.URLError, ConnectionError):
+                assert proc.poll() is None, proc.stdout.read()
+                time.sleep(0.1)
+        with pytest.raises(openai.AuthenticationError) as e:
+            openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+        assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+        client = openai.OpenAI(base_url=url + "/v1", api_key="sesame", max_retries=0)
+        reply = client.chat.completions.create(model="kvactors-tiny", messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=2)
+        assert extra(reply)["cache"] == "cold"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+# -- the mapping of a request onto an agent's history (no server) ---------------------------------
+
+
+def records(system, *pairs):
+    out = [{"role": "system", "text": system, "sender": None}] if system is not None else []
+    return out + [{"role": r, "text": t, "sender": None} for r, t in pairs]
+
+
+def request(messages, named=False):
+    system, parsed = parse_messages(messages)
+    return ChatRequest(system, parsed, agent="x" if named else None)
+
+
+def test_plan_continues_a_resent_conversation_and_resets_a_divergent_one():
+    history = records("s", ("user", "u1"), ("assistant", "a1"))
+    resent = request([{"role": "system", "content": "s"}, {"role": "user", "content": "u1"},
+                      {"role": "assistant", "content": "a1"}, {"role": "user", "content": "u2"},
+                      {"role": "user", "content": "u3"}])
+    plan = plan_turn(history, resent, named=False)
+    assert plan.reset is None and plan.notes == (("u2", None),) and plan.ask == "u3"
+    edited = request([{"role": "system", "content": "s"}, {"role": "user", "content": "u1"},
+                      {"role": "assistant", "content": "a1, edited"}, {"role": "user", "content": "u2"}])
+    plan = plan_turn(history, edited, named=False)
+    assert plan.reset == [{"role": "user", "text": "u1", "sender": None},
+                          {"role": "assistant", "text": "a1, edited", "sender": None}] and plan.system is None
+    fresh = request([{"role": "user", "content": "u1"}])
+    assert plan_turn(history, fresh, named=False).reset == []  # a stateless client starting over
+    assert plan_turn(history, fresh, named=True).reset is None  # a named agent: the new message is appended
+    other = request([{"role": "system", "content": "t"}, {"role": "user", "content": "u"}])
+    assert plan_turn(history, other, named=True).system == "t"
+
+
+def test_derived_ids_are_valid_stable_and_scoped_by_user():
+    a = derive_agent_id(None, "s", "hello")
+    assert a == derive_agent_id(None, "s", "hello") != derive_agent_id("bob", "s", "hello")
+    assert a != derive_agent_id(None, None, "s hello") and a.startswith("chat-")
+
+
+def test_the_load_benchmark_loses_nothing(tmp_path):
+    from benchmarks import serve as bench
+
+    argv = ["--clients", "4", "--turns", "2", "--new", "4", "--system-words", "20", "--turn-words", "8",
+            "--servers", "kvactors", "--out", str(tmp_path)]
+    assert bench.main(argv) == 0
+    row = json.loads((tmp_path / "serve-tiny.json").read_text())["rows"][0]
+    assert (row["requests"], row["failed"]) == (8, 0)
+    assert row["cache states"] == "cold 4 hot 4"  # each conversation's second turn reuses its cache
+
+
+def test_request_defaults_follow_openai():
+    body = {"model": "any", "messages": [{"role": "developer", "content": "d"}, {"role": "user", "content": "hi", "name": "ann"}]}
+    a, b = parse_chat(body), parse_chat(body)
+    assert (a.temperature, a.top_p, a.max_tokens, a.stream, a.stop) == (1.0, 1.0, None, False, [])
+    assert a.seed != b.seed  # unseeded requests sample differently
+    assert a.system == "d" and a.messages == [("user", "hi", "ann")]
+    c = parse_chat({**body, "seed": 5, "stop": "x", "max_completion_tokens": 3, "max_tokens": 9, "n": 1})
+    assert (c.seed, c.stop, c.max_tokens) == (5, ["x"], 3)
