@@ -6,8 +6,10 @@ which the actors import) never imports the actors.
 
 _FACADE = ("Runtime", "AgentRef", "RuntimeEscalated", "DeadLetter")
 _AGENT = ("Reply", "AgentCrashed", "TurnTimeout", "UnknownAgent", "AgentError")
+_MODEL = ("ModelLoadError", "DefaultModelMissing")
+_GGUF = ("GGUFError", "UnsupportedGGUF")
 
-__all__ = [*_FACADE, *_AGENT]
+__all__ = [*_FACADE, *_AGENT, *_MODEL, *_GGUF]
 
 
 def __getattr__(name):
@@ -19,4 +21,12 @@ def __getattr__(name):
         from actors import agent
 
         return getattr(agent, name)
+    if name in _MODEL:
+        from runtime import model
+
+        return getattr(model, name)
+    if name in _GGUF:
+        from runtime import gguf
+
+        return getattr(gguf, name)
     raise AttributeError(f"module 'runtime' has no attribute {name!r}")

@@ -1,10 +1,12 @@
-"""The `kvactors` command line: demo, inspect, bench."""
+"""The `kvactors` command line: demo, inspect, import-gguf, bench."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+
+from runtime.model import ModelLoadError
 
 
 def _demo(args) -> int:
@@ -17,6 +19,17 @@ def _inspect(args) -> int:
     from runtime.store import inspect_table
 
     print(inspect_table(args.cache_dir))
+    return 0
+
+
+def _import_gguf(args) -> int:
+    from runtime.gguf import gguf_model_path, import_gguf
+
+    if args.out is None:
+        out = gguf_model_path(args.file, args.weights)
+    else:
+        out = import_gguf(args.file, args.out, args.weights)
+    print(out)
     return 0
 
 
@@ -40,11 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
     demo = sub.add_parser(
-        "demo", help="run a short multi-agent demo (default: the embedded tiny model)",
+        "demo", help="run a short multi-agent demo (default: the embedded SmolLM2-135M-Instruct)",
         description="Two agents talk, then answer together (batched), then resume from disk after a restart: "
                     "prints each turn's cache state (cold / hot / warm) and time to first token.",
     )
-    demo.add_argument("--model", default=None, help="model folder or Hugging Face id (default: embedded tiny model)")
+    demo.add_argument("--model", default=None,
+                      help="model folder, .gguf file, Hugging Face id or 'tiny' (default: SmolLM2-135M-Instruct)")
     demo.add_argument("--cache-dir", default=None, help="where agent caches live (default: a fresh temporary folder)")
     demo.add_argument("--max-tokens", type=int, default=24, help="tokens generated per turn (default: 24)")
     demo.set_defaults(func=_demo)
@@ -56,6 +70,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ins.add_argument("cache_dir", nargs="?", default="~/.cache/kvactors/agents", help="cache folder (default: %(default)s)")
     ins.set_defaults(func=_inspect)
+
+    imp = sub.add_parser(
+        "import-gguf", help="convert a GGUF file (llama, qwen2) into an mlx-lm model folder",
+        description="Converts FILE into the mlx-lm folder OUT (default: the model cache under $KVACTORS_HOME/models, "
+                    "where Runtime(model=FILE) finds it) and prints the folder. Runtime(model=FILE) does this itself "
+                    "on first use.",
+    )
+    imp.add_argument("file", help="the .gguf file")
+    imp.add_argument("out", nargs="?", default=None, help="the new model folder (default: the model cache)")
+    imp.add_argument("--weights", choices=("float32", "quantized"), default=None,
+                     help="exactly dequantized float32, or the file's 4/8-bit weights (default: float32 on CPU, "
+                          "quantized on a GPU)")
+    imp.set_defaults(func=_import_gguf)
 
     bench = sub.add_parser("bench", help="run the benchmarks from a source checkout (see `kvactors bench --help`)")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark driver")
@@ -73,7 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (ModelLoadError, FileExistsError) as e:  # what to do fits in one line: no traceback
+        print(f"kvactors {args.command}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Tiny, real, offline models for tests, demos and the embedded default.
+"""Tiny, real, offline models for tests and benchmarks (`model="tiny"`).
 
 ``make_tiny_model`` writes a complete Hugging Face style model folder that
 ``mlx_lm.load`` accepts with no network:
@@ -15,7 +15,9 @@ windows, attention sinks, MoE, Q4 caches) runs on them in well under a second
 per 512-token forward pass on a small CPU.
 
 ``default_model_path`` builds the llama tiny model once into
-``$KVACTORS_HOME/models/tiny-llama-v1`` and reuses it afterwards.
+``$KVACTORS_HOME/models/tiny-llama-v1`` and reuses it afterwards; ``load_model("tiny")``
+and ``Runtime(model="tiny")`` use it. (The embedded default model is the real
+SmolLM2-135M-Instruct; see ``runtime.model.default_model_file``.)
 """
 
 from __future__ import annotations
@@ -142,7 +144,7 @@ def kvactors_home() -> Path:
 
 
 def default_model_path() -> Path:
-    """Path of the embedded default model, building it on first use.
+    """Path of the tiny llama that `model="tiny"` names, building it on first use.
 
     The llama tiny model (seed 0, float32) lives in
     ``kvactors_home() / "models" / "tiny-llama-v1"``. A folder that holds
