@@ -47,6 +47,7 @@ __all__ = [
     "make_config",
     "make_weights",
     "default_model_path",
+    "is_tiny_model",
     "kvactors_home",
     "tokenizer_corpus",
 ]
@@ -167,6 +168,15 @@ def default_model_path() -> Path:
     if not marker.exists():
         raise RuntimeError(f"Could not build the default model in {path}")
     return path
+
+
+def is_tiny_model(path) -> bool:
+    """Whether the folder `path` holds a model built by `make_tiny_model` (random weights)."""
+    try:
+        marker = json.loads((Path(path) / COMPLETE_MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(marker, dict) and "seed" in marker and "arch" in marker
 
 
 def make_tiny_model(
