@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", default=None,
                       help="model folder, .gguf file, Hugging Face id or 'tiny' (default: SmolLM2-135M-Instruct)")
     demo.add_argument("--cache-dir", default=None, help="where agent caches live (default: a fresh temporary folder)")
-    demo.add_argument("--max-tokens", type=int, default=20, help="tokens generated per turn (default: 20)")
+    demo.add_argument("--max-tokens", type=int, default=16, help="tokens generated per turn (default: 16)")
     demo.add_argument("--kv-bits", type=int, choices=(4, 8), default=8,
                       help="bits of the KV cache (default: 8; SmolLM2-135M's answers degrade at 4)")
     demo.set_defaults(func=_demo)

@@ -9,7 +9,7 @@ AGENTS = {"alice": "You are Alice, a careful planner. Answer in one short senten
           "bob": "You are Bob, a skeptical reviewer. Answer in one short sentence."}
 
 
-def run_demo(model=None, cache_dir=None, max_tokens: int = 20, kv_bits: int = 8) -> int:
+def run_demo(model=None, cache_dir=None, max_tokens: int = 16, kv_bits: int = 8) -> int:
     """Run two agents on `model` (None: the embedded default model) through three steps; return 0.
 
     1. cold: each agent's first turn prefills its whole context (alice asks, bob answers her);
