@@ -74,6 +74,7 @@ _LLAMA3_REGEX = (
 PRE_TOKENIZERS = ("smollm", "gpt-2", "default", "qwen2", "llama-bpe")
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 
 
 class GGUFError(ModelLoadError):
@@ -344,7 +345,8 @@ def _mlx_weights(tensors: dict, config: dict, arch: str, weights: str):
         else:
             a = value
         a = fix(a)
-        requant = weights == "quantized" and kind == "dequant" and a.ndim == 2 and a.shape[-1] % GROUP == 0
+        requant = (weights == "quantized" and kind == "dequant" and qtype not in _FLOAT_TYPES
+                   and a.ndim == 2 and a.shape[-1] % GROUP == 0)
         if requant:
             bits = 4 if qtype.startswith(("Q2", "Q3", "Q4", "IQ", "TQ", "MXFP4", "NVFP4")) else 8
             w, scales, biases = mx.quantize(a.astype(mx.float16), group_size=GROUP, bits=bits)
