@@ -18,7 +18,7 @@ def kvactors(*args):
 def test_help_lists_the_commands():
     out = kvactors()
     assert out.returncode == 0
-    for command in ("demo", "inspect", "bench"):
+    for command in ("demo", "inspect", "import-gguf", "bench"):
         assert command in out.stdout
 
 
