@@ -76,8 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     imp = sub.add_parser(
         "import-gguf", help="convert a GGUF file (llama, qwen2) into an mlx-lm model folder",
         description="Converts FILE into the mlx-lm folder OUT (default: the model cache under $KVACTORS_HOME/models, "
-                    "where Runtime(model=FILE) finds it) and prints the folder. Runtime(model=FILE) does this itself "
-                    "on first use.",
+                    "where Runtime(model=FILE) finds the folder of this machine's default --weights) and prints the folder. "
+                    "Runtime(model=FILE) converts on first use by itself.",
     )
     imp.add_argument("file", help="the .gguf file")
     imp.add_argument("out", nargs="?", default=None, help="the new model folder (default: the model cache)")
