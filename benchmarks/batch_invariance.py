@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     ap.set_defaults(model=None)
     ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="chat prompts (default: %(default)s)")
     ap.add_argument("--batch", type=int, default=4, help="agents per batch (default: %(default)s)")
-    ap.add_argument("--new", type=int, default=16, help="greedy tokens per answer (default: %(default)s)")
+    ap.add_argument("--new", type=int, default=12, help="greedy tokens per answer (default: %(default)s)")
     ap.add_argument("--kv-bits", type=int, default=4, help="KV cache bits (default: %(default)s)")
     args = ap.parse_args(argv)
     if args.model in ("tiny", "llama-8b-shape"):
