@@ -10,13 +10,15 @@ compares that turn with the first, cold one.
     python examples/crash_and_recover.py
     python examples/crash_and_recover.py --model mlx-community/Llama-3.2-1B-Instruct-4bit
 
-With no --model the embedded tiny model runs (random weights: the text is nonsense).
+With no --model the embedded SmolLM2-135M-Instruct runs; `--model tiny` runs a
+random-weight model (fast, but the text is nonsense).
 """
 
 import logging
 
 from common import cache_dir_of, example_parser
 from runtime import AgentCrashed, Runtime
+from runtime.testing import is_tiny_model
 
 # A long-ish system prompt, so that re-prefilling it would cost something.
 SYSTEM = "You are Ada, the on-call engineer of a small web shop. " + " ".join(
@@ -59,8 +61,8 @@ def main():
     ratio = cold.timings.ttft_s / max(warm.timings.ttft_s, 1e-9)
     print(f"\nTTFT after the crash ({warm.cache}): {warm.timings.ttft_s * 1000:.1f} ms vs "
           f"{cold.timings.ttft_s * 1000:.1f} ms for the first, cold turn: {ratio:.1f}x faster")
-    if args.model is None:
-        print("(embedded tiny model: random weights, so the text is nonsense)")
+    if is_tiny_model(rt.spec.model_id):
+        print("(tiny model: random weights, so the text is nonsense)")
 
 
 if __name__ == "__main__":

@@ -10,13 +10,15 @@ prefills only the opponent's last message.
     python examples/debate.py --model mlx-community/Llama-3.2-3B-Instruct-4bit \\
         --topic "Remote work is better than office work."
 
-With no --model the embedded tiny model runs (random weights: the text is nonsense).
+With no --model the embedded SmolLM2-135M-Instruct runs; `--model tiny` runs a
+random-weight model (fast, but the text is nonsense).
 """
 
 import textwrap
 
 from common import cache_dir_of, example_parser
 from runtime import Runtime
+from runtime.testing import is_tiny_model
 
 
 def printable(text):
@@ -44,8 +46,8 @@ def main():
             print(f"[round {i // 2 + 1}] {r.agent} ({r.cache}, ttft {r.timings.ttft_s * 1000:.0f} ms, "
                   f"prefilled {r.timings.prefill_tokens} tokens):")
             print(textwrap.indent(textwrap.fill(printable(r.text) or "...", 88), "    "), "\n")
-    if args.model is None:
-        print("(embedded tiny model: random weights, so the text is nonsense)")
+    if is_tiny_model(rt.spec.model_id):
+        print("(tiny model: random weights, so the text is nonsense)")
 
 
 if __name__ == "__main__":

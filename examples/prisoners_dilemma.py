@@ -18,12 +18,14 @@ only appears in phase 5, cold.
     python examples/prisoners_dilemma.py
     python examples/prisoners_dilemma.py --model mlx-community/Llama-3.2-3B-Instruct-4bit
 
-With no --model the embedded tiny model runs (random weights: the text is nonsense).
+With no --model the embedded SmolLM2-135M-Instruct runs; `--model tiny` runs a
+random-weight model (fast, but the text is nonsense).
 """
 
 
 from common import cache_dir_of, example_parser
 from runtime import Runtime
+from runtime.testing import is_tiny_model
 
 SENTENCES = {("SILENT", "SILENT"): (1, 1), ("SILENT", "CONFESS"): (10, 0),
              ("CONFESS", "SILENT"): (0, 10), ("CONFESS", "CONFESS"): (5, 5)}
@@ -95,8 +97,8 @@ def main():
                          f"in the yard. Was that rational? {OFFER}", **opts))
 
     print(f"\nMarco {choice['marco']}, Danny {choice['danny']}: {years[0]} and {years[1]} years")
-    if args.model is None:
-        print("(embedded tiny model: random weights, so the text is nonsense)")
+    if is_tiny_model(rt.spec.model_id):
+        print("(tiny model: random weights, so the text is nonsense)")
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@ Every agent is an actor with its own 4-bit KV cache. Its first turn prefills the
 whole context ("cold"); later turns find the cache in memory ("hot") and prefill
 only the new message, so their time to first token (TTFT) stays small.
 
-Run it on the embedded tiny model (random weights: the text is nonsense, but
-every mechanism runs), or on a real model:
+Run it on the embedded SmolLM2-135M-Instruct, on the random-weight tiny model
+(`--model tiny`: fast, the text is nonsense, every mechanism runs), or on another model:
 
     python examples/quickstart.py
     python examples/quickstart.py --model mlx-community/Llama-3.2-1B-Instruct-4bit
@@ -14,6 +14,7 @@ every mechanism runs), or on a real model:
 
 from common import cache_dir_of, example_parser
 from runtime import Runtime
+from runtime.testing import is_tiny_model
 
 
 def show(who, r):
@@ -43,8 +44,8 @@ def main():
 
         print(f"\nalice's history: {len(alice.history())} records "
               "(system, user, assistant, bob's review, ...), kept on disk in", cache_dir)
-    if args.model is None:
-        print("(embedded tiny model: random weights, so the text is nonsense)")
+    if is_tiny_model(rt.spec.model_id):
+        print("(tiny model: random weights, so the text is nonsense)")
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ prefills only the new message, not the whole conversation.
     python examples/resume.py          # second run: the first turn is warm
     python examples/resume.py --fresh  # forget everything and start over
 
-With no --model the embedded tiny model runs (random weights: the text is
-nonsense). Caches are kept per model, so switching --model starts cold.
+With no --model the embedded SmolLM2-135M-Instruct runs; `--model tiny` runs a
+random-weight model (fast, but the text is nonsense). Caches are kept per model, so switching --model starts cold.
 """
 
 import shutil
@@ -18,6 +18,7 @@ from pathlib import Path
 
 from common import example_parser
 from runtime import Runtime
+from runtime.testing import is_tiny_model
 from runtime.store import inspect_table
 
 DEFAULT_CACHE_DIR = "~/.cache/kvactors/resume-example"
@@ -48,8 +49,8 @@ def main():
             print(f"turn {i}: cache={r.cache:<4}  ttft={r.timings.ttft_s * 1000:7.1f} ms  "
                   f"prefill={r.timings.prefill_tokens} tok")
     print("run me again with the same --cache-dir: the next process resumes warm")
-    if args.model is None:
-        print("(embedded tiny model: random weights, so the text is nonsense)")
+    if is_tiny_model(rt.spec.model_id):
+        print("(tiny model: random weights, so the text is nonsense)")
 
 
 if __name__ == "__main__":

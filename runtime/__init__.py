@@ -7,8 +7,10 @@ which the actors import) never imports the actors.
 _FACADE = ("Runtime", "AgentRef", "ReplyFuture", "RuntimeEscalated", "RuntimeClosed", "DeadLetter")
 _AGENT = ("Reply", "AgentCrashed", "TurnTimeout", "TurnNotSaved", "UnknownAgent", "AgentError")
 _STORE = ("CacheDirInUse", "InvalidAgentId", "JournalError", "UnsafePath")
+_MODEL = ("ModelLoadError", "DefaultModelMissing")
+_GGUF = ("GGUFError", "UnsupportedGGUF")
 
-__all__ = [*_FACADE, *_AGENT, *_STORE]
+__all__ = [*_FACADE, *_AGENT, *_STORE, *_MODEL, *_GGUF]
 
 
 def __getattr__(name):
@@ -24,4 +26,12 @@ def __getattr__(name):
         from runtime import store
 
         return getattr(store, name)
+    if name in _MODEL:
+        from runtime import model
+
+        return getattr(model, name)
+    if name in _GGUF:
+        from runtime import gguf
+
+        return getattr(gguf, name)
     raise AttributeError(f"module 'runtime' has no attribute {name!r}")

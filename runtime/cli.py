@@ -1,4 +1,4 @@
-"""The `kvactors` command line: demo, serve, inspect, bench."""
+"""The `kvactors` command line: demo, serve, inspect, import-gguf, bench."""
 
 from __future__ import annotations
 
@@ -6,11 +6,13 @@ import argparse
 import os
 import sys
 
+from runtime.model import ModelLoadError
+
 
 def _demo(args) -> int:
     from runtime.demo import run_demo
 
-    return run_demo(model=args.model, cache_dir=args.cache_dir, max_tokens=args.max_tokens)
+    return run_demo(model=args.model, cache_dir=args.cache_dir, max_tokens=args.max_tokens, kv_bits=args.kv_bits)
 
 
 def _serve(args) -> int:
@@ -30,6 +32,17 @@ def _inspect(args) -> int:
     from runtime.store import inspect_table
 
     print(inspect_table(args.cache_dir))
+    return 0
+
+
+def _import_gguf(args) -> int:
+    from runtime.gguf import gguf_model_path, import_gguf
+
+    if args.out is None:
+        out = gguf_model_path(args.file, args.weights)
+    else:
+        out = import_gguf(args.file, args.out, args.weights)
+    print(out)
     return 0
 
 
@@ -53,13 +66,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
     demo = sub.add_parser(
-        "demo", help="run a short multi-agent demo (default: the embedded tiny model)",
+        "demo", help="run a short multi-agent demo (default: the embedded SmolLM2-135M-Instruct)",
         description="Two agents talk, then answer together (batched), then resume from disk after a restart: "
                     "prints each turn's cache state (cold / hot / warm) and time to first token.",
     )
-    demo.add_argument("--model", default=None, help="model folder or Hugging Face id (default: embedded tiny model)")
+    demo.add_argument("--model", default=None,
+                      help="model folder, .gguf file, Hugging Face id or 'tiny' (default: SmolLM2-135M-Instruct)")
     demo.add_argument("--cache-dir", default=None, help="where agent caches live (default: a fresh temporary folder)")
-    demo.add_argument("--max-tokens", type=int, default=24, help="tokens generated per turn (default: 24)")
+    demo.add_argument("--max-tokens", type=int, default=16, help="tokens generated per turn (default: 16)")
+    demo.add_argument("--kv-bits", type=int, choices=(4, 8), default=8,
+                      help="bits of the KV cache (default: 8; SmolLM2-135M's answers degrade at 4)")
     demo.set_defaults(func=_demo)
 
     srv = sub.add_parser(
@@ -68,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "agent routes under /v1/agents. A request's agent is named by the X-Agent-Id header, or "
                     "derived from its user field, system prompt and first user message.",
     )
-    srv.add_argument("--model", default=None, help="model folder or Hugging Face id (default: embedded tiny model)")
+    srv.add_argument("--model", default=None,
+                     help="model folder, .gguf file, Hugging Face id or 'tiny' (default: SmolLM2-135M-Instruct)")
     srv.add_argument("--cache-dir", default=None, help="where agent caches live (default: ~/.cache/kvactors/agents)")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
     srv.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
@@ -95,6 +112,19 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("cache_dir", nargs="?", default="~/.cache/kvactors/agents", help="cache folder (default: %(default)s)")
     ins.set_defaults(func=_inspect)
 
+    imp = sub.add_parser(
+        "import-gguf", help="convert a GGUF file (llama, qwen2) into an mlx-lm model folder",
+        description="Converts FILE into the mlx-lm folder OUT (default: the model cache under $KVACTORS_HOME/models, "
+                    "where Runtime(model=FILE) finds the folder of this machine's default --weights) and prints the folder. "
+                    "Runtime(model=FILE) converts on first use by itself.",
+    )
+    imp.add_argument("file", help="the .gguf file")
+    imp.add_argument("out", nargs="?", default=None, help="the new model folder (default: the model cache)")
+    imp.add_argument("--weights", choices=("float32", "quantized"), default=None,
+                     help="exactly dequantized float32, or the file's 4/8-bit weights (default: float32 on CPU, "
+                          "quantized on a GPU)")
+    imp.set_defaults(func=_import_gguf)
+
     bench = sub.add_parser("bench", help="run the benchmarks from a source checkout (see `kvactors bench --help`)")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark driver")
     bench.set_defaults(func=_bench)
@@ -111,7 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (ModelLoadError, FileExistsError) as e:  # what to do fits in one line: no traceback
+        print(f"kvactors {args.command}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -5,25 +5,23 @@ from __future__ import annotations
 import tempfile
 import time
 
-# One brief every agent carries in its system prompt: long enough that re-prefilling it
-# (a cold turn) costs visibly more than feeding one new message (a hot or warm turn).
-BRIEF = "The team plans a bake sale for the school library. " + " ".join(
-    f"Fact {i}: the {item} stall needs one volunteer, a price list and a float of small change."
-    for i, item in enumerate(["cookie", "cake", "muffin", "bread", "pie", "brownie", "lemonade", "coffee"], 1))
-AGENTS = {"alice": "You are Alice, a careful planner. Answer briefly. ",
-          "bob": "You are Bob, a skeptical reviewer. Answer briefly. "}
+AGENTS = {"alice": "You are Alice, a careful planner. Answer in one short sentence.",
+          "bob": "You are Bob, a skeptical reviewer. Answer in one short sentence."}
 
 
-def run_demo(model=None, cache_dir=None, max_tokens: int = 24) -> int:
-    """Run two agents on `model` (None: the embedded tiny model) through three steps; return 0.
+def run_demo(model=None, cache_dir=None, max_tokens: int = 16, kv_bits: int = 8) -> int:
+    """Run two agents on `model` (None: the embedded default model) through three steps; return 0.
 
     1. cold: each agent's first turn prefills its whole context (alice asks, bob answers her);
     2. hot: both answer at once, batched, from caches kept in memory;
     3. warm: a new Runtime over the same `cache_dir` (None: a fresh temporary folder),
        as after a process restart: both resume from their caches on disk.
-    Prints a prefill progress bar for the first turns, then agent, cache state and time to
-    first token (TTFT) per turn, then the ratios.
+    Prints a prefill progress bar for the first turns, then agent, cache state, time to
+    first token (TTFT) and text per turn, then the ratios. `kv_bits` is the KV cache's
+    bits (8 by default: SmolLM2-135M, the default model, loses most of its answers with
+    a 4-bit cache; see the README's quality table).
     """
+    from runtime.testing import is_tiny_model
     from runtime import Runtime
 
     cache_dir = cache_dir or tempfile.mkdtemp(prefix="kvactors-demo-")
@@ -32,9 +30,9 @@ def run_demo(model=None, cache_dir=None, max_tokens: int = 24) -> int:
 
     def show(r):
         ttfts.setdefault(r.cache, []).append(r.timings.ttft_s)
-        text = "".join(c if c.isprintable() else " " for c in r.text.strip())
+        text = " ".join("".join(c if c.isprintable() else " " for c in r.text).split())
         print(f"  {r.agent:<6} {r.cache:<4}  ttft {r.timings.ttft_s * 1000:7.1f} ms  "
-              f"prefill {r.timings.prefill_tokens:4d} tok  {text[:40]!r}")
+              f"prefill {r.timings.prefill_tokens:4d} tok  {text[:160]}")
         return r
 
     def progress(name):
@@ -45,27 +43,27 @@ def run_demo(model=None, cache_dir=None, max_tokens: int = 24) -> int:
         return bar
 
     def spawn(rt, t0):
-        agents = [rt.spawn(name, system=role + BRIEF) for name, role in AGENTS.items()]
+        agents = [rt.spawn(name, system=role) for name, role in AGENTS.items()]
         print(f"runtime up in {time.perf_counter() - t0:.2f}s: model {rt.spec.model_id}, "
               f"agents {', '.join(rt.agents())}, caches in {cache_dir}")
         return agents
 
     t0 = time.perf_counter()
-    with Runtime(model=model, cache_dir=cache_dir) as rt:
+    with Runtime(model=model, cache_dir=cache_dir, kv_bits=kv_bits) as rt:
         alice, bob = spawn(rt, t0)
-        if model is None:
-            print("embedded default model: random weights, so the text below is nonsense")
-        print("1. first turns (alice asks, bob answers her):")
-        plan = show(alice.ask("Draft a plan for the bake sale.", on_progress=progress("alice"), **opts))
+        if is_tiny_model(rt.spec.model_id):
+            print("tiny model: random weights, so the text below is nonsense")
+        print("1. first turns (alice answers, bob reviews her answer):")
+        plan = show(alice.ask("What should we sell at the school bake sale?", on_progress=progress("alice"), **opts))
         show(alice.send_to(bob, plan.text or "...", on_progress=progress("bob"), **opts).get(timeout=120))
         print("2. both at once, batched:")
-        for f in rt.broadcast([alice, bob], "Name the riskiest stall.", **opts):
+        for f in rt.broadcast([alice, bob], "What could go wrong on the day?", **opts):
             show(f.get(timeout=120))
     print("3. restart: a new Runtime over the same cache dir")
     t0 = time.perf_counter()
-    with Runtime(model=model, cache_dir=cache_dir) as rt:
+    with Runtime(model=model, cache_dir=cache_dir, kv_bits=kv_bits) as rt:
         alice, bob = spawn(rt, t0)
-        for f in rt.broadcast([alice, bob], "Where did we leave off?", **opts):
+        for f in rt.broadcast([alice, bob], "Sum up our plan in a few words.", **opts):
             show(f.get(timeout=120))
 
     mean = {state: sum(v) / len(v) for state, v in ttfts.items()}

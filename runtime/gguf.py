@@ -1,0 +1,416 @@
+"""Importing GGUF files (llama.cpp's format) as mlx-lm model folders.
+
+`import_gguf(file, out)` writes a folder that the real `mlx_lm.load` reads:
+config.json, model.safetensors, tokenizer.json, tokenizer_config.json and
+chat_template.jinja. `gguf_model_path(file)` does it once per file into the
+model cache (`$KVACTORS_HOME/models/gguf-<sha256 of the file>-<weights>`) and
+reuses the folder afterwards; `load_model` calls it for any `.gguf` path.
+
+Weights. Q4_0, Q4_1 and Q8_0 tensors are MLX affine triplets (4 or 8 bits,
+group 32, along the input dimension) exactly, so `mx.load` reads them without
+loss. Other quantization types are dequantized with the `gguf` package (and
+requantized by MLX where the folder keeps quantized weights); types neither can
+read are refused with `UnsupportedGGUF` naming the type. The folder stores
+either `"float32"` weights (every tensor exactly dequantized: fastest on MLX's
+CPU build, where quantized matmuls with 16-bit activations are very slow) or
+`"quantized"` ones (the file's own 4/8-bit triplets, float16 elsewhere: four to
+eight times smaller, for GPUs). `default_weights()` picks by device.
+
+llama.cpp's converter permutes the rows of llama's `attn_q` and `attn_k` (its
+rope layout); the import undoes that by whole rows of weights, scales and biases.
+Architectures: llama and qwen2. Tokenizers: byte-level BPE (`gpt2`) with the
+pre-tokenizers of SmolLM (digits split one by one), GPT-2, Qwen2 and Llama-3.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from runtime.model import ModelLoadError
+
+__all__ = [
+    "GGUFError",
+    "UnsupportedGGUF",
+    "WEIGHTS",
+    "default_weights",
+    "file_digest",
+    "gguf_model_path",
+    "import_gguf",
+]
+
+WEIGHTS = ("float32", "quantized")
+ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+GROUP = 32  # GGUF's block size for Q4_0 / Q4_1 / Q8_0
+COMPLETE_MARKER = ".kvactors-complete"
+
+# Names of llama.cpp tensors (before ".weight" / ".bias") as mlx-lm names them.
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+# Pre-tokenizer regexes (the split before byte-level BPE), by `tokenizer.ggml.pre`.
+_QWEN2_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PRE_TOKENIZERS = ("smollm", "gpt-2", "default", "qwen2", "llama-bpe")
+
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+
+
+class GGUFError(ModelLoadError):
+    """A GGUF file could not be read or converted."""
+
+
+class UnsupportedGGUF(GGUFError):
+    """A GGUF file uses an architecture, tensor, quantization type or tokenizer the import does not support."""
+
+
+def default_weights() -> str:
+    """The weights a converted folder stores on this machine: "float32" on CPU, "quantized" on a GPU."""
+    import mlx.core as mx
+
+    return "quantized" if mx.default_device() == mx.gpu else "float32"
+
+
+def file_digest(path: str | Path) -> str:
+    """The SHA-256 hex digest of the file at `path` (read in 8 MiB chunks)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 23):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def gguf_model_path(path: str | Path, weights: str | None = None) -> Path:
+    """The mlx-lm folder converted from the GGUF file at `path`, converting it on first use.
+
+    The folder is `$KVACTORS_HOME/models/gguf-<first 16 hex of the file's SHA-256>-<weights>`
+    (`weights`: "float32" or "quantized"; None: `default_weights()`), so a changed
+    file gets a new folder and an unchanged one is converted once. Concurrent
+    first use is safe (the loser of the rename uses the winner's folder). Raises
+    GGUFError / UnsupportedGGUF as `import_gguf` does.
+    """
+    from runtime.testing import kvactors_home
+
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise GGUFError(f"{path}: no such GGUF file")
+    weights = _check_weights(weights)
+    out = kvactors_home() / "models" / f"gguf-{file_digest(path)[:16]}-{weights}"
+    if (out / COMPLETE_MARKER).exists():
+        return out
+    if out.exists():  # a leftover without its marker: not ours to trust
+        shutil.rmtree(out, ignore_errors=True)
+    try:
+        import_gguf(path, out, weights)
+    except FileExistsError:
+        pass  # another process finished first
+    if not (out / COMPLETE_MARKER).exists():
+        raise GGUFError(f"could not convert {path} into {out}")
+    return out
+
+
+def import_gguf(path: str | Path, out: str | Path, weights: str | None = None) -> Path:
+    """Convert the GGUF file at `path` into a new mlx-lm model folder `out`; return `out`.
+
+    `weights` is "float32" (exactly dequantized) or "quantized" (the file's 4/8-bit
+    triplets kept as they are); None picks `default_weights()`. The folder is built
+    in a temporary sibling and renamed into place, so `out` either does not exist
+    or is complete. Raises FileExistsError if `out` exists, UnsupportedGGUF for an
+    architecture, tensor, quantization type or tokenizer this import cannot map,
+    and GGUFError for a file that is not GGUF.
+    """
+    path, out = Path(path).expanduser(), Path(out).expanduser()
+    weights = _check_weights(weights)
+    if out.exists():
+        raise FileExistsError(f"{out} already exists")
+    meta, tensors = _read(path)
+    arch = meta.get("general.architecture")
+    if arch not in ARCHS:
+        raise UnsupportedGGUF(f"{path}: architecture {arch!r} is not supported; supported: {', '.join(ARCHS)}")
+    config = _config(meta, arch)
+    config["tie_word_embeddings"] = "output.weight" not in tensors
+    mlx_weights, quantization = _mlx_weights(tensors, config, arch, weights)
+    if quantization:
+        config["quantization"] = quantization
+    config["torch_dtype"] = "float32" if weights == "float32" else "float16"
+    tokenizer_json, tokenizer_config, template = _tokenizer(meta, path)
+
+    import mlx.core as mx
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        tmp.chmod(0o755)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        mx.save_safetensors(str(tmp / "model.safetensors"), mlx_weights, {"format": "mlx"})
+        (tmp / "tokenizer.json").write_text(tokenizer_json)
+        (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+        if template:
+            (tmp / "chat_template.jinja").write_text(template)
+        marker = {"source": str(path), "name": meta.get("general.name"), "weights": weights}
+        (tmp / COMPLETE_MARKER).write_text(json.dumps(marker))
+        try:
+            os.rename(tmp, out)
+        except OSError as e:
+            if out.exists():
+                raise FileExistsError(f"{out} already exists") from e
+            raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _check_weights(weights: str | None) -> str:
+    weights = weights or default_weights()
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, not {weights!r}")
+    return weights
+
+
+def _config(meta: dict, arch: str) -> dict:
+    """An mlx-lm config.json dict from the GGUF metadata of an `arch` model."""
+
+    def get(key, default=None):
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise GGUFError(f"GGUF metadata lacks {arch}.{key}")
+        return value
+
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
+    if int(meta.get(f"{arch}.rope.dimension_count", head_dim)) != head_dim:
+        raise UnsupportedGGUF(f"partial rotary embeddings ({arch}.rope.dimension_count) are not supported")
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    config = {
+        "model_type": arch,
+        "architectures": [ARCHS[arch]],
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "rms_norm_eps": _f32(get("attention.layer_norm_rms_epsilon")),
+        "rope_theta": _f32(get("rope.freq_base", 10000.0)),
+        "vocab_size": int(meta.get(f"{arch}.vocab_size", len(tokens))),
+        "max_position_embeddings": int(get("context_length", 4096)),
+    }
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling == "linear":
+        config["rope_scaling"] = {"type": "linear", "factor": float(get("rope.scaling.factor"))}
+    elif scaling != "none":
+        raise UnsupportedGGUF(f"rope scaling {scaling!r} is not supported (only linear)")
+    for key in ("bos", "padding"):
+        if (i := meta.get(f"tokenizer.ggml.{key}_token_id")) is not None:
+            config[("pad" if key == "padding" else key) + "_token_id"] = int(i)
+    ends = [int(i) for key in ("eos", "eot", "eom") if (i := meta.get(f"tokenizer.ggml.{key}_token_id")) is not None]
+    if ends:  # generation stops on any of them
+        config["eos_token_id"] = ends[0] if len(set(ends)) == 1 else sorted(set(ends), key=ends.index)
+    return config
+
+
+def _f32(x) -> float:
+    """A float32 metadata value as the shortest decimal that rounds to it (1e-05, not 9.9999997e-06)."""
+    import numpy as np
+
+    return float(str(np.float32(x)))
+
+
+def _read(path: Path) -> tuple[dict, dict]:
+    """(metadata as plain Python values, tensors) of the GGUF file at `path`.
+
+    tensors: name -> (kind, value, bits, type). Kind "quant": an MLX (weight,
+    scales, biases) triplet of `bits` bits, as `mx.load` returns Q4_0 / Q4_1 /
+    Q8_0 exactly; kind "float": one float array. When `mx.load` cannot read the
+    file (a quantization type MLX lacks), every tensor is read by the gguf
+    package instead and dequantized to float32 (kind "dequant", with its type).
+    """
+    import mlx.core as mx
+
+    try:
+        loaded, raw = mx.load(str(path), return_metadata=True)
+    except Exception:  # noqa: BLE001 - MLX refuses whole files with a type it lacks
+        return _read_with_gguf(path)
+    meta = {k: (v.item() if v.ndim == 0 else v.tolist()) if isinstance(v, mx.array) else v for k, v in raw.items()}
+    tensors = {}
+    for name, w in loaded.items():
+        stem = name.removesuffix(".weight")
+        if name.endswith((".scales", ".biases")) and stem.rpartition(".")[0] + ".weight" in loaded:
+            continue
+        if f"{stem}.scales" in loaded:
+            scales = loaded[f"{stem}.scales"]
+            bits = 32 * w.shape[-1] // (scales.shape[-1] * GROUP)
+            tensors[name] = ("quant", (w, scales, loaded[f"{stem}.biases"]), bits, f"{bits}-bit")
+        else:
+            tensors[name] = ("float", w, None, str(w.dtype))
+    return meta, tensors
+
+
+def _read_with_gguf(path: Path) -> tuple[dict, dict]:
+    """`_read` through the gguf package's reader: every tensor dequantized to float32."""
+    try:
+        from gguf import GGUFReader
+    except ImportError as e:  # a declared dependency; only a broken install gets here
+        raise GGUFError("reading this GGUF file needs the gguf package: pip install gguf") from e
+    try:
+        reader = GGUFReader(str(path))
+    except (ValueError, OSError) as e:
+        raise GGUFError(f"{path} is not a readable GGUF file: {e}") from e
+    meta = {}
+    for key, field in reader.fields.items():
+        try:
+            meta[key] = field.contents()
+        except Exception:  # noqa: BLE001 - a field we cannot decode is one we do not use
+            continue
+    tensors = {}
+    for t in reader.tensors:
+        tensors[t.name] = ("dequant", _dequantize(t, t.tensor_type.name), None, t.tensor_type.name)
+    return meta, tensors
+
+
+def _dequantize(tensor, qtype: str):
+    """A float32 MLX array of a GGUF tensor that `mx.load` cannot read, via the gguf package."""
+    import mlx.core as mx
+    import numpy as np
+    from gguf import quants
+
+    try:
+        data = quants.dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError as e:
+        raise UnsupportedGGUF(
+            f"tensor {tensor.name} uses quantization type {qtype}, which neither MLX nor the gguf "
+            f"package can read; convert the model with another type (e.g. Q4_0, Q4_1, Q8_0, Q4_K, F16)"
+        ) from e
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    return mx.array(np.ascontiguousarray(data, dtype=np.float32).reshape(shape))
+
+
+def _mlx_name(gguf_name: str) -> str:
+    stem, _, suffix = gguf_name.rpartition(".")
+    if stem in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[stem]}.{suffix}"
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
+    raise UnsupportedGGUF(f"GGUF tensor {gguf_name!r} has no mlx-lm counterpart in this import")
+
+
+def _unpermute(a, n_heads: int):
+    """Undo llama.cpp's rope permutation of the rows of `a` (rows = n_heads * head_dim)."""
+    half = a.shape[0] // n_heads // 2
+    return a.reshape(n_heads, half, 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+
+
+def _mlx_weights(tensors: dict, config: dict, arch: str, weights: str):
+    """(mlx-lm weights dict, quantization config or None) for the chosen `weights` kind."""
+    import mlx.core as mx
+
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    out, layer_bits = {}, {}
+    for name, (kind, value, bits, qtype) in tensors.items():
+        target = _mlx_name(name)
+        role = name.split(".")[-2] if name.startswith("blk.") else None
+        fix = (lambda a: _unpermute(a, heads[role])) if arch == "llama" and role in heads else (lambda a: a)
+        prefix = target.rpartition(".")[0]
+        if kind == "quant" and weights == "quantized":
+            w, scales, biases = (fix(a) for a in value)
+            out[target], out[f"{prefix}.scales"], out[f"{prefix}.biases"] = w, scales, biases
+            layer_bits[prefix] = bits
+            continue
+        if kind == "quant":
+            w, scales, biases = value
+            a = mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32), group_size=GROUP, bits=bits)
+        else:
+            a = value
+        a = fix(a)
+        requant = (weights == "quantized" and kind == "dequant" and qtype not in _FLOAT_TYPES
+                   and a.ndim == 2 and a.shape[-1] % GROUP == 0)
+        if requant:
+            bits = 4 if qtype.startswith(("Q2", "Q3", "Q4", "IQ", "TQ", "MXFP4", "NVFP4")) else 8
+            w, scales, biases = mx.quantize(a.astype(mx.float16), group_size=GROUP, bits=bits)
+            out[target], out[f"{prefix}.scales"], out[f"{prefix}.biases"] = w, scales, biases
+            layer_bits[prefix] = bits
+            continue
+        out[target] = a.astype(mx.float32 if weights == "float32" else mx.float16)
+    mx.eval(out)
+    if not layer_bits:
+        return out, None
+    common = max(set(layer_bits.values()), key=list(layer_bits.values()).count)
+    quantization = {"group_size": GROUP, "bits": common, "mode": "affine"}
+    for prefix, bits in sorted(layer_bits.items()):
+        if bits != common:
+            quantization[prefix] = {"group_size": GROUP, "bits": bits, "mode": "affine"}
+    return out, quantization
+
+
+def _tokenizer(meta: dict, path: Path):
+    """(tokenizer.json text, tokenizer_config dict, chat template or None) from GGUF metadata."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise UnsupportedGGUF(f"{path}: tokenizer model {kind!r} is not supported (only byte-level BPE, 'gpt2')")
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in PRE_TOKENIZERS:
+        raise UnsupportedGGUF(f"{path}: pre-tokenizer {pre!r} is not supported; supported: {', '.join(PRE_TOKENIZERS)}")
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre in ("smollm", "gpt-2", "default"))
+    if pre == "smollm":
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    elif pre in ("qwen2", "llama-bpe"):
+        regex = _QWEN2_REGEX if pre == "qwen2" else _LLAMA3_REGEX
+        split = pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False)
+        tok.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
+    else:
+        tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, ty in zip(tokens, types) if ty == _CONTROL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
+
+    def token(key):
+        i = meta.get(f"tokenizer.ggml.{key}_token_id")
+        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
+
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and token("bos") is not None
+    if add_bos:
+        bos_id = tokens.index(token("bos"))
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{token('bos')} $A", pair=f"{token('bos')} $A $B", special_tokens=[(token("bos"), bos_id)])
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "clean_up_tokenization_spaces": False,  # so decode(encode(x)) == x
+        "add_bos_token": add_bos,
+        "add_prefix_space": False,
+        "model_max_length": int(meta.get(f"{meta.get('general.architecture')}.context_length", 4096)),
+    }
+    for key, name in (("bos", "bos_token"), ("eos", "eos_token"), ("unknown", "unk_token"), ("padding", "pad_token")):
+        if token(key) is not None:
+            config[name] = token(key)
+    return tok.to_str(), config, meta.get("tokenizer.chat_template")
