@@ -46,7 +46,7 @@ class EchoBatcher(pykka.ThreadingActor):
 
 
 def echo(model_path, cache_dir, n, agents):
-    with Runtime(model=model_path, cache_dir=cache_dir) as rt:
+    with Runtime(model=model_path, cache_dir=cache_dir, warmup=False) as rt:
         rt.env.refs["@batcher"] = EchoBatcher.start(rt.spec.n_layers)
         refs = [rt.spawn(f"echo{i}") for i in range(agents)]
         lat = []
@@ -65,7 +65,7 @@ def echo(model_path, cache_dir, n, agents):
 
 
 def recovery(model_path, cache_dir, context, max_tokens):
-    with Runtime(model=model_path, cache_dir=cache_dir) as rt:
+    with Runtime(model=model_path, cache_dir=cache_dir, warmup=False) as rt:
         system = long_text(rt.tokenizer, context)
         t0 = time.perf_counter()
         a = rt.spawn("crashy", system=system)

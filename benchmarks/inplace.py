@@ -50,7 +50,7 @@ def main(argv=None) -> int:
         path = bench_model_folder(args.model, Path(tmp))
         _, tokenizer = mlx_lm.load(str(path))
         systems, messages = script(tokenizer, args.agents, args.rounds + 1, args.turn_tokens, args.system_tokens)
-        with Runtime(model=path, cache_dir=Path(tmp) / "agents") as rt:
+        with Runtime(model=path, cache_dir=Path(tmp) / "agents", warmup=False) as rt:
             agents = [rt.spawn(f"agent{a}", system=s) for a, s in enumerate(systems)]
             for t in range(args.rounds + 1):
                 if t == 1:  # the first round warms up every path

@@ -74,14 +74,14 @@ def reload_time(cache_dir, spec, agent) -> float:
 
 def bench_context(model_path, context, cache_dir, max_tokens):
     row = dict(context=context)
-    with Runtime(model=model_path, cache_dir=cache_dir, hot_budget=HOT_BUDGET) as rt:
+    with Runtime(model=model_path, cache_dir=cache_dir, hot_budget=HOT_BUDGET, warmup=False) as rt:
         system = long_text(rt.tokenizer, context, seed=context)
         agent = rt.spawn(f"ctx{context}", system=system)
         cold = agent.ask("Summarize the notes above in one line.", max_tokens=max_tokens, timeout=600)
         hot = agent.ask("And what comes next?", max_tokens=max_tokens, timeout=600)
         assert (cold.cache, hot.cache) == ("cold", "hot"), (cold.cache, hot.cache)
         spec = rt.spec
-    with Runtime(model=model_path, cache_dir=cache_dir, hot_budget=HOT_BUDGET) as rt:
+    with Runtime(model=model_path, cache_dir=cache_dir, hot_budget=HOT_BUDGET, warmup=False) as rt:
         warm = rt.spawn(f"ctx{context}").ask("One more thing?", max_tokens=max_tokens, timeout=600)
         assert warm.cache == "warm", warm.cache
     path = store.agent_dir(cache_dir, spec.fingerprint, f"ctx{context}") / store.CACHE_FILE

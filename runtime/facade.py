@@ -38,6 +38,7 @@ from actors.supervisor import RESTART_TYPES, STRATEGIES, Backoff, ChildSpec, Res
 from runtime import store
 from runtime.deadlines import Deadlines
 from runtime.model import load_model
+from runtime.qgemv import available as on_cuda
 
 log = logging.getLogger(__name__)
 DEFAULT_CACHE_DIR = "~/.cache/kvactors/agents"
@@ -489,8 +490,10 @@ class Runtime:
     strategy / max_restarts / restart_period / backoff: agent supervision.
     on_escalate(name, error): called when supervision gives up; the runtime then stops.
     warmup: serve synthetic turns at start (`Engine.warmup`, a progress line per stage on
-    stderr), so MLX's one-time, per-shape setup is paid before the first real turn. Worth
-    it on CUDA (tens of seconds once); it buys little elsewhere.
+    stderr), so MLX's one-time, per-shape setup is paid before the first real turn.
+    None (the default): on CUDA only, where a fresh process's first turn otherwise
+    spends tens of seconds compiling kernels (longer than a turn's default timeout on
+    an H100); it buys little elsewhere.
     """
 
     def __init__(self, model=None, cache_dir=None, kv_bits: int = 4, memory_budget: int | None = None, *,
@@ -498,7 +501,7 @@ class Runtime:
                  route: str | None = None, strategy: str = "one_for_one", max_restarts: int = 3,
                  restart_period: float = 5.0, backoff: Backoff = Backoff(min=0.01, max=1.0, reset=10.0),
                  retention_s: float | None = None, on_escalate=None, io_timeout: float = 60.0,
-                 warmup: bool = False):
+                 warmup: bool | None = None):
         _check_options(kv_bits, durability, strategy, max_restarts, restart_period, backoff)
         self._lock = self.services = self.supervisor = self.env = None
         self._closed = False
@@ -522,7 +525,7 @@ class Runtime:
                               lambda sup: PersistenceActor.start(self.cache_dir, self.spec, retention_s=retention_s, supervisor=sup))
             self._start_child(self.services, "@batcher",
                               lambda sup: BatcherActor.start(self.model, self.tokenizer, self.spec, supervisor=sup, **engine_options))
-            if warmup:
+            if warmup or (warmup is None and on_cuda()):
                 self.env.batcher().ask(Warmup(_print_progress), timeout=None)
         except BaseException:
             self.shutdown()
