@@ -23,7 +23,6 @@ import sys
 import time
 
 import mlx.core as mx
-import mlx.nn as nn
 
 from benchmarks.common import bench_parser, environment, write_results
 from runtime import prepare, qgemv

@@ -26,12 +26,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
-from runtime.model import ModelLoadError
+from runtime.model import ModelLoadError, new_model_folder
 
 __all__ = [
     "GGUFError",
@@ -158,10 +156,7 @@ def import_gguf(path: str | Path, out: str | Path, weights: str | None = None) -
 
     import mlx.core as mx
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        tmp.chmod(0o755)
+    with new_model_folder(out) as tmp:
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         mx.save_safetensors(str(tmp / "model.safetensors"), mlx_weights, {"format": "mlx"})
         (tmp / "tokenizer.json").write_text(tokenizer_json)
@@ -170,15 +165,6 @@ def import_gguf(path: str | Path, out: str | Path, weights: str | None = None) -
             (tmp / "chat_template.jinja").write_text(template)
         marker = {"source": str(path), "name": meta.get("general.name"), "weights": weights}
         (tmp / COMPLETE_MARKER).write_text(json.dumps(marker))
-        try:
-            os.rename(tmp, out)
-        except OSError as e:
-            if out.exists():
-                raise FileExistsError(f"{out} already exists") from e
-            raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

@@ -8,10 +8,13 @@ fingerprint that every stored cache is tagged with.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -193,6 +196,29 @@ def load_model(model: str | Path | None = None, kv_bits: int = 4, kv_group_size:
     spec = ModelCacheSpec.from_model(net, path, kv_bits=kv_bits, kv_group_size=kv_group_size)
     prepare_model(net)
     return net, tokenizer, spec
+
+
+@contextlib.contextmanager
+def new_model_folder(out: Path):
+    """A temporary folder beside `out` to write a model folder into, renamed to `out` if the block succeeds.
+
+    Readers never see a half-written folder; the temporary folder is removed either way.
+    Raises FileExistsError if `out` appeared meanwhile (another process built it).
+    """
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        tmp.chmod(0o755)  # mkdtemp makes it 0700
+        yield tmp
+        try:
+            os.rename(tmp, out)
+        except OSError as e:
+            if out.exists():
+                raise FileExistsError(f"{out} already exists") from e
+            raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def fingerprint(path: str | Path) -> str:

@@ -43,7 +43,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import QuantizedKVCache, _BaseCache, create_attention_mask
 
-from runtime import attention, q4sdpa
+from runtime import attention
 
 ROUTES = ("quantized", "dequant", "dequant_once", "q4kernel")
 STEP = 256

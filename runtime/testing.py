@@ -207,20 +207,10 @@ def make_tiny_model(
     path = Path(path)
     if path.exists():
         raise FileExistsError(f"{path} already exists")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    try:
-        tmp.chmod(0o755)  # mkdtemp makes it 0700
+    from runtime.model import new_model_folder
+
+    with new_model_folder(path) as tmp:
         _write_model(tmp, arch, seed, dtype, overrides)
-        try:
-            os.rename(tmp, path)
-        except OSError as e:
-            if path.exists():
-                raise FileExistsError(f"{path} already exists") from e
-            raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 

@@ -2,8 +2,6 @@
 
 import logging
 
-import pytest
-
 from runtime import chat, store
 from runtime.testing import CHAT_TEMPLATE
 

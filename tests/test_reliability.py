@@ -325,7 +325,7 @@ def test_random_options_never_reach_an_actor_invalid_nor_crash_one_valid(edge_rt
     if valid(options):
         assert ref.ask("Hello.", **options).agent == "prop"
     else:
-        real, delivered = edge_rt._deliver, []
+        delivered = []
         edge_rt._deliver = lambda *a: delivered.append(a)
         try:
             with pytest.raises((TypeError, ValueError)):
