@@ -473,8 +473,16 @@ def route_for(spec, route: str | None = None) -> str:
 
     The "quantized" route cannot serve attention sinks: asking for it on such a
     model raises Q4CacheError; where it is the default, such models get "dequant_once".
+    Where "q4kernel" is the default but its kernel cannot serve the model's decode
+    (KV bits other than 4, head dims other than 64 or 128, sinks), the model gets
+    "dequant_once" instead of dequantizing the whole cache every step.
     """
     chosen = check_route(route) if route else default_route()
+    if chosen == "q4kernel" and route is None and (
+        spec.kv_bits != 4 or spec.has_sinks or spec.k_head_dim != spec.v_head_dim
+        or spec.k_head_dim not in (64, 128)
+    ):
+        return "dequant_once"
     if chosen == "quantized" and spec.has_sinks:
         if route is None:
             return "dequant_once"  # the default here, but sinks need the fused kernel
