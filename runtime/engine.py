@@ -23,6 +23,7 @@ from typing import Callable
 import mlx.core as mx
 
 from runtime.detok import AnchoredDetokenizer
+from runtime.qgemv import available as on_cuda
 from runtime.q4cache import (
     cache_tokens,
     extend_cache,
@@ -161,7 +162,7 @@ def default_query_bucket() -> int:
     shape once. The padding tokens are computed and then trimmed from the cache
     exactly. Elsewhere shapes cost nothing and padding would only add work.
     """
-    return 64 if mx.default_device() == mx.gpu and mx.cuda.is_available() else 1
+    return 64 if on_cuda() else 1
 
 
 def prefill_chunk_size(context: int, largest: int = 2048) -> int:

@@ -44,6 +44,7 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import QuantizedKVCache, _BaseCache, create_attention_mask
 
 from runtime import attention
+from runtime.qgemv import available as on_cuda
 
 ROUTES = ("quantized", "dequant", "dequant_once", "q4kernel")
 STEP = 256
@@ -67,7 +68,7 @@ def default_route() -> str:
     route = os.environ.get("KVACTORS_Q4_ROUTE")
     if route:
         return check_route(route)
-    if mx.default_device() == mx.gpu and mx.cuda.is_available():
+    if on_cuda():
         return "q4kernel"
     return "quantized"
 
@@ -76,7 +77,7 @@ def check_route(route: str) -> str:
     """Return `route` if it is one of ROUTES and runs here ("q4kernel": CUDA only), else raise Q4CacheError."""
     if route not in ROUTES:
         raise Q4CacheError(f"unknown Q4 attention route {route!r}; choose one of {ROUTES}")
-    if route == "q4kernel" and not (mx.default_device() == mx.gpu and mx.cuda.is_available()):
+    if route == "q4kernel" and not on_cuda():
         raise Q4CacheError("the q4kernel route runs on CUDA GPUs only; use 'quantized' or 'dequant_once' here")
     return route
 

@@ -11,6 +11,7 @@ import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from runtime.model import ModelCacheSpec
+from runtime.qgemv import available as on_cuda
 from runtime.q4cache import (
     ROUTES,
     SLIDING_SLACK,
@@ -197,7 +198,7 @@ def test_default_route_on_this_machine_serves_every_arch(models, arch):
     assert not mx.isnan(logits).any().item()
 
 
-CUDA = mx.default_device() == mx.gpu and mx.cuda.is_available()
+CUDA = on_cuda()
 
 
 @pytest.mark.parametrize("route", [r for r in ROUTES if CUDA or r != "q4kernel"])
