@@ -26,7 +26,8 @@ import mlx.core as mx
 
 from benchmarks.common import bench_parser, environment, write_results
 from runtime import prepare, qgemv
-from runtime.q4cache import merge_caches, extract_cache
+from benchmarks.profile import prefilled
+from runtime.q4cache import merge_caches
 
 COLUMNS = ["part", "variant", "shape", "rows", "value", "unit", "note"]
 BATCHES = (1, 2, 4, 5, 8, 16)
@@ -110,16 +111,6 @@ def attention_rows(add):
             value=_us(lambda: mx.fast.scaled_dot_product_attention(qs, kd_, vd_, scale=D ** -0.5), 20), unit="us")
 
 
-def prefilled(model, spec, n_tokens, seed):
-    mx.random.seed(seed)
-    tokens = mx.random.randint(3, model.args.vocab_size, (n_tokens,))
-    cache = merge_caches(spec, [None], "dequant")
-    for start in range(0, n_tokens, 2048):
-        model(tokens[start : start + 2048][None], cache=cache)
-        mx.eval([c.state for c in cache])
-    return extract_cache(cache, 0)
-
-
 def row_logits(model, spec, caches, tokens, route):
     batch = merge_caches(spec, caches, route)
     out = model(mx.array(tokens)[:, None], cache=batch)[:, -1].astype(mx.float32)
@@ -193,9 +184,9 @@ def main(argv=None) -> int:
         path = bench_model_folder(args.model, Path(tmp))
         model, _ = mlx_lm.load(str(path))
         spec = ModelCacheSpec.from_model(model, path)
-    base = prefilled(model, spec, args.context, seed=1)
-    same = [base] + [prefilled(model, spec, args.context, seed=10 + i) for i in range(3)]
-    unequal = [base] + [prefilled(model, spec, args.context + 40 * i, seed=20 + i) for i in range(1, 4)]
+    base = prefilled(model, spec, "dequant", args.context, seed=1)
+    same = [base] + [prefilled(model, spec, "dequant", args.context, seed=10 + i) for i in range(3)]
+    unequal = [base] + [prefilled(model, spec, "dequant", args.context + 40 * i, seed=20 + i) for i in range(1, 4)]
     invariance_rows(add, model, spec, "as loaded", same, unequal, "dequant_once")
     step_rows(add, model, spec, "as loaded", [base], "dequant_once")
     prepare.prepare_model(model)

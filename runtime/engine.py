@@ -324,9 +324,9 @@ class Engine:
         row = self.prefilling[0]
         t0 = time.perf_counter()
         try:
-            n = prefill_chunk_size(row.cache[0].size(), self.max_prefill_chunk)
-            chunk, row.pending = row.pending[:n], row.pending[n:]
             context = row.cache[0].size()
+            n = prefill_chunk_size(context, self.max_prefill_chunk)
+            chunk, row.pending = row.pending[:n], row.pending[n:]
             pad = -len(chunk) % self.query_bucket  # see default_query_bucket
             logits = self.model(mx.array(chunk + chunk[-1:] * pad)[None], cache=row.cache)
             for layer in row.cache:

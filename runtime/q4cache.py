@@ -8,7 +8,7 @@ to a common length. Quantization groups run along head_dim, so every token row
 is quantized on its own: merging, slicing and padding packed rows is exact and
 nothing is ever dequantized and requantized.
 
-Attention (`runtime.attention`) has three routes, chosen per backend by measurement
+Attention (`runtime.attention`) has four routes, chosen per backend by measurement
 (`benchmarks/q4_attention.py`) and overridable (`route=` or the environment
 variable KVACTORS_Q4_ROUTE):
 
