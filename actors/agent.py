@@ -482,7 +482,7 @@ class AgentActor(SupervisedActor):
         if msg.get("reply_to_agent"):  # the reply goes to the sender once this turn is durable: see _complete
             item.forward = (msg["reply_to_agent"], encode_message(result.text, sender=self.name,
                                                                   conversation_id=msg.get("conversation_id")))
-        self._persist(item.records, store.cache_to_host(result.cache), meta, p["reuse"])
+        self._persist(item.records, store.on_device(result.cache), meta, p["reuse"])
 
     def _cache_meta(self, p, result, seq) -> store.CacheMeta:
         """What the returned cache holds: kept tokens + fed tokens + generated tokens but the last.
@@ -529,8 +529,8 @@ class AgentActor(SupervisedActor):
             timeout=self.env.io_timeout)
         self.records += records
 
-    def _persist(self, records, host=None, meta=None, reuse=None):
-        persistence.submit(self.env.persistence(), self.name, records[-1]["seq"], host, meta, records,
+    def _persist(self, records, cache=None, meta=None, reuse=None):
+        persistence.submit(self.env.persistence(), self.name, records[-1]["seq"], cache, meta, records,
                            reply_to=self.actor_ref, reuse=reuse)
         if self.env.durability == "memory":
             self._complete(self.current)

@@ -1,12 +1,16 @@
 """PersistenceActor: makes agents' caches and journals durable, off the GPU thread.
 
-Agents hand it a `Write` (agent, seq, cache as host tensors + metadata, journal
-records) with `submit`; it appends the records to the agent's journal, writes the
-cache atomically (only the new rows, as a delta file, when the write says which
-cached tokens it reused: see `store.next_segment`), and then acknowledges: the
+Agents hand it a `Write` (agent, seq, cache + metadata, journal records) with
+`submit`; it appends the records to the agent's journal, writes the cache
+atomically (only the new rows, as a delta file, when the write says which cached
+tokens it reused: see `store.next_segment`), and then acknowledges: the
 future returned by `submit` gets an `Ack`, and `reply_to` (an actor, which must not
 block on futures) is told the same `Ack`. An ack means durable: files and folder
 entries fsynced.
+
+A cache handed over on the device (`store.on_device`) is copied to the host here,
+and only the rows the file needs: the agent's thread copies nothing, and the copy
+overlaps the engine's next work.
 
 Writes queue up while the actor is busy and are written in batches, agents in
 parallel (file I/O through aiofiles on an asyncio loop the actor runs on its own
@@ -52,7 +56,8 @@ _fsync_dir = aiofiles.os.wrap(store.fsync_dir)
 class Write:
     """A request to persist `agent`'s state at turn `seq`.
 
-    `host`/`meta`: the cache after that turn (both or neither; `meta.seq == seq`).
+    `cache`/`meta`: the cache after that turn, a `store.HostCache` or `store.DeviceCache`
+    (both or neither; `meta.seq == seq`).
     `records`: journal records with seq <= `seq` (e.g. the user and assistant turns).
     `reuse`: (seq, kept) when the cache's first `kept` tokens are those of the cache of
     turn `seq`, bit for bit; then only the rows after them may be written (a delta).
@@ -60,7 +65,7 @@ class Write:
 
     agent: str
     seq: int
-    host: store.HostCache | None = None
+    cache: store.HostCache | store.DeviceCache | None = None
     meta: store.CacheMeta | None = None
     records: tuple = ()
     reply_to: Any = None
@@ -81,7 +86,7 @@ class Ack:
     error: BaseException | None = None
 
 
-def submit(ref, agent: str, seq: int, host=None, meta=None, records=(), reply_to=None, reuse=None) -> pykka.Future:
+def submit(ref, agent: str, seq: int, cache=None, meta=None, records=(), reply_to=None, reuse=None) -> pykka.Future:
     """Queue a write on the PersistenceActor `ref`; return a future that gets its `Ack`.
 
     The future raises the write's error instead, if it failed. Raises InvalidAgentId or
@@ -89,18 +94,18 @@ def submit(ref, agent: str, seq: int, host=None, meta=None, records=(), reply_to
     """
     store.check_agent_id(agent)
     records = tuple(records)
-    if (host is None) != (meta is None):
-        raise ValueError("give the cache's host tensors and metadata together")
+    if (cache is None) != (meta is None):
+        raise ValueError("give the cache and its metadata together")
     if meta is not None:
         if meta.seq != seq:
             raise ValueError(f"cache metadata has seq {meta.seq}, the write seq {seq}")
-        store.check_cache(host, meta)
+        store.check_cache(cache, meta)
     for r in records:
         store.check_record(r)
         if r["seq"] > seq:
             raise ValueError(f"journal record seq {r['seq']} is past the write seq {seq}")
     future = pykka.ThreadingFuture()
-    ref.tell(Write(agent, seq, host, meta, records, reply_to, future, reuse))
+    ref.tell(Write(agent, seq, cache, meta, records, reply_to, future, reuse))
     return future
 
 
@@ -185,7 +190,7 @@ class PersistenceActor(SupervisedActor):
     def _queue(self, write: Write) -> None:
         self._pending.setdefault(write.agent, []).append(write)
         self._pending_count += 1
-        self._pending_bytes += write.host.nbytes if write.host is not None else 0
+        self._pending_bytes += write.cache.nbytes if write.cache is not None else 0
 
     def _flush(self) -> None:
         if not self._pending:
@@ -218,7 +223,7 @@ class PersistenceActor(SupervisedActor):
                 self._forget(agent)  # the next write reopens the journal (and repairs it if the cut-back failed)
                 raise
             self._journal_seq[agent], self._journal_end[agent] = last, end
-        newest = max((w for w in writes if w.host is not None), key=lambda w: w.seq, default=None)
+        newest = max((w for w in writes if w.cache is not None), key=lambda w: w.seq, default=None)
         on_disk = self._cache_seq[agent]
         if newest is not None and (on_disk is None or newest.seq > on_disk):
             await self._write_cache(agent, folder, newest)
@@ -227,10 +232,10 @@ class PersistenceActor(SupervisedActor):
     async def _write_cache(self, agent: str, folder, write: Write) -> None:
         """Write `write`'s cache; a failure (a full disk) is logged, not raised: the journal already holds the turn."""
         last = self._segment.pop(agent, None)  # unknown until this write is durable
-        name, data, segment = store.next_segment(write.host, write.meta, self.spec.fingerprint, last, write.reuse)
         try:
+            name, data, segment = store.next_segment(write.cache, write.meta, self.spec.fingerprint, last, write.reuse)
             await _write_atomic(folder / name, data)
-        except OSError as e:
+        except Exception as e:  # a full disk, or copying the cache off the device failed
             log.warning("agent %s: writing the cache of seq %d failed (%s); the turn is durable in the journal "
                         "and the cache on disk stays at seq %s", agent, write.seq, e, self._cache_seq[agent])
             return

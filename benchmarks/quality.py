@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     ap = bench_parser(__doc__)
     ap.set_defaults(model=None)
     ap.add_argument("--text", type=Path, default=TEXT, help="English text for perplexity (default: %(default)s)")
-    ap.add_argument("--tokens", type=int, default=1024, help="tokens of --text to score (default: %(default)s)")
+    ap.add_argument("--tokens", type=int, default=4096, help="tokens of --text to score (default: %(default)s)")
     ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="chat prompts for greedy agreement")
     ap.add_argument("--new", type=int, default=12, help="greedy tokens per prompt (default: %(default)s)")
     ap.add_argument("--parts", default="ppl,agreement", help="ppl, agreement or both (default: %(default)s)")

@@ -187,6 +187,20 @@ class HostCache:
         """Bytes of all tensors."""
         return sum(a.nbytes for a in self.tensors.values())
 
+    def rows(self, start: int = 0) -> HostCache:
+        """The positions from `start` on (numpy views): per layer its last min(n_tokens - start, length) rows."""
+        if not start:
+            return self
+        if not 0 < start < self.n_tokens:
+            raise ValueError(f"cannot take rows from position {start} of {self.n_tokens} cached tokens")
+        rows = [min(self.n_tokens - start, self.length(i)) for i in range(self.n_layers)]
+        tensors = {}
+        for i, n in enumerate(rows):
+            stored = self.length(i)
+            for name in _layer_names(i):
+                tensors[name] = self.tensors[name][..., stored - n:, :]
+        return replace(self, tensors=tensors, lengths=tuple(rows))
+
 
 @dataclass(frozen=True)
 class CacheMeta:
@@ -214,35 +228,30 @@ def _layer_names(layer: int) -> list[str]:
     return [_name(layer, kind, part) for kind in ("keys", "values") for part in _PARTS]
 
 
-def cache_to_host(cache) -> HostCache:
+def cache_to_host(cache, start: int = 0) -> HostCache:
     """Copy a per-layer list of evaluated `QuantizedKVCache` to a `HostCache`.
 
-    Reads only evaluated arrays (building one `view` per bfloat16 array on the calling
-    thread, evaluated there), so any thread may call it. Tokens beyond `offset` are
-    dropped. Raises ValueError for layers that disagree in bits, group, length or dtype.
+    Copies the positions from `start` on (0: all): per layer the last
+    min(n_tokens - start, stored) rows, so the result is the delta `next_segment`
+    writes. Reads only evaluated arrays (building one `view` per bfloat16 array on the
+    calling thread, evaluated there), so any thread may call it. Tokens beyond `offset`
+    are dropped. Raises ValueError for layers that disagree in bits, group, length or
+    dtype, or a `start` outside [0, n_tokens).
     """
     import mlx.core as mx
 
-    from runtime.q4cache import stored_tokens
-
-    first = cache[0]
-    bits, group_size = first.bits, first.group_size
-    n_tokens = 0 if first.keys is None else first.offset
+    n_tokens, bits, group_size, stored = _layers(cache)
+    if start and not 0 < start < n_tokens:
+        raise ValueError(f"cannot copy from position {start} of {n_tokens} cached tokens")
     tensors, dtype, lengths = {}, "float32", []
-    for i, layer in enumerate(cache):
-        if (layer.bits, layer.group_size) != (bits, group_size):
-            raise ValueError(f"layer {i} has bits/group {layer.bits}/{layer.group_size}, layer 0 {bits}/{group_size}")
-        tokens = 0 if layer.keys is None else layer.offset
-        if tokens != n_tokens:
-            raise ValueError(f"layer {i} holds {tokens} tokens, layer 0 holds {n_tokens}")
-        if n_tokens == 0:
-            continue
-        stored = stored_tokens(layer)
-        lengths.append(stored)
+    for i, layer in enumerate(cache if n_tokens else ()):
+        rows = min(n_tokens - start, stored[i])
+        lengths.append(rows)
         for kind, packed in (("keys", layer.keys), ("values", layer.values)):
             dtype = str(packed[1].dtype).removeprefix("mlx.core.")
             for part, x in zip(_PARTS, packed):
-                x = x[..., :stored, :] if x.shape[-2] != stored else x
+                if (stored[i] - rows, stored[i]) != (0, x.shape[-2]):
+                    x = x[..., stored[i] - rows: stored[i], :]
                 if x.dtype == mx.bfloat16:
                     x = x.view(mx.uint16)
                 tensors[_name(i, kind, part)] = np.array(x, copy=True)
@@ -250,6 +259,69 @@ def cache_to_host(cache) -> HostCache:
     host = HostCache(tensors, dtype, bits, group_size, len(cache), n_tokens, lengths)
     _check_host(host)
     return host
+
+
+def _layers(cache) -> tuple[int, int, int, list[int]]:
+    """(n_tokens, bits, group_size, rows stored per layer) of a per-layer `QuantizedKVCache` list.
+
+    Raises ValueError when layers disagree in bits, group or length.
+    """
+    from runtime.q4cache import stored_tokens
+
+    first = cache[0]
+    bits, group_size = first.bits, first.group_size
+    n_tokens = 0 if first.keys is None else first.offset
+    stored = []
+    for i, layer in enumerate(cache):
+        if (layer.bits, layer.group_size) != (bits, group_size):
+            raise ValueError(f"layer {i} has bits/group {layer.bits}/{layer.group_size}, layer 0 {bits}/{group_size}")
+        tokens = 0 if layer.keys is None else layer.offset
+        if tokens != n_tokens:
+            raise ValueError(f"layer {i} holds {tokens} tokens, layer 0 holds {n_tokens}")
+        stored.append(stored_tokens(layer) if n_tokens else 0)
+    return n_tokens, bits, group_size, stored
+
+
+@dataclass(frozen=True)
+class DeviceCache:
+    """An evaluated per-layer `QuantizedKVCache` list kept on the device until it is written.
+
+    It answers what `next_segment` asks (`n_tokens`, `n_layers`, `length(i)`,
+    `nbytes`) without copying, and `rows(start)` copies only the positions from
+    `start` on: a turn that continued the cache on disk moves just its new rows to
+    the host, on the writer's thread. Make one with `on_device`; the arrays are
+    MLX arrays, which never change.
+    """
+
+    layers: tuple
+    n_tokens: int
+    lengths: tuple
+    nbytes: int
+
+    @property
+    def n_layers(self) -> int:
+        """Number of layers."""
+        return len(self.layers)
+
+    def length(self, layer: int) -> int:
+        """Tokens stored for `layer`: its last `length` positions of `n_tokens`."""
+        return self.lengths[layer] if self.lengths else self.n_tokens
+
+    def rows(self, start: int = 0) -> HostCache:
+        """The positions from `start` on, copied to a `HostCache` (see `cache_to_host`)."""
+        return cache_to_host(self.layers, start)
+
+
+def on_device(cache) -> DeviceCache:
+    """Wrap an evaluated per-layer `QuantizedKVCache` list for the persistence actor (no copy).
+
+    Raises ValueError when its layers disagree in bits, group or length.
+    """
+    n_tokens, _, _, stored = _layers(cache)
+    nbytes = sum(x.nbytes * n // max(x.shape[-2], 1) for layer, n in zip(cache, stored) if n
+                 for x in (*layer.keys, *layer.values))
+    lengths = () if all(n == n_tokens for n in stored) else tuple(stored)
+    return DeviceCache(tuple(cache), n_tokens, lengths, nbytes)
 
 
 def host_to_cache(host: HostCache) -> list:
@@ -325,10 +397,14 @@ def trim_cache(cache, keep: int) -> list:
     return out
 
 
-def check_cache(host: HostCache, meta: CacheMeta) -> None:
-    """Raise ValueError unless `host` is consistent and `meta` describes its tokens."""
-    _check_host(host)
-    _check_meta(meta, host.n_tokens)
+def check_cache(cache: HostCache | DeviceCache, meta: CacheMeta) -> None:
+    """Raise ValueError unless `cache` is consistent and `meta` describes its tokens.
+
+    A `DeviceCache` was checked when `on_device` made it; a `HostCache` is checked here.
+    """
+    if isinstance(cache, HostCache):
+        _check_host(cache)
+    _check_meta(meta, cache.n_tokens)
 
 
 def _check_host(host: HostCache) -> None:
@@ -1084,53 +1160,49 @@ class Segment:
     delta_bytes: int
 
 
-def next_segment(host: HostCache, meta: CacheMeta, fingerprint: str, last: Segment | None,
+def next_segment(cache: HostCache | DeviceCache, meta: CacheMeta, fingerprint: str, last: Segment | None,
                  reuse: tuple[int, int] | None) -> tuple[str, bytes, Segment]:
-    """What to write for the cache `host`/`meta`: (file name, file bytes, the Segment it becomes).
+    """What to write for the cache `cache`/`meta`: (file name, file bytes, the Segment it becomes).
 
-    `reuse` = (seq, kept) says that the first `kept` tokens of `host` are, bit for bit,
+    `reuse` = (seq, kept) says that the first `kept` tokens of `cache` are, bit for bit,
     those of the cache of turn `seq`. When that cache is `last` (the newest file on
     disk), fewer than MAX_DELTAS deltas follow its full file, and the deltas together
     stay smaller than it, the answer is the next delta file: only the rows after
-    `kept` (the first `kept` token ids must also match `last`'s). Else it is a full
-    cache file (CACHE_FILE), which makes any delta files stale: remove them once it
-    is durable (`remove_deltas`).
+    `kept` (the first `kept` token ids must also match `last`'s), and only those rows
+    are copied from a `DeviceCache`. Else it is a full cache file (CACHE_FILE), which
+    makes any delta files stale: remove them once it is durable (`remove_deltas`).
     """
-    lengths = tuple(host.length(i) for i in range(host.n_layers))
+    lengths = tuple(cache.length(i) for i in range(cache.n_layers))
     ids = tuple(meta.token_ids)
     if last is not None and reuse is not None and reuse[0] == last.seq and last.deltas < MAX_DELTAS \
-            and ids[: reuse[1]] == last.token_ids[: reuse[1]]:
-        delta = _delta_rows(host, reuse[1], last)
-        if delta is not None and last.delta_bytes + delta.nbytes < last.base_bytes:
+            and ids[: reuse[1]] == last.token_ids[: reuse[1]] and _delta_fits(cache, reuse[1], last):
+        delta = cache.rows(reuse[1])
+        if last.delta_bytes + delta.nbytes < last.base_bytes:
             link = {"parent": last.checksum, "start": reuse[1], "lengths": list(lengths)}
             data, checksum = _encode(delta, meta, fingerprint, link)
             k = last.deltas + 1
             seg = Segment(meta.seq, checksum, lengths, ids, k, last.base_bytes, last.delta_bytes + len(data))
             return DELTA_FILE.format(k), data, seg
-    data, checksum = _encode(host, meta, fingerprint)
+    data, checksum = _encode(cache.rows(0), meta, fingerprint)
     return CACHE_FILE, data, Segment(meta.seq, checksum, lengths, ids, 0, len(data), 0)
 
 
-def _delta_rows(host: HostCache, start: int, last: Segment) -> HostCache | None:
-    """The rows of `host` for positions from `start` on, as a delta after `last`; None if impossible.
+def _delta_fits(cache: HostCache | DeviceCache, start: int, last: Segment) -> bool:
+    """Whether the rows of `cache` from position `start` on, applied after `last`, rebuild it.
 
     Per layer a delta carries min(new tokens, stored length) rows; when that is fewer
     than the layer stores, the rest must still be in `last` before `start`.
     """
-    n, last_n = host.n_tokens, len(last.token_ids)
-    if not 0 <= start < n or start > last_n or len(last.lengths) != host.n_layers:
-        return None
-    tensors, rows = {}, []
-    for i in range(host.n_layers):
-        stored = host.length(i)
+    n, last_n = cache.n_tokens, len(last.token_ids)
+    if not 0 <= start < n or start > last_n or len(last.lengths) != cache.n_layers:
+        return False
+    for i in range(cache.n_layers):
+        stored = cache.length(i)
         new = min(n - start, stored)
         kept = last.lengths[i] - (last_n - start)  # rows of `last` before `start`
         if new < stored and kept < stored - new:
-            return None
-        rows.append(new)
-        for name in _layer_names(i):
-            tensors[name] = host.tensors[name][..., stored - new:, :]
-    return replace(host, tensors=tensors, lengths=tuple(rows))
+            return False
+    return True
 
 
 class _Chain:

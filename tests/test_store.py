@@ -1,6 +1,7 @@
 """runtime.store: bit-exact round trips, every corruption kind with its error and fallback,
 journal torn tails, agent ids, permissions, retention, inspect, the hot tier."""
 
+import dataclasses
 import errno
 import json
 import os
@@ -673,3 +674,44 @@ def test_a_malformed_delta_ends_the_chain(tmp_path):
     raw_file = serialize(spec_bad, {**header, "meta": meta_json, "checksum": store._checksum(meta_json, tensors, dtypes)})
     store.write_atomic(tmp_path / SPEC.fingerprint / "a" / name, raw_file)
     assert_loads_as(tmp_path, first, meta_for(200, 1))
+
+
+def grow_device(cache, new, seed):
+    """`cache` (per-layer QuantizedKVCache list) with `new` more random rows, as a new evaluated list."""
+    more = q4_cache(new, dtype=cache[0].keys[1].dtype, seed=seed)
+    out = []
+    for old, extra in zip(cache, more):
+        c = type(old)(group_size=old.group_size, bits=old.bits)
+        c.keys = tuple(mx.concatenate([a, b], axis=2) for a, b in zip(old.keys, extra.keys))
+        c.values = tuple(mx.concatenate([a, b], axis=2) for a, b in zip(old.values, extra.values))
+        c.offset = old.offset + new
+        mx.eval(c.keys, c.values)
+        out.append(c)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_a_device_cache_writes_the_same_files_copying_only_the_new_rows(tmp_path, dtype, monkeypatch):
+    first = q4_cache(300, dtype=dtype)
+    second = grow_device(first, 25, seed=3)
+    dev = store.on_device(second)
+    host = store.cache_to_host(second)
+    assert (dev.n_tokens, dev.n_layers, dev.nbytes) == (host.n_tokens, host.n_layers, host.nbytes)
+    for start in (0, 1, 299, 300, 324):
+        a, b = dev.rows(start), host.rows(start)
+        assert a.lengths == b.lengths and a.n_tokens == b.n_tokens == 325
+        assert {k: v.tobytes() for k, v in a.tensors.items()} == {k: v.tobytes() for k, v in b.tensors.items()}
+    with pytest.raises(ValueError):
+        dev.rows(325)
+    _, _, last = write_segment(tmp_path, store.on_device(first), meta_for(300, 1), None, None)
+    copied, meta = [], dataclasses.replace(meta_for(325, 2), created=1.0)
+    real = store.cache_to_host
+    monkeypatch.setattr(store, "cache_to_host", lambda cache, start=0: copied.append(start) or real(cache, start))
+    from_device = store.next_segment(dev, meta, SPEC.fingerprint, last, (1, 300))
+    monkeypatch.setattr(store, "cache_to_host", real)
+    from_host = store.next_segment(host, meta, SPEC.fingerprint, last, (1, 300))
+    assert from_device[0] == store.DELTA_FILE.format(1) and copied == [300]  # only the 25 new rows left the device
+    assert from_device[2] == from_host[2]  # the checksum covers the meta and every tensor's bytes
+    (got, got_meta), (want, want_meta) = store.decode_cache(from_device[1]), store.decode_cache(from_host[1])
+    assert got_meta == want_meta and got.lengths == want.lengths == (25, 25)
+    assert {k: v.tobytes() for k, v in got.tensors.items()} == {k: v.tobytes() for k, v in want.tensors.items()}
