@@ -8,6 +8,7 @@ Scenarios (each writes JSON, a markdown table and, where it has curves, a PNG):
   persistence  save / load time against size and the disk's read bandwidth
   actors     actor round trips, crash-to-answer time, warm vs cold after a restart
   profile    where a turn's time goes: merge, hot prefill per shape, decode per batch size
+  anatomy    one decode step's primitives by type, and its host time: build, launch, wait
   serve      `kvactors serve` under 16 clients x 8 turns over HTTP, against `mlx_lm server`
   quality    perplexity and greedy agreement of 8- and 4-bit KV caches on a real model (SmolLM2-135M)
   invariance batched against solo greedy output on a real model, prompt by prompt
@@ -32,6 +33,7 @@ SCENARIOS = {
     "persistence": ("benchmarks.persistence", {}),
     "actors": ("benchmarks.actors", {}),
     "profile": ("benchmarks.profile", {}),
+    "anatomy": ("benchmarks.anatomy", {}),
     "serve": ("benchmarks.serve", {"llama-8b-shape": ["--system-words", "1500", "--turn-words", "150", "--new", "64"]}),
     "quality": ("benchmarks.quality", {}),  # always a real model: it maps the random-weight presets to the default
     "invariance": ("benchmarks.batch_invariance", {}),  # likewise

@@ -27,14 +27,14 @@ from runtime import qgemv
 
 
 def _quantized_matmul(module, x):
-    """`x @ module's dequantized weight.T` with x flattened to 2-D; the kernel for small M on CUDA."""
+    """`x @ module's dequantized weight.T`: the kernel for small M on CUDA (any leading shape),
+    else MLX's quantized matmul on x flattened to 2-D."""
     shape = x.shape
-    x = x.reshape(-1, shape[-1])
-    if module._kvactors_gemv and x.shape[0] <= qgemv.MAX_ROWS:
-        y = qgemv.qgemv(x, module["weight"], module["scales"], module["biases"], module.group_size)
-    else:
-        y = mx.quantized_matmul(x, module["weight"], scales=module["scales"], biases=module.get("biases"),
-                                transpose=True, group_size=module.group_size, bits=module.bits, mode=module.mode)
+    if module._kvactors_gemv and x.size <= qgemv.MAX_ROWS * shape[-1]:
+        return qgemv.qgemv(x, module["weight"], module["scales"], module["biases"], module.group_size)
+    y = mx.quantized_matmul(x.reshape(-1, shape[-1]), module["weight"], scales=module["scales"],
+                            biases=module.get("biases"), transpose=True, group_size=module.group_size,
+                            bits=module.bits, mode=module.mode)
     return y.reshape(*shape[:-1], y.shape[-1])
 
 

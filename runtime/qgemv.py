@@ -26,18 +26,33 @@ from __future__ import annotations
 import mlx.core as mx
 
 MAX_ROWS = 16  # rows one call serves; larger inputs (prefill) take MLX's GEMM
-WARPS = 8  # warps per block
+WARPS = 4  # warps per block (see `columns`)
+
+
+def bucket(rows: int) -> int:
+    """The kernel's row capacity for `rows` rows: the next power of two (1 to MAX_ROWS).
+
+    Registers are sized for the capacity, so a small batch does not pay for sixteen
+    rows. A row's sum does not depend on it (the loop over rows only stops earlier)."""
+    return 1 << max(0, rows - 1).bit_length()
 
 
 def columns(rows: int) -> int:
-    """Output columns per warp for `rows` rows: 1 for 1-2 rows (more warps in flight), else 4
-    (each load of x serves 4 columns). Per-row sums are the same either way: a column's
-    reduction order does not depend on how many columns a warp holds."""
-    return 1 if rows <= 2 else 4
+    """Output columns per warp for `rows` rows: 4, so each load of x serves 4 columns.
+
+    Measured on an H100 (`python -m benchmarks.qgemv_tune`, 8B shape): with 4 warps per
+    block, 4 columns was the fastest or within noise of it at every row count on the
+    large matrices. Per-row sums do not depend on it: a column's reduction order is
+    the same however many columns a warp holds."""
+    return 4
+
 
 _SOURCE = r"""
-    const int M = x_shape[0];
-    const int K = x_shape[1];
+    const int K = x_shape[x_ndim - 1];
+    int M = 1;
+    for (int i = 0; i < x_ndim - 1; ++i) {
+        M *= x_shape[i];
+    }
     const int N = w_shape[0];
     const int words_per_row = K / 8;
     const int groups_per_row = K / G;
@@ -119,7 +134,7 @@ _SOURCE = r"""
 """
 
 _kernel = None
-_launch = {}  # (dtype, group_size, n, columns) -> launch parameters: built once, looked up per call
+_launch = {}  # (dtype, group_size, n, columns, bucket) -> launch parameters: built once, looked up per call
 
 
 def available() -> bool:
@@ -133,10 +148,12 @@ def supports_weights(bits: int, group_size: int, mode: str, has_biases: bool) ->
 
 
 def qgemv(x, w, scales, biases, group_size: int):
-    """`x @ dequantize(w, scales, biases).T` for x of shape (M, K), M <= MAX_ROWS, on CUDA.
+    """`x @ dequantize(w, scales, biases).T` for x of shape (..., K) with at most MAX_ROWS rows, on CUDA.
 
-    Returns (M, N) in x's dtype. Each row's result is bitwise independent of the
-    other rows (see the module docstring). K must be a multiple of group_size.
+    Returns (..., N) in x's dtype: the leading dimensions stay as they are, so a
+    decode step's (B, 1, K) needs no reshape. Each row's result is bitwise
+    independent of the other rows (see the module docstring). K must be a
+    multiple of group_size.
     """
     global _kernel
     if _kernel is None:
@@ -147,14 +164,15 @@ def qgemv(x, w, scales, biases, group_size: int):
             source=_SOURCE,
             ensure_row_contiguous=True,
         )
-    n, cols = w.shape[0], columns(x.shape[0])
-    key = (x.dtype, group_size, n, cols)
+    rows = x.size // x.shape[-1]
+    n, cols = w.shape[0], columns(rows)
+    key = (x.dtype, group_size, n, cols, bucket(rows))
     launch = _launch.get(key)
     if launch is None:
         warps = -(-n // cols)
         threads = -(-warps // WARPS) * WARPS * 32
-        template = [("T", x.dtype), ("G", group_size), ("COLS", cols), ("MAXM", MAX_ROWS)]
+        template = [("T", x.dtype), ("G", group_size), ("COLS", cols), ("MAXM", bucket(rows))]
         launch = _launch[key] = (template, (threads, 1, 1), (WARPS * 32, 1, 1), [x.dtype])
     template, grid, threadgroup, dtypes = launch
     return _kernel(inputs=[x, w, scales, biases], template=template, grid=grid, threadgroup=threadgroup,
-                   output_shapes=[(x.shape[0], n)], output_dtypes=dtypes)[0]
+                   output_shapes=[(*x.shape[:-1], n)], output_dtypes=dtypes)[0]

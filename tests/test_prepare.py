@@ -4,6 +4,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
 
+from runtime import qgemv
 from runtime.prepare import FlatQuantizedLinear, prepare_model
 
 
@@ -12,7 +13,8 @@ def test_flattened_linears_give_the_same_logits(tiny_model_path):
     nn.quantize(model, group_size=32, bits=4)
     tokens = mx.array([[5, 9, 13], [7, 2, 11]])
     before = model(tokens)
-    assert prepare_model(model) == 0  # off CUDA nothing changes unless forced
+    if not qgemv.available():
+        assert prepare_model(model) == 0  # off CUDA nothing changes unless forced
     changed = prepare_model(model, force=True, gemv=False)
     assert changed > 0 and isinstance(model.layers[0].self_attn.q_proj, FlatQuantizedLinear)
     assert prepare_model(model, force=True, gemv=False) == changed  # idempotent

@@ -1,0 +1,144 @@
+"""Anatomy of one decode step: how many primitives it has, and what each costs the host.
+
+A decode step on the GPU is host-bound when building and launching its graph
+takes longer than running it. This benchmark says where the host time goes:
+
+- census: the primitives of one engine decode step (model + sampling + cache
+  update), counted by type from MLX's graph (`mx.export_to_dot`), at batch 1 and 8;
+- split: per step, milliseconds to build the graph in Python, to launch it
+  (`mx.async_eval`: MLX walks the graph and encodes every kernel), and to wait for
+  the device; median of 20 steps after 4, rows of equal length at --context;
+- per-op: host microseconds per primitive for chains of one op type (a reshape, an
+  elementwise add, a slice, a quantized matmul of one row), built and launched.
+
+    python -m benchmarks.anatomy --model llama-8b-shape      # GPU
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from benchmarks.common import bench_parser, environment, load_bench_model, write_results
+from benchmarks.profile import prefilled
+from runtime.q4cache import merge_caches, route_for
+
+COLUMNS = ["part", "what", "batch", "value", "unit", "note"]
+_LABEL = re.compile(r'label ="([^"]+)", shape=rectangle')
+
+
+def census(*outputs) -> collections.Counter:
+    """Primitives in the (unevaluated) graph of `outputs`, by type."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "graph.dot"
+        mx.export_to_dot(str(path), *outputs)
+        return collections.Counter(_LABEL.findall(path.read_text()))
+
+
+def step(model, batch, tokens):
+    """One engine-style decode step: the sampled tokens and the cache state, lazy."""
+    logits = model(tokens, cache=batch)
+    return mx.argmax(logits[:, -1, :], axis=-1), [c.state for c in batch]
+
+
+def split(model, spec, cache, route, b, steps=24):
+    """Median (build, launch, wait) milliseconds of decode steps at batch `b`."""
+    batch = merge_caches(spec, [cache] * b, route)
+    tokens = mx.zeros((b, 1), dtype=mx.int32)
+    parts = []
+    for i in range(steps):
+        mx.synchronize()
+        t0 = time.perf_counter()
+        picks, state = step(model, batch, tokens)
+        t1 = time.perf_counter()
+        mx.async_eval(picks, state)
+        t2 = time.perf_counter()
+        mx.eval(picks)
+        mx.synchronize()
+        t3 = time.perf_counter()
+        tokens = picks[:, None]
+        if i >= 4:
+            parts.append((t1 - t0, t2 - t1, t3 - t2))
+    return [statistics.median(p[k] for p in parts) * 1e3 for k in range(3)]
+
+
+def op_cost(make, n=400, reps=5):
+    """Host microseconds per op (build, launch) for a chain of `n` ops `make(y) -> y`."""
+    x = mx.ones((8, 4096), dtype=mx.bfloat16)
+    mx.eval(x)
+    best = None
+    for _ in range(reps):
+        y = x
+        t0 = time.perf_counter()
+        for _ in range(n):
+            y = make(y)
+        t1 = time.perf_counter()
+        mx.async_eval(y)
+        t2 = time.perf_counter()
+        mx.eval(y)
+        mx.synchronize()
+        cost = ((t1 - t0) / n * 1e6, (t2 - t1) / n * 1e6)
+        best = cost if best is None or sum(cost) < sum(best) else best
+    return best
+
+
+def op_rows(add):
+    w, s, b = mx.quantize(mx.random.normal((4096, 4096)).astype(mx.bfloat16), 64, 4)
+    one = mx.array(1.0, dtype=mx.bfloat16)
+    mx.eval(w, s, b, one)
+    kinds = {
+        "reshape (no copy)": lambda y: y.reshape(-1, 4096) if y.ndim == 3 else y.reshape(8, 1, 4096),
+        "add (elementwise)": lambda y: y + one,
+        "slice (view)": lambda y: y[:, 1:],
+        "quantized matmul, 8 rows": lambda y: mx.quantized_matmul(y, w, s, b, transpose=True, group_size=64, bits=4),
+    }
+    for name, make in kinds.items():
+        build, launch = op_cost(make)
+        add(part="per op", what=name, batch=8, value=round(build + launch, 2), unit="us",
+            note=f"build {build:.2f} us + launch {launch:.2f} us")
+
+
+def main(argv=None) -> int:
+    ap = bench_parser(__doc__)
+    ap.add_argument("--context", type=int, default=1024, help="tokens in each row's cache (default: %(default)s)")
+    ap.add_argument("--batches", default="1,8", help="batch sizes (default: %(default)s)")
+    args = ap.parse_args(argv)
+    env = environment()
+    print(env, flush=True)
+    model, _, spec = load_bench_model(args.model)
+    route = route_for(spec, None)
+    cache = prefilled(model, spec, "dequant", args.context, seed=1)
+    rows = []
+
+    def add(**row):
+        rows.append(row)
+        print(row, flush=True)
+
+    for b in [int(x) for x in args.batches.split(",")]:
+        batch = merge_caches(spec, [cache] * b, route)
+        mx.eval([c.state for c in batch])
+        counts = census(*step(model, batch, mx.zeros((b, 1), dtype=mx.int32)))
+        top = ", ".join(f"{k} {v}" for k, v in counts.most_common(12))
+        add(part="census", what="primitives per step", batch=b, value=sum(counts.values()), unit="count", note=top)
+        build, launch, wait = split(model, spec, cache, route, b)
+        add(part="split", what="build graph (Python)", batch=b, value=round(build, 2), unit="ms")
+        add(part="split", what="launch (async_eval)", batch=b, value=round(launch, 2), unit="ms")
+        add(part="split", what="wait for the device", batch=b, value=round(wait, 2), unit="ms")
+        add(part="split", what="per primitive, build + launch", batch=b,
+            value=round((build + launch) * 1e3 / sum(counts.values()), 2), unit="us")
+    op_rows(add)
+    name = args.name or f"anatomy-{args.model}"
+    write_results(name, env, rows, COLUMNS, args.out,
+                  notes=f"route {route}, context {args.context}; split: median of 20 steps after 4, device "
+                        "synchronized around each step.")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

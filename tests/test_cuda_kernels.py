@@ -1,0 +1,119 @@
+"""The CUDA kernels (runtime.qgemv, runtime.q4sdpa) against float32 references, and their
+batch invariance: a row's result is bitwise the same whatever else is in the batch.
+
+Skipped off CUDA (the kernels exist only there). On the GPU:
+    python -m pytest tests/test_cuda_kernels.py
+"""
+
+import math
+
+import mlx.core as mx
+import pytest
+
+from runtime import q4sdpa, qgemv
+
+pytestmark = pytest.mark.skipif(not qgemv.available(), reason="CUDA-only kernels")
+
+
+def weights(n, k, group, seed=0):
+    w = mx.random.normal((n, k), key=mx.random.key(seed)).astype(mx.bfloat16)
+    packed = mx.quantize(w, group_size=group, bits=4)
+    mx.eval(packed)
+    return packed
+
+
+def reference_gemv(x, packed, group):
+    w = mx.dequantize(*packed, group_size=group, bits=4).astype(mx.float32)
+    return x.astype(mx.float32) @ w.T
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("n,k", [(4096, 4096), (1000, 640), (96, 1536)])
+def test_qgemv_matches_float32_and_each_row_is_batch_invariant(n, k, group):
+    packed = weights(n, k, group)
+    x = mx.random.normal((qgemv.MAX_ROWS, k), key=mx.random.key(1)).astype(mx.bfloat16)
+    full = qgemv.qgemv(x, *packed, group)
+    ref = reference_gemv(x, packed, group)
+    err = (mx.abs(full.astype(mx.float32) - ref).max() / mx.abs(ref).max()).item()
+    assert err < 1e-2
+    for rows in range(1, qgemv.MAX_ROWS + 1):
+        part = qgemv.qgemv(x[:rows], *packed, group)
+        assert mx.array_equal(part, full[:rows]).item(), f"rows 0..{rows} changed with the batch"
+    as_3d = qgemv.qgemv(x[:8, None, :], *packed, group)  # a decode step's (B, 1, K): no reshape needed
+    assert as_3d.shape == (8, 1, n) and mx.array_equal(as_3d[:, 0], full[:8]).item()
+
+
+def packed_cache(b, hkv, w, d, seed):
+    k = mx.random.normal((b, hkv, w, d), key=mx.random.key(seed)).astype(mx.bfloat16)
+    v = mx.random.normal((b, hkv, w, d), key=mx.random.key(seed + 1)).astype(mx.bfloat16)
+    kq, vq = tuple(mx.quantize(k, 64, 4)), tuple(mx.quantize(v, 64, 4))
+    mx.eval(kq, vq)
+    return kq, vq
+
+
+def reference_attention(q, kq, vq, start, end, scale):
+    """float32 attention of row b over columns [start[b], end) of the dequantized cache."""
+    k = mx.dequantize(*kq, group_size=64, bits=4).astype(mx.float32)
+    v = mx.dequantize(*vq, group_size=64, bits=4).astype(mx.float32)
+    rep = q.shape[1] // k.shape[1]
+    k, v = mx.repeat(k, rep, axis=1), mx.repeat(v, rep, axis=1)
+    s = (q.astype(mx.float32) * scale) @ k.swapaxes(-1, -2)
+    cols = mx.arange(k.shape[2])
+    valid = (cols[None] >= start[:, None]) & (cols[None] < end)
+    s = mx.where(valid[:, None, None, :], s, -math.inf)
+    return mx.softmax(s, axis=-1) @ v
+
+
+def poison(packed, start, end):
+    """The same cache with every column outside [start[b], end) set to huge scales (NaN-free garbage)."""
+    cols = mx.arange(packed[0].shape[2])
+    outside = (cols[None] < start[:, None]) | (cols[None] >= end)
+    outside = outside[:, None, :, None]
+    words, scales, biases = packed
+    return (mx.where(outside, mx.array(0xFFFFFFFF, dtype=mx.uint32), words),
+            mx.where(outside, mx.array(3e4, dtype=scales.dtype), scales),
+            mx.where(outside, mx.array(-3e4, dtype=biases.dtype), biases))
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("hq,hkv", [(8, 8), (8, 2), (32, 4)])
+@pytest.mark.parametrize("end", [1, 255, 257, 1500])
+def test_q4_decode_attention_matches_float32_and_ignores_other_columns(d, hq, hkv, end):
+    b, width = 4, end + 40
+    kq, vq = packed_cache(b, hkv, width, d, seed=end)
+    start = mx.array([0, end // 3, end - 1, end // 2], dtype=mx.int32)  # ragged rows (left padding)
+    q = mx.random.normal((b, hq, 1, d), key=mx.random.key(7)).astype(mx.bfloat16)
+    scale = d ** -0.5
+    out = q4sdpa.q4_decode_sdpa(q, kq, vq, start, end, scale, 64)
+    ref = reference_attention(q, kq, vq, start, end, scale)
+    assert (mx.abs(out.astype(mx.float32) - ref).max()).item() < 2e-2
+    poisoned = q4sdpa.q4_decode_sdpa(q, poison(kq, start, end), poison(vq, start, end), start, end, scale, 64)
+    assert mx.array_equal(poisoned, out).item()  # padding and spare columns are never read
+
+
+def test_q4_decode_attention_of_a_row_is_the_same_in_any_batch():
+    hq, hkv, d, end = 32, 8, 128, 3000
+    kq, vq = packed_cache(8, hkv, end, d, seed=3)
+    q = mx.random.normal((8, hq, 1, d), key=mx.random.key(4)).astype(mx.bfloat16)
+    starts = mx.array([0, 100, 2999, 512, 7, 1024, 300, 2000], dtype=mx.int32)
+    full = q4sdpa.q4_decode_sdpa(q, kq, vq, starts, end, d ** -0.5, 64)
+    for b in (1, 2, 5):
+        part = q4sdpa.q4_decode_sdpa(q[:b], tuple(x[:b] for x in kq), tuple(x[:b] for x in vq), starts[:b], end,
+                                     d ** -0.5, 64)
+        assert mx.array_equal(part, full[:b]).item()
+    # the same row shifted right by left padding gives the same output bitwise
+    shift = 256 + 13
+    kq2 = tuple(mx.concatenate([mx.zeros((1, hkv, shift, x.shape[-1]), x.dtype), x[:1]], axis=2) for x in kq)
+    vq2 = tuple(mx.concatenate([mx.zeros((1, hkv, shift, x.shape[-1]), x.dtype), x[:1]], axis=2) for x in vq)
+    shifted = q4sdpa.q4_decode_sdpa(q[:1], kq2, vq2, mx.array([shift], dtype=mx.int32), end + shift, d ** -0.5, 64)
+    assert mx.array_equal(shifted, full[:1]).item()
+
+
+def test_q4_decode_attention_at_64k_context():
+    hq, hkv, d, end = 32, 8, 128, 65536
+    kq, vq = packed_cache(1, hkv, end, d, seed=5)
+    q = mx.random.normal((1, hq, 1, d), key=mx.random.key(6)).astype(mx.bfloat16)
+    start = mx.array([0], dtype=mx.int32)
+    out = q4sdpa.q4_decode_sdpa(q, kq, vq, start, end, d ** -0.5, 64)
+    ref = reference_attention(q, kq, vq, start, end, d ** -0.5)
+    assert (mx.abs(out.astype(mx.float32) - ref).max()).item() < 2e-2
