@@ -1,6 +1,8 @@
 """Run the benchmark scenarios: `python -m benchmarks [SCENARIO ...] [--model M] [--out DIR]`.
 
-Scenarios (each writes JSON, a markdown table and, where it has curves, a PNG):
+Scenarios (each writes JSON, a markdown table and, where it has curves, a PNG, into a fresh
+folder `benchmark-runs/<date-time>` unless `--out` says where; the README's tables are in
+`benchmarks/results/cpu` and `benchmarks/results/h100`):
   ttft       cold / hot / warm time to first token at several contexts
   workload   5 agents x 8 turns: stateless re-prefill vs mlx-lm prompt cache vs kvactors
   batching   batched vs sequential agents, engine overhead, resident capacity Q4 vs fp16

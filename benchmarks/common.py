@@ -13,7 +13,9 @@ from pathlib import Path
 
 import mlx.core as mx
 
-RESULTS = Path(__file__).parent / "results"
+# Default output: a fresh folder per run, so the tables the README quotes (benchmarks/results/)
+# change only when a run is pointed there with --out.
+RESULTS = Path("benchmark-runs") / time.strftime("%Y%m%d-%H%M%S")
 
 # Llama-3.1-8B's shape (random weights): what the GPU figures are measured on.
 LLAMA_8B = dict(

@@ -23,8 +23,10 @@ from typing import Callable
 import mlx.core as mx
 
 from runtime.detok import AnchoredDetokenizer
+from runtime.prepare import last_logits
 from runtime.qgemv import available as on_cuda
 from runtime.q4cache import (
+    STEP,
     cache_tokens,
     extend_cache,
     extract_cache,
@@ -33,7 +35,7 @@ from runtime.q4cache import (
     route_for,
 )
 
-BLOCK = 256
+BLOCK = STEP  # the memory budget's unit is the cache buffers' growth step: a reserved block is a real one
 
 
 @dataclass(frozen=True)
@@ -328,15 +330,15 @@ class Engine:
             n = prefill_chunk_size(context, self.max_prefill_chunk)
             chunk, row.pending = row.pending[:n], row.pending[n:]
             pad = -len(chunk) % self.query_bucket  # see default_query_bucket
-            logits = self.model(mx.array(chunk + chunk[-1:] * pad)[None], cache=row.cache)
+            logits = last_logits(self.model, mx.array(chunk + chunk[-1:] * pad)[None], row.cache, len(chunk) - 1)
             for layer in row.cache:
                 layer.trim(pad)
-            if row.pending:
+            if row.pending:  # the logits stay unevaluated: MLX never computes them
                 mx.eval([c.state for c in row.cache])
                 row.prefill_s += self._chunk_done(t0, len(chunk), context)
                 _report_progress(row)
                 return []
-            picks = self._sample([row], logits[:, len(chunk) - 1, :])
+            picks = self._sample([row], logits)
             mx.eval(picks, [c.state for c in row.cache])
             token = picks.tolist()[0]
             row.prefill_s += self._chunk_done(t0, len(chunk), context)

@@ -123,13 +123,18 @@ class ModelCacheSpec:
         return self.n_layers * self.n_kv_heads * dims * per_element
 
 
+# The files of a model repository that loading needs (mlx-lm's own download takes the same).
+HUB_FILES = ["*.json", "model*.safetensors", "*.py", "tokenizer.model", "*.tiktoken", "tiktoken.model", "*.txt",
+             "*.jsonl", "*.jinja"]
+
+
 def resolve_model_path(model: str | Path | None) -> Path:
     """Return the local mlx-lm folder of `model`, building or converting it where needed.
 
     `model` is a model folder; a `.gguf` file (converted once into the model cache,
     see `runtime.gguf`); "tiny" (the tiny random-weight llama of `runtime.testing`,
-    unless a folder of that name exists); a Hugging Face id (downloaded by mlx-lm
-    if not cached, which needs network access); or None for the default: the
+    unless a folder of that name exists); a Hugging Face id (downloaded with
+    `huggingface_hub.snapshot_download` if not cached, which needs network access); or None for the default: the
     model named by $KVACTORS_MODEL if set, else the embedded SmolLM2-135M-Instruct
     (`default_model_file`). Raises ModelLoadError (DefaultModelMissing when the
     default's package is not installed; GGUFError for a GGUF that cannot be converted).
@@ -145,10 +150,12 @@ def resolve_model_path(model: str | Path | None) -> Path:
         from runtime.gguf import gguf_model_path
 
         return gguf_model_path(path)
-    from mlx_lm.utils import _download
+    if path.exists():
+        return path
+    from huggingface_hub import snapshot_download
 
     try:
-        return Path(_download(str(model)))
+        return Path(snapshot_download(str(model), allow_patterns=HUB_FILES))
     except Exception as e:  # hub errors come in many types
         raise ModelLoadError(
             f"cannot find model {model!r}: give a local model folder, a .gguf file or a Hugging Face id "

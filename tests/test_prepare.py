@@ -21,3 +21,20 @@ def test_flattened_linears_give_the_same_logits(tiny_model_path):
     assert mx.array_equal(model(tokens), before).item()
     assert mx.array_equal(model(tokens[:, :1]), before[:, :1]).item()
     assert "_kvactors_gemv" not in dict(model.layers[0].self_attn.q_proj)  # not a parameter
+
+
+def test_last_logits_are_the_models_logits_at_one_position(tiny_model_path):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from runtime.prepare import last_logits
+
+    for arch in ("llama", "qwen2", "gemma3_text"):
+        model, _ = mlx_lm.load(str(tiny_model_path(arch)))
+        tokens = mx.array([[5, 9, 13, 2, 7]])
+        want_cache, got_cache = make_prompt_cache(model), make_prompt_cache(model)
+        want = model(tokens, cache=want_cache)[:, 3, :]
+        got = last_logits(model, tokens, got_cache, 3)
+        assert got.shape == want.shape
+        assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item(), arch
+        for a, b in zip(want_cache, got_cache):  # the cache took every position either way
+            assert a.offset == b.offset == 5 and mx.array_equal(a.state[0], b.state[0]).item()
