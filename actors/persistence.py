@@ -177,6 +177,23 @@ class PersistenceActor(SupervisedActor):
             error.__cause__ = e
             return store.Loaded([], journal_error=error)
 
+    def stored(self, agent: str) -> store.StoredAgent | None:
+        """`agent`'s `store.StoredAgent` after flushing queued writes; None when it has no folder.
+
+        Never raises for a bad journal (`turns` is then None); a symlinked folder is
+        reported as unreadable too.
+        """
+        self._flush()
+        folder = store.agent_dir(self.cache_dir, self.spec.fingerprint, agent)
+        if not os.path.lexists(folder):
+            return None
+        return _summary(folder)
+
+    def stored_all(self) -> list[store.StoredAgent]:
+        """Every agent stored for this model (`store.StoredAgent`), sorted by name, after flushing queued writes."""
+        self._flush()
+        return [_summary(f) for f in store.agent_folders(self.cache_dir) if f.parent.name == self.spec.fingerprint]
+
     def delete(self, agent: str) -> bool:
         """Delete `agent`'s cache and journal (after its queued writes); return whether it existed."""
         self._flush()
@@ -301,6 +318,13 @@ class PersistenceActor(SupervisedActor):
         except store.CacheError as e:
             return store.Loaded(records, error=e, last_seq=last)
         return store.Loaded(records, host, meta, last_seq=last)
+
+
+def _summary(folder) -> store.StoredAgent:
+    try:
+        return store.stored_agent(folder)
+    except OSError:  # a symlinked folder (UnsafePath): nothing in it is read
+        return store.StoredAgent(folder.name, None, None, 0, False)
 
 
 def _ack(write: Write, result) -> None:

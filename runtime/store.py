@@ -928,6 +928,51 @@ def read_journal(cache_dir, spec, agent: str) -> list:
     return [] if data is None else scan_journal(data).records
 
 
+def current_conversation(records) -> list:
+    """The records of the current conversation: from the last system record on (all if none).
+
+    A system record starts a conversation; a reset writes a new one, so older
+    records stay in the journal but are no longer part of the history.
+    """
+    starts = [i for i, r in enumerate(records) if r["role"] == "system"]
+    return list(records[starts[-1]:] if starts else records)
+
+
+@dataclass(frozen=True)
+class StoredAgent:
+    """What an agent folder holds, in brief (see `stored_agent`).
+
+    `turns`: assistant replies in the current conversation (the history), None when the
+    journal cannot be read. `system`: the current conversation's system prompt, None
+    when it has no system record. `messages`: records in the current conversation
+    (system record included). `cache`: whether a cache file is on disk ("warm").
+    """
+
+    name: str
+    turns: int | None
+    system: str | None
+    messages: int
+    cache: bool
+
+
+def stored_agent(folder: Path) -> StoredAgent:
+    """The `StoredAgent` of agent folder `folder`; reads the journal, only checks the cache file exists.
+
+    Never raises for a bad journal (`turns` is then None: `kvactors inspect` says why);
+    raises UnsafePath for a symlinked folder.
+    """
+    refuse_links(folder)
+    cache = (folder / CACHE_FILE).is_file()
+    try:
+        data = read_journal_bytes(folder / JOURNAL_FILE)
+    except JournalError:
+        return StoredAgent(folder.name, None, None, 0, cache)
+    history = current_conversation([] if data is None else scan_journal(data).records)
+    system = history[0]["text"] if history and history[0]["role"] == "system" else None
+    turns = sum(r["role"] == "assistant" for r in history)
+    return StoredAgent(folder.name, turns, system, len(history), cache)
+
+
 def repair_journal(path: Path, scan: JournalScan) -> None:
     """Make the journal at `path` hold exactly the good frames of `scan`, keeping what it drops.
 

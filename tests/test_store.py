@@ -520,6 +520,20 @@ def test_inspect_names_the_model_recorded_beside_its_fingerprint(tmp_path):
     assert store.inspect_table(tmp_path).startswith(f"model {SPEC.fingerprint} (1 agents)")
 
 
+def test_stored_agent_summarizes_the_current_conversation(tmp_path):
+    records = [store.journal_record(1, "system", "old"), store.journal_record(2, "user", "a"),
+               store.journal_record(3, "assistant", "b"), store.journal_record(4, "system", "new"),
+               store.journal_record(5, "user", "c"), store.journal_record(6, "assistant", "d"),
+               store.journal_record(7, "user", "e")]
+    store.append_journal(tmp_path, SPEC, "ann", records)
+    folder = store.agent_dir(tmp_path, SPEC.fingerprint, "ann")
+    assert store.stored_agent(folder) == store.StoredAgent("ann", 1, "new", 4, False)
+    path, _ = saved(tmp_path, agent="bo")
+    assert store.stored_agent(path.parent) == store.StoredAgent("bo", 1, None, 2, True)
+    (folder / store.JOURNAL_FILE).unlink()
+    (folder / store.JOURNAL_FILE).mkdir()  # a journal that cannot be read: never raises, turns unknown
+    assert store.stored_agent(folder) == store.StoredAgent("ann", None, None, 0, False)
+
 
 # ---------------------------------------------------------------- hot tier
 
