@@ -201,14 +201,7 @@ def render_messages(system: str, records) -> list[dict]:
     return messages
 
 
-def current_conversation(records) -> list:
-    """The records of the current conversation: from the last system record on (all if none).
-
-    A system record starts a conversation; `Reset` writes a new one, so older
-    records stay in the journal but are no longer part of the history.
-    """
-    starts = [i for i, r in enumerate(records) if r["role"] == "system"]
-    return list(records[starts[-1]:] if starts else records)
+current_conversation = store.current_conversation  # the history: from the last system record on
 
 
 def render(tokenizer, system: str, records) -> str:
@@ -269,8 +262,8 @@ class AgentActor(SupervisedActor):
                 log.error("agent %s cannot record its system prompt: %s", self.name, e)
                 return
         elif system is not None:
-            if self.system and system != self.system:
-                log.warning("agent %s keeps its stored system prompt; the new one is ignored", self.name)
+            # The journal wins: `Runtime.spawn` refused a different prompt before this actor
+            # started, and after a restart the stored one is the latest (a reset may have set it).
             self.system = system
         if loaded.host is not None:
             self.env.hot.put(self.name, store.host_to_cache(loaded.host))

@@ -131,6 +131,7 @@ class PersistenceActor(SupervisedActor):
         self._cache_seq: dict[str, int | None] = {}  # agent -> seq of its cache on disk
         self._segment: dict[str, store.Segment] = {}  # agent -> newest cache file this actor wrote
         self._loop = None
+        self._model_recorded = False
 
     def on_start(self) -> None:
         self._loop = asyncio.new_event_loop()
@@ -175,6 +176,23 @@ class PersistenceActor(SupervisedActor):
             error = store.JournalError(f"cannot read the files of agent {agent!r}: {e}; fix them or move them aside")
             error.__cause__ = e
             return store.Loaded([], journal_error=error)
+
+    def stored(self, agent: str) -> store.StoredAgent | None:
+        """`agent`'s `store.StoredAgent` after flushing queued writes; None when it has no folder.
+
+        Never raises for a bad journal (`turns` is then None); a symlinked folder is
+        reported as unreadable too.
+        """
+        self._flush()
+        folder = store.agent_dir(self.cache_dir, self.spec.fingerprint, agent)
+        if not os.path.lexists(folder):
+            return None
+        return _summary(folder)
+
+    def stored_all(self) -> list[store.StoredAgent]:
+        """Every agent stored for this model (`store.StoredAgent`), sorted by name, after flushing queued writes."""
+        self._flush()
+        return [_summary(f) for f in store.agent_folders(self.cache_dir) if f.parent.name == self.spec.fingerprint]
 
     def delete(self, agent: str) -> bool:
         """Delete `agent`'s cache and journal (after its queued writes); return whether it existed."""
@@ -248,8 +266,13 @@ class PersistenceActor(SupervisedActor):
                 log.warning("agent %s: removing stale delta files failed: %s", agent, e)
 
     async def _open(self, agent: str, folder) -> store.JournalScan | None:
-        """First use of `agent` in this actor: folders, leftovers, journal repair, seqs on disk; says what was lost."""
+        """First use of `agent` in this actor: folders, leftovers, journal repair, seqs on disk; says what was lost.
+
+        The first also records which model the fingerprint folder belongs to (`store.record_model`).
+        """
         scan, end = await aiofiles.os.wrap(store.open_journal)(folder)
+        if not self._model_recorded:
+            await self._record_model(folder.parent)
         cache_seq = await aiofiles.os.wrap(store.cache_seq)(folder)
         last = -1 if scan is None else scan.last_seq
         if scan is not None and scan.damaged:
@@ -267,6 +290,14 @@ class PersistenceActor(SupervisedActor):
                       "new turns continue after seq %d", agent, cache_seq, last, cache_seq)
         self._journal_seq[agent], self._journal_end[agent], self._cache_seq[agent] = last, end, cache_seq
         return scan
+
+    async def _record_model(self, model_dir) -> None:
+        """Write `model.json` once per actor; a failure is only logged (it names the folder for people)."""
+        try:
+            await aiofiles.os.wrap(store.record_model)(model_dir, self.spec.model_id)
+            self._model_recorded = True
+        except OSError as e:
+            log.warning("recording the model id in %s failed: %s", model_dir, e)
 
     def _forget(self, agent: str) -> None:
         for state in (self._journal_seq, self._journal_end, self._cache_seq, self._segment):
@@ -287,6 +318,13 @@ class PersistenceActor(SupervisedActor):
         except store.CacheError as e:
             return store.Loaded(records, error=e, last_seq=last)
         return store.Loaded(records, host, meta, last_seq=last)
+
+
+def _summary(folder) -> store.StoredAgent:
+    try:
+        return store.stored_agent(folder)
+    except OSError:  # a symlinked folder (UnsafePath): nothing in it is read
+        return store.StoredAgent(folder.name, None, None, 0, False)
 
 
 def _ack(write: Write, result) -> None:

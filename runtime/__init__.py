@@ -4,7 +4,8 @@
 which the actors import) never imports the actors.
 """
 
-_FACADE = ("Runtime", "AgentRef", "ReplyFuture", "RuntimeEscalated", "RuntimeClosed", "DeadLetter")
+_FACADE = ("Runtime", "AgentRef", "ReplyFuture", "RuntimeEscalated", "RuntimeClosed", "DeadLetter",
+           "AgentInfo", "SystemPromptChanged")
 _AGENT = ("Reply", "AgentCrashed", "TurnTimeout", "TurnNotSaved", "UnknownAgent", "AgentError")
 _STORE = ("CacheDirInUse", "InvalidAgentId", "JournalError", "UnsafePath")
 _MODEL = ("ModelLoadError", "DefaultModelMissing")

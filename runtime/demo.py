@@ -44,8 +44,9 @@ def run_demo(model=None, cache_dir=None, max_tokens: int = 16, kv_bits: int = 8)
 
     def spawn(rt, t0):
         agents = [rt.spawn(name, system=role) for name, role in AGENTS.items()]
+        listed = ", ".join(f"{a.name} ({a.turns} turns, cache {a.cache})" for a in rt.agents())
         print(f"runtime up in {time.perf_counter() - t0:.2f}s: model {rt.spec.model_id}, "
-              f"agents {', '.join(rt.agents())}, caches in {cache_dir}")
+              f"agents {listed}, caches in {cache_dir}")
         return agents
 
     t0 = time.perf_counter()

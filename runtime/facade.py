@@ -75,6 +75,38 @@ class RuntimeClosed(RuntimeError):
     """The Runtime was shut down; start a new one to talk to its agents again."""
 
 
+class SystemPromptChanged(ValueError):
+    """`spawn` got a system prompt other than the one agent `agent` is stored with.
+
+    Never silently ignored: pass `reset=True` to start the agent afresh with the new
+    prompt (its history and cache are deleted), or pass no system prompt (or the stored
+    one, `stored`) to resume it.
+    """
+
+    def __init__(self, agent: str, stored: str, given: str):
+        super().__init__(
+            f"agent {agent!r} is stored with the system prompt {stored!r:.120}, not {given!r:.120}: pass reset=True "
+            f"to start it afresh with the new prompt (deleting its history), or no system prompt to resume it; to "
+            f"keep its history under a new prompt, resume it and call ref.reset(records, system=...)")
+        self.agent, self.stored, self.given = agent, stored, given
+
+
+@dataclass(frozen=True)
+class AgentInfo:
+    """One agent of `Runtime.agents()`: stored in `cache_dir` for this model, running, or both.
+
+    `turns`: assistant replies in its history as recorded in its journal (a turn still
+    in flight is not counted; None when the journal cannot be read: see `kvactors
+    inspect`). `cache`: "hot" (in memory), "warm" (a cache file on disk) or "none"
+    (its next turn prefills its whole history).
+    """
+
+    name: str
+    running: bool
+    turns: int | None
+    cache: str
+
+
 @dataclass
 class DeadLetter:
     """A message that could not be delivered: to whom, what, and why."""
@@ -533,12 +565,17 @@ class Runtime:
 
     # -- agents ------------------------------------------------------------------
 
-    def spawn(self, name: str, system: str = "", restart: str = "permanent") -> AgentRef:
+    def spawn(self, name: str, system: str = "", restart: str = "permanent", *, reset: bool = False,
+              timeout: float = 60.0) -> AgentRef:
         """Start agent `name` (resuming its history and cache from `cache_dir` if any); return its ref.
 
+        system: the system prompt. A stored agent keeps the one it is stored with: pass
+        none ("") or that same prompt to resume it; another raises SystemPromptChanged
+        (nothing starts) unless `reset`. reset: delete the agent's stored journal and
+        cache first (as `forget` does), so it starts with an empty history.
         restart: "permanent" (always restarted), "transient" (only after a crash) or
         "temporary" (never). Raises InvalidAgentId for a bad name, ValueError if an
-        agent of that name is running.
+        agent of that name is running (stop it first, or `forget` it).
         """
         self._check_running()
         store.check_agent_id(name)
@@ -548,10 +585,22 @@ class Runtime:
             raise ValueError(f"restart must be one of {', '.join(RESTART_TYPES)}; got {restart!r}")
         if name in self._names:
             raise ValueError(f"agent {name!r} is already running; use rt.agent({name!r})")
+        if reset:
+            self.env.persistence().proxy().delete(name).get(timeout=timeout)
+        elif system:
+            self._check_system(name, system, timeout)
         self._start_child(self.supervisor, name,
                           lambda sup: AgentActor.start(sup, self.env, name, system), restart)
         self._names.append(name)
         return AgentRef(self, name)
+
+    def _check_system(self, name: str, system: str, timeout: float) -> None:
+        """Raise SystemPromptChanged if stored agent `name` has a conversation under another system prompt."""
+        stored = self.env.persistence().proxy().stored(name).get(timeout=timeout)
+        if stored is None or stored.messages == 0:
+            return  # nothing stored, or an unreadable journal: the agent itself reports that
+        if (stored.system or "") != system:
+            raise SystemPromptChanged(name, stored.system or "", system)
 
     def agent(self, name: str) -> AgentRef:
         """The ref of running agent `name`; raises UnknownAgent otherwise."""
@@ -559,8 +608,25 @@ class Runtime:
             raise UnknownAgent(f"no running agent named {name!r}; running: {self._names}")
         return AgentRef(self, name)
 
-    def agents(self) -> list[str]:
-        """Names of the running agents, in spawn order."""
+    def agents(self, timeout: float = 60.0) -> list[AgentInfo]:
+        """Every agent stored in `cache_dir` for this model and every running one, sorted by name.
+
+        Each is an `AgentInfo(name, running, turns, cache)`. Reads each stored agent's
+        journal (after the queued writes land); `running()` is the cheap list of names.
+        Raises RuntimeClosed after `shutdown`.
+        """
+        self._check_running()
+        stored = {a.name: a for a in self.env.persistence().proxy().stored_all().get(timeout=timeout)}
+        running = set(self._names)
+        infos = []
+        for name in sorted(running | set(stored)):
+            a = stored.get(name)
+            cache = "hot" if name in self.env.hot else "warm" if a is not None and a.cache else "none"
+            infos.append(AgentInfo(name, name in running, 0 if a is None else a.turns, cache))
+        return infos
+
+    def running(self) -> list[str]:
+        """Names of the running agents, in spawn order (no disk access; see `agents` for the stored ones)."""
         return list(self._names)
 
     def forget(self, name: str, timeout: float = 60.0) -> bool:

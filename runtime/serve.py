@@ -46,7 +46,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from runtime import AgentCrashed, Reply, Runtime, RuntimeEscalated, TurnTimeout, UnknownAgent
+from runtime import AgentCrashed, Reply, Runtime, RuntimeEscalated, SystemPromptChanged, TurnTimeout, UnknownAgent
 from runtime.store import InvalidAgentId, check_agent_id
 
 log = logging.getLogger(__name__)
@@ -294,10 +294,14 @@ class Server:
         """The lock held while a request maps onto agent `name` and runs its turn."""
         return self._locks.setdefault(name, asyncio.Lock())
 
-    async def agent(self, name: str, system: str = ""):
-        """The running agent `name`, spawned (resumed from disk if stored) if needed; evicts idle ones beyond max_agents."""
+    async def agent(self, name: str, system: str = "", strict: bool = False):
+        """The running agent `name`, spawned (resumed from disk if stored) if needed; evicts idle ones beyond max_agents.
+
+        A stored agent with another system prompt resumes with its own (the request's
+        messages then reset it: see `plan_turn`), or with `strict` raises SystemPromptChanged.
+        """
         async with self._spawning:
-            if name in self.rt.agents():
+            if name in self.rt.running():
                 self._used[name] = None
                 self._used.move_to_end(name)
                 return self.rt.agent(name)
@@ -307,9 +311,14 @@ class Server:
                 if not self.lock(old).locked() and old != name:
                     self._used.pop(old)
                     self._locks.pop(old, None)
-                    if old in self.rt.agents():
+                    if old in self.rt.running():
                         await asyncio.to_thread(self.rt.agent(old).stop)  # its durable state stays
-            ref = await asyncio.to_thread(self.rt.spawn, name, system)
+            try:
+                ref = await asyncio.to_thread(self.rt.spawn, name, system)
+            except SystemPromptChanged:
+                if strict:
+                    raise
+                ref = await asyncio.to_thread(self.rt.spawn, name)
             self._used[name] = None
             return ref
 
@@ -395,6 +404,10 @@ def error_for(e: BaseException) -> ApiError:
         return e
     if isinstance(e, InvalidAgentId):
         return bad(str(e), "agent", "invalid_agent_id")
+    if isinstance(e, SystemPromptChanged):
+        return ApiError(409, f"agent {e.agent!r} exists with another system prompt; forget it first "
+                        "(DELETE /v1/agents/NAME) or create it without one to resume it", "system",
+                        "system_prompt_changed")
     if isinstance(e, UnknownAgent):
         return ApiError(404, str(e), None, "agent_not_found")
     if isinstance(e, TurnTimeout):
@@ -429,7 +442,7 @@ def routes(server: Server) -> list[Route]:
     rt = server.rt
 
     async def health(request):
-        return JSONResponse({"status": "ok", "model": server.model_id, "agents": len(rt.agents()),
+        return JSONResponse({"status": "ok", "model": server.model_id, "agents": len(rt.running()),
                              "turns_cancelled": server.cancelled})
 
     async def models(request):
@@ -478,7 +491,7 @@ def routes(server: Server) -> list[Route]:
                                  headers={"X-Agent-Id": name, "Cache-Control": "no-cache"})
 
     async def list_agents(request):
-        return JSONResponse({"object": "list", "data": [{"id": n, "object": "agent"} for n in rt.agents()]})
+        return JSONResponse({"object": "list", "data": [{"id": n, "object": "agent"} for n in rt.running()]})
 
     def agent_view(name, history):
         system = history[0]["text"] if history and history[0]["role"] == "system" else ""
@@ -498,13 +511,13 @@ def routes(server: Server) -> list[Route]:
         except InvalidAgentId as e:
             raise bad(str(e), "name", "invalid_agent_id") from None
         async with server.lock(name):
-            ref = await server.agent(name, system)
+            ref = await server.agent(name, system, strict=True)
             history = await asyncio.to_thread(ref.history)
         return JSONResponse(agent_view(name, history))
 
     async def history(request):
         name = _agent_name(request)
-        if name not in rt.agents() and not rt.stored(name):
+        if name not in rt.running() and not rt.stored(name):
             raise ApiError(404, f"no agent named {name!r}: create it with POST /v1/agents", "name", "agent_not_found")
         async with server.lock(name):
             ref = await server.agent(name)

@@ -5,6 +5,7 @@ Layout, one folder per (model fingerprint, agent id), folders 0700, files 0600::
     cache_dir/<fingerprint>/<agent>/cache.safetensors   Q4 cache of the used tokens + metadata
     cache_dir/<fingerprint>/<agent>/cache.<k>.delta.safetensors   rows added since (k = 1, 2, ...)
     cache_dir/<fingerprint>/<agent>/journal.msgpack     append-only record of every turn
+    cache_dir/<fingerprint>/model.json                  {"model_id": ...}: which model made the folder
 
 `cache.safetensors` is written with the `safetensors` package. Tensors, per layer i:
 `layers.<i>.{keys,values}.{packed,scales,biases}` of shape (1, kv_heads, tokens, ...):
@@ -80,6 +81,7 @@ CACHE_FILE = "cache.safetensors"
 DELTA_FILE = "cache.{}.delta.safetensors"  # k = 1, 2, ...: the rows turn after turn added
 MAX_DELTAS = 32
 JOURNAL_FILE = "journal.msgpack"
+MODEL_FILE = "model.json"  # in a fingerprint folder: the model id it was made by (for people: see inspect)
 JOURNAL_MAGIC = b"kvactors-journal-1\n"
 AGENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 MAX_HEADER = 100 << 20  # the safetensors package's own limit
@@ -926,6 +928,51 @@ def read_journal(cache_dir, spec, agent: str) -> list:
     return [] if data is None else scan_journal(data).records
 
 
+def current_conversation(records) -> list:
+    """The records of the current conversation: from the last system record on (all if none).
+
+    A system record starts a conversation; a reset writes a new one, so older
+    records stay in the journal but are no longer part of the history.
+    """
+    starts = [i for i, r in enumerate(records) if r["role"] == "system"]
+    return list(records[starts[-1]:] if starts else records)
+
+
+@dataclass(frozen=True)
+class StoredAgent:
+    """What an agent folder holds, in brief (see `stored_agent`).
+
+    `turns`: assistant replies in the current conversation (the history), None when the
+    journal cannot be read. `system`: the current conversation's system prompt, None
+    when it has no system record. `messages`: records in the current conversation
+    (system record included). `cache`: whether a cache file is on disk ("warm").
+    """
+
+    name: str
+    turns: int | None
+    system: str | None
+    messages: int
+    cache: bool
+
+
+def stored_agent(folder: Path) -> StoredAgent:
+    """The `StoredAgent` of agent folder `folder`; reads the journal, only checks the cache file exists.
+
+    Never raises for a bad journal (`turns` is then None: `kvactors inspect` says why);
+    raises UnsafePath for a symlinked folder.
+    """
+    refuse_links(folder)
+    cache = (folder / CACHE_FILE).is_file()
+    try:
+        data = read_journal_bytes(folder / JOURNAL_FILE)
+    except JournalError:
+        return StoredAgent(folder.name, None, None, 0, cache)
+    history = current_conversation([] if data is None else scan_journal(data).records)
+    system = history[0]["text"] if history and history[0]["role"] == "system" else None
+    turns = sum(r["role"] == "assistant" for r in history)
+    return StoredAgent(folder.name, turns, system, len(history), cache)
+
+
 def repair_journal(path: Path, scan: JournalScan) -> None:
     """Make the journal at `path` hold exactly the good frames of `scan`, keeping what it drops.
 
@@ -1317,6 +1364,38 @@ def delete(cache_dir, spec, agent: str) -> bool:
     return True
 
 
+def record_model(model_dir: Path, model_id: str) -> bool:
+    """Write `model_dir/model.json` ({"model_id": model_id}) atomically unless it is there; return whether written.
+
+    A fingerprint alone does not say which model made a folder: this file does, for
+    `inspect_table`. `model_dir` must exist. Raises UnsafePath if it is a symlink.
+    """
+    model_dir = Path(model_dir)
+    if model_dir.is_symlink():
+        raise UnsafePath(f"{model_dir} is a symlink inside the store; kvactors never follows one there: remove it")
+    path = model_dir / MODEL_FILE
+    if os.path.lexists(path):
+        return False
+    write_atomic(path, json.dumps({"model_id": str(model_id)}).encode())
+    return True
+
+
+def recorded_model(model_dir: Path) -> str | None:
+    """The model id in `model_dir/model.json`, or None when it is absent, a link or unreadable."""
+    try:
+        fd = os.open(Path(model_dir) / MODEL_FILE, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        with open(fd, "rb", closefd=False) as f:
+            model_id = json.loads(f.read(1 << 16)).get("model_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    finally:
+        os.close(fd)
+    return model_id if isinstance(model_id, str) and model_id else None
+
+
 def agent_folders(cache_dir) -> list[Path]:
     """Agent folders under `cache_dir` (`<fingerprint>/<agent>` holding a cache or journal), sorted.
 
@@ -1423,7 +1502,9 @@ def _table(rows: list[list[str]]) -> str:
 def inspect_table(cache_dir) -> str:
     """A text table per model folder of `cache_dir`: agent, tokens, bytes on disk, last turn, health.
 
-    Reads every file (checksums included); changes nothing.
+    Each table is titled `model <model id> (<fingerprint>)`, or just the fingerprint when
+    the folder has no `model.json` (made before kvactors recorded it). Reads every file
+    (checksums included); changes nothing.
     """
     root = Path(cache_dir).expanduser()
     if not root.is_dir():
@@ -1434,7 +1515,9 @@ def inspect_table(cache_dir) -> str:
     out = []
     for model, agents in models.items():
         rows = [["agent", "tokens", "on disk", "last turn", "health"]] + [_agent_row(a) for a in agents]
-        out.append(f"model {model} ({len(agents)} agents)\n{_table(rows)}")
+        name = recorded_model(root / model)
+        title = f"{name} ({model})" if name else model
+        out.append(f"model {title} ({len(agents)} agents)\n{_table(rows)}")
     return "\n\n".join(out) or f"{root}: no agents stored"
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -452,7 +453,7 @@ def test_a_stopped_agent_is_unknown_and_messages_to_it_are_dead_letters(rt):
     a = rt.spawn("gone-a", system="You are A.")
     a.ask("Hello.", max_tokens=4)
     a.stop()
-    assert "gone-a" not in rt.agents()
+    assert "gone-a" not in rt.running()
     assert "gone-a" not in live_agents(rt.env)
     n = len(rt.dead_letters)
     with pytest.raises(UnknownAgent):
@@ -579,7 +580,7 @@ def test_restart_types_of_agents(tmp_path):
         with pytest.raises(UnknownAgent):  # not restarted: gone, like a stopped agent
             temporary.ask("Two.", max_tokens=4)
         assert time.monotonic() - t0 < 5
-        assert rt.agents() == ["tr"] and [d.recipient for d in rt.dead_letters[n:]] == ["tmp"]
+        assert rt.running() == ["tr"] and [d.recipient for d in rt.dead_letters[n:]] == ["tmp"]
         again = rt.spawn("tmp", system="You are T.")  # its durable history is still there
         assert len(turn_ids(again.history())) == 2
 
@@ -789,7 +790,7 @@ class AgentsMachine(RuleBasedStateMachine):
         counts = live_agents(self.rt.env)
         assert all(n == 1 for n in counts.values()), counts
         assert set(counts) <= set(self.running)
-        assert sorted(self.rt.agents()) == sorted(self.running)
+        assert sorted(self.rt.running()) == sorted(self.running)
 
     def teardown(self):
         self.rt.shutdown()
@@ -864,3 +865,31 @@ def test_runtime_warmup_then_a_normal_turn(tmp_path, capsys):
     with Runtime(model=None, cache_dir=tmp_path, warmup=True, max_batch=2) as rt:
         assert "warming up" in capsys.readouterr().err
         assert rt.spawn("w").ask("hello after warming up", max_tokens=4).cache == "cold"
+
+
+def test_agents_lists_the_stored_and_the_running_ones_with_turns_and_cache(tmp_path):
+    from runtime import AgentInfo, RuntimeClosed
+
+    with Runtime(cache_dir=tmp_path) as rt:
+        alice = rt.spawn("alice", system="You are Alice.")
+        alice.ask("one", max_tokens=2)
+        alice.ask("two", max_tokens=2)
+        rt.spawn("bob").ask("hi", max_tokens=2)
+        rt.agent("bob").stop()
+        assert rt.agents() == [AgentInfo("alice", True, 2, "hot"), AgentInfo("bob", False, 1, "warm")]
+    with Runtime(cache_dir=tmp_path, hot_budget=0) as rt:  # a fresh Runtime over a populated folder
+        assert rt.agents() == [AgentInfo("alice", False, 2, "warm"), AgentInfo("bob", False, 1, "warm")]
+        rt.spawn("zed")  # running, nothing stored yet
+        assert rt.agents()[-1] == AgentInfo("zed", True, 0, "none")
+        rt.agent("zed").ask("hi", max_tokens=2)  # hot_budget=0: the cache goes straight to disk
+        assert rt.agents()[-1] == AgentInfo("zed", True, 1, "warm")
+        rt.forget("bob")
+        assert [a.name for a in rt.agents()] == ["alice", "zed"] and rt.running() == ["zed"]
+    with Runtime(cache_dir=tmp_path) as rt:
+        rt.spawn("alice").ask("three", max_tokens=2)
+        rt.spawn("zed", reset=True)
+        assert rt.agents() == [AgentInfo("alice", True, 3, "hot"), AgentInfo("zed", True, 0, "none")]
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            rt.agents()[0].turns = 0
+    with pytest.raises(RuntimeClosed):
+        rt.agents()

@@ -25,8 +25,10 @@ def test_help_lists_the_commands():
 def test_inspect_shows_stored_agents_and_their_health(tmp_path):
     with Runtime(cache_dir=tmp_path) as rt:
         rt.spawn("archivist").ask("remember this", max_tokens=3)
+        model_id, fingerprint = rt.spec.model_id, rt.spec.fingerprint
     out = kvactors("inspect", tmp_path)
     assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"model {model_id} ({fingerprint}) (1 agents)")  # the persistence actor recorded it
     row = next(line for line in out.stdout.splitlines() if line.startswith("archivist"))
     assert row.split()[-1] == "ok"
     cache_file = next(tmp_path.glob("*/archivist/cache.safetensors"))

@@ -320,7 +320,7 @@ OPTIONS = st.fixed_dictionaries({
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 @given(options=OPTIONS)
 def test_random_options_never_reach_an_actor_invalid_nor_crash_one_valid(edge_rt, options):
-    ref = edge_rt.agent("prop") if "prop" in edge_rt.agents() else edge_rt.spawn("prop", system="You are careful.")
+    ref = edge_rt.agent("prop") if "prop" in edge_rt.running() else edge_rt.spawn("prop", system="You are careful.")
     actor = edge_rt.env.refs.get("prop")
     if valid(options):
         assert ref.ask("Hello.", **options).agent == "prop"

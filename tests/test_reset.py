@@ -2,8 +2,8 @@
 
 import pytest
 
-from runtime import Runtime
-from runtime.store import InvalidAgentId
+from runtime import Runtime, SystemPromptChanged
+from runtime.store import JOURNAL_FILE, InvalidAgentId, read_journal
 
 
 def turns(history):
@@ -28,7 +28,9 @@ def test_reset_replaces_the_history_keeps_the_cache_and_survives_a_restart(tmp_p
         assert a.history()[0] == {**a.history()[0], "role": "system", "text": "a new persona"}
         assert turns(a.history()) == []
     with Runtime(cache_dir=tmp_path) as rt:
-        history = rt.spawn("resettable", system="ignored: the stored one wins").history()
+        with pytest.raises(SystemPromptChanged):
+            rt.spawn("resettable", system="not the stored one")
+        history = rt.spawn("resettable").history()  # no prompt: resume with the stored one
         assert history[0]["text"] == "a new persona" and turns(history) == []
 
 
@@ -86,3 +88,47 @@ def test_a_cancelled_turn_ends_at_its_next_token_and_is_stored(tmp_path):
         assert a.ask("next", max_tokens=2).cache == "hot"
         with pytest.raises(TypeError):
             a.send("x", cancel=True)
+
+
+def test_spawn_with_reset_deletes_the_stored_agent_and_starts_afresh(tmp_path):
+    with Runtime(cache_dir=tmp_path) as rt:
+        rt.spawn("phoenix", system="old self").ask("remember me", max_tokens=3)
+        with pytest.raises(ValueError, match="already running"):
+            rt.spawn("phoenix", reset=True)  # a running agent is never deleted under its actor
+    with Runtime(cache_dir=tmp_path) as rt:
+        folder = next(tmp_path.glob("*/phoenix"))
+        old_files = {p.name: p.stat().st_ino for p in folder.iterdir()}
+        assert "cache.safetensors" in old_files
+        a = rt.spawn("phoenix", system="new self", reset=True)
+        assert [(r["role"], r["text"]) for r in a.history()] == [("system", "new self")]
+        assert not (folder / "cache.safetensors").exists()
+        assert [r["text"] for r in read_journal(tmp_path, rt.spec, "phoenix")] == ["new self"]
+        assert (folder / JOURNAL_FILE).stat().st_ino != old_files[JOURNAL_FILE]  # a new file, not a cut-back one
+        r = a.ask("who are you?", max_tokens=3)
+        assert r.cache == "cold" and r.reused_tokens == 0
+        fresh = rt.spawn("newborn", reset=True)  # nothing stored: reset is harmless
+        assert fresh.history() == []
+
+
+def test_a_changed_system_prompt_is_refused_in_the_caller_unless_reset(tmp_path):
+    with Runtime(cache_dir=tmp_path) as rt:
+        rt.spawn("persona", system="You are Ann.").ask("hello", max_tokens=3)
+        rt.spawn("plain").ask("hello", max_tokens=3)  # stored without a system prompt
+    with Runtime(cache_dir=tmp_path) as rt:
+        with pytest.raises(SystemPromptChanged, match="reset=True") as caught:
+            rt.spawn("persona", system="You are Bob.")
+        assert isinstance(caught.value, ValueError)
+        assert (caught.value.agent, caught.value.stored, caught.value.given) == ("persona", "You are Ann.", "You are Bob.")
+        assert rt.running() == [] and rt.dead_letters == []  # nothing started, no actor crashed
+        # Giving a prompt to an agent stored without one would hide its history: refused too.
+        with pytest.raises(SystemPromptChanged):
+            rt.spawn("plain", system="You are new.")
+        same = rt.spawn("persona", system="You are Ann.")  # the stored prompt: resumes
+        assert same.history()[0]["text"] == "You are Ann." and len(turns(same.history())) == 2
+        same.stop()
+        resumed = rt.spawn("persona")
+        assert resumed.ask("again", max_tokens=3).cache == "warm"
+        resumed.stop()
+        renamed = rt.spawn("persona", system="You are Bob.", reset=True)
+        assert [(r["role"], r["text"]) for r in renamed.history()] == [("system", "You are Bob.")]
+        assert len(turns(rt.spawn("plain").history())) == 2

@@ -265,10 +265,33 @@ def test_idle_agents_beyond_max_agents_stop_and_resume_from_disk(tmp_path):
         for name in ("a1", "a2", "a3"):
             client.chat.completions.create(model="kvactors-tiny", messages=[{"role": "user", "content": "hi"}],
                                            max_tokens=2, extra_headers={"X-Agent-Id": name})
-        assert len(s.rt.agents()) == 2 and "a1" not in s.rt.agents()
+        assert len(s.rt.running()) == 2 and "a1" not in s.rt.running()
         back = client.chat.completions.create(model="kvactors-tiny", messages=[{"role": "user", "content": "again"}],
                                               max_tokens=2, extra_headers={"X-Agent-Id": "a1"})
         assert extra(back)["cache"] == "warm"
+    finally:
+        s.close()
+
+
+def test_a_stored_agent_with_another_system_prompt_is_reset_by_chat_and_refused_by_spawn(tmp_path):
+    s = Served(tmp_path)
+    s.server.max_agents = 1
+    try:
+        client = s.client()
+
+        def chat(name, system):
+            return client.chat.completions.create(
+                model="kvactors-tiny", max_tokens=2, extra_headers={"X-Agent-Id": name},
+                messages=[{"role": "system", "content": system}, {"role": "user", "content": "hi"}])
+
+        chat("p1", "You are P.")
+        chat("p2", "You are Q.")  # max_agents=1: p1 stops, its files stay
+        assert s.rt.running() == ["p2"]
+        chat("p1", "You are R.")  # resumed under its stored prompt, then reset to the request's
+        assert s.request("GET", "/v1/agents/p1")[1]["system"] == "You are R."
+        status, body, _ = s.request("POST", "/v1/agents", {"name": "p2", "system": "You are Z."})  # p2 stopped: stored
+        assert status == 409 and body["error"]["code"] == "system_prompt_changed", body
+        assert s.request("GET", "/v1/agents/p2")[1]["system"] == "You are Q."
     finally:
         s.close()
 

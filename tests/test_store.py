@@ -504,6 +504,37 @@ def test_inspect_table(tmp_path):
     assert "no such folder" in store.inspect_table(tmp_path / "nope")
 
 
+def test_inspect_names_the_model_recorded_beside_its_fingerprint(tmp_path):
+    saved(tmp_path, agent="alice")
+    model_dir = tmp_path / SPEC.fingerprint
+    assert store.recorded_model(model_dir) is None
+    assert store.inspect_table(tmp_path).startswith(f"model {SPEC.fingerprint} (1 agents)")  # older folders
+    assert store.record_model(model_dir, "org/Some-Model") is True
+    assert store.record_model(model_dir, "another") is False  # the first record stays
+    assert json.loads((model_dir / store.MODEL_FILE).read_text()) == {"model_id": "org/Some-Model"}
+    assert oct((model_dir / store.MODEL_FILE).stat().st_mode & 0o777) == "0o600"
+    assert store.inspect_table(tmp_path).startswith(f"model org/Some-Model ({SPEC.fingerprint}) (1 agents)")
+    assert [f.name for f in store.agent_folders(tmp_path)] == ["alice"]  # the file is no agent
+    (model_dir / store.MODEL_FILE).write_text("not json")
+    assert store.recorded_model(model_dir) is None
+    assert store.inspect_table(tmp_path).startswith(f"model {SPEC.fingerprint} (1 agents)")
+
+
+def test_stored_agent_summarizes_the_current_conversation(tmp_path):
+    records = [store.journal_record(1, "system", "old"), store.journal_record(2, "user", "a"),
+               store.journal_record(3, "assistant", "b"), store.journal_record(4, "system", "new"),
+               store.journal_record(5, "user", "c"), store.journal_record(6, "assistant", "d"),
+               store.journal_record(7, "user", "e")]
+    store.append_journal(tmp_path, SPEC, "ann", records)
+    folder = store.agent_dir(tmp_path, SPEC.fingerprint, "ann")
+    assert store.stored_agent(folder) == store.StoredAgent("ann", 1, "new", 4, False)
+    path, _ = saved(tmp_path, agent="bo")
+    assert store.stored_agent(path.parent) == store.StoredAgent("bo", 1, None, 2, True)
+    (folder / store.JOURNAL_FILE).unlink()
+    (folder / store.JOURNAL_FILE).mkdir()  # a journal that cannot be read: never raises, turns unknown
+    assert store.stored_agent(folder) == store.StoredAgent("ann", None, None, 0, False)
+
+
 # ---------------------------------------------------------------- hot tier
 
 
