@@ -70,6 +70,18 @@ class TurnNotSaved(AgentCrashed):
     """
 
 
+class TurnTooLong(AgentError):
+    """Turn `turn_id` needs more positions than the model has (history + message + max_tokens).
+
+    Nothing was recorded. Shorten the message, lower max_tokens, or start the agent
+    afresh (`ref.reset()` or `rt.spawn(name, reset=True)`).
+    """
+
+    def __init__(self, turn_id: str | None, message: str):
+        super().__init__(f"turn {turn_id}: {message}" if turn_id else message)
+        self.turn_id = turn_id
+
+
 class UnknownAgent(AgentError, KeyError):
     """No agent has that name (never spawned, or stopped); spawn it first."""
 
@@ -161,6 +173,7 @@ class _Item:
     pending: dict | None = None  # a turn in the batcher: what was rendered, kept and fed
     watchdog: int | None = None  # the turn's deadline handle (env.deadlines)
     forward: tuple | None = None  # a send_to turn: (sender, note payload) to deliver once durable
+    given_up: bool = False  # its caller was answered (an error): the engine drops the turn at its next step
 
 
 @dataclass(frozen=True)
@@ -299,6 +312,7 @@ class AgentActor(SupervisedActor):
 
     def _abandon(self, item: _Item, error: AgentError, why: str):
         """Fail a turn's caller with `error`; dead-letter a note (its send_to future gets its reply)."""
+        item.given_up = True
         self.env.deadlines.cancel(item.watchdog)
         if self.current is item:
             self.current = None
@@ -393,17 +407,27 @@ class AgentActor(SupervisedActor):
         reuse = None if cache is None else (self.meta.seq, len(keep_ids))  # lets the store write a delta
         item.pending = dict(user=user, rendered=rendered.text, label=label, keep_ids=keep_ids,
                             keep_ends=keep_ends, keep_text=keep_text, fed=tokens, reuse=reuse)
+        max_tokens = msg.get("max_tokens", 128)
+        need, limit = len(keep_ids) + len(tokens) + max_tokens, self.env.max_context
+        if limit is not None and need > limit:
+            self.seq = user["seq"] - 1  # the user record was never written
+            error = TurnTooLong(turn_id, f"it needs {need} positions ({len(keep_ids)} cached + {len(tokens)} new tokens "
+                                         f"+ max_tokens {max_tokens}) but the model has {limit}; shorten the message, "
+                                         "lower max_tokens, or start the agent afresh (ref.reset())")
+            self._abandon(item, error, str(error))
+            return
         turn = Turn(
             turn_id=turn_id,
             agent_id=self.name,
             cache=cache,
             tokens=tokens,
             sampling=Sampling(msg.get("temperature", 0.0), msg.get("top_p", 1.0), msg.get("seed", 0)),
-            max_tokens=msg.get("max_tokens", 128),
+            max_tokens=max_tokens,
             stop_strings=tuple(msg.get("stop", ())),
             on_token=item.on_token,
             on_progress=item.on_progress,
             cancel=item.cancel,
+            abandoned=lambda: item.given_up,
         )
         me = self.actor_ref
         env = self.env

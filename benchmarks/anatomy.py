@@ -9,7 +9,8 @@ takes longer than running it. This benchmark says where the host time goes:
   (`mx.async_eval`: MLX walks the graph and encodes every kernel), and to wait for
   the device; median of 20 steps after 4, rows of equal length at --context;
 - per-op: host microseconds per primitive for chains of one op type (a reshape, an
-  elementwise add, a slice, a quantized matmul of one row), built and launched.
+  elementwise add, a slice, MLX's quantized matmul and, on CUDA, our GEMV kernel, at 8 rows),
+  built and launched.
 
     python -m benchmarks.anatomy --model llama-8b-shape      # GPU
 """
@@ -27,6 +28,7 @@ import mlx.core as mx
 
 from benchmarks.common import bench_parser, environment, load_bench_model, write_results
 from benchmarks.profile import prefilled
+from runtime import qgemv
 from runtime.q4cache import merge_caches, route_for
 
 COLUMNS = ["part", "what", "batch", "value", "unit", "note"]
@@ -98,6 +100,8 @@ def op_rows(add):
         "slice (view)": lambda y: y[:, 1:],
         "quantized matmul, 8 rows": lambda y: mx.quantized_matmul(y, w, s, b, transpose=True, group_size=64, bits=4),
     }
+    if qgemv.available():  # a custom kernel's call builds its launch from Python arguments every time
+        kinds["our GEMV kernel, 8 rows"] = lambda y: qgemv.qgemv(y, w, s, b, 64)
     for name, make in kinds.items():
         build, launch = op_cost(make)
         add(part="per op", what=name, batch=8, value=round(build + launch, 2), unit="us",

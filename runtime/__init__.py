@@ -6,7 +6,7 @@ which the actors import) never imports the actors.
 
 _FACADE = ("Runtime", "AgentRef", "ReplyFuture", "RuntimeEscalated", "RuntimeClosed", "DeadLetter",
            "AgentInfo", "SystemPromptChanged")
-_AGENT = ("Reply", "AgentCrashed", "TurnTimeout", "TurnNotSaved", "UnknownAgent", "AgentError")
+_AGENT = ("Reply", "AgentCrashed", "TurnTimeout", "TurnNotSaved", "TurnTooLong", "UnknownAgent", "AgentError")
 _STORE = ("CacheDirInUse", "InvalidAgentId", "JournalError", "UnsafePath")
 _MODEL = ("ModelLoadError", "DefaultModelMissing")
 _GGUF = ("GGUFError", "UnsupportedGGUF")

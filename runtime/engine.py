@@ -4,7 +4,8 @@
 one decode step for every decoding row and then at most one prefill chunk, and
 returns the turns that finished (a `TurnResult`) or failed (a `TurnError`). A
 turn is admitted when the memory budget allows, prefilled alone in chunks (so
-a decoding row waits at most one chunk), then joins the decode batch
+a decoding row waits at most one chunk, and prefilling rows take turns chunk by
+chunk: a short prompt never waits behind a long one's whole prefill), then joins the decode batch
 (`extend`) and leaves it when done (`filter` + `extract`).
 
 Everything runs on the thread that calls `step` (MLX streams are per thread);
@@ -56,7 +57,9 @@ class Turn:
     chunk, both on the engine's thread: keep them short and never block in them.
     An exception in either fails this turn only. `cancel`, if given, is asked after
     each generated token; once it returns True the turn finishes with what it has,
-    finish reason "cancelled".
+    finish reason "cancelled". `abandoned`, if given, says the caller is gone (it
+    already got an error): it is asked before each prefill chunk and after each token,
+    and once True the turn is dropped with no result (`TurnAbandoned`), freeing its place.
     """
 
     turn_id: str
@@ -70,6 +73,7 @@ class Turn:
     on_token: Callable[[str], None] | None = None
     on_progress: Callable[[int, int], None] | None = None
     cancel: Callable[[], bool] | None = None
+    abandoned: Callable[[], bool] | None = None
 
 
 @dataclass
@@ -112,6 +116,10 @@ class TurnError(RuntimeError):
     def __init__(self, turn_id: str, message: str):
         super().__init__(f"turn {turn_id}: {message}")
         self.turn_id = turn_id
+
+
+class TurnAbandoned(TurnError):
+    """The turn's `abandoned` returned True: it was dropped at the next step, with no result."""
 
 
 class TurnTooLarge(TurnError):
@@ -323,9 +331,16 @@ class Engine:
     # -- prefill -------------------------------------------------------------------
 
     def _prefill_chunk(self):
+        """Prefill one chunk of the first prefilling row; rows take turns chunk by chunk.
+
+        A row whose caller is gone (`abandoned`) is dropped before its chunk.
+        """
         row = self.prefilling[0]
         t0 = time.perf_counter()
         try:
+            if row.turn.abandoned is not None and row.turn.abandoned():
+                self.prefilling.pop(0)
+                return [TurnAbandoned(row.turn.turn_id, "its caller gave up during the prefill")]
             context = row.cache[0].size()
             n = prefill_chunk_size(context, self.max_prefill_chunk)
             chunk, row.pending = row.pending[:n], row.pending[n:]
@@ -337,6 +352,7 @@ class Engine:
                 mx.eval([c.state for c in row.cache])
                 row.prefill_s += self._chunk_done(t0, len(chunk), context)
                 _report_progress(row)
+                self.prefilling.append(self.prefilling.pop(0))  # fair: the next row's chunk comes next
                 return []
             picks = self._sample([row], logits)
             mx.eval(picks, [c.state for c in row.cache])
@@ -424,6 +440,10 @@ class Engine:
         finished, results = [], []
         for i, token in row_tokens:
             row = self.decoding[i]
+            if row.turn.abandoned is not None and row.turn.abandoned():
+                finished.append(i)
+                results.append(TurnAbandoned(row.turn.turn_id, "its caller gave up during the decode"))
+                continue
             try:
                 reason = self._add_token(row, token)
             except Exception as e:  # a failing on_token callback fails its own turn

@@ -120,8 +120,9 @@ class DeadLetter:
 class Env:
     """What all agents of one runtime share. Thread-safe; agents read it, never block on it."""
 
-    def __init__(self, tokenizer, spec, durability, hot_budget, io_timeout):
+    def __init__(self, tokenizer, spec, durability, hot_budget, io_timeout, max_context=None):
         self.tokenizer, self.spec, self.durability, self.io_timeout = tokenizer, spec, durability, io_timeout
+        self.max_context = max_context  # the model's positions (None: unknown): a longer turn is refused
         self.hot = store.HotCaches(hot_budget)
         self.refs: dict[str, pykka.ActorRef] = {}  # name -> current actor (agents and services)
         self.dead_letters: list[DeadLetter] = []
@@ -546,7 +547,7 @@ class Runtime:
         self.max_context = context if isinstance(context, int) else None  # the model's positions, when it says
         engine_options = dict(memory_budget=memory_budget, max_batch=max_batch, route=route)
         try:  # whatever fails from here on, nothing stays behind: no lock, no thread
-            self.env = Env(self.tokenizer, self.spec, durability, hot_budget, io_timeout)
+            self.env = Env(self.tokenizer, self.spec, durability, hot_budget, io_timeout, self.max_context)
             self._lock = store.lock_cache_dir(self.cache_dir)
             self.services = Supervisor.start("one_for_one", max_restarts=max_restarts, period=restart_period,
                                              backoff=backoff, on_escalate=self._escalated)

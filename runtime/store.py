@@ -965,9 +965,10 @@ def stored_agent(folder: Path) -> StoredAgent:
     cache = (folder / CACHE_FILE).is_file()
     try:
         data = read_journal_bytes(folder / JOURNAL_FILE)
-    except JournalError:
+        records = [] if data is None else scan_journal(data).records
+    except (JournalError, OSError):  # another format, a newer version, unreadable
         return StoredAgent(folder.name, None, None, 0, cache)
-    history = current_conversation([] if data is None else scan_journal(data).records)
+    history = current_conversation(records)
     system = history[0]["text"] if history and history[0]["role"] == "system" else None
     turns = sum(r["role"] == "assistant" for r in history)
     return StoredAgent(folder.name, turns, system, len(history), cache)

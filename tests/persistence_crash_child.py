@@ -20,7 +20,8 @@ from runtime import store  # noqa: E402
 
 AGENTS = ("alpha", "beta")
 SPEC = types.SimpleNamespace(
-    fingerprint="crash", n_layers=2, n_kv_heads=2, k_head_dim=64, v_head_dim=64, kv_bits=4, kv_group_size=64
+    fingerprint="crash", n_layers=2, n_kv_heads=2, k_head_dim=64, v_head_dim=64, kv_bits=4, kv_group_size=64,
+    model_id="crash-test-model",
 )
 IN_FLIGHT = 3
 

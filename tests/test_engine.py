@@ -199,3 +199,44 @@ def test_prefill_reports_progress_after_every_chunk_and_a_failing_report_fails_o
     assert reports == [(min(k, total), total) for k in range(16, total + 16, 16)]
     assert isinstance(out["x"], TurnError) and "progress bar broke" in str(out["x"])
     assert out["w"].tokens == solo(llama, Turn("s", "s", None, prompt, max_tokens=4)).tokens
+
+
+def test_prefilling_rows_take_turns_chunk_by_chunk(llama):
+    """A short prompt behind a long one gets its first token before the long prefill ends."""
+    model, tokenizer, spec, opts = llama
+    engine = Engine(model, tokenizer, spec, **opts, max_prefill_chunk=16)
+    long_prompt = encode(tokenizer, "a long prompt that takes many chunks " * 12)
+    assert len(long_prompt) > 6 * 16
+    order = []
+
+    def note(engine, out):
+        for tid in out:
+            if tid not in order:
+                order.append(tid)
+
+    first_token = {}
+    long_turn = Turn("long", "l", None, long_prompt, max_tokens=2,
+                     on_progress=lambda done, total: first_token.setdefault("long_chunks", []).append(done))
+    short_turn = Turn("short", "s", None, encode(tokenizer, "hi"), max_tokens=1)
+    out = run(engine, [long_turn, short_turn], on_step=note)
+    assert order[0] == "short"  # FIFO prefill would finish the long prompt's 7 chunks first
+    assert out["long"].tokens == solo(llama, Turn("l2", "l", None, long_prompt, max_tokens=2)).tokens
+    assert out["short"].tokens == solo(llama, Turn("s2", "s", None, encode(tokenizer, "hi"), max_tokens=1)).tokens
+
+
+def test_an_abandoned_turn_is_dropped_at_its_next_chunk_or_token(llama):
+    from runtime.engine import TurnAbandoned
+
+    model, tokenizer, spec, opts = llama
+    engine = Engine(model, tokenizer, spec, **opts, max_prefill_chunk=16)
+    prompt = encode(tokenizer, "a long prompt that takes several chunks " * 6)
+    chunks, tokens = [], []
+    in_prefill = Turn("gone", "g", None, prompt, max_tokens=50, on_progress=lambda d, t: chunks.append(d),
+                      abandoned=lambda: len(chunks) >= 2)
+    in_decode = Turn("later", "l", None, prompt, max_tokens=50, on_token=tokens.append,
+                     abandoned=lambda: len(tokens) >= 3)
+    out = run(engine, [in_prefill, in_decode, Turn("stay", "s", None, prompt, max_tokens=3)])
+    assert isinstance(out["gone"], TurnAbandoned) and len(chunks) == 2  # no chunk after it gave up
+    assert isinstance(out["later"], TurnAbandoned) and len(tokens) == 3  # no token after it gave up
+    assert out["stay"].tokens == solo(llama, Turn("s2", "s", None, prompt, max_tokens=3)).tokens
+    assert not engine.has_work() and engine.reserved == 0

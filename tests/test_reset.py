@@ -97,13 +97,13 @@ def test_spawn_with_reset_deletes_the_stored_agent_and_starts_afresh(tmp_path):
             rt.spawn("phoenix", reset=True)  # a running agent is never deleted under its actor
     with Runtime(cache_dir=tmp_path) as rt:
         folder = next(tmp_path.glob("*/phoenix"))
-        old_files = {p.name: p.stat().st_ino for p in folder.iterdir()}
-        assert "cache.safetensors" in old_files
+        assert (folder / "cache.safetensors").exists() and b"remember me" in (folder / JOURNAL_FILE).read_bytes()
         a = rt.spawn("phoenix", system="new self", reset=True)
         assert [(r["role"], r["text"]) for r in a.history()] == [("system", "new self")]
         assert not (folder / "cache.safetensors").exists()
         assert [r["text"] for r in read_journal(tmp_path, rt.spec, "phoenix")] == ["new self"]
-        assert (folder / JOURNAL_FILE).stat().st_ino != old_files[JOURNAL_FILE]  # a new file, not a cut-back one
+        journal = (folder / JOURNAL_FILE).read_bytes()
+        assert b"remember me" not in journal and b"old self" not in journal  # the old records are gone from disk
         r = a.ask("who are you?", max_tokens=3)
         assert r.cache == "cold" and r.reused_tokens == 0
         fresh = rt.spawn("newborn", reset=True)  # nothing stored: reset is harmless
@@ -132,3 +132,20 @@ def test_a_changed_system_prompt_is_refused_in_the_caller_unless_reset(tmp_path)
         renamed = rt.spawn("persona", system="You are Bob.", reset=True)
         assert [(r["role"], r["text"]) for r in renamed.history()] == [("system", "You are Bob.")]
         assert len(turns(rt.spawn("plain").history())) == 2
+
+
+def test_a_turn_longer_than_the_context_is_refused_and_nothing_is_recorded(tmp_path):
+    from runtime import TurnTooLong
+
+    with Runtime(cache_dir=tmp_path) as rt:
+        a = rt.spawn("verbose")
+        a.ask("short one", max_tokens=2)
+        before = a.history()
+        limit = rt.max_context
+        with pytest.raises(TurnTooLong, match=str(limit)) as e:
+            a.ask("word " * limit, max_tokens=2, timeout=60)
+        assert e.value.turn_id and a.history() == before
+        assert a.ask("and another", max_tokens=2).cache == "hot"  # the agent is unharmed, its cache kept
+        seqs = [r["seq"] for r in a.history()]
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # no seq was skipped by the refused turn
+
