@@ -11,6 +11,7 @@ queued and in-flight turn, so no caller waits forever.
 from __future__ import annotations
 
 import copy
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -59,6 +60,9 @@ class BatcherActor(SupervisedActor):
         self.engine = Engine(model, tokenizer, spec, **engine_options)
         self.replies: dict[str, Callable] = {}
         self.step_queued = False
+
+    def on_start(self):
+        self.thread = threading.current_thread()  # see runtime.facade: waited for at shutdown
 
     def on_receive(self, message):
         if message is _STEP:

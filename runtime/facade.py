@@ -681,6 +681,7 @@ class Runtime:
         Python waits for the actors' threads, so a forgotten Runtime never hangs the exit.
         """
         self._closed = True
+        engine_thread = self._engine_thread()
         for ref in (self.supervisor, self.services):
             if ref is None:
                 continue
@@ -690,6 +691,8 @@ class Runtime:
                 pass
         if self.env is not None:
             self.env.close()
+        if engine_thread is not None:
+            wait_thread_gone(engine_thread)
         if self._lock is not None:
             os.close(self._lock)
             self._lock = None
@@ -701,6 +704,13 @@ class Runtime:
         self.shutdown()
 
     # -- internals ------------------------------------------------------------------
+
+    def _engine_thread(self) -> threading.Thread | None:
+        """The thread of the current batcher (the one that runs the model), if it is up."""
+        try:
+            return self.env.batcher().proxy().thread.get(timeout=5)
+        except Exception:  # noqa: BLE001 - no batcher (never started, restarting, stopped): nothing to wait for
+            return None
 
     def _start_child(self, sup, name, start, restart="permanent"):
         env = self.env
@@ -799,6 +809,28 @@ def _number(name: str, value, kind=(int, float)) -> None:
     if isinstance(value, bool) or not isinstance(value, kind):
         kinds = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
         raise TypeError(f"{name} must be {kinds}, got {type(value).__name__}")
+
+
+def wait_thread_gone(thread: threading.Thread, timeout: float = 10.0) -> None:
+    """Return once `thread` has ended, down to its OS thread (at most `timeout` seconds).
+
+    A thread that ran MLX-compiled functions (mlx-lm's models do: `swiglu`) frees
+    MLX's per-thread compile cache after Python has finished with it, and that takes
+    the GIL. If the interpreter is finalizing by then, the process aborts
+    ("terminate called without an active exception"). So `shutdown` waits for the
+    engine's thread this far: a program may exit right after it. On Linux the OS
+    thread is watched in /proc; elsewhere a short grace period stands in for it.
+    """
+    if thread is threading.current_thread():
+        return
+    deadline = time.monotonic() + timeout
+    thread.join(timeout)
+    task = Path(f"/proc/self/task/{thread.native_id}")
+    if not Path("/proc/self/task").is_dir():
+        time.sleep(0.05)
+        return
+    while task.exists() and time.monotonic() < deadline:
+        time.sleep(0.001)
 
 
 def check_turn_options(text, max_tokens, temperature, top_p, seed, stop, timeout, max_context=None) -> tuple:

@@ -893,3 +893,21 @@ def test_agents_lists_the_stored_and_the_running_ones_with_turns_and_cache(tmp_p
             rt.agents()[0].turns = 0
     with pytest.raises(RuntimeClosed):
         rt.agents()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="watches OS threads through /proc (Linux)")
+def test_shutdown_returns_after_the_engine_thread_is_gone_down_to_its_os_thread(tmp_path):
+    """MLX frees a thread's compile cache after Python is done with the thread, taking the GIL:
+    a program that exits right after shutdown() must not race it (it would abort at exit)."""
+    rt = Runtime(cache_dir=tmp_path)
+    rt.spawn("a").ask("hello", max_tokens=2)
+    thread = rt.env.batcher().proxy().thread.get(timeout=10)
+    assert os.path.isdir(f"/proc/self/task/{thread.native_id}")
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(30)  # this thread keeps the GIL unless it waits: the race, made certain
+    try:
+        rt.shutdown()
+        gone = not os.path.exists(f"/proc/self/task/{thread.native_id}")
+    finally:
+        sys.setswitchinterval(interval)
+    assert not thread.is_alive() and gone
