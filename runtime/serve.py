@@ -46,7 +46,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from runtime import AgentCrashed, Reply, Runtime, RuntimeEscalated, SystemPromptChanged, TurnTimeout, UnknownAgent
+from runtime import (AgentCrashed, Reply, Runtime, RuntimeEscalated, SystemPromptChanged, TurnTimeout, TurnTooLong,
+                     UnknownAgent)
 from runtime.store import InvalidAgentId, check_agent_id
 
 log = logging.getLogger(__name__)
@@ -410,6 +411,8 @@ def error_for(e: BaseException) -> ApiError:
                         "system_prompt_changed")
     if isinstance(e, UnknownAgent):
         return ApiError(404, str(e), None, "agent_not_found")
+    if isinstance(e, TurnTooLong):
+        return bad(str(e), "messages", "context_length_exceeded")
     if isinstance(e, TurnTimeout):
         return ApiError(504, f"{e}; the agent was restarted, retry the request", None, "timeout", "server_error")
     if isinstance(e, AgentCrashed):

@@ -160,6 +160,10 @@ def test_the_openai_client_raises_its_own_errors(served):
         client.chat.completions.create(model="kvactors-tiny", messages=[{"role": "user", "content": "hi"}],
                                        extra_headers={"X-Agent-Id": "../etc"})
     assert e.value.body["code"] == "invalid_agent_id"
+    with pytest.raises(openai.BadRequestError) as e:  # longer than the model's 4,096 positions
+        client.chat.completions.create(model="kvactors-tiny", messages=[{"role": "user", "content": "word " * 5000}],
+                                       max_tokens=4, extra_headers={"X-Agent-Id": "verbose"})
+    assert e.value.body["code"] == "context_length_exceeded" and "4096" in e.value.body["message"]
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("kvactors-tiny")  # no such route: a JSON 404, not a crash
     assert [m.id for m in client.models.list()] == ["kvactors-tiny"]
