@@ -11,7 +11,8 @@ a model loaded elsewhere in the process is untouched) to subclasses that:
   35 ms with 3-D inputs and 20 ms flattened.
 - send decode-sized inputs (1 to `qgemv.MAX_ROWS` rows) of 4-bit weights through
   `qgemv`, which reads the weights once for all rows and gives each row the same
-  result whatever the batch (batch-invariant decoding).
+  result whatever the batch (batch-invariant decoding). Only float16 and
+  bfloat16 inputs go there (`qgemv.INPUT_DTYPES`); others take MLX's kernel.
 
 The math is the model's own: same weights, same quantization. On backends other
 than CUDA the preparation is not needed and `prepare_model` leaves the model as
@@ -36,7 +37,7 @@ def _quantized_matmul(module, x):
     """`x @ module's dequantized weight.T`: the kernel for small M on CUDA (any leading shape),
     else MLX's quantized matmul on x flattened to 2-D."""
     shape = x.shape
-    if module._kvactors_gemv and x.size <= qgemv.MAX_ROWS * shape[-1]:
+    if module._kvactors_gemv and x.size <= qgemv.MAX_ROWS * shape[-1] and x.dtype in qgemv.INPUT_DTYPES:
         return qgemv.qgemv(x, module["weight"], module["scales"], module["biases"], module.group_size)
     y = mx.quantized_matmul(x.reshape(-1, shape[-1]), module["weight"], scales=module["scales"],
                             biases=module.get("biases"), transpose=True, group_size=module.group_size,

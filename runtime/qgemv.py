@@ -26,6 +26,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 MAX_ROWS = 16  # rows one call serves; larger inputs (prefill) take MLX's GEMM
+INPUT_DTYPES = (mx.float16, mx.bfloat16)  # x is read 16 two-byte values at a time
 WARPS = 4  # warps per block (see `columns`)
 
 
@@ -153,7 +154,7 @@ def qgemv(x, w, scales, biases, group_size: int):
     Returns (..., N) in x's dtype: the leading dimensions stay as they are, so a
     decode step's (B, 1, K) needs no reshape. Each row's result is bitwise
     independent of the other rows (see the module docstring). K must be a
-    multiple of group_size.
+    multiple of group_size; x must be float16 or bfloat16 (`INPUT_DTYPES`).
     """
     global _kernel
     if _kernel is None:

@@ -117,3 +117,24 @@ def test_q4_decode_attention_at_64k_context():
     out = q4sdpa.q4_decode_sdpa(q, kq, vq, start, end, d ** -0.5, 64)
     ref = reference_attention(q, kq, vq, start, end, d ** -0.5)
     assert (mx.abs(out.astype(mx.float32) - ref).max()).item() < 2e-2
+
+
+def prepared_tiny(tiny_model_path, dtype):
+    import mlx.nn as nn
+    import mlx_lm
+
+    from runtime.prepare import prepare_model
+
+    model, _ = mlx_lm.load(str(tiny_model_path("llama")))  # its own copy: it gets changed
+    model.set_dtype(dtype)
+    nn.quantize(model, group_size=64, bits=4)
+    prepare_model(model)
+    return model
+
+
+def test_float32_inputs_take_mlxs_own_kernel(tiny_model_path):
+    model = prepared_tiny(tiny_model_path, mx.float32)
+    q = model.layers[0].self_attn.q_proj
+    x = mx.random.normal((2, 1, 128), key=mx.random.key(4))
+    ref = mx.quantized_matmul(x, q["weight"], q["scales"], q["biases"], transpose=True, group_size=64, bits=4)
+    assert mx.allclose(q(x), ref, atol=1e-4, rtol=1e-4).item()
