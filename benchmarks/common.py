@@ -105,6 +105,17 @@ def load_bench_model(name: str):
         return load_model(bench_model_folder(name, Path(tmp)))
 
 
+def kernel_us(fn, reps: int = 50) -> float:
+    """Microseconds per call of `fn`: `reps` independent calls evaluated together, after one
+    warm-up call, with no sync per call (the device's throughput, not one call's latency)."""
+    mx.eval(fn())
+    mx.synchronize()
+    t0 = time.perf_counter()
+    mx.eval([fn() for _ in range(reps)])
+    mx.synchronize()
+    return (time.perf_counter() - t0) / reps * 1e6
+
+
 def write_results(name: str, env: dict, rows: list[dict], columns: list[str], out_dir: Path, notes: str = "") -> None:
     """Write `rows` as `<name>.json` and `<name>.md` (a markdown table) under `out_dir`; print the table."""
     out_dir.mkdir(parents=True, exist_ok=True)

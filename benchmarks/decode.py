@@ -24,23 +24,13 @@ import time
 
 import mlx.core as mx
 
-from benchmarks.common import bench_parser, environment, write_results
+from benchmarks.common import bench_parser, environment, kernel_us, write_results
 from runtime import prepare, qgemv
 from benchmarks.profile import prefilled
 from runtime.q4cache import merge_caches
 
 COLUMNS = ["part", "variant", "shape", "rows", "value", "unit", "note"]
 BATCHES = (1, 2, 4, 5, 8, 16)
-
-
-def _us(fn, reps=50):
-    """Microseconds per call of `fn`, `reps` independent calls evaluated together (no per-call sync)."""
-    mx.eval(fn())
-    mx.synchronize()
-    t0 = time.perf_counter()
-    mx.eval([fn() for _ in range(reps)])
-    mx.synchronize()
-    return (time.perf_counter() - t0) / reps * 1e6
 
 
 def kernel_rows(add):
@@ -62,12 +52,12 @@ def kernel_rows(add):
                 note=f"MLX's own: {mlx_err:.2e}; row 0 bitwise equal to 1-row call: {same}")
             xs = x[:m]
             add(part="kernel time", variant="qgemv", shape=f"{n}x{k}", rows=m,
-                value=_us(lambda: qgemv.qgemv(xs, wq, scales, biases, 64)), unit="us")
+                value=kernel_us(lambda: qgemv.qgemv(xs, wq, scales, biases, 64)), unit="us")
             add(part="kernel time", variant="mlx 2-D", shape=f"{n}x{k}", rows=m,
-                value=_us(lambda: mx.quantized_matmul(xs, wq, scales, biases, group_size=64, bits=4)), unit="us")
+                value=kernel_us(lambda: mx.quantized_matmul(xs, wq, scales, biases, group_size=64, bits=4)), unit="us")
             x3 = xs[:, None, :]
             add(part="kernel time", variant="mlx 3-D", shape=f"{n}x{k}", rows=m,
-                value=_us(lambda: mx.quantized_matmul(x3, wq, scales, biases, group_size=64, bits=4)), unit="us")
+                value=kernel_us(lambda: mx.quantized_matmul(x3, wq, scales, biases, group_size=64, bits=4)), unit="us")
 
 
 def attention_rows(add):
@@ -104,11 +94,11 @@ def attention_rows(add):
         vs_ = tuple(mx.concatenate([x] * 4)[:b_rows] for x in vq)
         st = mx.concatenate([start] * 4)[:b_rows]
         add(part="attention time", variant="q4sdpa", shape=f"end {end}", rows=b_rows,
-            value=_us(lambda: q4sdpa.q4_decode_sdpa(qs, ks_, vs_, st, end, D ** -0.5, 64), 20), unit="us")
+            value=kernel_us(lambda: q4sdpa.q4_decode_sdpa(qs, ks_, vs_, st, end, D ** -0.5, 64), 20), unit="us")
         kd_ = mx.concatenate([kd.astype(mx.bfloat16)] * 4)[:b_rows, :, :end]
         vd_ = mx.concatenate([vd.astype(mx.bfloat16)] * 4)[:b_rows, :, :end]
         add(part="attention time", variant="mlx fused, 16-bit, no mask", shape=f"end {end}", rows=b_rows,
-            value=_us(lambda: mx.fast.scaled_dot_product_attention(qs, kd_, vd_, scale=D ** -0.5), 20), unit="us")
+            value=kernel_us(lambda: mx.fast.scaled_dot_product_attention(qs, kd_, vd_, scale=D ** -0.5), 20), unit="us")
 
 
 def row_logits(model, spec, caches, tokens, route):

@@ -10,26 +10,14 @@ is what `qgemv.columns` and `qgemv.WARPS` should say.
 
 from __future__ import annotations
 
-import time
-
 import mlx.core as mx
 
-from benchmarks.common import bench_parser, environment, write_results
+from benchmarks.common import bench_parser, environment, kernel_us, write_results
 from runtime import qgemv
 
 COLUMNS = ["shape", "rows", "cols", "warps", "us", "mlx_us", "note"]
 SHAPES = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)]
 ROWS = [1, 2, 3, 4, 5, 6, 8, 12, 16]
-
-
-def _us(fn, reps=60):
-    """Microseconds per call: `reps` independent calls evaluated together (no sync per call)."""
-    mx.eval(fn())
-    mx.synchronize()
-    t0 = time.perf_counter()
-    mx.eval([fn() for _ in range(reps)])
-    mx.synchronize()
-    return (time.perf_counter() - t0) / reps * 1e6
 
 
 def main(argv=None) -> int:
@@ -50,10 +38,10 @@ def main(argv=None) -> int:
         for m in ROWS:
             x = mx.random.normal((m, k), key=mx.random.key(m)).astype(mx.bfloat16)
             mx.eval(x)
-            mlx_us = _us(lambda: mx.quantized_matmul(x, *packed, transpose=True, group_size=64, bits=4))
+            mlx_us = kernel_us(lambda: mx.quantized_matmul(x, *packed, transpose=True, group_size=64, bits=4), 60)
             reference = qgemv.qgemv(x, *packed, 64)
             mx.eval(reference)
-            current = _us(lambda: qgemv.qgemv(x, *packed, 64))
+            current = kernel_us(lambda: qgemv.qgemv(x, *packed, 64), 60)
             best = None
             for c in [int(v) for v in args.cols.split(",")]:
                 for wp in [int(v) for v in args.warps.split(",")]:
@@ -62,7 +50,7 @@ def main(argv=None) -> int:
                     try:
                         out = qgemv.qgemv(x, *packed, 64)
                         same = mx.array_equal(out, reference).item()
-                        us = _us(lambda: qgemv.qgemv(x, *packed, 64))
+                        us = kernel_us(lambda: qgemv.qgemv(x, *packed, 64), 60)
                     finally:
                         qgemv.columns, qgemv.WARPS = default_columns, default_warps
                         qgemv._launch.clear()
