@@ -29,6 +29,7 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 from benchmarks.common import bench_parser, bench_model_folder, environment, plot_lines, write_results
+from benchmarks.sampler import StackSampler
 from benchmarks.ttft import long_text
 from actors.agent import render
 from runtime import Runtime
@@ -77,8 +78,17 @@ def stateless(model, tokenizer, systems, messages, new, prompt_cache=False):
     return ttfts, context
 
 
-def engine_profile(stats_list) -> dict:
-    """Where the engine's time went, from the `EngineStats` of each Runtime."""
+def engine_profile(stats_list, seen=()) -> dict:
+    """Where the engine's time went, from the `EngineStats` of each Runtime (in order).
+
+    A shape met first in one of these engines counts as a first-time shape unless it
+    is in `seen` (shapes of earlier runs in this process) or an earlier engine met it:
+    MLX's per-shape setup lives as long as the process.
+    """
+    seen, new = set(seen), []
+    for st in stats_list:
+        new += [(shape, sec) for shape, sec in st.first_shapes if shape not in seen]
+        seen.update(st.shapes)
     steps = [s for st in stats_list for s in st.decode_steps]
     chunks = [c for st in stats_list for c in st.prefill_chunks]
     totals = sorted(t for _, _, t in steps) or [0.0]
@@ -92,30 +102,36 @@ def engine_profile(stats_list) -> dict:
         hot_chunks=len(hot), hot_chunk_s=sum(c[2] for c in hot), hot_tokens=sum(c[0] for c in hot),
         hot_chunk_p50_ms=statistics.median(c[2] for c in hot) * 1e3 if hot else 0,
         hot_chunk_max_ms=max((c[2] for c in hot), default=0) * 1e3,
+        first_shapes=len(new), first_shape_s=sum(sec for _, sec in new),
+        first_shapes_raw=[[list(shape), round(sec, 5)] for shape, sec in new],
         # raw, for a closer look in the JSON: every chunk, and every decode step
         chunks_raw=[[n, ctx, round(sec, 5)] for n, ctx, sec in chunks],
         steps_raw=[[r, round(b, 5), round(t, 5)] for r, b, t in steps],
     )
 
 
-def actors(model_path, cache_dir, systems, messages, new):
+def actors(model_path, cache_dir, systems, messages, new, seen=(), warmup=False):
     """Variant (c): all agents of a round at once; the Runtime restarts halfway.
 
-    The Runtimes skip their start-up warm-up (the benchmark warms every path up once
-    before it measures, as for the other variants), so the restart costs what a model
+    The measured Runtimes skip their start-up warm-up (`warmup=False`): the benchmark
+    warms every path up once before it measures, as for the other variants, by a
+    shorter run of this function with `warmup=True` (the Runtime's own warm-up, which
+    decodes at every batch size, then a few turns). So the restart costs what a model
     load costs.
 
     Returns TTFTs, cache labels, and where the time went (seconds): opening the two
     Runtimes (model load), the engine's work per round (from the first submit to the
     last token of the round), and the rest of each round (until every reply is
-    durable: copying caches out, writing them, acking).
+    durable: copying caches out, writing them, acking). `seen`: engine shapes met
+    before in this process (see `engine_profile`); the shapes these Runtimes met are
+    returned in the parts as "shapes".
     """
     turns = len(messages[0])
     ttfts, labels, prefilled, stats = [], [], [], []
     parts = dict(open_s=0.0, engine_s=0.0, after_s=0.0)
     for half in (range(turns // 2), range(turns // 2, turns)):
         t0 = time.perf_counter()
-        with Runtime(model=model_path, cache_dir=cache_dir, warmup=False) as rt:
+        with Runtime(model=model_path, cache_dir=cache_dir, warmup=warmup) as rt:
             parts["open_s"] += time.perf_counter() - t0
             agents = [rt.spawn(f"agent{a}", system=s) for a, s in enumerate(systems)]
             for t in half:
@@ -132,7 +148,8 @@ def actors(model_path, cache_dir, systems, messages, new):
                 prefilled += [r.timings.prefill_tokens for r in replies]
             stats.append(rt.engine_stats())
     parts["prefilled"] = prefilled
-    parts.update(engine_profile(stats))
+    parts.update(engine_profile(stats, seen))
+    parts["shapes"] = {shape for st in stats for shape in st.shapes}
     return ttfts, labels, parts
 
 
@@ -152,6 +169,9 @@ def main(argv=None) -> int:
     ap.add_argument("--system-tokens", type=int, default=300)
     ap.add_argument("--turn-tokens", type=int, default=60)
     ap.add_argument("--new", type=int, default=16)
+    ap.add_argument("--variants", default="abc", help="which variants to run (profiling: 'c'); ratios need 'a'")
+    ap.add_argument("--sample", action="store_true",
+                    help="sample every thread's stack during (c) and store where each spent its time")
     args = ap.parse_args(argv)
     env = environment()
     print(env, flush=True)
@@ -168,6 +188,8 @@ def main(argv=None) -> int:
             ("a: stateless re-prefill", stateless, (model, tokenizer, systems, messages, args.new)),
             ("b: mlx-lm prompt cache (fp16)", stateless, (model, tokenizer, systems, messages, args.new, True)),
         ):
+            if name[0] not in args.variants:
+                continue
             total, peak, (ttfts, context) = measure(fn, *fargs)
             rows.append(dict(variant=name, total_s=total, ttft_mean_s=statistics.mean(ttfts),
                              ttft_p50_s=statistics.median(ttfts), ttft_max_s=max(ttfts), peak_mem_gb=peak,
@@ -175,17 +197,26 @@ def main(argv=None) -> int:
             curves[name] = ttfts
             print(rows[-1], flush=True)
         del model
-        actors(model_path, Path(tmp) / "warm-up", systems, [m[:2] for m in messages], 8)
-        total, peak, (ttfts, labels, parts) = measure(actors, model_path, Path(tmp) / "agents", systems, messages, args.new)
+        *_, warm = actors(model_path, Path(tmp) / "warm-up", systems, [m[:2] for m in messages], 8, warmup=True)
+        sampler = StackSampler() if args.sample else None
+        if sampler:
+            sampler.start()
+        total, peak, (ttfts, labels, parts) = measure(actors, model_path, Path(tmp) / "agents", systems, messages,
+                                                      args.new, warm["shapes"])
+        parts.pop("shapes")
+        if sampler:
+            sampler.stop()
+            parts["where_threads_were"] = sampler.as_dict()
+            print(sampler.table(), flush=True)
         message_tokens = [len(tokenizer.encode(m, add_special_tokens=False)) for t in range(args.turns) for m in
                           [messages[a][t] for a in range(args.agents)]]
         rows.append(dict(variant="c: kvactors (restart halfway)", total_s=total, ttft_mean_s=statistics.mean(ttfts),
                          ttft_p50_s=statistics.median(ttfts), ttft_max_s=max(ttfts), peak_mem_gb=peak,
-                         final_context=rows[0]["final_context"], **{k: v for k, v in parts.items() if k != "prefilled"}))
+                         final_context=rows[0]["final_context"] if rows else None, **{k: v for k, v in parts.items() if k != "prefilled"}))
         curves["c: kvactors (restart halfway)"] = ttfts
         print(rows[-1], "cache states:", labels, flush=True)
     for r in rows:
-        r["x_stateless"] = rows[0]["total_s"] / r["total_s"]
+        r["x_stateless"] = rows[0]["total_s"] / r["total_s"] if "a" in args.variants else None
     name = args.name or f"workload-{args.model}"
     write_results(name, env, rows, COLUMNS, args.out,
                   notes=f"model {args.model}; {args.agents} agents x {args.turns} turns, +{args.turn_tokens} tokens and "
@@ -198,7 +229,9 @@ def main(argv=None) -> int:
                         f"{parts['build_p50_ms']:.1f} ms (p50); {parts['cold_chunks']} cold prefill chunks "
                         f"({parts['cold_tokens']} tokens) {parts['cold_chunk_s']:.1f} s; {parts['hot_chunks']} prefill chunks "
                         f"after a cache ({parts['hot_tokens']} tokens) {parts['hot_chunk_s']:.1f} s, p50 "
-                        f"{parts['hot_chunk_p50_ms']:.0f} ms, max {parts['hot_chunk_max_ms']:.0f} ms. Tokens prefilled per "
+                        f"{parts['hot_chunk_p50_ms']:.0f} ms, max {parts['hot_chunk_max_ms']:.0f} ms; steps and chunks at a "
+                        f"shape met for the first time in the process: {parts['first_shapes']} "
+                        f"({parts['first_shape_s']:.1f} s). Tokens prefilled per "
                         f"hot or warm turn: mean {statistics.mean(p for p, c in zip(parts['prefilled'], labels) if c != 'cold'):.0f} "
                         f"(user message alone: mean {statistics.mean(message_tokens):.0f} tokens; the rest is the chat "
                         f"template and the previous reply's last token). "

@@ -134,10 +134,23 @@ class EngineStats:
     `prefill_chunks`: (tokens fed, tokens of context before, seconds) per chunk.
     The build time is the Python side of a step (building MLX's graph), the rest
     waits for the device.
+
+    `shapes` counts the steps and chunks per shape: ("decode", rows, cache width)
+    or ("prefill", tokens fed with padding, cache width). A backend that sets up
+    kernels per shape (MLX-CUDA) pays once for each new one; `first_shapes`
+    lists (shape, seconds) for each step or chunk that met its shape for the first time.
     """
 
     decode_steps: collections.deque = field(default_factory=lambda: collections.deque(maxlen=100_000))
     prefill_chunks: collections.deque = field(default_factory=lambda: collections.deque(maxlen=100_000))
+    shapes: collections.Counter = field(default_factory=collections.Counter)
+    first_shapes: collections.deque = field(default_factory=lambda: collections.deque(maxlen=100_000))
+
+    def count_shape(self, shape: tuple, seconds: float) -> None:
+        """Count one step or chunk of `shape` that took `seconds`."""
+        if not self.shapes[shape]:
+            self.first_shapes.append((shape, seconds))
+        self.shapes[shape] += 1
 
 
 @dataclass
@@ -346,18 +359,19 @@ class Engine:
             chunk, row.pending = row.pending[:n], row.pending[n:]
             pad = -len(chunk) % self.query_bucket  # see default_query_bucket
             logits = last_logits(self.model, mx.array(chunk + chunk[-1:] * pad)[None], row.cache, len(chunk) - 1)
+            shape = ("prefill", len(chunk) + pad, _width(row.cache))
             for layer in row.cache:
                 layer.trim(pad)
             if row.pending:  # the logits stay unevaluated: MLX never computes them
                 mx.eval([c.state for c in row.cache])
-                row.prefill_s += self._chunk_done(t0, len(chunk), context)
+                row.prefill_s += self._chunk_done(t0, len(chunk), context, shape)
                 _report_progress(row)
                 self.prefilling.append(self.prefilling.pop(0))  # fair: the next row's chunk comes next
                 return []
             picks = self._sample([row], logits)
             mx.eval(picks, [c.state for c in row.cache])
             token = picks.tolist()[0]
-            row.prefill_s += self._chunk_done(t0, len(chunk), context)
+            row.prefill_s += self._chunk_done(t0, len(chunk), context, shape)
             row.first_token = time.perf_counter()
             _report_progress(row)
         except Exception as e:
@@ -392,7 +406,9 @@ class Engine:
             self._next = self._forward(current[:, None])
             built = time.perf_counter()
             tokens = current.tolist()
-            self.stats.decode_steps.append((len(tokens), built - t0, time.perf_counter() - t0))
+            seconds = time.perf_counter() - t0
+            self.stats.decode_steps.append((len(tokens), built - t0, seconds))
+            self.stats.count_shape(("decode", len(tokens), _width(self.batch)), seconds)
         except Exception as e:
             rows, self.decoding, self.batch, self._next = self.decoding, [], None, None
             return [TurnError(r.turn.turn_id, f"decode step failed: {type(e).__name__}: {e}") for r in rows]
@@ -412,9 +428,10 @@ class Engine:
         tokens, self._next = self._next.tolist(), None
         return self._accept(list(enumerate(tokens)), fed=False)
 
-    def _chunk_done(self, t0, tokens, context):
+    def _chunk_done(self, t0, tokens, context, shape):
         seconds = time.perf_counter() - t0
         self.stats.prefill_chunks.append((tokens, context, seconds))
+        self.stats.count_shape(shape, seconds)
         return seconds
 
     def _sample(self, rows, logits):
@@ -516,6 +533,13 @@ class Engine:
             finish_reason=reason,
             timings=timings,
         )
+
+
+def _width(cache) -> int:
+    """Columns allocated in a per-layer batch cache (0 while empty): what attention's shapes follow."""
+    layer = cache[0] if cache else None
+    keys = getattr(layer, "keys", None)
+    return 0 if keys is None else keys[0].shape[2]
 
 
 def _report_progress(row):
