@@ -245,7 +245,7 @@ def cache_to_host(cache, start: int = 0) -> HostCache:
     n_tokens, bits, group_size, stored = _layers(cache)
     if start and not 0 < start < n_tokens:
         raise ValueError(f"cannot copy from position {start} of {n_tokens} cached tokens")
-    tensors, dtype, lengths = {}, "float32", []
+    arrays, dtype, lengths = {}, "float32", []
     for i, layer in enumerate(cache if n_tokens else ()):
         rows = min(n_tokens - start, stored[i])
         lengths.append(rows)
@@ -253,10 +253,14 @@ def cache_to_host(cache, start: int = 0) -> HostCache:
             dtype = str(packed[1].dtype).removeprefix("mlx.core.")
             for part, x in zip(_PARTS, packed):
                 if (stored[i] - rows, stored[i]) != (0, x.shape[-2]):
-                    x = x[..., stored[i] - rows: stored[i], :]
+                    x = mx.contiguous(x[..., stored[i] - rows: stored[i], :])
                 if x.dtype == mx.bfloat16:
                     x = x.view(mx.uint16)
-                tensors[_name(i, kind, part)] = np.array(x, copy=True)
+                arrays[_name(i, kind, part)] = x
+    # one evaluation for every slice: each waits for the device's queue (a decode step
+    # in flight), so 192 separate ones made a write of a 32-layer model wait 192 steps
+    mx.eval(list(arrays.values()))
+    tensors = {name: np.array(x, copy=True) for name, x in arrays.items()}
     lengths = () if all(n == n_tokens for n in lengths) else tuple(lengths)
     host = HostCache(tensors, dtype, bits, group_size, len(cache), n_tokens, lengths)
     _check_host(host)
