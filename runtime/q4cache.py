@@ -99,6 +99,26 @@ def _left_padded(packed, used: int, width: int):
     return _map(lambda x: mx.pad(x[..., :used, :], [(0, 0), (0, 0), (width - used, 0), (0, 0)]), packed)
 
 
+def _allocation(used: int) -> int:
+    """Columns to allocate for `used` ones: the next multiple of STEP above `used`.
+
+    A merged or extended batch gets room for the next token at once (else its first
+    decode step regrows every buffer, a copy of the whole cache), and widths come from
+    a small set (multiples of STEP), so a backend that sets up work per shape meets few.
+    """
+    return (used // STEP + 1) * STEP
+
+
+def _grown(needed: int) -> int:
+    """Columns a full allocation grows to when `needed` columns must fit: a multiple of STEP."""
+    return -(-needed // STEP) * STEP
+
+
+def _room(packed, width: int):
+    """`packed` with zero columns appended up to `width` columns (axis 2)."""
+    return _map(lambda x: _widened(x, width) if x.shape[2] < width else x, packed)
+
+
 def _widened(x, width: int):
     """`x` with zero columns appended up to `width` columns (axis 2)."""
     return mx.concatenate([x, mx.zeros((*x.shape[:2], width - x.shape[2], x.shape[3]), x.dtype)], axis=2)
@@ -194,7 +214,7 @@ class BatchQuantizedKVCache(_BaseCache):
         allocated = 0 if self.keys is None else self.keys[0].shape[2]
         if needed <= allocated:
             return
-        grow = (needed - self._idx + STEP - 1) // STEP * STEP
+        grow = _grown(needed) - self._idx
         per_word = 32 // self.kv_bits
 
         def empty(d):
@@ -292,7 +312,7 @@ class BatchQuantizedKVCache(_BaseCache):
     def _whole_width_mask(self, N: int, window_size: int | None):
         allocated = 0 if self.keys is None else self.keys[0].shape[2]
         if self._idx + N > allocated:  # what _reserve will grow it to
-            allocated = self._idx + (N + STEP - 1) // STEP * STEP
+            allocated = _grown(self._idx + N)
         columns = mx.arange(allocated + DENSE_EXTRA)
         positions = mx.arange(self._idx, self._idx + N)[:, None]
         mask = columns[None] <= positions
@@ -351,7 +371,8 @@ class BatchQuantizedKVCache(_BaseCache):
             ]
             return tuple(mx.concatenate(list(xs), axis=0) for xs in zip(*out))
 
-        cache.keys, cache.values = rows("keys"), rows("values")
+        width = _allocation(longest)
+        cache.keys, cache.values = _room(rows("keys"), width), _room(rows("values"), width)
         cache._idx = longest
         return cache
 
@@ -418,11 +439,11 @@ class BatchQuantizedKVCache(_BaseCache):
                 return _zero_rows(getattr(template, part), c.left_padding.shape[0], longest)
             return _left_padded(src, c._idx, longest)
 
-        parts = {}
+        parts, width = {}, _allocation(longest)
         for part in ("keys", "values"):
-            parts[part] = tuple(
+            parts[part] = _room(tuple(
                 mx.concatenate([a, b], axis=0) for a, b in zip(aligned(self, part), aligned(other, part))
-            )
+            ), width)
         self.left_padding = mx.concatenate(
             [self.left_padding + (longest - self._idx), other.left_padding + (longest - other._idx)]
         )
