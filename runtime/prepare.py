@@ -9,6 +9,12 @@ a model loaded elsewhere in the process is untouched) to subclasses that:
   separate matrix-vector products (B passes over the weights); a (B, K) input
   is one problem. On an H100, 8B shape, a whole decode step at batch 8 took
   35 ms with 3-D inputs and 20 ms flattened.
+- multiply prefill-sized inputs (DENSE_ROWS rows or more) by the weight
+  dequantized for the call, with MLX's 16-bit GEMM: on an H100, 8B shape, one
+  layer's seven products at 2048 rows took 7.2 ms through MLX-CUDA's quantized
+  matmul and 2.0 ms this way; at 256 rows 1.03 against 0.89 ms; below that the
+  quantized kernel wins (`benchmarks/prefill_gemm.py`). The dequantized weight
+  lives for one call (117 MB for a 14336x4096 layer).
 - send decode-sized inputs (1 to `qgemv.MAX_ROWS` rows) of 4-bit weights through
   `qgemv`, which reads the weights once for all rows and gives each row the same
   result whatever the batch (batch-invariant decoding). Only float16 and
@@ -33,15 +39,24 @@ import mlx.nn as nn
 from runtime import qgemv
 
 
+DENSE_ROWS = 256  # on CUDA, inputs of this many rows or more multiply the dequantized weight
+
+
 def _quantized_matmul(module, x):
-    """`x @ module's dequantized weight.T`: the kernel for small M on CUDA (any leading shape),
-    else MLX's quantized matmul on x flattened to 2-D."""
+    """`x @ module's dequantized weight.T`: the GEMV kernel for small M on CUDA (any leading
+    shape); for M >= DENSE_ROWS on CUDA, a 16-bit GEMM on the weight dequantized for this
+    call; else MLX's quantized matmul on x flattened to 2-D."""
     shape = x.shape
     if module._kvactors_gemv and x.size <= qgemv.MAX_ROWS * shape[-1] and x.dtype in qgemv.INPUT_DTYPES:
         return qgemv.qgemv(x, module["weight"], module["scales"], module["biases"], module.group_size)
-    y = mx.quantized_matmul(x.reshape(-1, shape[-1]), module["weight"], scales=module["scales"],
-                            biases=module.get("biases"), transpose=True, group_size=module.group_size,
-                            bits=module.bits, mode=module.mode)
+    flat = x.reshape(-1, shape[-1])
+    if module._kvactors_dense and flat.shape[0] >= DENSE_ROWS:
+        w = mx.dequantize(module["weight"], module["scales"], module.get("biases"), group_size=module.group_size,
+                          bits=module.bits, mode=module.mode)
+        y = flat @ w.astype(x.dtype).T
+    else:
+        y = mx.quantized_matmul(flat, module["weight"], scales=module["scales"], biases=module.get("biases"),
+                                transpose=True, group_size=module.group_size, bits=module.bits, mode=module.mode)
     return y.reshape(*shape[:-1], y.shape[-1])
 
 
@@ -65,12 +80,13 @@ class FlatQuantizedEmbedding(nn.QuantizedEmbedding):
 _SWAPS = {nn.QuantizedLinear: FlatQuantizedLinear, nn.QuantizedEmbedding: FlatQuantizedEmbedding}
 
 
-def prepare_model(model, force: bool = False, gemv: bool | None = None) -> int:
+def prepare_model(model, force: bool = False, gemv: bool | None = None, dense: bool | None = None) -> int:
     """Prepare `model`'s quantized layers for batched decoding; return how many were changed.
 
     Does nothing off CUDA unless `force`. `gemv` (default: on CUDA) routes 1..16-row
-    inputs of 4-bit layers through `qgemv`. Idempotent. Other layer types are left as
-    they are.
+    inputs of 4-bit layers through `qgemv`; `dense` (default: on CUDA) multiplies inputs
+    of DENSE_ROWS rows or more by the dequantized weight. Idempotent. Other layer types
+    are left as they are.
     """
     cuda = qgemv.available()
     if not (cuda or force):
@@ -86,6 +102,7 @@ def prepare_model(model, force: bool = False, gemv: bool | None = None) -> int:
         # a plain attribute, not a dict entry: parameters() and saving never see it
         fits = qgemv.supports_weights(module.bits, module.group_size, module.mode, "biases" in module)
         object.__setattr__(module, "_kvactors_gemv", gemv and fits)
+        object.__setattr__(module, "_kvactors_dense", cuda if dense is None else dense)
         changed += 1
     return changed
 

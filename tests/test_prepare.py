@@ -38,3 +38,25 @@ def test_last_logits_are_the_models_logits_at_one_position(tiny_model_path):
         assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item(), arch
         for a, b in zip(want_cache, got_cache):  # the cache took every position either way
             assert a.offset == b.offset == 5 and mx.array_equal(a.state[0], b.state[0]).item()
+
+
+def test_prefill_sized_inputs_multiply_the_dequantized_weight(tiny_model_path, monkeypatch):
+    from runtime import prepare
+
+    model, _ = mlx_lm.load(str(tiny_model_path("llama")))
+    nn.quantize(model, group_size=32, bits=4)
+    tokens = mx.random.randint(3, 500, (1, prepare.DENSE_ROWS), key=mx.random.key(1))
+    long_before, short_before = model(tokens), model(tokens[:, :8])
+    prepare_model(model, force=True, gemv=False, dense=True)
+    calls = []
+    dequantize = mx.dequantize
+    monkeypatch.setattr(prepare.mx, "dequantize", lambda *a, **k: calls.append(a[0].shape) or dequantize(*a, **k))
+    linears = sum(isinstance(m, FlatQuantizedLinear) for m in model.modules())
+    long_after = model(tokens)
+    # every linear multiplied a dequantized weight, and so did the tied output head;
+    # the embedding's lookup dequantizes its rows as always
+    assert len(calls) == linears + 2
+    assert mx.allclose(long_after, long_before, atol=1e-3, rtol=1e-3).item()  # ...the same weights
+    calls.clear()
+    assert mx.array_equal(model(tokens[:, :8]), short_before).item()
+    assert len(calls) == 1  # short inputs: the quantized kernel (only the lookup dequantizes)
