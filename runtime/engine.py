@@ -287,10 +287,12 @@ class Engine:
         """Serve synthetic turns so one-time setup happens now, not in users' turns; returns seconds.
 
         Prefills one chunk of each bucketed length up to `max_prefill_chunk`, then
-        decodes `max_batch` turns that end one after another, so every batch size
-        from 1 to `max_batch` runs. On CUDA this pays MLX's per-shape kernel
-        builds and the first-use compiles (tens of seconds on an H100); elsewhere it
-        costs little and buys little. `progress(done, total, what)` is called
+        decodes `max_batch` turns of 32 query buckets each (2048 tokens on CUDA) that
+        all join the batch before the first ends, so every batch size from 1 to
+        `max_batch` runs, at a context as long as a user's. On CUDA this pays MLX's
+        per-shape kernel builds and the first-use compiles (tens of seconds on an
+        H100, and about 2 s for the first step of 5 or more rows at a long context);
+        elsewhere it costs little and buys little. `progress(done, total, what)` is called
         after each stage. Must run on the engine's thread with no turn in flight.
         """
         if self.has_work():
@@ -303,7 +305,9 @@ class Engine:
         lengths.append(self.max_prefill_chunk)
         ids = self.tokenizer.encode("warm up the engine", add_special_tokens=False) or [0]
         stages = [[Turn(f"warmup-p{n}", "warmup", None, (ids * n)[:n], max_tokens=1)] for n in lengths]
-        stages.append([Turn(f"warmup-d{i}", "warmup", None, ids, max_tokens=2 + 2 * i) for i in range(self.max_batch)])
+        long = (ids * self.query_bucket * 32)[: min(self.max_prefill_chunk, self.query_bucket * 32)]
+        stages.append([Turn(f"warmup-d{i}", "warmup", None, long, max_tokens=2 * self.max_batch + 2 * i)
+                       for i in range(self.max_batch)])
         for done, turns in enumerate(stages, 1):
             for turn in turns:
                 self.submit(turn)
