@@ -36,13 +36,14 @@ from actors.batcher import Submit
 from actors.supervisor import SupervisedActor
 from runtime import chat, prefix, store
 from runtime.engine import Sampling, Timings, Turn, TurnResult
+from runtime.errors import KvactorsError
 from runtime.q4cache import can_trim
 
 log = logging.getLogger(__name__)
 DURABILITY = ("durable", "memory")
 
 
-class AgentError(RuntimeError):
+class AgentError(KvactorsError, RuntimeError):
     """Base class of the errors an agent's caller can get."""
 
 

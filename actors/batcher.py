@@ -19,13 +19,14 @@ import pykka
 
 from actors.supervisor import SupervisedActor
 from runtime.engine import Engine, Turn, TurnError
+from runtime.errors import KvactorsError
 
 
-class BatcherStopped(TurnError):
+class BatcherStopped(TurnError, KvactorsError):
     """The batcher stopped before the turn finished; resubmit to a new batcher."""
 
 
-class BatcherCrashed(TurnError):
+class BatcherCrashed(TurnError, KvactorsError):
     """The batcher crashed while the turn was queued or running."""
 
 

@@ -38,6 +38,8 @@ from typing import Any
 import pykka
 from pykka import ActorDeadError, ActorRef, ActorRegistry
 
+from runtime.errors import KvactorsError
+
 __all__ = [
     "RESTART_TYPES",
     "STRATEGIES",
@@ -63,7 +65,7 @@ RESTART_TYPES = ("permanent", "transient", "temporary")
 STRATEGIES = ("one_for_one", "one_for_all", "rest_for_one")
 
 
-class UnknownChild(LookupError):
+class UnknownChild(KvactorsError, LookupError):
     """The supervisor has no child of that name (never started, stopped, or not restarted)."""
 
 

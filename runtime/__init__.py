@@ -1,38 +1,43 @@
 """kvactors' machinery: models, the Q4 cache, the engine, the store; and the `Runtime` facade.
 
 `from runtime import Runtime` is lazy, so importing a submodule (e.g. `runtime.engine`,
-which the actors import) never imports the actors.
+which the actors import) never imports the actors. Every error kvactors defines is
+importable from here; those the API raises derive from `KvactorsError` (see `runtime.errors`).
 """
 
-_FACADE = ("Runtime", "AgentRef", "ReplyFuture", "RuntimeEscalated", "RuntimeClosed", "DeadLetter",
-           "AgentInfo", "SystemPromptChanged")
-_AGENT = ("Reply", "AgentCrashed", "TurnTimeout", "TurnNotSaved", "TurnTooLong", "UnknownAgent", "AgentError")
-_STORE = ("CacheDirInUse", "InvalidAgentId", "JournalError", "UnsafePath")
-_MODEL = ("ModelLoadError", "DefaultModelMissing")
-_GGUF = ("GGUFError", "UnsupportedGGUF")
+import importlib
 
-__all__ = [*_FACADE, *_AGENT, *_STORE, *_MODEL, *_GGUF]
+from runtime.errors import KvactorsError
+
+# module -> the public names it defines, imported from there on first use
+_EXPORTS = {
+    "runtime.facade": ("Runtime", "AgentRef", "ReplyFuture", "DeadLetter", "AgentInfo",
+                       "RuntimeEscalated", "RuntimeClosed", "SystemPromptChanged"),
+    "actors.agent": ("Reply", "AgentError", "AgentCrashed", "TurnTimeout", "TurnNotSaved", "TurnTooLong",
+                     "UnknownAgent"),
+    "actors.batcher": ("BatcherStopped", "BatcherCrashed"),
+    "actors.supervisor": ("UnknownChild",),
+    "runtime.engine": ("TurnError", "TurnAbandoned", "TurnTooLarge"),
+    "runtime.q4cache": ("Q4CacheError",),
+    "runtime.store": ("CacheDirInUse", "InvalidAgentId", "JournalError", "UnsafePath", "CacheError", "CacheMissing",
+                      "CorruptCache", "TruncatedCache", "UnsupportedVersion", "ChecksumMismatch", "ForeignModel",
+                      "QuantizationMismatch", "ShapeMismatch", "UnreadableCache"),
+    "runtime.model": ("ModelLoadError", "DefaultModelMissing"),
+    "runtime.gguf": ("GGUFError", "UnsupportedGGUF"),
+    "runtime.deadlines": ("DeadlinesClosed",),
+    "runtime.serve": ("ApiError",),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+
+__all__ = ["KvactorsError", *_MODULE_OF]
 
 
 def __getattr__(name):
-    if name in _FACADE:
-        from runtime import facade
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'runtime' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
 
-        return getattr(facade, name)
-    if name in _AGENT:
-        from actors import agent
 
-        return getattr(agent, name)
-    if name in _STORE:
-        from runtime import store
-
-        return getattr(store, name)
-    if name in _MODEL:
-        from runtime import model
-
-        return getattr(model, name)
-    if name in _GGUF:
-        from runtime import gguf
-
-        return getattr(gguf, name)
-    raise AttributeError(f"module 'runtime' has no attribute {name!r}")
+def __dir__():
+    return sorted({*globals(), *__all__})

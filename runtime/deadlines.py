@@ -13,10 +13,12 @@ import logging
 import threading
 import time
 
+from runtime.errors import KvactorsError
+
 log = logging.getLogger(__name__)
 
 
-class DeadlinesClosed(RuntimeError):
+class DeadlinesClosed(KvactorsError, RuntimeError):
     """The Deadlines were closed: nothing can be scheduled any more."""
 
 

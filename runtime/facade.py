@@ -37,6 +37,7 @@ from actors.persistence import PersistenceActor
 from actors.supervisor import RESTART_TYPES, STRATEGIES, Backoff, ChildSpec, RestartIntensity, Supervisor, UnknownChild
 from runtime import store
 from runtime.deadlines import Deadlines
+from runtime.errors import KvactorsError
 from runtime.model import load_model
 from runtime.qgemv import available as on_cuda
 
@@ -67,15 +68,15 @@ def _shutdown_at_exit(runtime: "Runtime") -> None:
     threading._register_atexit(lambda: ref() is not None and ref().shutdown())
 
 
-class RuntimeEscalated(RuntimeError):
+class RuntimeEscalated(KvactorsError, RuntimeError):
     """Supervision gave up (too many restarts in too short a time); the runtime is stopped."""
 
 
-class RuntimeClosed(RuntimeError):
+class RuntimeClosed(KvactorsError, RuntimeError):
     """The Runtime was shut down; start a new one to talk to its agents again."""
 
 
-class SystemPromptChanged(ValueError):
+class SystemPromptChanged(KvactorsError, ValueError):
     """`spawn` got a system prompt other than the one agent `agent` is stored with.
 
     Never silently ignored: pass `reset=True` to start the agent afresh with the new

@@ -18,6 +18,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from runtime.errors import KvactorsError
+
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -37,7 +39,7 @@ _SAMPLE_CHUNKS = 16
 _SAMPLE_BYTES = 1 << 16
 
 
-class ModelLoadError(RuntimeError):
+class ModelLoadError(KvactorsError, RuntimeError):
     """The model could not be found or loaded."""
 
 

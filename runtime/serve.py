@@ -48,6 +48,7 @@ from starlette.routing import Route
 
 from runtime import (AgentCrashed, Reply, Runtime, RuntimeEscalated, SystemPromptChanged, TurnTimeout, TurnTooLong,
                      UnknownAgent)
+from runtime.errors import KvactorsError
 from runtime.store import InvalidAgentId, check_agent_id
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ REFUSED = {  # fields we cannot honour: refused rather than silently ignored
 MAX_STOP = 4
 
 
-class ApiError(Exception):
+class ApiError(KvactorsError):
     """An error answered as OpenAI's error body with an HTTP status (4xx for a bad request)."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,

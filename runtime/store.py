@@ -75,6 +75,8 @@ import msgpack
 import numpy as np
 from safetensors import TensorSpec, serialize
 
+from runtime.errors import KvactorsError
+
 FORMAT = "kvactors-q4-cache"
 FORMAT_VERSION = 1
 CACHE_FILE = "cache.safetensors"
@@ -103,11 +105,11 @@ _PARTS = ("packed", "scales", "biases")
 # ---------------------------------------------------------------- errors
 
 
-class InvalidAgentId(ValueError):
+class InvalidAgentId(KvactorsError, ValueError):
     """An agent id that is not `[A-Za-z0-9][A-Za-z0-9._-]{0,127}`."""
 
 
-class CacheError(Exception):
+class CacheError(KvactorsError):
     """A stored cache cannot be used; re-prefill the agent from its journal."""
 
 
@@ -147,7 +149,7 @@ class UnreadableCache(CacheError):
     """The cache file exists but cannot be read (permissions, a symlink, an I/O error)."""
 
 
-class JournalError(Exception):
+class JournalError(KvactorsError):
     """A journal that cannot be read at all (another format, no permission); it is left untouched.
 
     The agent it belongs to cannot work until the file is fixed or moved aside; other
@@ -155,7 +157,7 @@ class JournalError(Exception):
     """
 
 
-class UnsafePath(OSError):
+class UnsafePath(KvactorsError, OSError):
     """A symlink inside the store: kvactors never follows one there. Remove the link."""
 
 
@@ -686,7 +688,7 @@ def agent_dir(cache_dir, fingerprint: str, agent: str) -> Path:
     return Path(cache_dir).expanduser() / fingerprint / check_agent_id(agent)
 
 
-class CacheDirInUse(RuntimeError):
+class CacheDirInUse(KvactorsError, RuntimeError):
     """Another Runtime (in this or another process) is using the cache folder."""
 
 
