@@ -43,6 +43,7 @@ import aiofiles
 import aiofiles.os
 import pykka
 
+from actors import pykka_compat
 from actors.supervisor import SupervisedActor
 from runtime import store
 from runtime.store import CACHE_FILE, JOURNAL_FILE
@@ -146,7 +147,7 @@ class PersistenceActor(SupervisedActor):
             return
         self._queue(message)
         full = self._pending_count >= self.max_pending or self._pending_bytes >= self.max_pending_bytes
-        if full or self.actor_inbox.empty():
+        if full or pykka_compat.inbox_empty(self):
             self._flush()
 
     def on_stop(self) -> None:

@@ -9,14 +9,15 @@ report to the supervisor:
 - a failing **tell** stops it (`on_failure`), but tells nobody;
 - a failing `on_start` stops it without `on_failure`;
 - a `SystemExit` (any non-`Exception` `BaseException`) stops **every** pykka actor
-  (`ActorRegistry.stop_all()` in pykka 4.5's `_actor_loop_running`), and out of `on_start`
-  it kills the thread and leaves a dead actor registered.
+  (`ActorRegistry.stop_all()` in pykka 4.5's actor loop), and out of `on_start` it kills
+  the thread and leaves a dead actor registered.
 
 A `SupervisedActor` instead stops itself on all of these, runs `on_failure`, and reports
 the crash; nothing reaches pykka's global handling. The supervisor restarts per its
 strategy after an exponential backoff, counted against its restart intensity; beyond the
 intensity it stops its group and calls `on_escalate`. A pykka actor can't restart, so a
 restart is a new actor: callers hold a name and ask `whereis(name)` for the current ref.
+The loop that does this uses pykka's private API, all of it through `actors.pykka_compat`.
 
 Clocks and randomness are injected into the pure parts (`RestartIntensity`, `Backoff`) so
 their arithmetic is testable without sleeping.
@@ -24,9 +25,7 @@ their arithmetic is testable without sleeping.
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
-import queue
 import random
 import threading
 import time
@@ -36,8 +35,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pykka
-from pykka import ActorDeadError, ActorRef, ActorRegistry
+from pykka import ActorDeadError, ActorRef
 
+from actors import pykka_compat
 from runtime.errors import KvactorsError
 
 __all__ = [
@@ -53,13 +53,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-_PYKKA_INTERNALS = ("_actor_loop", "_actor_loop_teardown", "_handle_receive", "_stop")
-if not all(hasattr(pykka.Actor, name) for name in _PYKKA_INTERNALS):
-    raise ImportError(
-        f"actors.supervisor builds on pykka 4.5's actor loop ({', '.join(_PYKKA_INTERNALS)}); "
-        f"installed pykka is {importlib.metadata.version('pykka')}: install pykka>=4.5,<5"
-    )
 
 RESTART_TYPES = ("permanent", "transient", "temporary")
 STRATEGIES = ("one_for_one", "one_for_all", "rest_for_one")
@@ -175,7 +168,7 @@ class _Restart:
 # --- containment -------------------------------------------------------------------------
 
 
-class SupervisedActor(pykka.ThreadingActor):
+class SupervisedActor(pykka_compat.OwnLoopActor):
     """A ThreadingActor whose every failure is a crash reported to its supervisor.
 
     Any BaseException out of `on_start`, `on_receive` or a proxy call or attribute access
@@ -188,19 +181,19 @@ class SupervisedActor(pykka.ThreadingActor):
     `ChildExited(actor_urn, None)`. Subclasses call `super().__init__(supervisor)`;
     with `supervisor=None` the containment holds and failures are only logged.
 
-    Built on pykka 4.5's actor loop (`_actor_loop`, `_handle_receive`,
-    `_actor_loop_teardown`); the tests pin that behaviour.
+    Runs its own actor loop (`pykka_compat.OwnLoopActor`); the tests pin that behaviour.
     """
 
     def __init__(self, supervisor: ActorRef[Any] | None) -> None:
         super().__init__()
         self.supervisor = supervisor
 
-    def _actor_loop(self) -> None:
+    def actor_loop(self) -> None:
+        """This actor's life on its thread: start, receive until stopped, report how it ended."""
         try:
             self.on_start()
         except BaseException as exc:  # noqa: BLE001 - contained: reported, never re-raised
-            self._mark_stopped()
+            pykka_compat.mark_stopped(self)
             error: BaseException | None = exc
         else:
             error = self._receive_until_stopped()
@@ -210,7 +203,7 @@ class SupervisedActor(pykka.ThreadingActor):
                 self.on_failure(type(error), error, error.__traceback__)
             except BaseException:  # noqa: BLE001
                 logger.exception("on_failure of %s raised", self)
-        self._actor_loop_teardown()
+        pykka_compat.teardown(self)
         if self.supervisor is None:
             return
         try:
@@ -221,16 +214,16 @@ class SupervisedActor(pykka.ThreadingActor):
 
     def _receive_until_stopped(self) -> BaseException | None:
         while not self.actor_stopped.is_set():
-            envelope = self.actor_inbox.get()
+            message, reply_to = pykka_compat.next_message(self)
             try:
-                response = self._handle_receive(envelope.message)
+                response = pykka_compat.handle(self, message)
             except BaseException as exc:  # noqa: BLE001 - contained: reported, never re-raised
-                self._mark_stopped()  # before replying, so the caller sees it dead
-                if envelope.reply_to is not None:
-                    envelope.reply_to.set_exception(exc_info=self._caller_exc_info(exc))
+                pykka_compat.mark_stopped(self)  # before replying, so the caller sees it dead
+                if reply_to is not None:
+                    reply_to.set_exception(exc_info=self._caller_exc_info(exc))
                 return exc
-            if envelope.reply_to is not None:
-                envelope.reply_to.set(response)
+            if reply_to is not None:
+                reply_to.set(response)
         return None
 
     def take_leftover(self, *types: type) -> list:
@@ -241,23 +234,7 @@ class SupervisedActor(pykka.ThreadingActor):
         `on_failure`). Every other envelope goes back, in order, for pykka's teardown
         (which answers queued asks with ActorDeadError).
         """
-        taken, others = [], []
-        while True:
-            try:
-                envelope = self.actor_inbox.get_nowait()
-            except queue.Empty:
-                break
-            if envelope.reply_to is None and isinstance(envelope.message, types):
-                taken.append(envelope.message)
-            else:
-                others.append(envelope)
-        for envelope in others:
-            self.actor_inbox.put(envelope)
-        return taken
-
-    def _mark_stopped(self) -> None:
-        ActorRegistry.unregister(self.actor_ref)
-        self.actor_stopped.set()
+        return pykka_compat.take_tells(self, types)
 
     def _caller_exc_info(self, exc: BaseException) -> tuple[type[BaseException], Any, Any]:
         if isinstance(exc, Exception):
@@ -456,7 +433,7 @@ class Supervisor(pykka.ThreadingActor):
             if error is None:
                 error = RuntimeError(f"permanent child {name!r} stopped (normal exit)")
             state.escalation = (name, error)
-            self._stop()  # pykka: stop now, skipping the rest of the inbox; on_stop escalates
+            pykka_compat.stop_now(self)  # skipping the rest of the inbox; on_stop escalates
             return
         delay, child.attempt = self.backoff.next_delay(
             child.attempt, now - child.started_at, self._rng

@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import agent_restart_child as child
+from actors import pykka_compat
 from actors.agent import Ask, AgentActor, Note, encode_message
 from actors.batcher import Submit
 from actors.supervisor import Backoff
@@ -95,7 +96,7 @@ def live_agents(env) -> dict[str, int]:
     """Name -> number of live AgentActors of the runtime with `env`."""
     counts: dict[str, int] = {}
     for ref in pykka.ActorRegistry.get_by_class(AgentActor):
-        actor = ref._actor_weakref()
+        actor = pykka_compat.actor_of(ref)
         if actor is not None and ref.is_alive() and actor.env is env:
             counts[actor.name] = counts.get(actor.name, 0) + 1
     return counts
@@ -339,7 +340,7 @@ def test_stream_pieces_arrive_while_the_batch_decodes(rt):
     Were the pieces delivered only at the end, the consumer would wait for a turn
     that cannot end, until the hold gives up after 30 s (`held` then has False)."""
     a = rt.spawn("sw-a", system="You are A.")
-    engine = rt.env.batcher()._actor_weakref().engine
+    engine = pykka_compat.actor_of(rt.env.batcher()).engine
     go, release, held = threading.Event(), threading.Event(), []
 
     def hold(piece):  # runs on the batcher's thread, as every row's on_token
@@ -351,7 +352,7 @@ def test_stream_pieces_arrive_while_the_batch_decodes(rt):
     batcher = rt.env.batcher()
     batcher.tell(Submit(gate, lambda outcome: None))
     stream = a.stream("Stream to me.", max_tokens=12)
-    wait_for(lambda: batcher.actor_inbox.qsize() >= 1, what="the turn to reach the batcher")
+    wait_for(lambda: pykka_compat.queued(batcher) >= 1, what="the turn to reach the batcher")
     go.set()
     first = next(stream)  # once the turn has text the batch is held, so the turn cannot end before this
     still_decoding = any(r.turn.agent_id == a.name for r in engine.decoding)
@@ -398,10 +399,10 @@ def test_64_concurrent_ask_async_calls_fill_the_batch_with_no_thread_each(tmp_pa
                 calls = [asyncio.create_task(a.ask_async(f"Call {k}.", max_tokens=2))
                          for k in range(4) for a in agents]
                 for _ in range(6000):  # every agent's first turn reaches the parked batcher
-                    if batcher.actor_inbox.qsize() >= len(agents):
+                    if pykka_compat.queued(batcher) >= len(agents):
                         break
                     await asyncio.sleep(0.005)
-                assert batcher.actor_inbox.qsize() >= len(agents), "the calls did not all get through"
+                assert pykka_compat.queued(batcher) >= len(agents), "the calls did not all get through"
                 new = [t.name for t in threading.enumerate() if t.name not in names]
                 assert new in ([], ["kvactors-timers"]), new  # no thread waits for a call or its watchdog
                 release.set()
@@ -490,7 +491,7 @@ def test_stopping_an_agent_answers_its_pending_turns_and_dead_letters_its_pendin
     with stalled_batcher(rt):
         batcher = rt.env.batcher()
         running = alice.send("One.", max_tokens=4)
-        wait_for(lambda: batcher.actor_inbox.qsize() >= 1, what="the turn to reach the batcher")
+        wait_for(lambda: pykka_compat.queued(batcher) >= 1, what="the turn to reach the batcher")
         queued = alice.send("Two.", max_tokens=4)
         rt.env.notify("stop-alice", encode_message("A note.", sender="bob"))  # as bob's reply would
         alice.stop()
@@ -629,7 +630,7 @@ def test_a_batcher_crash_fails_in_flight_turns_and_agents_keep_their_history(tmp
         old = rt.env.batcher()
         with stalled_batcher(rt):
             futures = [alice.send("Two.", max_tokens=4), bob.send("Two.", max_tokens=4)]
-            wait_for(lambda: old.actor_inbox.qsize() >= 2, what="the turns to reach the batcher")
+            wait_for(lambda: pykka_compat.queued(old) >= 2, what="the turns to reach the batcher")
             old.tell(object())
         for f in futures:
             with pytest.raises(AgentCrashed) as crash:
