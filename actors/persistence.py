@@ -158,10 +158,6 @@ class PersistenceActor(SupervisedActor):
         if self._loop is not None:
             self._loop.close()
 
-    def flush(self) -> None:
-        """Write everything queued now; returns once it is durable (or failed, see the acks)."""
-        self._flush()
-
     def load(self, agent: str) -> store.Loaded:
         """`agent`'s journal and usable cache (see `store.Loaded`), after flushing queued writes.
 

@@ -1560,7 +1560,7 @@ class HotCaches:
     """In-memory ("hot") caches under a byte budget; the least recently used drop to warm.
 
     Thread-safe. Holds the only runtime reference to each cache it keeps, so dropping
-    one (eviction, `pop`, `discard`) frees its memory. A dropped cache is "warm": the
+    one (eviction, `discard`) frees its memory. A dropped cache is "warm": the
     persistence actor already holds or wrote its host copy.
     """
 
@@ -1595,13 +1595,6 @@ class HotCaches:
                 return None
             self._caches.move_to_end(agent)
             return entry[0]
-
-    def pop(self, agent: str):
-        """Remove and return `agent`'s hot cache, or None (e.g. to hand it to the batcher)."""
-        with self._lock:
-            entry = self._caches.get(agent)
-            self._drop(agent)
-            return None if entry is None else entry[0]
 
     def discard(self, agent: str) -> None:
         """Forget `agent`'s hot cache, if any (the agent went away)."""

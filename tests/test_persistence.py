@@ -280,7 +280,7 @@ def test_retention_prunes_idle_caches_at_start(tmp_path, actor):
     write(ref, "alpha", 0).get(timeout=10)
     ref.stop()
     time.sleep(0.05)
-    actor(retention_s=0.01).proxy().flush().get(timeout=10)  # on_start has run
+    actor(retention_s=0.01).proxy().stored("alpha").get(timeout=10)  # on_start has run
     assert journal_seqs(tmp_path, "alpha") == [0]
     assert isinstance(store.load_agent(tmp_path, SPEC, "alpha").error, store.CacheMissing)
 
