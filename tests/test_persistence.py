@@ -16,7 +16,7 @@ import pytest
 
 from actors.persistence import Ack, PersistenceActor, submit
 from persistence_crash_child import AGENTS, SPEC, expected
-from runtime import store
+from runtime import journal, store
 
 CHILD = Path(__file__).with_name("persistence_crash_child.py")
 
@@ -160,7 +160,7 @@ def test_errors_go_to_the_acks_and_the_actor_survives(tmp_path, actor):
 def test_disk_full_in_a_journal_append_fails_only_that_write(tmp_path, actor, monkeypatch):
     ref = actor()
     write(ref, "alpha", 0).get(timeout=10)
-    real, calls = store._pwrite, []
+    real, calls = journal._pwrite, []
 
     def disk_full_once(fd, data, offset):  # part of the frame reaches the disk, then ENOSPC
         calls.append(offset)
@@ -169,7 +169,7 @@ def test_disk_full_in_a_journal_append_fails_only_that_write(tmp_path, actor, mo
         real(fd, bytes(data[:10]), offset)
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(store, "_pwrite", disk_full_once)
+    monkeypatch.setattr(journal, "_pwrite", disk_full_once)
     with pytest.raises(OSError) as full:
         write(ref, "alpha", 1).get(timeout=10)
     assert full.value.errno == errno.ENOSPC

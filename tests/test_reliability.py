@@ -3,7 +3,7 @@ bad options, retries, use after shutdown, SIGKILL. The invariant after each: eve
 acknowledged turn is in the history once, in order, and the other agents go on being
 served.
 
-The full disk is injected at the one call that writes journal bytes (`store._pwrite`:
+The full disk is injected at the one call that writes journal bytes (`journal._pwrite`:
 part of the frame reaches the disk, then ENOSPC); `disk_full_child.py` fills a real
 tmpfs instead, where the system allows one. `chaos_child.py` is the process the
 SIGKILL test kills (KVACTORS_KILLS sets how many times; 3 by default).
@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from actors.supervisor import Backoff
-from runtime import AgentCrashed, JournalError, Runtime, RuntimeClosed, TurnNotSaved, TurnTimeout, store
+from runtime import AgentCrashed, JournalError, Runtime, RuntimeClosed, TurnNotSaved, TurnTimeout, journal, store
 from runtime.facade import AgentRef
 
 FAST = Backoff(min=0.001, max=0.02, reset=10.0)
@@ -57,7 +57,7 @@ def replies(acked) -> list[tuple]:
 
 
 def test_disk_full_fails_only_that_turn_and_the_runtime_keeps_serving(tmp_path, monkeypatch):
-    real, failures = store._pwrite, []
+    real, failures = journal._pwrite, []
 
     def disk_full_once(fd, data, offset):
         if not failures:
@@ -70,7 +70,7 @@ def test_disk_full_fails_only_that_turn_and_the_runtime_keeps_serving(tmp_path, 
         alice, bob = rt.spawn("alice", system="You are Alice."), rt.spawn("bob", system="You are Bob.")
         acked = {"alice": [("One.", alice.ask("One.", max_tokens=4))], "bob": []}
         me = rt.env.refs["alice"]
-        monkeypatch.setattr(store, "_pwrite", disk_full_once)
+        monkeypatch.setattr(journal, "_pwrite", disk_full_once)
         with pytest.raises(TurnNotSaved) as lost:
             alice.ask("Lost.", max_tokens=4)
         assert lost.value.turn_id and "No space left" in str(lost.value)
@@ -346,18 +346,18 @@ def test_waiting_too_little_on_a_reply_is_a_turn_timeout_not_a_pykka_error(edge_
 
 
 def test_an_agent_spawned_on_a_full_disk_fails_its_turns_without_crash_looping(tmp_path, monkeypatch):
-    real = store._pwrite
+    real = journal._pwrite
 
     def disk_full(fd, data, offset):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     with Runtime(model=None, cache_dir=tmp_path, max_restarts=1, restart_period=60, backoff=FAST) as rt:
-        monkeypatch.setattr(store, "_pwrite", disk_full)
+        monkeypatch.setattr(journal, "_pwrite", disk_full)
         newbie = rt.spawn("newbie", system="You are new.")
         for _ in range(3):
             with pytest.raises(TurnNotSaved, match="system prompt"):
                 newbie.ask("Hello?", max_tokens=2)
-        monkeypatch.setattr(store, "_pwrite", real)
+        monkeypatch.setattr(journal, "_pwrite", real)
         r = newbie.ask("And now?", max_tokens=2)
         assert rt.escalation is None
         assert [(x["role"], x["text"]) for x in on_disk(rt, "newbie")] == [

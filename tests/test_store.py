@@ -1,6 +1,7 @@
 """runtime.store: bit-exact round trips, every corruption kind with its error and fallback,
 journal torn tails, agent ids, permissions, retention, inspect, the hot tier."""
 
+import ast
 import dataclasses
 import errno
 import json
@@ -9,13 +10,14 @@ import random
 import stat
 import threading
 import types
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from safetensors import TensorSpec, serialize
 
-from runtime import store
+from runtime import cachechain, cacheformat, hostcache, journal, store
 from runtime.store import CacheMeta
 
 SPEC = types.SimpleNamespace(
@@ -339,19 +341,19 @@ def test_random_damage_never_loses_an_intact_frame(tmp_path):
 def test_a_failed_append_leaves_the_journal_as_it_was(tmp_path, monkeypatch):
     path, recs, _ = journal_of(tmp_path, 3)
     before = path.read_bytes()
-    real = store._pwrite
+    real = journal._pwrite
 
     def disk_full(fd, data, offset):  # the kernel wrote part of the frame, then the disk was full
         if len(data) > 8:
             real(fd, bytes(data[: len(data) // 2]), offset)
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(store, "_pwrite", disk_full)
+    monkeypatch.setattr(journal, "_pwrite", disk_full)
     with pytest.raises(OSError) as full:
         store.append_journal(tmp_path, SPEC, "a", [store.journal_record(3, "user", "z" * 500)])
     assert full.value.errno == errno.ENOSPC
     assert path.read_bytes() == before  # cut back to the last good frame
-    monkeypatch.setattr(store, "_pwrite", real)
+    monkeypatch.setattr(journal, "_pwrite", real)
     later = store.journal_record(3, "user", "later")
     assert store.append_journal(tmp_path, SPEC, "a", [later]) == [later]
     assert store.read_journal(tmp_path, SPEC, "a") == recs + [later]
@@ -569,7 +571,7 @@ def test_hot_caches_release_memory_when_agents_go():
 
 def test_parallel_and_serial_checksums_agree(tmp_path, monkeypatch):
     path, _ = saved(tmp_path, T=64)  # small: checksummed serially
-    monkeypatch.setattr(store, "_PARALLEL_CRC_BYTES", 0)  # now in threads
+    monkeypatch.setattr(cacheformat, "_PARALLEL_CRC_BYTES", 0)  # now in threads
     assert store.load_cache(tmp_path, SPEC, "a")[1].seq == 1
     data = bytearray(path.read_bytes())
     data[-5] ^= 1
@@ -673,7 +675,7 @@ def test_stale_or_damaged_deltas_end_the_chain_at_a_real_state(tmp_path):
 
 
 def test_a_chain_at_max_deltas_or_with_other_tokens_gets_a_full_file(tmp_path, monkeypatch):
-    monkeypatch.setattr(store, "MAX_DELTAS", 2)
+    monkeypatch.setattr(cachechain, "MAX_DELTAS", 2)
     empty = store.HostCache({}, "float32", 4, 64, 2, 0)
     host = grown(empty, 0, 300, seed=0)
     _, _, last = write_segment(tmp_path, host, meta_for(300, 1), None, None)
@@ -695,7 +697,7 @@ def test_a_malformed_delta_ends_the_chain(tmp_path):
     _, _, last = write_segment(tmp_path, first, meta_for(200, 1), None, None)
     second = grown(first, 200, 10, seed=2)
     name, data, _ = store.next_segment(second, meta_for(210, 2), SPEC.fingerprint, last, (1, 200))
-    header = store._parse_safetensors(data)[0]["__metadata__"]
+    header = cacheformat._parse_safetensors(data)[0]["__metadata__"]
     bad_meta = json.loads(header["meta"])
     bad_meta["delta"]["lengths"] = ["210", 210]  # well-formed file, nonsense link
     tensors = store.decode_cache(data)[0].tensors
@@ -703,7 +705,7 @@ def test_a_malformed_delta_ends_the_chain(tmp_path):
     spec_bad = {k: TensorSpec(dtype="uint32" if k.endswith("packed") else "float32", shape=list(v.shape),
                               data_ptr=v.ctypes.data, data_len=v.nbytes) for k, v in tensors.items()}
     meta_json = json.dumps(bad_meta, separators=(",", ":"))
-    raw_file = serialize(spec_bad, {**header, "meta": meta_json, "checksum": store._checksum(meta_json, tensors, dtypes)})
+    raw_file = serialize(spec_bad, {**header, "meta": meta_json, "checksum": cacheformat._checksum(meta_json, tensors, dtypes)})
     store.write_atomic(tmp_path / SPEC.fingerprint / "a" / name, raw_file)
     assert_loads_as(tmp_path, first, meta_for(200, 1))
 
@@ -738,12 +740,37 @@ def test_a_device_cache_writes_the_same_files_copying_only_the_new_rows(tmp_path
     _, _, last = write_segment(tmp_path, store.on_device(first), meta_for(300, 1), None, None)
     copied, meta = [], dataclasses.replace(meta_for(325, 2), created=1.0)
     real = store.cache_to_host
-    monkeypatch.setattr(store, "cache_to_host", lambda cache, start=0: copied.append(start) or real(cache, start))
+    monkeypatch.setattr(hostcache, "cache_to_host", lambda cache, start=0: copied.append(start) or real(cache, start))
     from_device = store.next_segment(dev, meta, SPEC.fingerprint, last, (1, 300))
-    monkeypatch.setattr(store, "cache_to_host", real)
+    monkeypatch.setattr(hostcache, "cache_to_host", real)
     from_host = store.next_segment(host, meta, SPEC.fingerprint, last, (1, 300))
     assert from_device[0] == store.DELTA_FILE.format(1) and copied == [300]  # only the 25 new rows left the device
     assert from_device[2] == from_host[2]  # the checksum covers the meta and every tensor's bytes
     (got, got_meta), (want, want_meta) = store.decode_cache(from_device[1]), store.decode_cache(from_host[1])
     assert got_meta == want_meta and got.lengths == want.lengths == (25, 25)
     assert {k: v.tobytes() for k, v in got.tensors.items()} == {k: v.tobytes() for k, v in want.tensors.items()}
+
+
+# ---------------------------------------------------------------- the store's parts
+
+
+def test_the_store_parts_import_one_way_and_never_the_actors():
+    allowed = {  # part -> the parts it may import
+        "files": set(), "hostcache": set(), "hotcache": set(), "journal": {"files"}, "cacheformat": {"hostcache"},
+        "cachechain": {"files", "hostcache", "cacheformat"},
+        "store": {"files", "hostcache", "hotcache", "journal", "cacheformat", "cachechain"},
+    }
+    folder = Path(store.__file__).parent
+    for part, may in allowed.items():
+        imported = set()
+        for node in ast.walk(ast.parse((folder / f"{part}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            imported |= {n.split(".")[1] for n in names if n.startswith("runtime.")}
+            assert not any(n.split(".")[0] == "actors" for n in names), f"runtime/{part}.py imports the actors"
+        parts = imported & set(allowed)
+        assert parts <= may, f"runtime/{part}.py imports {sorted(parts - may)}: the store's parts depend one way"

@@ -1,0 +1,275 @@
+"""The cache file format: encoding, decoding, validation, and the errors of a cache that cannot be used.
+
+`cache.safetensors` is written with the `safetensors` package: the tensors of a
+`runtime.hostcache.HostCache`, moved as raw bits. The header's `__metadata__` holds
+`format` ("kvactors-q4-cache"), `format_version` ("1"), `meta` (JSON: fingerprint,
+kv_bits, kv_group_size, dtype, n_layers, n_tokens, lengths, seq, turn_id, text,
+token_ids, token_ends, created, and in a delta file `delta`: see `runtime.cachechain`)
+and `checksum` ("crc32:<hex>" over the meta string, then every tensor's name, dtype,
+shape and crc32 of its bytes, in name order).
+
+Decoding validates everything and raises one `CacheError` subclass per problem; the
+caller falls back to re-prefilling from the journal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+from safetensors import TensorSpec, serialize
+
+from runtime.errors import KvactorsError
+from runtime.hostcache import CacheMeta, HostCache, check_cache, tensor_name
+
+FORMAT = "kvactors-q4-cache"
+FORMAT_VERSION = 1
+MAX_HEADER = 100 << 20  # the safetensors package's own limit
+_PARALLEL_CRC_BYTES = 16 << 20
+
+# safetensors header dtype -> (numpy dtype that holds the bytes, activation dtype name)
+_DTYPES = {
+    "U32": (np.uint32, "uint32"),
+    "F32": (np.float32, "float32"),
+    "F16": (np.float16, "float16"),
+    "BF16": (np.uint16, "bfloat16"),
+}
+_SCALE_HEADER = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+
+
+class CacheError(KvactorsError):
+    """A stored cache cannot be used; re-prefill the agent from its journal."""
+
+
+class CacheMissing(CacheError):
+    """There is no stored cache for this agent (a cold start)."""
+
+
+class CorruptCache(CacheError):
+    """The file is not a readable kvactors cache (garbage, a damaged header)."""
+
+
+class TruncatedCache(CacheError):
+    """The file ends before the data its header announces."""
+
+
+class UnsupportedVersion(CacheError):
+    """The cache was written in a format version this code does not read."""
+
+
+class ChecksumMismatch(CacheError):
+    """The tensors or metadata do not match the checksum written with them."""
+
+
+class ForeignModel(CacheError):
+    """The cache belongs to another model (another fingerprint)."""
+
+
+class QuantizationMismatch(CacheError):
+    """The cache was quantized with other bits or group size than the runtime uses."""
+
+
+class ShapeMismatch(CacheError):
+    """The tensors' shapes or dtype contradict the model's cache spec."""
+
+
+class UnreadableCache(CacheError):
+    """The cache file exists but cannot be read (permissions, a symlink, an I/O error)."""
+
+
+def _crcs(arrays: list) -> list[int]:
+    return [zlib.crc32(np.ascontiguousarray(a).data) for a in arrays]
+
+
+def _checksum(meta_json: str, tensors: dict, dtypes: dict) -> str:
+    """crc32 over the meta string and each tensor's name, dtype, shape and crc32 (in name order).
+
+    Tensor crcs run in threads (zlib releases the GIL) once there is enough data to pay.
+    """
+    names = sorted(tensors)
+    arrays = [tensors[n] for n in names]
+    k = min(8, os.cpu_count() or 1, len(arrays))
+    if k > 1 and sum(a.nbytes for a in arrays) >= _PARALLEL_CRC_BYTES:
+        crcs = [0] * len(arrays)
+        with ThreadPoolExecutor(k) as pool:
+            for i, part in enumerate(pool.map(_crcs, [arrays[i::k] for i in range(k)])):
+                crcs[i::k] = part
+    else:
+        crcs = _crcs(arrays)
+    crc = zlib.crc32(meta_json.encode())
+    for name, a, c in zip(names, arrays, crcs):
+        crc = zlib.crc32(f"{name}:{dtypes[name]}:{list(a.shape)}:{c:08x}".encode(), crc)
+    return f"crc32:{crc:08x}"
+
+
+def _header_dtype(name: str, host: HostCache) -> str:
+    return "U32" if name.endswith("packed") else _SCALE_HEADER[host.dtype]
+
+
+def encode_cache(host: HostCache, meta: CacheMeta, fingerprint: str) -> bytes:
+    """Serialize `host` and `meta` of the model `fingerprint` to the bytes of a cache file.
+
+    Raises ValueError when `host` or `meta` is inconsistent (lengths, shapes, dtypes).
+    """
+    return encode_file(host, meta, fingerprint)[0]
+
+
+def encode_file(host: HostCache, meta: CacheMeta, fingerprint: str, delta: dict | None = None) -> tuple[bytes, str]:
+    """(file bytes, checksum) of `host` + `meta`; `delta` (a delta file's link) goes into the meta.
+
+    Raises ValueError as `encode_cache` does.
+    """
+    check_cache(host, meta)
+    meta_json = json.dumps(
+        {
+            "fingerprint": fingerprint,
+            "kv_bits": host.bits,
+            "kv_group_size": host.group_size,
+            "dtype": host.dtype,
+            "n_layers": host.n_layers,
+            "n_tokens": host.n_tokens,
+            "lengths": list(host.lengths),
+            "seq": int(meta.seq),
+            "turn_id": meta.turn_id,
+            "text": meta.text,
+            "token_ids": [int(t) for t in meta.token_ids],
+            "token_ends": [int(e) for e in meta.token_ends],
+            "created": meta.created or time.time(),
+            **({"delta": delta} if delta is not None else {}),
+        },
+        separators=(",", ":"),
+    )
+    tensors = {k: np.ascontiguousarray(v) for k, v in host.tensors.items()}
+    dtypes = {k: _header_dtype(k, host) for k in tensors}
+    specs = {
+        k: TensorSpec(dtype=_DTYPES[dtypes[k]][1], shape=list(a.shape), data_ptr=a.ctypes.data, data_len=a.nbytes)
+        for k, a in tensors.items()
+    }
+    checksum = _checksum(meta_json, tensors, dtypes)
+    header = {"format": FORMAT, "format_version": str(FORMAT_VERSION), "meta": meta_json, "checksum": checksum}
+    return serialize(specs, header), checksum  # `tensors` keeps the buffers alive until here
+
+
+def decode_cache(data, spec=None) -> tuple[HostCache, CacheMeta]:
+    """Parse and validate the bytes of a cache file; return (HostCache, CacheMeta).
+
+    The arrays are numpy views into `data`. With `spec` (a ModelCacheSpec or anything
+    with its attributes) the file is also checked against the model: fingerprint, bits
+    and group, layers, heads, head dims and (if the spec has one) dtype. Raises
+    TruncatedCache, CorruptCache, UnsupportedVersion, ChecksumMismatch, ForeignModel,
+    QuantizationMismatch or ShapeMismatch.
+    """
+    return decode_file(data, spec)[:2]
+
+
+def decode_file(data, spec=None) -> tuple[HostCache, CacheMeta, str, dict | None]:
+    """`decode_cache`, plus the file's checksum and its delta link (None: a full cache file); raises as it does."""
+    header, body = _parse_safetensors(data)
+    info = header.pop("__metadata__", None)
+    if not isinstance(info, dict) or info.get("format") != FORMAT:
+        raise CorruptCache("not a kvactors cache file (no kvactors format tag in the header)")
+    if info.get("format_version") != str(FORMAT_VERSION):
+        raise UnsupportedVersion(
+            f"cache format version {info.get('format_version')!r}, this kvactors reads version "
+            f"{FORMAT_VERSION}; the agent re-prefills from its journal (upgrade kvactors to reuse it)"
+        )
+    try:
+        m = json.loads(info["meta"])
+        tensors = {k: _tensor(body, v) for k, v in header.items()}
+        dtypes = {k: v["dtype"] for k, v in header.items()}
+        host = HostCache(
+            tensors, m["dtype"], int(m["kv_bits"]), int(m["kv_group_size"]), int(m["n_layers"]), int(m["n_tokens"]),
+            tuple(int(n) for n in m.get("lengths", ())),
+        )
+        meta = CacheMeta(
+            int(m["seq"]), list(m["token_ids"]), list(m["token_ends"]), str(m["text"]),
+            m["turn_id"], float(m["created"]), str(m["fingerprint"]),
+        )
+        checksum = info["checksum"]
+        delta = m.get("delta")
+    except (KeyError, TypeError, ValueError) as e:
+        raise CorruptCache(f"cache header is damaged ({type(e).__name__}: {e})") from e
+    if _checksum(info["meta"], tensors, dtypes) != checksum:
+        raise ChecksumMismatch("cache contents do not match their checksum: the file is damaged")
+    try:
+        check_cache(host, meta)
+    except ValueError as e:
+        raise CorruptCache(f"cache file is inconsistent: {e}") from e
+    if spec is not None:
+        check_spec(host, meta.fingerprint, spec)
+    return host, meta, checksum, delta
+
+
+def _parse_safetensors(data) -> tuple[dict, memoryview]:
+    """Split a safetensors file into its JSON header and its data; strict about sizes."""
+    view = memoryview(data)
+    if len(view) < 8:
+        raise TruncatedCache(f"cache file is {len(view)} bytes: it was cut short")
+    n = int.from_bytes(view[:8], "little")
+    if n == 0 or n > MAX_HEADER:
+        raise CorruptCache(f"header length {n} is not plausible: not a safetensors file")
+    if 8 + n > len(view):
+        raise TruncatedCache(f"cache file is {len(view)} bytes but its header alone needs {8 + n}: it was cut short")
+    try:
+        header = json.loads(bytes(view[8 : 8 + n]))
+        if not isinstance(header, dict):
+            raise ValueError("header is not an object")
+        end = 0
+        tensors = sorted((t["data_offsets"], name, t) for name, t in header.items() if name != "__metadata__")
+        for _, name, t in tensors:
+            start, stop = t["data_offsets"]
+            size = int(np.prod(t["shape"], dtype=np.int64)) * np.dtype(_DTYPES[t["dtype"]][0]).itemsize
+            if start != end or stop - start != size:
+                raise ValueError(f"tensor {name} spans bytes {start}..{stop}, expected {end}..{end + size}")
+            end = stop
+    except (KeyError, TypeError, ValueError, UnicodeDecodeError) as e:
+        raise CorruptCache(f"cache header is damaged ({type(e).__name__}: {e})") from e
+    if 8 + n + end > len(view):
+        raise TruncatedCache(f"cache file is {len(view)} bytes, its header announces {8 + n + end}: it was cut short")
+    if 8 + n + end < len(view):
+        raise CorruptCache(f"cache file has {len(view) - 8 - n - end} bytes of trailing garbage")
+    return header, view[8 + n :]
+
+
+def _tensor(body: memoryview, t: dict) -> np.ndarray:
+    start, stop = t["data_offsets"]
+    np_dtype = _DTYPES[t["dtype"]][0]
+    return np.frombuffer(body[start:stop], dtype=np_dtype).reshape(t["shape"])
+
+
+def check_spec(host: HostCache, fingerprint: str, spec) -> None:
+    """Raise ForeignModel, QuantizationMismatch or ShapeMismatch unless `host` (made by `fingerprint`) fits `spec`."""
+    if fingerprint != spec.fingerprint:
+        raise ForeignModel(
+            f"cache was made by model {fingerprint}, the runtime runs {spec.fingerprint}; "
+            "it cannot be reused, the agent re-prefills from its journal"
+        )
+    if (host.bits, host.group_size) != (spec.kv_bits, spec.kv_group_size):
+        raise QuantizationMismatch(
+            f"cache is {host.bits}-bit with group {host.group_size}, the runtime uses {spec.kv_bits}-bit "
+            f"with group {spec.kv_group_size}; the agent re-prefills from its journal"
+        )
+    problems = []
+    if host.n_layers != spec.n_layers:
+        problems.append(f"{host.n_layers} layers, the model has {spec.n_layers}")
+    spec_dtype = getattr(spec, "dtype", None)
+    if host.n_tokens and isinstance(spec_dtype, str) and spec_dtype != host.dtype:
+        problems.append(f"scales in {host.dtype}, the model computes in {spec_dtype}")
+    windows = getattr(spec, "windows", None) or (None,) * spec.n_layers
+    for i in range(min(host.n_layers, spec.n_layers) if host.n_tokens else 0):
+        window, n = windows[i], host.length(i)
+        if n < (host.n_tokens if window is None else min(host.n_tokens, window)):
+            problems.append(f"layer {i} holds {n} of {host.n_tokens} tokens, its attention needs more")
+        for kind, dim in (("keys", spec.k_head_dim), ("values", spec.v_head_dim)):
+            want = (1, spec.n_kv_heads, n, dim * host.bits // 32)
+            got = host.tensors[tensor_name(i, kind, "packed")].shape
+            if tuple(got) != want:
+                problems.append(f"layer {i} {kind} packed {tuple(got)}, expected {want}")
+    if problems:
+        raise ShapeMismatch(
+            "cache does not fit the model: " + "; ".join(problems[:3]) + "; the agent re-prefills from its journal"
+        )

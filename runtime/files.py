@@ -1,0 +1,180 @@
+"""The store's folders and files: layout, agent ids, atomic writes, the `cache_dir` lock.
+
+Layout, one folder per (model fingerprint, agent id), folders 0700, files 0600::
+
+    cache_dir/<fingerprint>/<agent>/cache.safetensors   Q4 cache of the used tokens + metadata
+    cache_dir/<fingerprint>/<agent>/cache.<k>.delta.safetensors   rows added since (k = 1, 2, ...)
+    cache_dir/<fingerprint>/<agent>/journal.msgpack     append-only record of every turn
+    cache_dir/<fingerprint>/model.json                  {"model_id": ...}: which model made the folder
+
+Every write of a whole file goes to a temp file in the same folder, is fsynced,
+renamed over the old file, and the folder is fsynced (`write_atomic`): after a crash
+each file is the previous or the new complete version. One process writes a cache
+folder at a time (`lock_cache_dir`). No file or folder inside `cache_dir` is followed
+as a symlink: files are opened with O_NOFOLLOW, folders are checked (`refuse_links`).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import secrets
+from pathlib import Path
+
+from runtime.errors import KvactorsError
+
+CACHE_FILE = "cache.safetensors"
+DELTA_FILE = "cache.{}.delta.safetensors"  # k = 1, 2, ...: the rows turn after turn added
+JOURNAL_FILE = "journal.msgpack"
+MODEL_FILE = "model.json"  # in a fingerprint folder: the model id it was made by (for people: see inspect)
+AGENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_TMP_SUFFIX = ".tmp"
+
+
+class InvalidAgentId(KvactorsError, ValueError):
+    """An agent id that is not `[A-Za-z0-9][A-Za-z0-9._-]{0,127}`."""
+
+
+class UnsafePath(KvactorsError, OSError):
+    """A symlink inside the store: kvactors never follows one there. Remove the link."""
+
+
+class CacheDirInUse(KvactorsError, RuntimeError):
+    """Another Runtime (in this or another process) is using the cache folder."""
+
+
+def check_agent_id(agent: str) -> str:
+    """Return `agent` if it is a valid id (`[A-Za-z0-9][A-Za-z0-9._-]{0,127}`), else raise InvalidAgentId."""
+    if not isinstance(agent, str) or not AGENT_ID.fullmatch(agent):
+        raise InvalidAgentId(
+            f"invalid agent id {agent!r}: use 1-128 characters from A-Z a-z 0-9 . _ -, starting with a letter or digit"
+        )
+    return agent
+
+
+def agent_dir(cache_dir, fingerprint: str, agent: str) -> Path:
+    """The folder of `agent`'s files under model `fingerprint` (validates both; creates nothing)."""
+    if not isinstance(fingerprint, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,128}", fingerprint):
+        raise ValueError(f"invalid model fingerprint {fingerprint!r}")
+    return Path(cache_dir).expanduser() / fingerprint / check_agent_id(agent)
+
+
+def lock_cache_dir(cache_dir) -> int:
+    """Take the exclusive lock of `cache_dir` (created 0700); return the fd that holds it.
+
+    Two writers would interleave journal appends: a second Runtime on the same folder
+    raises CacheDirInUse instead. The lock is on the folder itself, not on a file in
+    it, so deleting files cannot release it. Release with `os.close(fd)`; a crash
+    releases it too.
+    """
+    import fcntl
+
+    root = Path(cache_dir).expanduser()
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise CacheDirInUse(
+            f"{root} is in use by another Runtime; shut that one down or use another cache_dir"
+        ) from None
+    return fd
+
+
+def refuse_links(folder: Path) -> None:
+    """Raise UnsafePath if the agent folder `folder` or its model folder is a symlink.
+
+    `cache_dir` itself may be a link (the user's choice); nothing inside it may: files
+    are opened with O_NOFOLLOW, folders are checked here.
+    """
+    for d in (folder.parent, folder):
+        if d.is_symlink():
+            raise UnsafePath(f"{d} is a symlink inside the store; kvactors never follows one there: remove it")
+
+
+def make_dirs(folder: Path) -> None:
+    """Create `folder` and its two parents (model folder, cache_dir) as needed, mode 0700.
+
+    Raises UnsafePath if the model or agent folder is a symlink.
+    """
+    refuse_links(folder)
+    for d in (folder.parent.parent, folder.parent, folder):
+        if not d.is_dir():
+            try:
+                d.mkdir(mode=0o700, parents=True)
+            except FileExistsError:
+                if not d.is_dir():
+                    raise
+            os.chmod(d, 0o700)
+
+
+def temp_path(path: Path) -> Path:
+    """A fresh temp file name next to `path` (same folder, so the rename is atomic)."""
+    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}{_TMP_SUFFIX}")
+
+
+def open_private(path, flags: int) -> int:
+    """`os.open` that creates files with mode exactly 0600 (an `opener` for `open`)."""
+    fd = os.open(path, flags, 0o600)
+    if flags & os.O_CREAT:
+        os.fchmod(fd, 0o600)
+    return fd
+
+
+def fsync_dir(folder) -> None:
+    """fsync a folder, making renames and new files in it durable."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data) -> None:
+    """Replace `path` by `data`: temp file in the same folder, fsync, rename, fsync the folder."""
+    tmp = temp_path(path)
+    try:
+        with open(tmp, "xb", opener=open_private) as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def remove_temps(folder: Path) -> None:
+    """Delete temp files a crashed writer left in `folder` (one writer per folder)."""
+    for p in folder.glob(f".*{_TMP_SUFFIX}"):
+        p.unlink(missing_ok=True)
+
+
+def read_file(path: Path) -> bytearray:
+    """The whole file at `path` in one buffer (one read, no extra copy)."""
+    with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        buf = bytearray(size)
+        view, got = memoryview(buf), 0
+        while got < size:
+            n = f.readinto(view[got:])
+            if not n:
+                break
+            got += n
+    return buf[:got] if got < size else buf
+
+
+def map_file(path: Path):
+    """The bytes of the file at `path`, memory-mapped read-only (no copy out of the page cache).
+
+    The returned tensors of `decode_cache` are views into the mapping; it stays open
+    while any of them is alive. Files are replaced by rename, never rewritten in
+    place, so a mapping always sees one complete version.
+    """
+    with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return b""
+        return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))

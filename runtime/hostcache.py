@@ -1,0 +1,334 @@
+"""Host copies of Q4 caches: what the store writes and loads, apart from any file.
+
+A `HostCache` holds a per-layer `QuantizedKVCache` list as numpy arrays (safe to
+hand to any thread); a `DeviceCache` wraps an evaluated one without copying, until
+the writer copies just the rows a file needs; `CacheMeta` says which tokens and text
+the cache holds. Tensors, per layer i: `layers.<i>.{keys,values}.{packed,scales,biases}`
+of shape (1, kv_heads, tokens, ...): packed words uint32, scales and biases in the
+activation dtype (float32, float16, or bfloat16 held as its raw uint16 bits, so they
+round-trip exactly). `token_ends[i]` is the character offset in `text` where token i's
+text ends, or -1 when token i ends inside a character (its bytes are completed by a
+later token): prefix matching only cuts where it is >= 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+_PARTS = ("packed", "scales", "biases")
+# activation dtype -> numpy dtype that holds its scales and biases (bfloat16 as raw bits)
+SCALE_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+
+
+@dataclass(frozen=True)
+class HostCache:
+    """A Q4 cache copied to host memory: plain numpy arrays, safe to hand to any thread.
+
+    `tensors` maps `layers.<i>.<keys|values>.<packed|scales|biases>` to arrays of
+    shape (1, kv_heads, length(i), ...): a bounded sliding layer keeps only the last
+    `length(i)` of the `n_tokens` positions, every other layer all of them. Scales and biases in bfloat16 are held as their
+    raw uint16 bits; `dtype` names the real activation dtype. Empty when n_tokens == 0.
+    """
+
+    tensors: dict
+    dtype: str
+    bits: int
+    group_size: int
+    n_layers: int
+    n_tokens: int
+    lengths: tuple = ()  # tokens stored per layer when some hold fewer (bounded sliding layers)
+
+    def length(self, layer: int) -> int:
+        """Tokens stored for `layer`: its last `length` positions of `n_tokens`."""
+        return self.lengths[layer] if self.lengths else self.n_tokens
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all tensors."""
+        return sum(a.nbytes for a in self.tensors.values())
+
+    def rows(self, start: int = 0) -> HostCache:
+        """The positions from `start` on (numpy views): per layer its last min(n_tokens - start, length) rows."""
+        if not start:
+            return self
+        if not 0 < start < self.n_tokens:
+            raise ValueError(f"cannot take rows from position {start} of {self.n_tokens} cached tokens")
+        rows = [min(self.n_tokens - start, self.length(i)) for i in range(self.n_layers)]
+        tensors = {}
+        for i, n in enumerate(rows):
+            stored = self.length(i)
+            for name in layer_names(i):
+                tensors[name] = self.tensors[name][..., stored - n:, :]
+        return replace(self, tensors=tensors, lengths=tuple(rows))
+
+
+@dataclass(frozen=True)
+class CacheMeta:
+    """What the cached tokens are: `token_ids`, the `text` they spell, where each ends.
+
+    `seq` is the agent's turn sequence number the cache reflects (the journal record
+    with the same seq is the last one included); `token_ends` as in the module doc.
+    """
+
+    seq: int
+    token_ids: list
+    token_ends: list
+    text: str
+    turn_id: str | None = None
+    created: float = field(default=0.0, compare=False)
+    fingerprint: str = field(default="", compare=False)  # set when loaded
+
+
+def tensor_name(layer: int, kind: str, part: str) -> str:
+    """The name of one tensor: `layers.<layer>.<keys|values>.<packed|scales|biases>`."""
+    return f"layers.{layer}.{kind}.{part}"
+
+
+def layer_names(layer: int) -> list[str]:
+    """The six tensor names of `layer`: keys and values, each packed, scales and biases."""
+    return [tensor_name(layer, kind, part) for kind in ("keys", "values") for part in _PARTS]
+
+
+def cache_to_host(cache, start: int = 0) -> HostCache:
+    """Copy a per-layer list of evaluated `QuantizedKVCache` to a `HostCache`.
+
+    Copies the positions from `start` on (0: all): per layer the last
+    min(n_tokens - start, stored) rows, so the result is the delta `next_segment`
+    writes. Reads only evaluated arrays (building one `view` per bfloat16 array on the
+    calling thread, evaluated there), so any thread may call it. Tokens beyond `offset`
+    are dropped. Raises ValueError for layers that disagree in bits, group, length or
+    dtype, or a `start` outside [0, n_tokens).
+    """
+    import mlx.core as mx
+
+    n_tokens, bits, group_size, stored = _layers(cache)
+    if start and not 0 < start < n_tokens:
+        raise ValueError(f"cannot copy from position {start} of {n_tokens} cached tokens")
+    arrays, dtype, lengths = {}, "float32", []
+    for i, layer in enumerate(cache if n_tokens else ()):
+        rows = min(n_tokens - start, stored[i])
+        lengths.append(rows)
+        for kind, packed in (("keys", layer.keys), ("values", layer.values)):
+            dtype = str(packed[1].dtype).removeprefix("mlx.core.")
+            for part, x in zip(_PARTS, packed):
+                if (stored[i] - rows, stored[i]) != (0, x.shape[-2]):
+                    x = mx.contiguous(x[..., stored[i] - rows: stored[i], :])
+                if x.dtype == mx.bfloat16:
+                    x = x.view(mx.uint16)
+                arrays[tensor_name(i, kind, part)] = x
+    tensors = _to_numpy(arrays)
+    lengths = () if all(n == n_tokens for n in lengths) else tuple(lengths)
+    host = HostCache(tensors, dtype, bits, group_size, len(cache), n_tokens, lengths)
+    _check_host(host)
+    return host
+
+
+def _to_numpy(arrays: dict) -> dict:
+    """Evaluated copies of MLX `arrays` as numpy arrays, moved off the device in one piece.
+
+    One evaluation and one transfer for all of them: each evaluation on the writer's
+    thread waits for the device's queue (a decode step is usually in flight), and each
+    transfer has its own fixed cost, so a 32-layer cache copied tensor by tensor
+    (192 of each) took tens of milliseconds longer per write on an H100.
+    """
+    import mlx.core as mx
+
+    if not arrays:
+        return {}
+    blob = mx.concatenate([x.reshape(-1).view(mx.uint8) for x in arrays.values()])
+    mx.eval(blob)
+    data = np.array(blob, copy=True)
+    out, at = {}, 0
+    for name, x in arrays.items():
+        dtype = np.dtype(str(x.dtype).removeprefix("mlx.core."))
+        out[name] = data[at: at + x.nbytes].view(dtype).reshape(x.shape)
+        at += x.nbytes
+    return out
+
+
+def _layers(cache) -> tuple[int, int, int, list[int]]:
+    """(n_tokens, bits, group_size, rows stored per layer) of a per-layer `QuantizedKVCache` list.
+
+    Raises ValueError when layers disagree in bits, group or length.
+    """
+    from runtime.q4cache import stored_tokens
+
+    first = cache[0]
+    bits, group_size = first.bits, first.group_size
+    n_tokens = 0 if first.keys is None else first.offset
+    stored = []
+    for i, layer in enumerate(cache):
+        if (layer.bits, layer.group_size) != (bits, group_size):
+            raise ValueError(f"layer {i} has bits/group {layer.bits}/{layer.group_size}, layer 0 {bits}/{group_size}")
+        tokens = 0 if layer.keys is None else layer.offset
+        if tokens != n_tokens:
+            raise ValueError(f"layer {i} holds {tokens} tokens, layer 0 holds {n_tokens}")
+        stored.append(stored_tokens(layer) if n_tokens else 0)
+    return n_tokens, bits, group_size, stored
+
+
+@dataclass(frozen=True)
+class DeviceCache:
+    """An evaluated per-layer `QuantizedKVCache` list kept on the device until it is written.
+
+    It answers what `next_segment` asks (`n_tokens`, `n_layers`, `length(i)`,
+    `nbytes`) without copying, and `rows(start)` copies only the positions from
+    `start` on: a turn that continued the cache on disk moves just its new rows to
+    the host, on the writer's thread. Make one with `on_device`; the arrays are
+    MLX arrays, which never change.
+    """
+
+    layers: tuple
+    n_tokens: int
+    lengths: tuple
+    nbytes: int
+
+    @property
+    def n_layers(self) -> int:
+        """Number of layers."""
+        return len(self.layers)
+
+    def length(self, layer: int) -> int:
+        """Tokens stored for `layer`: its last `length` positions of `n_tokens`."""
+        return self.lengths[layer] if self.lengths else self.n_tokens
+
+    def rows(self, start: int = 0) -> HostCache:
+        """The positions from `start` on, copied to a `HostCache` (see `cache_to_host`)."""
+        return cache_to_host(self.layers, start)
+
+
+def on_device(cache) -> DeviceCache:
+    """Wrap an evaluated per-layer `QuantizedKVCache` list for the persistence actor (no copy).
+
+    Raises ValueError when its layers disagree in bits, group or length.
+    """
+    n_tokens, _, _, stored = _layers(cache)
+    nbytes = sum(x.nbytes * n // max(x.shape[-2], 1) for layer, n in zip(cache, stored) if n
+                 for x in (*layer.keys, *layer.values))
+    lengths = () if all(n == n_tokens for n in stored) else tuple(stored)
+    return DeviceCache(tuple(cache), n_tokens, lengths, nbytes)
+
+
+def host_to_cache(host: HostCache) -> list:
+    """Build a per-layer list of `QuantizedKVCache` from `host`, evaluated on this thread.
+
+    Arrays are exactly `n_tokens` long and `offset == n_tokens`; with no tokens each
+    layer is an empty cache (`keys is None`).
+    """
+    import mlx.core as mx
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    caches = [QuantizedKVCache(group_size=host.group_size, bits=host.bits) for _ in range(host.n_layers)]
+    if host.n_tokens == 0:
+        return caches
+    for i, c in enumerate(caches):
+        for kind in ("keys", "values"):
+            arrays = []
+            for part in _PARTS:
+                a = mx.array(host.tensors[tensor_name(i, kind, part)])
+                if part != "packed" and host.dtype == "bfloat16":
+                    a = a.view(mx.bfloat16)
+                arrays.append(a)
+            setattr(c, kind, tuple(arrays))
+        c.offset = host.n_tokens
+    mx.eval([(c.keys, c.values) for c in caches])
+    return caches
+
+
+def trim_host(host: HostCache, meta: CacheMeta, keep: int) -> tuple[HostCache, CacheMeta]:
+    """Keep the first `keep` tokens of a loaded cache and its metadata (numpy views, no copy).
+
+    The text is cut at the last recorded token end among the kept tokens; cut where
+    `runtime.prefix.match_prefix` says (EXACT re-feeds its last token by id).
+    """
+    if not 0 <= keep <= host.n_tokens:
+        raise ValueError(f"cannot keep {keep} of {host.n_tokens} tokens")
+    if keep == host.n_tokens:
+        return host, meta
+    cut = host.n_tokens - keep  # positions dropped from the end, in every layer
+    lengths = tuple(host.length(i) - cut for i in range(host.n_layers))
+    if keep and min(lengths) <= 0:
+        raise ValueError(f"a bounded sliding layer holds too few tokens to keep {keep}")
+    tensors = {} if keep == 0 else {k: v[..., : lengths[int(k.split(".")[1])], :] for k, v in host.tensors.items()}
+    end = max([0, *meta.token_ends[:keep]])
+    trimmed = replace(host, tensors=tensors, n_tokens=keep, lengths=lengths if host.lengths and keep else ())
+    ids, ends = meta.token_ids[:keep], meta.token_ends[:keep]
+    return trimmed, replace(meta, token_ids=ids, token_ends=ends, text=meta.text[:end])
+
+
+def trim_cache(cache, keep: int) -> list:
+    """A new per-layer list of `QuantizedKVCache` holding the first `keep` positions of `cache`.
+
+    The slices are evaluated before returning, on the calling thread; `cache` is unchanged.
+    """
+    import mlx.core as mx
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    from runtime.q4cache import stored_tokens
+
+    out = []
+    for layer in cache:
+        c = QuantizedKVCache(group_size=layer.group_size, bits=layer.bits)
+        if keep > 0 and layer.keys is not None:
+            positions = min(keep, layer.offset)
+            n = stored_tokens(layer) - (layer.offset - positions)  # a bounded sliding layer stores its last positions
+            if n <= 0:
+                raise ValueError(f"a bounded sliding layer holds too few tokens to keep {keep}; see q4cache.can_trim")
+            c.keys = tuple(mx.contiguous(x[..., :n, :]) for x in layer.keys)
+            c.values = tuple(mx.contiguous(x[..., :n, :]) for x in layer.values)
+            c.offset = positions
+        out.append(c)
+    mx.eval([(c.keys, c.values) for c in out if c.keys is not None])
+    return out
+
+
+def check_cache(cache: HostCache | DeviceCache, meta: CacheMeta) -> None:
+    """Raise ValueError unless `cache` is consistent and `meta` describes its tokens.
+
+    A `DeviceCache` was checked when `on_device` made it; a `HostCache` is checked here.
+    """
+    if isinstance(cache, HostCache):
+        _check_host(cache)
+    _check_meta(meta, cache.n_tokens)
+
+
+def _check_host(host: HostCache) -> None:
+    """Raise ValueError unless `host` is internally consistent (shapes, dtypes, names)."""
+    if host.dtype not in SCALE_DTYPES:
+        raise ValueError(f"unsupported scales dtype {host.dtype!r}")
+    if 32 % host.bits:
+        raise ValueError(f"unsupported bits {host.bits}")
+    names = {name for i in range(host.n_layers) for name in layer_names(i)}
+    if host.n_tokens == 0:
+        names = set()
+    if set(host.tensors) != names:
+        raise ValueError(f"tensors {sorted(set(host.tensors) ^ names)[:4]} missing or unexpected")
+    if host.lengths and (len(host.lengths) != host.n_layers
+                         or not all(0 < n <= host.n_tokens for n in host.lengths)):
+        raise ValueError(f"stored lengths {list(host.lengths)[:4]} do not fit {host.n_layers} layers of {host.n_tokens} tokens")
+    scale_np = SCALE_DTYPES[host.dtype]
+    for name, a in host.tensors.items():
+        want = np.uint32 if name.endswith("packed") else scale_np
+        n = host.length(int(name.split(".")[1]))
+        if a.dtype != want or a.ndim != 4 or a.shape[0] != 1 or a.shape[2] != n:
+            raise ValueError(f"{name}: {a.dtype}{a.shape}, expected {np.dtype(want)} (1, H, {n}, D)")
+    for i in range(host.n_layers if host.n_tokens else 0):
+        for kind in ("keys", "values"):
+            p, s, b = (host.tensors[tensor_name(i, kind, part)] for part in _PARTS)
+            dim = p.shape[-1] * 32 // host.bits
+            if s.shape != b.shape or s.shape[:3] != p.shape[:3] or s.shape[-1] * host.group_size != dim:
+                raise ValueError(f"layer {i} {kind}: packed {p.shape}, scales {s.shape}, biases {b.shape} disagree")
+
+
+def _check_meta(meta: CacheMeta, n_tokens: int) -> None:
+    ids, ends = meta.token_ids, meta.token_ends
+    if len(ids) != n_tokens or len(ends) != n_tokens:
+        raise ValueError(f"{len(ids)} token ids and {len(ends)} token ends for {n_tokens} cached tokens")
+    last = 0
+    for e in ends:
+        if e >= 0:
+            if e < last or e > len(meta.text):
+                raise ValueError(f"token end {e} out of order or past the text ({len(meta.text)} chars)")
+            last = e

@@ -1,0 +1,314 @@
+"""An agent's journal: the append-only record of its turns, the source of truth for its history.
+
+`journal.msgpack` starts with `JOURNAL_MAGIC`, then one frame per record:
+little-endian u32 payload length, u32 crc32 of the payload, payload = a msgpack map
+(seq, turn_id, role, sender, text, time); seqs rise strictly. Reading resynchronises
+on the frames past damaged bytes and keeps every record that checks (`scan_journal`);
+an incomplete or damaged last frame is a torn tail (a crash in the middle of an
+append). Opening the journal for appends (`open_journal`) moves a torn tail aside to
+`journal.torn-<time>`; mid-file damage keeps the whole damaged file as
+`journal.damaged-<time>` and rewrites the journal from its good frames. An append
+that fails (a full disk) cuts the file back to its last good frame before raising
+(`append_frames`). The cache only accelerates; the journal is what an agent's history is.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import struct
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgpack
+
+from runtime.errors import KvactorsError
+from runtime.files import JOURNAL_FILE, agent_dir, make_dirs, refuse_links, remove_temps, write_atomic
+
+JOURNAL_MAGIC = b"kvactors-journal-1\n"
+_FRAME = struct.Struct("<II")
+
+
+class JournalError(KvactorsError):
+    """A journal that cannot be read at all (another format, no permission); it is left untouched.
+
+    The agent it belongs to cannot work until the file is fixed or moved aside; other
+    agents are not affected.
+    """
+
+
+def journal_record(
+    seq: int, role: str, text: str, *, turn_id: str | None = None, sender: str | None = None, **extra
+) -> dict:
+    """A journal record (a plain dict, msgpack-ready) for one turn; `time` is now if not given."""
+    record = {"seq": int(seq), "turn_id": turn_id, "role": role, "sender": sender, "text": text, "time": time.time()}
+    record.update(extra)
+    check_record(record)
+    return record
+
+
+def check_record(record: dict) -> None:
+    """Raise ValueError unless `record` has an int `seq`, str `role` and str `text`."""
+    if not isinstance(record, dict):
+        raise ValueError(f"a journal record is a dict, got {type(record).__name__}")
+    seq, role, text = record.get("seq"), record.get("role"), record.get("text")
+    if not (isinstance(seq, int) and isinstance(role, str) and isinstance(text, str)):
+        raise ValueError(f"journal record needs int seq, str role and str text: {record!r:.200}")
+
+
+def encode_records(records) -> bytes:
+    """The journal frames of `records` (each checked by `check_record`), ready to append."""
+    out = bytearray()
+    for r in records:
+        check_record(r)
+        payload = msgpack.packb(r, use_bin_type=True)
+        out += _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
+    return bytes(out)
+
+
+@dataclass(frozen=True)
+class JournalScan:
+    """What the bytes of a journal hold.
+
+    `records`: every record whose frame checks, oldest first, seqs strictly rising;
+    `frames`: their (start, stop) byte spans; `end`: where the last good frame ends
+    (where the next append goes); `damaged`: (start, stop) spans between good frames
+    that did not check (mid-file damage: records were lost there); `size`: bytes
+    scanned. Bytes from `end` to `size` are a torn tail (an append cut short).
+    """
+
+    records: list
+    frames: list
+    end: int
+    damaged: list
+    size: int
+
+    @property
+    def last_seq(self) -> int:
+        """The seq of the last good record, -1 if none."""
+        return self.records[-1]["seq"] if self.records else -1
+
+    @property
+    def torn(self) -> int:
+        """Bytes of the torn tail."""
+        return self.size - self.end
+
+    def losses(self) -> list[str]:
+        """One line per damaged span: where, how many bytes, between which seqs records were lost."""
+        out = []
+        for start, stop in self.damaged:
+            before = [r["seq"] for r, (_, e) in zip(self.records, self.frames) if e <= start]
+            after = [r["seq"] for r, (s, _) in zip(self.records, self.frames) if s >= stop]
+            between = f"after seq {before[-1] if before else 'start'} and before seq {after[0]}"
+            out.append(f"bytes {start}..{stop} ({stop - start} B) unreadable: records {between} lost")
+        return out
+
+
+def _frame_at(view: memoryview, pos: int, after_seq: int):
+    """(record, end) of a frame that checks at `pos` with a seq above `after_seq`, else None."""
+    if pos + _FRAME.size > len(view):
+        return None
+    n, crc = _FRAME.unpack_from(view, pos)
+    stop = pos + _FRAME.size + n
+    if n == 0 or stop > len(view):
+        return None
+    payload = view[pos + _FRAME.size : stop]
+    if zlib.crc32(payload) != crc:
+        return None
+    try:
+        record = msgpack.unpackb(payload, raw=False)
+        check_record(record)
+    except (ValueError, TypeError, msgpack.UnpackException):
+        return None
+    return (record, stop) if record["seq"] > after_seq else None
+
+
+def _resync(view: memoryview, pos: int, after_seq: int):
+    """The first position from `pos` on where a good frame starts (a record is a msgpack map), or None."""
+    for p in range(pos, len(view) - _FRAME.size):
+        first = view[p + _FRAME.size]
+        if (0x80 <= first <= 0x8F or first in (0xDE, 0xDF)) and _frame_at(view, p, after_seq) is not None:
+            return p
+    return None
+
+
+def scan_journal(data) -> JournalScan:
+    """Decode journal bytes, resynchronising on the length+CRC frames past damaged bytes.
+
+    A damaged frame followed by good ones is mid-file damage: the good ones are kept
+    and the span is reported in `damaged`; a damaged or incomplete frame with no good
+    one after it is the torn tail. Raises JournalError if `data` does not start with
+    JOURNAL_MAGIC (empty, or a prefix of the magic, is a journal whose creation was cut short).
+    """
+    view = memoryview(data)
+    if len(view) < len(JOURNAL_MAGIC):
+        if bytes(view) != JOURNAL_MAGIC[: len(view)]:
+            raise JournalError("not a kvactors journal (bad magic bytes); it is left untouched: move it aside")
+        return JournalScan([], [], 0, [], len(view))  # creation was cut short: nothing was ever recorded
+    if bytes(view[: len(JOURNAL_MAGIC)]) != JOURNAL_MAGIC:
+        raise JournalError("not a kvactors journal, or a newer journal version; it is left untouched: move it aside")
+    records, frames, damaged, pos = [], [], [], len(JOURNAL_MAGIC)
+    while pos < len(view):
+        found = _frame_at(view, pos, records[-1]["seq"] if records else -1)
+        if found is None:
+            nxt = _resync(view, pos + 1, records[-1]["seq"] if records else -1)
+            if nxt is None:
+                break  # a torn tail
+            damaged.append((pos, nxt))
+            pos = nxt
+            continue
+        record, stop = found
+        records.append(record)
+        frames.append((pos, stop))
+        pos = stop
+    return JournalScan(records, frames, pos, damaged, len(view))
+
+
+def parse_journal(data) -> tuple[list, int]:
+    """Decode journal bytes; return (records, end of the last good frame). See `scan_journal`."""
+    scan = scan_journal(data)
+    return scan.records, scan.end
+
+
+def read_journal_bytes(path: Path) -> bytes | None:
+    """The bytes of the journal at `path`, None if there is none.
+
+    Never follows a symlink. Raises JournalError (naming the file and what to do) when
+    it exists but cannot be read: no permission, a folder, a link.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise JournalError(
+            f"cannot read the journal {path}: {e.strerror or e}; fix its permissions or move it aside"
+        ) from e
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise JournalError(f"the journal {path} is not a regular file; move it aside")
+        with open(fd, "rb", closefd=False) as f:
+            return f.read()
+    except OSError as e:
+        raise JournalError(f"cannot read the journal {path}: {e.strerror or e}; fix it or move it aside") from e
+    finally:
+        os.close(fd)
+
+
+def read_journal(cache_dir, spec, agent: str) -> list:
+    """All records of `agent`'s journal that check, oldest first ([] if none); see `scan_journal`."""
+    folder = agent_dir(cache_dir, spec.fingerprint, agent)
+    refuse_links(folder)
+    data = read_journal_bytes(folder / JOURNAL_FILE)
+    return [] if data is None else scan_journal(data).records
+
+
+def current_conversation(records) -> list:
+    """The records of the current conversation: from the last system record on (all if none).
+
+    A system record starts a conversation; a reset writes a new one, so older
+    records stay in the journal but are no longer part of the history.
+    """
+    starts = [i for i, r in enumerate(records) if r["role"] == "system"]
+    return list(records[starts[-1]:] if starts else records)
+
+
+def repair_journal(path: Path, scan: JournalScan) -> None:
+    """Make the journal at `path` hold exactly the good frames of `scan`, keeping what it drops.
+
+    Mid-file damage: the whole file is kept as `journal.damaged-<ns>` and the journal
+    is rewritten (atomically) from its good frames. A torn tail alone is moved aside to
+    `journal.torn-<ns>` and cut off. A journal cut short at creation gets its magic.
+    """
+    data = read_journal_bytes(path) or b""
+    if scan.end < len(JOURNAL_MAGIC):
+        if data:
+            write_atomic(path.with_name(f"journal.torn-{time.time_ns()}"), data)
+        write_atomic(path, JOURNAL_MAGIC)
+    elif scan.damaged:
+        write_atomic(path.with_name(f"journal.damaged-{time.time_ns()}"), data)
+        write_atomic(path, JOURNAL_MAGIC + b"".join(data[a:b] for a, b in scan.frames))
+    elif scan.torn:
+        write_atomic(path.with_name(f"journal.torn-{time.time_ns()}"), data[scan.end :])
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
+        try:
+            os.ftruncate(fd, scan.end)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def open_journal(folder: Path) -> tuple[JournalScan | None, int]:
+    """Make `folder`'s journal ready for appends; return (its scan as found, the byte to append at).
+
+    The scan is None when there was no journal. Creates the folders and an empty
+    journal as needed, removes temp files of crashed writers, and repairs damage
+    (`repair_journal`). Raises JournalError for a journal that cannot be read (it is
+    left untouched) and UnsafePath for a symlink in the store.
+    """
+    make_dirs(folder)
+    remove_temps(folder)
+    path = folder / JOURNAL_FILE
+    data = read_journal_bytes(path)
+    if data is None:
+        write_atomic(path, JOURNAL_MAGIC)
+        return None, len(JOURNAL_MAGIC)
+    scan = scan_journal(data)
+    if scan.damaged or scan.torn or scan.end < len(JOURNAL_MAGIC):
+        repair_journal(path, scan)
+    return scan, len(JOURNAL_MAGIC) + sum(b - a for a, b in scan.frames)
+
+
+_pwrite = os.pwrite  # the one call that puts journal bytes on disk (tests inject a full disk here)
+
+
+def append_frames(path: Path, data: bytes, end: int) -> int:
+    """Write the frames `data` at byte `end` of the journal at `path`, fsync; return the new end.
+
+    All or nothing: on any failure (a full disk, an I/O error) the file is cut back to
+    `end` and fsynced before the error is raised, so later appends follow the last good
+    frame. If even that fails the error is raised as is: reopen the journal
+    (`open_journal` repairs the tail) before appending again. Bytes past `end` (left by
+    such a failure) are cut first. Never follows a symlink and never creates the file:
+    a journal deleted underneath raises FileNotFoundError.
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
+    try:
+        size = os.fstat(fd).st_size
+        if size < end:
+            raise JournalError(f"the journal {path} shrank underneath kvactors ({size} < {end} bytes): another writer?")
+        try:
+            if size > end:
+                os.ftruncate(fd, end)
+            at = 0
+            while at < len(data):
+                at += _pwrite(fd, data[at:], end + at)
+            os.fsync(fd)
+        except BaseException:
+            os.ftruncate(fd, end)
+            os.fsync(fd)
+            raise
+    finally:
+        os.close(fd)
+    return end + len(data)
+
+
+def append_journal(cache_dir, spec, agent: str, records) -> list:
+    """Durably append `records` to `agent`'s journal; return the records appended.
+
+    Records whose seq is not above the journal's last seq are skipped (retries are
+    idempotent). Creates and repairs the journal as `open_journal` does; a failed
+    append leaves the journal as it was (`append_frames`).
+    """
+    folder = agent_dir(cache_dir, spec.fingerprint, agent)
+    scan, end = open_journal(folder)
+    last, new = -1 if scan is None else scan.last_seq, []
+    for r in sorted(records, key=lambda r: r["seq"]):
+        if r["seq"] > last:
+            new.append(r)
+            last = r["seq"]
+    if new:
+        append_frames(folder / JOURNAL_FILE, encode_records(new), end)
+    return new
