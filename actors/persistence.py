@@ -13,13 +13,15 @@ and only the rows the file needs: the agent's thread copies nothing, and the cop
 overlaps the engine's next work.
 
 Writes queue up while the actor is busy and are written in batches, agents in
-parallel (file I/O through aiofiles on an asyncio loop the actor runs on its own
-thread). Within a batch every journal record is appended, in seq order, but only the
-newest cache of each agent is written: a newer write queued behind an older one
-supersedes it, and a cache never replaces one with a higher seq on disk (its ack then
-reports the newer `cache_seq`). Journal records whose seq is not above the journal's
-last are skipped, so a retried write is harmless. Stopping the actor flushes
-everything queued.
+parallel: the actor runs an asyncio loop on its own thread, and each file operation
+is one of `runtime.store`'s functions, run in a worker thread (`asyncio.to_thread`).
+There is no second write path: `store.append_journal`, `store.save_cache` and
+`store.load_agent` compose the same functions. Within a batch every journal record
+is appended, in seq order, but only the newest cache of each agent is written: a
+newer write queued behind an older one supersedes it, and a cache never replaces one
+with a higher seq on disk (its ack then reports the newer `cache_seq`). Journal
+records whose seq is not above the journal's last are skipped, so a retried write is
+harmless. Stopping the actor flushes everything queued.
 
 Errors never stop the actor, which serves every agent. A failed journal append (a
 full disk) leaves the journal as it was and fails the acks of that agent's writes in
@@ -36,11 +38,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-import aiofiles
-import aiofiles.os
 import pykka
 
 from actors import pykka_compat
@@ -49,8 +49,6 @@ from runtime import store
 from runtime.store import CACHE_FILE, JOURNAL_FILE
 
 log = logging.getLogger(__name__)
-_fsync = aiofiles.os.wrap(os.fsync)
-_fsync_dir = aiofiles.os.wrap(store.fsync_dir)
 
 
 @dataclass(frozen=True)
@@ -138,7 +136,7 @@ class PersistenceActor(SupervisedActor):
         self._loop = asyncio.new_event_loop()
         if self.retention_s is not None:
             try:
-                self._run(aiofiles.os.wrap(store.prune)(self.cache_dir, self.retention_s))
+                self._run(asyncio.to_thread(store.prune, self.cache_dir, self.retention_s))
             except OSError as e:  # retention is housekeeping: never a reason not to persist
                 log.warning("retention pruning under %s failed: %s", self.cache_dir, e)
 
@@ -195,7 +193,7 @@ class PersistenceActor(SupervisedActor):
         """Delete `agent`'s cache and journal (after its queued writes); return whether it existed."""
         self._flush()
         self._forget(agent)
-        return self._run(aiofiles.os.wrap(store.delete)(self.cache_dir, self.spec, agent))
+        return self._run(asyncio.to_thread(store.delete, self.cache_dir, self.spec, agent))
 
     # -- internals
 
@@ -225,19 +223,15 @@ class PersistenceActor(SupervisedActor):
         folder = store.agent_dir(self.cache_dir, self.spec.fingerprint, agent)
         if agent not in self._journal_seq:
             await self._open(agent, folder)
-        records = sorted((r for w in writes for r in w.records), key=lambda r: r["seq"])
-        fresh, last = [], self._journal_seq[agent]
-        for r in records:
-            if r["seq"] > last:
-                fresh.append(r)
-                last = r["seq"]
+        fresh = store.fresh_records([r for w in writes for r in w.records], self._journal_seq[agent])
         if fresh:
             try:
-                end = await _append_frames(folder / JOURNAL_FILE, store.encode_records(fresh), self._journal_end[agent])
+                end = await asyncio.to_thread(store.append_frames, folder / JOURNAL_FILE, store.encode_records(fresh),
+                                              self._journal_end[agent])
             except BaseException:
                 self._forget(agent)  # the next write reopens the journal (and repairs it if the cut-back failed)
                 raise
-            self._journal_seq[agent], self._journal_end[agent] = last, end
+            self._journal_seq[agent], self._journal_end[agent] = fresh[-1]["seq"], end
         newest = max((w for w in writes if w.cache is not None), key=lambda w: w.seq, default=None)
         on_disk = self._cache_seq[agent]
         if newest is not None and (on_disk is None or newest.seq > on_disk):
@@ -249,7 +243,7 @@ class PersistenceActor(SupervisedActor):
         last = self._segment.pop(agent, None)  # unknown until this write is durable
         try:
             name, data, segment = store.next_segment(write.cache, write.meta, self.spec.fingerprint, last, write.reuse)
-            await _write_atomic(folder / name, data)
+            await asyncio.to_thread(store.write_atomic, folder / name, data)
         except Exception as e:  # a full disk, or copying the cache off the device failed
             log.warning("agent %s: writing the cache of seq %d failed (%s); the turn is durable in the journal "
                         "and the cache on disk stays at seq %s", agent, write.seq, e, self._cache_seq[agent])
@@ -258,7 +252,7 @@ class PersistenceActor(SupervisedActor):
         self._segment[agent] = segment
         if name == CACHE_FILE:
             try:
-                await aiofiles.os.wrap(store.remove_deltas)(folder)
+                await asyncio.to_thread(store.remove_deltas, folder)
             except OSError as e:  # stale deltas link to nothing: loading ignores them
                 log.warning("agent %s: removing stale delta files failed: %s", agent, e)
 
@@ -267,10 +261,10 @@ class PersistenceActor(SupervisedActor):
 
         The first also records which model the fingerprint folder belongs to (`store.record_model`).
         """
-        scan, end = await aiofiles.os.wrap(store.open_journal)(folder)
+        scan, end = await asyncio.to_thread(store.open_journal, folder)
         if not self._model_recorded:
             await self._record_model(folder.parent)
-        cache_seq = await aiofiles.os.wrap(store.cache_seq)(folder)
+        cache_seq = await asyncio.to_thread(store.cache_seq, folder)
         last = -1 if scan is None else scan.last_seq
         if scan is not None and scan.damaged:
             log.error("agent %s: its journal was damaged in the middle: %s. %d records that check were kept; "
@@ -291,7 +285,7 @@ class PersistenceActor(SupervisedActor):
     async def _record_model(self, model_dir) -> None:
         """Write `model.json` once per actor; a failure is only logged (it names the folder for people)."""
         try:
-            await aiofiles.os.wrap(store.record_model)(model_dir, self.spec.model_id)
+            await asyncio.to_thread(store.record_model, model_dir, self.spec.model_id)
             self._model_recorded = True
         except OSError as e:
             log.warning("recording the model id in %s failed: %s", model_dir, e)
@@ -302,19 +296,10 @@ class PersistenceActor(SupervisedActor):
 
     async def _load(self, agent: str) -> store.Loaded:
         folder = store.agent_dir(self.cache_dir, self.spec.fingerprint, agent)
-        if agent not in self._journal_seq and await aiofiles.os.wrap(os.path.lexists)(folder):
+        if agent not in self._journal_seq and await asyncio.to_thread(os.path.lexists, folder):
             await self._open(agent, folder)  # repairs damage and says what was lost, once
-        await aiofiles.os.wrap(store.refuse_links)(folder)
-        data = await aiofiles.os.wrap(store.read_journal_bytes)(folder / JOURNAL_FILE)
-        records = [] if data is None else store.scan_journal(data).records
-        cache_seq = await aiofiles.os.wrap(store.cache_seq)(folder)
-        last = max(records[-1]["seq"] if records else -1, cache_seq if cache_seq is not None else -1,
-                   self._journal_seq.get(agent, -1))
-        try:
-            host, meta = await aiofiles.os.wrap(store.load_chain)(folder, self.spec)
-        except store.CacheError as e:
-            return store.Loaded(records, error=e, last_seq=last)
-        return store.Loaded(records, host, meta, last_seq=last)
+        loaded = await asyncio.to_thread(store.load_agent, self.cache_dir, self.spec, agent)
+        return replace(loaded, last_seq=max(loaded.last_seq, self._journal_seq.get(agent, -1)))
 
 
 def _summary(folder) -> store.StoredAgent:
@@ -338,21 +323,3 @@ def _ack(write: Write, result) -> None:
             write.reply_to.tell(ack)
         except pykka.ActorDeadError:
             log.warning("ack of %s seq %d undeliverable: %s is dead", write.agent, write.seq, write.reply_to)
-
-
-async def _write_atomic(path, data) -> None:
-    """Replace `path` by `data`: temp file in the same folder, fsync, rename, fsync the folder."""
-    tmp = store.temp_path(path)
-    try:
-        async with aiofiles.open(tmp, "xb", opener=store.open_private) as f:
-            await f.write(data)
-            await f.flush()
-            await _fsync(f.fileno())
-        await aiofiles.os.replace(tmp, path)
-    except BaseException:
-        await aiofiles.os.wrap(tmp.unlink)(missing_ok=True)
-        raise
-    await _fsync_dir(path.parent)
-
-
-_append_frames = aiofiles.os.wrap(store.append_frames)

@@ -295,20 +295,31 @@ def append_frames(path: Path, data: bytes, end: int) -> int:
     return end + len(data)
 
 
+def fresh_records(records, last_seq: int) -> list:
+    """The records of `records` that go after seq `last_seq`: in seq order, each seq above the one before.
+
+    A record at or below `last_seq`, or repeating a seq, is left out, so a retried
+    write appends nothing twice.
+    """
+    new = []
+    for r in sorted(records, key=lambda r: r["seq"]):
+        if r["seq"] > last_seq:
+            new.append(r)
+            last_seq = r["seq"]
+    return new
+
+
 def append_journal(cache_dir, spec, agent: str, records) -> list:
     """Durably append `records` to `agent`'s journal; return the records appended.
 
     Records whose seq is not above the journal's last seq are skipped (retries are
-    idempotent). Creates and repairs the journal as `open_journal` does; a failed
-    append leaves the journal as it was (`append_frames`).
+    idempotent: `fresh_records`). Creates and repairs the journal as `open_journal`
+    does; a failed append leaves the journal as it was (`append_frames`). The
+    persistence actor runs the same steps, keeping the journal's end between writes.
     """
     folder = agent_dir(cache_dir, spec.fingerprint, agent)
     scan, end = open_journal(folder)
-    last, new = -1 if scan is None else scan.last_seq, []
-    for r in sorted(records, key=lambda r: r["seq"]):
-        if r["seq"] > last:
-            new.append(r)
-            last = r["seq"]
+    new = fresh_records(records, -1 if scan is None else scan.last_seq)
     if new:
         append_frames(folder / JOURNAL_FILE, encode_records(new), end)
     return new

@@ -37,8 +37,8 @@ from runtime.hostcache import (CacheMeta, DeviceCache, HostCache, cache_to_host,
                                trim_cache, trim_host)
 from runtime.hotcache import HotCaches, cache_nbytes
 from runtime.journal import (JOURNAL_MAGIC, JournalError, JournalScan, append_frames, append_journal, check_record,
-                             current_conversation, encode_records, journal_record, open_journal, parse_journal,
-                             read_journal, read_journal_bytes, repair_journal, scan_journal)
+                             current_conversation, encode_records, fresh_records, journal_record, open_journal,
+                             parse_journal, read_journal, read_journal_bytes, repair_journal, scan_journal)
 
 __all__ = [
     # runtime.files
@@ -56,7 +56,7 @@ __all__ = [
     "MAX_DELTAS", "Segment", "cache_seq", "load_cache", "load_chain", "next_segment", "remove_deltas", "save_cache",
     # runtime.journal
     "JOURNAL_MAGIC", "JournalError", "JournalScan", "append_frames", "append_journal", "check_record",
-    "current_conversation", "encode_records", "journal_record", "open_journal", "parse_journal", "read_journal",
+    "current_conversation", "encode_records", "fresh_records", "journal_record", "open_journal", "parse_journal", "read_journal",
     "read_journal_bytes", "repair_journal", "scan_journal",
     # runtime.hotcache
     "HotCaches", "cache_nbytes",
@@ -126,11 +126,12 @@ def load_agent(cache_dir, spec, agent: str) -> Loaded:
     """Load `agent`'s journal and, if usable, its cache; never raises for a bad cache.
 
     Raises InvalidAgentId for a bad id, and JournalError/OSError when the journal itself
-    cannot be read (history must never be silently replaced by nothing).
+    cannot be read (history must never be silently replaced by nothing). Repairs
+    nothing: the persistence actor opens the journal (`open_journal`) first.
     """
     records = read_journal(cache_dir, spec, agent)
-    folder = agent_dir(cache_dir, spec.fingerprint, agent)
-    last = max(records[-1]["seq"] if records else -1, cache_seq(folder) or -1)
+    seq = cache_seq(agent_dir(cache_dir, spec.fingerprint, agent))
+    last = max(records[-1]["seq"] if records else -1, -1 if seq is None else seq)
     try:
         host, meta = load_cache(cache_dir, spec, agent)
     except CacheError as e:

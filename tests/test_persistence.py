@@ -183,18 +183,16 @@ def test_disk_full_in_a_journal_append_fails_only_that_write(tmp_path, actor, mo
 
 
 def test_a_failed_cache_write_still_acks_the_journaled_turn(tmp_path, actor, monkeypatch):
-    import actors.persistence as persistence
-
     ref = actor()
     write(ref, "alpha", 0).get(timeout=10)
-    real = persistence._write_atomic
+    real = store.write_atomic
 
-    async def disk_full(path, data):
+    def disk_full(path, data):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(persistence, "_write_atomic", disk_full)
+    monkeypatch.setattr(store, "write_atomic", disk_full)  # the cache write; the journal appends in place
     assert write(ref, "alpha", 1).get(timeout=10) == Ack("alpha", 1, 0)  # durable in the journal; old cache kept
-    monkeypatch.setattr(persistence, "_write_atomic", real)
+    monkeypatch.setattr(store, "write_atomic", real)
     assert write(ref, "alpha", 2).get(timeout=10) == Ack("alpha", 2, 2)
     assert journal_seqs(tmp_path, "alpha") == [0, 1, 2]
     assert_cache_is(tmp_path, "alpha", 2)
@@ -258,6 +256,27 @@ def test_bad_requests_fail_at_submit(actor):
         submit(ref, "alpha", 2, records=[record])
     with pytest.raises(ValueError, match="together"):
         submit(ref, "alpha", 3, host)
+
+
+def test_the_actor_writes_what_the_store_functions_write(tmp_path, actor):
+    """One write path: the actor's journal is byte for byte, its cache file value for value (the safetensors
+    header's key order varies), what store.append_journal + store.save_cache write."""
+    ref = actor()
+    for seq in range(3):
+        write(ref, "alpha", seq).get(timeout=10)
+    by_hand = tmp_path / "by-hand"
+    for seq in range(3):
+        host, meta, record = expected("alpha", seq)
+        store.append_journal(by_hand, SPEC, "alpha", [record])
+        store.save_cache(by_hand, SPEC, "alpha", host, meta)
+    ours, theirs = (d / SPEC.fingerprint / "alpha" for d in (tmp_path, by_hand))
+    assert (ours / store.JOURNAL_FILE).read_bytes() == (theirs / store.JOURNAL_FILE).read_bytes()
+    (host, meta), (want_host, want_meta) = (store.decode_cache((d / store.CACHE_FILE).read_bytes()) for d in (ours, theirs))
+    assert meta == want_meta and set(host.tensors) == set(want_host.tensors)
+    assert all(host.tensors[k].tobytes() == v.tobytes() for k, v in want_host.tensors.items())
+    loaded, by_store = ref.proxy().load("alpha").get(timeout=10), store.load_agent(by_hand, SPEC, "alpha")
+    assert (loaded.records, loaded.meta, loaded.last_seq) == (by_store.records, by_store.meta, by_store.last_seq)
+    assert all(loaded.host.tensors[k].tobytes() == v.tobytes() for k, v in by_store.host.tensors.items())
 
 
 def test_load_and_delete_through_the_actor(tmp_path, actor):

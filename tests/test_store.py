@@ -774,3 +774,8 @@ def test_the_store_parts_import_one_way_and_never_the_actors():
             assert not any(n.split(".")[0] == "actors" for n in names), f"runtime/{part}.py imports the actors"
         parts = imported & set(allowed)
         assert parts <= may, f"runtime/{part}.py imports {sorted(parts - may)}: the store's parts depend one way"
+
+
+def test_load_agent_counts_a_cache_of_seq_0_without_a_journal(tmp_path):
+    store.save_cache(tmp_path, SPEC, "a", store.cache_to_host(q4_cache(8)), meta_for(8, seq=0))
+    assert store.load_agent(tmp_path, SPEC, "a").last_seq == 0  # new records must go above the cache's seq
