@@ -19,14 +19,13 @@ import pykka
 
 from actors.supervisor import SupervisedActor
 from runtime.engine import Engine, Turn, TurnError
-from runtime.errors import KvactorsError
 
 
-class BatcherStopped(TurnError, KvactorsError):
+class BatcherStopped(TurnError):
     """The batcher stopped before the turn finished; resubmit to a new batcher."""
 
 
-class BatcherCrashed(TurnError, KvactorsError):
+class BatcherCrashed(TurnError):
     """The batcher crashed while the turn was queued or running."""
 
 

@@ -14,7 +14,7 @@ overlaps the engine's next work.
 
 Writes queue up while the actor is busy and are written in batches, agents in
 parallel: the actor runs an asyncio loop on its own thread, and each file operation
-is one of `runtime.store`'s functions, run in a worker thread (`asyncio.to_thread`).
+is one of `runtime.store`'s functions, run in a worker thread (`aiofiles.os.wrap`).
 There is no second write path: `store.append_journal`, `store.save_cache` and
 `store.load_agent` compose the same functions. Within a batch every journal record
 is appended, in seq order, but only the newest cache of each agent is written: a
@@ -41,6 +41,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any
 
+import aiofiles.os
 import pykka
 
 from actors import pykka_compat
@@ -49,6 +50,7 @@ from runtime import store
 from runtime.store import CACHE_FILE, JOURNAL_FILE
 
 log = logging.getLogger(__name__)
+_io = aiofiles.os.wrap  # _io(f)(*args): f(*args) in a worker thread, awaited on the actor's loop
 
 
 @dataclass(frozen=True)
@@ -136,7 +138,7 @@ class PersistenceActor(SupervisedActor):
         self._loop = asyncio.new_event_loop()
         if self.retention_s is not None:
             try:
-                self._run(asyncio.to_thread(store.prune, self.cache_dir, self.retention_s))
+                self._run(_io(store.prune)(self.cache_dir, self.retention_s))
             except OSError as e:  # retention is housekeeping: never a reason not to persist
                 log.warning("retention pruning under %s failed: %s", self.cache_dir, e)
 
@@ -193,7 +195,7 @@ class PersistenceActor(SupervisedActor):
         """Delete `agent`'s cache and journal (after its queued writes); return whether it existed."""
         self._flush()
         self._forget(agent)
-        return self._run(asyncio.to_thread(store.delete, self.cache_dir, self.spec, agent))
+        return self._run(_io(store.delete)(self.cache_dir, self.spec, agent))
 
     # -- internals
 
@@ -226,7 +228,7 @@ class PersistenceActor(SupervisedActor):
         fresh = store.fresh_records([r for w in writes for r in w.records], self._journal_seq[agent])
         if fresh:
             try:
-                end = await asyncio.to_thread(store.append_frames, folder / JOURNAL_FILE, store.encode_records(fresh),
+                end = await _io(store.append_frames)(folder / JOURNAL_FILE, store.encode_records(fresh),
                                               self._journal_end[agent])
             except BaseException:
                 self._forget(agent)  # the next write reopens the journal (and repairs it if the cut-back failed)
@@ -243,7 +245,7 @@ class PersistenceActor(SupervisedActor):
         last = self._segment.pop(agent, None)  # unknown until this write is durable
         try:
             name, data, segment = store.next_segment(write.cache, write.meta, self.spec.fingerprint, last, write.reuse)
-            await asyncio.to_thread(store.write_atomic, folder / name, data)
+            await _io(store.write_atomic)(folder / name, data)
         except Exception as e:  # a full disk, or copying the cache off the device failed
             log.warning("agent %s: writing the cache of seq %d failed (%s); the turn is durable in the journal "
                         "and the cache on disk stays at seq %s", agent, write.seq, e, self._cache_seq[agent])
@@ -252,7 +254,7 @@ class PersistenceActor(SupervisedActor):
         self._segment[agent] = segment
         if name == CACHE_FILE:
             try:
-                await asyncio.to_thread(store.remove_deltas, folder)
+                await _io(store.remove_deltas)(folder)
             except OSError as e:  # stale deltas link to nothing: loading ignores them
                 log.warning("agent %s: removing stale delta files failed: %s", agent, e)
 
@@ -261,10 +263,10 @@ class PersistenceActor(SupervisedActor):
 
         The first also records which model the fingerprint folder belongs to (`store.record_model`).
         """
-        scan, end = await asyncio.to_thread(store.open_journal, folder)
+        scan, end = await _io(store.open_journal)(folder)
         if not self._model_recorded:
             await self._record_model(folder.parent)
-        cache_seq = await asyncio.to_thread(store.cache_seq, folder)
+        cache_seq = await _io(store.cache_seq)(folder)
         last = -1 if scan is None else scan.last_seq
         if scan is not None and scan.damaged:
             log.error("agent %s: its journal was damaged in the middle: %s. %d records that check were kept; "
@@ -285,7 +287,7 @@ class PersistenceActor(SupervisedActor):
     async def _record_model(self, model_dir) -> None:
         """Write `model.json` once per actor; a failure is only logged (it names the folder for people)."""
         try:
-            await asyncio.to_thread(store.record_model, model_dir, self.spec.model_id)
+            await _io(store.record_model)(model_dir, self.spec.model_id)
             self._model_recorded = True
         except OSError as e:
             log.warning("recording the model id in %s failed: %s", model_dir, e)
@@ -296,9 +298,9 @@ class PersistenceActor(SupervisedActor):
 
     async def _load(self, agent: str) -> store.Loaded:
         folder = store.agent_dir(self.cache_dir, self.spec.fingerprint, agent)
-        if agent not in self._journal_seq and await asyncio.to_thread(os.path.lexists, folder):
+        if agent not in self._journal_seq and await _io(os.path.lexists)(folder):
             await self._open(agent, folder)  # repairs damage and says what was lost, once
-        loaded = await asyncio.to_thread(store.load_agent, self.cache_dir, self.spec, agent)
+        loaded = await _io(store.load_agent)(self.cache_dir, self.spec, agent)
         return replace(loaded, last_seq=max(loaded.last_seq, self._journal_seq.get(agent, -1)))
 
 

@@ -24,6 +24,7 @@ from typing import Callable
 import mlx.core as mx
 
 from runtime.detok import AnchoredDetokenizer
+from runtime.errors import KvactorsError
 from runtime.prepare import last_logits
 from runtime.qgemv import available as on_cuda
 from runtime.q4cache import (
@@ -110,7 +111,7 @@ class TurnResult:
     timings: Timings
 
 
-class TurnError(RuntimeError):
+class TurnError(KvactorsError, RuntimeError):
     """A turn failed; `turn_id` says which. The engine stays usable."""
 
     def __init__(self, turn_id: str, message: str):

@@ -44,6 +44,7 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import QuantizedKVCache, _BaseCache, create_attention_mask
 
 from runtime import attention
+from runtime.errors import KvactorsError
 from runtime.qgemv import available as on_cuda
 
 ROUTES = ("quantized", "dequant", "dequant_once", "q4kernel")
@@ -52,7 +53,7 @@ SLIDING_SLACK = 256  # tokens a sliding layer keeps beyond its window, for prefi
 DENSE_EXTRA = 1  # columns the "dequant_once" working copy has beyond the allocation: see _working_copy
 
 
-class Q4CacheError(ValueError):
+class Q4CacheError(KvactorsError, ValueError):
     """A Q4 cache was built or combined with incompatible parameters."""
 
 
