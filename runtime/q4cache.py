@@ -95,9 +95,17 @@ def _map(fn, packed):
     return tuple(fn(x) for x in packed)
 
 
-def _left_padded(packed, used: int, width: int):
-    """The first `used` columns of `packed`, left-padded with zeros to `width` columns."""
-    return _map(lambda x: mx.pad(x[..., :used, :], [(0, 0), (0, 0), (width - used, 0), (0, 0)]), packed)
+def _placed(packed, used: int, end: int, width: int):
+    """The first `used` columns of `packed` placed to end at column `end` of `width` zero columns.
+
+    One slice and one pad per tensor; `packed` itself when it is that already.
+    """
+    def place(x):
+        if used == end and x.shape[2] == width:
+            return x
+        return mx.pad(x[..., :used, :], [(0, 0), (0, 0), (end - used, width - end), (0, 0)])
+
+    return _map(place, packed)
 
 
 def _allocation(used: int) -> int:
@@ -113,11 +121,6 @@ def _allocation(used: int) -> int:
 def _grown(needed: int) -> int:
     """Columns a full allocation grows to when `needed` columns must fit: a multiple of STEP."""
     return -(-needed // STEP) * STEP
-
-
-def _room(packed, width: int):
-    """`packed` with zero columns appended up to `width` columns (axis 2)."""
-    return _map(lambda x: _widened(x, width) if x.shape[2] < width else x, packed)
 
 
 def _widened(x, width: int):
@@ -365,15 +368,16 @@ class BatchQuantizedKVCache(_BaseCache):
             return cache
         template = next(c for c, n in zip(caches, lengths) if n)
 
+        width = _allocation(longest)
+
         def rows(part):
             out = [
-                _left_padded(getattr(c, part), n, longest) if n else _zero_rows(getattr(template, part), 1, longest)
+                _placed(getattr(c, part), n, longest, width) if n else _zero_rows(getattr(template, part), 1, width)
                 for c, n in zip(caches, lengths)
             ]
-            return tuple(mx.concatenate(list(xs), axis=0) for xs in zip(*out))
+            return tuple(mx.concatenate(list(xs), axis=0) if len(xs) > 1 else xs[0] for xs in zip(*out))
 
-        width = _allocation(longest)
-        cache.keys, cache.values = _room(rows("keys"), width), _room(rows("values"), width)
+        cache.keys, cache.values = rows("keys"), rows("values")
         cache._idx = longest
         return cache
 
@@ -397,8 +401,16 @@ class BatchQuantizedKVCache(_BaseCache):
         return out
 
     def filter(self, keep) -> None:
-        """Keep only rows `keep` (a list of row indices), in that order; trim shared padding."""
-        idx = mx.array(keep, dtype=mx.int32)
+        """Keep only rows `keep` (a list of row indices), in that order; trim shared padding.
+
+        Padding that every row shares is dropped in whole STEP blocks (so widths stay
+        multiples of STEP); less than a block stays as padding.
+        """
+        keep = list(keep)
+        if keep and keep == list(range(keep[0], keep[-1] + 1)):
+            idx = slice(keep[0], keep[-1] + 1)  # a run of rows: views, no copy
+        else:
+            idx = mx.array(keep, dtype=mx.int32)
         self.left_padding = self.left_padding[idx]
         self.offset = self.offset[idx]
         if self.keys is not None:
@@ -407,10 +419,10 @@ class BatchQuantizedKVCache(_BaseCache):
         if self._dense is not None:
             self._dense = tuple(x[idx] for x in self._dense)
         padding = self.left_padding.tolist()
-        shared = min(padding, default=0)
-        self._padded = max(padding, default=0) > shared
-        if shared > 0:
-            self._drop_front(shared)
+        drop = min(padding, default=0) // STEP * STEP  # whole blocks only: a copy of every buffer
+        self._padded = max(padding, default=0) > drop  # a row left with padding needs the padded mask
+        if drop:
+            self._drop_front(drop)
 
     def _drop_front(self, n):
         if self.keys is not None:  # contiguous: the decode kernel reads whole buffers
@@ -433,18 +445,19 @@ class BatchQuantizedKVCache(_BaseCache):
             return
         longest = max(self._idx, other._idx)
         template = self if self.keys is not None else other
+        width = max(_allocation(longest), self.keys[0].shape[2] if self.keys is not None else 0)
 
         def aligned(c, part):
             src = getattr(c, part)
             if src is None:
-                return _zero_rows(getattr(template, part), c.left_padding.shape[0], longest)
-            return _left_padded(src, c._idx, longest)
+                return _zero_rows(getattr(template, part), c.left_padding.shape[0], width)
+            return _placed(src, c._idx, longest, width)
 
-        parts, width = {}, _allocation(longest)
+        parts = {}
         for part in ("keys", "values"):
-            parts[part] = _room(tuple(
+            parts[part] = tuple(
                 mx.concatenate([a, b], axis=0) for a, b in zip(aligned(self, part), aligned(other, part))
-            ), width)
+            )
         self.left_padding = mx.concatenate(
             [self.left_padding + (longest - self._idx), other.left_padding + (longest - other._idx)]
         )
