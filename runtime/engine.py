@@ -383,14 +383,18 @@ class Engine:
             self.prefilling.pop(0)
             return [TurnError(row.turn.turn_id, f"prefill failed: {type(e).__name__}: {e}")]
         self.prefilling.pop(0)
-        done = self._settle()
         if self.batch is None:
             self.batch = row.cache
         else:
-            extend_cache(self.batch, row.cache)
+            extend_cache(self.batch, row.cache)  # lazily, after the step in flight
         row.cache = None
         self.decoding.append(row)
-        return done + self._accept([(len(self.decoding) - 1, token)], fed=False)
+        if self._next is not None:
+            # join the step in flight's output: the next step feeds this token too, and
+            # the row takes it with the others' (no wait for the device, no extra step)
+            self._next = mx.concatenate([self._next, mx.array([token], dtype=self._next.dtype)])
+            return []
+        return self._accept([(len(self.decoding) - 1, token)], fed=False)
 
     # -- decode -------------------------------------------------------------------
 
@@ -401,7 +405,9 @@ class Engine:
         the step that feeds them is built and queued, so MLX builds a step's graph
         while the device runs the previous one. A row that finishes has then been
         fed its last token once too often: `_finish` leaves that column out of its
-        cache, and `filter` drops the row from the step in flight.
+        cache, and `filter` drops the row from the step in flight. A row that joins
+        while a step is in flight appends its first token to `_next` and takes it
+        with the others at the next step (`_prefill_chunk`).
         """
         try:
             t0 = time.perf_counter()
@@ -425,13 +431,6 @@ class Engine:
         picks = self._sample(self.decoding, logits[:, -1, :])
         mx.async_eval(picks, [c.state for c in self.batch])
         return picks
-
-    def _settle(self):
-        """Take the tokens of the step in flight (no step beyond it): call before the batch changes shape."""
-        if self._next is None:
-            return []
-        tokens, self._next = self._next.tolist(), None
-        return self._accept(list(enumerate(tokens)), fed=False)
 
     def _chunk_done(self, t0, tokens, context, shape):
         seconds = time.perf_counter() - t0

@@ -241,3 +241,14 @@ def test_an_abandoned_turn_is_dropped_at_its_next_chunk_or_token(llama):
     assert isinstance(out["later"], TurnAbandoned) and len(tokens) == 3  # no token after it gave up
     assert out["stay"].tokens == solo(llama, Turn("s2", "s", None, prompt, max_tokens=3)).tokens
     assert not engine.has_work() and engine.reserved == 0
+
+
+def test_a_row_left_with_padding_after_the_longest_leaves_equals_solo(llama):
+    # the long row ends first; the short one keeps part of its left padding (less than a
+    # block is not worth a copy), so its later steps must still mask that padding
+    model, tokenizer, spec, opts = llama
+    long = Turn("long", "long", None, encode(tokenizer, "a long prompt of many words " * 12), max_tokens=4)
+    short = Turn("short", "short", None, encode(tokenizer, "short one"), max_tokens=16)
+    together = run(Engine(model, tokenizer, spec, **opts), [long, short])
+    for t in (long, short):
+        assert together[t.turn_id].tokens == solo(llama, t).tokens
