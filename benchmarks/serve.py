@@ -66,7 +66,7 @@ def start(server: str, model: Path, workdir: Path, conversations: int = 16) -> t
                "--log-level", "WARNING"]
         if server == "mlx-lm":
             cmd += ["--prompt-cache-size", str(max(10, 2 * conversations))]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     log = open(workdir / f"{server}.log", "w")
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
