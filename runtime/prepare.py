@@ -14,7 +14,8 @@ a model loaded elsewhere in the process is untouched) to subclasses that:
   layer's seven products at 2048 rows took 7.2 ms through MLX-CUDA's quantized
   matmul and 2.0 ms this way; at 256 rows 1.03 against 0.89 ms; below that the
   quantized kernel wins (`benchmarks/prefill_gemm.py`). The dequantized weight
-  lives for one call (117 MB for a 14336x4096 layer).
+  lives for one call (117 MB for a 14336x4096 layer), and at most DENSE_IN_FLIGHT
+  such products are queued on the device at once (`_bound_in_flight`).
 - send decode-sized inputs (1 to `qgemv.MAX_ROWS` rows) of 4-bit weights through
   `qgemv`, which reads the weights once for all rows and gives each row the same
   result whatever the batch (batch-invariant decoding). Only float16 and
@@ -33,6 +34,8 @@ a prefill's work on SmolLM2-135M's 49K vocabulary); any other model runs whole.
 
 from __future__ import annotations
 
+import collections
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -40,6 +43,8 @@ from runtime import qgemv
 
 
 DENSE_ROWS = 256  # on CUDA, inputs of this many rows or more multiply the dequantized weight
+DENSE_IN_FLIGHT = 14  # dense products queued on the device at most (two layers' worth)
+_in_flight: collections.deque = collections.deque()
 
 
 def _quantized_matmul(module, x):
@@ -54,10 +59,26 @@ def _quantized_matmul(module, x):
         w = mx.dequantize(module["weight"], module["scales"], module.get("biases"), group_size=module.group_size,
                           bits=module.bits, mode=module.mode)
         y = flat @ w.astype(x.dtype).T
+        _bound_in_flight(y)
     else:
         y = mx.quantized_matmul(flat, module["weight"], scales=module["scales"], biases=module.get("biases"),
                                 transpose=True, group_size=module.group_size, bits=module.bits, mode=module.mode)
     return y.reshape(*shape[:-1], y.shape[-1])
+
+
+def _bound_in_flight(y) -> None:
+    """Queue `y` and wait for the product DENSE_IN_FLIGHT before it.
+
+    MLX keeps a product's dequantized weight alive until the device has run it, and
+    the host queues a whole prefill chunk long before the device gets there: all 224
+    weights of an 8B model (9 GB on an H100, and out of memory under a server's
+    load). Waiting for an older product, which the device has usually finished,
+    bounds that to a few weights without idling the device.
+    """
+    mx.async_eval(y)
+    _in_flight.append(y)
+    if len(_in_flight) > DENSE_IN_FLIGHT:
+        mx.eval(_in_flight.popleft())
 
 
 class FlatQuantizedLinear(nn.QuantizedLinear):
