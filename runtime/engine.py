@@ -69,7 +69,6 @@ class Turn:
     tokens: list[int]
     sampling: Sampling = Sampling()
     max_tokens: int = 128
-    stop_tokens: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
     on_token: Callable[[str], None] | None = None
     on_progress: Callable[[int, int], None] | None = None
@@ -96,7 +95,7 @@ class TurnResult:
     `cache` is a per-layer list of evaluated `QuantizedKVCache` holding the turn's
     history, its prompt and every generated token but the last (which was
     sampled, never fed to the model): `cached_tokens` tokens in all.
-    `finish_reason` is "stop" (eos, stop token or stop string), "length" or "cancelled".
+    `finish_reason` is "stop" (eos or stop string), "length" or "cancelled".
     `text` spells `tokens` as they follow the turn's last fed token
     (`runtime.detok`), cut before a stop string; eos tokens add no text.
     """
@@ -489,7 +488,7 @@ class Engine:
     def _add_token(self, row, token) -> str | None:
         turn = row.turn
         row.generated.append(token)
-        if token in self.tokenizer.eos_token_ids or token in turn.stop_tokens:
+        if token in self.tokenizer.eos_token_ids:
             return "stop"
         row.detok.add_token(token)
         piece = row.detok.last_segment

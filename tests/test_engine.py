@@ -100,17 +100,14 @@ def test_turn_that_can_never_fit_fails_at_once(llama):
     assert not engine.has_work()
 
 
-def test_max_tokens_stop_tokens_eos_and_stop_strings(llama):
+def test_max_tokens_eos_and_stop_strings(llama):
     model, tokenizer, spec, opts = llama
     prompt = encode(tokenizer, "stop conditions are checked here")
     free = solo(llama, Turn("free", "s", None, prompt, max_tokens=16))
     assert free.finish_reason == "length" and len(free.tokens) == 16
 
     k = 5
-    stopped = solo(llama, Turn("st", "s", None, prompt, max_tokens=16, stop_tokens=(free.tokens[k],)))
     first = free.tokens.index(free.tokens[k])
-    assert stopped.finish_reason == "stop" and stopped.tokens == free.tokens[: first + 1]
-
     saved = set(tokenizer.eos_token_ids)
     tokenizer.eos_token_ids = saved | {free.tokens[k]}
     try:
