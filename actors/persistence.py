@@ -301,6 +301,8 @@ class PersistenceActor(SupervisedActor):
         if agent not in self._journal_seq and await _io(os.path.lexists)(folder):
             await self._open(agent, folder)  # repairs damage and says what was lost, once
         loaded = await _io(store.load_agent)(self.cache_dir, self.spec, agent)
+        if agent not in self._segment and loaded.segment is not None and loaded.segment.seq == self._cache_seq.get(agent):
+            self._segment[agent] = loaded.segment  # the agent's next write continues the chain with a delta
         return replace(loaded, last_seq=max(loaded.last_seq, self._journal_seq.get(agent, -1)))
 
 

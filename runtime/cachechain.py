@@ -56,6 +56,15 @@ def load_cache(cache_dir, spec, agent: str) -> tuple[HostCache, CacheMeta]:
 
 def load_chain(folder: Path, spec=None) -> tuple[HostCache, CacheMeta]:
     """`load_cache` for the agent folder `folder`; without `spec` nothing is checked against a model."""
+    return load_segment(folder, spec)[:2]
+
+
+def load_segment(folder: Path, spec=None) -> tuple[HostCache, CacheMeta, "Segment"]:
+    """`load_chain`, plus the `Segment` of the newest file it applied.
+
+    A writer that starts from it (`next_segment(..., last=segment)`) continues the
+    chain on disk with a delta, as if it had written that file itself.
+    """
     path = folder / CACHE_FILE
     try:
         refuse_links(folder)
@@ -66,22 +75,25 @@ def load_chain(folder: Path, spec=None) -> tuple[HostCache, CacheMeta]:
         raise UnreadableCache(f"cannot read {path}: {e}; the agent re-prefills from its journal") from e
     try:
         host, meta, checksum, _ = decode_file(data)
-        chain = _Chain(host)
+        chain, deltas, delta_bytes = _Chain(host), 0, 0
         for k in range(1, MAX_DELTAS + 1):
             try:
-                delta, delta_meta, delta_sum, link = decode_file(map_file(folder / DELTA_FILE.format(k)))
+                delta_data = map_file(folder / DELTA_FILE.format(k))
+                delta, delta_meta, delta_sum, link = decode_file(delta_data)
                 if not link or link.get("parent") != checksum:
                     break
                 chain.apply(delta, link)
             except (OSError, CacheError):
                 break
-            meta, checksum = delta_meta, delta_sum
+            meta, checksum, deltas, delta_bytes = delta_meta, delta_sum, k, delta_bytes + len(delta_data)
         host = chain.host()
         if spec is not None:
             check_spec(host, meta.fingerprint, spec)
     except CacheError as e:
         raise type(e)(f"{path}: {e}") from e
-    return host, meta
+    lengths = tuple(host.length(i) for i in range(host.n_layers))
+    segment = Segment(meta.seq, checksum, lengths, tuple(meta.token_ids), deltas, len(data), delta_bytes)
+    return host, meta, segment
 
 
 def cache_seq(folder: Path) -> int | None:

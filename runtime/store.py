@@ -25,8 +25,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.cachechain import (MAX_DELTAS, Segment, cache_seq, load_cache, load_chain, next_segment, remove_deltas,
-                                save_cache)
+from runtime.cachechain import (MAX_DELTAS, Segment, cache_seq, load_cache, load_chain, load_segment, next_segment,
+                                remove_deltas, save_cache)
 from runtime.cacheformat import (FORMAT, FORMAT_VERSION, MAX_HEADER, CacheError, CacheMissing, ChecksumMismatch,
                                  CorruptCache, ForeignModel, QuantizationMismatch, ShapeMismatch, TruncatedCache,
                                  UnreadableCache, UnsupportedVersion, decode_cache, encode_cache)
@@ -53,7 +53,8 @@ __all__ = [
     "ForeignModel", "QuantizationMismatch", "ShapeMismatch", "TruncatedCache", "UnreadableCache",
     "UnsupportedVersion", "decode_cache", "encode_cache",
     # runtime.cachechain
-    "MAX_DELTAS", "Segment", "cache_seq", "load_cache", "load_chain", "next_segment", "remove_deltas", "save_cache",
+    "MAX_DELTAS", "Segment", "cache_seq", "load_cache", "load_chain", "load_segment", "next_segment", "remove_deltas",
+    "save_cache",
     # runtime.journal
     "JOURNAL_MAGIC", "JournalError", "JournalScan", "append_frames", "append_journal", "check_record",
     "current_conversation", "encode_records", "fresh_records", "journal_record", "open_journal", "parse_journal", "read_journal",
@@ -120,6 +121,7 @@ class Loaded:
     error: CacheError | None = None
     last_seq: int = -1
     journal_error: JournalError | None = None
+    segment: Segment | None = None  # the newest cache file applied: a writer may continue its chain
 
 
 def load_agent(cache_dir, spec, agent: str) -> Loaded:
@@ -133,10 +135,10 @@ def load_agent(cache_dir, spec, agent: str) -> Loaded:
     seq = cache_seq(agent_dir(cache_dir, spec.fingerprint, agent))
     last = max(records[-1]["seq"] if records else -1, -1 if seq is None else seq)
     try:
-        host, meta = load_cache(cache_dir, spec, agent)
+        host, meta, segment = load_segment(agent_dir(cache_dir, spec.fingerprint, agent), spec)
     except CacheError as e:
         return Loaded(records, error=e, last_seq=last)
-    return Loaded(records, host, meta, last_seq=last)
+    return Loaded(records, host, meta, last_seq=last, segment=segment)
 
 
 def delete(cache_dir, spec, agent: str) -> bool:

@@ -151,6 +151,29 @@ def test_hot_budget_zero_makes_every_turn_warm_with_the_same_output(tmp_path):
     assert [r.tokens for r in warm] == [r.tokens for r in hot]
 
 
+def test_the_first_turn_after_a_restart_continues_the_chain_on_disk_with_a_delta(tmp_path):
+    texts = ["Plan a bake sale.", "Go on.", "Who bakes?", "And the cakes?"]
+    system = LONG_SYSTEM * 4  # so that three turns' rows stay smaller than the full file
+    with Runtime(model=None, cache_dir=tmp_path / "one") as rt:
+        a = rt.spawn("alice", system=system)
+        whole = [a.ask(t, max_tokens=6) for t in texts]
+    with Runtime(model=None, cache_dir=tmp_path / "two") as rt:
+        a = rt.spawn("alice", system=system)
+        split = [a.ask(t, max_tokens=6) for t in texts[:2]]
+    with Runtime(model=None, cache_dir=tmp_path / "two") as rt:  # a restart: the cache chain is loaded
+        a = rt.spawn("alice", system=system)
+        split += [a.ask(t, max_tokens=6) for t in texts[2:]]
+        folder = store.agent_dir(tmp_path / "two", rt.spec.fingerprint, "alice")
+    assert [r.cache for r in split] == ["cold", "hot", "warm", "hot"]
+    # one full file, then only new rows, across the restart too (it used to rewrite the full file)
+    assert sorted(p.name for p in folder.glob("cache.*")) == [
+        "cache.1.delta.safetensors", "cache.2.delta.safetensors", "cache.3.delta.safetensors", "cache.safetensors"]
+    assert [r.tokens for r in split] == [r.tokens for r in whole]
+    with Runtime(model=None, cache_dir=tmp_path / "two") as rt:  # and the chain loads as the agent left it
+        host, meta = store.load_cache(tmp_path / "two", rt.spec, "alice")
+        assert meta.seq == store.cache_seq(folder) and meta.turn_id == split[-1].turn_id
+
+
 def test_process_restart_resumes_warm_with_the_uninterrupted_greedy_output(tmp_path):
     n, cut = len(child.STEPS), 3
     assert child.STEPS[cut][0] == "ask"
