@@ -97,10 +97,14 @@ def bench_model_folder(name: str, workdir: Path) -> Path:
 def load_bench_model(name: str):
     """(model, tokenizer, spec) for `name` through `load_model`, its folder built in a temp folder.
 
+    Also installs `runtime.attention` (benchmarks build batch caches without an Engine).
+
     See `bench_model_folder` ($KVACTORS_BENCH_MODELS keeps the folder for reuse).
     """
+    from runtime import attention
     from runtime.model import load_model
 
+    attention.install()  # benchmarks drive batch caches without an Engine too
     with tempfile.TemporaryDirectory() as tmp:
         return load_model(bench_model_folder(name, Path(tmp)))
 

@@ -25,7 +25,7 @@ import time
 import mlx.core as mx
 
 from benchmarks.common import bench_parser, environment, kernel_us, write_results
-from runtime import prepare, qgemv
+from runtime import attention, prepare, qgemv
 from benchmarks.profile import prefilled
 from runtime.q4cache import merge_caches
 
@@ -151,6 +151,7 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--skip-kernel", action="store_true")
     args = ap.parse_args(argv)
+    attention.install()  # batch caches without an Engine
     env = environment()
     print(env, flush=True)
     if not qgemv.available():

@@ -2,7 +2,9 @@
 
 mlx-lm's models call `mlx_lm.models.base.quantized_scaled_dot_product_attention`
 for any cache that has a `bits` attribute. `install()` puts `sdpa` there; it is
-the one change kvactors makes to a library's module. For packed keys and values
+the one change kvactors makes to a library's module, made in one explicit step:
+`Engine` calls it when it is built (code that drives a `BatchQuantizedKVCache`
+without an engine calls it first; the cache refuses to be built before). For packed keys and values
 (the "quantized" route) `sdpa` does the math of mlx-lm's own function without
 scaling the caller's queries in place, so other users of mlx-lm's
 `QuantizedKVCache` in the process get the same results. A `RowRange` mask (the
@@ -41,8 +43,17 @@ class RowRange:
 
 
 def install() -> None:
-    """Make mlx-lm's models call `sdpa` for caches with a `bits` attribute (idempotent)."""
+    """Make mlx-lm's models call `sdpa` for caches with a `bits` attribute, process-wide (idempotent).
+
+    mlx-lm's own `QuantizedKVCache` users get the same results as before (see the
+    module docstring).
+    """
     mlx_base.quantized_scaled_dot_product_attention = sdpa
+
+
+def installed() -> bool:
+    """Whether `install` has run in this process."""
+    return mlx_base.quantized_scaled_dot_product_attention is sdpa
 
 
 def sdpa(queries, keys, values, scale, mask, group_size: int = 64, bits: int = 4):

@@ -23,6 +23,7 @@ from typing import Callable
 
 import mlx.core as mx
 
+from runtime import attention
 from runtime.detok import AnchoredDetokenizer
 from runtime.errors import KvactorsError
 from runtime.prepare import last_logits
@@ -217,6 +218,7 @@ class Engine:
         max_prefill_chunk: int = 2048,
         query_bucket: int | None = None,
     ):
+        attention.install()  # the model's attention over batch caches: see runtime.attention
         self.model = model
         self.tokenizer = tokenizer
         self.spec = spec

@@ -183,9 +183,10 @@ class BatchQuantizedKVCache(_BaseCache):
         # fused kernel directly for models with attention sinks, which mlx-lm
         # refuses to send to a cache with `bits`
         self.own_attention = own_attention
-        if own_attention:
-            attention.install()
-        elif self.route == "quantized":
+        if own_attention and not attention.installed():
+            raise Q4CacheError("mlx-lm would not send this cache's attention to runtime.attention: call "
+                               "runtime.attention.install() once before building batch caches (Engine does)")
+        if not own_attention and self.route == "quantized":
             raise Q4CacheError("the quantized route cannot serve attention sinks; use 'dequant' or 'dequant_once'")
 
     # -- what the model drives -------------------------------------------------

@@ -10,6 +10,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
+from runtime import attention
 from runtime.model import ModelCacheSpec
 from runtime.qgemv import available as on_cuda
 from runtime.q4cache import (
@@ -30,6 +31,20 @@ from runtime.q4cache import (
 
 ARCHS = ["llama", "qwen2", "gemma3_text", "gpt_oss"]
 ATOL = 1e-5
+
+
+@pytest.fixture(autouse=True, scope="module")
+def attention_installed():
+    attention.install()  # these tests drive batch caches without an Engine
+
+
+def test_a_batch_cache_refuses_to_be_built_before_attention_is_installed(monkeypatch):
+    from mlx_lm.models import base
+
+    monkeypatch.setattr(base, "quantized_scaled_dot_product_attention", lambda *a, **k: None)  # as mlx-lm ships
+    with pytest.raises(Q4CacheError, match="attention.install"):
+        BatchQuantizedKVCache([0], route="dequant")
+    BatchQuantizedKVCache([0], route="dequant", own_attention=False)  # sinks models attend by themselves
 
 
 def random_q4(T, heads=2, dim=64, dtype=mx.float32, seed=0):
