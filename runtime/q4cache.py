@@ -388,8 +388,13 @@ class BatchQuantizedKVCache(_BaseCache):
         The last `drop` columns are left out. A layer built with `keep` hands out
         only its last `keep` tokens; `offset` is the row's position either way.
         """
+        out = self._extract(i, drop, int(self.left_padding[i].item()), int(self.offset[i].item()))
+        mx.eval(out.keys, out.values)
+        return out
+
+    def _extract(self, i: int, drop: int, pad: int, offset: int) -> QuantizedKVCache:
+        """`extract` with the row's padding and offset given, unevaluated."""
         out = QuantizedKVCache(group_size=self.kv_group_size, bits=self.kv_bits)
-        pad = int(self.left_padding[i].item())
         end = self._idx - drop
         if self.keys is None or pad >= end:
             return out
@@ -397,15 +402,15 @@ class BatchQuantizedKVCache(_BaseCache):
             pad = max(pad, end - self.keep)
         out.keys = _map(lambda x: mx.contiguous(x[i : i + 1, :, pad:end, :]), self.keys)
         out.values = _map(lambda x: mx.contiguous(x[i : i + 1, :, pad:end, :]), self.values)
-        out.offset = int(self.offset[i].item()) - drop
-        mx.eval(out.keys, out.values)
+        out.offset = offset - drop
         return out
 
-    def filter(self, keep) -> None:
+    def filter(self, keep, padding: list[int] | None = None) -> None:
         """Keep only rows `keep` (a list of row indices), in that order; trim shared padding.
 
         Padding that every row shares is dropped in whole STEP blocks (so widths stay
-        multiples of STEP); less than a block stays as padding.
+        multiples of STEP); less than a block stays as padding. `padding`: the kept
+        rows' left padding, if the caller knows it (saves a wait for the device).
         """
         keep = list(keep)
         if keep and keep == list(range(keep[0], keep[-1] + 1)):
@@ -419,7 +424,8 @@ class BatchQuantizedKVCache(_BaseCache):
             self.values = _map(lambda x: x[idx], self.values)
         if self._dense is not None:
             self._dense = tuple(x[idx] for x in self._dense)
-        padding = self.left_padding.tolist()
+        if padding is None:
+            padding = self.left_padding.tolist()
         drop = min(padding, default=0) // STEP * STEP  # whole blocks only: a copy of every buffer
         self._padded = max(padding, default=0) > drop  # a row left with padding needs the padded mask
         if drop:
@@ -566,13 +572,19 @@ def extract_cache(batch, i: int, drop: int = 0):
 
     `drop`: leave out the row's last `drop` columns (tokens fed after the turn ended).
     """
-    return [layer.extract(i, drop) for layer in batch]
+    # every layer has the same padding and offsets: read them once, evaluate once
+    pad, offset = int(batch[0].left_padding[i].item()), int(batch[0].offset[i].item())
+    out = [layer._extract(i, drop, pad, offset) for layer in batch]
+    mx.eval([(c.keys, c.values) for c in out if c.keys is not None])
+    return out
 
 
 def filter_cache(batch, keep) -> None:
     """Keep rows `keep` in every layer of `batch`."""
+    padding = batch[0].left_padding.tolist()  # the same in every layer
+    padding = [padding[k] for k in keep]
     for layer in batch:
-        layer.filter(keep)
+        layer.filter(keep, padding)
 
 
 def extend_cache(batch, other) -> None:
