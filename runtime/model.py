@@ -117,10 +117,15 @@ class ModelCacheSpec:
         return 2 * self.n_layers * self.n_kv_heads * (self.k_head_dim + self.v_head_dim)
 
     def q4_bytes_per_token(self, bits: int | None = None, group_size: int | None = None) -> float:
-        """Bytes of one token's packed K and V over all layers (words + fp16 scales and biases)."""
+        """Bytes of one token's packed K and V over all layers (words + scales and biases).
+
+        Scales and biases have the model's dtype (4 bytes each for a float32 model, 2 for
+        16-bit ones), as `mx.quantize` makes them.
+        """
         bits = bits or self.kv_bits
         group_size = group_size or self.kv_group_size
-        per_element = bits / 8 + 2 * 2 / group_size
+        scale_bytes = 4 if self.dtype == "float32" else 2
+        per_element = bits / 8 + 2 * scale_bytes / group_size
         dims = self.k_head_dim + self.v_head_dim
         return self.n_layers * self.n_kv_heads * dims * per_element
 

@@ -49,13 +49,23 @@ def test_gpt_oss_sinks_and_alternating_window(specs, tiny_model_path):
     assert {w for w in spec.windows if w} == {config["sliding_window"]}
 
 
-def test_bytes_per_token(specs):
-    spec = specs["llama"]
+def test_bytes_per_token_are_what_quantize_stores(specs):
+    import dataclasses
+
+    import mlx.core as mx
+
+    spec = specs["llama"]  # float32: scales and biases are float32 too
     elements = spec.n_layers * spec.n_kv_heads * (spec.k_head_dim + spec.v_head_dim)
     assert spec.fp16_bytes_per_token() == 2 * elements
-    assert spec.q4_bytes_per_token() == elements * (0.5 + 4 / 64)  # 0.5625 bytes per element
-    assert spec.q4_bytes_per_token() / spec.fp16_bytes_per_token() == pytest.approx(0.28125)
-    assert spec.q4_bytes_per_token(bits=8, group_size=32) == elements * (1 + 4 / 32)
+    for dtype, scale_bytes in (("float32", 4), ("bfloat16", 2), ("float16", 2)):
+        s = dataclasses.replace(spec, dtype=dtype)
+        for bits, group in ((4, 64), (8, 32)):
+            x = mx.zeros((1, spec.k_head_dim), getattr(mx, dtype))
+            stored = sum(a.nbytes for a in mx.quantize(x, group_size=group, bits=bits)) / spec.k_head_dim
+            assert stored == bits / 8 + 2 * scale_bytes / group
+            assert s.q4_bytes_per_token(bits=bits, group_size=group) == elements * stored
+    assert dataclasses.replace(spec, dtype="bfloat16").q4_bytes_per_token() / spec.fp16_bytes_per_token() == \
+        pytest.approx(0.28125)
 
 
 def test_fingerprint_changes_with_weights_and_nothing_else(tmp_path):
