@@ -35,7 +35,7 @@ from actors import persistence
 from actors.batcher import Submit
 from actors.supervisor import SupervisedActor
 from runtime import chat, prefix, store
-from runtime.engine import Sampling, Timings, Turn, TurnResult
+from runtime.engine import Sampling, Timings, Turn, TurnResult, TurnTooLarge
 from runtime.errors import KvactorsError
 from runtime.q4cache import can_trim
 
@@ -477,6 +477,10 @@ class AgentActor(SupervisedActor):
         if item is None or item.turn_id != done.turn_id:
             return  # a late answer to a turn that already failed
         msg, turn_id, outcome = item.msg, item.turn_id, done.outcome
+        if isinstance(outcome, TurnTooLarge):  # it can never fit the memory budget: the caller's turn, not a fault
+            self.seq = item.pending["user"]["seq"] - 1  # the user record was never written
+            self._abandon(item, outcome, str(outcome))
+            return
         if isinstance(outcome, BaseException):
             raise AgentCrashed(turn_id, f"the turn failed: {outcome}") from outcome
         if self.fault:

@@ -28,7 +28,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from actors.supervisor import Backoff
-from runtime import AgentCrashed, JournalError, Runtime, RuntimeClosed, TurnNotSaved, TurnTimeout, journal, store
+from runtime import (AgentCrashed, JournalError, Runtime, RuntimeClosed, TurnNotSaved, TurnTimeout, TurnTooLarge,
+                     journal, store)
 from runtime.facade import AgentRef
 
 FAST = Backoff(min=0.001, max=0.02, reset=10.0)
@@ -334,6 +335,19 @@ def test_random_options_never_reach_an_actor_invalid_nor_crash_one_valid(edge_rt
     assert actor is None or edge_rt.env.refs["prop"] is actor  # no crash, no restart
     assert edge_rt.escalation is None
 
+
+
+def test_a_turn_too_large_for_the_memory_budget_fails_alone_without_a_crash(tmp_path):
+    with Runtime(model=None, cache_dir=tmp_path, memory_budget=1, max_restarts=1, restart_period=60,
+                 backoff=FAST) as rt:
+        ref = rt.spawn("big", system="You are careful.")
+        history, actor = ref.history(), rt.env.refs["big"]
+        for _ in range(3):  # past max_restarts, had these been crashes
+            with pytest.raises(TurnTooLarge, match="memory_budget") as e:
+                ref.ask("Hello.", max_tokens=2)
+            assert e.value.turn_id
+        assert rt.env.refs["big"] is actor and rt.escalation is None  # no crash, no restart
+        assert ref.history() == history  # nothing recorded
 
 def test_waiting_too_little_on_a_reply_is_a_turn_timeout_not_a_pykka_error(edge_rt):
     ref = edge_rt.spawn("edge-wait", system="You are careful.")
