@@ -368,7 +368,7 @@ class AgentRef:
             turn_id=turn_id,
         )
         future = ReplyFuture()
-        future.turn_id = turn_id
+        future.turn_id, future.stop = turn_id, stop  # the stop strings as checked: a str is one of them
         self.runtime._deliver(self.name, Ask(payload, future, on_token, on_progress, cancel), future)
         return future
 
@@ -400,7 +400,7 @@ class AgentRef:
         pieces: queue.SimpleQueue = queue.SimpleQueue()
         future = self.send(text, timeout=timeout, stop=stop, on_token=pieces.put, **options)
         future.add_done_callback(lambda _: pieces.put(_END))
-        return self._stream(future, pieces, _Pieces(stop), timeout)
+        return self._stream(future, pieces, _Pieces(future.stop), timeout)
 
     def _stream(self, future, pieces, held, timeout):
         while True:
@@ -432,7 +432,7 @@ class AgentRef:
 
         future = self.send(text, timeout=timeout, stop=stop, on_token=put, **options)
         future.add_done_callback(lambda _: put(_END))
-        held, wait_s = _Pieces(stop), None if timeout is None else timeout + 5
+        held, wait_s = _Pieces(future.stop), None if timeout is None else timeout + 5
         while True:
             try:
                 item = await asyncio.wait_for(pieces.get(), wait_s)

@@ -338,7 +338,7 @@ def test_converse_and_broadcast_attribute_every_message(rt):
 
 
 def test_stream_yields_pieces_in_order_then_the_reply_and_they_add_up_to_its_text(rt):
-    a, b = rt.spawn("sm-a", system="You are A."), rt.spawn("sm-b", system="You are A.")
+    a, b, c = (rt.spawn(name, system="You are A.") for name in ("sm-a", "sm-b", "sm-c"))
     progress = []
     *pieces, reply = a.stream("Tell me a story.", max_tokens=16, on_progress=lambda *p: progress.append(p))
     assert isinstance(reply, Reply) and reply.agent == "sm-a" and len(reply.tokens) == 16
@@ -351,6 +351,8 @@ def test_stream_yields_pieces_in_order_then_the_reply_and_they_add_up_to_its_tex
     *cut, stopped = b.stream("Tell me a story.", max_tokens=16, stop=[stop])
     assert stopped.finish_reason == "stop" and stopped.text == reply.text[: reply.text.find(stop)]
     assert "".join(cut) == stopped.text
+    *cut, stopped = c.stream("Tell me a story.", max_tokens=16, stop=stop)  # one str is one stop string
+    assert stopped.finish_reason == "stop" and "".join(cut) == stopped.text == reply.text[: reply.text.find(stop)]
     before = a.history()
     with pytest.raises(TypeError, match="on_progress must be a callable"):
         a.stream("Again.", on_progress="a progress bar")  # raised here, nothing was sent
