@@ -39,6 +39,7 @@ from runtime import store
 from runtime.deadlines import Deadlines
 from runtime.errors import KvactorsError
 from runtime.model import load_model
+from runtime.q4cache import ROUTES, check_route
 from runtime.qgemv import available as on_cuda
 
 log = logging.getLogger(__name__)
@@ -536,7 +537,10 @@ class Runtime:
                  restart_period: float = 5.0, backoff: Backoff = Backoff(min=0.01, max=1.0, reset=10.0),
                  retention_s: float | None = None, on_escalate=None, io_timeout: float = 60.0,
                  warmup: bool | None = None):
-        _check_options(kv_bits, durability, strategy, max_restarts, restart_period, backoff)
+        _check_options(kv_bits=kv_bits, memory_budget=memory_budget, hot_budget=hot_budget, durability=durability,
+                       max_batch=max_batch, route=route, strategy=strategy, max_restarts=max_restarts,
+                       restart_period=restart_period, backoff=backoff, retention_s=retention_s,
+                       on_escalate=on_escalate, io_timeout=io_timeout, warmup=warmup)
         self._lock = self.services = self.supervisor = self.env = None
         self._closed = False
         self.escalation: tuple | None = None
@@ -577,14 +581,18 @@ class Runtime:
         cache first (as `forget` does), so it starts with an empty history.
         restart: "permanent" (always restarted), "transient" (only after a crash) or
         "temporary" (never). Raises InvalidAgentId for a bad name, ValueError if an
-        agent of that name is running (stop it first, or `forget` it).
+        agent of that name is running (stop it first, or `forget` it), and TypeError or
+        ValueError for a bad option (system a str, restart one of the three, reset a bool,
+        timeout finite and > 0), before anything starts.
         """
         self._check_running()
         store.check_agent_id(name)
         if not isinstance(system, str):
             raise TypeError(f"system must be a str, got {type(system).__name__}")
-        if restart not in RESTART_TYPES:
-            raise ValueError(f"restart must be one of {', '.join(RESTART_TYPES)}; got {restart!r}")
+        _choice("restart", restart, RESTART_TYPES)
+        if not isinstance(reset, bool):
+            raise TypeError(f"reset must be True or False, got {type(reset).__name__}")
+        _positive("timeout", timeout)
         if name in self._names:
             raise ValueError(f"agent {name!r} is already running; use rt.agent({name!r})")
         if reset:
@@ -793,17 +801,60 @@ class Runtime:
                                    "start a new Runtime") from error
 
 
-def _check_options(kv_bits, durability, strategy, max_restarts, restart_period, backoff) -> None:
-    """Raise ValueError/TypeError for a bad Runtime option, before anything is acquired."""
+def _check_options(*, kv_bits, memory_budget, hot_budget, durability, max_batch, route, strategy, max_restarts,
+                   restart_period, backoff, retention_s, on_escalate, io_timeout, warmup) -> None:
+    """Raise ValueError/TypeError for a bad Runtime option, before anything is acquired.
+
+    kv_bits 4 or 8; memory_budget None or an int > 0; hot_budget an int >= 0;
+    durability and strategy one of theirs; max_batch an int >= 1; route None or a
+    route that runs here; max_restarts an int >= 0; restart_period finite and > 0;
+    backoff a Backoff; retention_s None or finite and >= 0; on_escalate None or a
+    callable; io_timeout finite and > 0; warmup None, True or False.
+    """
+    _number("kv_bits", kv_bits, int)
     if kv_bits not in KV_BITS:
         raise ValueError(f"kv_bits must be one of {KV_BITS}, got {kv_bits!r}")
-    if durability not in DURABILITY:
-        raise ValueError(f"durability must be one of {DURABILITY}, got {durability!r}")
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}; got {strategy!r}")
+    _choice("durability", durability, DURABILITY)
+    _choice("strategy", strategy, STRATEGIES)
+    if memory_budget is not None:
+        _at_least("memory_budget", memory_budget, 1, int)
+    _at_least("hot_budget", hot_budget, 0, int)
+    _at_least("max_batch", max_batch, 1, int)
+    if route is not None:
+        _choice("route", route, ROUTES)
+        check_route(route)  # a route that does not run here (q4kernel off CUDA): Q4CacheError, a ValueError
+    _at_least("max_restarts", max_restarts, 0, int)
+    _positive("restart_period", restart_period)
     if not isinstance(backoff, Backoff):
         raise TypeError(f"backoff must be an actors.supervisor.Backoff, got {type(backoff).__name__}")
-    RestartIntensity(max_restarts, restart_period)  # raises ValueError for bad limits
+    if retention_s is not None:
+        _at_least("retention_s", retention_s, 0)
+        if not math.isfinite(retention_s):
+            raise ValueError(f"retention_s must be None or a finite number of seconds, got {retention_s}")
+    if on_escalate is not None and not callable(on_escalate):
+        raise TypeError(f"on_escalate must be a callable or None, got {type(on_escalate).__name__}")
+    _positive("io_timeout", io_timeout)
+    if warmup is not None and not isinstance(warmup, bool):
+        raise TypeError(f"warmup must be None, True or False, got {type(warmup).__name__}")
+
+
+def _choice(name: str, value, choices) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, one of {', '.join(choices)}; got {type(value).__name__}")
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _at_least(name: str, value, least, kind=(int, float)) -> None:
+    _number(name, value, kind)
+    if not value >= least:
+        raise ValueError(f"{name} must be >= {least}, got {value}")
+
+
+def _positive(name: str, value) -> None:
+    _number(name, value)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value}")
 
 
 def _number(name: str, value, kind=(int, float)) -> None:
