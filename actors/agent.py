@@ -158,9 +158,21 @@ class Reset:
     future: Any
 
 
+@dataclass(frozen=True)
+class Lookup:
+    """Envelope: resolve `future` with the committed Reply of turn `turn_id`, or None if it never committed.
+
+    Queued like a turn, so it is answered once everything the agent took before it is
+    done: a turn in progress with that id either commits first or never does.
+    """
+
+    turn_id: str
+    future: Any
+
+
 @dataclass
 class _Item:
-    """One unit of an agent's work: a turn ("ask") or a note, until its write is acked."""
+    """One unit of an agent's work: a turn ("ask"), a note, a reset or a lookup ("result"), until it is answered."""
 
     kind: str
     msg: dict
@@ -323,10 +335,12 @@ class AgentActor(SupervisedActor):
             _fail(item.future, error)
 
     def _drain_inbox(self, why):
-        for msg in self.take_leftover(Ask, Note, Reset):
+        for msg in self.take_leftover(Ask, Note, Reset, Lookup):
             if isinstance(msg, Ask):
                 turn_id = msgpack.unpackb(msg.payload).get("turn_id")
                 _fail(msg.future, AgentCrashed(turn_id, f"{why} before this message; retry it"))
+            elif isinstance(msg, Lookup):
+                _fail(msg.future, AgentCrashed(msg.turn_id, f"{why} before this lookup; ask again"))
             elif isinstance(msg, Reset):
                 _fail(msg.future, AgentCrashed(None, f"{why} before this message; retry it"))
             elif isinstance(msg, Note):
@@ -344,6 +358,8 @@ class AgentActor(SupervisedActor):
             self.work.append(_Item("note", msgpack.unpackb(message.payload), message.future, reply=message.reply))
         elif isinstance(message, Reset):
             self.work.append(_Item("reset", msgpack.unpackb(message.payload), message.future))
+        elif isinstance(message, Lookup):
+            self.work.append(_Item("result", {}, message.future, turn_id=message.turn_id))
         elif isinstance(message, _Done):
             self._finish_turn(message)
         elif isinstance(message, persistence.Ack):
@@ -370,7 +386,10 @@ class AgentActor(SupervisedActor):
             item = self.current = self.work.popleft()
             if self.broken is not None:
                 self._restore()  # the files may have been fixed meanwhile
-            if self.broken is not None:
+            if item.kind == "result" and not isinstance(self.broken, store.JournalError):
+                item.reply = self._committed(item.turn_id)  # the history is loaded: it says
+                self._complete(item)
+            elif self.broken is not None:
                 error = (store.JournalError(f"agent {self.name}: {self.broken}") if isinstance(self.broken, store.JournalError)
                          else TurnNotSaved(item.turn_id, f"agent {self.name} cannot record its system prompt ({self.broken}); "
                                                  "retry once the disk is fixed"))

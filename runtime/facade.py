@@ -31,10 +31,11 @@ import msgpack
 import pykka
 
 from actors import agent as agent_mod
-from actors.agent import DURABILITY, AgentActor, AgentCrashed, AgentError, Ask, Note, Reply, Reset, TurnTimeout, UnknownAgent
+from actors.agent import (DURABILITY, AgentActor, AgentCrashed, AgentError, Ask, Lookup, Note, Reply, Reset, TurnTimeout,
+                          UnknownAgent)
 from actors.batcher import STATS as _STATS, BatcherActor, BatcherStopped, Warmup
 from actors.persistence import PersistenceActor
-from actors.supervisor import RESTART_TYPES, STRATEGIES, Backoff, ChildSpec, RestartIntensity, Supervisor, UnknownChild
+from actors.supervisor import RESTART_TYPES, STRATEGIES, Backoff, ChildSpec, Supervisor, UnknownChild
 from runtime import store
 from runtime.deadlines import Deadlines
 from runtime.errors import KvactorsError
@@ -457,6 +458,33 @@ class AgentRef:
         (`other`'s turn happened). It fails as `send` does when `other`'s turn fails.
         """
         return other.send(text, sender=self.name, _reply_to_agent=self.name, **options)
+
+    def result(self, turn_id: str, timeout: float = 60.0) -> Reply | None:
+        """The Reply of turn `turn_id` if it committed (cache "committed"), None if it never did.
+
+        For a caller whose wait ended without an answer (TurnTimeout, AgentCrashed, a
+        lost connection): the agent answers once it has finished everything sent to it
+        before this call, so a turn with that id still queued or in progress has then
+        either committed or failed for good. Turns of the current conversation are
+        found (as a retry with the same `turn_id` finds them). Raises ValueError for a
+        malformed id, UnknownAgent if the agent is not running, JournalError if its
+        journal cannot be read, and AgentError if no answer came within `timeout` seconds.
+        """
+        if not isinstance(turn_id, str) or not TURN_ID.fullmatch(turn_id):
+            raise ValueError(f"turn_id must match {TURN_ID.pattern}, got {turn_id!r}")
+        _positive("timeout", timeout)
+        for _ in range(3):
+            future = ReplyFuture()
+            future.turn_id = turn_id
+            self.runtime._deliver(self.name, Lookup(turn_id, future), future)
+            try:
+                return future.get(timeout=timeout)
+            except TurnTimeout:
+                raise AgentError(f"agent {self.name!r} did not say within {timeout}s whether turn {turn_id} "
+                                 "committed; it is busy: ask again") from None
+            except AgentCrashed:
+                continue  # it crashed before answering: its next incarnation reloads the durable history
+        raise AgentCrashed(turn_id, f"agent {self.name!r} kept crashing while asked about this turn; ask again")
 
     def history(self) -> list[dict]:
         """This agent's conversation as journal records, oldest first (see `AgentActor.history`)."""

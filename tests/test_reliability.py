@@ -401,6 +401,35 @@ def test_a_retry_with_a_committed_turn_id_returns_that_reply_without_running_aga
         AgentRef(rt, "alice").send("x", turn_id="../bad")
 
 
+
+def test_a_caller_whose_wait_ended_learns_whether_the_turn_committed(tmp_path, monkeypatch):
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        alice = rt.spawn("alice", system="You are Alice.")
+        slow = alice.send("Think at length.", max_tokens=40)
+        with pytest.raises(TurnTimeout) as waited:  # the wait ended, the turn goes on
+            slow.get(timeout=0)
+        found = alice.result(waited.value.turn_id)  # answered once that turn is done
+        assert (found.turn_id, found.cache) == (slow.turn_id, "committed")
+        assert (found.text, found.tokens) == (slow.get(timeout=60).text, slow.get(timeout=60).tokens)
+        alice.inject_crash()  # the next turn runs, then the agent crashes before recording it
+        with pytest.raises(AgentCrashed) as crashed:
+            alice.ask("Crash after this.", max_tokens=2)
+        assert alice.result(crashed.value.turn_id) is None
+        monkeypatch.setattr(journal, "_pwrite", lambda fd, data, offset: (_ for _ in ()).throw(
+            OSError(errno.ENOSPC, "No space left on device")))
+        with pytest.raises(TurnNotSaved) as unsaved:
+            alice.ask("Not saved.", max_tokens=2)
+        monkeypatch.undo()
+        assert alice.result(unsaved.value.turn_id) is None and alice.result("never-sent") is None
+        with pytest.raises(TurnTimeout) as watchdog:  # the watchdog fails the turn and restarts the agent
+            alice.ask("Too slow.", max_tokens=40, timeout=0.001)
+        committed = watchdog.value.turn_id in {r["turn_id"] for r in alice.history()}
+        assert (alice.result(watchdog.value.turn_id) is not None) == committed
+        with pytest.raises(ValueError):
+            alice.result("../x")
+    with Runtime(model=None, cache_dir=tmp_path) as rt:  # the answer outlives the process
+        assert rt.spawn("alice").result(slow.turn_id).text == found.text
+
 def test_errors_carry_the_turn_id_of_turns_that_never_started(tmp_path):
     from actors.batcher import Submit
     from runtime.engine import Turn
