@@ -10,7 +10,8 @@ cache folder, lets it work and SIGKILLs it at a random moment. A round mixes in 
   that a sleeping process holds and every child joins (this process reaches it through
   /proc/<holder>/root). Elsewhere the child injects ENOSPC at `journal._pwrite`.
 - damage: while the child is down, a random span of one agent's journal is damaged:
-  bytes flipped or zeroed, a span cut out, garbage inserted, or the file cut inside a frame.
+  bytes flipped or zeroed, a span cut out, garbage inserted, or the file cut inside one of its
+  last five frames.
 - permission: while the child is down, one agent's journal, folder or cache file is made
   unreadable or unwritable; it is restored after the round. The children run without
   CAP_DAC_OVERRIDE (`setpriv`), so a root user is denied too; where no child can be
@@ -126,10 +127,12 @@ class Disk:
             (self.view.parent / "filler").unlink(missing_ok=True)
 
     def fingerprint_dir(self) -> Path | None:
+        """The model folder inside the cache folder (as this process sees it), None before the first child made it."""
         dirs = [p for p in self.view.iterdir() if p.is_dir()]
         return dirs[0] if dirs else None
 
     def close(self) -> None:
+        """Stop the holder: the tmpfs goes with its namespace."""
         if self.holder is not None:
             self.holder.kill()
             self.holder.wait()
@@ -185,14 +188,17 @@ class Child:
             return predicate(self.lines)
 
     def kill(self) -> None:
+        """SIGKILL the child and wait for it and for the end of its output."""
         self.proc.send_signal(signal.SIGKILL)
         self.finish()
 
     def finish(self, timeout: float = 120) -> None:
+        """Wait for the child to exit and for the end of its output."""
         self.proc.wait(timeout)
         self._reader.join(timeout)
 
     def stderr(self) -> str:
+        """What the child wrote to stderr (its log lines)."""
         return self.log.read_text(errors="replace")
 
 
@@ -221,6 +227,7 @@ class Tally:
 
     rounds: int = 0
     acks: int = 0
+    checked: int = 0
     refused: int = 0
     destroyed: int = 0
     lost: int = 0
@@ -338,6 +345,7 @@ class Ledger:
 
 
 def read_records(folder: Path | None) -> list:
+    """The records of the journal in agent folder `folder` that check ([] if there is none)."""
     if folder is None:
         return []
     data = store.read_journal_bytes(folder / JOURNAL_FILE)
@@ -374,7 +382,7 @@ def damage(path: Path, rng: random.Random) -> tuple[str, list, bool, int] | None
         data[start:start] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 100)))
         hit = [i for i, (a, b) in enumerate(scan.frames) if a < start < b]
     else:
-        k = rng.randrange(len(scan.frames))
+        k = max(0, len(scan.frames) - rng.randint(1, 5))  # the file loses its last few records, one of them in part
         a, b = scan.frames[k]
         del data[rng.randrange(a + 1, b):]
         hit = list(range(k, len(scan.frames)))
@@ -408,20 +416,23 @@ class Report:
 
     @property
     def kills(self) -> int:
+        """Rounds played, each ending in a SIGKILL."""
         return sum(t.rounds for t in self.tallies.values())
 
     @property
     def lost(self) -> int:
+        """Acknowledged turns found missing, over all rounds."""
         return sum(t.lost for t in self.tallies.values())
 
     def table(self) -> str:
-        rows = ["| attack | rounds (each ends in SIGKILL) | turns acknowledged | turns refused (specific error) "
-                "| records destroyed by the damage | acknowledged turns lost |", "|---|---|---|---|---|---|"]
-        for name, t in self.tallies.items():
-            rows.append(f"| {name} | {t.rounds} | {t.acks} | {t.refused} | {t.destroyed} | {t.lost} |")
-        total = Tally(*(sum(getattr(t, f) for t in self.tallies.values())
-                        for f in ("rounds", "acks", "refused", "destroyed", "lost")))
-        rows.append(f"| all | {total.rounds} | {total.acks} | {total.refused} | {total.destroyed} | {total.lost} |")
+        """The report as a markdown table, one row per attack and a total, then the notes."""
+        rows = ["| attack | rounds (each ends in SIGKILL) | turns acknowledged in them | acknowledged turns checked "
+                "after them | turns refused (specific error) | records destroyed by the damage | acknowledged turns lost |",
+                "|---|---|---|---|---|---|---|"]
+        fields = ("rounds", "acks", "checked", "refused", "destroyed", "lost")
+        for name, t in [*self.tallies.items(), ("all", Tally(*(sum(getattr(t, f) for t in self.tallies.values())
+                                                               for f in fields)))]:
+            rows.append(f"| {name} | " + " | ".join(str(getattr(t, f)) for f in fields) + " |")
         return "\n".join(rows + [f"{self.kills} kills survived in {self.seconds:.0f} s"] + self.notes)
 
 
@@ -448,6 +459,7 @@ class Run:
             self.report.notes.append("permission: not run (a child here reads files whatever their mode)")
 
     def folder(self, agent: str) -> Path | None:
+        """`agent`'s folder as this process sees it, None before the first child made the model folder."""
         fp = self.disk.fingerprint_dir()
         return None if fp is None else fp / agent
 
@@ -531,6 +543,7 @@ class Run:
             found, lost = self.ledger.check_journal(agent, read_records(self.folder(agent)))
             problems += found
             tally.lost += lost
+            tally.checked += sum(t not in self.ledger.destroyed[agent] for t, _ in self.ledger.acked[agent])
         if destroyed is not None:
             agent, how, records, detectable = destroyed
             gone = {(r["seq"], r["time"]) for r in records}
@@ -562,6 +575,7 @@ class Run:
             raise ChaosFailure("last run: " + "\n".join(problems[:20]) + f"\n\n{child.stderr()[-4000:]}")
 
     def close(self) -> None:
+        """Release the disk (the tmpfs holder)."""
         self.disk.close()
 
 
@@ -583,6 +597,7 @@ def run(root: Path, kills: int, seed: int = 0) -> Report:
 
 
 def main() -> None:
+    """The command line: run the harness in a temp folder and print its table."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kills", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)

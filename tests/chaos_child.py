@@ -39,6 +39,7 @@ AGENTS = ("alice", "bob", "carol")
 
 
 def out(*fields) -> None:
+    """Print one protocol line, flushed at once (the parent may kill this process any time)."""
     print(*fields, flush=True)
 
 
@@ -60,6 +61,7 @@ def inject_disk_full(rng: random.Random) -> None:
 
 
 def message(rng: random.Random, seed: int, step: int, kind: str) -> str:
+    """A message unique to this step; one in four is long (about 700 bytes)."""
     text = f"s{seed}-{step} {kind}"
     if rng.random() < 0.25:
         text += " " + " ".join(rng.choice(("plan", "review", "ship", "wait", "ask")) for _ in range(120))
@@ -94,6 +96,7 @@ def _note_text(message):
 
 
 def reset(refs, name: str) -> None:
+    """Start `name`'s conversation over (it grew past the model), saying so before and after."""
     from runtime import KvactorsError
 
     out("resetting", name)
@@ -127,6 +130,7 @@ def sent(name: str, send):
 
 
 def step(rt, refs, rng: random.Random, seed: int, n: int, kind: str) -> None:
+    """Step `n`: an ask, a send_to or a broadcast (`kind`) with random agents; print every outcome."""
     a, b = rng.sample(AGENTS, 2)
     text = message(rng, seed, n, kind)
     if kind == "ask":
@@ -141,6 +145,7 @@ def step(rt, refs, rng: random.Random, seed: int, n: int, kind: str) -> None:
 
 
 def main(cache_dir: str, seed: int, steps: int | None) -> None:
+    """Run the agents over `cache_dir` until killed, or for `steps` steps then shut down."""
     from runtime import Runtime
 
     rng = random.Random(seed)
