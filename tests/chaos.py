@@ -174,6 +174,8 @@ class Child:
 
     def _read(self):
         for line in self.proc.stdout:
+            if not line.endswith("\n"):
+                break  # the kill cut the last line short: it was never said
             with self._changed:
                 self.lines.append((time.monotonic(), line.rstrip("\n")))
                 self._changed.notify_all()

@@ -39,8 +39,13 @@ AGENTS = ("alice", "bob", "carol")
 
 
 def out(*fields) -> None:
-    """Print one protocol line, flushed at once (the parent may kill this process any time)."""
-    print(*fields, flush=True)
+    """Print one protocol line in one write, flushed at once (the parent may kill this process any time).
+
+    One write: with PYTHONUNBUFFERED (tox sets it) `print` writes each field apart, and
+    a kill between two of those writes would leave half a line.
+    """
+    sys.stdout.write(" ".join(str(f) for f in fields) + "\n")
+    sys.stdout.flush()
 
 
 def inject_disk_full(rng: random.Random) -> None:
