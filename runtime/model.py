@@ -92,7 +92,7 @@ class ModelCacheSpec:
             if dim % kv_group_size:
                 raise ValueError(
                     f"{name} head dim {dim} is not a multiple of the Q4 group size "
-                    f"{kv_group_size}; pass a kv_group_size that divides it (e.g. 32)"
+                    f"{kv_group_size}; pass a kv_group_size that divides it (e.g. Runtime(kv_group_size=32))"
                 )
         return cls(
             model_id=str(model_id),

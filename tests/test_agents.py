@@ -937,3 +937,15 @@ def test_shutdown_returns_after_the_engine_thread_is_gone_down_to_its_os_thread(
     finally:
         sys.setswitchinterval(interval)
     assert not thread.is_alive() and gone
+
+
+def test_kv_group_size_is_a_runtime_option_and_a_cache_of_another_group_is_re_prefilled(tmp_path):
+    with Runtime(model=None, cache_dir=tmp_path, kv_group_size=32) as rt:
+        first = rt.spawn("alice", system="You are Alice.").ask("Hello.", max_tokens=4)
+        host, meta = store.load_cache(tmp_path, rt.spec, "alice")
+    assert rt.spec.kv_group_size == 32 and host.group_size == 32
+    with Runtime(model=None, cache_dir=tmp_path) as rt:  # the default group, 64: the stored cache does not fit
+        again = rt.spawn("alice", system="You are Alice.").ask("Hello again.", max_tokens=4)
+    assert first.cache == "cold" and again.cache == "cold"  # re-prefilled from the journal, nothing lost
+    with pytest.raises(ValueError, match="kv_group_size"):
+        Runtime(model=None, cache_dir=tmp_path / "x", kv_group_size=48)
