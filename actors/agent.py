@@ -60,7 +60,13 @@ class AgentCrashed(AgentError):
 
 
 class TurnTimeout(AgentCrashed):
-    """The turn did not finish within its timeout; the agent was restarted."""
+    """The turn did not finish in time.
+
+    Raised by the agent's watchdog after `send(timeout=)` (the hung turn is failed and
+    the agent restarted), and by a reply future's `get(timeout=)` or `ask`'s wait when
+    the wait runs out: then only the wait ended, and the turn may still commit
+    (`AgentRef.result(turn_id)` tells).
+    """
 
 
 class TurnNotSaved(AgentCrashed):
