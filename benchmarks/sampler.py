@@ -17,7 +17,6 @@ from __future__ import annotations
 import collections
 import sys
 import threading
-import time
 
 OURS = ("/runtime/", "/actors/", "/benchmarks/")
 
@@ -97,10 +96,3 @@ def _thread_kind(name: str) -> str:
     base = name.split(" ")[0].rstrip("0123456789").rstrip("-_")
     return base or name
 
-
-def timed_sample(fn, *args, interval: float = 0.005):
-    """Run fn(*args) under a `StackSampler`; return (result, seconds, sampler)."""
-    t0 = time.perf_counter()
-    with StackSampler(interval) as s:
-        out = fn(*args)
-    return out, time.perf_counter() - t0, s
