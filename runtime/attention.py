@@ -35,11 +35,13 @@ SHORT_QUERY = 512  # queries per call from which the fused kernel's per-shape se
 
 @dataclass(frozen=True)
 class RowRange:
-    """A decode mask given as ranges: row b attends to columns [start[b], end) of whole packed buffers."""
+    """A decode mask given as ranges: row b attends to columns [start[b], end) of whole packed buffers,
+    only the last `window` of them when `window` > 0."""
 
     start: mx.array
     end: int
-    end_array: mx.array  # `end` on the device, made once per step rather than once per layer
+    window: int
+    meta: mx.array  # `q4sdpa.meta(end, window)`, made once per step rather than once per layer
 
 
 def install() -> None:
@@ -64,7 +66,8 @@ def sdpa(queries, keys, values, scale, mask, group_size: int = 64, bits: int = 4
     broadcastable to (B, 1, L, S). `queries` is not modified.
     """
     if isinstance(mask, RowRange):
-        return q4sdpa.q4_decode_sdpa(queries, keys, values, mask.start, mask.end, scale, group_size, mask.end_array)
+        return q4sdpa.q4_decode_sdpa(queries, keys, values, mask.start, mask.end, scale, group_size, mask.meta,
+                                     mask.window)
     if isinstance(keys, tuple):
         return quantized_sdpa(queries, keys, values, scale, mask, group_size, bits)
     L = queries.shape[2]

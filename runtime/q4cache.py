@@ -43,7 +43,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import QuantizedKVCache, _BaseCache, create_attention_mask
 
-from runtime import attention
+from runtime import attention, q4sdpa
 from runtime.errors import KvactorsError
 from runtime.qgemv import available as on_cuda
 
@@ -282,7 +282,7 @@ class BatchQuantizedKVCache(_BaseCache):
     def _kernel_decode(self, N: int) -> bool:
         """Whether attention for N queries runs `q4sdpa` on the packed cache (route "q4kernel")."""
         return (
-            self.route == "q4kernel" and self.own_attention and N == 1 and self.keep is None
+            self.route == "q4kernel" and self.own_attention and N == 1
             and self.keys is not None and self.kv_bits == 4
             and self.keys[0].shape[-1] * 8 in (64, 128) and self.kv_group_size <= self.keys[0].shape[-1] * 8
         )
@@ -304,8 +304,9 @@ class BatchQuantizedKVCache(_BaseCache):
         it is a boolean array (B, 1, N, size()+N). Where attention reads the whole
         working copy (`_whole_width`), the array spans it.
         """
-        if window_size is None and self._kernel_decode(N):
-            return attention.RowRange(self.left_padding, self._idx + N, mx.array([self._idx + N], dtype=mx.int32))
+        if self._kernel_decode(N):
+            end, window = self._idx + N, window_size or 0
+            return attention.RowRange(self.left_padding, end, window, q4sdpa.meta(end, window))
         if self._whole_width(N):
             return self._whole_width_mask(N, window_size)
         if not self._padded:

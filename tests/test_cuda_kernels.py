@@ -51,14 +51,17 @@ def packed_cache(b, hkv, w, d, seed):
     return kq, vq
 
 
-def reference_attention(q, kq, vq, start, end, scale):
-    """float32 attention of row b over columns [start[b], end) of the dequantized cache."""
+def reference_attention(q, kq, vq, start, end, scale, window=0):
+    """float32 attention of row b over columns [start[b], end) of the dequantized cache (the last
+    `window` of them if `window` > 0)."""
     k = mx.dequantize(*kq, group_size=64, bits=4).astype(mx.float32)
     v = mx.dequantize(*vq, group_size=64, bits=4).astype(mx.float32)
     rep = q.shape[1] // k.shape[1]
     k, v = mx.repeat(k, rep, axis=1), mx.repeat(v, rep, axis=1)
     s = (q.astype(mx.float32) * scale) @ k.swapaxes(-1, -2)
     cols = mx.arange(k.shape[2])
+    if window:
+        start = mx.maximum(start, end - window)
     valid = (cols[None] >= start[:, None]) & (cols[None] < end)
     s = mx.where(valid[:, None, None, :], s, -math.inf)
     return mx.softmax(s, axis=-1) @ v
@@ -76,7 +79,7 @@ def poison(packed, start, end):
 
 
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("hq,hkv", [(8, 8), (8, 2), (32, 4)])
+@pytest.mark.parametrize("hq,hkv", [(8, 8), (8, 2), (32, 4), (9, 3), (12, 2)])  # GQA 1, 4, 8, 3, 6
 @pytest.mark.parametrize("end", [1, 255, 257, 1500])
 def test_q4_decode_attention_matches_float32_and_ignores_other_columns(d, hq, hkv, end):
     b, width = 4, end + 40
@@ -89,6 +92,21 @@ def test_q4_decode_attention_matches_float32_and_ignores_other_columns(d, hq, hk
     assert (mx.abs(out.astype(mx.float32) - ref).max()).item() < 2e-2
     poisoned = q4sdpa.q4_decode_sdpa(q, poison(kq, start, end), poison(vq, start, end), start, end, scale, 64)
     assert mx.array_equal(poisoned, out).item()  # padding and spare columns are never read
+
+
+@pytest.mark.parametrize("window", [1, 100, 256, 700])
+def test_q4_decode_attention_with_a_window_reads_only_each_rows_last_columns(window):
+    b, hq, hkv, d, end = 4, 32, 8, 128, 1500
+    kq, vq = packed_cache(b, hkv, end + 8, d, seed=window)
+    start = mx.array([0, 900, end - 1, 1300], dtype=mx.int32)  # some rows shorter than the window
+    q = mx.random.normal((b, hq, 1, d), key=mx.random.key(9)).astype(mx.bfloat16)
+    out = q4sdpa.q4_decode_sdpa(q, kq, vq, start, end, d ** -0.5, 64, window=window)
+    ref = reference_attention(q, kq, vq, start, end, d ** -0.5, window)
+    assert (mx.abs(out.astype(mx.float32) - ref).max()).item() < 2e-2
+    first = mx.maximum(start, end - window)
+    poisoned = q4sdpa.q4_decode_sdpa(q, poison(kq, first, end), poison(vq, first, end), start, end, d ** -0.5, 64,
+                                     window=window)
+    assert mx.array_equal(poisoned, out).item()
 
 
 def test_q4_decode_attention_of_a_row_is_the_same_in_any_batch():

@@ -1,0 +1,158 @@
+"""Decode attention over the packed Q4 cache (`runtime.q4sdpa`) against MLX's fused fp16 SDPA.
+
+For each context and batch size: the time of one decode-attention call of the 8B shape
+(32 query heads, 8 kv heads, head dim 128) through `q4sdpa` at each launch setting
+(keys per block, warps per block, keys loaded ahead, elements per lane, heads per block), through an older version of the
+kernel if `--old` names its file, and through `mx.fast.scaled_dot_product_attention`
+over the same tokens in bf16. Inputs rotate among enough copies that together exceed
+the GPU's L2 cache, so every call reads its keys and values from device memory. Also
+reports each setting's largest error against a float32 reference (ragged rows), the
+bytes each call must read, and the bandwidth that implies.
+
+    python -m benchmarks.q4sdpa_tune --contexts 4096,16384,32768,65536 --batches 1,8
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+import time
+
+import mlx.core as mx
+
+from benchmarks.common import bench_parser, environment, write_results
+from runtime import q4sdpa
+
+COLUMNS = ["context", "rows", "kernel", "setting", "us", "x_fp16", "GB_per_s", "max_err"]
+HQ, HKV, D, GROUP = 32, 8, 128, 64
+ROTATE_BYTES = 256 << 20  # inputs per timed call set: well over an H100's 50 MB L2
+
+
+def _packed(b, w, seed):
+    k = mx.random.normal((b, HKV, w, D), key=mx.random.key(seed)).astype(mx.bfloat16)
+    v = mx.random.normal((b, HKV, w, D), key=mx.random.key(seed + 1)).astype(mx.bfloat16)
+    kq, vq = tuple(mx.quantize(k, GROUP, 4)), tuple(mx.quantize(v, GROUP, 4))
+    mx.eval(kq, vq)
+    return kq, vq
+
+
+def _bytes(packed) -> int:
+    return sum(x.nbytes for x in packed)
+
+
+def _time_us(calls, reps: int = 40) -> float:
+    """Microseconds per call, cycling through `calls` (one per input copy), after one warm-up round."""
+    mx.eval([c() for c in calls])
+    mx.synchronize()
+    t0 = time.perf_counter()
+    mx.eval([calls[i % len(calls)]() for i in range(reps)])
+    mx.synchronize()
+    return (time.perf_counter() - t0) / reps * 1e6
+
+
+def _reference(q, kq, vq, start, end, scale):
+    k = mx.dequantize(*kq, group_size=GROUP, bits=4).astype(mx.float32)
+    v = mx.dequantize(*vq, group_size=GROUP, bits=4).astype(mx.float32)
+    rep = q.shape[1] // k.shape[1]
+    k, v = mx.repeat(k, rep, axis=1), mx.repeat(v, rep, axis=1)
+    s = (q.astype(mx.float32) * scale) @ k.swapaxes(-1, -2)
+    cols = mx.arange(k.shape[2])
+    valid = (cols[None] >= start[:, None]) & (cols[None] < end)
+    s = mx.where(valid[:, None, None, :], s, -math.inf)
+    return mx.softmax(s, axis=-1) @ v
+
+
+def _error(fn) -> float:
+    """Largest |out - ref| of `fn(q, kq, vq, start, end, scale)` on ragged rows against float32."""
+    end = 3000
+    kq, vq = _packed(4, end + 40, 11)
+    q = mx.random.normal((4, HQ, 1, D), key=mx.random.key(12)).astype(mx.bfloat16)
+    start = mx.array([0, 1000, end - 1, 7], dtype=mx.int32)
+    out = fn(q, kq, vq, start, end, D ** -0.5).astype(mx.float32)
+    return mx.abs(out - _reference(q, kq, vq, start, end, D ** -0.5)).max().item()
+
+
+def _load_old(path):
+    """The module in file `path` (an older copy of runtime/q4sdpa.py with its own kernel names)."""
+    spec = importlib.util.spec_from_file_location("q4sdpa_old", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _settings(text: str):
+    """'256/4/2/16/4,...' -> [(CHUNK, WARPS, UNROLL, EPL, MAX_HEADS), ...]."""
+    return [tuple(int(x) for x in s.split("/")) for s in text.split(",")]
+
+
+def main(argv=None) -> int:
+    parser = bench_parser(__doc__)
+    parser.add_argument("--contexts", default="4096,16384,32768,65536")
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--settings", default="2048/4/4/16/4,2048/4/4/8/4,2048/8/4/8/4,1024/4/4/8/4,2048/4/2/8/4",
+                        help="settings CHUNK/WARPS/UNROLL/EPL/MAX_HEADS of runtime.q4sdpa to time, comma-separated")
+    parser.add_argument("--old", default="", help="files holding older q4sdpa modules to time beside, comma-separated")
+    args = parser.parse_args(argv)
+    env = environment()
+    rows = []
+    settings = _settings(args.settings)
+    olds = [(path, _load_old(path)) for path in args.old.split(",") if path]
+    default = (q4sdpa.CHUNK, q4sdpa.WARPS, q4sdpa.UNROLL, q4sdpa.EPL, q4sdpa.MAX_HEADS)
+
+    def use(setting):
+        q4sdpa.CHUNK, q4sdpa.WARPS, q4sdpa.UNROLL, q4sdpa.EPL, q4sdpa.MAX_HEADS = setting
+
+    errors = {}
+    for setting in settings:
+        use(setting)
+        errors[setting] = _error(lambda *a: q4sdpa.q4_decode_sdpa(*a, GROUP))
+    use(default)
+    old_errors = {path: _error(lambda *a, m=module: m.q4_decode_sdpa(*a, GROUP)) for path, module in olds}
+    for context in [int(c) for c in args.contexts.split(",")]:
+        for b in [int(x) for x in args.batches.split(",")]:
+            kq, vq = _packed(b, context, context + b)
+            q4_bytes = _bytes(kq) + _bytes(vq)
+            copies = max(1, min(8, -(-ROTATE_BYTES // q4_bytes)))
+            sets = [(kq, vq)] + [tuple(tuple(x + 0 for x in p) for p in (kq, vq)) for _ in range(copies - 1)]
+            q = mx.random.normal((b, HQ, 1, D), key=mx.random.key(1)).astype(mx.bfloat16)
+            start = mx.zeros((b,), dtype=mx.int32)
+            mx.eval(sets, q)
+            k16 = mx.dequantize(*kq, group_size=GROUP, bits=4)
+            v16 = mx.dequantize(*vq, group_size=GROUP, bits=4)
+            fp16_bytes = k16.nbytes + v16.nbytes
+            copies16 = max(1, min(8, -(-ROTATE_BYTES // fp16_bytes)))
+            dense = [(k16, v16)] + [(k16 + 0, v16 + 0) for _ in range(copies16 - 1)]
+            mx.eval(dense)
+            fp16_us = _time_us([lambda k=k, v=v: mx.fast.scaled_dot_product_attention(q, k, v, scale=D ** -0.5)
+                                for k, v in dense])
+            base = dict(context=context, rows=b)
+            rows.append(dict(base, kernel="mlx fused sdpa (bf16 K/V)", setting="-", us=fp16_us, x_fp16=1.0,
+                             GB_per_s=fp16_bytes / fp16_us / 1e3, max_err=""))
+            del dense, k16, v16
+            timed = [("q4sdpa", s, q4sdpa, errors[s]) for s in settings]
+            timed += [(f"q4sdpa of {path}", default, module, old_errors[path]) for path, module in olds]
+            for name, setting, module, err in timed:
+                use(setting)
+                try:
+                    us = _time_us([lambda k=k, v=v: module.q4_decode_sdpa(q, k, v, start, context, D ** -0.5, GROUP)
+                                   for k, v in sets])
+                except Exception as e:  # a launch setting the device refuses is reported, not fatal
+                    rows.append(dict(base, kernel=name, setting="/".join(map(str, setting)), us=f"failed: {e}"[:80]))
+                    continue
+                rows.append(dict(base, kernel=name, setting="/".join(map(str, setting)) if module is q4sdpa else "-",
+                                 us=us, x_fp16=us / fp16_us, GB_per_s=q4_bytes / us / 1e3, max_err=err))
+            use(default)
+            del sets
+            print(f"context {context} rows {b} done", file=sys.stderr, flush=True)
+    notes = (f"8B shape: {HQ} query heads, {HKV} kv heads, head dim {D}, group {GROUP}; one query per row; "
+             "setting = keys per block / warps per block / keys loaded ahead / elements per lane / query heads per "
+             "block; x_fp16 = time over the fused bf16 "
+             "kernel's; GB_per_s = the packed (or bf16) K/V bytes over the time; max_err against float32 on "
+             "4 ragged rows at 3,000 columns.")
+    write_results("q4sdpa_tune", env, rows, COLUMNS, args.out, notes)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
