@@ -1,38 +1,101 @@
-"""A fixed decode-attention workload for Nsight Compute: `q4sdpa` at each launch setting.
+"""Device time of decode attention, Q4 (`runtime.q4sdpa`) against MLX's fused bf16 SDPA, by Nsight Compute.
 
-Runs `runtime.q4sdpa.q4_decode_sdpa` three times per setting (see `benchmarks.q4sdpa_tune`
-for the setting format) on the 8B shape at one context and batch, each call evaluated on
-its own, so a profiler can pick the launches it wants:
+Timing many calls from Python measures the host as well when a call is short (two kernel
+launches through `mx.fast.cuda_kernel` cost the host tens of microseconds), so this reads
+the kernels' own durations. `--run` executes one case three times (the kernels Nsight
+Compute should time); without it, the script runs Nsight Compute on every case and
+writes a table of device microseconds per call (the mean of three calls):
 
-    ncu -k regex:kvactors_q4_decode_partial --launch-skip 2 --launch-count 1 \\
-        --section LaunchStats --section Occupancy --section SpeedOfLight --section WarpStateStats \\
-        python3 -m benchmarks.q4sdpa_ncu --context 32768 --rows 8 --settings 2048/4/4/16/4
+    python -m benchmarks.q4sdpa_ncu --contexts 16384,32768 --rows 1,8 --settings 2048/2,1024/4
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import io
+import shutil
+import subprocess
 import sys
 
 import mlx.core as mx
 
+from benchmarks.common import environment, write_results
 from benchmarks.q4sdpa_tune import D, GROUP, HQ, _packed, _settings
 from runtime import q4sdpa
+
+COLUMNS = ["context", "rows", "kernel", "setting", "device_us", "x_fp16"]
+KERNELS = "regex:sdpa|kvactors_q4"  # MLX's fused attention kernels and ours
+
+
+def run_case(context: int, rows: int, setting: str) -> None:
+    """Three calls of one case: 'fp16' (MLX's fused kernel over bf16 K/V) or a q4sdpa setting."""
+    kq, vq = _packed(rows, context, 3)
+    q = mx.random.normal((rows, HQ, 1, D), key=mx.random.key(1)).astype(mx.bfloat16)
+    if setting == "fp16":
+        k16 = mx.dequantize(*kq, group_size=GROUP, bits=4)
+        v16 = mx.dequantize(*vq, group_size=GROUP, bits=4)
+        mx.eval(k16, v16)
+        call = lambda: mx.fast.scaled_dot_product_attention(q, k16, v16, scale=D ** -0.5)  # noqa: E731
+    else:
+        q4sdpa.CHUNK, q4sdpa.WARPS = _settings(setting)[0]
+        start = mx.zeros((rows,), dtype=mx.int32)
+        call = lambda: q4sdpa.q4_decode_sdpa(q, kq, vq, start, context, D ** -0.5, GROUP)  # noqa: E731
+    for _ in range(3):
+        mx.eval(call())
+        mx.synchronize()
+
+
+def device_us(context: int, rows: int, setting: str, ncu: str) -> float:
+    """Mean device microseconds per call of one case, from Nsight Compute's kernel durations."""
+    out = subprocess.run(
+        [ncu, "--clock-control", "none", "-k", KERNELS, "--metrics", "gpu__time_duration.sum", "--csv",
+         sys.executable, "-m", "benchmarks.q4sdpa_ncu", "--run", "--contexts", str(context), "--rows", str(rows),
+         "--settings", setting],
+        capture_output=True, text=True, check=True).stdout
+    table = out[out.index('"ID"'):]
+    total = 0.0
+    for row in csv.DictReader(io.StringIO(table)):
+        value = float(row["Metric Value"].replace(",", ""))
+        unit = row["Metric Unit"]
+        total += value * {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}[unit]
+    return total / 3
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--context", type=int, default=32768)
-    parser.add_argument("--rows", type=int, default=8)
-    parser.add_argument("--settings", default="2048/4/4/16/4")
+    parser.add_argument("--contexts", default="16384,32768")
+    parser.add_argument("--rows", default="1,8")
+    parser.add_argument("--settings", default=f"{q4sdpa.CHUNK}/{q4sdpa.WARPS}",
+                        help="q4sdpa settings CHUNK/WARPS, comma-separated")
+    parser.add_argument("--run", action="store_true", help="run one case (as Nsight Compute's target)")
+    parser.add_argument("--ncu", default=shutil.which("ncu") or "ncu")
+    parser.add_argument("--out", default=None, help="output folder (default: a fresh benchmark-runs/ folder)")
     args = parser.parse_args(argv)
-    kq, vq = _packed(args.rows, args.context, 3)
-    q = mx.random.normal((args.rows, HQ, 1, D), key=mx.random.key(1)).astype(mx.bfloat16)
-    start = mx.zeros((args.rows,), dtype=mx.int32)
-    for setting in _settings(args.settings):
-        q4sdpa.CHUNK, q4sdpa.WARPS, q4sdpa.UNROLL, q4sdpa.EPL, q4sdpa.MAX_HEADS = setting
-        for _ in range(3):
-            mx.eval(q4sdpa.q4_decode_sdpa(q, kq, vq, start, args.context, D ** -0.5, GROUP))
+    contexts = [int(c) for c in args.contexts.split(",")]
+    row_counts = [int(r) for r in args.rows.split(",")]
+    if args.run:
+        run_case(contexts[0], row_counts[0], args.settings)
+        return 0
+    from pathlib import Path
+
+    from benchmarks.common import RESULTS
+
+    rows = []
+    for context in contexts:
+        for n in row_counts:
+            fp16 = device_us(context, n, "fp16", args.ncu)
+            rows.append(dict(context=context, rows=n, kernel="mlx fused sdpa (bf16 K/V)", setting="-",
+                             device_us=fp16, x_fp16=1.0))
+            for setting in args.settings.split(","):
+                us = device_us(context, n, setting, args.ncu)
+                rows.append(dict(context=context, rows=n, kernel="q4sdpa (partial + reduce)", setting=setting,
+                                 device_us=us, x_fp16=us / fp16))
+            print(f"context {context} rows {n} done", file=sys.stderr, flush=True)
+    notes = ("Device time per call from Nsight Compute (gpu__time_duration, clocks not locked), the mean of three "
+             f"calls; 8B shape ({HQ} query heads, 8 kv heads, head dim {D}, group {GROUP}), one query per row; "
+             "setting = keys per block / warps per block.")
+    write_results("q4sdpa_device", environment(), rows, COLUMNS, Path(args.out) if args.out else RESULTS, notes)
     return 0
 
 

@@ -22,13 +22,8 @@ import mlx.core as mx
 
 CHUNK = 1024  # keys per block
 WARPS = 4  # warps per block
-UNROLL = 4  # keys each lane group loads before it uses the first
-MAX_HEADS = 4  # query heads per block (registers: 2 x EPL floats a head per lane)
-EPL = 16  # elements of a key each lane holds: D / EPL lanes share a key
+HEADS = 16  # query heads per block: the rows of one tensor-core product
 
-# A 4-bit value n as the float 2048 + n, made by placing n in the mantissa of 2048 (one
-# shift and one logic op; int-to-float conversion runs at a quarter of the FMA rate).
-# The kernel subtracts 2048 once per group of elements, through the bias.
 _HEADER = r"""
 __device__ __forceinline__ float fast_exp2(float x) {  // 2^x in one instruction; 2^-inf = 0
     float y;
@@ -36,178 +31,242 @@ __device__ __forceinline__ float fast_exp2(float x) {  // 2^x in one instruction
     return y;
 }
 
-__device__ __forceinline__ float nibble(unsigned int w, int e) {
-    const unsigned int x = e < 3 ? (w << (12 - 4 * e)) : (w >> (4 * e - 12));
-    return __uint_as_float(0x45000000u | (x & 0xF000u));
+__device__ __forceinline__ unsigned int pack_half2(float lo, float hi) {  // (lo, hi) as f16x2, lo in the low half
+    unsigned int r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// A byte pair of 4-bit values as f16x2 times (s_lo, s_hi) plus (b_lo, b_hi). x holds the two
+// bytes at bytes 0 and 2; `mask` picks their low nibbles (0x000F000F, the f16 then holds
+// 1024 + n) or high nibbles (0x00F000F0: 1024 + 16 n, and `scale` is divided by 16).
+__device__ __forceinline__ unsigned int dequant2(unsigned int x, unsigned int mask, unsigned int scale,
+                                                 unsigned int bias) {
+    unsigned int y = (x & mask) | 0x64006400u, r;
+    asm("sub.f16x2 %0, %1, %2;" : "=r"(y) : "r"(y), "r"(0x64006400u));
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(y), "r"(scale), "r"(bias));
+    return r;
+}
+
+__device__ __forceinline__ void mma16816(float* c, const unsigned int* a, unsigned int b0, unsigned int b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 """
 
 _PARTIAL = r"""
-    // One block: row b, kv head h, query heads [r0, r0 + RB) of that kv head, keys [lo, hi).
-    // A key is read by LPK lanes, each holding EPL of its D elements (EPL / 8 words of keys
-    // and as many of values); a warp reads KPW consecutive keys per step, and each lane
-    // loads U steps' keys before it uses the first.
-    constexpr int NW = EPL / 8;
-    constexpr int LPK = D / EPL;
-    constexpr int KPW = 32 / LPK;
-    constexpr int STRIDE = WARPS * KPW;  // keys between one lane group's consecutive keys
-    constexpr int HB = REP / RB;
+    // One block: row b, kv head h, query heads r0 .. r0 + RB - 1 of its REP (RB <= 16) as the
+    // rows of 16x8x16 tensor-core products (rows >= RB are zero), keys [lo, hi); a warp takes
+    // 16 keys at a time. Lane
+    // (g, t) = (lane / 4, lane % 4) as in the fragment layout of mma.m16n8k16.
+    // Scores S = Q K^T run over k-slices of 16 dims, where in slice ks the k indices 2t + j and
+    //   2t + 8 + j are dims (D/4) t + 4 ks + j and (D/4) t + 4 ks + 2 + j: lane t reads D/32
+    //   consecutive words of a key, which lie in one quantization group.
+    // Output O = P V: in d-tile dt, column n is dim (D/8) n + dt, so lane g reads D/64
+    //   consecutive words of each of its keys 2t, 2t+1, 2t+8, 2t+9.
+    constexpr int KW = D / 32, VW = D / 64, NS = D / 16, NT = D / 8;
     constexpr int WPR = D / 8, GPR = D / G;
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    const int sub = lane % LPK;                 // which EPL elements of the key
-    const int slot = lane / LPK;                // which key of the warp's step
-    const int c = blockIdx.x, b = blockIdx.z;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    constexpr int HB = (REP + RB - 1) / RB;
+    const int c = blockIdx.x, h = blockIdx.y / HB, r0 = (blockIdx.y % HB) * RB, b = blockIdx.z;
     const int Hkv = kw_shape[1];
     const int W = kw_shape[2];
-    const int h = blockIdx.y / HB, r0 = (blockIdx.y % HB) * RB;
     const int Hq = Hkv * REP;
     const int nc = gridDim.x;
-    const int end = meta[0];
-    const int window = meta[1];
+    const int end = meta[0], window = meta[1];
     const int first = window > 0 ? max(start[b], end - window) : start[b];
     const int lo = first + c * CHUNK;
     const int hi = min(end, lo + CHUNK);
     const float scale = meta_f[0];
-    const int grp = (sub * EPL) / G;
-
-    // Scores are in base 2 (log2(e) is in `scale`). With F_e = 2048 + n_e, a key's
-    // q.k = s * sum(q_e * F_e) + (bias - 2048 s) * sum(q_e), and p * v_e = (p s) F_e
-    // + p (bias - 2048 s), whose second term is summed apart (vb_acc).
-    float qf[RB][EPL], qsum[RB];
-    #pragma unroll
-    for (int r = 0; r < RB; ++r) {
-        const auto* qr = q + ((size_t)(b * Hq + h * REP + r0 + r)) * D + sub * EPL;
-        qsum[r] = 0.0f;
-        #pragma unroll
-        for (int e = 0; e < EPL; ++e) {
-            qf[r][e] = static_cast<float>(qr[e]) * scale;
-            qsum[r] += qf[r][e];
-        }
-    }
-    float m[RB], l[RB], acc[RB][EPL], vb_acc[RB];
-    #pragma unroll
-    for (int r = 0; r < RB; ++r) {
-        m[r] = -INFINITY;
-        l[r] = 0.0f;
-        vb_acc[r] = 0.0f;
-        #pragma unroll
-        for (int e = 0; e < EPL; ++e) acc[r][e] = 0.0f;
-    }
     const size_t row_base = ((size_t)(b * Hkv + h)) * W;
-    // the loop runs while any key of the warp's step is valid, so shuffles see the whole warp
-    for (int base = lo + warp * KPW; base < hi; base += U * STRIDE) {
-        const int j0 = base + slot;
-        unsigned int kwd[U][NW], vwd[U][NW];
-        float ksc[U], kbi[U], vsc[U], vbi[U];
+    const int kgrp = ((D / 4) * t) / G, vgrp = ((D / 8) * g) / G;
+
+    // A fragments of the queries (rows g and g + 8), made once per block into shared memory
+    __shared__ uint4 s_qa[NS][32];
+    if (warp == 0) {
+      unsigned int qa[NS][4];
+      #pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int row = g + 8 * i;
+        float x[D / 4];
         #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int j = min(j0 + u * STRIDE, hi - 1);  // a key past hi is read but not used
-            const size_t kr = row_base + j;
-            if constexpr (NW == 2) {
-                const uint2 kk = *reinterpret_cast<const uint2*>(kw + kr * WPR + sub * 2);
-                const uint2 vv = *reinterpret_cast<const uint2*>(vw + kr * WPR + sub * 2);
-                kwd[u][0] = kk.x; kwd[u][1] = kk.y;
-                vwd[u][0] = vv.x; vwd[u][1] = vv.y;
+        for (int e = 0; e < D / 4; ++e) x[e] = 0.0f;
+        if (row < RB && r0 + row < REP) {
+            const uint4* qr = reinterpret_cast<const uint4*>(q + ((size_t)(b * Hq + h * REP + r0 + row)) * D + (D / 4) * t);
+            #pragma unroll
+            for (int v = 0; v < D / 32; ++v) {
+                const uint4 w = qr[v];
+                const auto* e8 = reinterpret_cast<decltype(q)>(&w);
+                #pragma unroll
+                for (int j = 0; j < 8; ++j) x[8 * v + j] = static_cast<float>(e8[j]) * scale;
+            }
+        }
+        #pragma unroll
+        for (int ks = 0; ks < NS; ++ks) {
+            qa[ks][i] = pack_half2(x[4 * ks], x[4 * ks + 1]);
+            qa[ks][2 + i] = pack_half2(x[4 * ks + 2], x[4 * ks + 3]);
+        }
+      }
+      #pragma unroll
+      for (int ks = 0; ks < NS; ++ks) s_qa[ks][lane] = make_uint4(qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3]);
+    }
+    __syncthreads();
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // rows g and g + 8
+    float o[NT][4];
+    #pragma unroll
+    for (int dt = 0; dt < NT; ++dt) {
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) o[dt][i] = 0.0f;
+    }
+    // A tile's words and scales
+    struct Tile {
+        unsigned int k[2][KW], v[4][VW];
+        float ks[2], kb[2], vs[4], vb[4];
+    };
+    auto load = [&](Tile& x, int base) {  // K rows base + 8 nt + g; V rows base + 2t + {0, 1, 8, 9}
+        #pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+            const size_t kr = row_base + min(base + 8 * nt + g, hi - 1);  // a row past hi is read, not used
+            if constexpr (KW == 4) {
+                const uint4 w = *reinterpret_cast<const uint4*>(kw + kr * WPR + KW * t);
+                x.k[nt][0] = w.x; x.k[nt][1] = w.y; x.k[nt][2] = w.z; x.k[nt][3] = w.w;
             } else {
-                kwd[u][0] = kw[kr * WPR + sub];
-                vwd[u][0] = vw[kr * WPR + sub];
+                const uint2 w = *reinterpret_cast<const uint2*>(kw + kr * WPR + KW * t);
+                x.k[nt][0] = w.x; x.k[nt][1] = w.y;
             }
-            ksc[u] = static_cast<float>(ks[kr * GPR + grp]);
-            kbi[u] = static_cast<float>(kb[kr * GPR + grp]);
-            vsc[u] = static_cast<float>(vs[kr * GPR + grp]);
-            vbi[u] = static_cast<float>(vb[kr * GPR + grp]);
+            x.ks[nt] = static_cast<float>(ks[kr * GPR + kgrp]);
+            x.kb[nt] = static_cast<float>(kb[kr * GPR + kgrp]);
         }
-        float s[U][RB];
         #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            float kn[EPL];
+        for (int k = 0; k < 4; ++k) {
+            const size_t vr = row_base + min(base + 2 * t + (k & 1) + 8 * (k >> 1), hi - 1);
+            if constexpr (VW == 2) {
+                const uint2 w = *reinterpret_cast<const uint2*>(vw + vr * WPR + VW * g);
+                x.v[k][0] = w.x; x.v[k][1] = w.y;
+            } else {
+                x.v[k][0] = vw[vr * WPR + VW * g];
+            }
+            x.vs[k] = static_cast<float>(vs[vr * GPR + vgrp]);
+            x.vb[k] = static_cast<float>(vb[vr * GPR + vgrp]);
+        }
+    };
+    Tile cur;
+    for (int base = lo + warp * 16; base < hi; base += WARPS * 16) {
+        load(cur, base);
+        unsigned int kwd[2][KW], vwd[4][VW], ksc[2], kbi[2];
+        float vs_[4], vb_[4];
+        #pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
             #pragma unroll
-            for (int e = 0; e < EPL; ++e) kn[e] = nibble(kwd[u][e / 8], e % 8);
-            const float kb2 = fmaf(-2048.0f, ksc[u], kbi[u]);
+            for (int w = 0; w < KW; ++w) kwd[nt][w] = cur.k[nt][w];
+            ksc[nt] = pack_half2(cur.ks[nt], cur.ks[nt] * 0.0625f);
+            kbi[nt] = pack_half2(cur.kb[nt], cur.kb[nt]);
+        }
+        #pragma unroll
+        for (int k = 0; k < 4; ++k) {
             #pragma unroll
-            for (int r = 0; r < RB; ++r) {
-                float d = 0.0f;
-                #pragma unroll
-                for (int e = 0; e < EPL; ++e) d = fmaf(qf[r][e], kn[e], d);
-                d = fmaf(ksc[u], d, kb2 * qsum[r]);
-                #pragma unroll
-                for (int off = LPK / 2; off > 0; off >>= 1) d += __shfl_xor_sync(0xffffffffu, d, off);
-                s[u][r] = (j0 + u * STRIDE < hi) ? d : -INFINITY;
+            for (int w = 0; w < VW; ++w) vwd[k][w] = cur.v[k][w];
+            vs_[k] = cur.vs[k];
+            vb_[k] = cur.vb[k];
+        }
+        // scores: sc[nt] is the C fragment of keys base + 8 nt + 2t + {0, 1}, rows g and g + 8
+        float sc[2][4];
+        #pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) sc[nt][i] = 0.0f;
+        }
+        #pragma unroll
+        for (int ks = 0; ks < NS; ++ks) {
+            const uint4 a4 = s_qa[ks][lane];
+            const unsigned int a[4] = {a4.x, a4.y, a4.z, a4.w};
+            const int byte = (2 * ks) % 4;  // dims 4ks, 4ks+1: this byte's nibbles; 4ks+2, 4ks+3: the next
+            #pragma unroll
+            for (int nt = 0; nt < 2; ++nt) {
+                const unsigned int w = kwd[nt][ks / 2];
+                const unsigned int b0 = dequant2(__byte_perm(w, 0, byte | (byte << 8)), 0x00F0000Fu, ksc[nt], kbi[nt]);
+                const unsigned int b1 = dequant2(__byte_perm(w, 0, (byte + 1) | ((byte + 1) << 8)), 0x00F0000Fu,
+                                                 ksc[nt], kbi[nt]);
+                mma16816(sc[nt], a, b0, b1);
             }
         }
-        float mn[RB];
         #pragma unroll
-        for (int r = 0; r < RB; ++r) {
-            float top = m[r];
+        for (int nt = 0; nt < 2; ++nt) {
             #pragma unroll
-            for (int u = 0; u < U; ++u) top = fmaxf(top, s[u][r]);
-            mn[r] = top == -INFINITY ? 0.0f : top;  // no valid key yet: every p below is 2^-inf = 0
-            const float corr = fast_exp2(m[r] - mn[r]);
-            l[r] *= corr;
-            vb_acc[r] *= corr;
-            #pragma unroll
-            for (int e = 0; e < EPL; ++e) acc[r][e] *= corr;
+            for (int i = 0; i < 4; ++i) {
+                if (base + 8 * nt + 2 * t + (i & 1) >= hi) sc[nt][i] = -INFINITY;
+            }
+        }
+        // online softmax per row (the 4 lanes of a g hold a row's 16 scores)
+        unsigned int pa[4];
+        #pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float top = fmaxf(fmaxf(sc[0][2 * r], sc[0][2 * r + 1]), fmaxf(sc[1][2 * r], sc[1][2 * r + 1]));
+            top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
+            top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));
+            top = fmaxf(top, m[r]);
+            const float ref = top == -INFINITY ? 0.0f : top;  // no valid key yet: every p is 2^-inf = 0
+            const float corr = fast_exp2(m[r] - ref);
             m[r] = top;
+            const float p00 = fast_exp2(sc[0][2 * r] - ref), p01 = fast_exp2(sc[0][2 * r + 1] - ref);
+            const float p10 = fast_exp2(sc[1][2 * r] - ref), p11 = fast_exp2(sc[1][2 * r + 1] - ref);
+            l[r] = fmaf(l[r], corr, (p00 + p01) + (p10 + p11));
+            #pragma unroll
+            for (int dt = 0; dt < NT; ++dt) {
+                o[dt][2 * r] *= corr;
+                o[dt][2 * r + 1] *= corr;
+            }
+            pa[r] = pack_half2(p00, p01);      // A rows g (r = 0) and g + 8 (r = 1), keys 2t, 2t+1
+            pa[2 + r] = pack_half2(p10, p11);  // keys 2t + 8, 2t + 9
+        }
+        // O += P V, one d-tile at a time
+        unsigned int vsc[2][2], vbi[2];
+        #pragma unroll
+        for (int pr = 0; pr < 2; ++pr) {  // key pairs (2t, 2t+1) and (2t+8, 2t+9)
+            vsc[pr][0] = pack_half2(vs_[2 * pr], vs_[2 * pr + 1]);
+            vsc[pr][1] = pack_half2(vs_[2 * pr] * 0.0625f, vs_[2 * pr + 1] * 0.0625f);
+            vbi[pr] = pack_half2(vb_[2 * pr], vb_[2 * pr + 1]);
         }
         #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            float vn[EPL];
-            #pragma unroll
-            for (int e = 0; e < EPL; ++e) vn[e] = nibble(vwd[u][e / 8], e % 8);
-            const float vb2 = fmaf(-2048.0f, vsc[u], vbi[u]);
-            #pragma unroll
-            for (int r = 0; r < RB; ++r) {
-                const float p = fast_exp2(s[u][r] - mn[r]);
-                l[r] += p;
-                vb_acc[r] = fmaf(p, vb2, vb_acc[r]);
-                const float ps = p * vsc[u];
-                #pragma unroll
-                for (int e = 0; e < EPL; ++e) acc[r][e] = fmaf(ps, vn[e], acc[r][e]);
-            }
+        for (int dt = 0; dt < NT; ++dt) {
+            const int w = dt / 8, byte = (dt % 8) / 2, odd = dt & 1;
+            const unsigned int mask = odd ? 0x00F000F0u : 0x000F000Fu;
+            const unsigned int sel = byte | ((byte + 4) << 8);
+            const unsigned int b0 = dequant2(__byte_perm(vwd[0][w], vwd[1][w], sel), mask, vsc[0][odd], vbi[0]);
+            const unsigned int b1 = dequant2(__byte_perm(vwd[2][w], vwd[3][w], sel), mask, vsc[1][odd], vbi[1]);
+            mma16816(o[dt], pa, b0, b1);
         }
     }
     #pragma unroll
-    for (int r = 0; r < RB; ++r) {
-        #pragma unroll
-        for (int e = 0; e < EPL; ++e) acc[r][e] += vb_acc[r];
+    for (int r = 0; r < 2; ++r) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
     }
-    // lane groups of a warp -> the first group, in a fixed order
-    #pragma unroll
-    for (int off = LPK; off < 32; off <<= 1) {
-        #pragma unroll
-        for (int r = 0; r < RB; ++r) {
-            const float mo = __shfl_down_sync(0xffffffffu, m[r], off);
-            const float lo_ = __shfl_down_sync(0xffffffffu, l[r], off);
-            const float mn = fmaxf(m[r], mo);
-            const float fa = m[r] == -INFINITY ? 0.0f : exp2f(m[r] - mn);
-            const float fb = mo == -INFINITY ? 0.0f : exp2f(mo - mn);
-            l[r] = fmaf(l[r], fa, lo_ * fb);
-            #pragma unroll
-            for (int e = 0; e < EPL; ++e) {
-                const float ao = __shfl_down_sync(0xffffffffu, acc[r][e], off);
-                acc[r][e] = fmaf(acc[r][e], fa, ao * fb);
-            }
-            m[r] = mn;
-        }
-    }
-    __shared__ float s_m[WARPS][RB];
-    __shared__ float s_l[WARPS][RB];
+    __shared__ float s_m[WARPS][16];
+    __shared__ float s_l[WARPS][16];
     __shared__ float s_acc[WARPS][RB][D];
-    if (lane < LPK) {
-        #pragma unroll
-        for (int r = 0; r < RB; ++r) {
-            if (lane == 0) {
-                s_m[warp][r] = m[r];
-                s_l[warp][r] = l[r];
+    #pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = g + 8 * r;
+        if (row < RB) {
+            if (t == 0) {
+                s_m[warp][row] = m[r];
+                s_l[warp][row] = l[r];
             }
             #pragma unroll
-            for (int e = 0; e < EPL; ++e) s_acc[warp][r][sub * EPL + e] = acc[r][e];
+            for (int dt = 0; dt < NT; ++dt) {
+                s_acc[warp][row][(D / 8) * (2 * t) + dt] = o[dt][2 * r];
+                s_acc[warp][row][(D / 8) * (2 * t + 1) + dt] = o[dt][2 * r + 1];
+            }
         }
     }
     __syncthreads();
-    for (int t = threadIdx.x; t < RB * D; t += blockDim.x) {
-        const int r = t / D, d = t % D;
+    for (int i = threadIdx.x; i < RB * D; i += blockDim.x) {
+        const int r = i / D, d = i % D;
+        if (r0 + r >= REP) break;
         float M = -INFINITY;
         #pragma unroll
         for (int w = 0; w < WARPS; ++w) M = fmaxf(M, s_m[w][r]);
@@ -218,30 +277,61 @@ _PARTIAL = r"""
             L = fmaf(s_l[w][r], f, L);
             A = fmaf(s_acc[w][r][d], f, A);
         }
-        const size_t o = ((size_t)(b * Hq + h * REP + r0 + r)) * nc + c;
-        pacc[o * D + d] = A;
+        const size_t o_ = ((size_t)(b * Hq + h * REP + r0 + r)) * nc + c;
+        pacc[o_ * D + d] = A;
         if (d == 0) {
-            pm[o] = M;
-            pl[o] = L;
+            pm[o_] = M;
+            pl[o_] = L;
         }
     }
 """
 
 _REDUCE = r"""
+    // One block per (row, query head), a thread per output dim. Chunk weights are made D at a
+    // time into shared memory, then every thread sums its dim over them; every sum runs in a
+    // fixed order.
     const int d = threadIdx.x, hq = blockIdx.y, b = blockIdx.z;
+    const int lane = d & 31, warp = d >> 5;
     const int Hq = pm_shape[1], nc = pm_shape[2];
     const int end = meta[0], window = meta[1];
     const int first = window > 0 ? max(start[b], end - window) : start[b];
     const int mine = min(nc, (end - first + CHUNK - 1) / CHUNK);
     const size_t base = ((size_t)(b * Hq + hq)) * nc;
+    __shared__ float s_f[D];
+    __shared__ float s_red[D / 32];
     float M = -INFINITY;
-    for (int c = 0; c < mine; ++c) M = fmaxf(M, pm[base + c]);
+    for (int c = d; c < mine; c += D) M = fmaxf(M, pm[base + c]);
+    #pragma unroll
+    for (int off = 16; off > 0; off >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, off));
+    if (lane == 0) s_red[warp] = M;
+    __syncthreads();
+    M = s_red[0];
+    #pragma unroll
+    for (int w = 1; w < D / 32; ++w) M = fmaxf(M, s_red[w]);
     float L = 0.0f, A = 0.0f;
-    for (int c = 0; c < mine; ++c) {
-        const float f = pm[base + c] == -INFINITY ? 0.0f : exp2f(pm[base + c] - M);
-        L = fmaf(pl[base + c], f, L);
-        A = fmaf(pacc[(base + c) * D + d], f, A);
+    for (int c0 = 0; c0 < mine; c0 += D) {
+        const int c = c0 + d;
+        float f = 0.0f;
+        if (c < mine && pm[base + c] != -INFINITY) {
+            f = exp2f(pm[base + c] - M);
+            L = fmaf(pl[base + c], f, L);
+        }
+        __syncthreads();
+        s_f[d] = f;
+        __syncthreads();
+        const int n = min(D, mine - c0);
+        const float* pa = pacc + (base + c0) * D + d;
+        #pragma unroll 8
+        for (int i = 0; i < n; ++i) A = fmaf(pa[(size_t)i * D], s_f[i], A);
     }
+    #pragma unroll
+    for (int off = 16; off > 0; off >>= 1) L += __shfl_xor_sync(0xffffffffu, L, off);
+    __syncthreads();
+    if (lane == 0) s_red[warp] = L;
+    __syncthreads();
+    L = s_red[0];
+    #pragma unroll
+    for (int w = 1; w < D / 32; ++w) L += s_red[w];
     out[((size_t)(b * Hq + hq)) * D + d] = static_cast<T>(L > 0.0f ? A / L : 0.0f);
 """
 
@@ -256,11 +346,6 @@ def _get(name, inputs, outputs, source):
     return _kernels[name]
 
 
-def heads_per_block(rep: int) -> int:
-    """Query heads one block serves: the largest divisor of `rep` (query heads per kv head) up to MAX_HEADS."""
-    return max(r for r in range(1, min(rep, MAX_HEADS) + 1) if rep % r == 0)
-
-
 def meta(end: int, window: int = 0):
     """The kernels' int32 parameters [end, window] as a device array (see `q4_decode_sdpa`)."""
     return mx.array([end, window], dtype=mx.int32)
@@ -270,8 +355,8 @@ def q4_decode_sdpa(queries, keys, values, start, end: int, scale: float, group_s
                    window: int = 0):
     """Attention of one query per row over packed 4-bit keys/values, row b over columns [start[b], end).
 
-    queries (B, Hq, 1, D) with D 64 or 128; keys/values (words, scales, biases) of shape
-    (B, Hkv, W, ...) with W >= end and Hq a multiple of Hkv; start: int32 (B,). With
+    queries (B, Hq, 1, D) in float16 or bfloat16 with D 64 or 128; keys/values (words,
+    scales, biases) of shape (B, Hkv, W, ...) with W >= end, Hq a multiple of Hkv, and group size 32, 64 or 128 (at most D); start: int32 (B,). With
     `window` > 0 a row attends only to its last `window` columns (a sliding-window layer).
     `meta_array`: `meta(end, window)`, made here if not given (pass it to share one per step).
     Returns (B, Hq, 1, D) in the queries' dtype. A row's output depends on its own columns
@@ -280,7 +365,6 @@ def q4_decode_sdpa(queries, keys, values, start, end: int, scale: float, group_s
     B, Hq, _, D = queries.shape
     Hkv = keys[0].shape[1]
     rep = Hq // Hkv
-    rb = heads_per_block(rep)
     n_chunks = max(1, -(-end // CHUNK))  # enough for a row with no padding
     if meta_array is None:
         meta_array = meta(end, window)
@@ -291,9 +375,9 @@ def q4_decode_sdpa(queries, keys, values, start, end: int, scale: float, group_s
                    ["q", "kw", "ks", "kb", "vw", "vs", "vb", "start", "meta", "meta_f"], ["pm", "pl", "pacc"], _PARTIAL)
     pm, pl, pacc = partial(
         inputs=[queries, *keys, *values, start, meta_array, meta_f],
-        template=[("D", D), ("G", group_size), ("REP", rep), ("RB", rb), ("CHUNK", CHUNK), ("WARPS", WARPS),
-                  ("U", UNROLL), ("EPL", EPL)],
-        grid=(n_chunks * WARPS * 32, Hkv * (rep // rb), B),
+        template=[("D", D), ("G", group_size), ("REP", rep), ("RB", min(rep, HEADS)), ("CHUNK", CHUNK),
+                  ("WARPS", WARPS)],
+        grid=(n_chunks * WARPS * 32, Hkv * -(-rep // HEADS), B),
         threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(B, Hq, n_chunks), (B, Hq, n_chunks), (B, Hq, n_chunks, D)],
         output_dtypes=[mx.float32, mx.float32, mx.float32],

@@ -79,7 +79,7 @@ def poison(packed, start, end):
 
 
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("hq,hkv", [(8, 8), (8, 2), (32, 4), (9, 3), (12, 2)])  # GQA 1, 4, 8, 3, 6
+@pytest.mark.parametrize("hq,hkv", [(8, 8), (8, 2), (32, 4), (9, 3), (12, 2), (32, 1)])  # GQA 1, 4, 8, 3, 6, 32
 @pytest.mark.parametrize("end", [1, 255, 257, 1500])
 def test_q4_decode_attention_matches_float32_and_ignores_other_columns(d, hq, hkv, end):
     b, width = 4, end + 40
