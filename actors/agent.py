@@ -126,7 +126,8 @@ class Ask:
     """Envelope: take a turn on msgpack `payload`; resolve `future` with the Reply.
 
     `on_token` and `on_progress` go to the engine's `Turn` as they are (they run on
-    the batcher's thread); everything else about the turn is in the payload.
+    the batcher's thread); everything else about the turn is in the payload, every
+    option included, as `AgentRef.send` checked it (the defaults are set there).
     """
 
     payload: bytes
@@ -433,7 +434,7 @@ class AgentActor(SupervisedActor):
         reuse = None if cache is None else (self.meta.seq, len(keep_ids))  # lets the store write a delta
         item.pending = dict(user=user, rendered=rendered.text, label=label, keep_ids=keep_ids,
                             keep_ends=keep_ends, keep_text=keep_text, fed=tokens, reuse=reuse)
-        max_tokens = msg.get("max_tokens", 128)
+        max_tokens = msg["max_tokens"]
         need, limit = len(keep_ids) + len(tokens) + max_tokens, self.env.max_context
         if limit is not None and need > limit:
             self.seq = user["seq"] - 1  # the user record was never written
@@ -447,9 +448,9 @@ class AgentActor(SupervisedActor):
             agent_id=self.name,
             cache=cache,
             tokens=tokens,
-            sampling=Sampling(msg.get("temperature", 0.0), msg.get("top_p", 1.0), msg.get("seed", 0)),
+            sampling=Sampling(msg["temperature"], msg["top_p"], msg["seed"]),
             max_tokens=max_tokens,
-            stop_strings=tuple(msg.get("stop", ())),
+            stop_strings=tuple(msg["stop"]),
             on_token=item.on_token,
             on_progress=item.on_progress,
             cancel=item.cancel,

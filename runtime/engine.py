@@ -41,6 +41,9 @@ from runtime.q4cache import (
 BLOCK = STEP  # the memory budget's unit is the cache buffers' growth step: a reserved block is a real one
 
 
+MAX_TOKENS = 128  # tokens a turn generates at most unless its caller says otherwise
+
+
 @dataclass(frozen=True)
 class Sampling:
     """How to pick tokens: temperature 0 is greedy; `seed` makes sampling reproducible."""
@@ -69,7 +72,7 @@ class Turn:
     cache: list | None
     tokens: list[int]
     sampling: Sampling = Sampling()
-    max_tokens: int = 128
+    max_tokens: int = MAX_TOKENS
     stop_strings: tuple[str, ...] = ()
     on_token: Callable[[str], None] | None = None
     on_progress: Callable[[int, int], None] | None = None

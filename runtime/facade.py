@@ -25,7 +25,7 @@ import uuid
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator, Callable, Iterator
+from typing import AsyncIterator, Callable, Iterable, Iterator
 
 import msgpack
 import pykka
@@ -38,6 +38,7 @@ from actors.persistence import PersistenceActor
 from actors.supervisor import RESTART_TYPES, STRATEGIES, Backoff, ChildSpec, Supervisor, UnknownChild
 from runtime import store
 from runtime.deadlines import Deadlines
+from runtime.engine import MAX_TOKENS, Sampling
 from runtime.errors import KvactorsError
 from runtime.model import load_model
 from runtime.q4cache import ROUTES, check_route
@@ -45,9 +46,10 @@ from runtime.qgemv import available as on_cuda
 
 log = logging.getLogger(__name__)
 DEFAULT_CACHE_DIR = "~/.cache/kvactors/agents"
-KV_BITS = (4, 8)
+KV_BITS = (4, 8)  # KV cache bits the packed cache supports
 KV_GROUP_SIZES = (32, 64, 128)
-TURN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")  # KV cache bits the packed cache supports
+TURN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+TURN_TIMEOUT = 60.0  # seconds a turn may take unless its caller says otherwise (None: no watchdog)
 
 
 def _emit(item, held, future) -> tuple[list, bool]:
@@ -322,17 +324,21 @@ class AgentRef:
     def __repr__(self):
         return f"AgentRef({self.name!r})"
 
-    def send(self, text: str, *, max_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
-             seed: int = 0, stop=(), timeout: float | None = 60.0, sender: str | None = None,
-             conversation_id: str | None = None, turn_id: str | None = None,
-             on_token: Callable[[str], None] | None = None, on_progress: Callable[[int, int], None] | None = None,
-             cancel: Callable[[], bool] | None = None, _reply_to_agent: str | None = None) -> ReplyFuture:
+    def send(self, text: str, *, max_tokens: int = MAX_TOKENS, temperature: float = Sampling.temperature,
+             top_p: float = Sampling.top_p, seed: int = Sampling.seed, stop: str | Iterable[str] = (),
+             timeout: float | None = TURN_TIMEOUT, sender: str | None = None, conversation_id: str | None = None,
+             turn_id: str | None = None, on_token: Callable[[str], None] | None = None,
+             on_progress: Callable[[int, int], None] | None = None,
+             cancel: Callable[[], bool] | None = None) -> ReplyFuture:
         """Queue a turn on `text`; return a future of its `Reply` (`await` it in asyncio code).
 
-        The future raises AgentCrashed (with the turn id) if the agent crashes in the
+        `max_tokens`: tokens to generate at most. `temperature` (0: greedy), `top_p`
+        and `seed` pick the tokens; `stop` ends the reply before the first of these
+        strings. The future raises AgentCrashed (with the turn id) if the agent crashes in the
         turn, TurnTimeout after `timeout` seconds (the hung turn is failed and the
         agent restarted; None disables the watchdog), UnknownAgent if the agent is
-        gone. `sender` attributes the message to another agent.
+        gone. `sender` attributes the message to another agent; `conversation_id` is
+        recorded with the turn's journal records.
 
         `on_token(piece)` gets the reply's text piece by piece while it decodes (the
         last pieces may hold the start of a stop string the reply then drops), and
@@ -352,6 +358,13 @@ class AgentRef:
         turn: a bad one raises TypeError or ValueError (see `check_turn_options`).
         `stop` is one string or an iterable of strings.
         """
+        return self._send(text, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
+                          timeout=timeout, sender=sender, conversation_id=conversation_id, turn_id=turn_id,
+                          on_token=on_token, on_progress=on_progress, cancel=cancel)
+
+    def _send(self, text, *, max_tokens, temperature, top_p, seed, stop, timeout, sender, conversation_id, turn_id,
+              on_token, on_progress, cancel, reply_to_agent=None) -> ReplyFuture:
+        """`send`, and `send_to`'s way in: `reply_to_agent` also gets the reply, as a message (see `send_to`)."""
         stop = check_turn_options(text, max_tokens, temperature, top_p, seed, stop, timeout,
                                   self.runtime.max_context)
         if sender is not None:
@@ -367,7 +380,7 @@ class AgentRef:
             raise TypeError(f"conversation_id must be a str or None, got {type(conversation_id).__name__}")
         payload = agent_mod.encode_message(
             text, sender, max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p), seed=seed,
-            stop=list(stop), timeout=timeout, conversation_id=conversation_id, reply_to_agent=_reply_to_agent,
+            stop=list(stop), timeout=timeout, conversation_id=conversation_id, reply_to_agent=reply_to_agent,
             turn_id=turn_id,
         )
         future = ReplyFuture()
@@ -375,24 +388,42 @@ class AgentRef:
         self.runtime._deliver(self.name, Ask(payload, future, on_token, on_progress, cancel), future)
         return future
 
-    def ask(self, text: str, *, timeout: float | None = 60.0, **options) -> Reply:
-        """Take a turn on `text` and wait for the `Reply` (see `send` for the options and errors)."""
-        future = self.send(text, timeout=timeout, **options)
+    def ask(self, text: str, *, max_tokens: int = MAX_TOKENS, temperature: float = Sampling.temperature,
+            top_p: float = Sampling.top_p, seed: int = Sampling.seed, stop: str | Iterable[str] = (),
+            timeout: float | None = TURN_TIMEOUT, sender: str | None = None, conversation_id: str | None = None,
+            turn_id: str | None = None, on_token: Callable[[str], None] | None = None,
+            on_progress: Callable[[int, int], None] | None = None, cancel: Callable[[], bool] | None = None) -> Reply:
+        """Take a turn on `text` and wait for its `Reply`; the options and errors are `send`'s."""
+        future = self.send(text, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
+                           timeout=timeout, sender=sender, conversation_id=conversation_id, turn_id=turn_id,
+                           on_token=on_token, on_progress=on_progress, cancel=cancel)
         return future.get(timeout=None if timeout is None else timeout + 5)
 
-    async def ask_async(self, text: str, *, timeout: float | None = 60.0, **options) -> Reply:
-        """`ask` for asyncio code: awaits the reply without blocking the event loop.
+    async def ask_async(self, text: str, *, max_tokens: int = MAX_TOKENS, temperature: float = Sampling.temperature,
+                        top_p: float = Sampling.top_p, seed: int = Sampling.seed, stop: str | Iterable[str] = (),
+                        timeout: float | None = TURN_TIMEOUT, sender: str | None = None,
+                        conversation_id: str | None = None, turn_id: str | None = None,
+                        on_token: Callable[[str], None] | None = None,
+                        on_progress: Callable[[int, int], None] | None = None,
+                        cancel: Callable[[], bool] | None = None) -> Reply:
+        """`ask` for asyncio code: awaits the reply without blocking the event loop; the options are `send`'s.
 
         No thread waits for the reply: it is handed to the running loop when it is set.
         """
-        reply = self.send(text, timeout=timeout, **options)
+        reply = self.send(text, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
+                          timeout=timeout, sender=sender, conversation_id=conversation_id, turn_id=turn_id,
+                          on_token=on_token, on_progress=on_progress, cancel=cancel)
         try:
             return await asyncio.wait_for(_on_loop(reply, asyncio.get_running_loop()),
                                           None if timeout is None else timeout + 5)
         except asyncio.TimeoutError:
             raise TurnTimeout(reply.turn_id, f"{self.name} did not answer within {timeout}s") from None
 
-    def stream(self, text: str, *, timeout: float | None = 60.0, stop=(), **options) -> Iterator[str | Reply]:
+    def stream(self, text: str, *, max_tokens: int = MAX_TOKENS, temperature: float = Sampling.temperature,
+               top_p: float = Sampling.top_p, seed: int = Sampling.seed, stop: str | Iterable[str] = (),
+               timeout: float | None = TURN_TIMEOUT, sender: str | None = None, conversation_id: str | None = None,
+               turn_id: str | None = None, on_progress: Callable[[int, int], None] | None = None,
+               cancel: Callable[[], bool] | None = None) -> Iterator[str | Reply]:
         """Take a turn on `text`; iterate over its reply's text pieces as they are decoded, then the `Reply`.
 
         The pieces arrive in order while the batch decodes, and add up to exactly
@@ -401,7 +432,9 @@ class AgentRef:
         raises what `ask` raises, after the pieces that came before the failure.
         """
         pieces: queue.SimpleQueue = queue.SimpleQueue()
-        future = self.send(text, timeout=timeout, stop=stop, on_token=pieces.put, **options)
+        future = self.send(text, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
+                           timeout=timeout, sender=sender, conversation_id=conversation_id, turn_id=turn_id,
+                           on_token=pieces.put, on_progress=on_progress, cancel=cancel)
         future.add_done_callback(lambda _: pieces.put(_END))
         return self._stream(future, pieces, _Pieces(future.stop), timeout)
 
@@ -417,12 +450,17 @@ class AgentRef:
             if done:
                 return
 
-    async def astream(self, text: str, *, timeout: float | None = 60.0, stop=(),
-                      **options) -> AsyncIterator[str | Reply]:
+    async def astream(self, text: str, *, max_tokens: int = MAX_TOKENS, temperature: float = Sampling.temperature,
+                      top_p: float = Sampling.top_p, seed: int = Sampling.seed, stop: str | Iterable[str] = (),
+                      timeout: float | None = TURN_TIMEOUT, sender: str | None = None,
+                      conversation_id: str | None = None, turn_id: str | None = None,
+                      on_progress: Callable[[int, int], None] | None = None,
+                      cancel: Callable[[], bool] | None = None) -> AsyncIterator[str | Reply]:
         """`stream` for asyncio code: `async for piece in ref.astream(text)`; the last item is the `Reply`.
 
-        Pieces reach the running loop through `call_soon_threadsafe`: no thread waits.
-        Bad options raise when the iteration starts.
+        The options are `send`'s (except `on_token`). Pieces reach the running loop
+        through `call_soon_threadsafe`: no thread waits. Bad options raise when the
+        iteration starts.
         """
         loop = asyncio.get_running_loop()
         pieces: asyncio.Queue = asyncio.Queue()
@@ -433,7 +471,9 @@ class AgentRef:
             except RuntimeError:  # the loop was closed: nobody is listening any more
                 pass
 
-        future = self.send(text, timeout=timeout, stop=stop, on_token=put, **options)
+        future = self.send(text, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
+                           timeout=timeout, sender=sender, conversation_id=conversation_id, turn_id=turn_id,
+                           on_token=put, on_progress=on_progress, cancel=cancel)
         future.add_done_callback(lambda _: put(_END))
         held, wait_s = _Pieces(future.stop), None if timeout is None else timeout + 5
         while True:
@@ -447,8 +487,13 @@ class AgentRef:
             if done:
                 return
 
-    def send_to(self, other: "AgentRef", text: str, **options) -> ReplyFuture:
-        """Send `text` from this agent to `other`, which takes a turn on it.
+    def send_to(self, other: "AgentRef", text: str, *, max_tokens: int = MAX_TOKENS,
+                temperature: float = Sampling.temperature, top_p: float = Sampling.top_p, seed: int = Sampling.seed,
+                stop: str | Iterable[str] = (), timeout: float | None = TURN_TIMEOUT,
+                conversation_id: str | None = None, turn_id: str | None = None,
+                on_token: Callable[[str], None] | None = None, on_progress: Callable[[int, int], None] | None = None,
+                cancel: Callable[[], bool] | None = None) -> ReplyFuture:
+        """Send `text` from this agent to `other`, which takes a turn on it; the options are `send`'s.
 
         The reply is also added to this agent's history as a message from `other`,
         without starting a turn here. The returned future resolves with `other`'s Reply
@@ -458,7 +503,9 @@ class AgentRef:
         copy goes to `Runtime.dead_letters` and the future still resolves with the reply
         (`other`'s turn happened). It fails as `send` does when `other`'s turn fails.
         """
-        return other.send(text, sender=self.name, _reply_to_agent=self.name, **options)
+        return other._send(text, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
+                           timeout=timeout, sender=self.name, conversation_id=conversation_id, turn_id=turn_id,
+                           on_token=on_token, on_progress=on_progress, cancel=cancel, reply_to_agent=self.name)
 
     def result(self, turn_id: str, timeout: float = 60.0) -> Reply | None:
         """The Reply of turn `turn_id` if it committed (cache "committed"), None if it never did.
@@ -687,22 +734,29 @@ class Runtime:
         store.check_agent_id(name)
         return store.agent_dir(self.cache_dir, self.spec.fingerprint, name).exists()
 
-    def converse(self, agents, opening: str, rounds: int, **options) -> list[Reply]:
+    def converse(self, agents, opening: str, rounds: int, *, max_tokens: int = MAX_TOKENS,
+                 temperature: float = Sampling.temperature, top_p: float = Sampling.top_p, seed: int = Sampling.seed,
+                 stop: str | Iterable[str] = (), timeout: float | None = TURN_TIMEOUT) -> list[Reply]:
         """Round-robin: the first agent answers `opening`, each next one answers the previous reply.
 
-        Every message is attributed to the agent that wrote it. Returns all replies in order.
+        Every message is attributed to the agent that wrote it. Every turn takes the
+        options given (see `AgentRef.send`). Returns all replies in order.
         """
         replies, text, previous = [], opening, None
         for _ in range(rounds):
             for a in agents:
-                r = a.ask(text, sender=previous.name if previous else None, **options)
+                r = a.ask(text, sender=previous.name if previous else None, max_tokens=max_tokens,
+                          temperature=temperature, top_p=top_p, seed=seed, stop=stop, timeout=timeout)
                 replies.append(r)
                 text, previous = r.text or "...", a
         return replies
 
-    def broadcast(self, group, text: str, **options) -> list[ReplyFuture]:
-        """Send `text` to every agent in `group` (each takes a turn); return their futures."""
-        return [a.send(text, **options) for a in group]
+    def broadcast(self, group, text: str, *, max_tokens: int = MAX_TOKENS, temperature: float = Sampling.temperature,
+                  top_p: float = Sampling.top_p, seed: int = Sampling.seed, stop: str | Iterable[str] = (),
+                  timeout: float | None = TURN_TIMEOUT) -> list[ReplyFuture]:
+        """Send `text` to every agent in `group` (each takes a turn with the options given); return their futures."""
+        return [a.send(text, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
+                       timeout=timeout) for a in group]
 
     def engine_stats(self, timeout: float = 10.0):
         """A snapshot of the engine's `EngineStats` (decode step and prefill chunk times), for profiles."""

@@ -323,14 +323,16 @@ def test_converse_and_broadcast_attribute_every_message(rt):
     b = rt.spawn("cv-b", system="You are B.")
     replies = rt.converse([a, b], "Let us plan.", rounds=2, max_tokens=4)
     assert [r.agent for r in replies] == ["cv-a", "cv-b", "cv-a", "cv-b"]
+    assert all(len(r.tokens) <= 4 for r in replies)  # every turn took the options
     b_users = [x for x in b.history() if x["role"] == "user"]
     expected = [("cv-a", replies[0].text or "..."), ("cv-a", replies[2].text or "...")]
     assert [(x["sender"], x["text"]) for x in b_users] == expected
     a_users = [x for x in a.history() if x["role"] == "user"]
     assert [x["sender"] for x in a_users] == [None, "cv-b"]
 
-    futures = rt.broadcast([a, b], "Vote now.", max_tokens=4)
-    assert sorted(f.get(timeout=60).agent for f in futures) == ["cv-a", "cv-b"]
+    futures = rt.broadcast([a, b], "Vote now.", max_tokens=3)
+    assert sorted((r.agent, len(r.tokens) <= 3) for r in (f.get(timeout=60) for f in futures)) == [
+        ("cv-a", True), ("cv-b", True)]
     assert a.history()[-2]["text"] == b.history()[-2]["text"] == "Vote now."
 
 

@@ -6,6 +6,7 @@ import importlib
 import inspect
 import os
 import pkgutil
+import pydoc
 import re
 import subprocess
 import sys
@@ -65,6 +66,66 @@ def test_importing_the_machinery_or_the_root_error_never_imports_the_actors():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
+# ---------------------------------------------------------------- the turn's options
+
+_TURN_METHODS = {  # method -> what it leaves out of `send`'s keyword options
+    runtime.AgentRef.ask: set(), runtime.AgentRef.ask_async: set(),
+    runtime.AgentRef.stream: {"on_token"}, runtime.AgentRef.astream: {"on_token"},
+    runtime.AgentRef.send_to: {"sender"},
+    runtime.Runtime.converse: {"sender", "conversation_id", "turn_id", "on_token", "on_progress", "cancel"},
+    runtime.Runtime.broadcast: {"sender", "conversation_id", "turn_id", "on_token", "on_progress", "cancel"},
+}
+
+
+def _keywords(fn) -> dict[str, inspect.Parameter]:
+    return {n: p for n, p in inspect.signature(fn).parameters.items() if p.kind is p.KEYWORD_ONLY}
+
+
+def test_turn_options_are_keyword_parameters_with_the_engines_defaults():
+    from runtime.engine import Sampling, Turn
+    from runtime.facade import TURN_TIMEOUT
+
+    send = _keywords(runtime.AgentRef.send)
+    turn = {f.name: f.default for f in dataclasses.fields(Turn)}
+    sampling = {f.name: f.default for f in dataclasses.fields(Sampling)}
+    defaults = {"max_tokens": turn["max_tokens"], **sampling, "stop": (), "timeout": TURN_TIMEOUT}
+    assert {n: send[n].default for n in defaults} == defaults == {
+        "max_tokens": 128, "temperature": 0.0, "top_p": 1.0, "seed": 0, "stop": (), "timeout": 60.0}
+    assert set(send) - set(defaults) == {"sender", "conversation_id", "turn_id", "on_token", "on_progress", "cancel"}
+    for fn, left_out in _TURN_METHODS.items():
+        params = inspect.signature(fn).parameters.values()
+        assert not any(p.kind is p.VAR_KEYWORD for p in params), f"{fn.__qualname__} takes **options"
+        got = _keywords(fn)
+        assert set(got) == set(send) - left_out, fn.__qualname__
+        assert all(got[n].default == send[n].default for n in got), fn.__qualname__
+    assert "max_tokens: 'int' = 128" in pydoc.render_doc(runtime.AgentRef.ask, renderer=pydoc.plaintext)
+
+
+def test_public_methods_have_no_private_or_catch_all_parameters():
+    for cls in (runtime.Runtime, runtime.AgentRef, runtime.ReplyFuture):
+        for name, fn in inspect.getmembers(cls, inspect.isfunction):
+            if name.startswith("_"):
+                continue
+            for p in inspect.signature(fn).parameters.values():
+                assert not p.name.startswith("_"), f"{cls.__name__}.{name} takes {p.name}"
+                assert p.kind is not p.VAR_KEYWORD, f"{cls.__name__}.{name} takes **{p.name}"
+    assert "_reply_to_agent" not in inspect.signature(runtime.AgentRef.send).parameters
+
+
+def test_an_unknown_option_is_a_type_error_at_the_call():
+    ref = runtime.AgentRef(None, "a")  # binding the arguments fails before the runtime is touched
+    with pytest.raises(TypeError, match="max_token"):
+        ref.ask("hi", max_token=4)
+    with pytest.raises(TypeError, match="_reply_to_agent"):
+        ref.send("hi", _reply_to_agent="b")
+
+
+def test_the_packages_ship_py_typed():
+    for package in (runtime, actors):
+        assert (Path(package.__file__).parent / "py.typed").is_file(), package.__name__
+    assert '"py.typed"' in (ROOT / "pyproject.toml").read_text()
+
+
 # ---------------------------------------------------------------- the README's API section
 
 
@@ -98,11 +159,7 @@ def _resolve(callee: str):
 def _parameters(obj) -> set[str]:
     if dataclasses.is_dataclass(obj):
         return {f.name for f in dataclasses.fields(obj)}
-    sig = inspect.signature(obj)
-    names = set(sig.parameters)
-    if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
-        names |= set(inspect.signature(runtime.AgentRef.send).parameters)  # options are `send`'s
-    return names
+    return set(inspect.signature(obj).parameters)
 
 
 def test_readme_api_section_names_only_what_exists():
