@@ -250,7 +250,7 @@ def render_chat(tokenizer, system: str, records) -> chat.Rendered:
 class AgentActor(SupervisedActor):
     """One agent. Started by the runtime's supervisor; talk to it through an `AgentRef`.
 
-    `env` carries what all agents share (see `runtime.facade.Env`): the tokenizer,
+    `env` carries what all agents share (see `runtime.api.facade.Env`): the tokenizer,
     the model spec, the current batcher and persistence refs, the hot-cache tier,
     the directory of agents and the dead-letter sink.
     """

@@ -62,7 +62,7 @@ class BatcherActor(SupervisedActor):
         self.step_queued = False
 
     def on_start(self):
-        self.thread = threading.current_thread()  # see runtime.facade: waited for at shutdown
+        self.thread = threading.current_thread()  # see runtime.api.facade: waited for at shutdown
 
     def on_receive(self, message):
         if message is _STEP:

@@ -63,7 +63,7 @@ def bench_model_folder(name: str, workdir: Path) -> Path:
     architecture with random weights, 4-bit weights (group 64), bf16 activations and
     the local 2048-token tokenizer (so its vocabulary is 2048, not 128256). No download.
     """
-    from runtime.testing import make_tiny_model
+    from runtime.tiny import make_tiny_model
 
     workdir = Path(os.environ.get("KVACTORS_BENCH_MODELS") or workdir)  # reuse across scenarios
     path = workdir / name

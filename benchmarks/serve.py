@@ -58,7 +58,7 @@ def start(server: str, model: Path, workdir: Path, conversations: int = 16) -> t
     """Start `server` (see the module doc for the names) on `model` in a child process; return it and its URL."""
     port = free_port()
     if server.startswith("kvactors"):
-        cmd = [sys.executable, "-m", "runtime.cli", "serve", "--model", str(model), "--cache-dir",
+        cmd = [sys.executable, "-m", "runtime.api.cli", "serve", "--model", str(model), "--cache-dir",
                str(workdir / "agents"), "--port", str(port), "--log-level", "warning",
                "--durability", "memory" if server == "kvactors-memory" else "durable"]
     else:

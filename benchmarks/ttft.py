@@ -25,7 +25,7 @@ from pathlib import Path
 
 from benchmarks.common import bench_parser, bench_model_folder, environment, plot_lines, write_results
 from runtime import Runtime, store
-from runtime.testing import tokenizer_corpus
+from runtime.tiny import tokenizer_corpus
 
 HOT_BUDGET = 16 << 30  # keep every cache of this benchmark hot between turns
 COLUMNS = ["context", "cold_ttft_s", "hot_ttft_s", "warm_ttft_s", "hot_x_cold", "warm_x_cold",

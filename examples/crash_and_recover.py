@@ -18,7 +18,7 @@ import logging
 
 from common import cache_dir_of, example_parser
 from runtime import AgentCrashed, Runtime
-from runtime.testing import is_tiny_model
+from runtime.tiny import is_tiny_model
 
 # A long-ish system prompt, so that re-prefilling it would cost something.
 SYSTEM = "You are Ada, the on-call engineer of a small web shop. " + " ".join(

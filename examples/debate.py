@@ -18,7 +18,7 @@ import textwrap
 
 from common import cache_dir_of, example_parser
 from runtime import Runtime
-from runtime.testing import is_tiny_model
+from runtime.tiny import is_tiny_model
 
 
 def printable(text):

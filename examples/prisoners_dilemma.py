@@ -25,7 +25,7 @@ random-weight model (fast, but the text is nonsense).
 
 from common import cache_dir_of, example_parser
 from runtime import Runtime
-from runtime.testing import is_tiny_model
+from runtime.tiny import is_tiny_model
 
 SENTENCES = {("SILENT", "SILENT"): (1, 1), ("SILENT", "CONFESS"): (10, 0),
              ("CONFESS", "SILENT"): (0, 10), ("CONFESS", "CONFESS"): (5, 5)}

@@ -14,7 +14,7 @@ Run it on the embedded SmolLM2-135M-Instruct, on the random-weight tiny model
 
 from common import cache_dir_of, example_parser
 from runtime import Runtime
-from runtime.testing import is_tiny_model
+from runtime.tiny import is_tiny_model
 
 
 def show(who, r):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from common import example_parser
 from runtime import Runtime
-from runtime.testing import is_tiny_model
+from runtime.tiny import is_tiny_model
 from runtime.store import inspect_table
 
 DEFAULT_CACHE_DIR = "~/.cache/kvactors/resume-example"

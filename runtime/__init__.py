@@ -1,8 +1,20 @@
-"""kvactors' machinery: models, the Q4 cache, the engine, the store; and the `Runtime` facade.
+"""kvactors: `from runtime import Runtime`, and every error kvactors defines.
 
-`from runtime import Runtime` is lazy, so importing a submodule (e.g. `runtime.engine`,
-which the actors import) never imports the actors. Every error kvactors defines is
-importable from here; those the API raises derive from `KvactorsError` (see `runtime.errors`).
+Three layers, each importing only the ones below it:
+
+1. the machinery, `runtime/*.py`: models, the Q4 cache, the engine, the store; free
+   of actor concerns, it never imports `actors` or `runtime.api`;
+2. the actors, `actors/`: agents, the batcher, persistence and supervision, on the machinery;
+3. the API, `runtime/api/`: `Runtime` and `AgentRef`, the CLI, the demo and the HTTP
+   server, on top of both.
+
+The names below are re-exported lazily (imported from their module on first use),
+and this is why: the actors import machinery modules (`runtime.engine`,
+`runtime.store`), and Python runs this file before any `runtime.*` module. Importing
+`Runtime` here eagerly would make importing any machinery module import the actors
+and the API, and the actors' own imports circular. `tests/test_api.py` checks the
+layers in the source. Only `KvactorsError` (see `runtime.errors`), the root of
+every error the API raises, is imported at once.
 """
 
 import importlib
@@ -11,8 +23,8 @@ from runtime.errors import KvactorsError
 
 # module -> the public names it defines, imported from there on first use
 _EXPORTS = {
-    "runtime.facade": ("Runtime", "AgentRef", "ReplyFuture", "DeadLetter", "AgentInfo",
-                       "RuntimeEscalated", "RuntimeClosed", "SystemPromptChanged"),
+    "runtime.api.facade": ("Runtime", "AgentRef", "ReplyFuture", "DeadLetter", "AgentInfo",
+                           "RuntimeEscalated", "RuntimeClosed", "SystemPromptChanged"),
     "actors.agent": ("Reply", "AgentError", "AgentCrashed", "TurnTimeout", "TurnNotSaved", "TurnTooLong",
                      "UnknownAgent"),
     "actors.batcher": ("BatcherStopped", "BatcherCrashed"),
@@ -25,7 +37,7 @@ _EXPORTS = {
     "runtime.model": ("ModelLoadError", "DefaultModelMissing"),
     "runtime.gguf": ("GGUFError", "UnsupportedGGUF"),
     "runtime.deadlines": ("DeadlinesClosed",),
-    "runtime.serve": ("ApiError",),
+    "runtime.api.serve": ("ApiError",),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 

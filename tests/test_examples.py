@@ -22,7 +22,7 @@ def env(tmp_path_factory):
     """The subprocesses' environment: one KVACTORS_HOME for the module, tiny model built once."""
     home = tmp_path_factory.mktemp("examples_home")
     env = {**os.environ, "KVACTORS_HOME": str(home), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    subprocess.run([sys.executable, "-c", "from runtime.testing import default_model_path; default_model_path()"],
+    subprocess.run([sys.executable, "-c", "from runtime.tiny import tiny_llama_path; tiny_llama_path()"],
                    env=env, cwd=ROOT, check=True, timeout=120)
     return env
 
@@ -99,7 +99,7 @@ def test_prisoners_dilemma(env, tmp_path):
 
 
 def test_kvactors_demo(env, tmp_path):
-    out = run(env, "-m", "runtime.cli", "demo", "--max-tokens", 4, "--cache-dir", tmp_path)
+    out = run(env, "-m", "runtime.api.cli", "demo", "--max-tokens", 4, "--cache-dir", tmp_path)
     assert agent_states(out) == {"alice": ["cold", "hot", "warm"], "bob": ["cold", "hot", "warm"]}
     assert re.search(r"^  alice +prefill \[#{20}\] (\d+)/\1 tok$", out, re.MULTILINE)  # the progress bar, full
     assert "nonsense" in out

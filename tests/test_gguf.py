@@ -252,11 +252,11 @@ def test_runtime_takes_a_gguf_file(tmp_path, tiny):
 
 def test_import_gguf_command(tmp_path, tiny):
     write_gguf(tmp_path / "m.gguf", tiny["qwen2"], Q.Q4_1)
-    run = subprocess.run([sys.executable, "-m", "runtime.cli", "import-gguf", tmp_path / "m.gguf", tmp_path / "out",
+    run = subprocess.run([sys.executable, "-m", "runtime.api.cli", "import-gguf", tmp_path / "m.gguf", tmp_path / "out",
                           "--weights", "quantized"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == str(tmp_path / "out")
     assert mlx_lm.load(str(tmp_path / "out"))[0].model.layers[0].self_attn.q_proj.bits == 4
-    again = subprocess.run([sys.executable, "-m", "runtime.cli", "import-gguf", tmp_path / "m.gguf", tmp_path / "out"],
+    again = subprocess.run([sys.executable, "-m", "runtime.api.cli", "import-gguf", tmp_path / "m.gguf", tmp_path / "out"],
                            capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert again.returncode == 2 and "already exists" in again.stderr and "Traceback" not in again.stderr

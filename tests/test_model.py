@@ -6,7 +6,7 @@ import shutil
 import pytest
 
 from runtime.model import ModelCacheSpec, ModelLoadError, fingerprint, load_model
-from runtime.testing import default_model_path, make_tiny_model
+from runtime.tiny import tiny_llama_path, make_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +89,7 @@ def test_fingerprint_changes_with_weights_and_nothing_else(tmp_path):
 
 def test_load_model_default_and_errors(tmp_path):
     model, tokenizer, spec = load_model(None)
-    assert spec.model_id == str(default_model_path())
+    assert spec.model_id == str(tiny_llama_path())
     assert tokenizer.encode("hello", add_special_tokens=False)
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelLoadError, match="not a model folder"):

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from runtime import store
 from runtime.detok import AnchoredDetokenizer
 from runtime.prefix import COLD, DIVERGE, EXACT, EXTEND, common_prefix_len, last_boundary, match_prefix, token_ends
-from runtime.testing import NON_COMPOSITIONAL
+from runtime.tiny import NON_COMPOSITIONAL
 
 # ---------------------------------------------------------------- matching rules (one char per token)
 

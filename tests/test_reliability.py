@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from actors.supervisor import Backoff
 from runtime import (AgentCrashed, JournalError, Runtime, RuntimeClosed, TurnNotSaved, TurnTimeout, TurnTooLarge,
                      journal, store)
-from runtime.facade import AgentRef
+from runtime.api.facade import AgentRef
 
 FAST = Backoff(min=0.001, max=0.02, reset=10.0)
 TESTS = Path(__file__).resolve().parent
@@ -194,7 +194,7 @@ def test_a_bad_option_is_refused_before_anything_is_acquired(tmp_path, options):
 
 
 def test_a_failure_late_in_init_releases_everything(tmp_path, monkeypatch):
-    from runtime import facade
+    from runtime.api import facade
 
     def broken(*args, **kwargs):
         raise RuntimeError("the batcher cannot start")

@@ -17,7 +17,7 @@ import pytest
 import uvicorn
 
 from runtime import Runtime
-from runtime.serve import ChatRequest, Server, build_app, derive_agent_id, parse_chat, parse_messages, plan_turn
+from runtime.api.serve import ChatRequest, Server, build_app, derive_agent_id, parse_chat, parse_messages, plan_turn
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEM = {"role": "system", "content": "You answer briefly."}
@@ -306,7 +306,7 @@ def test_the_command_line_server_checks_the_api_key(tmp_path):
     port = sock.getsockname()[1]
     sock.close()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "runtime.cli", "serve", "--cache-dir", str(tmp_path), "--port",
+    proc = subprocess.Popen([sys.executable, "-m", "runtime.api.cli", "serve", "--cache-dir", str(tmp_path), "--port",
                              str(port), "--api-key", "sesame", "--log-level", "warning"], env=env, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"

@@ -10,12 +10,12 @@ import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlx_lm.sample_utils import make_sampler
 
-from runtime import testing
-from runtime.testing import (
+from runtime import tiny
+from runtime.tiny import (
     ARCHS,
     COMPLETE_MARKER,
     NON_COMPOSITIONAL,
-    default_model_path,
+    tiny_llama_path,
     make_tiny_model,
 )
 
@@ -144,11 +144,11 @@ def test_unknown_arch_and_existing_path(tmp_path):
 
 
 def test_default_model_built_once_and_reused(kvactors_home):
-    path = default_model_path()
+    path = tiny_llama_path()
     assert path == kvactors_home / "models" / "tiny-llama-v1"
     marker = path / COMPLETE_MARKER
     stamp = (marker.stat().st_mtime_ns, (path / "model.safetensors").stat().st_mtime_ns)
-    assert default_model_path() == path
+    assert tiny_llama_path() == path
     assert (marker.stat().st_mtime_ns, (path / "model.safetensors").stat().st_mtime_ns) == stamp
     assert json.loads(marker.read_text())["arch"] == "llama"
     assert not [p for p in path.parent.iterdir() if p.name.startswith(".tiny-llama-v1")]
@@ -157,7 +157,7 @@ def test_default_model_built_once_and_reused(kvactors_home):
 def test_default_model_concurrent_first_use(tmp_path, monkeypatch):
     monkeypatch.setenv("KVACTORS_HOME", str(tmp_path))
     with ThreadPoolExecutor(4) as pool:
-        paths = list(pool.map(lambda _: default_model_path(), range(4)))
+        paths = list(pool.map(lambda _: tiny_llama_path(), range(4)))
     assert len(set(paths)) == 1
     assert (paths[0] / COMPLETE_MARKER).exists()
     assert [p.name for p in (tmp_path / "models").iterdir()] == ["tiny-llama-v1"]
@@ -170,7 +170,7 @@ def test_default_model_rebuilds_an_incomplete_folder(tmp_path, monkeypatch):
     half = tmp_path / "models" / "tiny-llama-v1"
     half.mkdir(parents=True)
     (half / "config.json").write_text("{}")  # a half-written leftover
-    path = default_model_path()
+    path = tiny_llama_path()
     assert path == half and (path / COMPLETE_MARKER).exists()
     assert json.loads((path / "config.json").read_text())["model_type"] == "llama"
 
@@ -178,7 +178,7 @@ def test_default_model_rebuilds_an_incomplete_folder(tmp_path, monkeypatch):
 def test_tokenizer_is_not_compositional(load_tiny):
     assert NON_COMPOSITIONAL == (A, B)
     _, tokenizer = load_tiny("llama")
-    assert len(tokenizer.vocab) == testing.VOCAB_SIZE
+    assert len(tokenizer.vocab) == tiny.VOCAB_SIZE
     joint = tokenize(tokenizer, A + B)
     apart = tokenize(tokenizer, A) + tokenize(tokenizer, B)
     assert joint != apart

@@ -10,14 +10,14 @@ from runtime.model import ModelLoadError
 
 
 def _demo(args) -> int:
-    from runtime.demo import run_demo
+    from runtime.api.demo import run_demo
 
     return run_demo(model=args.model, cache_dir=args.cache_dir, max_tokens=args.max_tokens, kv_bits=args.kv_bits)
 
 
 def _serve(args) -> int:
     try:
-        from runtime.serve import serve
+        from runtime.api.serve import serve
     except ImportError as e:
         print(f"kvactors serve needs the serve extra ({e.name} is missing): pip install 'kvactors[serve]'",
               file=sys.stderr)

@@ -5,6 +5,9 @@ from __future__ import annotations
 import tempfile
 import time
 
+from runtime.api.facade import Runtime
+from runtime.tiny import is_tiny_model
+
 AGENTS = {"alice": "You are Alice, a careful planner. Answer in one short sentence.",
           "bob": "You are Bob, a skeptical reviewer. Answer in one short sentence."}
 
@@ -21,9 +24,6 @@ def run_demo(model=None, cache_dir=None, max_tokens: int = 16, kv_bits: int = 8)
     bits (8 by default: SmolLM2-135M, the default model, loses most of its answers with
     a 4-bit cache; see the README's quality table).
     """
-    from runtime.testing import is_tiny_model
-    from runtime import Runtime
-
     cache_dir = cache_dir or tempfile.mkdtemp(prefix="kvactors-demo-")
     ttfts: dict[str, list[float]] = {}
     opts = dict(max_tokens=max_tokens, timeout=120)

@@ -14,7 +14,7 @@ The models talk nonsense, but every mechanism (chat templates, GQA, sliding
 windows, attention sinks, MoE, Q4 caches) runs on them in well under a second
 per 512-token forward pass on a small CPU.
 
-``default_model_path`` builds the llama tiny model once into
+``tiny_llama_path`` builds the llama tiny model once into
 ``$KVACTORS_HOME/models/tiny-llama-v1`` and reuses it afterwards; ``load_model("tiny")``
 and ``Runtime(model="tiny")`` use it. (The embedded default model is the real
 SmolLM2-135M-Instruct; see ``runtime.model.default_model_file``.)
@@ -36,6 +36,8 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
+from runtime.model import kvactors_home, new_model_folder
+
 __all__ = [
     "ARCHS",
     "NON_COMPOSITIONAL",
@@ -46,9 +48,8 @@ __all__ = [
     "make_tiny_model",
     "make_config",
     "make_weights",
-    "default_model_path",
+    "tiny_llama_path",
     "is_tiny_model",
-    "kvactors_home",
     "tokenizer_corpus",
 ]
 
@@ -68,7 +69,7 @@ NON_COMPOSITIONAL = ("The plan", "ner")
 # File written last into a finished model folder; its presence means complete.
 COMPLETE_MARKER = ".kvactors-complete"
 
-DEFAULT_MODEL_NAME = "tiny-llama-v1"
+TINY_LLAMA_NAME = "tiny-llama-v1"
 
 CHAT_TEMPLATE = (
     "{{- bos_token }}"
@@ -139,12 +140,7 @@ EMBED_STD = 0.02
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
-def kvactors_home() -> Path:
-    """The kvactors data folder: ``$KVACTORS_HOME``, or ``~/.cache/kvactors``."""
-    return Path(os.environ.get("KVACTORS_HOME") or "~/.cache/kvactors").expanduser()
-
-
-def default_model_path() -> Path:
+def tiny_llama_path() -> Path:
     """Path of the tiny llama that `model="tiny"` names, building it on first use.
 
     The llama tiny model (seed 0, float32) lives in
@@ -153,7 +149,7 @@ def default_model_path() -> Path:
     sibling and renamed into place. Concurrent first use is safe: a process
     that loses the rename race discards its own build and uses the winner's.
     """
-    path = kvactors_home() / "models" / DEFAULT_MODEL_NAME
+    path = kvactors_home() / "models" / TINY_LLAMA_NAME
     marker = path / COMPLETE_MARKER
     if marker.exists():
         return path
@@ -166,7 +162,7 @@ def default_model_path() -> Path:
     except FileExistsError:
         pass  # another process finished first
     if not marker.exists():
-        raise RuntimeError(f"Could not build the default model in {path}")
+        raise RuntimeError(f"Could not build the tiny llama in {path}")
     return path
 
 
@@ -207,8 +203,6 @@ def make_tiny_model(
     path = Path(path)
     if path.exists():
         raise FileExistsError(f"{path} already exists")
-    from runtime.model import new_model_folder
-
     with new_model_folder(path) as tmp:
         _write_model(tmp, arch, seed, dtype, overrides)
     return path
