@@ -203,15 +203,16 @@ def _resolve(callee: str):
     return None
 
 
-def _parameters(obj) -> set[str]:
+def _parameters(obj) -> dict:
+    """`obj`'s parameters (a dataclass's fields) and their defaults (`inspect.Parameter.empty`: none)."""
     if dataclasses.is_dataclass(obj):
-        return {f.name for f in dataclasses.fields(obj)}
-    return set(inspect.signature(obj).parameters)
+        return {f.name: f.default for f in dataclasses.fields(obj)}
+    return {n: p.default for n, p in inspect.signature(obj).parameters.items()}
 
 
 def test_readme_api_section_names_only_what_exists():
     spans = re.findall(r"`([^`]+)`", _api_section())
-    checked = 0
+    checked = defaults = 0
     for span in spans:
         m = re.fullmatch(r"(?:await |async for \w+ in )?([A-Za-z_][\w.]*)(?:\((.*)\))?", span)
         if m is None:
@@ -229,4 +230,13 @@ def test_readme_api_section_names_only_what_exists():
                 continue
             if "=" in arg or dataclasses.is_dataclass(obj):
                 assert name in params, f"README: {span} names {name!r}, which {callee} does not take"
-    assert checked >= 40, checked
+            if "=" in arg:
+                try:
+                    said = ast.literal_eval(arg.split("=", 1)[1].strip())
+                except (ValueError, SyntaxError):
+                    continue  # not a literal ("1 GiB"): the text explains it
+                if said is Ellipsis:
+                    continue  # "...": the text explains it
+                assert params[name] == said, f"README: {span} says {name}={said!r}, but the default is {params[name]!r}"
+                defaults += 1
+    assert checked >= 40 and defaults >= 30, (checked, defaults)
