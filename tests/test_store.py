@@ -265,12 +265,14 @@ def test_torn_journal_tail_is_dropped_then_repaired(tmp_path):
     for cut in range(len(data) - last, len(data)):  # every cut inside the last frame
         path.write_bytes(data[:cut])
         assert store.read_journal(tmp_path, SPEC, "a") == recs[:3]
-    path.write_bytes(data[:-1] + b"\x00")  # damaged last byte: crc catches it
+    # flip the last byte: writing a 0 changed nothing in the runs where it was 0 already (records carry the time)
+    damaged = data[:-1] + bytes([data[-1] ^ 0xFF])
+    path.write_bytes(damaged)  # crc catches it
     assert store.read_journal(tmp_path, SPEC, "a") == recs[:3]
     store.append_journal(tmp_path, SPEC, "a", [store.journal_record(3, "user", "again")])
     assert [r["text"] for r in store.read_journal(tmp_path, SPEC, "a")] == ["", "x", "xx", "again"]
     torn = list(path.parent.glob("journal.torn-*"))
-    assert len(torn) == 1 and torn[0].read_bytes() == data[-last:-1] + b"\x00"
+    assert len(torn) == 1 and torn[0].read_bytes() == damaged[-last:]
 
 
 def test_journal_of_another_format_is_not_touched(tmp_path):
