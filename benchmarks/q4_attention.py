@@ -20,7 +20,8 @@ from mlx_lm.models.cache import KVCache
 from benchmarks.common import bench_parser, environment, load_bench_model, plot_lines, timed, write_results
 from runtime.q4cache import ROUTES, extract_cache, make_batch_cache, merge_caches
 
-COLUMNS = ["context", "kv", "route", "prefill_tok_s", "prefill_x_fp16", "decode_tok_s", "decode_x_fp16", "cache_bytes", "bytes_x_fp16"]
+COLUMNS = ["context", "kv", "route", "prefill_tok_s", "prefill_x_fp16", "decode_tok_s", "decode_x_fp16", "cache_bytes",
+           "bytes_x_fp16", "peak_gb"]
 # cache_bytes: the cache before the timed chunk (context - chunk tokens); Q4 as extracted (used tokens only)
 
 
@@ -51,6 +52,7 @@ def measure(model, cache, chunk, decode_steps, vocab, row, batch=1):
             c.trim(decode_steps)
         return batch * decode_steps / dt
 
+    mx.reset_peak_memory()
     for name, phase in (("prefill_tok_s", prefill), ("decode_tok_s", decode)):
         try:
             phase()
@@ -59,6 +61,7 @@ def measure(model, cache, chunk, decode_steps, vocab, row, batch=1):
             row[name] = f"failed: {type(e).__name__}: {str(e)[:70]}"
         if name == "prefill_tok_s":
             model(rows, cache=cache)
+    row["peak_gb"] = mx.get_peak_memory() / 1e9
 
 
 def _tiled(caches, batch):
@@ -70,7 +73,7 @@ def _tiled(caches, batch):
     return caches
 
 
-def bench_context(model, spec, context, chunk_size, decode_steps, routes, vocab, batch=1):
+def bench_context(model, spec, context, chunk_size, decode_steps, routes, vocab, batch=1, dense=True):
     rows = []
     mx.random.seed(context)
     tokens = mx.random.randint(0, vocab, (context,))
@@ -79,9 +82,10 @@ def bench_context(model, spec, context, chunk_size, decode_steps, routes, vocab,
     fp16 = [KVCache() for _ in range(spec.n_layers)]
     _fill(model, fp16, base, chunk_size)
     ref = dict(context=context, kv="dense", route="-", cache_bytes=sum(c.nbytes for c in fp16))
-    measure(model, _tiled(fp16, batch), chunk, decode_steps, vocab, ref, batch)
-    ref.update(prefill_x_fp16=1.0, decode_x_fp16=1.0, bytes_x_fp16=1.0)
-    rows.append(ref)
+    if dense:
+        measure(model, _tiled(fp16, batch), chunk, decode_steps, vocab, ref, batch)
+        ref.update(prefill_x_fp16=1.0, decode_x_fp16=1.0, bytes_x_fp16=1.0)
+        rows.append(ref)
     del fp16
 
     filler = make_batch_cache(spec, 1, "dequant_once")
@@ -94,7 +98,7 @@ def bench_context(model, spec, context, chunk_size, decode_steps, routes, vocab,
         cache = merge_caches(spec, [q4] * batch, route)
         measure(model, cache, chunk, decode_steps, vocab, row, batch)
         for name in ("prefill", "decode"):
-            if isinstance(row[f"{name}_tok_s"], float):
+            if dense and isinstance(row[f"{name}_tok_s"], float):
                 row[f"{name}_x_fp16"] = row[f"{name}_tok_s"] / ref[f"{name}_tok_s"]
         rows.append(row)
         print(row, flush=True)
@@ -114,6 +118,8 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--routes", default=",".join(ROUTES), help="Q4 routes to measure")
     ap.add_argument("--batch", type=int, default=1, help="rows decoded together (each a copy of the cache)")
+    ap.add_argument("--no-dense", action="store_true",
+                    help="skip the fp16 KVCache rows (for contexts whose fp16 cache would not fit)")
     args = ap.parse_args(argv)
     env = environment()
     print(env, flush=True)
@@ -122,7 +128,8 @@ def main(argv=None) -> int:
     rows = []
     for context in [int(c) for c in args.contexts.split(",")]:
         chunk = min(args.chunk, context // 2)
-        rows += bench_context(model, spec, context, chunk, args.decode_steps, args.routes.split(","), vocab, args.batch)
+        rows += bench_context(model, spec, context, chunk, args.decode_steps, args.routes.split(","), vocab, args.batch,
+                              dense=not args.no_dense)
     name = args.name or f"q4_attention-{args.model}"
     contexts = sorted({r["context"] for r in rows})
     curves = {}
@@ -134,7 +141,8 @@ def main(argv=None) -> int:
                f"decode speed, fp16 KV vs Q4 routes, {args.model}", x=contexts)
     write_results(name, env, rows, COLUMNS, args.out,
                   notes=f"model {args.model}; prefill = one {args.chunk}-token chunk at the context; batch {args.batch} "
-                        f"(rows alike; tok/s count every row); "
+                        f"(rows alike; tok/s count every row); peak_gb = MLX's peak memory while the row was measured "
+                        f"(model, cache, activations); "
                         f"'dense' is mlx-lm's KVCache in the model's activation dtype ({spec.dtype}).")
     return 0
 

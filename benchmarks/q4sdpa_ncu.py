@@ -38,7 +38,7 @@ def run_case(context: int, rows: int, setting: str) -> None:
         mx.eval(k16, v16)
         call = lambda: mx.fast.scaled_dot_product_attention(q, k16, v16, scale=D ** -0.5)  # noqa: E731
     else:
-        q4sdpa.CHUNK, q4sdpa.WARPS = _settings(setting)[0]
+        q4sdpa.CHUNKS, q4sdpa.MIN_CHUNK, q4sdpa.WARPS = _settings(setting)[0]
         start = mx.zeros((rows,), dtype=mx.int32)
         call = lambda: q4sdpa.q4_decode_sdpa(q, kq, vq, start, context, D ** -0.5, GROUP)  # noqa: E731
     for _ in range(3):
@@ -66,8 +66,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--contexts", default="16384,32768")
     parser.add_argument("--rows", default="1,8")
-    parser.add_argument("--settings", default=f"{q4sdpa.CHUNK}/{q4sdpa.WARPS}",
-                        help="q4sdpa settings CHUNK/WARPS, comma-separated")
+    parser.add_argument("--settings", default=f"{q4sdpa.CHUNKS}/{q4sdpa.MIN_CHUNK}/{q4sdpa.WARPS}",
+                        help="q4sdpa settings CHUNKS/MIN_CHUNK/WARPS, comma-separated")
     parser.add_argument("--run", action="store_true", help="run one case (as Nsight Compute's target)")
     parser.add_argument("--ncu", default=shutil.which("ncu") or "ncu")
     parser.add_argument("--out", default=None, help="output folder (default: a fresh benchmark-runs/ folder)")
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
             print(f"context {context} rows {n} done", file=sys.stderr, flush=True)
     notes = ("Device time per call from Nsight Compute (gpu__time_duration, clocks not locked), the mean of three "
              f"calls; 8B shape ({HQ} query heads, 8 kv heads, head dim {D}, group {GROUP}), one query per row; "
-             "setting = keys per block / warps per block.")
+             "setting = blocks per row and kv head / fewest keys per block / warps per block.")
     write_results("q4sdpa_device", environment(), rows, COLUMNS, Path(args.out) if args.out else RESULTS, notes)
     return 0
 

@@ -2,7 +2,7 @@
 
 For each context and batch size: the time of one decode-attention call of the 8B shape
 (32 query heads, 8 kv heads, head dim 128) through `q4sdpa` at each launch setting
-(keys per block, warps per block), through an older version of the
+(blocks per row, fewest keys per block, warps per block), through an older version of the
 kernel if `--old` names its file, and through `mx.fast.scaled_dot_product_attention`
 over the same tokens in bf16. Inputs rotate among enough copies that together exceed
 the GPU's L2 cache, so every call reads its keys and values from device memory. Also
@@ -82,7 +82,7 @@ def _load_old(path):
 
 
 def _settings(text: str):
-    """'1024/4,2048/4' -> [(CHUNK, WARPS), ...]."""
+    """'64/256/4,...' -> [(CHUNKS, MIN_CHUNK, WARPS), ...]."""
     return [tuple(int(x) for x in s.split("/")) for s in text.split(",")]
 
 
@@ -90,18 +90,18 @@ def main(argv=None) -> int:
     parser = bench_parser(__doc__)
     parser.add_argument("--contexts", default="4096,16384,32768,65536")
     parser.add_argument("--batches", default="1,8")
-    parser.add_argument("--settings", default="512/4,1024/4,2048/4,1024/8,2048/8",
-                        help="settings CHUNK/WARPS of runtime.q4sdpa to time, comma-separated")
+    parser.add_argument("--settings", default="32/256/4,64/256/4,128/256/4,64/512/4,64/256/2",
+                        help="settings CHUNKS/MIN_CHUNK/WARPS of runtime.q4sdpa to time, comma-separated")
     parser.add_argument("--old", default="", help="files holding older q4sdpa modules to time beside, comma-separated")
     args = parser.parse_args(argv)
     env = environment()
     rows = []
     settings = _settings(args.settings)
     olds = [(path, _load_old(path)) for path in args.old.split(",") if path]
-    default = (q4sdpa.CHUNK, q4sdpa.WARPS)
+    default = (q4sdpa.CHUNKS, q4sdpa.MIN_CHUNK, q4sdpa.WARPS)
 
     def use(setting):
-        q4sdpa.CHUNK, q4sdpa.WARPS = setting
+        q4sdpa.CHUNKS, q4sdpa.MIN_CHUNK, q4sdpa.WARPS = setting
 
     errors = {}
     for setting in settings:
@@ -146,7 +146,7 @@ def main(argv=None) -> int:
             del sets
             print(f"context {context} rows {b} done", file=sys.stderr, flush=True)
     notes = (f"8B shape: {HQ} query heads, {HKV} kv heads, head dim {D}, group {GROUP}; one query per row; "
-             "setting = keys per block / warps per block; x_fp16 = time over the fused bf16 "
+             "setting = blocks per row and kv head / fewest keys per block / warps per block; x_fp16 = time over the fused bf16 "
              "kernel's; GB_per_s = the packed (or bf16) K/V bytes over the time; max_err against float32 on "
              "4 ragged rows at 3,000 columns.")
     write_results("q4sdpa_tune", env, rows, COLUMNS, args.out, notes)

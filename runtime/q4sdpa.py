@@ -5,11 +5,12 @@ one query per row (decode) over packed (words, scales, biases) keys and values
 of shape (B, Hkv, W, ...), row b using only columns [start[b], end). Keys are
 dequantized in registers; nothing 16-bit is stored.
 
-Two kernels (flash-decoding): the first gives every (row, kv head, chunk of
-CHUNK keys) a block that computes, for the kv head's Hq/Hkv query heads, the
+Two kernels (flash-decoding): the first gives every (row, kv head, chunk of its
+keys) a block that computes, for the kv head's Hq/Hkv query heads, the
 chunk's running max, sum of exponentials and weighted sum of values (online
-softmax in float32); the second combines a row's chunks in order. Chunks are
-counted from each row's own first column, keys within a chunk are visited in a
+softmax in float32); the second combines a row's chunks in order. A row's chunks
+start at its own first column and their size follows from its own length (CHUNKS
+of them, at least MIN_CHUNK keys each), keys within a chunk are visited in a
 fixed order, and the combination order is fixed, so a row's output is bitwise
 the same whatever the other rows are and however much left padding it has.
 """
@@ -20,11 +21,18 @@ import math
 
 import mlx.core as mx
 
-CHUNK = 1024  # keys per block
+CHUNKS = 32  # blocks that share a row's keys (per kv head), whatever its length
+MIN_CHUNK = 256  # fewest keys a block takes (short rows use fewer blocks)
 WARPS = 4  # warps per block
 HEADS = 16  # query heads per block: the rows of one tensor-core product
 
 _HEADER = r"""
+// Keys per block for a row of `len` keys: its own length alone decides where its chunks split,
+// so a row's result does not depend on the batch; a multiple of 64 (16 keys x 4 warps).
+__device__ __forceinline__ int keys_per_chunk(int len, int chunks, int min_chunk) {
+    return max(min_chunk, ((len + chunks - 1) / chunks + 63) / 64 * 64);
+}
+
 __device__ __forceinline__ float fast_exp2(float x) {  // 2^x in one instruction; 2^-inf = 0
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -78,8 +86,9 @@ _PARTIAL = r"""
     const int nc = gridDim.x;
     const int end = meta[0], window = meta[1];
     const int first = window > 0 ? max(start[b], end - window) : start[b];
-    const int lo = first + c * CHUNK;
-    const int hi = min(end, lo + CHUNK);
+    const int chunk = keys_per_chunk(end - first, CHUNKS, MIN_CHUNK);
+    const int lo = first + c * chunk;
+    const int hi = min(end, lo + chunk);
     const float scale = meta_f[0];
     const size_t row_base = ((size_t)(b * Hkv + h)) * W;
     const int kgrp = ((D / 4) * t) / G, vgrp = ((D / 8) * g) / G;
@@ -295,7 +304,8 @@ _REDUCE = r"""
     const int Hq = pm_shape[1], nc = pm_shape[2];
     const int end = meta[0], window = meta[1];
     const int first = window > 0 ? max(start[b], end - window) : start[b];
-    const int mine = min(nc, (end - first + CHUNK - 1) / CHUNK);
+    const int chunk = keys_per_chunk(end - first, CHUNKS, MIN_CHUNK);
+    const int mine = min(nc, (end - first + chunk - 1) / chunk);
     const size_t base = ((size_t)(b * Hq + hq)) * nc;
     __shared__ float s_f[D];
     __shared__ float s_red[D / 32];
@@ -365,7 +375,6 @@ def q4_decode_sdpa(queries, keys, values, start, end: int, scale: float, group_s
     B, Hq, _, D = queries.shape
     Hkv = keys[0].shape[1]
     rep = Hq // Hkv
-    n_chunks = max(1, -(-end // CHUNK))  # enough for a row with no padding
     if meta_array is None:
         meta_array = meta(end, window)
     meta_f = _scales.get(scale)
@@ -375,17 +384,17 @@ def q4_decode_sdpa(queries, keys, values, start, end: int, scale: float, group_s
                    ["q", "kw", "ks", "kb", "vw", "vs", "vb", "start", "meta", "meta_f"], ["pm", "pl", "pacc"], _PARTIAL)
     pm, pl, pacc = partial(
         inputs=[queries, *keys, *values, start, meta_array, meta_f],
-        template=[("D", D), ("G", group_size), ("REP", rep), ("RB", min(rep, HEADS)), ("CHUNK", CHUNK),
-                  ("WARPS", WARPS)],
-        grid=(n_chunks * WARPS * 32, Hkv * -(-rep // HEADS), B),
+        template=[("D", D), ("G", group_size), ("REP", rep), ("RB", min(rep, HEADS)), ("CHUNKS", CHUNKS),
+                  ("MIN_CHUNK", MIN_CHUNK), ("WARPS", WARPS)],
+        grid=(CHUNKS * WARPS * 32, Hkv * -(-rep // HEADS), B),
         threadgroup=(WARPS * 32, 1, 1),
-        output_shapes=[(B, Hq, n_chunks), (B, Hq, n_chunks), (B, Hq, n_chunks, D)],
+        output_shapes=[(B, Hq, CHUNKS), (B, Hq, CHUNKS), (B, Hq, CHUNKS, D)],
         output_dtypes=[mx.float32, mx.float32, mx.float32],
     )
     reduce = _get("kvactors_q4_decode_reduce", ["pm", "pl", "pacc", "start", "meta"], ["out"], _REDUCE)
     return reduce(
         inputs=[pm, pl, pacc, start, meta_array],
-        template=[("T", queries.dtype), ("D", D), ("CHUNK", CHUNK)],
+        template=[("T", queries.dtype), ("D", D), ("CHUNKS", CHUNKS), ("MIN_CHUNK", MIN_CHUNK)],
         grid=(D, Hq, B),
         threadgroup=(D, 1, 1),
         output_shapes=[(B, Hq, 1, D)],
