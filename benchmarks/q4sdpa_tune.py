@@ -29,10 +29,10 @@ HQ, HKV, D, GROUP = 32, 8, 128, 64
 ROTATE_BYTES = 256 << 20  # inputs per timed call set: well over an H100's 50 MB L2
 
 
-def _packed(b, w, seed):
+def _packed(b, w, seed, key_bits=4):
     k = mx.random.normal((b, HKV, w, D), key=mx.random.key(seed)).astype(mx.bfloat16)
     v = mx.random.normal((b, HKV, w, D), key=mx.random.key(seed + 1)).astype(mx.bfloat16)
-    kq, vq = tuple(mx.quantize(k, GROUP, 4)), tuple(mx.quantize(v, GROUP, 4))
+    kq, vq = tuple(mx.quantize(k, GROUP, key_bits)), tuple(mx.quantize(v, GROUP, 4))
     mx.eval(kq, vq)
     return kq, vq
 
@@ -52,7 +52,7 @@ def _time_us(calls, reps: int = 40) -> float:
 
 
 def _reference(q, kq, vq, start, end, scale):
-    k = mx.dequantize(*kq, group_size=GROUP, bits=4).astype(mx.float32)
+    k = mx.dequantize(*kq, group_size=GROUP, bits=kq[0].shape[-1] * 32 // D).astype(mx.float32)
     v = mx.dequantize(*vq, group_size=GROUP, bits=4).astype(mx.float32)
     rep = q.shape[1] // k.shape[1]
     k, v = mx.repeat(k, rep, axis=1), mx.repeat(v, rep, axis=1)
@@ -63,10 +63,10 @@ def _reference(q, kq, vq, start, end, scale):
     return mx.softmax(s, axis=-1) @ v
 
 
-def _error(fn) -> float:
+def _error(fn, key_bits=4) -> float:
     """Largest |out - ref| of `fn(q, kq, vq, start, end, scale)` on ragged rows against float32."""
     end = 3000
-    kq, vq = _packed(4, end + 40, 11)
+    kq, vq = _packed(4, end + 40, 11, key_bits)
     q = mx.random.normal((4, HQ, 1, D), key=mx.random.key(12)).astype(mx.bfloat16)
     start = mx.array([0, 1000, end - 1, 7], dtype=mx.int32)
     out = fn(q, kq, vq, start, end, D ** -0.5).astype(mx.float32)
@@ -92,6 +92,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--settings", default="32/256/4,64/256/4,128/256/4,64/512/4,64/256/2",
                         help="settings CHUNKS/MIN_CHUNK/WARPS of runtime.q4sdpa to time, comma-separated")
+    parser.add_argument("--key-bits", type=int, default=4, help="bits of the keys (4 or 6; values are 4-bit)")
     parser.add_argument("--old", default="", help="files holding older q4sdpa modules to time beside, comma-separated")
     args = parser.parse_args(argv)
     env = environment()
@@ -106,19 +107,19 @@ def main(argv=None) -> int:
     errors = {}
     for setting in settings:
         use(setting)
-        errors[setting] = _error(lambda *a: q4sdpa.q4_decode_sdpa(*a, GROUP))
+        errors[setting] = _error(lambda *a: q4sdpa.q4_decode_sdpa(*a, GROUP), args.key_bits)
     use(default)
     old_errors = {path: _error(lambda *a, m=module: m.q4_decode_sdpa(*a, GROUP)) for path, module in olds}
     for context in [int(c) for c in args.contexts.split(",")]:
         for b in [int(x) for x in args.batches.split(",")]:
-            kq, vq = _packed(b, context, context + b)
+            kq, vq = _packed(b, context, context + b, args.key_bits)
             q4_bytes = _bytes(kq) + _bytes(vq)
             copies = max(1, min(8, -(-ROTATE_BYTES // q4_bytes)))
             sets = [(kq, vq)] + [tuple(tuple(x + 0 for x in p) for p in (kq, vq)) for _ in range(copies - 1)]
             q = mx.random.normal((b, HQ, 1, D), key=mx.random.key(1)).astype(mx.bfloat16)
             start = mx.zeros((b,), dtype=mx.int32)
             mx.eval(sets, q)
-            k16 = mx.dequantize(*kq, group_size=GROUP, bits=4)
+            k16 = mx.dequantize(*kq, group_size=GROUP, bits=args.key_bits)
             v16 = mx.dequantize(*vq, group_size=GROUP, bits=4)
             fp16_bytes = k16.nbytes + v16.nbytes
             copies16 = max(1, min(8, -(-ROTATE_BYTES // fp16_bytes)))
@@ -145,7 +146,8 @@ def main(argv=None) -> int:
             use(default)
             del sets
             print(f"context {context} rows {b} done", file=sys.stderr, flush=True)
-    notes = (f"8B shape: {HQ} query heads, {HKV} kv heads, head dim {D}, group {GROUP}; one query per row; "
+    notes = (f"8B shape: {HQ} query heads, {HKV} kv heads, head dim {D}, group {GROUP}, {args.key_bits}-bit keys, "
+             "4-bit values; one query per row; "
              "setting = blocks per row and kv head / fewest keys per block / warps per block; x_fp16 = time over the fused bf16 "
              "kernel's; GB_per_s = the packed (or bf16) K/V bytes over the time; max_err against float32 on "
              "4 ragged rows at 3,000 columns.")

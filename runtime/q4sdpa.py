@@ -1,9 +1,10 @@
 """Decode attention that reads the packed 4-bit cache directly, on CUDA.
 
 `q4_decode_sdpa(queries, keys, values, start, end, scale, group_size)` attends
-one query per row (decode) over packed (words, scales, biases) keys and values
-of shape (B, Hkv, W, ...), row b using only columns [start[b], end). Keys are
-dequantized in registers; nothing 16-bit is stored.
+one query per row (decode) over packed (words, scales, biases) keys (4 or 6 bits)
+and values (4 bits) of shape (B, Hkv, W, ...), row b using only columns
+[start[b], end). Keys and values are dequantized in registers; nothing 16-bit is
+stored.
 
 Two kernels (flash-decoding): the first gives every (row, kv head, chunk of its
 keys) a block that computes, for the kv head's Hq/Hkv query heads, the
@@ -25,6 +26,7 @@ CHUNKS = 32  # blocks that share a row's keys (per kv head), whatever its length
 MIN_CHUNK = 256  # fewest keys a block takes (short rows use fewer blocks)
 WARPS = 4  # warps per block
 HEADS = 16  # query heads per block: the rows of one tensor-core product
+KEY_BITS = (4, 6)  # key widths the kernel reads (values are 4-bit)
 
 _HEADER = r"""
 // Keys per block for a row of `len` keys: its own length alone decides where its chunks split,
@@ -74,8 +76,10 @@ _PARTIAL = r"""
     //   consecutive words of a key, which lie in one quantization group.
     // Output O = P V: in d-tile dt, column n is dim (D/8) n + dt, so lane g reads D/64
     //   consecutive words of each of its keys 2t, 2t+1, 2t+8, 2t+9.
-    constexpr int KW = D / 32, VW = D / 64, NS = D / 16, NT = D / 8;
-    constexpr int WPR = D / 8, GPR = D / G;
+    // Keys have KB bits (4 or 6; 6-bit values are a little-endian bit stream, 4 per 3 bytes),
+    // values 4. KW: key words a lane reads per key (its D/4 dims); KWR, VWR: words per row.
+    constexpr int KW = D * KB / 128, VW = D / 64, NS = D / 16, NT = D / 8;
+    constexpr int KWR = D * KB / 32, VWR = D / 8, GPR = D / G;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     constexpr int HB = (REP + RB - 1) / RB;
@@ -139,12 +143,15 @@ _PARTIAL = r"""
         #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
             const size_t kr = row_base + min(base + 8 * nt + g, hi - 1);  // a row past hi is read, not used
-            if constexpr (KW == 4) {
-                const uint4 w = *reinterpret_cast<const uint4*>(kw + kr * WPR + KW * t);
+            if constexpr (KB == 4 && KW == 4) {
+                const uint4 w = *reinterpret_cast<const uint4*>(kw + kr * KWR + KW * t);
                 x.k[nt][0] = w.x; x.k[nt][1] = w.y; x.k[nt][2] = w.z; x.k[nt][3] = w.w;
-            } else {
-                const uint2 w = *reinterpret_cast<const uint2*>(kw + kr * WPR + KW * t);
+            } else if constexpr (KB == 4) {
+                const uint2 w = *reinterpret_cast<const uint2*>(kw + kr * KWR + KW * t);
                 x.k[nt][0] = w.x; x.k[nt][1] = w.y;
+            } else {
+                #pragma unroll
+                for (int w = 0; w < KW; ++w) x.k[nt][w] = kw[kr * KWR + KW * t + w];
             }
             x.ks[nt] = static_cast<float>(ks[kr * GPR + kgrp]);
             x.kb[nt] = static_cast<float>(kb[kr * GPR + kgrp]);
@@ -153,10 +160,10 @@ _PARTIAL = r"""
         for (int k = 0; k < 4; ++k) {
             const size_t vr = row_base + min(base + 2 * t + (k & 1) + 8 * (k >> 1), hi - 1);
             if constexpr (VW == 2) {
-                const uint2 w = *reinterpret_cast<const uint2*>(vw + vr * WPR + VW * g);
+                const uint2 w = *reinterpret_cast<const uint2*>(vw + vr * VWR + VW * g);
                 x.v[k][0] = w.x; x.v[k][1] = w.y;
             } else {
-                x.v[k][0] = vw[vr * WPR + VW * g];
+                x.v[k][0] = vw[vr * VWR + VW * g];
             }
             x.vs[k] = static_cast<float>(vs[vr * GPR + vgrp]);
             x.vb[k] = static_cast<float>(vb[vr * GPR + vgrp]);
@@ -171,7 +178,7 @@ _PARTIAL = r"""
         for (int nt = 0; nt < 2; ++nt) {
             #pragma unroll
             for (int w = 0; w < KW; ++w) kwd[nt][w] = cur.k[nt][w];
-            ksc[nt] = pack_half2(cur.ks[nt], cur.ks[nt] * 0.0625f);
+            ksc[nt] = pack_half2(cur.ks[nt], KB == 4 ? cur.ks[nt] * 0.0625f : cur.ks[nt]);
             kbi[nt] = pack_half2(cur.kb[nt], cur.kb[nt]);
         }
         #pragma unroll
@@ -192,13 +199,23 @@ _PARTIAL = r"""
         for (int ks = 0; ks < NS; ++ks) {
             const uint4 a4 = s_qa[ks][lane];
             const unsigned int a[4] = {a4.x, a4.y, a4.z, a4.w};
-            const int byte = (2 * ks) % 4;  // dims 4ks, 4ks+1: this byte's nibbles; 4ks+2, 4ks+3: the next
             #pragma unroll
             for (int nt = 0; nt < 2; ++nt) {
-                const unsigned int w = kwd[nt][ks / 2];
-                const unsigned int b0 = dequant2(__byte_perm(w, 0, byte | (byte << 8)), 0x00F0000Fu, ksc[nt], kbi[nt]);
-                const unsigned int b1 = dequant2(__byte_perm(w, 0, (byte + 1) | ((byte + 1) << 8)), 0x00F0000Fu,
-                                                 ksc[nt], kbi[nt]);
+                unsigned int b0, b1;  // dims (4ks, 4ks+1) and (4ks+2, 4ks+3) of the lane's D/4
+                if constexpr (KB == 4) {
+                    const unsigned int w = kwd[nt][ks / 2];
+                    const int byte = (2 * ks) % 4;  // its two nibbles are a pair's two dims
+                    b0 = dequant2(__byte_perm(w, 0, byte | (byte << 8)), 0x00F0000Fu, ksc[nt], kbi[nt]);
+                    b1 = dequant2(__byte_perm(w, 0, (byte + 1) | ((byte + 1) << 8)), 0x00F0000Fu, ksc[nt], kbi[nt]);
+                } else {
+                    const int bit = 24 * ks, wi = bit / 32, sh = bit % 32;  // the 4 dims' 24 bits
+                    const unsigned int p = sh + 24 <= 32
+                        ? kwd[nt][wi] >> sh
+                        : __funnelshift_r(kwd[nt][wi], kwd[nt][wi + 1 < KW ? wi + 1 : wi], sh);
+                    const unsigned int lo = p & 0xFFFu, hi = (p >> 12) & 0xFFFu;  // two 6-bit values each
+                    b0 = dequant2(lo | (lo << 10), 0x003F003Fu, ksc[nt], kbi[nt]);  // first at bits 0-5, second 16-21
+                    b1 = dequant2(hi | (hi << 10), 0x003F003Fu, ksc[nt], kbi[nt]);
+                }
                 mma16816(sc[nt], a, b0, b1);
             }
         }
@@ -363,18 +380,23 @@ def meta(end: int, window: int = 0):
 
 def q4_decode_sdpa(queries, keys, values, start, end: int, scale: float, group_size: int, meta_array=None,
                    window: int = 0):
-    """Attention of one query per row over packed 4-bit keys/values, row b over columns [start[b], end).
+    """Attention of one query per row over packed keys (4 or 6 bits) and 4-bit values, row b over [start[b], end).
 
     queries (B, Hq, 1, D) in float16 or bfloat16 with D 64 or 128; keys/values (words,
     scales, biases) of shape (B, Hkv, W, ...) with W >= end, Hq a multiple of Hkv, and group size 32, 64 or 128 (at most D); start: int32 (B,). With
     `window` > 0 a row attends only to its last `window` columns (a sliding-window layer).
     `meta_array`: `meta(end, window)`, made here if not given (pass it to share one per step).
     Returns (B, Hq, 1, D) in the queries' dtype. A row's output depends on its own columns
-    only: bitwise the same in any batch and under any left padding.
+    only: bitwise the same in any batch and under any left padding. Other bit widths raise
+    ValueError.
     """
     B, Hq, _, D = queries.shape
     Hkv = keys[0].shape[1]
     rep = Hq // Hkv
+    key_bits = keys[0].shape[-1] * 32 // D
+    if key_bits not in KEY_BITS or values[0].shape[-1] * 32 // D != 4:
+        raise ValueError(f"q4_decode_sdpa reads keys of {KEY_BITS} bits and 4-bit values; got "
+                         f"{key_bits}-bit keys and {values[0].shape[-1] * 32 // D}-bit values")
     if meta_array is None:
         meta_array = meta(end, window)
     meta_f = _scales.get(scale)
@@ -384,7 +406,7 @@ def q4_decode_sdpa(queries, keys, values, start, end: int, scale: float, group_s
                    ["q", "kw", "ks", "kb", "vw", "vs", "vb", "start", "meta", "meta_f"], ["pm", "pl", "pacc"], _PARTIAL)
     pm, pl, pacc = partial(
         inputs=[queries, *keys, *values, start, meta_array, meta_f],
-        template=[("D", D), ("G", group_size), ("REP", rep), ("RB", min(rep, HEADS)), ("CHUNKS", CHUNKS),
+        template=[("D", D), ("G", group_size), ("REP", rep), ("RB", min(rep, HEADS)), ("KB", key_bits), ("CHUNKS", CHUNKS),
                   ("MIN_CHUNK", MIN_CHUNK), ("WARPS", WARPS)],
         grid=(CHUNKS * WARPS * 32, Hkv * -(-rep // HEADS), B),
         threadgroup=(WARPS * 32, 1, 1),

@@ -43,10 +43,10 @@ def test_qgemv_matches_float32_and_each_row_is_batch_invariant(n, k, group):
     assert as_3d.shape == (8, 1, n) and mx.array_equal(as_3d[:, 0], full[:8]).item()
 
 
-def packed_cache(b, hkv, w, d, seed):
+def packed_cache(b, hkv, w, d, seed, key_bits=4):
     k = mx.random.normal((b, hkv, w, d), key=mx.random.key(seed)).astype(mx.bfloat16)
     v = mx.random.normal((b, hkv, w, d), key=mx.random.key(seed + 1)).astype(mx.bfloat16)
-    kq, vq = tuple(mx.quantize(k, 64, 4)), tuple(mx.quantize(v, 64, 4))
+    kq, vq = tuple(mx.quantize(k, 64, key_bits)), tuple(mx.quantize(v, 64, 4))
     mx.eval(kq, vq)
     return kq, vq
 
@@ -54,7 +54,8 @@ def packed_cache(b, hkv, w, d, seed):
 def reference_attention(q, kq, vq, start, end, scale, window=0):
     """float32 attention of row b over columns [start[b], end) of the dequantized cache (the last
     `window` of them if `window` > 0)."""
-    k = mx.dequantize(*kq, group_size=64, bits=4).astype(mx.float32)
+    d = q.shape[-1]
+    k = mx.dequantize(*kq, group_size=64, bits=kq[0].shape[-1] * 32 // d).astype(mx.float32)
     v = mx.dequantize(*vq, group_size=64, bits=4).astype(mx.float32)
     rep = q.shape[1] // k.shape[1]
     k, v = mx.repeat(k, rep, axis=1), mx.repeat(v, rep, axis=1)
@@ -81,9 +82,10 @@ def poison(packed, start, end):
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("hq,hkv", [(8, 8), (8, 2), (32, 4), (9, 3), (12, 2), (32, 1)])  # GQA 1, 4, 8, 3, 6, 32
 @pytest.mark.parametrize("end", [1, 255, 257, 1500])
-def test_q4_decode_attention_matches_float32_and_ignores_other_columns(d, hq, hkv, end):
+@pytest.mark.parametrize("key_bits", [4, 6])
+def test_q4_decode_attention_matches_float32_and_ignores_other_columns(d, hq, hkv, end, key_bits):
     b, width = 4, end + 40
-    kq, vq = packed_cache(b, hkv, width, d, seed=end)
+    kq, vq = packed_cache(b, hkv, width, d, seed=end, key_bits=key_bits)
     start = mx.array([0, end // 3, end - 1, end // 2], dtype=mx.int32)  # ragged rows (left padding)
     q = mx.random.normal((b, hq, 1, d), key=mx.random.key(7)).astype(mx.bfloat16)
     scale = d ** -0.5
@@ -109,9 +111,10 @@ def test_q4_decode_attention_with_a_window_reads_only_each_rows_last_columns(win
     assert mx.array_equal(poisoned, out).item()
 
 
-def test_q4_decode_attention_of_a_row_is_the_same_in_any_batch():
+@pytest.mark.parametrize("key_bits", [4, 6])
+def test_q4_decode_attention_of_a_row_is_the_same_in_any_batch(key_bits):
     hq, hkv, d, end = 32, 8, 128, 3000
-    kq, vq = packed_cache(8, hkv, end, d, seed=3)
+    kq, vq = packed_cache(8, hkv, end, d, seed=3, key_bits=key_bits)
     q = mx.random.normal((8, hq, 1, d), key=mx.random.key(4)).astype(mx.bfloat16)
     starts = mx.array([0, 100, 2999, 512, 7, 1024, 300, 2000], dtype=mx.int32)
     full = q4sdpa.q4_decode_sdpa(q, kq, vq, starts, end, d ** -0.5, 64)
