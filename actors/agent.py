@@ -15,7 +15,10 @@ Before its first message the agent loads its durable state: the journal (the
 history) and the cache if it is valid; a bad or missing cache means the next turn
 re-prefills the history ("cold"). Any failure in a turn is a crash: the caller
 gets `AgentCrashed`, the actor stops and its supervisor starts a fresh one, which
-reloads the durable state. The actor never blocks on another actor's future,
+reloads the durable state. A turn that runs past its `timeout` is not a failure:
+its caller gets `TurnTimeout` at once, and the turn stays this agent's item in
+progress until the batcher answers: dropped at the batcher's next step
+(`Turn.abandoned`), or, if it had finished by then, committed like any other turn. The actor never blocks on another actor's future,
 except on the persistence actor, which never waits on agents.
 """
 
@@ -60,12 +63,13 @@ class AgentCrashed(AgentError):
 
 
 class TurnTimeout(AgentCrashed):
-    """The turn did not finish in time.
+    """The turn did not finish in time; its caller stopped waiting, nothing crashed.
 
-    Raised by the agent's watchdog after `send(timeout=)` (the hung turn is failed and
-    the agent restarted), and by a reply future's `get(timeout=)` or `ask`'s wait when
-    the wait runs out: then only the wait ended, and the turn may still commit
-    (`AgentRef.result(turn_id)` tells).
+    Raised by the agent's watchdog after `send(timeout=)`: the turn is dropped at the
+    batcher's next step unless it had finished by then, in which case it commits as
+    usual. Raised also by a reply future's `get(timeout=)` or `ask`'s wait when the wait
+    runs out: then only the wait ended, and the turn goes on. Either way
+    `AgentRef.result(turn_id)` says whether it committed.
     """
 
 
@@ -193,7 +197,8 @@ class _Item:
     pending: dict | None = None  # a turn in the batcher: what was rendered, kept and fed
     watchdog: int | None = None  # the turn's deadline handle (env.deadlines)
     forward: tuple | None = None  # a send_to turn: (sender, note payload) to deliver once durable
-    given_up: bool = False  # its caller was answered (an error): the engine drops the turn at its next step
+    given_up: bool = False  # its caller was answered (an error): the engine drops the turn at its next step,
+    # and a turn that finished anyway commits without answering anyone
 
 
 @dataclass(frozen=True)
@@ -331,14 +336,14 @@ class AgentActor(SupervisedActor):
         self.work.clear()
 
     def _abandon(self, item: _Item, error: AgentError, why: str):
-        """Fail a turn's caller with `error`; dead-letter a note (its send_to future gets its reply)."""
-        item.given_up = True
+        """Fail a turn's caller with `error` (unless it was answered already); dead-letter a note (its send_to future gets its reply)."""
+        answered, item.given_up = item.given_up, True
         self.env.deadlines.cancel(item.watchdog)
         if self.current is item:
             self.current = None
         if item.kind == "note":
             _dead_letter(self.env, self.name, Note(msgpack.packb(item.msg), item.future, item.reply), why)
-        else:
+        elif not answered:
             _fail(item.future, error)
 
     def _drain_inbox(self, why):
@@ -372,8 +377,7 @@ class AgentActor(SupervisedActor):
         elif isinstance(message, persistence.Ack):
             self._acked(message)
         elif isinstance(message, _Watchdog):
-            if self.current is not None and self.current.turn_id == message.turn_id:
-                raise TurnTimeout(message.turn_id, "the turn did not finish within its timeout")
+            self._timed_out(message.turn_id)
         elif isinstance(message, _Fault):
             self.fault = True
         else:
@@ -470,6 +474,22 @@ class AgentActor(SupervisedActor):
             item.watchdog = env.deadlines.schedule(timeout, _tell_quietly, me, _Watchdog(turn_id))
         env.submit_turn(Submit(turn, reply), me)  # held while the batcher restarts
 
+    def _timed_out(self, turn_id: str):
+        """Turn `turn_id` ran past its timeout: answer its caller now; no crash, no restart.
+
+        The turn stays the item in progress, so everything queued behind it still
+        waits: the batcher drops it at its next step (`_finish_turn` then gets
+        TurnAbandoned), or it finished meanwhile and commits as usual.
+        """
+        item = self.current
+        if item is None or item.turn_id != turn_id or item.given_up:
+            return
+        item.given_up, item.watchdog = True, None
+        where = ("it is being written and commits unless the write fails" if item.records is not None
+                 else "it is cancelled at the batcher's next step unless it finished meanwhile")
+        _fail(item.future, TurnTimeout(turn_id, f"the turn did not finish within its timeout; {where}: "
+                                                "ref.result(turn_id) says whether it committed"))
+
     def _reuse(self, rendered: chat.Rendered):
         """(cache, tokens to feed, cache label, kept ids, kept ends, kept text) for `rendered`.
 
@@ -503,7 +523,8 @@ class AgentActor(SupervisedActor):
         if item is None or item.turn_id != done.turn_id:
             return  # a late answer to a turn that already failed
         msg, turn_id, outcome = item.msg, item.turn_id, done.outcome
-        if isinstance(outcome, TurnTooLarge):  # it can never fit the memory budget: the caller's turn, not a fault
+        if isinstance(outcome, TurnTooLarge) or (item.given_up and isinstance(outcome, BaseException)):
+            # it can never fit the memory budget, or its caller gave up and it was dropped: not a fault
             self.seq = item.pending["user"]["seq"] - 1  # the user record was never written
             self._abandon(item, outcome, str(outcome))
             return
@@ -601,10 +622,11 @@ class AgentActor(SupervisedActor):
         """The item is durable (or, with durability="memory", handed to the persistence actor): answer it."""
         self.current = None
         self.env.deadlines.cancel(item.watchdog)
+        future = None if item.given_up else item.future  # a timed-out caller was answered already
         if item.forward is not None:  # send_to: the caller's future resolves once the sender has the reply too
-            self.env.notify(*item.forward, future=item.future, reply=item.reply)
-        elif item.future is not None:
-            item.future.set(item.reply)
+            self.env.notify(*item.forward, future=future, reply=item.reply)
+        elif future is not None:
+            future.set(item.reply)
 
 
 def _fail(future, error):

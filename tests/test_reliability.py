@@ -421,7 +421,7 @@ def test_a_caller_whose_wait_ended_learns_whether_the_turn_committed(tmp_path, m
             alice.ask("Not saved.", max_tokens=2)
         monkeypatch.undo()
         assert alice.result(unsaved.value.turn_id) is None and alice.result("never-sent") is None
-        with pytest.raises(TurnTimeout) as watchdog:  # the watchdog fails the turn and restarts the agent
+        with pytest.raises(TurnTimeout) as watchdog:  # the watchdog answers the caller; the turn commits or is dropped
             alice.ask("Too slow.", max_tokens=40, timeout=0.001)
         committed = watchdog.value.turn_id in {r["turn_id"] for r in alice.history()}
         assert (alice.result(watchdog.value.turn_id) is not None) == committed
@@ -429,6 +429,37 @@ def test_a_caller_whose_wait_ended_learns_whether_the_turn_committed(tmp_path, m
             alice.result("../x")
     with Runtime(model=None, cache_dir=tmp_path) as rt:  # the answer outlives the process
         assert rt.spawn("alice").result(slow.turn_id).text == found.text
+
+def test_impatient_callers_never_crash_their_agent_or_escalate(tmp_path):
+    """Many asks with a tiny timeout on one agent: each caller gets TurnTimeout, nothing restarts.
+
+    Every turn that `result` reports committed is in the history exactly once, and no
+    turn it reports missing is there.
+    """
+    with Runtime(model=None, cache_dir=tmp_path, max_restarts=1, restart_period=60, backoff=FAST) as rt:
+        alice, bob = rt.spawn("alice", system="You are Alice."), rt.spawn("bob", system="You are Bob.")
+        actor, timed_out, lock = rt.env.refs["alice"], [], threading.Lock()
+
+        def impatient(i):
+            for j in range(3):
+                try:
+                    alice.ask(f"Hurry {i}.{j}.", max_tokens=12, timeout=0.001)
+                except TurnTimeout as e:
+                    with lock:
+                        timed_out.append(e.turn_id)
+
+        threads = [threading.Thread(target=impatient, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert len(timed_out) >= 10, timed_out  # well past max_restarts, had these been crashes
+        assert rt.escalation is None and rt.env.refs["alice"] is actor  # no crash, no restart
+        assert alice.ask("Still there?", max_tokens=2).agent == "alice" and bob.ask("And you?", max_tokens=2)
+        held = [r["turn_id"] for r in alice.history() if r["role"] == "assistant"]
+        for turn_id in timed_out:
+            assert held.count(turn_id) == (1 if alice.result(turn_id) is not None else 0), turn_id
+
 
 def test_errors_carry_the_turn_id_of_turns_that_never_started(tmp_path):
     from actors.batcher import Submit

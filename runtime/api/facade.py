@@ -334,11 +334,12 @@ class AgentRef:
 
         `max_tokens`: tokens to generate at most. `temperature` (0: greedy), `top_p`
         and `seed` pick the tokens; `stop` ends the reply before the first of these
-        strings. The future raises AgentCrashed (with the turn id) if the agent crashes in the
-        turn, TurnTimeout after `timeout` seconds (the hung turn is failed and the
-        agent restarted; None disables the watchdog), UnknownAgent if the agent is
-        gone. `sender` attributes the message to another agent; `conversation_id` is
-        recorded with the turn's journal records.
+        strings. The future raises AgentCrashed (with the turn id) if the agent crashes
+        in the turn, TurnTimeout after `timeout` seconds from the turn's start (None
+        disables the watchdog; the turn is cancelled at the batcher's next step unless
+        it finished meanwhile, and `result(turn_id)` says which: no crash, no restart),
+        UnknownAgent if the agent is gone. `sender` attributes the message to another
+        agent; `conversation_id` is recorded with the turn's journal records.
 
         `on_token(piece)` gets the reply's text piece by piece while it decodes (the
         last pieces may hold the start of a stop string the reply then drops), and

@@ -415,7 +415,7 @@ def error_for(e: BaseException) -> ApiError:
     if isinstance(e, TurnTooLong):
         return bad(str(e), "messages", "context_length_exceeded")
     if isinstance(e, TurnTimeout):
-        return ApiError(504, f"{e}; the agent was restarted, retry the request", None, "timeout", "server_error")
+        return ApiError(504, f"{e}; GET /v1/agents/NAME shows whether it committed", None, "timeout", "server_error")
     if isinstance(e, AgentCrashed):
         return ApiError(503, f"{e}; the agent restarts from its durable state, retry the request", None,
                         "agent_crashed", "server_error")
