@@ -29,8 +29,11 @@ the batch, and nothing else. A failed cache write is only logged: the journal ho
 the turn, so the ack succeeds and reports the older cache still on disk. A journal
 that cannot be read fails that agent's writes and comes back from `load` as
 `Loaded.journal_error`. Damage found when a journal is first opened (a torn tail, a
-damaged middle, a missing journal beside a cache) is repaired and logged, saying
-what was lost; `Loaded.last_seq` then keeps new seqs above every seq on disk.
+damaged middle, a missing journal beside a cache, a tail cut below the journal's
+high-water mark) is repaired and logged, saying what was lost; `Loaded.last_seq`
+then keeps new seqs above every seq on disk. Each append raises the high-water
+mark (`store.record_high_seq`) beside it, before the ack: no acknowledged seq is
+ever used again.
 """
 
 from __future__ import annotations
@@ -227,9 +230,9 @@ class PersistenceActor(SupervisedActor):
             await self._open(agent, folder)
         fresh = store.fresh_records([r for w in writes for r in w.records], self._journal_seq[agent])
         if fresh:
-            try:
-                end = await _io(store.append_frames)(folder / JOURNAL_FILE, store.encode_records(fresh),
-                                              self._journal_end[agent])
+            append = _io(store.append_frames)(folder / JOURNAL_FILE, store.encode_records(fresh), self._journal_end[agent])
+            try:  # the high-water mark goes to disk beside the append, before either is acknowledged
+                end, _ = await asyncio.gather(append, self._record_high(agent, folder, fresh[-1]["seq"]))
             except BaseException:
                 self._forget(agent)  # the next write reopens the journal (and repairs it if the cut-back failed)
                 raise
@@ -258,6 +261,18 @@ class PersistenceActor(SupervisedActor):
             except OSError as e:  # stale deltas link to nothing: loading ignores them
                 log.warning("agent %s: removing stale delta files failed: %s", agent, e)
 
+    async def _record_high(self, agent: str, folder, seq: int) -> None:
+        """Raise the journal's high-water mark to `seq`; a failure is logged, not raised.
+
+        It runs beside the append, which holds the records whatever happens here: a
+        failed mark must not make an appended turn look refused. Until a later write
+        succeeds, a cut of the journal's tail could then go unnoticed (see README).
+        """
+        try:
+            await _io(store.record_high_seq)(folder, seq)
+        except OSError as e:
+            log.error("agent %s: recording the journal's high-water mark (seq %d) failed: %s", agent, seq, e)
+
     async def _open(self, agent: str, folder) -> store.JournalScan | None:
         """First use of `agent` in this actor: folders, leftovers, journal repair, seqs on disk; says what was lost.
 
@@ -266,7 +281,7 @@ class PersistenceActor(SupervisedActor):
         scan, end = await _io(store.open_journal)(folder)
         if not self._model_recorded:
             await self._record_model(folder.parent)
-        cache_seq = await _io(store.cache_seq)(folder)
+        cache_seq, high = await _io(store.cache_seq)(folder), await _io(store.high_seq)(folder)
         last = -1 if scan is None else scan.last_seq
         if scan is not None and scan.damaged:
             log.error("agent %s: its journal was damaged in the middle: %s. %d records that check were kept; "
@@ -275,12 +290,17 @@ class PersistenceActor(SupervisedActor):
         if scan is not None and scan.torn:
             log.warning("agent %s: a torn journal tail (%d B, an append cut short) was moved aside to journal.torn-*",
                         agent, scan.torn)
-        if scan is None and cache_seq is not None:
-            log.error("agent %s: its journal is missing but a cache of seq %d is there: the journal was deleted, "
-                      "its history starts empty; new turns continue after seq %d", agent, cache_seq, cache_seq)
+        mark = max(-1 if cache_seq is None else cache_seq, -1 if high is None else high)  # seqs used, by other files
+        if scan is None and mark >= 0:
+            log.error("agent %s: its journal is missing but its files reached seq %d: the journal was deleted, "
+                      "its history starts empty; new turns continue after seq %d", agent, mark, mark)
         elif cache_seq is not None and cache_seq > last:
             log.error("agent %s: its cache (seq %d) is newer than its journal (last seq %d): the journal lost records; "
-                      "new turns continue after seq %d", agent, cache_seq, last, cache_seq)
+                      "new turns continue after seq %d", agent, cache_seq, last, mark)
+        elif mark > last:
+            log.error("agent %s: its journal ends at seq %d, but records up to seq %d were written: the journal's "
+                      "tail was cut off and those records are lost; new turns continue after seq %d",
+                      agent, last, mark, mark)
         self._journal_seq[agent], self._journal_end[agent], self._cache_seq[agent] = last, end, cache_seq
         return scan
 

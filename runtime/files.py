@@ -5,6 +5,7 @@ Layout, one folder per (model fingerprint, agent id), folders 0700, files 0600::
     cache_dir/<fingerprint>/<agent>/cache.safetensors   Q4 cache of the used tokens + metadata
     cache_dir/<fingerprint>/<agent>/cache.<k>.delta.safetensors   rows added since (k = 1, 2, ...)
     cache_dir/<fingerprint>/<agent>/journal.msgpack     append-only record of every turn
+    cache_dir/<fingerprint>/<agent>/journal.seq         the highest seq ever appended (16 bytes, rewritten in place)
     cache_dir/<fingerprint>/model.json                  {"model_id": ...}: which model made the folder
 
 Every write of a whole file goes to a temp file in the same folder, is fsynced,
@@ -27,6 +28,7 @@ from runtime.errors import KvactorsError
 CACHE_FILE = "cache.safetensors"
 DELTA_FILE = "cache.{}.delta.safetensors"  # k = 1, 2, ...: the rows turn after turn added
 JOURNAL_FILE = "journal.msgpack"
+HIGH_FILE = "journal.seq"  # the journal's high-water mark: seqs at or below it are never used again
 MODEL_FILE = "model.json"  # in a fingerprint folder: the model id it was made by (for people: see inspect)
 AGENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _TMP_SUFFIX = ".tmp"

@@ -10,6 +10,12 @@ append). Opening the journal for appends (`open_journal`) moves a torn tail asid
 `journal.damaged-<time>` and rewrites the journal from its good frames. An append
 that fails (a full disk) cuts the file back to its last good frame before raising
 (`append_frames`). The cache only accelerates; the journal is what an agent's history is.
+
+Beside it, `journal.seq` holds the journal's high-water mark: the highest seq ever
+appended (`record_high_seq`, written with each append, before the append is
+acknowledged; `high_seq` reads it). A journal whose tail was cut exactly between
+frames reads as a shorter, undamaged journal; the mark is what says records were
+lost, and it keeps their seqs from being used again.
 """
 
 from __future__ import annotations
@@ -25,10 +31,12 @@ from pathlib import Path
 import msgpack
 
 from runtime.errors import KvactorsError
-from runtime.files import JOURNAL_FILE, agent_dir, make_dirs, refuse_links, remove_temps, write_atomic
+from runtime.files import HIGH_FILE, JOURNAL_FILE, agent_dir, make_dirs, refuse_links, remove_temps, write_atomic
 
 JOURNAL_MAGIC = b"kvactors-journal-1\n"
 _FRAME = struct.Struct("<II")
+_HIGH = struct.Struct("<4sQI")  # magic, seq, crc32 of the 12 bytes before: 16 bytes, within one disk sector
+_HIGH_MAGIC = b"kvhs"
 
 
 class JournalError(KvactorsError):
@@ -240,6 +248,46 @@ def repair_journal(path: Path, scan: JournalScan) -> None:
             os.close(fd)
 
 
+def high_seq(folder: Path) -> int | None:
+    """The journal's high-water mark in agent folder `folder` (see `record_high_seq`), None if absent or unreadable."""
+    try:
+        fd = os.open(folder / HIGH_FILE, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        data = os.pread(fd, _HIGH.size, 0)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if len(data) != _HIGH.size:
+        return None
+    magic, seq, crc = _HIGH.unpack(data)
+    return seq if magic == _HIGH_MAGIC and crc == zlib.crc32(data[:12]) else None
+
+
+def record_high_seq(folder: Path, seq: int) -> None:
+    """Durably set the journal's high-water mark in agent folder `folder` to `seq`.
+
+    Call it with the highest seq of an append before acknowledging it (never with a
+    lower seq than before): then no acknowledged seq is ever used twice, even when the
+    journal loses its tail. The 16 bytes are rewritten in place and fsynced, needing no
+    new disk space once the file exists; the first call creates it (`write_atomic`).
+    Never follows a symlink.
+    """
+    data = _HIGH.pack(_HIGH_MAGIC, seq, zlib.crc32(_HIGH.pack(_HIGH_MAGIC, seq, 0)[:12]))
+    try:
+        fd = os.open(folder / HIGH_FILE, os.O_WRONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        write_atomic(folder / HIGH_FILE, data)
+        return
+    try:
+        os.pwrite(fd, data, 0)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def open_journal(folder: Path) -> tuple[JournalScan | None, int]:
     """Make `folder`'s journal ready for appends; return (its scan as found, the byte to append at).
 
@@ -313,7 +361,7 @@ def append_journal(cache_dir, spec, agent: str, records) -> list:
     """Durably append `records` to `agent`'s journal; return the records appended.
 
     Records whose seq is not above the journal's last seq are skipped (retries are
-    idempotent: `fresh_records`). Creates and repairs the journal as `open_journal`
+    idempotent: `fresh_records`); the high-water mark follows (`record_high_seq`). Creates and repairs the journal as `open_journal`
     does; a failed append leaves the journal as it was (`append_frames`). The
     persistence actor runs the same steps, keeping the journal's end between writes.
     """
@@ -322,4 +370,5 @@ def append_journal(cache_dir, spec, agent: str, records) -> list:
     new = fresh_records(records, -1 if scan is None else scan.last_seq)
     if new:
         append_frames(folder / JOURNAL_FILE, encode_records(new), end)
+        record_high_seq(folder, max(new[-1]["seq"], high_seq(folder) or -1))
     return new

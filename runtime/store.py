@@ -30,20 +30,21 @@ from runtime.cachechain import (MAX_DELTAS, Segment, cache_seq, load_cache, load
 from runtime.cacheformat import (FORMAT, FORMAT_VERSION, MAX_HEADER, CacheError, CacheMissing, ChecksumMismatch,
                                  CorruptCache, ForeignModel, QuantizationMismatch, ShapeMismatch, TruncatedCache,
                                  UnreadableCache, UnsupportedVersion, decode_cache, encode_cache)
-from runtime.files import (AGENT_ID, CACHE_FILE, DELTA_FILE, JOURNAL_FILE, MODEL_FILE, CacheDirInUse, InvalidAgentId,
-                           UnsafePath, agent_dir, check_agent_id, fsync_dir, lock_cache_dir, make_dirs, map_file,
+from runtime.files import (AGENT_ID, CACHE_FILE, DELTA_FILE, HIGH_FILE, JOURNAL_FILE, MODEL_FILE, CacheDirInUse,
+                           InvalidAgentId, UnsafePath, agent_dir, check_agent_id, fsync_dir, lock_cache_dir, make_dirs, map_file,
                            open_private, read_file, refuse_links, remove_temps, temp_path, write_atomic)
 from runtime.hostcache import (CacheMeta, DeviceCache, HostCache, cache_to_host, check_cache, host_to_cache, on_device,
                                trim_cache, trim_host)
 from runtime.hotcache import HotCaches, cache_nbytes
 from runtime.journal import (JOURNAL_MAGIC, JournalError, JournalScan, append_frames, append_journal, check_record,
-                             current_conversation, encode_records, fresh_records, journal_record, open_journal,
-                             parse_journal, read_journal, read_journal_bytes, repair_journal, scan_journal)
+                             current_conversation, encode_records, fresh_records, high_seq, journal_record,
+                             open_journal, parse_journal, read_journal, read_journal_bytes, record_high_seq,
+                             repair_journal, scan_journal)
 
 __all__ = [
     # runtime.files
-    "AGENT_ID", "CACHE_FILE", "DELTA_FILE", "JOURNAL_FILE", "MODEL_FILE", "CacheDirInUse", "InvalidAgentId",
-    "UnsafePath", "agent_dir", "check_agent_id", "fsync_dir", "lock_cache_dir", "make_dirs", "map_file",
+    "AGENT_ID", "CACHE_FILE", "DELTA_FILE", "HIGH_FILE", "JOURNAL_FILE", "MODEL_FILE", "CacheDirInUse",
+    "InvalidAgentId", "UnsafePath", "agent_dir", "check_agent_id", "fsync_dir", "lock_cache_dir", "make_dirs", "map_file",
     "open_private", "read_file", "refuse_links", "remove_temps", "temp_path", "write_atomic",
     # runtime.hostcache
     "CacheMeta", "DeviceCache", "HostCache", "cache_to_host", "check_cache", "host_to_cache", "on_device",
@@ -57,8 +58,8 @@ __all__ = [
     "save_cache",
     # runtime.journal
     "JOURNAL_MAGIC", "JournalError", "JournalScan", "append_frames", "append_journal", "check_record",
-    "current_conversation", "encode_records", "fresh_records", "journal_record", "open_journal", "parse_journal", "read_journal",
-    "read_journal_bytes", "repair_journal", "scan_journal",
+    "current_conversation", "encode_records", "fresh_records", "high_seq", "journal_record", "open_journal",
+    "parse_journal", "read_journal", "read_journal_bytes", "record_high_seq", "repair_journal", "scan_journal",
     # runtime.hotcache
     "HotCaches", "cache_nbytes",
     # this module
@@ -110,9 +111,9 @@ class Loaded:
     `host`/`meta` are None when there is no usable cache; `error` then says why
     (a CacheError; CacheMissing on a plain cold start). Re-prefill from `records`.
     `last_seq`: the highest seq the agent's files have used (the journal's last record,
-    or a newer cache left by a damaged or deleted journal); new records must go above
-    it, so no seq is ever used twice. `journal_error`: set (and `records` empty) when
-    the journal cannot be read at all; the agent must not run until it is fixed.
+    its high-water mark, or a newer cache, left by a damaged, cut or deleted journal);
+    new records must go above it, so no seq is ever used twice. `journal_error`: set
+    (and `records` empty) when the journal cannot be read at all; the agent must not run until it is fixed.
     """
 
     records: list
@@ -132,10 +133,11 @@ def load_agent(cache_dir, spec, agent: str) -> Loaded:
     nothing: the persistence actor opens the journal (`open_journal`) first.
     """
     records = read_journal(cache_dir, spec, agent)
-    seq = cache_seq(agent_dir(cache_dir, spec.fingerprint, agent))
-    last = max(records[-1]["seq"] if records else -1, -1 if seq is None else seq)
+    folder = agent_dir(cache_dir, spec.fingerprint, agent)
+    marks = (records[-1]["seq"] if records else None, cache_seq(folder), high_seq(folder))
+    last = max([-1, *(m for m in marks if m is not None)])
     try:
-        host, meta, segment = load_segment(agent_dir(cache_dir, spec.fingerprint, agent), spec)
+        host, meta, segment = load_segment(folder, spec)
     except CacheError as e:
         return Loaded(records, error=e, last_seq=last)
     return Loaded(records, host, meta, last_seq=last, segment=segment)
@@ -212,7 +214,7 @@ def prune(cache_dir, max_age_s: float, *, journals: bool = False, now: float | N
     for folder in agent_folders(cache_dir):
         remove_temps(folder)
         deltas = list(folder.glob(DELTA_FILE.format("*")))
-        ours = [folder / CACHE_FILE, *deltas, folder / JOURNAL_FILE, *folder.glob("journal.torn-*")]
+        ours = [folder / CACHE_FILE, *deltas, folder / JOURNAL_FILE, folder / HIGH_FILE, *folder.glob("journal.torn-*")]
         newest = max((p.stat().st_mtime for p in ours if p.exists()), default=0.0)
         if now - newest < max_age_s:
             continue

@@ -23,7 +23,9 @@ exactly once and in order; a turn refused with TurnNotSaved, JournalError or
 TurnTooLong is not there; every send_to copy whose future resolved (and was not
 dead-lettered) is held; no seq ever names two records. The records whose bytes the
 damage destroyed are exempt, must be gone, and their loss must be logged; every other
-record must be recovered. In fault rounds the Runtime must keep serving: the agents not
+record must be recovered. A destroyed seq above every mark left on disk (the last
+record's, the cache's, the journal's high-water mark) may be used again, and must not
+be an acknowledged turn's. In fault rounds the Runtime must keep serving: the agents not
 attacked are acknowledged turns, and errors are of the specific types (on a full disk
 any agent may get them, otherwise only the attacked one); no other error is allowed
 in any round. A last child runs without attack and exits cleanly: every agent serves.
@@ -61,7 +63,7 @@ CHILD = Path(__file__).resolve().parent / "chaos_child.py"
 REFUSED = {"TurnNotSaved", "JournalError", "TurnTooLong"}  # a turn refused so is not in the journal
 ALLOWED = {"kill": {"TurnTooLong"}, "damage": {"TurnTooLong"}, "disk-full": REFUSED, "permission": REFUSED}
 FULL_DISK_TURNS = 8  # answers a child must give on a full disk before it is freed or killed
-LOSS_LOGGED = ("damaged in the middle", "torn journal tail", "newer than its journal")
+LOSS_LOGGED = ("damaged in the middle", "torn journal tail", "newer than its journal", "tail was cut off")
 DENIALS = (("journal", 0o000), ("journal", 0o400), ("folder", 0o500), ("folder", 0o000), ("cache", 0o000))
 
 
@@ -249,6 +251,7 @@ class Ledger:
     destroyed: dict = field(default_factory=lambda: {a: set() for a in AGENTS})
     seen: dict = field(default_factory=lambda: {a: {} for a in AGENTS})
     current: dict = field(default_factory=lambda: {a: [] for a in AGENTS})
+    exposed: list = field(default_factory=list)  # acknowledged turns whose seqs damage left free for reuse
 
     def take(self, lines, attack: str, attacked: str | None, tally: Tally) -> list:
         """Record a child's outcome lines; return the problems with the errors it got."""
@@ -298,12 +301,16 @@ class Ledger:
     def forget_destroyed(self, agent: str, records, visible: int) -> None:
         """The damage destroyed these records of `agent`: their turns are exempt, their copies no longer owed.
 
-        A destroyed seq above every seq still on disk (`visible`: the last surviving
-        record's or the cache's) has left no trace: it may be used again.
+        A destroyed seq above every mark still on disk (`visible`: the last surviving
+        record's, the cache's or the journal's high-water mark) has left no trace: it may
+        be used again, and it must not be an acknowledged turn's (`exposed`).
         """
+        acked = {t for t, _ in self.acked[agent]}
         for r in records:
             if r["seq"] > visible:
                 self.seen[agent].pop(r["seq"], None)
+                if r["turn_id"] in acked:
+                    self.exposed.append(f"{agent}: acknowledged turn {r['turn_id']} (seq {r['seq']}) left no mark on disk")
             if r["turn_id"] is not None:
                 self.destroyed[agent].add(r["turn_id"])
             elif r["role"] == "user" and self.notes[agent][(r.get("sender"), r["text"])] > 0:
@@ -390,8 +397,9 @@ def damage(path: Path, rng: random.Random) -> tuple[str, list, bool, int] | None
         hit = list(range(k, len(scan.frames)))
     path.write_bytes(bytes(data))
     after = store.scan_journal(bytes(data))
-    visible = max(after.last_seq, store.cache_seq(path.parent) or -1)
-    return how, [scan.records[i] for i in hit], bool(after.damaged or after.torn), visible
+    marks = (store.cache_seq(path.parent), store.high_seq(path.parent))
+    visible = max([after.last_seq, *(m for m in marks if m is not None)])
+    return how, [scan.records[i] for i in hit], bool(after.damaged or after.torn or visible > after.last_seq), visible
 
 
 def deny(folder: Path, rng: random.Random):
@@ -541,6 +549,7 @@ class Run:
             elif history or not broken_ok:
                 problems += self.ledger.history_problems(agent, history, records)
         problems += self.ledger.take(child.lines, attack, attacked, tally)
+        problems += self.ledger.exposed
         for agent in AGENTS:
             found, lost = self.ledger.check_journal(agent, read_records(self.folder(agent)))
             problems += found

@@ -116,6 +116,28 @@ def test_mid_file_journal_damage_keeps_every_record_that_checks_and_writes_go_on
     assert turns(history) == [t for t in want if t != (acked[1][1].turn_id, "user", "Two.")]
 
 
+def test_a_journal_cut_between_records_is_noticed_and_its_seqs_are_never_used_again(tmp_path, caplog):
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        alice = rt.spawn("alice", system="You are Alice.")
+        alice.ask("One.", max_tokens=4)
+        alice.note("A note after the last cache.", sender="bob")
+        alice.note("Another.", sender="bob")
+        assert alice.result("sync") is None  # answered once both notes are durable
+        journal = folder_of(rt, "alice") / store.JOURNAL_FILE
+    data = journal.read_bytes()
+    scan = store.scan_journal(data)
+    cut = scan.records[-2]["seq"]
+    assert store.cache_seq(journal.parent) < cut  # only the journal knew those seqs
+    journal.write_bytes(data[: scan.frames[-2][0]])  # exactly between frames: it reads as a shorter, sound journal
+    caplog.set_level(logging.ERROR)
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        alice = rt.spawn("alice")
+        alice.ask("Two.", max_tokens=4)
+        assert "tail was cut off" in caplog.text and f"up to seq {cut + 1}" in caplog.text
+        seqs = [r["seq"] for r in on_disk(rt, "alice")]
+        assert seqs == sorted(set(seqs)) and seqs[-2] > cut + 1  # no acknowledged seq used twice
+
+
 def test_a_deleted_journal_warns_and_its_orphan_cache_does_not_block_writes(tmp_path, caplog):
     with Runtime(model=None, cache_dir=tmp_path) as rt:
         alice = rt.spawn("alice", system="You are Alice.")

@@ -452,7 +452,7 @@ def test_permissions_files_0600_folders_0700(tmp_path):
     folders = [root, root / SPEC.fingerprint, root / SPEC.fingerprint / "a"]
     assert [stat.S_IMODE(d.stat().st_mode) for d in folders] == [0o700] * 3
     files = list(folders[-1].iterdir())
-    assert sorted(f.name for f in files) == [store.CACHE_FILE, store.JOURNAL_FILE]  # no temp left
+    assert sorted(f.name for f in files) == [store.CACHE_FILE, store.JOURNAL_FILE, store.HIGH_FILE]  # no temp left
     assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files)
 
 
@@ -480,7 +480,7 @@ def test_delete_and_retention(tmp_path):
         os.utime(f, (past, past))
     (folder / "old" / ".cache.safetensors.1.ab.tmp").write_bytes(b"crash leftover")
     assert store.prune(tmp_path, 600) == [folder / "old" / store.CACHE_FILE]
-    assert sorted(p.name for p in (folder / "old").iterdir()) == [store.JOURNAL_FILE]  # history kept
+    assert sorted(p.name for p in (folder / "old").iterdir()) == [store.JOURNAL_FILE, store.HIGH_FILE]  # history kept
     assert (folder / "new" / store.CACHE_FILE).exists()
     assert store.prune(tmp_path, 600, journals=True) == [folder / "old"]
     assert not (folder / "old").exists()
