@@ -18,8 +18,9 @@ gets `AgentCrashed`, the actor stops and its supervisor starts a fresh one, whic
 reloads the durable state. A turn that runs past its `timeout` is not a failure:
 its caller gets `TurnTimeout` at once, and the turn stays this agent's item in
 progress until the batcher answers: dropped at the batcher's next step
-(`Turn.abandoned`), or, if it had finished by then, committed like any other turn. The actor never blocks on another actor's future,
-except on the persistence actor, which never waits on agents.
+(`Turn.abandoned`), or, if it had finished by then, committed like any other turn.
+The actor never blocks on another actor's future, except on the persistence
+actor, which never waits on agents.
 """
 
 from __future__ import annotations
@@ -265,6 +266,8 @@ class AgentActor(SupervisedActor):
         self.env, self.name, self.system = env, name, system
         self.records: list[dict] = []
         self.seq = 0
+        self.conv: int | None = None  # the seq that started the current conversation: every record names it
+        self.check = store.prompt_check(system)  # the system prompt's checksum: every record carries it
         self.meta: store.CacheMeta | None = None  # what the cache holds
         self.work: collections.deque = collections.deque()
         self.current: _Item | None = None  # the item in progress, until its write is acked
@@ -291,24 +294,43 @@ class AgentActor(SupervisedActor):
             return
         self.records = current_conversation(loaded.records)
         self.seq = max(loaded.records[-1]["seq"] if loaded.records else 0, loaded.last_seq)  # never reuse a seq
-        system = self.records[0]["text"] if self.records and self.records[0]["role"] == "system" else None
-        if system is None and self.system:
-            try:
+        self.conv = self.records[-1].get("conv", self.records[0]["seq"]) if self.records else None
+        stored = store.conversation_prompt(self.records)
+        if stored is None:
+            self._prompt_lost()
+        elif stored or not self.records:
+            # The journal wins: `Runtime.spawn` refused a different prompt before this actor
+            # started, and after a restart the stored one is the latest (a reset may have set it).
+            self.system = stored or self.system
+            self.check = store.prompt_check(self.system)
+        if (stored is None or not self.records) and self.system:
+            try:  # a system record: it starts the conversation, or restores the lost prompt in it
                 self._persist_now([self._record("system", self.system)])
             except OSError as e:  # a full disk: each later item retries instead of crash-looping
                 self.broken = e
                 log.error("agent %s cannot record its system prompt: %s", self.name, e)
                 return
-        elif system is not None:
-            # The journal wins: `Runtime.spawn` refused a different prompt before this actor
-            # started, and after a restart the stored one is the latest (a reset may have set it).
-            self.system = system
         if loaded.host is not None:
             self.env.hot.put(self.name, store.host_to_cache(loaded.host))
             self.meta = loaded.meta
             self.from_disk = True
         elif loaded.error is not None and not isinstance(loaded.error, store.CacheMissing):
             log.warning("agent %s: unusable cache, re-prefilling from the journal: %s", self.name, loaded.error)
+
+    def _prompt_lost(self):
+        """The record that held the conversation's system prompt was destroyed: restore it, or go on without it.
+
+        `Runtime.spawn` checked a prompt it was given against the records' checksum, so
+        that prompt is the lost one: `_restore` records it again. Without one the agent
+        goes on with none, and says so.
+        """
+        if self.system:
+            log.warning("agent %s: the journal record holding its system prompt was lost; it is restored from "
+                        "the prompt given to spawn", self.name)
+            return
+        log.error("agent %s: the journal record holding its system prompt was lost, so the prompt is unknown; it "
+                  "goes on without one: spawn it with its system prompt to restore it", self.name)
+        self.check = self.records[-1].get("check", self.check)  # still the lost prompt's, for a later spawn to match
 
     def on_failure(self, exception_type, exception_value, traceback):
         self.env.hot.discard(self.name)
@@ -422,6 +444,7 @@ class AgentActor(SupervisedActor):
         msg = item.msg
         if msg.get("system") is not None:
             self.system = msg["system"]
+        self.check, self.conv = store.prompt_check(self.system), None  # the system record starts a conversation
         item.records = [self._record("system", self.system)] + [
             self._record(r["role"], r["text"], sender=r.get("sender")) for r in msg["records"]]
         self.records = list(item.records)
@@ -573,11 +596,15 @@ class AgentActor(SupervisedActor):
     # -- persistence ------------------------------------------------------------------
 
     def _record(self, role, text, sender=None, msg=None, turn_id=None, **fields):
+        """The next journal record; the first one after `conv` was cleared starts a conversation."""
         self.seq += 1
+        if self.conv is None:
+            self.conv = self.seq
         extra = {}
         if msg:
             extra = {"message_id": msg.get("message_id"), "conversation_id": msg.get("conversation_id")}
-        return store.journal_record(self.seq, role, text, turn_id=turn_id, sender=sender, **extra, **fields)
+        return store.journal_record(self.seq, role, text, turn_id=turn_id, sender=sender, conv=self.conv,
+                                    check=self.check, **extra, **fields)
 
     def _committed(self, turn_id) -> Reply | None:
         """The Reply of turn `turn_id` if it is in the history already (cache "committed"), else None."""

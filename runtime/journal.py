@@ -214,13 +214,41 @@ def read_journal(cache_dir, spec, agent: str) -> list:
 
 
 def current_conversation(records) -> list:
-    """The records of the current conversation: from the last system record on (all if none).
+    """The records of the current conversation, oldest first: those from the seq its last record names as `conv` on.
 
-    A system record starts a conversation; a reset writes a new one, so older
-    records stay in the journal but are no longer part of the history.
+    Each record names the seq of the record that started its conversation (`conv`):
+    the system record written at the agent's first start or by a reset. So the
+    boundary holds even when damage destroyed that record. Records written before
+    `conv` existed fall back to the old rule: from the last system record on (all if
+    none). Older records stay in the journal but are no longer part of the history.
     """
+    if not records:
+        return []
+    conv = records[-1].get("conv")
+    if conv is not None:
+        return [r for r in records if r["seq"] >= conv]
     starts = [i for i, r in enumerate(records) if r["role"] == "system"]
     return list(records[starts[-1]:] if starts else records)
+
+
+def prompt_check(system: str) -> int:
+    """The checksum of system prompt `system`, which every record of its conversation carries (`check`)."""
+    return zlib.crc32(system.encode("utf-8"))
+
+
+def conversation_prompt(history) -> str | None:
+    """The system prompt of conversation `history` (see `current_conversation`); None when it was lost.
+
+    It is the text of the conversation's last system record (the one that started it,
+    or one that restored it); "" when the conversation never had one. None when the
+    record that started the conversation is gone (journal damage) and no later one
+    restored the prompt: it is unknown, and only the records' `check` says what it was.
+    """
+    prompts = [r["text"] for r in history if r["role"] == "system"]
+    if prompts:
+        return prompts[-1]
+    conv = history[-1].get("conv") if history else None
+    return None if conv is not None and history[0]["seq"] != conv else ""
 
 
 def repair_journal(path: Path, scan: JournalScan) -> None:

@@ -37,9 +37,9 @@ from runtime.hostcache import (CacheMeta, DeviceCache, HostCache, cache_to_host,
                                trim_cache, trim_host)
 from runtime.hotcache import HotCaches, cache_nbytes
 from runtime.journal import (JOURNAL_MAGIC, JournalError, JournalScan, append_frames, append_journal, check_record,
-                             current_conversation, encode_records, fresh_records, high_seq, journal_record,
-                             open_journal, parse_journal, read_journal, read_journal_bytes, record_high_seq,
-                             repair_journal, scan_journal)
+                             conversation_prompt, current_conversation, encode_records, fresh_records, high_seq,
+                             journal_record, open_journal, parse_journal, prompt_check, read_journal,
+                             read_journal_bytes, record_high_seq, repair_journal, scan_journal)
 
 __all__ = [
     # runtime.files
@@ -58,8 +58,8 @@ __all__ = [
     "save_cache",
     # runtime.journal
     "JOURNAL_MAGIC", "JournalError", "JournalScan", "append_frames", "append_journal", "check_record",
-    "current_conversation", "encode_records", "fresh_records", "high_seq", "journal_record", "open_journal",
-    "parse_journal", "read_journal", "read_journal_bytes", "record_high_seq", "repair_journal", "scan_journal",
+    "conversation_prompt", "current_conversation", "encode_records", "fresh_records", "high_seq", "journal_record",
+    "open_journal", "parse_journal", "prompt_check", "read_journal", "read_journal_bytes", "record_high_seq", "repair_journal", "scan_journal",
     # runtime.hotcache
     "HotCaches", "cache_nbytes",
     # this module
@@ -73,9 +73,11 @@ class StoredAgent:
     """What an agent folder holds, in brief (see `stored_agent`).
 
     `turns`: assistant replies in the current conversation (the history), None when the
-    journal cannot be read. `system`: the current conversation's system prompt, None
-    when it has no system record. `messages`: records in the current conversation
-    (system record included). `cache`: whether a cache file is on disk ("warm").
+    journal cannot be read. `system`: the current conversation's system prompt ("" when
+    it has none), None when the record that held it was lost (`conversation_prompt`);
+    `check`: the `prompt_check` its records carry (None for records older than it).
+    `messages`: records in the current conversation (system records included).
+    `cache`: whether a cache file is on disk ("warm").
     """
 
     name: str
@@ -83,6 +85,7 @@ class StoredAgent:
     system: str | None
     messages: int
     cache: bool
+    check: int | None = None
 
 
 def stored_agent(folder: Path) -> StoredAgent:
@@ -99,9 +102,9 @@ def stored_agent(folder: Path) -> StoredAgent:
     except (JournalError, OSError):  # another format, a newer version, unreadable
         return StoredAgent(folder.name, None, None, 0, cache)
     history = current_conversation(records)
-    system = history[0]["text"] if history and history[0]["role"] == "system" else None
     turns = sum(r["role"] == "assistant" for r in history)
-    return StoredAgent(folder.name, turns, system, len(history), cache)
+    check = history[-1].get("check") if history else None
+    return StoredAgent(folder.name, turns, conversation_prompt(history), len(history), cache, check)
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from actors.supervisor import Backoff
-from runtime import (AgentCrashed, JournalError, Runtime, RuntimeClosed, TurnNotSaved, TurnTimeout, TurnTooLarge,
-                     journal, store)
+from runtime import (AgentCrashed, JournalError, Runtime, RuntimeClosed, SystemPromptChanged, TurnNotSaved, TurnTimeout,
+                     TurnTooLarge, journal, store)
 from runtime.api.facade import AgentRef
 
 FAST = Backoff(min=0.001, max=0.02, reset=10.0)
@@ -114,6 +114,35 @@ def test_mid_file_journal_damage_keeps_every_record_that_checks_and_writes_go_on
         history = rt.spawn("alice").history()
     want = replies(acked + [("Four.", more)])
     assert turns(history) == [t for t in want if t != (acked[1][1].turn_id, "user", "Two.")]
+
+
+def test_a_system_prompt_whose_record_was_destroyed_is_restored_by_spawn_or_known_to_be_lost(tmp_path, caplog):
+    prompt = "You are Alice, " + "a careful planner. " * 40
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        alice = rt.spawn("alice", system=prompt)
+        acked = [(t, alice.ask(t, max_tokens=4)) for t in ("One.", "Two.")]
+        journal = folder_of(rt, "alice") / store.JOURNAL_FILE
+    damage_record(journal, 0)  # the system record: the only one that held the prompt
+    caplog.set_level(logging.WARNING)
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        with pytest.raises(SystemPromptChanged, match="lost to journal damage") as changed:
+            rt.spawn("alice", system="You are Bob.")
+        assert changed.value.stored is None  # unknown, not ''
+        alice = rt.spawn("alice")  # no prompt given: it goes on without one, and says so
+        assert turns(alice.history()) == replies(acked) and "prompt is unknown" in caplog.text
+        alice.stop()
+        alice = rt.spawn("alice", system=prompt)  # the same prompt: its checksum matches, it is recorded again
+        more = alice.ask("Three.", max_tokens=4)
+        assert store.conversation_prompt(alice.history()) == prompt
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        alice = rt.spawn("alice", system=prompt)
+        assert turns(alice.history()) == replies(acked + [("Three.", more)])
+        alice.reset([{"role": "user", "text": "Fresh start.", "sender": None}], system="You are Carol.").get(timeout=60)
+    records = store.scan_journal(journal.read_bytes()).records
+    damage_record(journal, [r["text"] for r in records].index("You are Carol."))  # the reset's system record
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        alice = rt.spawn("alice", system="You are Carol.")
+        assert [r["text"] for r in alice.history()] == ["Fresh start.", "You are Carol."]  # not the old conversation
 
 
 def test_a_journal_cut_between_records_is_noticed_and_its_seqs_are_never_used_again(tmp_path, caplog):

@@ -533,10 +533,24 @@ def test_stored_agent_summarizes_the_current_conversation(tmp_path):
     folder = store.agent_dir(tmp_path, SPEC.fingerprint, "ann")
     assert store.stored_agent(folder) == store.StoredAgent("ann", 1, "new", 4, False)
     path, _ = saved(tmp_path, agent="bo")
-    assert store.stored_agent(path.parent) == store.StoredAgent("bo", 1, None, 2, True)
+    assert store.stored_agent(path.parent) == store.StoredAgent("bo", 1, "", 2, True)  # no system record: no prompt
     (folder / store.JOURNAL_FILE).unlink()
     (folder / store.JOURNAL_FILE).mkdir()  # a journal that cannot be read: never raises, turns unknown
     assert store.stored_agent(folder) == store.StoredAgent("ann", None, None, 0, False)
+
+
+def test_records_name_their_conversation_so_a_lost_system_record_leaves_the_prompt_unknown_not_empty():
+    check = store.prompt_check("new")
+    records = [store.journal_record(1, "system", "old", conv=1), store.journal_record(2, "user", "a", conv=1),
+               store.journal_record(4, "user", "c", conv=3, check=check),  # seq 3, the reset's "new", is gone
+               store.journal_record(5, "assistant", "d", conv=3, check=check)]
+    history = store.current_conversation(records)
+    assert [r["seq"] for r in history] == [4, 5]  # the old conversation does not leak in
+    assert store.conversation_prompt(history) is None and history[-1]["check"] == check
+    restored = history + [store.journal_record(6, "system", "new", conv=3, check=check)]
+    assert store.conversation_prompt(restored) == "new"  # a system record later in the conversation restores it
+    assert store.conversation_prompt(store.current_conversation(records[:2])) == "old"
+    assert store.conversation_prompt([store.journal_record(1, "user", "a", conv=1)]) == ""  # it never had one
 
 
 # ---------------------------------------------------------------- hot tier

@@ -86,12 +86,16 @@ class SystemPromptChanged(KvactorsError, ValueError):
 
     Never silently ignored: pass `reset=True` to start the agent afresh with the new
     prompt (its history and cache are deleted), or pass no system prompt (or the stored
-    one, `stored`) to resume it.
+    one, `stored`) to resume it. `stored` is None when journal damage destroyed the
+    record that held the prompt: the given one does not match the checksum its
+    conversation's records keep.
     """
 
-    def __init__(self, agent: str, stored: str, given: str):
+    def __init__(self, agent: str, stored: str | None, given: str):
+        held = ("a system prompt that was lost to journal damage, whose checksum does not match" if stored is None
+                else f"the system prompt {stored!r:.120}, not")
         super().__init__(
-            f"agent {agent!r} is stored with the system prompt {stored!r:.120}, not {given!r:.120}: pass reset=True "
+            f"agent {agent!r} is stored with {held} {given!r:.120}: pass reset=True "
             f"to start it afresh with the new prompt (deleting its history), or no system prompt to resume it; to "
             f"keep its history under a new prompt, resume it and call ref.reset(records, system=...)")
         self.agent, self.stored, self.given = agent, stored, given
@@ -657,8 +661,11 @@ class Runtime:
 
         system: the system prompt. A stored agent keeps the one it is stored with: pass
         none ("") or that same prompt to resume it; another raises SystemPromptChanged
-        (nothing starts) unless `reset`. reset: delete the agent's stored journal and
-        cache first (as `forget` does), so it starts with an empty history.
+        (nothing starts) unless `reset`. If journal damage destroyed the record that held
+        the stored prompt, the same prompt (its checksum is kept) resumes the agent and is
+        recorded again; with none, the agent goes on without a prompt and logs that.
+        reset: delete the agent's stored journal and cache first (as `forget` does), so
+        it starts with an empty history.
         restart: "permanent" (always restarted), "transient" (only after a crash) or
         "temporary" (never). Raises InvalidAgentId for a bad name, ValueError if an
         agent of that name is running (stop it first, or `forget` it), and TypeError or
@@ -685,12 +692,17 @@ class Runtime:
         return AgentRef(self, name)
 
     def _check_system(self, name: str, system: str, timeout: float) -> None:
-        """Raise SystemPromptChanged if stored agent `name` has a conversation under another system prompt."""
+        """Raise SystemPromptChanged if stored agent `name` has a conversation under another system prompt.
+
+        A prompt lost to journal damage is checked against the checksum its
+        conversation's records carry; the agent then records the given one again.
+        """
         stored = self.env.persistence().proxy().stored(name).get(timeout=timeout)
         if stored is None or stored.messages == 0:
             return  # nothing stored, or an unreadable journal: the agent itself reports that
-        if (stored.system or "") != system:
-            raise SystemPromptChanged(name, stored.system or "", system)
+        lost_but_same = stored.system is None and stored.check in (None, store.prompt_check(system))
+        if stored.system != system and not lost_but_same:
+            raise SystemPromptChanged(name, stored.system, system)
 
     def agent(self, name: str) -> AgentRef:
         """The ref of running agent `name`; raises UnknownAgent otherwise."""

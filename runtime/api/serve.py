@@ -49,7 +49,7 @@ from starlette.routing import Route
 from runtime import (AgentCrashed, Reply, Runtime, RuntimeEscalated, SystemPromptChanged, TurnTimeout, TurnTooLong,
                      UnknownAgent)
 from runtime.errors import KvactorsError
-from runtime.store import InvalidAgentId, check_agent_id
+from runtime.store import InvalidAgentId, check_agent_id, conversation_prompt
 
 log = logging.getLogger(__name__)
 SUPPORTED = {"messages", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop",
@@ -258,7 +258,7 @@ def plan_turn(history: list[dict], req: ChatRequest, named: bool) -> Plan:
     otherwise reset the conversation to the request's messages (the cache still serves
     the longest prefix the prefix rules allow).
     """
-    system_now = history[0]["text"] if history and history[0]["role"] == "system" else ""
+    system_now = conversation_prompt(history) or ""
     new_system = req.system is not None and req.system != system_now
     last = req.messages[-1]
     tail = None
@@ -498,7 +498,7 @@ def routes(server: Server) -> list[Route]:
         return JSONResponse({"object": "list", "data": [{"id": n, "object": "agent"} for n in rt.running()]})
 
     def agent_view(name, history):
-        system = history[0]["text"] if history and history[0]["role"] == "system" else ""
+        system = conversation_prompt(history) or ""
         messages = [{"role": r["role"], "content": r["text"], "name": r.get("sender"), "turn_id": r.get("turn_id"),
                      "time": r.get("time")} for r in history if r["role"] in ("user", "assistant")]
         return {"id": name, "object": "agent", "system": system, "messages": messages}
