@@ -267,6 +267,7 @@ class AgentActor(SupervisedActor):
         self.records: list[dict] = []
         self.seq = 0
         self.conv: int | None = None  # the seq that started the current conversation: every record names it
+        self.earlier: dict[str, int] = {}  # turn id -> seq of the turns committed in earlier conversations
         self.check = store.prompt_check(system)  # the system prompt's checksum: every record carries it
         self.meta: store.CacheMeta | None = None  # what the cache holds
         self.work: collections.deque = collections.deque()
@@ -293,6 +294,8 @@ class AgentActor(SupervisedActor):
             log.error("agent %s cannot take turns until its files are fixed: %s", self.name, self.broken)
             return
         self.records = current_conversation(loaded.records)
+        start = self.records[0]["seq"] if self.records else 0
+        self.earlier = _turn_seqs(r for r in loaded.records if r["seq"] < start)
         self.seq = max(loaded.records[-1]["seq"] if loaded.records else 0, loaded.last_seq)  # never reuse a seq
         self.conv = self.records[-1].get("conv", self.records[0]["seq"]) if self.records else None
         stored = store.conversation_prompt(self.records)
@@ -420,16 +423,14 @@ class AgentActor(SupervisedActor):
             if self.broken is not None:
                 self._restore()  # the files may have been fixed meanwhile
             if item.kind == "result" and not isinstance(self.broken, store.JournalError):
-                item.reply = self._committed(item.turn_id)  # the history is loaded: it says
-                self._complete(item)
+                self._answer_if_committed(item)  # the history is loaded: it says
             elif self.broken is not None:
                 error = (store.JournalError(f"agent {self.name}: {self.broken}") if isinstance(self.broken, store.JournalError)
                          else TurnNotSaved(item.turn_id, f"agent {self.name} cannot record its system prompt ({self.broken}); "
                                                  "retry once the disk is fixed"))
                 self._abandon(item, error, f"agent {self.name} cannot record messages: {self.broken}")
-            elif item.kind == "ask" and (reply := self._committed(item.turn_id)) is not None:
-                item.reply = reply  # a retry of a turn that already committed: answer it, run nothing
-                self._complete(item)
+            elif item.kind == "ask" and self._answer_if_committed(item):
+                pass  # a retry of a turn that already committed: answered with its reply, nothing runs
             elif item.kind == "note":
                 msg = item.msg
                 item.records = [self._record("user", msg["text"], sender=msg.get("sender"), msg=msg)]
@@ -447,6 +448,7 @@ class AgentActor(SupervisedActor):
         self.check, self.conv = store.prompt_check(self.system), None  # the system record starts a conversation
         item.records = [self._record("system", self.system)] + [
             self._record(r["role"], r["text"], sender=r.get("sender")) for r in msg["records"]]
+        self.earlier.update(_turn_seqs(self.records))
         self.records = list(item.records)
         self._persist(item.records)
 
@@ -606,15 +608,43 @@ class AgentActor(SupervisedActor):
         return store.journal_record(self.seq, role, text, turn_id=turn_id, sender=sender, conv=self.conv,
                                     check=self.check, **extra, **fields)
 
+    def _answer_if_committed(self, item: _Item) -> bool:
+        """Answer `item` with the Reply of its turn id if that turn committed; return whether it was answered.
+
+        A lookup ("result") is always answered: with None when the turn never committed.
+        A turn of an earlier conversation is read back from the journal; if that fails,
+        the item fails with JournalError.
+        """
+        try:
+            item.reply = self._committed(item.turn_id)
+        except store.JournalError as e:
+            self._abandon(item, e, str(e))
+            return True
+        if item.reply is None and item.kind != "result":
+            return False
+        self._complete(item)
+        return True
+
     def _committed(self, turn_id) -> Reply | None:
-        """The Reply of turn `turn_id` if it is in the history already (cache "committed"), else None."""
+        """The Reply of turn `turn_id` if it committed, in this conversation or an earlier one (cache "committed"), else None.
+
+        Raises JournalError when the turn is in an earlier conversation and the journal
+        cannot be read back.
+        """
         if turn_id is None:
             return None
-        for r in reversed(self.records):
-            if r["role"] == "assistant" and r.get("turn_id") == turn_id:
-                return Reply(self.name, turn_id, r["text"], list(r.get("tokens", [])), "committed",
-                             r.get("finish_reason", "unknown"), Timings())
-        return None
+        found = [r for r in self.records if r["role"] == "assistant" and r.get("turn_id") == turn_id]
+        if not found and turn_id in self.earlier:
+            records = self.env.persistence().proxy().records(self.name).get(timeout=self.env.io_timeout)
+            if records is None:
+                raise store.JournalError(f"agent {self.name}: turn {turn_id} committed in an earlier conversation, "
+                                         "but the journal cannot be read back now; fix its file and ask again")
+            found = [r for r in records if r["seq"] == self.earlier[turn_id]]
+        if not found:
+            return None
+        r = found[-1]
+        return Reply(self.name, turn_id, r["text"], list(r.get("tokens", [])), "committed",
+                     r.get("finish_reason", "unknown"), Timings())
 
     def _load_durable(self) -> store.Loaded:
         # Blocks on the persistence actor, which never waits on agents: no deadlock.
@@ -654,6 +684,11 @@ class AgentActor(SupervisedActor):
             self.env.notify(*item.forward, future=future, reply=item.reply)
         elif future is not None:
             future.set(item.reply)
+
+
+def _turn_seqs(records) -> dict[str, int]:
+    """Turn id -> seq of the assistant records (the committed turns) among `records`."""
+    return {r["turn_id"]: r["seq"] for r in records if r["role"] == "assistant" and r.get("turn_id")}
 
 
 def _fail(future, error):

@@ -177,6 +177,19 @@ class PersistenceActor(SupervisedActor):
             error.__cause__ = e
             return store.Loaded([], journal_error=error)
 
+    def records(self, agent: str) -> list | None:
+        """Every record of `agent`'s journal that checks, oldest first, after flushing queued writes.
+
+        [] when it has none; None when the journal cannot be read (never raises: this
+        actor serves every agent).
+        """
+        self._flush()
+        try:
+            return self._run(_io(store.read_journal)(self.cache_dir, self.spec, agent))
+        except (store.JournalError, OSError) as e:
+            log.error("agent %s: reading its journal back failed: %s", agent, e)
+            return None
+
     def stored(self, agent: str) -> store.StoredAgent | None:
         """`agent`'s `store.StoredAgent` after flushing queued writes; None when it has no folder.
 

@@ -481,6 +481,21 @@ def test_a_caller_whose_wait_ended_learns_whether_the_turn_committed(tmp_path, m
     with Runtime(model=None, cache_dir=tmp_path) as rt:  # the answer outlives the process
         assert rt.spawn("alice").result(slow.turn_id).text == found.text
 
+def test_result_and_retries_find_turns_of_earlier_conversations(tmp_path):
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        alice = rt.spawn("alice", system="You are Alice.")
+        first = alice.ask("One.", max_tokens=4, turn_id="before-reset")
+        alice.reset([{"role": "user", "text": "Start over.", "sender": None}]).get(timeout=60)
+        assert "before-reset" not in {r["turn_id"] for r in alice.history()}
+        assert alice.result("before-reset").text == first.text
+        again = alice.ask("One.", max_tokens=4, turn_id="before-reset")  # a retry: nothing runs twice
+        assert (again.cache, again.text) == ("committed", first.text)
+    with Runtime(model=None, cache_dir=tmp_path) as rt:  # reloaded from the journal
+        alice = rt.spawn("alice")
+        assert alice.result("before-reset").tokens == first.tokens and alice.result("never") is None
+    assert [r["turn_id"] for r in on_disk(rt, "alice")].count("before-reset") == 2  # its user and assistant records
+
+
 def test_impatient_callers_never_crash_their_agent_or_escalate(tmp_path):
     """Many asks with a tiny timeout on one agent: each caller gets TurnTimeout, nothing restarts.
 

@@ -518,8 +518,8 @@ class AgentRef:
         For a caller whose wait ended without an answer (TurnTimeout, AgentCrashed, a
         lost connection): the agent answers once it has finished everything sent to it
         before this call, so a turn with that id still queued or in progress has then
-        either committed or failed for good. Turns of the current conversation are
-        found (as a retry with the same `turn_id` finds them). Raises ValueError for a
+        either committed or failed for good. Turns of earlier conversations (before a
+        `reset`) are found too, as a retry with the same `turn_id` finds them. Raises ValueError for a
         malformed id, UnknownAgent if the agent is not running, JournalError if its
         journal cannot be read, and AgentError if no answer came within `timeout` seconds.
         """
