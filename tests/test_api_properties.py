@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from actors.supervisor import Backoff
-from runtime import Runtime, TurnTooLarge
+from runtime import Runtime, TurnTimeout, TurnTooLarge
 
 FAST = Backoff(min=0.001, max=0.02, reset=10.0)
 SETTINGS = dict(deadline=None, suppress_health_check=list(HealthCheck))
@@ -253,15 +253,19 @@ def test_turns_refuse_bad_options_in_the_caller_and_valid_ones_never_crash_an_ac
     else:
         options["max_tokens"] = min(options.get("max_tokens", 2), 3)  # keep it fast
         if options.get("timeout") is not None:
-            options["timeout"] = 60  # a valid but tiny timeout fails the turn and restarts the agent, by design
+            options["timeout"] = min(options["timeout"], 60)
         if how == "stream":
             options.pop("on_token", None)  # stream takes the pieces itself (one given too is a TypeError)
         if options.get("turn_id") is not None:
             options["turn_id"] = f"{options['turn_id'][:100]}-{uuid.uuid4().hex[:8]}"  # a fresh key: the turn runs
-        reply, pieces = call(ref, how, text, options)
-        assert reply.agent == name and reply.finish_reason in ("stop", "length", "cancelled")
-        if how == "stream":
-            assert "".join(pieces) == reply.text
+        try:
+            reply, pieces = call(ref, how, text, options)
+        except TurnTimeout:
+            assert options["timeout"] < 60  # a tiny timeout answers its caller; nothing crashes (no_crash below)
+        else:
+            assert reply.agent == name and reply.finish_reason in ("stop", "length", "cancelled")
+            if how == "stream":
+                assert "".join(pieces) == reply.text
     no_crash(rt, before)
 
 

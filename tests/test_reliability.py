@@ -7,7 +7,8 @@ The full disk is injected at the one call that writes journal bytes (`journal._p
 part of the frame reaches the disk, then ENOSPC); `disk_full_child.py` fills a real
 tmpfs instead, where the system allows one. `chaos.py` is the SIGKILL harness: it kills
 `chaos_child.py` again and again (KVACTORS_KILLS times; 20 by default), mixing in a
-full disk, damaged journals and denied files.
+full disk, damaged journals and denied files. Random options, valid and invalid, are
+`test_api_properties.py`'s.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import math
 import os
 import subprocess
 import sys
@@ -24,8 +24,6 @@ from pathlib import Path
 
 import chaos
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from actors.supervisor import Backoff
 from runtime import (AgentCrashed, JournalError, Runtime, RuntimeClosed, SystemPromptChanged, TurnNotSaved, TurnTimeout,
@@ -341,51 +339,6 @@ def test_stop_as_one_string_is_one_stop_string(edge_rt):
     import msgpack
 
     assert msgpack.unpackb(delivered[0].payload)["stop"] == ["END"]
-
-
-def valid(o) -> bool:
-    """The oracle: whether `send` must accept options `o` (written apart from the code it checks)."""
-    def num(x):
-        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-    stops = [o["stop"]] if isinstance(o["stop"], str) else o["stop"]
-    return (isinstance(o["max_tokens"], int) and not isinstance(o["max_tokens"], bool) and 1 <= o["max_tokens"] <= 4096
-            and num(o["temperature"]) and o["temperature"] >= 0 and num(o["top_p"]) and 0 < o["top_p"] <= 1
-            and isinstance(o["seed"], int) and not isinstance(o["seed"], bool) and o["seed"] >= 0
-            and isinstance(stops, (list, tuple)) and all(isinstance(s, str) and s for s in stops)
-            and (o["timeout"] is None or (num(o["timeout"]) and o["timeout"] > 0)))
-
-
-ANY = st.one_of(st.none(), st.booleans(), st.text(max_size=3), st.floats(allow_nan=True), st.integers(-3, 3))
-OPTIONS = st.fixed_dictionaries({
-    "max_tokens": st.one_of(st.integers(1, 2), st.sampled_from([0, -1, 10**9, "3", 2.0]), ANY),
-    "temperature": st.one_of(st.sampled_from([0.0, 0.5, 1]), st.floats(allow_nan=True), ANY),
-    "top_p": st.one_of(st.sampled_from([1.0, 0.9, 1]), st.floats(-1, 2), ANY),
-    "seed": st.one_of(st.integers(0, 2**31), st.integers(-5, -1), ANY),
-    "stop": st.one_of(st.just(()), st.text(min_size=1, max_size=4), st.lists(st.one_of(st.text(max_size=3), ANY), max_size=2)),
-    "timeout": st.one_of(st.just(60), st.none(), st.floats(allow_nan=True), ANY),
-})
-
-
-@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
-@given(options=OPTIONS)
-def test_random_options_never_reach_an_actor_invalid_nor_crash_one_valid(edge_rt, options):
-    ref = edge_rt.agent("prop") if "prop" in edge_rt.running() else edge_rt.spawn("prop", system="You are careful.")
-    actor = edge_rt.env.refs.get("prop")
-    if valid(options):
-        assert ref.ask("Hello.", **options).agent == "prop"
-    else:
-        delivered = []
-        edge_rt._deliver = lambda *a: delivered.append(a)
-        try:
-            with pytest.raises((TypeError, ValueError)):
-                ref.send("Hello.", **options)
-        finally:
-            del edge_rt._deliver
-        assert delivered == []
-    assert actor is None or edge_rt.env.refs["prop"] is actor  # no crash, no restart
-    assert edge_rt.escalation is None
-
 
 
 def test_a_turn_too_large_for_the_memory_budget_fails_alone_without_a_crash(tmp_path):
