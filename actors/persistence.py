@@ -133,6 +133,7 @@ class PersistenceActor(SupervisedActor):
         self._journal_seq: dict[str, int] = {}  # agent -> last seq in its journal
         self._journal_end: dict[str, int] = {}  # agent -> end of its journal's last good frame
         self._cache_seq: dict[str, int | None] = {}  # agent -> seq of its cache on disk
+        self._high: dict[str, int] = {}  # agent -> its journal's high-water mark as on disk (-1: none)
         self._segment: dict[str, store.Segment] = {}  # agent -> newest cache file this actor wrote
         self._loop = None
         self._model_recorded = False
@@ -244,12 +245,14 @@ class PersistenceActor(SupervisedActor):
         fresh = store.fresh_records([r for w in writes for r in w.records], self._journal_seq[agent])
         if fresh:
             append = _io(store.append_frames)(folder / JOURNAL_FILE, store.encode_records(fresh), self._journal_end[agent])
-            try:  # the high-water mark goes to disk beside the append, before either is acknowledged
-                end, _ = await asyncio.gather(append, self._record_high(agent, folder, fresh[-1]["seq"]))
-            except BaseException:
+            # the high-water mark goes to disk beside the append, before either is acknowledged
+            end, _ = await asyncio.gather(append, self._record_high(agent, folder, fresh[-1]["seq"]),
+                                          return_exceptions=True)
+            if isinstance(end, BaseException):  # the journal is as it was: so goes the mark, or it would claim a cut
+                await self._record_high(agent, folder, self._high[agent])
                 self._forget(agent)  # the next write reopens the journal (and repairs it if the cut-back failed)
-                raise
-            self._journal_seq[agent], self._journal_end[agent] = fresh[-1]["seq"], end
+                raise end
+            self._journal_seq[agent], self._journal_end[agent], self._high[agent] = fresh[-1]["seq"], end, fresh[-1]["seq"]
         newest = max((w for w in writes if w.cache is not None), key=lambda w: w.seq, default=None)
         on_disk = self._cache_seq[agent]
         if newest is not None and (on_disk is None or newest.seq > on_disk):
@@ -275,7 +278,7 @@ class PersistenceActor(SupervisedActor):
                 log.warning("agent %s: removing stale delta files failed: %s", agent, e)
 
     async def _record_high(self, agent: str, folder, seq: int) -> None:
-        """Raise the journal's high-water mark to `seq`; a failure is logged, not raised.
+        """Set the journal's high-water mark to `seq`; a failure is logged, not raised.
 
         It runs beside the append, which holds the records whatever happens here: a
         failed mark must not make an appended turn look refused. Until a later write
@@ -315,6 +318,7 @@ class PersistenceActor(SupervisedActor):
                       "tail was cut off and those records are lost; new turns continue after seq %d",
                       agent, last, mark, mark)
         self._journal_seq[agent], self._journal_end[agent], self._cache_seq[agent] = last, end, cache_seq
+        self._high[agent] = max(last, -1 if high is None else high)
         return scan
 
     async def _record_model(self, model_dir) -> None:
@@ -326,7 +330,7 @@ class PersistenceActor(SupervisedActor):
             log.warning("recording the model id in %s failed: %s", model_dir, e)
 
     def _forget(self, agent: str) -> None:
-        for state in (self._journal_seq, self._journal_end, self._cache_seq, self._segment):
+        for state in (self._journal_seq, self._journal_end, self._cache_seq, self._segment, self._high):
             state.pop(agent, None)
 
     async def _load(self, agent: str) -> store.Loaded:

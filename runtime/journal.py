@@ -35,7 +35,7 @@ from runtime.files import HIGH_FILE, JOURNAL_FILE, agent_dir, make_dirs, refuse_
 
 JOURNAL_MAGIC = b"kvactors-journal-1\n"
 _FRAME = struct.Struct("<II")
-_HIGH = struct.Struct("<4sQI")  # magic, seq, crc32 of the 12 bytes before: 16 bytes, within one disk sector
+_HIGH = struct.Struct("<4sqI")  # magic, seq, crc32 of the 12 bytes before: 16 bytes, within one disk sector
 _HIGH_MAGIC = b"kvhs"
 
 
@@ -297,9 +297,9 @@ def high_seq(folder: Path) -> int | None:
 def record_high_seq(folder: Path, seq: int) -> None:
     """Durably set the journal's high-water mark in agent folder `folder` to `seq`.
 
-    Call it with the highest seq of an append before acknowledging it (never with a
-    lower seq than before): then no acknowledged seq is ever used twice, even when the
-    journal loses its tail. The 16 bytes are rewritten in place and fsynced, needing no
+    Call it with the highest seq of an append before acknowledging it: then no
+    acknowledged seq is ever used twice, even when the journal loses its tail. Lower
+    it only back to its previous value, when the append failed and was cut back. The 16 bytes are rewritten in place and fsynced, needing no
     new disk space once the file exists; the first call creates it (`write_atomic`).
     Never follows a symlink.
     """

@@ -72,6 +72,7 @@ def test_disk_full_fails_only_that_turn_and_the_runtime_keeps_serving(tmp_path, 
             alice.ask("Lost.", max_tokens=4)
         assert lost.value.turn_id and "No space left" in str(lost.value)
         assert failures and turns(alice.history()) == replies(acked["alice"])  # back at its durable state
+        assert store.high_seq(folder_of(rt, "alice")) == on_disk(rt, "alice")[-1]["seq"]  # no cut to claim later
         for name, ref in (("bob", bob), ("alice", alice), ("bob", bob), ("alice", alice)):
             text = f"After {len(acked[name])}."
             acked[name].append((text, ref.ask(text, max_tokens=4)))
