@@ -2,10 +2,11 @@
 
 `journal.msgpack` starts with `JOURNAL_MAGIC`, then one frame per record:
 little-endian u32 payload length, u32 crc32 of the payload, payload = a msgpack map
-(seq, turn_id, role, sender, text, time); seqs rise strictly. Reading resynchronises
-on the frames past damaged bytes and keeps every record that checks (`scan_journal`);
-an incomplete or damaged last frame is a torn tail (a crash in the middle of an
-append). Opening the journal for appends (`open_journal`) moves a torn tail aside to
+(seq, turn_id, role, sender, text, time; an agent's records also name the seq that
+started their conversation, `conv`, and carry its system prompt's `prompt_check`,
+`check`); seqs rise strictly. Reading resynchronises on the frames past damaged
+bytes and keeps every record that checks (`scan_journal`); an incomplete or damaged
+last frame is a torn tail (a crash in the middle of an append). Opening the journal for appends (`open_journal`) moves a torn tail aside to
 `journal.torn-<time>`; mid-file damage keeps the whole damaged file as
 `journal.damaged-<time>` and rewrites the journal from its good frames. An append
 that fails (a full disk) cuts the file back to its last good frame before raising
