@@ -299,14 +299,13 @@ class AgentActor(SupervisedActor):
         self.seq = max(loaded.records[-1]["seq"] if loaded.records else 0, loaded.last_seq)  # never reuse a seq
         self.conv = self.records[-1].get("conv", self.records[0]["seq"]) if self.records else None
         stored = store.conversation_prompt(self.records)
-        if stored is None:
-            self._prompt_lost()
-        elif stored or not self.records:
+        if stored is not None and self.records:
             # The journal wins: `Runtime.spawn` refused a different prompt before this actor
             # started, and after a restart the stored one is the latest (a reset may have set it).
-            self.system = stored or self.system
-            self.check = store.prompt_check(self.system)
-        if (stored is None or not self.records) and self.system:
+            self.system = stored
+        self.check = store.prompt_check(self.system)
+        restore = stored is None and self._prompt_lost()
+        if (restore or not self.records) and self.system:
             try:  # a system record: it starts the conversation, or restores the lost prompt in it
                 self._persist_now([self._record("system", self.system)])
             except OSError as e:  # a full disk: each later item retries instead of crash-looping
@@ -320,20 +319,24 @@ class AgentActor(SupervisedActor):
         elif loaded.error is not None and not isinstance(loaded.error, store.CacheMissing):
             log.warning("agent %s: unusable cache, re-prefilling from the journal: %s", self.name, loaded.error)
 
-    def _prompt_lost(self):
-        """The record that held the conversation's system prompt was destroyed: restore it, or go on without it.
+    def _prompt_lost(self) -> bool:
+        """The record that held the conversation's system prompt was destroyed; return whether to record it again.
 
-        `Runtime.spawn` checked a prompt it was given against the records' checksum, so
-        that prompt is the lost one: `_restore` records it again. Without one the agent
-        goes on with none, and says so.
+        A prompt that matches the checksum the records carry (`Runtime.spawn` checked the
+        one it was given) is the lost one: `_restore` records it again. Otherwise the
+        agent goes on with none, says so, and its records keep the lost prompt's checksum
+        for a later spawn to match.
         """
-        if self.system:
+        lost = self.records[-1].get("check")
+        if self.system and lost in (None, self.check):
             log.warning("agent %s: the journal record holding its system prompt was lost; it is restored from "
                         "the prompt given to spawn", self.name)
-            return
+            return True
         log.error("agent %s: the journal record holding its system prompt was lost, so the prompt is unknown; it "
                   "goes on without one: spawn it with its system prompt to restore it", self.name)
-        self.check = self.records[-1].get("check", self.check)  # still the lost prompt's, for a later spawn to match
+        self.system = ""
+        self.check = self.check if lost is None else lost
+        return False
 
     def on_failure(self, exception_type, exception_value, traceback):
         self.env.hot.discard(self.name)

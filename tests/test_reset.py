@@ -2,7 +2,7 @@
 
 import pytest
 
-from runtime import Runtime, SystemPromptChanged
+from runtime import AgentCrashed, Runtime, SystemPromptChanged
 from runtime.store import JOURNAL_FILE, InvalidAgentId, read_journal
 
 
@@ -32,6 +32,20 @@ def test_reset_replaces_the_history_keeps_the_cache_and_survives_a_restart(tmp_p
             rt.spawn("resettable", system="not the stored one")
         history = rt.spawn("resettable").history()  # no prompt: resume with the stored one
         assert history[0]["text"] == "a new persona" and turns(history) == []
+
+
+def test_a_reset_to_no_system_prompt_survives_a_restart(tmp_path):
+    with Runtime(cache_dir=tmp_path) as rt:
+        a = rt.spawn("quiet", system="You are loud.")
+        a.reset([{"role": "user", "text": "hush"}], system="").get(timeout=30)
+        a.inject_crash()
+        with pytest.raises(AgentCrashed):
+            a.ask("crash here", max_tokens=2)
+        assert turns(a.history()) == [("user", "hush")]  # the restarted actor, spawned with "You are loud."
+        assert rt.env.refs["quiet"].proxy().system.get(timeout=10) == ""  # the journal's prompt wins
+    with Runtime(cache_dir=tmp_path) as rt:
+        with pytest.raises(SystemPromptChanged):
+            rt.spawn("quiet", system="You are loud.")
 
 
 def test_reset_refuses_malformed_records_in_the_caller(tmp_path):
