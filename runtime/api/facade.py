@@ -519,9 +519,10 @@ class AgentRef:
         lost connection): the agent answers once it has finished everything sent to it
         before this call, so a turn with that id still queued or in progress has then
         either committed or failed for good. Turns of earlier conversations (before a
-        `reset`) are found too, as a retry with the same `turn_id` finds them. Raises ValueError for a
-        malformed id, UnknownAgent if the agent is not running, JournalError if its
-        journal cannot be read, and AgentError if no answer came within `timeout` seconds.
+        `reset`) are found too, as a retry with the same `turn_id` finds them. Raises
+        ValueError for a malformed id, UnknownAgent if the agent is not running,
+        JournalError if its journal cannot be read, and AgentError if no answer came
+        within `timeout` seconds.
         """
         if not isinstance(turn_id, str) or not TURN_ID.fullmatch(turn_id):
             raise ValueError(f"turn_id must match {TURN_ID.pattern}, got {turn_id!r}")
