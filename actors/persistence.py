@@ -318,7 +318,9 @@ class PersistenceActor(SupervisedActor):
                       "tail was cut off and those records are lost; new turns continue after seq %d",
                       agent, last, mark, mark)
         self._journal_seq[agent], self._journal_end[agent], self._cache_seq[agent] = last, end, cache_seq
-        self._high[agent] = max(last, -1 if high is None else high)
+        self._high[agent] = max(last, mark)
+        if high is None:  # made now, while nothing waits on it: each append then rewrites it in place, needing no space
+            await self._record_high(agent, folder, self._high[agent])
         return scan
 
     async def _record_model(self, model_dir) -> None:

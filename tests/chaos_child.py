@@ -16,8 +16,9 @@ down and prints `done`):
     dead <agent> <sender> <reply text>    a send_to future resolved, but the copy was dead-lettered
     resetting <agent>                     the conversation grew past the model: it is started over...
     reset <agent>                         ...and that is durable
-    unprompted <agent>                    at start: its journal lost the system prompt's record, so it
-                                          resumes without one (spawn refuses a prompt then: see README)
+    unprompted <agent>                    at start: spawn refused its prompt (SystemPromptChanged), so it
+                                          resumes without one; a prompt whose record damage destroyed is
+                                          accepted by its checksum and recorded again (see README)
 
 Texts are JSON-quoted. With KVACTORS_CHAOS_ENOSPC=1 in its environment, the disk is
 full (injected at `journal._pwrite`: part of a frame reaches the disk, then ENOSPC)
@@ -113,7 +114,7 @@ def reset(refs, name: str) -> None:
 
 
 def spawn(rt, name: str):
-    """Spawn `name` with its prompt; resume it without one if its journal lost the prompt's record to damage."""
+    """Spawn `name` with its prompt; resume it without one if spawn refuses that prompt."""
     from runtime import SystemPromptChanged
 
     try:
