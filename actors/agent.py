@@ -560,7 +560,7 @@ class AgentActor(SupervisedActor):
             raise AgentCrashed(turn_id, f"the turn failed: {outcome}") from outcome
         if self.fault:
             self.fault = False
-            raise AgentCrashed(turn_id, "injected fault (AgentRef.inject_crash)")
+            raise AgentCrashed(turn_id, "injected fault (runtime.api.testing.inject_crash)")
         p = item.pending
         result: TurnResult = outcome
         assistant = self._record("assistant", result.text, turn_id=turn_id, tokens=[int(t) for t in result.tokens],

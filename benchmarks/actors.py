@@ -27,6 +27,7 @@ from benchmarks.common import bench_model_folder, bench_parser, environment, plo
 from benchmarks.ttft import long_text
 from runtime import AgentCrashed, Runtime
 from runtime.engine import Timings, TurnResult
+from runtime.api.testing import inject_crash
 
 COLUMNS = ["measure", "value", "unit", "note"]
 
@@ -47,7 +48,7 @@ class EchoBatcher(pykka.ThreadingActor):
 
 def echo(model_path, cache_dir, n, agents):
     with Runtime(model=model_path, cache_dir=cache_dir, warmup=False) as rt:
-        rt.env.refs["@batcher"] = EchoBatcher.start(rt.spec.n_layers)
+        rt._env.refs["@batcher"] = EchoBatcher.start(rt.spec.n_layers)
         refs = [rt.spawn(f"echo{i}") for i in range(agents)]
         lat = []
         for i in range(n):
@@ -59,7 +60,7 @@ def echo(model_path, cache_dir, n, agents):
         for f in futures:
             f.get(timeout=60)
         rate = len(futures) / (time.perf_counter() - t0)
-        rt.env.refs["@batcher"].stop()
+        rt._env.refs["@batcher"].stop()
     lat.sort()
     return lat[len(lat) // 2], lat[int(len(lat) * 0.99) - 1], rate
 
@@ -72,7 +73,7 @@ def recovery(model_path, cache_dir, context, max_tokens):
         cold = a.ask("first question", max_tokens=max_tokens, timeout=600)
         cold_start_s = time.perf_counter() - t0
         a.ask("second question", max_tokens=max_tokens, timeout=600)
-        a.inject_crash()
+        inject_crash(a)
         try:
             a.ask("this turn crashes", max_tokens=max_tokens, timeout=600)
         except AgentCrashed:

@@ -19,6 +19,7 @@ import logging
 from common import cache_dir_of, example_parser
 from runtime import AgentCrashed, Runtime
 from runtime.tiny import is_tiny_model
+from runtime.api.testing import inject_crash
 
 # A long-ish system prompt, so that re-prefilling it would cost something.
 SYSTEM = "You are Ada, the on-call engineer of a small web shop. " + " ".join(
@@ -47,7 +48,7 @@ def main():
         show("2. next turn", ada.ask("It is green again. Anything else?", **opts))
         before = len(ada.history())
 
-        ada.inject_crash()  # the next turn raises at its end, before anything is written
+        inject_crash(ada)  # the next turn raises at its end, before anything is written
         try:
             ada.ask("Summarize the incident.", **opts)
         except AgentCrashed as e:

@@ -36,6 +36,7 @@ from actors.supervisor import Backoff
 from runtime import AgentCrashed, Reply, Runtime, RuntimeEscalated, TurnTimeout, UnknownAgent, chat, store
 from runtime.engine import Turn
 from runtime.api.facade import AgentRef
+from runtime.api.testing import inject_crash
 
 TESTS = Path(__file__).resolve().parent
 FAST = Backoff(min=0.001, max=0.02, reset=10.0)
@@ -61,7 +62,7 @@ def stalled_batcher(rt):
         release.wait(30)
 
     tokens = rt.tokenizer.encode("gate", add_special_tokens=False)
-    rt.env.batcher().tell(Submit(Turn(f"gate-{uuid.uuid4().hex[:8]}", "gate", None, tokens, max_tokens=1), reply))
+    rt._env.batcher().tell(Submit(Turn(f"gate-{uuid.uuid4().hex[:8]}", "gate", None, tokens, max_tokens=1), reply))
     assert entered.wait(30), "the batcher never ran the gate turn"
     try:
         yield release  # set it to let the batcher go before the block exits
@@ -78,7 +79,7 @@ def wait_for(predicate, timeout=10.0, what="condition"):
 
 
 def wait_batcher_restarted(rt, old):
-    wait_for(lambda: rt.env.batcher() is not old and rt.env.batcher().is_alive(), what="the batcher's restart")
+    wait_for(lambda: rt._env.batcher() is not old and rt._env.batcher().is_alive(), what="the batcher's restart")
 
 
 def note_of(letter):
@@ -119,7 +120,7 @@ def test_cold_then_hot_then_warm_after_a_new_runtime(tmp_path):
         alice = rt.spawn("alice", system=LONG_SYSTEM)
         r1 = alice.ask("Plan a bake sale.", max_tokens=6)
         r2 = alice.ask("Go on.", max_tokens=6)
-        full2 = len(rt.tokenizer.encode(rt.env.render(LONG_SYSTEM, alice.history()), add_special_tokens=False))
+        full2 = len(rt.tokenizer.encode(rt._env.render(LONG_SYSTEM, alice.history()), add_special_tokens=False))
     assert (r1.cache, r2.cache) == ("cold", "hot")
     assert isinstance(r1, Reply) and r1.agent == "alice" and len(r1.tokens) == 6 and r1.finish_reason == "length"
     assert r2.timings.prefill_tokens < r1.timings.prefill_tokens  # only the new suffix
@@ -141,7 +142,7 @@ def test_hot_budget_zero_makes_every_turn_warm_with_the_same_output(tmp_path):
     with Runtime(model=None, cache_dir=tmp_path / "warm", hot_budget=0) as rt:
         a = rt.spawn("alice", system=LONG_SYSTEM)
         warm = [a.ask(t, max_tokens=6) for t in texts]
-        assert len(rt.env.hot) == 0
+        assert len(rt._env.hot) == 0
         folder = store.agent_dir(tmp_path / "warm", rt.spec.fingerprint, "alice")
     # turns 2 and 3 continued the cache on disk: each wrote only its new rows
     assert sorted(p.name for p in folder.glob("cache.*")) == [
@@ -232,7 +233,7 @@ def test_every_next_render_starts_with_the_cached_text_and_hot_turns_prefill_onl
         r = who.ask(text, max_tokens=8) if sender is None else sender.send_to(who, text, max_tokens=8).get(timeout=60)
         states.append(r.cache)
         history = who.history()
-        render = rt.env.render(history[0]["text"], history[1:-1])  # this turn's prompt
+        render = rt._env.render(history[0]["text"], history[1:-1])  # this turn's prompt
         if meta is None:
             assert r.cache == "cold" and r.timings.prefill_tokens == len(tok.encode(render, add_special_tokens=False))
         else:
@@ -269,7 +270,7 @@ def test_send_to_is_a_turn_of_bob_attributed_to_alice_and_a_note_to_alice(rt):
         ("assistant", None, r.text, r.turn_id),
     ]
     # bob's model saw the message as coming from alice
-    assert "st-alice: Bob, review this." in rt.env.render(bob.history()[0]["text"], bob.history())
+    assert "st-alice: Bob, review this." in rt._env.render(bob.history()[0]["text"], bob.history())
 
     after_alice = alice.history()
     assert after_alice[: len(before_alice)] == before_alice
@@ -367,7 +368,7 @@ def test_stream_pieces_arrive_while_the_batch_decodes(rt):
     Were the pieces delivered only at the end, the consumer would wait for a turn
     that cannot end, until the hold gives up after 30 s (`held` then has False)."""
     a = rt.spawn("sw-a", system="You are A.")
-    engine = pykka_compat.actor_of(rt.env.batcher()).engine
+    engine = pykka_compat.actor_of(rt._env.batcher()).engine
     go, release, held = threading.Event(), threading.Event(), []
 
     def hold(piece):  # runs on the batcher's thread, as every row's on_token
@@ -376,7 +377,7 @@ def test_stream_pieces_arrive_while_the_batch_decodes(rt):
 
     gate = Turn(f"gate-{uuid.uuid4().hex[:8]}", "gate", None, rt.tokenizer.encode("gate", add_special_tokens=False),
                 max_tokens=100, on_token=hold, on_progress=lambda *_: go.wait(30))
-    batcher = rt.env.batcher()
+    batcher = rt._env.batcher()
     batcher.tell(Submit(gate, lambda outcome: None))
     stream = a.stream("Stream to me.", max_tokens=12)
     wait_for(lambda: pykka_compat.queued(batcher) >= 1, what="the turn to reach the batcher")
@@ -418,7 +419,7 @@ def test_64_concurrent_ask_async_calls_fill_the_batch_with_no_thread_each(tmp_pa
     with Runtime(model=None, cache_dir=tmp_path, max_batch=8) as rt:
         agents = [rt.spawn(f"c{i}", system="You are brief.") for i in range(16)]
         assert all(a.history() for a in agents)  # each has started and stored its system prompt
-        batcher = rt.env.batcher()
+        batcher = rt._env.batcher()
 
         async def main():
             with stalled_batcher(rt) as release:
@@ -445,7 +446,7 @@ def test_messages_are_msgpack_envelopes(rt, monkeypatch):
     alice = rt.spawn("mp-alice", system="You are Alice.")
     bob = rt.spawn("mp-bob", system="You are Bob.")
     delivered, notified = [], []
-    deliver, notify = rt._deliver, rt.env.notify
+    deliver, notify = rt._deliver, rt._env.notify
 
     def spy_deliver(name, message, future):
         delivered.append((name, message))
@@ -456,7 +457,7 @@ def test_messages_are_msgpack_envelopes(rt, monkeypatch):
         notify(name, payload, **kw)
 
     monkeypatch.setattr(rt, "_deliver", spy_deliver)
-    monkeypatch.setattr(rt.env, "notify", spy_notify)
+    monkeypatch.setattr(rt._env, "notify", spy_notify)
 
     r = alice.send_to(bob, "Bob, review this.", conversation_id="conv-1", max_tokens=4).get(timeout=60)
     [(name, ask)] = delivered
@@ -482,7 +483,7 @@ def test_a_stopped_agent_is_unknown_and_messages_to_it_are_dead_letters(rt):
     a.ask("Hello.", max_tokens=4)
     a.stop()
     assert "gone-a" not in rt.running()
-    assert "gone-a" not in live_agents(rt.env)
+    assert "gone-a" not in live_agents(rt._env)
     n = len(rt.dead_letters)
     with pytest.raises(UnknownAgent):
         a.ask("Anyone there?", max_tokens=4)
@@ -516,11 +517,11 @@ def test_stopping_an_agent_answers_its_pending_turns_and_dead_letters_its_pendin
     alice = rt.spawn("stop-alice", system="You are Alice.")
     n = len(rt.dead_letters)
     with stalled_batcher(rt):
-        batcher = rt.env.batcher()
+        batcher = rt._env.batcher()
         running = alice.send("One.", max_tokens=4)
         wait_for(lambda: pykka_compat.queued(batcher) >= 1, what="the turn to reach the batcher")
         queued = alice.send("Two.", max_tokens=4)
-        rt.env.notify("stop-alice", encode_message("A note.", sender="bob"))  # as bob's reply would
+        rt._env.notify("stop-alice", encode_message("A note.", sender="bob"))  # as bob's reply would
         alice.stop()
         for future in (running, queued):
             with pytest.raises(AgentCrashed):
@@ -534,7 +535,7 @@ def test_a_note_queued_behind_a_timed_out_turn_is_not_silently_dropped(rt):
     n = len(rt.dead_letters)
     with stalled_batcher(rt):
         future = alice.send("Hang.", max_tokens=4, timeout=0.2)
-        rt.env.notify("crash-note-alice", encode_message("A note.", sender="bob"))
+        rt._env.notify("crash-note-alice", encode_message("A note.", sender="bob"))
         with pytest.raises(TurnTimeout):
             future.get(timeout=10)
     assert alice.result(future.turn_id) is None  # answered after the note: it is recorded by now
@@ -550,14 +551,14 @@ def test_injected_crash_fails_the_turn_and_the_ref_keeps_working(tmp_path):
     with Runtime(model=None, cache_dir=tmp_path / "a", backoff=FAST) as rt:
         alice = rt.spawn("alice", system="You are Alice.")
         r1 = alice.ask("One.", max_tokens=6)
-        old = rt.env.refs["alice"]
-        alice.inject_crash()
+        old = rt._env.refs["alice"]
+        inject_crash(alice)
         with pytest.raises(AgentCrashed) as crash:
             alice.ask("Two.", max_tokens=6)
         assert not isinstance(crash.value, TurnTimeout)
         assert crash.value.turn_id and crash.value.turn_id.startswith("alice-") and crash.value.turn_id != r1.turn_id
         r3 = alice.ask("Three.", max_tokens=6)
-        assert rt.env.refs["alice"] is not old and live_agents(rt.env) == {"alice": 1}
+        assert rt._env.refs["alice"] is not old and live_agents(rt._env) == {"alice": 1}
         assert r3.cache == "warm"  # the restarted actor reloaded its cache from disk
         h = alice.history()
         assert turn_ids(h) == [r1.turn_id] * 2 + [r3.turn_id] * 2
@@ -581,7 +582,7 @@ def test_too_many_crashes_escalate(tmp_path):
         alice = rt.spawn("alice", system="You are Alice.")
         alice.ask("One.", max_tokens=4)
         for _ in range(2):
-            alice.inject_crash()
+            inject_crash(alice)
             with pytest.raises(AgentCrashed):
                 alice.ask("Crash.", max_tokens=4)
         assert escalated.wait(10)
@@ -590,7 +591,7 @@ def test_too_many_crashes_escalate(tmp_path):
             alice.ask("Still there?", max_tokens=4)
         with pytest.raises(RuntimeEscalated):
             rt.spawn("carol")
-        wait_for(lambda: not live_agents(rt.env), what="the group to stop")
+        wait_for(lambda: not live_agents(rt._env), what="the group to stop")
 
 
 def test_restart_types_of_agents(tmp_path):
@@ -601,7 +602,7 @@ def test_restart_types_of_agents(tmp_path):
             rt.spawn("bad", restart="sometimes")
         for ref in (transient, temporary):
             ref.ask("One.", max_tokens=4)
-            ref.inject_crash()
+            inject_crash(ref)
             with pytest.raises(AgentCrashed):
                 ref.ask("Crash.", max_tokens=4)
         assert transient.ask("Two.", max_tokens=4).agent == "tr"  # restarted after its crash
@@ -619,9 +620,9 @@ def test_hot_caches_over_budget_go_warm(tmp_path):
         alice = rt.spawn("alice", system="You are Alice.")
         bob = rt.spawn("bob", system="You are Bob.")
         assert alice.ask("One.", max_tokens=4).cache == "cold"
-        rt.env.hot.budget_bytes = store.cache_nbytes(rt.env.hot.get("alice")) * 3 // 2  # room for one agent
+        rt._env.hot.budget_bytes = store.cache_nbytes(rt._env.hot.get("alice")) * 3 // 2  # room for one agent
         assert bob.ask("One.", max_tokens=4).cache == "cold"
-        assert "alice" not in rt.env.hot and "bob" in rt.env.hot  # least recently used dropped to warm
+        assert "alice" not in rt._env.hot and "bob" in rt._env.hot  # least recently used dropped to warm
         assert alice.ask("Two.", max_tokens=4).cache == "warm"
 
 
@@ -629,7 +630,7 @@ def test_a_batcher_crash_between_turns_is_survived(tmp_path):
     with Runtime(model=None, cache_dir=tmp_path, backoff=FAST) as rt:
         alice = rt.spawn("alice", system="You are Alice.")
         r1 = alice.ask("One.", max_tokens=4)
-        old = rt.env.batcher()
+        old = rt._env.batcher()
         old.tell(object())  # an unknown message: TypeError inside the batcher
         wait_batcher_restarted(rt, old)
         r2 = alice.ask("Two.", max_tokens=4)
@@ -641,12 +642,12 @@ def test_a_turn_during_the_batchers_restart_waits_for_it(tmp_path):
     with Runtime(model=None, cache_dir=tmp_path, backoff=Backoff(min=0.2, max=0.3, reset=10.0)) as rt:
         alice = rt.spawn("alice", system="You are Alice.")
         alice.ask("One.", max_tokens=4)
-        me, old = rt.env.refs["alice"], rt.env.batcher()
+        me, old = rt._env.refs["alice"], rt._env.batcher()
         old.tell(object())
         wait_for(lambda: not old.is_alive(), what="the batcher's crash")
         r = alice.ask("Two.", max_tokens=4)  # sent while the batcher's restart is pending
-        assert rt.env.batcher() is not old
-        assert r.cache == "hot" and rt.env.refs["alice"] is me  # the agent did not crash for it
+        assert rt._env.batcher() is not old
+        assert r.cache == "hot" and rt._env.refs["alice"] is me  # the agent did not crash for it
 
 
 def test_a_batcher_crash_fails_in_flight_turns_and_agents_keep_their_history(tmp_path):
@@ -655,7 +656,7 @@ def test_a_batcher_crash_fails_in_flight_turns_and_agents_keep_their_history(tmp
         bob = rt.spawn("bob", system="You are Bob.")
         r1 = alice.ask("One.", max_tokens=4)
         b1 = bob.ask("One.", max_tokens=4)
-        old = rt.env.batcher()
+        old = rt._env.batcher()
         with stalled_batcher(rt):
             futures = [alice.send("Two.", max_tokens=4), bob.send("Two.", max_tokens=4)]
             wait_for(lambda: pykka_compat.queued(old) >= 2, what="the turns to reach the batcher")
@@ -668,14 +669,14 @@ def test_a_batcher_crash_fails_in_flight_turns_and_agents_keep_their_history(tmp
         r3, b3 = alice.ask("Three.", max_tokens=4), bob.ask("Three.", max_tokens=4)
         assert turn_ids(alice.history()) == [r1.turn_id] * 2 + [r3.turn_id] * 2
         assert turn_ids(bob.history()) == [b1.turn_id] * 2 + [b3.turn_id] * 2
-        assert live_agents(rt.env) == {"alice": 1, "bob": 1}
+        assert live_agents(rt._env) == {"alice": 1, "bob": 1}
 
 
 def test_the_watchdog_answers_a_hung_turn_and_cancels_it_without_a_restart(tmp_path):
     with Runtime(model=None, cache_dir=tmp_path, backoff=FAST) as rt:
         alice = rt.spawn("alice", system="You are Alice.")
         r1 = alice.ask("One.", max_tokens=4)
-        old = rt.env.refs["alice"]
+        old = rt._env.refs["alice"]
         with stalled_batcher(rt):
             t0 = time.monotonic()
             with pytest.raises(TurnTimeout) as timeout:
@@ -684,7 +685,7 @@ def test_the_watchdog_answers_a_hung_turn_and_cancels_it_without_a_restart(tmp_p
             assert timeout.value.turn_id and timeout.value.turn_id.startswith("alice-")
         assert alice.result(timeout.value.turn_id) is None  # dropped at the batcher's next step
         r2 = alice.ask("Two.", max_tokens=4)
-        assert rt.env.refs["alice"] is old and r2.cache == "hot"  # no crash, no restart
+        assert rt._env.refs["alice"] is old and r2.cache == "hot"  # no crash, no restart
         h = alice.history()
         assert turn_ids(h) == [r1.turn_id] * 2 + [r2.turn_id] * 2
         assert "Hang." not in [x["text"] for x in h]
@@ -768,7 +769,7 @@ class AgentsMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def crash_then_turn(self, data):
         name = data.draw(st.sampled_from(sorted(self.running)))
-        self.running[name].inject_crash()
+        inject_crash(self.running[name])
         with pytest.raises(AgentCrashed) as crash:
             self.running[name].ask(self._text(), max_tokens=4)
         assert crash.value.turn_id
@@ -817,7 +818,7 @@ class AgentsMachine(RuleBasedStateMachine):
 
     @invariant()
     def one_live_actor_per_name(self):
-        counts = live_agents(self.rt.env)
+        counts = live_agents(self.rt._env)
         assert all(n == 1 for n in counts.values()), counts
         assert set(counts) <= set(self.running)
         assert sorted(self.rt.running()) == sorted(self.running)
@@ -931,7 +932,7 @@ def test_shutdown_returns_after_the_engine_thread_is_gone_down_to_its_os_thread(
     a program that exits right after shutdown() must not race it (it would abort at exit)."""
     rt = Runtime(cache_dir=tmp_path)
     rt.spawn("a").ask("hello", max_tokens=2)
-    thread = rt.env.batcher().proxy().thread.get(timeout=10)
+    thread = rt._env.batcher().proxy().thread.get(timeout=10)
     assert os.path.isdir(f"/proc/self/task/{thread.native_id}")
     interval = sys.getswitchinterval()
     sys.setswitchinterval(30)  # this thread keeps the GIL unless it waits: the race, made certain

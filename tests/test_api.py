@@ -240,3 +240,20 @@ def test_readme_api_section_names_only_what_exists():
                 assert params[name] == said, f"README: {span} says {name}={said!r}, but the default is {params[name]!r}"
                 defaults += 1
     assert checked >= 40 and defaults >= 30, (checked, defaults)
+
+
+def test_runtime_internals_are_private_and_faults_live_in_a_testing_helper(tmp_path):
+    from runtime import AgentCrashed, AgentRef, Runtime
+    from runtime.api import testing
+
+    for name in ("env", "services", "supervisor", "escalation"):
+        assert not hasattr(Runtime, name)
+    assert not hasattr(AgentRef, "inject_crash")
+    with Runtime(model="tiny", cache_dir=tmp_path) as rt:
+        for name in ("env", "services", "supervisor", "escalation"):
+            assert not hasattr(rt, name), name
+        alice = rt.spawn("alice", system="Be brief.")
+        testing.inject_crash(alice)
+        with pytest.raises(AgentCrashed):
+            alice.ask("Hello?", max_tokens=2, timeout=60)
+        assert alice.ask("Hello again?", max_tokens=2, timeout=60).text is not None  # restarted

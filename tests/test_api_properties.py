@@ -132,13 +132,13 @@ def rt(tmp_path_factory):
 
 def no_crash(rt, refs: dict) -> None:
     """No actor of `refs` (name -> the actor before the call) restarted, and supervision never escalated."""
-    assert rt.escalation is None
-    assert {name: rt.env.refs.get(name) for name in refs} == refs
+    assert rt._escalation is None
+    assert {name: rt._env.refs.get(name) for name in refs} == refs
 
 
 def actors_now(rt) -> dict:
     """name -> the actor now behind it, for every agent and service of `rt`."""
-    return {name: ref for name, ref in rt.env.refs.items()}
+    return {name: ref for name, ref in rt._env.refs.items()}
 
 
 # -- spawn ------------------------------------------------------------------

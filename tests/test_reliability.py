@@ -29,6 +29,7 @@ from actors.supervisor import Backoff
 from runtime import (AgentCrashed, JournalError, Runtime, RuntimeClosed, SystemPromptChanged, TurnNotSaved, TurnTimeout,
                      TurnTooLarge, journal, store)
 from runtime.api.facade import AgentRef
+from runtime.api.testing import inject_crash
 
 FAST = Backoff(min=0.001, max=0.02, reset=10.0)
 TESTS = Path(__file__).resolve().parent
@@ -66,7 +67,7 @@ def test_disk_full_fails_only_that_turn_and_the_runtime_keeps_serving(tmp_path, 
     with Runtime(model=None, cache_dir=tmp_path, max_restarts=1, backoff=FAST) as rt:
         alice, bob = rt.spawn("alice", system="You are Alice."), rt.spawn("bob", system="You are Bob.")
         acked = {"alice": [("One.", alice.ask("One.", max_tokens=4))], "bob": []}
-        me = rt.env.refs["alice"]
+        me = rt._env.refs["alice"]
         monkeypatch.setattr(journal, "_pwrite", disk_full_once)
         with pytest.raises(TurnNotSaved) as lost:
             alice.ask("Lost.", max_tokens=4)
@@ -76,7 +77,7 @@ def test_disk_full_fails_only_that_turn_and_the_runtime_keeps_serving(tmp_path, 
         for name, ref in (("bob", bob), ("alice", alice), ("bob", bob), ("alice", alice)):
             text = f"After {len(acked[name])}."
             acked[name].append((text, ref.ask(text, max_tokens=4)))
-        assert rt.env.refs["alice"] is me and rt.escalation is None  # no crash, no restart
+        assert rt._env.refs["alice"] is me and rt._escalation is None  # no crash, no restart
         assert turns(on_disk(rt, "alice")) == replies(acked["alice"])
     with Runtime(model=None, cache_dir=tmp_path) as rt:
         for name in ("alice", "bob"):
@@ -199,14 +200,14 @@ def test_an_unreadable_journal_stops_only_its_agent(tmp_path):
     with Runtime(model=None, cache_dir=tmp_path, max_restarts=1, restart_period=60, backoff=FAST) as rt:
         bad = {name: rt.spawn(name, system="You are bad.") for name in ("alice", "carol", "dave")}
         bob = rt.spawn("bob", system="You are Bob.")
-        persistence, actors = rt.env.persistence(), {n: rt.env.refs[n] for n in bad}
+        persistence, actors = rt._env.persistence(), {n: rt._env.refs[n] for n in bad}
         for _ in range(3):  # well past max_restarts, had these been crashes
             for name, ref in bad.items():
                 with pytest.raises(JournalError, match=name):
                     ref.ask("Hello?", max_tokens=4)
             assert bob.ask("Still fine?", max_tokens=4).agent == "bob"
-        assert rt.escalation is None and rt.env.persistence() is persistence
-        assert {n: rt.env.refs[n] for n in bad} == actors  # nothing restarted
+        assert rt._escalation is None and rt._env.persistence() is persistence
+        assert {n: rt._env.refs[n] for n in bad} == actors  # nothing restarted
         assert list((tmp_path / "outside").iterdir()) == []
         (model / "alice" / store.JOURNAL_FILE).rename(model / "alice" / "journal.moved-aside")
         assert bad["alice"].ask("And now?", max_tokens=4).agent == "alice"  # fixed files: back at work
@@ -229,7 +230,7 @@ def test_turn_timeouts_leave_no_threads_behind(tmp_path):
         for i in range(12):
             alice.ask(f"Turn {i}.", max_tokens=1, timeout=60)
         assert not [t for t in threading.enumerate() if isinstance(t, threading.Timer)]
-        assert rt.env.deadlines.pending() == 0
+        assert rt._env.deadlines.pending() == 0
 
 
 @pytest.mark.parametrize("options", [dict(strategy="nope"), dict(max_restarts=-1), dict(kv_bits=3),
@@ -267,7 +268,7 @@ def test_use_after_shutdown_fails_at_once_with_runtime_closed(tmp_path):
         alice.ask("Anyone?", max_tokens=2)
     with pytest.raises(RuntimeClosed):
         rt.spawn("bob")
-    for call in (alice.history, alice.stop, alice.inject_crash, lambda: alice.send_to(alice, "x")):
+    for call in (alice.history, alice.stop, lambda: inject_crash(alice), lambda: alice.send_to(alice, "x")):
         with pytest.raises(RuntimeClosed):
             call()
 
@@ -320,12 +321,12 @@ def edge_rt(tmp_path_factory):
 def test_bad_turn_options_are_refused_in_the_callers_thread(edge_rt, monkeypatch, options, error):
     ref = edge_rt.spawn(f"edge-{BAD_OPTIONS.index((options, error))}", system="You are careful.")
     ref.history()  # started
-    actor, delivered = edge_rt.env.refs[ref.name], []
+    actor, delivered = edge_rt._env.refs[ref.name], []
     monkeypatch.setattr(edge_rt, "_deliver", lambda *a: delivered.append(a))
     options = {"text": "Hello.", "max_tokens": 2, **options}
     with pytest.raises(error):
         ref.send(options.pop("text"), **options)
-    assert delivered == [] and edge_rt.env.refs[ref.name] is actor and edge_rt.escalation is None
+    assert delivered == [] and edge_rt._env.refs[ref.name] is actor and edge_rt._escalation is None
 
 
 def test_stop_as_one_string_is_one_stop_string(edge_rt):
@@ -346,12 +347,12 @@ def test_a_turn_too_large_for_the_memory_budget_fails_alone_without_a_crash(tmp_
     with Runtime(model=None, cache_dir=tmp_path, memory_budget=1, max_restarts=1, restart_period=60,
                  backoff=FAST) as rt:
         ref = rt.spawn("big", system="You are careful.")
-        history, actor = ref.history(), rt.env.refs["big"]
+        history, actor = ref.history(), rt._env.refs["big"]
         for _ in range(3):  # past max_restarts, had these been crashes
             with pytest.raises(TurnTooLarge, match="memory_budget") as e:
                 ref.ask("Hello.", max_tokens=2)
             assert e.value.turn_id
-        assert rt.env.refs["big"] is actor and rt.escalation is None  # no crash, no restart
+        assert rt._env.refs["big"] is actor and rt._escalation is None  # no crash, no restart
         assert ref.history() == history  # nothing recorded
 
 def test_waiting_too_little_on_a_reply_is_a_turn_timeout_not_a_pykka_error(edge_rt):
@@ -376,7 +377,7 @@ def test_an_agent_spawned_on_a_full_disk_fails_its_turns_without_crash_looping(t
                 newbie.ask("Hello?", max_tokens=2)
         monkeypatch.setattr(journal, "_pwrite", real)
         r = newbie.ask("And now?", max_tokens=2)
-        assert rt.escalation is None
+        assert rt._escalation is None
         assert [(x["role"], x["text"]) for x in on_disk(rt, "newbie")] == [
             ("system", "You are new."), ("user", "And now?"), ("assistant", r.text)]
 
@@ -416,7 +417,7 @@ def test_a_caller_whose_wait_ended_learns_whether_the_turn_committed(tmp_path, m
         found = alice.result(waited.value.turn_id)  # answered once that turn is done
         assert (found.turn_id, found.cache) == (slow.turn_id, "committed")
         assert (found.text, found.tokens) == (slow.get(timeout=60).text, slow.get(timeout=60).tokens)
-        alice.inject_crash()  # the next turn runs, then the agent crashes before recording it
+        inject_crash(alice)  # the next turn runs, then the agent crashes before recording it
         with pytest.raises(AgentCrashed) as crashed:
             alice.ask("Crash after this.", max_tokens=2)
         assert alice.result(crashed.value.turn_id) is None
@@ -458,7 +459,7 @@ def test_impatient_callers_never_crash_their_agent_or_escalate(tmp_path):
     """
     with Runtime(model=None, cache_dir=tmp_path, max_restarts=1, restart_period=60, backoff=FAST) as rt:
         alice, bob = rt.spawn("alice", system="You are Alice."), rt.spawn("bob", system="You are Bob.")
-        actor, timed_out, lock = rt.env.refs["alice"], [], threading.Lock()
+        actor, timed_out, lock = rt._env.refs["alice"], [], threading.Lock()
 
         def impatient(i):
             for j in range(3):
@@ -474,7 +475,7 @@ def test_impatient_callers_never_crash_their_agent_or_escalate(tmp_path):
         for t in threads:
             t.join(120)
         assert len(timed_out) >= 10, timed_out  # well past max_restarts, had these been crashes
-        assert rt.escalation is None and rt.env.refs["alice"] is actor  # no crash, no restart
+        assert rt._escalation is None and rt._env.refs["alice"] is actor  # no crash, no restart
         assert alice.ask("Still there?", max_tokens=2).agent == "alice" and bob.ask("And you?", max_tokens=2)
         held = [r["turn_id"] for r in alice.history() if r["role"] == "assistant"]
         for turn_id in timed_out:
@@ -489,7 +490,7 @@ def test_errors_carry_the_turn_id_of_turns_that_never_started(tmp_path):
         alice = rt.spawn("alice", system="You are Alice.")
         entered, release = threading.Event(), threading.Event()
         gate = rt.tokenizer.encode("gate", add_special_tokens=False)
-        rt.env.batcher().tell(Submit(Turn("gate", "gate", None, gate, max_tokens=1),
+        rt._env.batcher().tell(Submit(Turn("gate", "gate", None, gate, max_tokens=1),
                                      lambda outcome: entered.set() or release.wait(30)))
         assert entered.wait(30)
         futures = [alice.send(f"Queued {i}.", max_tokens=2) for i in range(3)]

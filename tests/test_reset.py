@@ -4,6 +4,7 @@ import pytest
 
 from runtime import AgentCrashed, Runtime, SystemPromptChanged
 from runtime.store import JOURNAL_FILE, InvalidAgentId, read_journal
+from runtime.api.testing import inject_crash
 
 
 def turns(history):
@@ -38,11 +39,11 @@ def test_a_reset_to_no_system_prompt_survives_a_restart(tmp_path):
     with Runtime(cache_dir=tmp_path) as rt:
         a = rt.spawn("quiet", system="You are loud.")
         a.reset([{"role": "user", "text": "hush"}], system="").get(timeout=30)
-        a.inject_crash()
+        inject_crash(a)
         with pytest.raises(AgentCrashed):
             a.ask("crash here", max_tokens=2)
         assert turns(a.history()) == [("user", "hush")]  # the restarted actor, spawned with "You are loud."
-        assert rt.env.refs["quiet"].proxy().system.get(timeout=10) == ""  # the journal's prompt wins
+        assert rt._env.refs["quiet"].proxy().system.get(timeout=10) == ""  # the journal's prompt wins
     with Runtime(cache_dir=tmp_path) as rt:
         with pytest.raises(SystemPromptChanged):
             rt.spawn("quiet", system="You are loud.")

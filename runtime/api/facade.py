@@ -582,13 +582,6 @@ class AgentRef:
         self.runtime._deliver(self.name, Reset(payload, future), future)
         return future
 
-    def inject_crash(self) -> None:
-        """For tests and demos: make the agent crash at the end of its next turn."""
-        try:
-            self.runtime._ref(self.name).tell(agent_mod._Fault())
-        except pykka.ActorDeadError:
-            raise AgentCrashed(None, f"agent {self.name!r} is restarting; retry") from None
-
     def stop(self) -> None:
         """Stop the agent for good (no restart); its durable state stays on disk."""
         self.runtime._stop_agent(self.name)
@@ -626,9 +619,9 @@ class Runtime:
                        max_batch=max_batch, route=route, strategy=strategy, max_restarts=max_restarts,
                        restart_period=restart_period, backoff=backoff, retention_s=retention_s,
                        on_escalate=on_escalate, io_timeout=io_timeout, warmup=warmup)
-        self._lock = self.services = self.supervisor = self.env = None
+        self._lock = self._services = self._supervisor = self._env = None
         self._closed = False
-        self.escalation: tuple | None = None
+        self._escalation: tuple | None = None
         self._on_escalate = on_escalate
         self._names: list[str] = []
         self.cache_dir = Path(cache_dir or DEFAULT_CACHE_DIR).expanduser()
@@ -637,19 +630,19 @@ class Runtime:
         self.max_context = context if isinstance(context, int) else None  # the model's positions, when it says
         engine_options = dict(memory_budget=memory_budget, max_batch=max_batch, route=route)
         try:  # whatever fails from here on, nothing stays behind: no lock, no thread
-            self.env = Env(self.tokenizer, self.spec, durability, hot_budget, io_timeout, self.max_context)
+            self._env = Env(self.tokenizer, self.spec, durability, hot_budget, io_timeout, self.max_context)
             self._lock = store.lock_cache_dir(self.cache_dir)
-            self.services = Supervisor.start("one_for_one", max_restarts=max_restarts, period=restart_period,
+            self._services = Supervisor.start("one_for_one", max_restarts=max_restarts, period=restart_period,
                                              backoff=backoff, on_escalate=self._escalated)
-            self.supervisor = Supervisor.start(strategy, max_restarts=max_restarts, period=restart_period,
+            self._supervisor = Supervisor.start(strategy, max_restarts=max_restarts, period=restart_period,
                                                backoff=backoff, on_escalate=self._escalated)
             _shutdown_at_exit(self)
-            self._start_child(self.services, "@persistence",
+            self._start_child(self._services, "@persistence",
                               lambda sup: PersistenceActor.start(self.cache_dir, self.spec, retention_s=retention_s, supervisor=sup))
-            self._start_child(self.services, "@batcher",
+            self._start_child(self._services, "@batcher",
                               lambda sup: BatcherActor.start(self.model, self.tokenizer, self.spec, supervisor=sup, **engine_options))
             if warmup or (warmup is None and on_cuda()):
-                self.env.batcher().ask(Warmup(_print_progress), timeout=None)
+                self._env.batcher().ask(Warmup(_print_progress), timeout=None)
         except BaseException:
             self.shutdown()
             raise
@@ -684,11 +677,11 @@ class Runtime:
         if name in self._names:
             raise ValueError(f"agent {name!r} is already running; use rt.agent({name!r})")
         if reset:
-            self.env.persistence().proxy().delete(name).get(timeout=timeout)
+            self._env.persistence().proxy().delete(name).get(timeout=timeout)
         elif system:
             self._check_system(name, system, timeout)
-        self._start_child(self.supervisor, name,
-                          lambda sup: AgentActor.start(sup, self.env, name, system), restart)
+        self._start_child(self._supervisor, name,
+                          lambda sup: AgentActor.start(sup, self._env, name, system), restart)
         self._names.append(name)
         return AgentRef(self, name)
 
@@ -698,7 +691,7 @@ class Runtime:
         A prompt lost to journal damage is checked against the checksum its
         conversation's records carry; the agent then records the given one again.
         """
-        stored = self.env.persistence().proxy().stored(name).get(timeout=timeout)
+        stored = self._env.persistence().proxy().stored(name).get(timeout=timeout)
         if stored is None or stored.messages == 0:
             return  # nothing stored, or an unreadable journal: the agent itself reports that
         lost_but_same = stored.system is None and stored.check in (None, store.prompt_check(system))
@@ -719,12 +712,12 @@ class Runtime:
         Raises RuntimeClosed after `shutdown`.
         """
         self._check_running()
-        stored = {a.name: a for a in self.env.persistence().proxy().stored_all().get(timeout=timeout)}
+        stored = {a.name: a for a in self._env.persistence().proxy().stored_all().get(timeout=timeout)}
         running = set(self._names)
         infos = []
         for name in sorted(running | set(stored)):
             a = stored.get(name)
-            cache = "hot" if name in self.env.hot else "warm" if a is not None and a.cache else "none"
+            cache = "hot" if name in self._env.hot else "warm" if a is not None and a.cache else "none"
             infos.append(AgentInfo(name, name in running, 0 if a is None else a.turns, cache))
         return infos
 
@@ -741,7 +734,7 @@ class Runtime:
         store.check_agent_id(name)
         if name in self._names:
             self._stop_agent(name)
-        return self.env.persistence().proxy().delete(name).get(timeout=timeout)
+        return self._env.persistence().proxy().delete(name).get(timeout=timeout)
 
     def stored(self, name: str) -> bool:
         """Whether agent `name` has a journal or cache in `cache_dir` (running or not)."""
@@ -774,12 +767,12 @@ class Runtime:
 
     def engine_stats(self, timeout: float = 10.0):
         """A snapshot of the engine's `EngineStats` (decode step and prefill chunk times), for profiles."""
-        return self.env.batcher().ask(_STATS, timeout=timeout)
+        return self._env.batcher().ask(_STATS, timeout=timeout)
 
     @property
     def dead_letters(self) -> list[DeadLetter]:
         """Messages that could not be delivered, oldest first."""
-        return list(self.env.dead_letters)
+        return list(self._env.dead_letters)
 
     # -- life cycle ------------------------------------------------------------------
 
@@ -791,15 +784,15 @@ class Runtime:
         """
         self._closed = True
         engine_thread = self._engine_thread()
-        for ref in (self.supervisor, self.services):
+        for ref in (self._supervisor, self._services):
             if ref is None:
                 continue
             try:
                 ref.stop(timeout=60)
             except pykka.ActorDeadError:
                 pass
-        if self.env is not None:
-            self.env.close()
+        if self._env is not None:
+            self._env.close()
         if engine_thread is not None:
             wait_thread_gone(engine_thread)
         if self._lock is not None:
@@ -817,12 +810,12 @@ class Runtime:
     def _engine_thread(self) -> threading.Thread | None:
         """The thread of the current batcher (the one that runs the model), if it is up."""
         try:
-            return self.env.batcher().proxy().thread.get(timeout=5)
+            return self._env.batcher().proxy().thread.get(timeout=5)
         except Exception:  # noqa: BLE001 - no batcher (never started, restarting, stopped): nothing to wait for
             return None
 
     def _start_child(self, sup, name, start, restart="permanent"):
-        env = self.env
+        env = self._env
 
         def started():
             ref = start(sup)
@@ -838,24 +831,24 @@ class Runtime:
             raise UnknownAgent(f"no running agent named {name!r}; running: {self._names}")
         deadline = time.monotonic() + 10
         while True:
-            ref = self.env.refs.get(name)
+            ref = self._env.refs.get(name)
             if ref is not None and ref.is_alive():
                 return ref
             if self._exited(name):  # a temporary (or transient) agent that was not restarted
                 if name in self._names:
                     self._names.remove(name)
-                self.env.refs.pop(name, None)
-                self.env.hot.discard(name)
+                self._env.refs.pop(name, None)
+                self._env.hot.discard(name)
                 raise UnknownAgent(f"agent {name!r} exited and was not restarted; spawn it again")
-            if time.monotonic() > deadline or self.escalation:
+            if time.monotonic() > deadline or self._escalation:
                 self._check_running()
                 raise AgentCrashed(None, f"agent {name!r} did not come back from a restart")
-            self.env.wait_changed(0.05)  # woken when the restarted actor registers
+            self._env.wait_changed(0.05)  # woken when the restarted actor registers
 
     def _exited(self, name) -> bool:
         """Whether the agents' supervisor dropped child `name` (so no restart is coming)."""
         try:
-            self.supervisor.proxy().whereis(name).get(timeout=10)
+            self._supervisor.proxy().whereis(name).get(timeout=10)
         except UnknownChild:
             return name in self._names
         except (pykka.ActorDeadError, pykka.Timeout):
@@ -866,7 +859,7 @@ class Runtime:
         try:
             ref = self._ref(name)
         except UnknownAgent as e:
-            self.env.dead_letter(name, message, str(e))
+            self._env.dead_letter(name, message, str(e))
             raise
         try:
             ref.tell(message)
@@ -881,22 +874,22 @@ class Runtime:
         if name not in self._names:
             raise UnknownAgent(f"no running agent named {name!r}")
         self._names.remove(name)
-        self.supervisor.proxy().stop_child(name).get(timeout=60)
-        self.env.refs.pop(name, None)
-        self.env.hot.discard(name)
+        self._supervisor.proxy().stop_child(name).get(timeout=60)
+        self._env.refs.pop(name, None)
+        self._env.hot.discard(name)
 
     def _escalated(self, name, error):
-        self.escalation = (name, error)
-        self.env.close()
+        self._escalation = (name, error)
+        self._env.close()
         log.error("supervision escalated (%s): %s", name, error)
         if self._on_escalate:
             self._on_escalate(name, error)
 
     def _check_running(self):
-        if self._closed and not self.escalation:
+        if self._closed and not self._escalation:
             raise RuntimeClosed("the Runtime was shut down; start a new Runtime to talk to its agents")
-        if self.escalation:
-            name, error = self.escalation
+        if self._escalation:
+            name, error = self._escalation
             raise RuntimeEscalated(f"supervision gave up after {name!r} kept failing ({error}); "
                                    "start a new Runtime") from error
 
