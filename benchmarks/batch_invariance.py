@@ -6,7 +6,7 @@ Each of --prompts chat prompts is answered greedily twice by the engine: alone
 per prompt, whether the tokens are identical and where they first differ.
 
     python -m benchmarks.batch_invariance                 # SmolLM2-135M-Instruct, Q4 KV cache
-    python -m benchmarks.batch_invariance --kv-bits 8 --batch 8
+    python -m benchmarks.batch_invariance --kv-scheme k8v8-g64 --batch 8
 """
 
 from __future__ import annotations
@@ -36,15 +36,16 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="chat prompts (default: %(default)s)")
     ap.add_argument("--batch", type=int, default=4, help="agents per batch (default: %(default)s)")
     ap.add_argument("--new", type=int, default=12, help="greedy tokens per answer (default: %(default)s)")
-    ap.add_argument("--kv-bits", type=int, default=4, help="KV cache bits (default: %(default)s)")
+    ap.add_argument("--kv-scheme", default=None, help="KV scheme name (default: the model's, runtime.kvscheme)")
     args = ap.parse_args(argv)
     if args.model in ("tiny", "llama-8b-shape"):
         args.model = None
     from runtime.engine import Engine, Turn
+    from runtime.kvscheme import parse
     from runtime.model import load_model
 
     env = environment()
-    model, tokenizer, spec = load_model(args.model, kv_bits=args.kv_bits)
+    model, tokenizer, spec = load_model(args.model, parse(args.kv_scheme) if args.kv_scheme else None)
     env["model"] = spec.model_id
     print(env, flush=True)
     system = "You are a helpful assistant. Answer briefly."
@@ -74,10 +75,10 @@ def main(argv=None) -> int:
                      "solo": s.text, "batched": b.text})
     same = sum(r["identical"] for r in rows)
     notes = (f"{same}/{len(rows)} answers identical, batched {args.batch} at a time against solo; "
-             f"{args.kv_bits}-bit KV cache (group {spec.kv_group_size}), {args.new} new tokens, greedy. "
+             f"KV cache {spec.kv_scheme.name}, {args.new} new tokens, greedy. "
              f"Solo {solo_s:.0f} s, batched {batched_s:.0f} s. Model: {spec.model_id}.")
     print(notes)
-    name = args.name or f"batch_invariance-kv{args.kv_bits}"
+    name = args.name or f"batch_invariance-{spec.kv_scheme.name}"
     write_results(name, env, rows, COLUMNS, args.out, notes)
     return 0
 

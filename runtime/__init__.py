@@ -31,6 +31,7 @@ _EXPORTS = {
     "actors.supervisor": ("UnknownChild",),
     "runtime.engine": ("TurnError", "TurnAbandoned", "TurnTooLarge"),
     "runtime.q4cache": ("Q4CacheError",),
+    "runtime.kvscheme": ("KVSchemeError",),
     "runtime.store": ("CacheDirInUse", "InvalidAgentId", "JournalError", "UnsafePath", "CacheError", "CacheMissing",
                       "CorruptCache", "TruncatedCache", "UnsupportedVersion", "ChecksumMismatch", "ForeignModel",
                       "QuantizationMismatch", "ShapeMismatch", "UnreadableCache"),

@@ -29,6 +29,7 @@ import mlx.core as mx
 from mlx_lm.models import base as mlx_base
 
 from runtime import q4sdpa
+from runtime.kvscheme import KVScheme, plain, rotate
 
 SHORT_QUERY = 512  # queries per call from which the fused kernel's per-shape setup pays off
 
@@ -58,18 +59,30 @@ def installed() -> bool:
     return mlx_base.quantized_scaled_dot_product_attention is sdpa
 
 
-def sdpa(queries, keys, values, scale, mask, group_size: int = 64, bits: int = 4):
+def sdpa(queries, keys, values, scale, mask, group_size: int = 64, bits: int | KVScheme = 4):
     """Attention of `queries` (B, Hq, L, D) over keys and values of a batch cache.
 
     `keys`/`values` are packed (words, scales, biases) tuples or 16-bit arrays
-    (B, Hkv, S, D). `mask` is None, "causal", or a boolean or additive array
+    (B, Hkv, S, D), stored under `bits`: a `KVScheme` (what a `BatchQuantizedKVCache`
+    hands mlx-lm as its `bits`) or an int (mlx-lm's own QuantizedKVCache: that many
+    bits for keys and values, unrotated). Under a rotating scheme the keys and values
+    are rotated, so the queries are rotated before and the output rotated back after,
+    whatever the route. `mask` is None, "causal", or a boolean or additive array
     broadcastable to (B, 1, L, S). `queries` is not modified.
     """
+    scheme = bits if isinstance(bits, KVScheme) else plain(bits, group_size)
+    out = _routed_sdpa(rotate(queries, scheme), keys, values, scale, mask, scheme)
+    return rotate(out, scheme)
+
+
+def _routed_sdpa(queries, keys, values, scale, mask, scheme: KVScheme):
+    """`sdpa` on keys and values in the basis they are stored in (queries already rotated to it)."""
     if isinstance(mask, RowRange):
-        return q4sdpa.q4_decode_sdpa(queries, keys, values, mask.start, mask.end, scale, group_size, mask.meta,
-                                     mask.window)
+        return q4sdpa.q4_decode_sdpa(queries, keys, values, mask.start, mask.end, scale, scheme.group_size,
+                                     mask.meta, mask.window)
     if isinstance(keys, tuple):
-        return quantized_sdpa(queries, keys, values, scale, mask, group_size, bits)
+        return quantized_sdpa(queries, keys, values, scale, mask, scheme.group_size, scheme.key_bits,
+                              scheme.value_bits)
     L = queries.shape[2]
     if L >= SHORT_QUERY or (L < 4 and not isinstance(mask, mx.array)):
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
@@ -112,12 +125,13 @@ def plain_sdpa(queries, keys, values, scale, mask):
     return out.reshape(B, n_q_heads, L, -1)
 
 
-def quantized_sdpa(queries, q_keys, q_values, scale, mask, group_size=64, bits=4):
+def quantized_sdpa(queries, q_keys, q_values, scale, mask, group_size=64, bits=4, value_bits=None):
     """Attention of `queries` over packed quantized keys and values (mlx-lm's scheme).
 
     queries: (B, n_q_heads, L, D); q_keys / q_values: (words, scales, biases) of
-    shape (B, n_kv_heads, S, ...). `mask` is None, "causal", or a boolean or
-    additive array broadcastable to (B, heads, L, S). `queries` is not modified.
+    shape (B, n_kv_heads, S, ...), keys of `bits` bits, values of `value_bits`
+    (default: `bits`). `mask` is None, "causal", or a boolean or additive array
+    broadcastable to (B, heads, L, S). `queries` is not modified.
     """
     B, n_q_heads, L, D = queries.shape
     n_kv_heads = q_keys[0].shape[-3]
@@ -139,7 +153,8 @@ def quantized_sdpa(queries, q_keys, q_values, scale, mask, group_size=64, bits=4
         else:
             scores = scores + mask
     scores = mx.softmax(scores, axis=-1, precise=True)
-    out = mx.quantized_matmul(scores, *q_values, transpose=False, group_size=group_size, bits=bits)
+    out = mx.quantized_matmul(scores, *q_values, transpose=False, group_size=group_size,
+                              bits=bits if value_bits is None else value_bits)
     if n_repeats > 1:
         out = mx.reshape(out, (B, n_q_heads, L, -1))
     return out

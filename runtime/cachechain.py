@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -205,7 +205,7 @@ class _Chain:
     def apply(self, delta: HostCache, link: dict) -> None:
         """Cut at `link["start"]` and append `delta`'s rows; raises CorruptCache (changing nothing) if they do not fit."""
         base, start, lengths, n = self.first, link.get("start"), link.get("lengths"), delta.n_tokens
-        same = (delta.dtype, delta.bits, delta.group_size, delta.n_layers) == (base.dtype, base.bits, base.group_size, base.n_layers)
+        same = (delta.dtype, delta.scheme, delta.n_layers) == (base.dtype, base.scheme, base.n_layers)
         if not same or type(start) is not int or not 0 <= start <= self.n or start >= n or not isinstance(lengths, list) \
                 or len(lengths) != base.n_layers or not all(type(x) is int for x in lengths) or set(delta.tensors) != set(self.pieces):
             raise CorruptCache(f"delta (start {start!r}) does not fit the cache before it ({self.n} tokens)")
@@ -227,8 +227,7 @@ class _Chain:
         """The rebuilt cache (one concatenation per tensor)."""
         tensors = {name: parts[0] if len(parts) == 1 else np.concatenate(parts, axis=2) for name, parts in self.pieces.items()}
         lengths = () if all(x == self.n for x in self.lengths) else tuple(self.lengths)
-        b = self.first
-        return HostCache(tensors, b.dtype, b.bits, b.group_size, b.n_layers, self.n, lengths)
+        return replace(self.first, tensors=tensors, n_tokens=self.n, lengths=lengths)
 
 
 def _rows(pieces: list, lo: int, hi: int) -> list:

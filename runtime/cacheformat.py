@@ -3,7 +3,9 @@
 `cache.safetensors` is written with the `safetensors` package: the tensors of a
 `runtime.hostcache.HostCache`, moved as raw bits. The header's `__metadata__` holds
 `format` ("kvactors-q4-cache"), `format_version` ("1"), `meta` (JSON: fingerprint,
-kv_bits, kv_group_size, dtype, n_layers, n_tokens, lengths, seq, turn_id, text,
+kv_bits (the keys'), kv_value_bits, kv_group_size, kv_rotation (the `KVScheme`; a
+file without the last two is an unrotated one of kv_bits for keys and values),
+dtype, n_layers, n_tokens, lengths, seq, turn_id, text,
 token_ids, token_ends, created, and in a delta file `delta`: see `runtime.cachechain`)
 and `checksum` ("crc32:<hex>" over the meta string, then every tensor's name, dtype,
 shape and crc32 of its bytes, in name order).
@@ -25,6 +27,7 @@ from safetensors import TensorSpec, serialize
 
 from runtime.errors import KvactorsError
 from runtime.hostcache import CacheMeta, HostCache, check_cache, tensor_name
+from runtime.kvscheme import plain
 
 FORMAT = "kvactors-q4-cache"
 FORMAT_VERSION = 1
@@ -70,7 +73,7 @@ class ForeignModel(CacheError):
 
 
 class QuantizationMismatch(CacheError):
-    """The cache was quantized with other bits or group size than the runtime uses."""
+    """The cache was quantized under another KV scheme (bits, group size, rotation) than the runtime uses."""
 
 
 class ShapeMismatch(CacheError):
@@ -127,8 +130,10 @@ def encode_file(host: HostCache, meta: CacheMeta, fingerprint: str, delta: dict 
     meta_json = json.dumps(
         {
             "fingerprint": fingerprint,
-            "kv_bits": host.bits,
+            "kv_bits": host.scheme.key_bits,
+            "kv_value_bits": host.scheme.value_bits,
             "kv_group_size": host.group_size,
+            "kv_rotation": host.rotation,
             "dtype": host.dtype,
             "n_layers": host.n_layers,
             "n_tokens": host.n_tokens,
@@ -183,7 +188,8 @@ def decode_file(data, spec=None) -> tuple[HostCache, CacheMeta, str, dict | None
         dtypes = {k: v["dtype"] for k, v in header.items()}
         host = HostCache(
             tensors, m["dtype"], int(m["kv_bits"]), int(m["kv_group_size"]), int(m["n_layers"]), int(m["n_tokens"]),
-            tuple(int(n) for n in m.get("lengths", ())),
+            tuple(int(n) for n in m.get("lengths", ())), int(m.get("kv_value_bits", m["kv_bits"])),
+            str(m.get("kv_rotation", "none")),
         )
         meta = CacheMeta(
             int(m["seq"]), list(m["token_ids"]), list(m["token_ends"]), str(m["text"]),
@@ -248,10 +254,11 @@ def check_spec(host: HostCache, fingerprint: str, spec) -> None:
             f"cache was made by model {fingerprint}, the runtime runs {spec.fingerprint}; "
             "it cannot be reused, the agent re-prefills from its journal"
         )
-    if (host.bits, host.group_size) != (spec.kv_bits, spec.kv_group_size):
+    scheme = getattr(spec, "kv_scheme", None) or plain(spec.kv_bits, spec.kv_group_size)  # plain for bare specs
+    if host.scheme != scheme:
         raise QuantizationMismatch(
-            f"cache is {host.bits}-bit with group {host.group_size}, the runtime uses {spec.kv_bits}-bit "
-            f"with group {spec.kv_group_size}; the agent re-prefills from its journal"
+            f"cache is stored as {host.scheme.name}, the runtime uses {scheme.name}; "
+            "the agent re-prefills from its journal"
         )
     problems = []
     if host.n_layers != spec.n_layers:
@@ -264,8 +271,9 @@ def check_spec(host: HostCache, fingerprint: str, spec) -> None:
         window, n = windows[i], host.length(i)
         if n < (host.n_tokens if window is None else min(host.n_tokens, window)):
             problems.append(f"layer {i} holds {n} of {host.n_tokens} tokens, its attention needs more")
-        for kind, dim in (("keys", spec.k_head_dim), ("values", spec.v_head_dim)):
-            want = (1, spec.n_kv_heads, n, dim * host.bits // 32)
+        for kind, dim, bits in (("keys", spec.k_head_dim, host.scheme.key_bits),
+                                ("values", spec.v_head_dim, host.scheme.value_bits)):
+            want = (1, spec.n_kv_heads, n, dim * bits // 32)
             got = host.tensors[tensor_name(i, kind, "packed")].shape
             if tuple(got) != want:
                 problems.append(f"layer {i} {kind} packed {tuple(got)}, expected {want}")

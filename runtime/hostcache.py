@@ -17,6 +17,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from runtime.kvscheme import KVScheme
+
 _PARTS = ("packed", "scales", "biases")
 # activation dtype -> numpy dtype that holds its scales and biases (bfloat16 as raw bits)
 SCALE_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
@@ -30,6 +32,8 @@ class HostCache:
     shape (1, kv_heads, length(i), ...): a bounded sliding layer keeps only the last
     `length(i)` of the `n_tokens` positions, every other layer all of them. Scales and biases in bfloat16 are held as their
     raw uint16 bits; `dtype` names the real activation dtype. Empty when n_tokens == 0.
+    The rows are stored under `scheme`: keys of `bits`, values of `value_bits` (None:
+    `bits`), groups of `group_size`, `rotation`.
     """
 
     tensors: dict
@@ -39,6 +43,14 @@ class HostCache:
     n_layers: int
     n_tokens: int
     lengths: tuple = ()  # tokens stored per layer when some hold fewer (bounded sliding layers)
+    value_bits: int | None = None
+    rotation: str = "none"
+
+    @property
+    def scheme(self) -> KVScheme:
+        """The `KVScheme` the rows are stored under."""
+        return KVScheme(self.bits, self.bits if self.value_bits is None else self.value_bits, self.group_size,
+                        self.rotation)
 
     def length(self, layer: int) -> int:
         """Tokens stored for `layer`: its last `length` positions of `n_tokens`."""
@@ -98,12 +110,12 @@ def cache_to_host(cache, start: int = 0) -> HostCache:
     min(n_tokens - start, stored) rows, so the result is the delta `next_segment`
     writes. Reads only evaluated arrays (building one `view` per bfloat16 array on the
     calling thread, evaluated there), so any thread may call it. Tokens beyond `offset`
-    are dropped. Raises ValueError for layers that disagree in bits, group, length or
+    are dropped. Raises ValueError for layers that disagree in scheme, length or
     dtype, or a `start` outside [0, n_tokens).
     """
     import mlx.core as mx
 
-    n_tokens, bits, group_size, stored = _layers(cache)
+    n_tokens, scheme, stored = _layers(cache)
     if start and not 0 < start < n_tokens:
         raise ValueError(f"cannot copy from position {start} of {n_tokens} cached tokens")
     arrays, dtype, lengths = {}, "float32", []
@@ -120,7 +132,8 @@ def cache_to_host(cache, start: int = 0) -> HostCache:
                 arrays[tensor_name(i, kind, part)] = x
     tensors = _to_numpy(arrays)
     lengths = () if all(n == n_tokens for n in lengths) else tuple(lengths)
-    host = HostCache(tensors, dtype, bits, group_size, len(cache), n_tokens, lengths)
+    host = HostCache(tensors, dtype, scheme.key_bits, scheme.group_size, len(cache), n_tokens, lengths,
+                     scheme.value_bits, scheme.rotation)
     _check_host(host)
     return host
 
@@ -148,25 +161,25 @@ def _to_numpy(arrays: dict) -> dict:
     return out
 
 
-def _layers(cache) -> tuple[int, int, int, list[int]]:
-    """(n_tokens, bits, group_size, rows stored per layer) of a per-layer `QuantizedKVCache` list.
+def _layers(cache) -> tuple[int, KVScheme, list[int]]:
+    """(n_tokens, scheme, rows stored per layer) of a per-layer `QuantizedKVCache` list.
 
-    Raises ValueError when layers disagree in bits, group or length.
+    Raises ValueError when layers disagree in scheme or length.
     """
-    from runtime.q4cache import stored_tokens
+    from runtime.q4cache import scheme_of, stored_tokens
 
     first = cache[0]
-    bits, group_size = first.bits, first.group_size
+    scheme = scheme_of(first)
     n_tokens = 0 if first.keys is None else first.offset
     stored = []
     for i, layer in enumerate(cache):
-        if (layer.bits, layer.group_size) != (bits, group_size):
-            raise ValueError(f"layer {i} has bits/group {layer.bits}/{layer.group_size}, layer 0 {bits}/{group_size}")
+        if scheme_of(layer) != scheme:
+            raise ValueError(f"layer {i} is stored as {scheme_of(layer).name}, layer 0 as {scheme.name}")
         tokens = 0 if layer.keys is None else layer.offset
         if tokens != n_tokens:
             raise ValueError(f"layer {i} holds {tokens} tokens, layer 0 holds {n_tokens}")
         stored.append(stored_tokens(layer) if n_tokens else 0)
-    return n_tokens, bits, group_size, stored
+    return n_tokens, scheme, stored
 
 
 @dataclass(frozen=True)
@@ -202,9 +215,9 @@ class DeviceCache:
 def on_device(cache) -> DeviceCache:
     """Wrap an evaluated per-layer `QuantizedKVCache` list for the persistence actor (no copy).
 
-    Raises ValueError when its layers disagree in bits, group or length.
+    Raises ValueError when its layers disagree in scheme or length.
     """
-    n_tokens, _, _, stored = _layers(cache)
+    n_tokens, _, stored = _layers(cache)
     nbytes = sum(x.nbytes * n // max(x.shape[-2], 1) for layer, n in zip(cache, stored) if n
                  for x in (*layer.keys, *layer.values))
     lengths = () if all(n == n_tokens for n in stored) else tuple(stored)
@@ -218,9 +231,10 @@ def host_to_cache(host: HostCache) -> list:
     layer is an empty cache (`keys is None`).
     """
     import mlx.core as mx
-    from mlx_lm.models.cache import QuantizedKVCache
 
-    caches = [QuantizedKVCache(group_size=host.group_size, bits=host.bits) for _ in range(host.n_layers)]
+    from runtime.q4cache import layer_cache
+
+    caches = [layer_cache(host.scheme) for _ in range(host.n_layers)]
     if host.n_tokens == 0:
         return caches
     for i, c in enumerate(caches):
@@ -264,13 +278,12 @@ def trim_cache(cache, keep: int) -> list:
     The slices are evaluated before returning, on the calling thread; `cache` is unchanged.
     """
     import mlx.core as mx
-    from mlx_lm.models.cache import QuantizedKVCache
 
-    from runtime.q4cache import stored_tokens
+    from runtime.q4cache import layer_cache, scheme_of, stored_tokens
 
     out = []
     for layer in cache:
-        c = QuantizedKVCache(group_size=layer.group_size, bits=layer.bits)
+        c = layer_cache(scheme_of(layer))
         if keep > 0 and layer.keys is not None:
             positions = min(keep, layer.offset)
             n = stored_tokens(layer) - (layer.offset - positions)  # a bounded sliding layer stores its last positions
@@ -298,8 +311,10 @@ def _check_host(host: HostCache) -> None:
     """Raise ValueError unless `host` is internally consistent (shapes, dtypes, names)."""
     if host.dtype not in SCALE_DTYPES:
         raise ValueError(f"unsupported scales dtype {host.dtype!r}")
-    if 32 % host.bits:
-        raise ValueError(f"unsupported bits {host.bits}")
+    try:
+        scheme = host.scheme
+    except ValueError as e:
+        raise ValueError(f"unsupported quantization: {e}") from e
     names = {name for i in range(host.n_layers) for name in layer_names(i)}
     if host.n_tokens == 0:
         names = set()
@@ -315,9 +330,9 @@ def _check_host(host: HostCache) -> None:
         if a.dtype != want or a.ndim != 4 or a.shape[0] != 1 or a.shape[2] != n:
             raise ValueError(f"{name}: {a.dtype}{a.shape}, expected {np.dtype(want)} (1, H, {n}, D)")
     for i in range(host.n_layers if host.n_tokens else 0):
-        for kind in ("keys", "values"):
+        for kind, bits in (("keys", scheme.key_bits), ("values", scheme.value_bits)):
             p, s, b = (host.tensors[tensor_name(i, kind, part)] for part in _PARTS)
-            dim = p.shape[-1] * 32 // host.bits
+            dim = p.shape[-1] * 32 // bits
             if s.shape != b.shape or s.shape[:3] != p.shape[:3] or s.shape[-1] * host.group_size != dim:
                 raise ValueError(f"layer {i} {kind}: packed {p.shape}, scales {s.shape}, biases {b.shape} disagree")
 

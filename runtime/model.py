@@ -15,10 +15,11 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from runtime.errors import KvactorsError
+from runtime.kvscheme import KVScheme, default_scheme
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -52,7 +53,9 @@ class ModelCacheSpec:
     """The KV-cache geometry of one model, plus its fingerprint.
 
     `layer_kinds[i]` is "full" or "sliding"; `windows[i]` is the sliding window of
-    layer i (None for full layers). Q4 sizes use `kv_bits` and `kv_group_size`.
+    layer i (None for full layers). The KV cache is quantized under `kv_scheme`:
+    keys of `kv_bits`, values of `kv_value_bits` (None: `kv_bits`), groups of
+    `kv_group_size`, rotation `kv_rotation`.
     """
 
     model_id: str
@@ -67,14 +70,30 @@ class ModelCacheSpec:
     dtype: str
     kv_bits: int = 4
     kv_group_size: int = 64
+    kv_value_bits: int | None = None
+    kv_rotation: str = "none"
+
+    @property
+    def kv_scheme(self) -> KVScheme:
+        """The `KVScheme` the model's KV cache is quantized under."""
+        value_bits = self.kv_bits if self.kv_value_bits is None else self.kv_value_bits
+        return KVScheme(self.kv_bits, value_bits, self.kv_group_size, self.kv_rotation)
+
+    def with_scheme(self, scheme: KVScheme) -> ModelCacheSpec:
+        """This spec with its KV cache quantized under `scheme` instead (checked against the model)."""
+        scheme.check_model(self.k_head_dim, self.v_head_dim, self.has_sinks)
+        return replace(self, kv_bits=scheme.key_bits, kv_value_bits=scheme.value_bits,
+                       kv_group_size=scheme.group_size, kv_rotation=scheme.rotation)
 
     @classmethod
-    def from_model(cls, model, model_id, kv_bits: int = 4, kv_group_size: int = 64):
+    def from_model(cls, model, model_id, kv_scheme: KVScheme | None = None):
         """Describe `model` (an mlx-lm model) loaded from `model_id` (a folder or hub id).
 
         The geometry is read off the caches the model itself builds after a
-        one-token forward pass, so no architecture is special-cased. Raises
-        ValueError if a head dim is not a multiple of `kv_group_size`.
+        one-token forward pass, so no architecture is special-cased. `kv_scheme`
+        None takes `kvscheme.default_scheme` for the model. Raises KVSchemeError (a
+        ValueError) if the scheme cannot serve the model's head dims, or rotates
+        a model with attention sinks (which attends without `runtime.attention`).
         """
         import mlx.core as mx
         from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
@@ -88,12 +107,9 @@ class ModelCacheSpec:
             sliding = isinstance(c, RotatingKVCache)
             kinds.append("sliding" if sliding else "full")
             windows.append(c.max_size if sliding else None)
-        for name, dim in (("key", keys.shape[-1]), ("value", values.shape[-1])):
-            if dim % kv_group_size:
-                raise ValueError(
-                    f"{name} head dim {dim} is not a multiple of the Q4 group size "
-                    f"{kv_group_size}; pass a kv_group_size that divides it (e.g. Runtime(kv_group_size=32))"
-                )
+        has_sinks = any(hasattr(getattr(layer, "self_attn", None), "sinks") for layer in model.layers)
+        scheme = kv_scheme or default_scheme(has_sinks)
+        scheme.check_model(keys.shape[-1], values.shape[-1], has_sinks)
         return cls(
             model_id=str(model_id),
             fingerprint=fingerprint(resolve_model_path(model_id)),
@@ -103,31 +119,30 @@ class ModelCacheSpec:
             v_head_dim=values.shape[-1],
             layer_kinds=tuple(kinds),
             windows=tuple(windows),
-            has_sinks=any(
-                hasattr(getattr(layer, "self_attn", None), "sinks")
-                for layer in model.layers
-            ),
+            has_sinks=has_sinks,
             dtype=str(keys.dtype).removeprefix("mlx.core."),
-            kv_bits=kv_bits,
-            kv_group_size=kv_group_size,
+            kv_bits=scheme.key_bits,
+            kv_group_size=scheme.group_size,
+            kv_value_bits=scheme.value_bits,
+            kv_rotation=scheme.rotation,
         )
 
     def fp16_bytes_per_token(self) -> int:
         """Bytes of one token's K and V over all layers in a 16-bit KVCache."""
         return 2 * self.n_layers * self.n_kv_heads * (self.k_head_dim + self.v_head_dim)
 
-    def q4_bytes_per_token(self, bits: int | None = None, group_size: int | None = None) -> float:
-        """Bytes of one token's packed K and V over all layers (words + scales and biases).
+    def q4_bytes_per_token(self) -> float:
+        """Bytes of one token's packed K and V over all layers under `kv_scheme` (words + scales and biases).
 
-        Scales and biases have the model's dtype (4 bytes each for a float32 model, 2 for
-        16-bit ones), as `mx.quantize` makes them.
+        Keys take the scheme's key bits and values its value bits. Scales and biases
+        have the model's dtype (4 bytes each for a float32 model, 2 for 16-bit ones),
+        as `mx.quantize` makes them.
         """
-        bits = bits or self.kv_bits
-        group_size = group_size or self.kv_group_size
+        s = self.kv_scheme
         scale_bytes = 4 if self.dtype == "float32" else 2
-        per_element = bits / 8 + 2 * scale_bytes / group_size
-        dims = self.k_head_dim + self.v_head_dim
-        return self.n_layers * self.n_kv_heads * dims * per_element
+        per_group = 2 * scale_bytes / s.group_size
+        per_head = self.k_head_dim * (s.key_bits / 8 + per_group) + self.v_head_dim * (s.value_bits / 8 + per_group)
+        return self.n_layers * self.n_kv_heads * per_head
 
 
 # The files of a model repository that loading needs (mlx-lm's own download takes the same).
@@ -189,8 +204,12 @@ def default_model_file() -> Path:
     )
 
 
-def load_model(model: str | Path | None = None, kv_bits: int = 4, kv_group_size: int = 64):
+def load_model(model: str | Path | None = None, kv_scheme: KVScheme | None = None):
     """Load `model` with `mlx_lm.load`; return (model, tokenizer, ModelCacheSpec).
+
+    The KV cache is quantized under `kv_scheme` (None: `kvscheme.default_scheme`
+    for the model); `ModelCacheSpec.from_model` raises KVSchemeError for one
+    that cannot serve it.
 
     The model is prepared for the engine (`runtime.prepare`: on CUDA, quantized
     linears take flattened inputs and decode through the batch-invariant GEMV).
@@ -207,7 +226,7 @@ def load_model(model: str | Path | None = None, kv_bits: int = 4, kv_group_size:
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path} has no config.json: it is not a model folder")
     net, tokenizer = mlx_lm.load(str(path))
-    spec = ModelCacheSpec.from_model(net, path, kv_bits=kv_bits, kv_group_size=kv_group_size)
+    spec = ModelCacheSpec.from_model(net, path, kv_scheme)
     prepare_model(net)
     return net, tokenizer, spec
 

@@ -45,6 +45,7 @@ from mlx_lm.models.cache import QuantizedKVCache, _BaseCache, create_attention_m
 
 from runtime import attention, q4sdpa
 from runtime.errors import KvactorsError
+from runtime.kvscheme import KVScheme, plain, rotate
 from runtime.qgemv import available as on_cuda
 
 ROUTES = ("quantized", "dequant", "dequant_once", "q4kernel")
@@ -91,6 +92,41 @@ def _dequantize(packed, group_size, bits):
     return mx.dequantize(*packed, group_size=group_size, bits=bits)
 
 
+def _dequantize_kv(packed_kv, scheme: KVScheme):
+    """The dequantized (keys, values) of packed (keys, values) under `scheme` (still rotated, if it rotates)."""
+    keys, values = packed_kv
+    return _dequantize(keys, scheme.group_size, scheme.key_bits), _dequantize(values, scheme.group_size, scheme.value_bits)
+
+
+class AgentKVCache(QuantizedKVCache):
+    """One layer of one agent's cache: mlx-lm's `QuantizedKVCache` plus the scheme its rows are stored under.
+
+    `bits` are the keys' bits; `value_bits` and `rotation` complete the `KVScheme`.
+    Only the batch cache quantizes: an agent's layers hold packed rows, and are
+    never driven by a model themselves.
+    """
+
+    def __init__(self, group_size: int = 64, bits: int = 4, value_bits: int | None = None, rotation: str = "none"):
+        super().__init__(group_size=group_size, bits=bits)
+        self.value_bits = bits if value_bits is None else value_bits
+        self.rotation = rotation
+
+    @property
+    def scheme(self) -> KVScheme:
+        """The layer's `KVScheme`."""
+        return KVScheme(self.bits, self.value_bits, self.group_size, self.rotation)
+
+
+def layer_cache(scheme: KVScheme) -> AgentKVCache:
+    """An empty per-agent layer cache for rows stored under `scheme`."""
+    return AgentKVCache(scheme.group_size, scheme.key_bits, scheme.value_bits, scheme.rotation)
+
+
+def scheme_of(layer) -> KVScheme:
+    """The `KVScheme` of a per-agent layer: an `AgentKVCache`'s own, a plain mlx-lm `QuantizedKVCache`'s unrotated one."""
+    return layer.scheme if isinstance(layer, AgentKVCache) else plain(layer.bits, layer.group_size)
+
+
 def _map(fn, packed):
     return tuple(fn(x) for x in packed)
 
@@ -128,7 +164,7 @@ def _widened(x, width: int):
     return mx.concatenate([x, mx.zeros((*x.shape[:2], width - x.shape[2], x.shape[3]), x.dtype)], axis=2)
 
 
-def _working_copy(packed_kv, group_size, bits, width: int):
+def _working_copy(packed_kv, scheme: KVScheme, width: int):
     """The dequantized (keys, values) of `packed_kv`, zero-extended to `width` columns.
 
     The width is the allocation plus DENSE_EXTRA on purpose. MLX-CUDA decodes with
@@ -140,7 +176,7 @@ def _working_copy(packed_kv, group_size, bits, width: int):
     and decodes as fast (`benchmarks/profile.py` measures both ways by setting
     DENSE_EXTRA to 0). Other backends ignore the extra column.
     """
-    return tuple(_widened(_dequantize(p, group_size, bits), width) for p in packed_kv)
+    return tuple(_widened(d, width) for d in _dequantize_kv(packed_kv, scheme))
 
 
 def _zero_rows(template, rows: int, width: int):
@@ -165,11 +201,10 @@ class BatchQuantizedKVCache(_BaseCache):
     row out with `extract`, drop rows with `filter`, add rows with `extend`.
     """
 
-    def __init__(self, left_padding, bits: int = 4, group_size: int = 64, route: str | None = None,
+    def __init__(self, left_padding, scheme: KVScheme = KVScheme(), route: str | None = None,
                  keep: int | None = None, own_attention: bool = True):
         self.keep = keep  # sliding layers: the most tokens `extract` hands out (None: all)
-        self.kv_bits = bits
-        self.kv_group_size = group_size
+        self.scheme = scheme
         self.route = check_route(route or default_route())
         self.keys = None  # (words, scales, biases), each (B, H, allocated, ...)
         self.values = None
@@ -188,27 +223,33 @@ class BatchQuantizedKVCache(_BaseCache):
                                "runtime.attention.install() once before building batch caches (Engine does)")
         if not own_attention and self.route == "quantized":
             raise Q4CacheError("the quantized route cannot serve attention sinks; use 'dequant' or 'dequant_once'")
+        if not own_attention and scheme.rotated:
+            raise Q4CacheError(f"models with attention sinks attend by themselves and cannot rotate their queries: "
+                               f"the KV scheme {scheme.name} needs runtime.attention; use an unrotated one")
 
     # -- what the model drives -------------------------------------------------
 
     def update_and_fetch(self, keys, values):
         """Quantize and append keys/values of shape (B, H, N, D); return what attention reads.
 
-        Returns packed tuples under the "quantized" route, else 16-bit arrays
-        (the dequantized cache including the new tokens).
+        Keys and values are rotated first if the scheme rotates (`runtime.attention.sdpa`
+        rotates queries and outputs to match). Returns packed tuples under the
+        "quantized" route, else 16-bit arrays (the dequantized cache including the
+        new tokens, still rotated).
         """
         B, H, N, Dk = keys.shape
         Dv = values.shape[-1]
+        g = self.scheme.group_size
         for name, d in (("key", Dk), ("value", Dv)):
-            if d % self.kv_group_size:
+            if d % g:
                 raise Q4CacheError(
-                    f"{name} head dim {d} is not divisible by the group size {self.kv_group_size}; "
+                    f"{name} head dim {d} is not divisible by the group size {g}; "
                     "use a group size that divides it (32 or 64)"
                 )
         prev = self._idx
         self._reserve(B, H, Dk, Dv, keys.dtype, prev + N)
-        new_k = _quantize(keys, self.kv_group_size, self.kv_bits)
-        new_v = _quantize(values, self.kv_group_size, self.kv_bits)
+        new_k = _quantize(rotate(keys, self.scheme), g, self.scheme.key_bits)
+        new_v = _quantize(rotate(values, self.scheme), g, self.scheme.value_bits)
         for dst, src in zip(self.keys + self.values, new_k + new_v):
             dst[..., prev : prev + N, :] = src
         self._idx += N
@@ -220,48 +261,48 @@ class BatchQuantizedKVCache(_BaseCache):
         if needed <= allocated:
             return
         grow = _grown(needed) - self._idx
-        per_word = 32 // self.kv_bits
+        g = self.scheme.group_size
 
-        def empty(d):
+        def empty(d, bits):
             shape = (B, H, grow)
             return (
-                mx.zeros((*shape, d // per_word), mx.uint32),
-                mx.zeros((*shape, d // self.kv_group_size), dtype),
-                mx.zeros((*shape, d // self.kv_group_size), dtype),
+                mx.zeros((*shape, d * bits // 32), mx.uint32),
+                mx.zeros((*shape, d // g), dtype),
+                mx.zeros((*shape, d // g), dtype),
             )
 
+        keys, values = empty(Dk, self.scheme.key_bits), empty(Dv, self.scheme.value_bits)
         if self.keys is None:
-            self.keys, self.values = empty(Dk), empty(Dv)
+            self.keys, self.values = keys, values
         else:
-            self.keys = self._grown(self.keys, empty(Dk))
-            self.values = self._grown(self.values, empty(Dv))
+            self.keys = self._grown(self.keys, keys)
+            self.values = self._grown(self.values, values)
 
     def _grown(self, packed, extra):
         return tuple(mx.concatenate([x[..., : self._idx, :], e], axis=2) for x, e in zip(packed, extra))
 
     def _fetch(self, new_k, new_v):
         N = new_k[0].shape[2]
-        g, b = self.kv_group_size, self.kv_bits
         if self.route == "q4kernel":
             if self._kernel_decode(N):
                 return self.keys, self.values  # whole buffers: make_mask gives each row's columns
             if self._whole_width(N):
-                return _working_copy((self.keys, self.values), g, b, self.keys[0].shape[2] + DENSE_EXTRA)
+                return _working_copy((self.keys, self.values), self.scheme, self.keys[0].shape[2] + DENSE_EXTRA)
         if self.route != "dequant_once":
             k, v = self.keys_and_values()
             if self.route == "quantized":
                 return k, v
-            return _dequantize(k, g, b), _dequantize(v, g, b)
+            return _dequantize_kv((k, v), self.scheme)
         prev = self._idx - N
         width = self.keys[0].shape[2] + DENSE_EXTRA  # see _working_copy
         if self._dense is None or self._dense_len != prev:
             # (re)build the working copy over the whole allocation, padding included
-            self._dense = _working_copy((self.keys, self.values), g, b, width)
+            self._dense = _working_copy((self.keys, self.values), self.scheme, width)
         else:
             if self._dense[0].shape[2] < width:
                 self._dense = tuple(_widened(d, width) for d in self._dense)
-            for d, n in zip(self._dense, (new_k, new_v)):
-                d[..., prev : self._idx, :] = _dequantize(n, g, b)
+            for d, n in zip(self._dense, _dequantize_kv((new_k, new_v), self.scheme)):
+                d[..., prev : self._idx, :] = n
         self._dense_len = self._idx
         if self._whole_width(N):
             return self._dense  # masked by make_mask's full-width mask
@@ -280,11 +321,14 @@ class BatchQuantizedKVCache(_BaseCache):
         )
 
     def _kernel_decode(self, N: int) -> bool:
-        """Whether attention for N queries runs `q4sdpa` on the packed cache (route "q4kernel")."""
+        """Whether attention for N queries runs `q4sdpa` on the packed cache (route "q4kernel").
+
+        The kernel reads 4-bit keys and values only; other bit widths decode on the working copy.
+        """
         return (
             self.route == "q4kernel" and self.own_attention and N == 1
-            and self.keys is not None and self.kv_bits == 4
-            and self.keys[0].shape[-1] * 8 in (64, 128) and self.kv_group_size <= self.keys[0].shape[-1] * 8
+            and self.keys is not None and (self.scheme.key_bits, self.scheme.value_bits) == (4, 4)
+            and self.keys[0].shape[-1] * 8 in (64, 128) and self.scheme.group_size <= self.keys[0].shape[-1] * 8
         )
 
     def keys_and_values(self):
@@ -328,43 +372,44 @@ class BatchQuantizedKVCache(_BaseCache):
 
     @property
     def bits(self):
-        """Bits per element. mlx-lm routes attention by hasattr(cache, "bits"): visible unless
-        `own_attention` is off, so attention goes to `runtime.attention.sdpa`."""
+        """The cache's `KVScheme`, under the name mlx-lm reads. mlx-lm routes attention by
+        hasattr(cache, "bits") and passes `cache.bits` on to `runtime.attention.sdpa`, which
+        needs the whole scheme (bits of keys and of values, rotation). Visible unless
+        `own_attention` is off."""
         if not self.own_attention:
             raise AttributeError("bits")
-        return self.kv_bits
+        return self.scheme
 
     @property
     def group_size(self):
         """Quantization group size; visible like `bits`."""
         if not self.own_attention:
             raise AttributeError("group_size")
-        return self.kv_group_size
+        return self.scheme.group_size
 
     # -- batch surgery ----------------------------------------------------------
 
     @classmethod
-    def merge(cls, caches, bits: int = 4, group_size: int = 64, route: str | None = None,
+    def merge(cls, caches, scheme: KVScheme = KVScheme(), route: str | None = None,
               keep: int | None = None, own_attention: bool = True):
         """One batch from per-agent `QuantizedKVCache`s (None or empty: no history).
 
         Rows are left-padded to the longest; packed words are copied, never
-        requantized. All caches must share bits and group size. A cache may hold
-        fewer tokens than its `offset` (a bounded sliding layer): the row's
-        position stays `offset`.
+        requantized. Every cache must be stored under `scheme` (`scheme_of`), else
+        Q4CacheError. A cache may hold fewer tokens than its `offset` (a bounded
+        sliding layer): the row's position stays `offset`.
         """
         lengths, positions = [], []
         for c in caches:
-            if c is not None and not c.empty():
-                if (c.bits, c.group_size) != (bits, group_size):
-                    raise Q4CacheError(
-                        f"cannot merge a {c.bits}-bit/group-{c.group_size} cache into a "
-                        f"{bits}-bit/group-{group_size} batch; re-prefill that agent"
-                    )
+            if c is not None and not c.empty() and scheme_of(c) != scheme:
+                raise Q4CacheError(
+                    f"cannot merge a cache stored as {scheme_of(c).name} into a {scheme.name} batch; "
+                    "re-prefill that agent"
+                )
             lengths.append(0 if c is None else stored_tokens(c))
             positions.append(0 if c is None or c.empty() else c.offset)
         longest = max(lengths, default=0)
-        cache = cls([longest - n for n in lengths], bits, group_size, route, keep, own_attention)
+        cache = cls([longest - n for n in lengths], scheme, route, keep, own_attention)
         cache.offset = mx.array(positions, dtype=mx.int32)
         if longest == 0:
             return cache
@@ -383,8 +428,8 @@ class BatchQuantizedKVCache(_BaseCache):
         cache._idx = longest
         return cache
 
-    def extract(self, i: int, drop: int = 0) -> QuantizedKVCache:
-        """Row `i` as an mlx-lm `QuantizedKVCache` of exactly its used tokens, evaluated.
+    def extract(self, i: int, drop: int = 0) -> AgentKVCache:
+        """Row `i` as an `AgentKVCache` (an mlx-lm `QuantizedKVCache`) of exactly its used tokens, evaluated.
 
         The last `drop` columns are left out. A layer built with `keep` hands out
         only its last `keep` tokens; `offset` is the row's position either way.
@@ -393,9 +438,9 @@ class BatchQuantizedKVCache(_BaseCache):
         mx.eval(out.keys, out.values)
         return out
 
-    def _extract(self, i: int, drop: int, pad: int, offset: int) -> QuantizedKVCache:
+    def _extract(self, i: int, drop: int, pad: int, offset: int) -> AgentKVCache:
         """`extract` with the row's padding and offset given, unevaluated."""
-        out = QuantizedKVCache(group_size=self.kv_group_size, bits=self.kv_bits)
+        out = layer_cache(self.scheme)
         end = self._idx - drop
         if self.keys is None or pad >= end:
             return out
@@ -443,9 +488,9 @@ class BatchQuantizedKVCache(_BaseCache):
         self.left_padding = self.left_padding - n
 
     def extend(self, other: "BatchQuantizedKVCache") -> None:
-        """Append the rows of `other` (same bits and group size) after this batch's rows."""
-        if (other.kv_bits, other.kv_group_size) != (self.kv_bits, self.kv_group_size):
-            raise Q4CacheError("cannot extend a batch with a cache of other bits or group size")
+        """Append the rows of `other` (same `KVScheme`) after this batch's rows."""
+        if other.scheme != self.scheme:
+            raise Q4CacheError(f"cannot extend a {self.scheme.name} batch with a {other.scheme.name} one")
         if other.keys is None and self.keys is None:
             self.left_padding = mx.concatenate([self.left_padding, other.left_padding])
             self._padded = any(self.left_padding.tolist())
@@ -518,12 +563,13 @@ def route_for(spec, route: str | None = None) -> str:
     The "quantized" route cannot serve attention sinks: asking for it on such a
     model raises Q4CacheError; where it is the default, such models get "dequant_once".
     Where "q4kernel" is the default but its kernel cannot serve the model's decode
-    (KV bits other than 4, head dims other than 64 or 128, sinks), the model gets
-    "dequant_once" instead of dequantizing the whole cache every step.
+    (KV bits other than 4 for keys or values, head dims other than 64 or 128, sinks),
+    the model gets "dequant_once" instead of dequantizing the whole cache every step.
     """
     chosen = check_route(route) if route else default_route()
+    scheme = spec.kv_scheme
     if chosen == "q4kernel" and route is None and (
-        spec.kv_bits != 4 or spec.has_sinks or spec.k_head_dim != spec.v_head_dim
+        (scheme.key_bits, scheme.value_bits) != (4, 4) or spec.has_sinks or spec.k_head_dim != spec.v_head_dim
         or spec.k_head_dim not in (64, 128)
     ):
         return "dequant_once"
@@ -545,7 +591,7 @@ def make_batch_cache(spec, batch_size: int = 1, route: str | None = None):
     """
     route = route_for(spec, route)
     return [
-        BatchQuantizedKVCache([0] * batch_size, spec.kv_bits, spec.kv_group_size, route, _keep(spec, layer),
+        BatchQuantizedKVCache([0] * batch_size, spec.kv_scheme, route, _keep(spec, layer),
                               not spec.has_sinks)
         for layer in range(spec.n_layers)
     ]
@@ -561,7 +607,7 @@ def merge_caches(spec, agent_caches, route: str | None = None):
     route = route_for(spec, route)
     return [
         BatchQuantizedKVCache.merge(
-            [None if c is None else c[layer] for c in agent_caches], spec.kv_bits, spec.kv_group_size, route,
+            [None if c is None else c[layer] for c in agent_caches], spec.kv_scheme, route,
             _keep(spec, layer), not spec.has_sinks,
         )
         for layer in range(spec.n_layers)

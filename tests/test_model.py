@@ -5,6 +5,7 @@ import shutil
 
 import pytest
 
+from runtime.kvscheme import KVSchemeError, default_scheme, parse
 from runtime.model import ModelCacheSpec, ModelLoadError, fingerprint, load_model
 from runtime.tiny import tiny_llama_path, make_tiny_model
 
@@ -49,23 +50,37 @@ def test_gpt_oss_sinks_and_alternating_window(specs, tiny_model_path):
     assert {w for w in spec.windows if w} == {config["sliding_window"]}
 
 
-def test_bytes_per_token_are_what_quantize_stores(specs):
+@pytest.mark.parametrize("scheme", ["k4v4-g64", "k8v8-g32", "k6v4-g64-hadamard", "k5v3-g32-hadamard"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bytes_per_token_are_what_the_batch_cache_stores(specs, scheme, dtype):
     import dataclasses
 
     import mlx.core as mx
 
-    spec = specs["llama"]  # float32: scales and biases are float32 too
-    elements = spec.n_layers * spec.n_kv_heads * (spec.k_head_dim + spec.v_head_dim)
-    assert spec.fp16_bytes_per_token() == 2 * elements
-    for dtype, scale_bytes in (("float32", 4), ("bfloat16", 2), ("float16", 2)):
-        s = dataclasses.replace(spec, dtype=dtype)
-        for bits, group in ((4, 64), (8, 32)):
-            x = mx.zeros((1, spec.k_head_dim), getattr(mx, dtype))
-            stored = sum(a.nbytes for a in mx.quantize(x, group_size=group, bits=bits)) / spec.k_head_dim
-            assert stored == bits / 8 + 2 * scale_bytes / group
-            assert s.q4_bytes_per_token(bits=bits, group_size=group) == elements * stored
-    assert dataclasses.replace(spec, dtype="bfloat16").q4_bytes_per_token() / spec.fp16_bytes_per_token() == \
-        pytest.approx(0.28125)
+    from runtime import attention
+    from runtime.kvscheme import parse
+    from runtime.q4cache import extract_cache, make_batch_cache
+
+    attention.install()
+    s = parse(scheme)
+    spec = dataclasses.replace(specs["llama"], dtype=dtype).with_scheme(s)
+    batch = make_batch_cache(spec, 1, "dequant")
+    tokens = 37
+    for layer in batch:
+        shape = (1, spec.n_kv_heads, tokens, spec.k_head_dim)
+        layer.update_and_fetch(mx.random.normal(shape).astype(getattr(mx, dtype)),
+                               mx.random.normal(shape).astype(getattr(mx, dtype)))
+    stored = sum(x.nbytes for c in extract_cache(batch, 0) for x in (*c.keys, *c.values))
+    assert spec.q4_bytes_per_token() * tokens == stored
+    assert spec.fp16_bytes_per_token() == 2 * spec.n_layers * spec.n_kv_heads * (spec.k_head_dim + spec.v_head_dim)
+
+
+def test_the_default_scheme_is_at_most_035_of_fp16_bytes(specs):
+    import dataclasses
+
+    spec = dataclasses.replace(specs["llama"], dtype="bfloat16")
+    assert spec.kv_scheme == default_scheme()
+    assert spec.q4_bytes_per_token() / spec.fp16_bytes_per_token() == pytest.approx(0.34375)
 
 
 def test_fingerprint_changes_with_weights_and_nothing_else(tmp_path):
@@ -97,5 +112,5 @@ def test_load_model_default_and_errors(tmp_path):
 
 
 def test_group_size_must_divide_head_dim(load_tiny, tiny_model_path):
-    with pytest.raises(ValueError, match="multiple of the Q4 group size"):
-        ModelCacheSpec.from_model(load_tiny("llama")[0], tiny_model_path("llama"), kv_group_size=48)
+    with pytest.raises(KVSchemeError, match="multiple of the KV group size 128"):
+        ModelCacheSpec.from_model(load_tiny("llama")[0], tiny_model_path("llama"), parse("k4v4-g128"))

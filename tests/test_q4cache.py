@@ -11,6 +11,7 @@ import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from runtime import attention
+from runtime.kvscheme import KVScheme, plain
 from runtime.model import ModelCacheSpec
 from runtime.qgemv import available as on_cuda
 from runtime.q4cache import (
@@ -102,12 +103,12 @@ def test_filter_and_extend_keep_rows_bit_exact():
 def test_merge_rejects_other_bits():
     c = QuantizedKVCache(group_size=64, bits=8)
     c.update_and_fetch(mx.zeros((1, 1, 2, 64)), mx.zeros((1, 1, 2, 64)))
-    with pytest.raises(Q4CacheError, match="8-bit"):
-        BatchQuantizedKVCache.merge([c], bits=4, group_size=64, route="dequant")
+    with pytest.raises(Q4CacheError, match="k8v8-g64"):
+        BatchQuantizedKVCache.merge([c], plain(4, 64), route="dequant")
 
 
 def test_head_dim_not_divisible_by_group_is_a_clear_error():
-    cache = BatchQuantizedKVCache([0], bits=4, group_size=64, route="dequant")
+    cache = BatchQuantizedKVCache([0], plain(4, 64), route="dequant")
     with pytest.raises(Q4CacheError, match="not divisible by the group size"):
         cache.update_and_fetch(mx.zeros((1, 1, 2, 80)), mx.zeros((1, 1, 2, 80)))
 

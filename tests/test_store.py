@@ -188,7 +188,7 @@ def test_another_models_cache(tmp_path):
 @pytest.mark.parametrize("bits, group", [(8, 64), (4, 32)])
 def test_other_bits_or_group(tmp_path, bits, group):
     _, records = saved(tmp_path, bits=bits, group=group)
-    with pytest.raises(store.QuantizationMismatch, match=f"{bits}-bit with group {group}"):
+    with pytest.raises(store.QuantizationMismatch, match=f"stored as k{bits}v{bits}-g{group}, the runtime uses k4v4-g64"):
         store.load_cache(tmp_path, SPEC, "a")
     assert_fallback(tmp_path, records, store.QuantizationMismatch)
 

@@ -40,14 +40,13 @@ from runtime import store
 from runtime.deadlines import Deadlines
 from runtime.engine import MAX_TOKENS, Sampling
 from runtime.errors import KvactorsError
+from runtime.kvscheme import from_options as scheme_from_options
 from runtime.model import load_model
 from runtime.q4cache import ROUTES, check_route
 from runtime.qgemv import available as on_cuda
 
 log = logging.getLogger(__name__)
 DEFAULT_CACHE_DIR = "~/.cache/kvactors/agents"
-KV_BITS = (4, 8)  # KV cache bits the packed cache supports
-KV_GROUP_SIZES = (32, 64, 128)
 TURN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 TURN_TIMEOUT = 60.0  # seconds a turn may take unless its caller says otherwise (None: no watchdog)
 
@@ -592,9 +591,11 @@ class Runtime:
 
     model: folder or Hugging Face id; None: the embedded tiny model.
     cache_dir: where caches and journals live (per model fingerprint, per agent).
-    kv_bits: bits of the KV cache (4). kv_group_size: elements per quantization
-    group along the head dim (64; 32 or 128; it must divide the model's head dims,
-    and a cache stored with another group is re-prefilled). memory_budget: bytes of KV cache the
+    kv_scheme: how the KV cache is quantized, a `runtime.kvscheme` name such as
+    "k6v4-g64-hadamard" (None: the model's default, `kvscheme.default_scheme`).
+    kv_bits (4 or 8) / kv_group_size (32, 64 or 128) instead pick the unrotated
+    scheme of that many bits for keys and values (defaults 4 and 64). A cache stored
+    under another scheme is re-prefilled. memory_budget: bytes of KV cache the
     batcher may hold for running turns (None: half the device memory).
     hot_budget: bytes of agents' caches kept in memory between turns; beyond it
     the least recently used go "warm" (disk only). durability: "durable" (a turn
@@ -608,13 +609,14 @@ class Runtime:
     an H100); it buys little elsewhere.
     """
 
-    def __init__(self, model=None, cache_dir=None, kv_bits: int = 4, memory_budget: int | None = None, *,
+    def __init__(self, model=None, cache_dir=None, kv_bits: int | None = None, memory_budget: int | None = None, *,
                  hot_budget: int = 1 << 30, durability: str = "durable", max_batch: int = 8,
                  route: str | None = None, strategy: str = "one_for_one", max_restarts: int = 3,
                  restart_period: float = 5.0, backoff: Backoff = Backoff(min=0.01, max=1.0, reset=10.0),
                  retention_s: float | None = None, on_escalate=None, io_timeout: float = 60.0,
-                 warmup: bool | None = None, kv_group_size: int = 64):
-        _check_options(kv_bits=kv_bits, kv_group_size=kv_group_size, memory_budget=memory_budget,
+                 warmup: bool | None = None, kv_group_size: int | None = None, kv_scheme: str | None = None):
+        scheme = scheme_from_options(kv_bits, kv_group_size, kv_scheme)
+        _check_options(memory_budget=memory_budget,
                        hot_budget=hot_budget, durability=durability,
                        max_batch=max_batch, route=route, strategy=strategy, max_restarts=max_restarts,
                        restart_period=restart_period, backoff=backoff, retention_s=retention_s,
@@ -625,7 +627,7 @@ class Runtime:
         self._on_escalate = on_escalate
         self._names: list[str] = []
         self.cache_dir = Path(cache_dir or DEFAULT_CACHE_DIR).expanduser()
-        self.model, self.tokenizer, self.spec = load_model(model, kv_bits=kv_bits, kv_group_size=kv_group_size)
+        self.model, self.tokenizer, self.spec = load_model(model, scheme)
         context = getattr(getattr(self.model, "args", None), "max_position_embeddings", None)
         self.max_context = context if isinstance(context, int) else None  # the model's positions, when it says
         engine_options = dict(memory_budget=memory_budget, max_batch=max_batch, route=route)
@@ -894,22 +896,16 @@ class Runtime:
                                    "start a new Runtime") from error
 
 
-def _check_options(*, kv_bits, kv_group_size, memory_budget, hot_budget, durability, max_batch, route, strategy,
+def _check_options(*, memory_budget, hot_budget, durability, max_batch, route, strategy,
                    max_restarts, restart_period, backoff, retention_s, on_escalate, io_timeout, warmup) -> None:
     """Raise ValueError/TypeError for a bad Runtime option, before anything is acquired.
 
-    kv_bits 4 or 8; kv_group_size 32, 64 or 128; memory_budget None or an int > 0; hot_budget an int >= 0;
+    memory_budget None or an int > 0; hot_budget an int >= 0;
     durability and strategy one of theirs; max_batch an int >= 1; route None or a
     route that runs here; max_restarts an int >= 0; restart_period finite and > 0;
     backoff a Backoff; retention_s None or finite and >= 0; on_escalate None or a
     callable; io_timeout finite and > 0; warmup None, True or False.
     """
-    _number("kv_bits", kv_bits, int)
-    if kv_bits not in KV_BITS:
-        raise ValueError(f"kv_bits must be one of {KV_BITS}, got {kv_bits!r}")
-    _number("kv_group_size", kv_group_size, int)
-    if kv_group_size not in KV_GROUP_SIZES:
-        raise ValueError(f"kv_group_size must be one of {KV_GROUP_SIZES}, got {kv_group_size!r}")
     _choice("durability", durability, DURABILITY)
     _choice("strategy", strategy, STRATEGIES)
     if memory_budget is not None:
