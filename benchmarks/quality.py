@@ -8,13 +8,18 @@ prompts answered greedily (--new tokens) with each cache, against the answer
 with the unquantized cache: how many answers are identical, and the mean share
 of tokens before the first difference.
 
-Caches: the unquantized KV cache (the model's dtype: float32 on CPU), and 8- and
-4-bit caches at groups 64 and 32: mlx-lm's QuantizedKVCache, which packs each
-token's keys and values along head_dim with `mx.quantize` as kvactors' Q4 cache
-does (kvactors' own cache gives the same tokens on this model).
+Caches: the unquantized KV cache (the model's dtype: float32 on CPU); mlx-lm's
+QuantizedKVCache at 8 and 4 bits (--mlx, e.g. "8:64,4:64"), the anchor; and
+kvactors' own batch cache (`runtime.q4cache`, one row) under each KV scheme of
+--schemes (`runtime.kvscheme` names; "default" is the model's default), through
+attention route --route. --route-spread repeats the default scheme's perplexity on
+every other route that runs here: the routes compute the same attention in a
+different order, so their numbers differ slightly. Each row reports bytes per
+token against a 16-bit cache (16-bit scales, as on a GPU) and the mean decode
+step of the greedy part.
 
     python -m benchmarks quality                      # the embedded default, SmolLM2-135M-Instruct
-    python -m benchmarks.quality --model some.gguf --tokens 4096
+    python -m benchmarks.quality --model some.gguf --tokens 4096 --schemes default,k4v4-g64
 """
 
 from __future__ import annotations
@@ -28,8 +33,9 @@ import mlx.core as mx
 from benchmarks.common import bench_parser, environment, write_results
 
 TEXT = Path("/usr/share/common-licenses/GPL-3")
-CACHES = [("unquantized", None, None), ("Q8 g64", 8, 64), ("Q8 g32", 8, 32), ("Q4 g64", 4, 64), ("Q4 g32", 4, 32)]
-COLUMNS = ["kv cache", "bytes x fp16", "perplexity", "x unquantized", "identical answers", "shared prefix"]
+SCHEMES = "k4v4-g64,k8v8-g64,k6v4-g64,k4v4-g64-hadamard,k5v4-g32-hadamard,default"
+COLUMNS = ["kv cache", "route", "bytes x fp16", "perplexity", "x unquantized", "identical answers", "shared prefix",
+           "decode ms/token"]
 PROMPTS = [
     "What is the capital of France?", "Name three primary colors.", "How many days are in a week?",
     "What do bees make?", "Give me a synonym for happy.", "What is 12 plus 7?", "Why is the sky blue?",
@@ -41,18 +47,69 @@ PROMPTS = [
 ]
 
 
-def make_cache(model, bits, group):
-    """A fresh per-layer cache: mlx-lm's KVCache (bits None) or QuantizedKVCache(group, bits)."""
-    from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
+def cache_kinds(spec, mlx: str, schemes: str, route: str | None, spread: bool) -> list[dict]:
+    """The caches to measure: label, route, bytes per token against 16-bit KV, and how to make one.
 
-    if bits is None:
-        return make_prompt_cache(model)
-    return [QuantizedKVCache(group_size=group, bits=bits) for _ in model.layers]
+    `mlx`: "bits:group" pairs for mlx-lm's QuantizedKVCache; `schemes`: kvactors
+    scheme names ("default": the model's); with `spread`, the default scheme again
+    on every other route that runs here.
+    """
+    from runtime.kvscheme import default_scheme, parse, plain
+    from runtime.q4cache import ROUTES, Q4CacheError, check_route, route_for
+
+    kinds = [dict(label="unquantized", route="", bytes=1.0, make=lambda model: None)]
+    for pair in filter(None, mlx.split(",")):
+        bits, group = (int(x) for x in pair.split(":"))
+        kinds.append(dict(label=f"mlx-lm QuantizedKVCache {bits}-bit g{group}", route="",
+                          bytes=plain(bits, group).bytes_per_element(2) / 2, make=_mlx_cache(bits, group)))
+    default = default_scheme(spec.has_sinks)
+    for name in filter(None, schemes.split(",")):
+        scheme = default if name == "default" else parse(name)
+        s = spec.with_scheme(scheme)
+        label = f"kvactors {scheme.name}" + (" (default)" if scheme == default else "")
+        kinds.append(dict(label=label, route=route_for(s, route), bytes=scheme.bytes_per_element(2) / 2,
+                          make=_kvactors_cache(s, route)))
+    if spread:
+        s = spec.with_scheme(default)
+        for other in ROUTES:
+            try:
+                if other == route_for(s, route) or check_route(other) != other:
+                    continue
+            except Q4CacheError:
+                continue  # not on this machine
+            kinds.append(dict(label=f"kvactors {default.name} (default)", route=other,
+                              bytes=default.bytes_per_element(2) / 2, make=_kvactors_cache(s, other), ppl_only=True))
+    return kinds
 
 
-def perplexity(model, ids: list[int], bits, group, chunk: int = 256) -> float:
-    """exp(mean next-token NLL) of `ids`, fed `chunk` tokens at a time through one cache."""
-    cache = make_cache(model, bits, group)
+def _mlx_cache(bits, group):
+    def make(model):
+        from mlx_lm.models.cache import QuantizedKVCache
+
+        return [QuantizedKVCache(group_size=group, bits=bits) for _ in model.layers]
+
+    return make
+
+
+def _kvactors_cache(spec, route):
+    def make(model):
+        from runtime.q4cache import make_batch_cache
+
+        return make_batch_cache(spec, 1, route)
+
+    return make
+
+
+def make_cache(model, kind: dict):
+    """A fresh per-layer cache of `kind` (see `cache_kinds`): mlx-lm's KVCache for the unquantized one."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    return kind["make"](model) or make_prompt_cache(model)
+
+
+def perplexity(model, ids: list[int], kind: dict, chunk: int = 256) -> float:
+    """exp(mean next-token NLL) of `ids`, fed `chunk` tokens at a time through one cache of `kind`."""
+    cache = make_cache(model, kind)
     total, count = 0.0, 0
     for start in range(0, len(ids) - 1, chunk):
         x = ids[start:start + chunk]
@@ -65,9 +122,12 @@ def perplexity(model, ids: list[int], bits, group, chunk: int = 256) -> float:
     return math.exp(total / count)
 
 
-def greedy(model, prompt: list[int], bits, group, new: int, eos: set[int]) -> list[int]:
-    """`new` greedy tokens after `prompt` (fewer if an eos comes), through one cache."""
-    cache = make_cache(model, bits, group)
+def greedy(model, prompt: list[int], kind: dict, new: int, eos: set[int], steps: list) -> list[int]:
+    """`new` greedy tokens after `prompt` (fewer if an eos comes), through one cache of `kind`.
+
+    Appends the seconds of each decode step to `steps`.
+    """
+    cache = make_cache(model, kind)
     logits = model(mx.array([prompt]), cache=cache)
     out = []
     for _ in range(new):
@@ -75,7 +135,10 @@ def greedy(model, prompt: list[int], bits, group, new: int, eos: set[int]) -> li
         out.append(token)
         if token in eos:
             break
+        t0 = time.perf_counter()
         logits = model(mx.array([[token]]), cache=cache)
+        mx.eval(logits)
+        steps.append(time.perf_counter() - t0)
     return out
 
 
@@ -93,11 +156,17 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="chat prompts for greedy agreement")
     ap.add_argument("--new", type=int, default=12, help="greedy tokens per prompt (default: %(default)s)")
     ap.add_argument("--parts", default="ppl,agreement", help="ppl, agreement or both (default: %(default)s)")
+    ap.add_argument("--mlx", default="4:64", help="mlx-lm QuantizedKVCache bits:group pairs (default: %(default)s)")
+    ap.add_argument("--schemes", default=SCHEMES, help="kvactors KV schemes (default: %(default)s)")
+    ap.add_argument("--route", default=None, help="attention route of kvactors' cache (default: this machine's)")
+    ap.add_argument("--route-spread", action="store_true", help="the default scheme's perplexity on every route")
     args = ap.parse_args(argv)
     if args.model in ("tiny", "llama-8b-shape"):  # the driver's random-weight presets: quality needs real weights
         args.model = None
+    from runtime import attention
     from runtime.model import load_model
 
+    attention.install()
     env = environment()
     model, tokenizer, spec = load_model(args.model)
     env["model"] = spec.model_id
@@ -109,26 +178,29 @@ def main(argv=None) -> int:
                                              add_generation_prompt=True) for p in PROMPTS[: args.prompts]]
     eos = set(tokenizer.eos_token_ids)
     rows, reference = [], None
-    for label, bits, group in CACHES:
+    for kind in cache_kinds(spec, args.mlx, args.schemes, args.route, args.route_spread):
         t0 = time.perf_counter()
-        row = {"kv cache": label, "bytes x fp16": 1.0 if bits is None else (bits / 8 + 4 / group) / 2}
+        row = {"kv cache": kind["label"], "route": kind["route"], "bytes x fp16": kind["bytes"]}
         if "ppl" in parts:
-            row["perplexity"] = perplexity(model, ids, bits, group)
-            row["x unquantized"] = row["perplexity"] / rows[0]["perplexity"] if rows else 1.0
-        if "agreement" in parts:
-            answers = [greedy(model, p, bits, group, args.new, eos) for p in prompts]
+            row["perplexity"] = perplexity(model, ids, kind)
+            row["x unquantized"] = f"{row['perplexity'] / rows[0]['perplexity'] if rows else 1.0:.4f}"
+        if "agreement" in parts and not kind.get("ppl_only"):
+            steps = []
+            answers = [greedy(model, p, kind, args.new, eos, steps) for p in prompts]
             if reference is None:
                 reference = answers
-                row["sample"] = tokenizer.decode(answers[0])
             row["identical answers"] = f"{sum(a == r for a, r in zip(answers, reference))}/{len(answers)}"
             row["shared prefix"] = sum(shared_prefix(r, a) for r, a in zip(reference, answers)) / len(answers)
+            row["decode ms/token"] = 1000 * sum(steps) / max(len(steps), 1)
+            row["sample"] = tokenizer.decode(answers[0])
             row["answers"] = [tokenizer.decode(a) for a in answers]
         row["seconds"] = time.perf_counter() - t0
         rows.append(row)
         print({k: v for k, v in row.items() if k != "answers"}, flush=True)
     notes = (f"Perplexity: the first {len(ids)} tokens of {args.text} with teacher forcing in 256-token chunks "
              f"through each cache. Greedy agreement: {len(prompts)} chat prompts, {args.new} new tokens, against "
-             f"the unquantized cache. Model: {spec.model_id}.")
+             f"the unquantized cache; decode ms/token is the mean greedy step. Bytes x fp16 count 16-bit scales "
+             f"and biases. Model: {spec.model_id}.")
     name = args.name or ("quality-smollm2-135m" if args.model is None else f"quality-{Path(str(args.model)).stem}")
     write_results(name, env, rows, [c for c in COLUMNS if any(c in r for r in rows)], args.out, notes)
     return 0
