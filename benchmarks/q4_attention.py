@@ -4,10 +4,14 @@ At each context length C: the cache is filled to C - chunk tokens (untimed),
 then one prefill chunk is timed (prefill tok/s at that context), then decode
 steps at batch size 1 (decode tok/s). Each timed phase runs twice and the
 second run counts (MLX-CUDA compiles kernels per shape on first use). Ratios
-are against the fp16 KVCache of the same model in the same run.
+are against the fp16 KVCache of the same model in the same run. --schemes measures
+each KV scheme (`runtime.kvscheme`) on each route: e.g. a scheme with and without
+its rotation gives the rotation's cost (a small matmul on queries and outputs per
+layer and step, and on new keys and values).
 
     python -m benchmarks.q4_attention                                  # CPU, tiny model
     python -m benchmarks.q4_attention --model llama-8b-shape --contexts 4096,16384   # GPU
+    python -m benchmarks.q4_attention --schemes k6v4-g64,k6v4-g64-hadamard --routes quantized
 """
 
 from __future__ import annotations
@@ -73,7 +77,8 @@ def _tiled(caches, batch):
     return caches
 
 
-def bench_context(model, spec, context, chunk_size, decode_steps, routes, vocab, batch=1, dense=True):
+def bench_context(model, spec, context, chunk_size, decode_steps, routes, vocab, batch=1, dense=True, schemes=None):
+    """Rows of dense KV (unless not `dense`) and of each scheme (default: the model's) on each route at `context`."""
     rows = []
     mx.random.seed(context)
     tokens = mx.random.randint(0, vocab, (context,))
@@ -88,20 +93,23 @@ def bench_context(model, spec, context, chunk_size, decode_steps, routes, vocab,
         rows.append(ref)
     del fp16
 
-    filler = make_batch_cache(spec, 1, "dequant_once")
-    _fill(model, filler, base, chunk_size)
-    q4 = extract_cache(filler, 0)
-    q4_bytes = sum(c.nbytes for c in q4)
-    del filler
-    for route in routes:
-        row = dict(context=context, kv="q4", route=route, cache_bytes=q4_bytes, bytes_x_fp16=q4_bytes / ref["cache_bytes"])
-        cache = merge_caches(spec, [q4] * batch, route)
-        measure(model, cache, chunk, decode_steps, vocab, row, batch)
-        for name in ("prefill", "decode"):
-            if dense and isinstance(row[f"{name}_tok_s"], float):
-                row[f"{name}_x_fp16"] = row[f"{name}_tok_s"] / ref[f"{name}_tok_s"]
-        rows.append(row)
-        print(row, flush=True)
+    for scheme in schemes or [spec.kv_scheme]:
+        s = spec.with_scheme(scheme)
+        filler = make_batch_cache(s, 1, "dequant_once")
+        _fill(model, filler, base, chunk_size)
+        q4 = extract_cache(filler, 0)
+        q4_bytes = sum(c.nbytes for c in q4)
+        del filler
+        for route in routes:
+            row = dict(context=context, kv=scheme.name, route=route, cache_bytes=q4_bytes,
+                       bytes_x_fp16=q4_bytes / ref["cache_bytes"])
+            cache = merge_caches(s, [q4] * batch, route)
+            measure(model, cache, chunk, decode_steps, vocab, row, batch)
+            for name in ("prefill", "decode"):
+                if dense and isinstance(row[f"{name}_tok_s"], float):
+                    row[f"{name}_x_fp16"] = row[f"{name}_tok_s"] / ref[f"{name}_tok_s"]
+            rows.append(row)
+            print(row, flush=True)
     return rows
 
 
@@ -120,7 +128,11 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=1, help="rows decoded together (each a copy of the cache)")
     ap.add_argument("--no-dense", action="store_true",
                     help="skip the fp16 KVCache rows (for contexts whose fp16 cache would not fit)")
+    ap.add_argument("--schemes", default="", help="KV scheme names to measure (default: the model's)")
     args = ap.parse_args(argv)
+    from runtime.kvscheme import parse
+
+    schemes = [parse(n) for n in args.schemes.split(",") if n]
     env = environment()
     print(env, flush=True)
     model, _, spec = load_bench_model(args.model)
@@ -129,7 +141,7 @@ def main(argv=None) -> int:
     for context in [int(c) for c in args.contexts.split(",")]:
         chunk = min(args.chunk, context // 2)
         rows += bench_context(model, spec, context, chunk, args.decode_steps, args.routes.split(","), vocab, args.batch,
-                              dense=not args.no_dense)
+                              dense=not args.no_dense, schemes=schemes)
     name = args.name or f"q4_attention-{args.model}"
     contexts = sorted({r["context"] for r in rows})
     curves = {}
