@@ -167,10 +167,14 @@ def rotate(x, scheme: KVScheme):
 
     The rotation is its own inverse: it rotates keys, values and queries in, and attention outputs back.
     """
+    import mlx.core as mx
+
     if not scheme.rotated:
         return x
     key = (x.shape[-1], x.dtype)
     h = _MATRICES.get(key)
     if h is None:
-        h = _MATRICES[key] = hadamard(*key)
+        h = hadamard(*key)
+        mx.eval(h)  # one evaluated matrix for every thread and step
+        _MATRICES[key] = h
     return x @ h

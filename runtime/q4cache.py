@@ -6,7 +6,11 @@ array for RoPE). Keys and values are stored as packed quantized tuples
 (uint32 words, scales, biases) of shape (B, kv_heads, tokens, ...), left-padded
 to a common length. Quantization groups run along head_dim, so every token row
 is quantized on its own: merging, slicing and padding packed rows is exact and
-nothing is ever dequantized and requantized.
+nothing is ever dequantized and requantized. How rows are packed is the cache's
+`KVScheme` (`runtime.kvscheme`: bits of keys and of values, group size, rotation);
+a rotating scheme rotates keys and values here, before they are quantized, and
+`runtime.attention.sdpa` rotates queries and outputs to match. Per-agent layers are
+`AgentKVCache`s, mlx-lm's `QuantizedKVCache` that also carry the scheme.
 
 Attention (`runtime.attention`) has four routes, chosen per backend by measurement
 (`benchmarks/q4_attention.py`) and overridable (`route=` or the environment
