@@ -197,10 +197,12 @@ def main(argv=None) -> int:
         row["seconds"] = time.perf_counter() - t0
         rows.append(row)
         print({k: v for k, v in row.items() if k != "answers"}, flush=True)
-    notes = (f"Perplexity: the first {len(ids)} tokens of {args.text} with teacher forcing in 256-token chunks "
-             f"through each cache. Greedy agreement: {len(prompts)} chat prompts, {args.new} new tokens, against "
-             f"the unquantized cache; decode ms/token is the mean greedy step. Bytes x fp16 count 16-bit scales "
-             f"and biases. Model: {spec.model_id}.")
+    notes = {"ppl": f"Perplexity: the first {len(ids)} tokens of {args.text} with teacher forcing in 256-token "
+                    f"chunks through each cache.",
+             "agreement": f"Greedy agreement: {len(prompts)} chat prompts, {args.new} new tokens, against the "
+                          f"unquantized cache; decode ms/token is the mean greedy step."}
+    notes = " ".join(notes[p] for p in ("ppl", "agreement") if p in parts)
+    notes += f" Bytes x fp16 count 16-bit scales and biases. Model: {spec.model_id}."
     name = args.name or ("quality-smollm2-135m" if args.model is None else f"quality-{Path(str(args.model)).stem}")
     write_results(name, env, rows, [c for c in COLUMNS if any(c in r for r in rows)], args.out, notes)
     return 0
