@@ -146,3 +146,36 @@ def test_special_token_strings_typed_by_a_user_stay_text(tmp_path, smol):
     typed_ids = tok._tokenizer(typed, add_special_tokens=False, split_special_tokens=True)["input_ids"]
     assert 1 not in typed_ids and IM_END not in typed_ids
     assert r.timings.prefill_tokens == len(as_text) + len(typed_ids)
+
+
+def greedy(model, prompt, cache, n):
+    """`n` greedy tokens after `prompt` through `cache` (fewer at the eos)."""
+    import mlx.core as mx
+
+    logits, out = model(mx.array([prompt]), cache=cache), []
+    while len(out) < n and (not out or out[-1] != IM_END):
+        out.append(logits[0, -1].argmax().item())
+        logits = model(mx.array([[out[-1]]]), cache=cache)
+    return out
+
+
+def test_the_default_kv_scheme_answers_as_the_unquantized_cache(smol):
+    """Greedy answers through the default scheme's cache match a 16-bit cache where plain Q4 g64 did not."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from runtime import attention
+    from runtime.kvscheme import default_scheme, plain
+    from runtime.model import load_model
+    from runtime.q4cache import make_batch_cache
+
+    attention.install()
+    model, tok, spec = load_model(GGUF)
+    assert spec.kv_scheme == default_scheme()
+    system = "You are a helpful assistant. Answer briefly."
+    for question in ("Who wrote Romeo and Juliet?", "What is the boiling point of water in Celsius?"):
+        prompt = tok.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": question}],
+                                         add_generation_prompt=True)
+        reference = greedy(model, prompt, make_prompt_cache(model), 12)
+        assert greedy(model, prompt, make_batch_cache(spec, 1), 12) == reference, question
+        if question.startswith("Who wrote"):  # benchmarks.quality: plain Q4 g64 changed 18 of its 20 answers
+            assert greedy(model, prompt, make_batch_cache(spec.with_scheme(plain(4, 64)), 1), 12) != reference
