@@ -173,7 +173,7 @@ def main(argv=None) -> int:
                 scale = (scale / np.exp(np.log(scale).mean(-1, keepdims=True))).astype(np.float32)
             ppl = model.perplexity(ids, fake_quantizer(scheme, scale))
             row = {"kv scheme": scheme.name, "key scale": "" if a is None else f"rms^{a:g}",
-                   "bytes x fp16": scheme.bytes_per_element(2) / 2, "perplexity": ppl,
+                   "bytes x fp16": scheme.fp16_ratio(model.dim, model.dim), "perplexity": ppl,
                    "x unquantized": f"{ppl / rows[0]['perplexity']:.4f}", "seconds": time.perf_counter() - t0}
             rows.append(row)
             print(row, flush=True)

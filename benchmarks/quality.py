@@ -61,13 +61,13 @@ def cache_kinds(spec, mlx: str, schemes: str, route: str | None, spread: bool) -
     for pair in filter(None, mlx.split(",")):
         bits, group = (int(x) for x in pair.split(":"))
         kinds.append(dict(label=f"mlx-lm QuantizedKVCache {bits}-bit g{group}", route="",
-                          bytes=plain(bits, group).bytes_per_element(2) / 2, make=_mlx_cache(bits, group)))
+                          bytes=plain(bits, group).fp16_ratio(spec.k_head_dim, spec.v_head_dim), make=_mlx_cache(bits, group)))
     default = default_scheme(spec.has_sinks)
     for name in filter(None, schemes.split(",")):
         scheme = default if name == "default" else parse(name)
         s = spec.with_scheme(scheme)
         label = f"kvactors {scheme.name}" + (" (default)" if scheme == default else "")
-        kinds.append(dict(label=label, route=route_for(s, route), bytes=scheme.bytes_per_element(2) / 2,
+        kinds.append(dict(label=label, route=route_for(s, route), bytes=scheme.fp16_ratio(spec.k_head_dim, spec.v_head_dim),
                           make=_kvactors_cache(s, route)))
     if spread:
         s = spec.with_scheme(default)
@@ -78,7 +78,7 @@ def cache_kinds(spec, mlx: str, schemes: str, route: str | None, spread: bool) -
             except Q4CacheError:
                 continue  # not on this machine
             kinds.append(dict(label=f"kvactors {default.name} (default)", route=other,
-                              bytes=default.bytes_per_element(2) / 2, make=_kvactors_cache(s, other), ppl_only=True))
+                              bytes=default.fp16_ratio(spec.k_head_dim, spec.v_head_dim), make=_kvactors_cache(s, other), ppl_only=True))
     return kinds
 
 

@@ -65,9 +65,14 @@ class KVScheme:
         """Whether keys and values are stored rotated (queries and outputs then rotate too)."""
         return self.rotation != "none"
 
-    def bytes_per_element(self, scale_bytes: int) -> float:
-        """Mean bytes per stored key or value element, with scales and biases of `scale_bytes` each."""
-        return ((self.key_bits + self.value_bits) / 8 + 4 * scale_bytes / self.group_size) / 2
+    def bytes_per_head(self, k_head_dim: int, v_head_dim: int, scale_bytes: int) -> float:
+        """Bytes one token's keys and values of one kv head take: packed words, scales and biases of `scale_bytes`."""
+        per_group = 2 * scale_bytes / self.group_size
+        return k_head_dim * (self.key_bits / 8 + per_group) + v_head_dim * (self.value_bits / 8 + per_group)
+
+    def fp16_ratio(self, k_head_dim: int, v_head_dim: int) -> float:
+        """Bytes against a 16-bit cache's, with 16-bit scales and biases (as on a GPU)."""
+        return self.bytes_per_head(k_head_dim, v_head_dim, 2) / (2 * (k_head_dim + v_head_dim))
 
     def check_model(self, k_head_dim: int, v_head_dim: int, has_sinks: bool = False) -> None:
         """Raise KVSchemeError unless this scheme can serve a model of these head dims.

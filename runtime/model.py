@@ -138,11 +138,9 @@ class ModelCacheSpec:
         have the model's dtype (4 bytes each for a float32 model, 2 for 16-bit ones),
         as `mx.quantize` makes them.
         """
-        s = self.kv_scheme
         scale_bytes = 4 if self.dtype == "float32" else 2
-        per_group = 2 * scale_bytes / s.group_size
-        per_head = self.k_head_dim * (s.key_bits / 8 + per_group) + self.v_head_dim * (s.value_bits / 8 + per_group)
-        return self.n_layers * self.n_kv_heads * per_head
+        return self.n_layers * self.n_kv_heads * self.kv_scheme.bytes_per_head(self.k_head_dim, self.v_head_dim,
+                                                                               scale_bytes)
 
 
 # The files of a model repository that loading needs (mlx-lm's own download takes the same).
