@@ -132,7 +132,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from runtime.kvscheme import parse
 
-    schemes = [parse(n) for n in args.schemes.split(",") if n]
+    schemes = list(dict.fromkeys(parse(n) for n in args.schemes.split(",") if n))  # one curve each
     env = environment()
     print(env, flush=True)
     model, _, spec = load_bench_model(args.model)
