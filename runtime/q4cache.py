@@ -327,13 +327,14 @@ class BatchQuantizedKVCache(_BaseCache):
     def _kernel_decode(self, N: int) -> bool:
         """Whether attention for N queries runs `q4sdpa` on the packed cache (route "q4kernel").
 
-        The kernel reads 4-bit keys and values only; other bit widths decode on the working copy.
+        Layouts the kernel does not read (`q4sdpa.serves`) decode on the working copy.
         """
-        return (
-            self.route == "q4kernel" and self.own_attention and N == 1
-            and self.keys is not None and (self.scheme.key_bits, self.scheme.value_bits) == (4, 4)
-            and self.keys[0].shape[-1] * 8 in (64, 128) and self.scheme.group_size <= self.keys[0].shape[-1] * 8
-        )
+        if not (self.route == "q4kernel" and self.own_attention and N == 1 and self.keys is not None):
+            return False
+        sch = self.scheme
+        k_dim = self.keys[0].shape[-1] * 32 // sch.key_bits
+        v_dim = self.values[0].shape[-1] * 32 // sch.value_bits
+        return k_dim == v_dim and q4sdpa.serves(sch.key_bits, sch.value_bits, k_dim, sch.group_size)
 
     def keys_and_values(self):
         """The packed (keys, values) of the used columns [0, size())."""
@@ -567,14 +568,14 @@ def route_for(spec, route: str | None = None) -> str:
     The "quantized" route cannot serve attention sinks: asking for it on such a
     model raises Q4CacheError; where it is the default, such models get "dequant_once".
     Where "q4kernel" is the default but its kernel cannot serve the model's decode
-    (KV bits other than 4 for keys or values, head dims other than 64 or 128, sinks),
+    (a layout `q4sdpa.serves` refuses, such as 8-bit keys or head dim 96; sinks),
     the model gets "dequant_once" instead of dequantizing the whole cache every step.
     """
     chosen = check_route(route) if route else default_route()
     scheme = spec.kv_scheme
     if chosen == "q4kernel" and route is None and (
-        (scheme.key_bits, scheme.value_bits) != (4, 4) or spec.has_sinks or spec.k_head_dim != spec.v_head_dim
-        or spec.k_head_dim not in (64, 128)
+        spec.has_sinks or spec.k_head_dim != spec.v_head_dim
+        or not q4sdpa.serves(scheme.key_bits, scheme.value_bits, spec.k_head_dim, scheme.group_size)
     ):
         return "dequant_once"
     if chosen == "quantized" and spec.has_sinks:

@@ -373,6 +373,12 @@ def _get(name, inputs, outputs, source):
     return _kernels[name]
 
 
+def serves(key_bits: int, value_bits: int, head_dim: int, group_size: int) -> bool:
+    """Whether `q4_decode_sdpa` reads caches of this layout: keys of KEY_BITS, 4-bit values,
+    head dim 64 or 128, and a group size that divides it (32, 64 or 128)."""
+    return key_bits in KEY_BITS and value_bits == 4 and head_dim in (64, 128) and head_dim % group_size == 0
+
+
 def meta(end: int, window: int = 0):
     """The kernels' int32 parameters [end, window] as a device array (see `q4_decode_sdpa`)."""
     return mx.array([end, window], dtype=mx.int32)
@@ -393,10 +399,11 @@ def q4_decode_sdpa(queries, keys, values, start, end: int, scale: float, group_s
     B, Hq, _, D = queries.shape
     Hkv = keys[0].shape[1]
     rep = Hq // Hkv
-    key_bits = keys[0].shape[-1] * 32 // D
-    if key_bits not in KEY_BITS or values[0].shape[-1] * 32 // D != 4:
-        raise ValueError(f"q4_decode_sdpa reads keys of {KEY_BITS} bits and 4-bit values; got "
-                         f"{key_bits}-bit keys and {values[0].shape[-1] * 32 // D}-bit values")
+    key_bits, value_bits = keys[0].shape[-1] * 32 // D, values[0].shape[-1] * 32 // D
+    if not serves(key_bits, value_bits, D, group_size):
+        raise ValueError(f"q4_decode_sdpa reads keys of {KEY_BITS} bits, 4-bit values, head dim 64 or 128 and "
+                         f"groups of 32-128; got {key_bits}-bit keys, {value_bits}-bit values, head dim {D}, "
+                         f"group {group_size}")
     if meta_array is None:
         meta_array = meta(end, window)
     meta_f = _scales.get(scale)

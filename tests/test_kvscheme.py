@@ -131,8 +131,9 @@ def test_a_cache_of_another_scheme_is_never_merged():
         BatchQuantizedKVCache([0], DEFAULT, "dequant").extend(BatchQuantizedKVCache([0], plain(4, 64), "dequant"))
 
 
-def test_the_cuda_kernel_takes_4_bit_keys_and_values_only():
-    for name, expect in (("k4v4-g64-hadamard", True), ("k6v4-g64-hadamard", False), ("k8v8-g64", False)):
+def test_the_cuda_kernel_takes_4_or_6_bit_keys_and_4_bit_values_only():
+    for name, expect in (("k4v4-g64-hadamard", True), ("k6v4-g64-hadamard", True), ("k8v4-g64", False),
+                         ("k4v8-g64", False), ("k8v8-g64", False), ("k5v4-g32-hadamard", False)):
         cache = BatchQuantizedKVCache([0], parse(name), "dequant")
         cache.update_and_fetch(normal((1, 2, 3, 64), 0), normal((1, 2, 3, 64), 1))
         cache.route = "q4kernel"  # the predicate alone; the kernel itself runs on CUDA only
