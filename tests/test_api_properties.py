@@ -54,8 +54,8 @@ def options(table: dict, required: tuple = ()) -> st.SearchStrategy:
 
 
 RUNTIME_OPTIONS = options({
-    "kv_bits": (st.sampled_from([4, 8]), st.sampled_from([3, 4.0, "4", True])),
-    "kv_group_size": (st.sampled_from([32, 64]), st.sampled_from([48, 16, 64.0, "64", True])),
+    "kv_bits": (st.sampled_from([None, 4, 8]), st.sampled_from([3, 4.0, "4", True])),
+    "kv_group_size": (st.sampled_from([None, 32, 64]), st.sampled_from([48, 16, 64.0, "64", True])),
     "memory_budget": (st.sampled_from([None, 1 << 30, 1, 4096]), st.sampled_from([0, -5, 2.5e9, "1G"])),
     "hot_budget": (st.sampled_from([0, 1 << 20, 1 << 30]), st.sampled_from([-1, 1.5, "big"])),
     "durability": (st.sampled_from(["durable", "memory"]), st.sampled_from(["eventually", ["durable"]])),
@@ -80,8 +80,9 @@ def runtime_valid(o) -> bool:
     def positive_or_none(x):
         return x is None or (is_int(x) and x > 0)
 
-    return (is_int(get("kv_bits", 4)) and get("kv_bits", 4) in (4, 8)
-            and is_int(get("kv_group_size", 64)) and get("kv_group_size", 64) in (32, 64, 128)
+    return ((get("kv_bits", None) is None or (is_int(o["kv_bits"]) and o["kv_bits"] in (4, 8)))
+            and (get("kv_group_size", None) is None
+                 or (is_int(o["kv_group_size"]) and o["kv_group_size"] in (32, 64, 128)))
             and positive_or_none(get("memory_budget", None))
             and is_int(get("hot_budget", 0)) and get("hot_budget", 0) >= 0
             and isinstance(get("durability", "durable"), str) and get("durability", "durable") in ("durable", "memory")
