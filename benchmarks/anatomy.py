@@ -8,6 +8,9 @@ takes longer than running it. This benchmark says where the host time goes:
 - split: per step, milliseconds to build the graph in Python, to launch it
   (`mx.async_eval`: MLX walks the graph and encodes every kernel), and to wait for
   the device; median of 20 steps after 4, rows of equal length at --context;
+- pipelined: milliseconds per step when steps are queued as the engine queues them
+  (the next step is built and launched before the current one's tokens are read):
+  max(host, device) if the overlap is perfect;
 - per-op: host microseconds per primitive for chains of one op type (a reshape, an
   elementwise add, a slice, MLX's quantized matmul and, on CUDA, our GEMV kernel, at 8 rows),
   built and launched.
@@ -18,6 +21,7 @@ takes longer than running it. This benchmark says where the host time goes:
 from __future__ import annotations
 
 import collections
+import os
 import re
 import statistics
 import tempfile
@@ -70,6 +74,22 @@ def split(model, spec, cache, route, b, steps=24):
     return [statistics.median(p[k] for p in parts) * 1e3 for k in range(3)]
 
 
+def pipelined(model, spec, cache, route, b, steps=40):
+    """Mean milliseconds per decode step at batch `b`, queued as `Engine._decode_step` queues them."""
+    batch = merge_caches(spec, [cache] * b, route)
+    current = step(model, batch, mx.zeros((b, 1), dtype=mx.int32))[0]
+    mx.async_eval(current, [c.state for c in batch])
+    for i in range(steps + 4):
+        if i == 4:
+            t0 = time.perf_counter()
+        nxt, state = step(model, batch, current[:, None])
+        mx.async_eval(nxt, state)
+        current.tolist()
+        current = nxt
+    mx.eval(current)
+    return (time.perf_counter() - t0) / steps * 1e3
+
+
 def op_cost(make, n=400, reps=5):
     """Host microseconds per op (build, launch) for a chain of `n` ops `make(y) -> y`."""
     x = mx.ones((8, 4096), dtype=mx.bfloat16)
@@ -108,6 +128,13 @@ def op_rows(add):
             note=f"build {build:.2f} us + launch {launch:.2f} us")
 
 
+def _cuda_env() -> str:
+    """The MLX-CUDA settings in force (graph batching), as a note."""
+    keys = ("MLX_USE_CUDA_GRAPHS", "MLX_MAX_OPS_PER_BUFFER", "MLX_MAX_MB_PER_BUFFER", "MLX_CUDA_GRAPH_CACHE_SIZE")
+    set_ = [f"{k}={os.environ[k]}" for k in keys if k in os.environ]
+    return "MLX settings: " + (", ".join(set_) if set_ else "defaults")
+
+
 def main(argv=None) -> int:
     ap = bench_parser(__doc__)
     ap.add_argument("--context", type=int, default=1024, help="tokens in each row's cache (default: %(default)s)")
@@ -126,7 +153,8 @@ def main(argv=None) -> int:
 
     for b in [int(x) for x in args.batches.split(",")]:
         batch = merge_caches(spec, [cache] * b, route)
-        mx.eval([c.state for c in batch])
+        for _ in range(2):  # past the first step's growth of the allocation: the steady state
+            mx.eval(step(model, batch, mx.zeros((b, 1), dtype=mx.int32)))
         counts = census(*step(model, batch, mx.zeros((b, 1), dtype=mx.int32)))
         top = ", ".join(f"{k} {v}" for k, v in counts.most_common(12))
         add(part="census", what="primitives per step", batch=b, value=sum(counts.values()), unit="count", note=top)
@@ -136,11 +164,14 @@ def main(argv=None) -> int:
         add(part="split", what="wait for the device", batch=b, value=round(wait, 2), unit="ms")
         add(part="split", what="per primitive, build + launch", batch=b,
             value=round((build + launch) * 1e3 / sum(counts.values()), 2), unit="us")
+        add(part="pipelined", what="step, queued like the engine", batch=b,
+            value=round(pipelined(model, spec, cache, route, b), 2), unit="ms")
     op_rows(add)
     name = args.name or f"anatomy-{args.model}"
     write_results(name, env, rows, COLUMNS, args.out,
-                  notes=f"route {route}, context {args.context}; split: median of 20 steps after 4, device "
-                        "synchronized around each step.")
+                  notes=f"route {route}, KV scheme {spec.kv_scheme.name}, context {args.context}; split: median of "
+                        f"20 steps after 4, device synchronized around each step; pipelined: mean of 40 steps after "
+                        f"4. {_cuda_env()}")
     return 0
 
 

@@ -71,15 +71,15 @@ def sdpa(queries, keys, values, scale, mask, group_size: int = 64, bits: int | K
     broadcastable to (B, 1, L, S). `queries` is not modified.
     """
     scheme = bits if isinstance(bits, KVScheme) else plain(bits, group_size)
+    if isinstance(mask, RowRange):  # the kernel rotates queries and output itself: no extra primitives per layer
+        return q4sdpa.q4_decode_sdpa(queries, keys, values, mask.start, mask.end, scale, scheme.group_size,
+                                     mask.meta, mask.window, rotated=scheme.rotated)
     out = _routed_sdpa(rotate(queries, scheme), keys, values, scale, mask, scheme)
     return rotate(out, scheme)
 
 
 def _routed_sdpa(queries, keys, values, scale, mask, scheme: KVScheme):
     """`sdpa` on keys and values in the basis they are stored in (queries already rotated to it)."""
-    if isinstance(mask, RowRange):
-        return q4sdpa.q4_decode_sdpa(queries, keys, values, mask.start, mask.end, scale, scheme.group_size,
-                                     mask.meta, mask.window)
     if isinstance(keys, tuple):
         return quantized_sdpa(queries, keys, values, scale, mask, scheme.group_size, scheme.key_bits,
                               scheme.value_bits)

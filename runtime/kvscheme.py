@@ -9,8 +9,10 @@ matrix H along head_dim before they are quantized. H spreads a few outlier chann
 over the whole head, so a group's range (and its rounding error) shrinks. Attention
 stays exact in arithmetic: queries are rotated the same way, (qH)·(kH) = q·k, and the
 attention output, a mix of rotated values, is rotated back (H is symmetric and its
-own inverse). `runtime.attention.sdpa` applies both, outside every kernel, so each
-attention route serves every scheme.
+own inverse). `runtime.attention.sdpa` applies both outside the kernels, so each
+attention route serves every scheme; on CUDA the decode kernel (`runtime.q4sdpa`) and
+the packer of new keys and values (`runtime.q4pack`) rotate inside their kernels, by
+the same H.
 
 Schemes are named like "k6v4-g64-hadamard" (keys 6-bit, values 4-bit, group 64,
 rotated) or "k4v4-g64" (no rotation; what a plain mlx-lm `QuantizedKVCache` of

@@ -27,9 +27,10 @@ variable KVACTORS_Q4_ROUTE):
   same as "dequant"; costs 16-bit memory for the rows while they are active.
   The default for models with attention sinks off CUDA.
 - "q4kernel" (CUDA only): decode attention reads the packed cache directly
-  (`runtime.q4sdpa`), each row over its own columns, so no 16-bit copy is kept
-  and a row's output does not depend on the batch; prefill chunks dequantize
-  transiently. The default on CUDA.
+  (`runtime.q4sdpa`, which rotates queries and output itself), each row over its
+  own columns, so no 16-bit copy is kept and a row's output does not depend on
+  the batch; prefill chunks dequantize transiently. New keys and values are
+  rotated and quantized in one launch (`runtime.q4pack`). The default on CUDA.
 
 Sliding-window layers use the same cache: the model passes the window to
 `make_mask`, which masks keys older than it, and `extract` keeps only their
@@ -47,7 +48,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import QuantizedKVCache, _BaseCache, create_attention_mask
 
-from runtime import attention, q4sdpa
+from runtime import attention, q4pack, q4sdpa
 from runtime.errors import KvactorsError
 from runtime.kvscheme import KVScheme, plain, rotate
 from runtime.qgemv import available as on_cuda
@@ -252,13 +253,24 @@ class BatchQuantizedKVCache(_BaseCache):
                 )
         prev = self._idx
         self._reserve(B, H, Dk, Dv, keys.dtype, prev + N)
-        new_k = _quantize(rotate(keys, self.scheme), g, self.scheme.key_bits)
-        new_v = _quantize(rotate(values, self.scheme), g, self.scheme.value_bits)
+        new_k, new_v = self._packed(keys, values)
         for dst, src in zip(self.keys + self.values, new_k + new_v):
             dst[..., prev : prev + N, :] = src
         self._idx += N
         self.offset = self.offset + N
         return self._fetch(new_k, new_v)
+
+    def _packed(self, keys, values):
+        """The new keys and values rotated (if the scheme rotates) and quantized: (words, scales, biases) each.
+
+        The "q4kernel" route does it in one CUDA launch (`runtime.q4pack`) where it can.
+        """
+        sch = self.scheme
+        if (self.route == "q4kernel" and keys.dtype in (mx.float16, mx.bfloat16) and keys.dtype == values.dtype
+                and keys.shape == values.shape and q4pack.serves(sch, keys.shape[-1], values.shape[-1])):
+            return q4pack.pack_kv(keys, values, sch)
+        return (_quantize(rotate(keys, sch), sch.group_size, sch.key_bits),
+                _quantize(rotate(values, sch), sch.group_size, sch.value_bits))
 
     def _reserve(self, B, H, Dk, Dv, dtype, needed):
         allocated = 0 if self.keys is None else self.keys[0].shape[2]
@@ -329,7 +341,8 @@ class BatchQuantizedKVCache(_BaseCache):
 
         Layouts the kernel does not read (`q4sdpa.serves`) decode on the working copy.
         """
-        if not (self.route == "q4kernel" and self.own_attention and N == 1 and self.keys is not None):
+        if not (self.route == "q4kernel" and self.own_attention and N == 1 and self.keys is not None
+                and self.keys[1].dtype in (mx.float16, mx.bfloat16)):  # the kernel reads 16-bit queries
             return False
         sch = self.scheme
         k_dim = self.keys[0].shape[-1] * 32 // sch.key_bits

@@ -1,5 +1,6 @@
-"""The CUDA kernels (runtime.qgemv, runtime.q4sdpa) against float32 references, and their
-batch invariance: a row's result is bitwise the same whatever else is in the batch.
+"""The CUDA kernels (runtime.qgemv, runtime.q4sdpa, runtime.q4pack) against float32 or MLX
+references, and their batch invariance: a row's result is bitwise the same whatever else is
+in the batch.
 
 Skipped off CUDA (the kernels exist only there). On the GPU:
     python -m pytest tests/test_cuda_kernels.py
@@ -10,7 +11,8 @@ import math
 import mlx.core as mx
 import pytest
 
-from runtime import q4sdpa, qgemv
+from runtime import q4pack, q4sdpa, qgemv
+from runtime.kvscheme import KVScheme, rotate
 
 pytestmark = pytest.mark.skipif(not qgemv.available(), reason="CUDA-only kernels")
 
@@ -128,6 +130,70 @@ def test_q4_decode_attention_of_a_row_is_the_same_in_any_batch(key_bits):
     vq2 = tuple(mx.concatenate([mx.zeros((1, hkv, shift, x.shape[-1]), x.dtype), x[:1]], axis=2) for x in vq)
     shifted = q4sdpa.q4_decode_sdpa(q[:1], kq2, vq2, mx.array([shift], dtype=mx.int32), end + shift, d ** -0.5, 64)
     assert mx.array_equal(shifted, full[:1]).item()
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_rotated_q4_decode_attention_rotates_queries_in_and_the_output_back(d, dtype):
+    # keys and values stored rotated: the kernel's output equals rotate(attention(rotate(q))), in float32
+    b, hq, hkv, end = 3, 16, 4, 700
+    kq, vq = packed_cache(b, hkv, end + 8, d, seed=11)
+    start = mx.array([0, 250, end - 1], dtype=mx.int32)
+    q = mx.random.normal((b, hq, 1, d), key=mx.random.key(12)).astype(dtype)
+    scheme = KVScheme(4, 4, 64, "hadamard")
+    out = q4sdpa.q4_decode_sdpa(q, kq, vq, start, end, d ** -0.5, 64, rotated=True)
+    h = rotate(mx.eye(d, dtype=dtype), scheme).astype(mx.float32)  # H with the entries `rotate` uses
+    ref = reference_attention(q.astype(mx.float32) @ h, kq, vq, start, end, d ** -0.5) @ h
+    assert out.dtype == dtype
+    assert (mx.abs(out.astype(mx.float32) - ref).max()).item() < 2e-2
+    plain = q4sdpa.q4_decode_sdpa(q, kq, vq, start, end, d ** -0.5, 64)
+    assert not mx.array_equal(plain, out).item()
+    part = q4sdpa.q4_decode_sdpa(q[1:2], tuple(x[1:2] for x in kq), tuple(x[1:2] for x in vq), start[1:2], end,
+                                 d ** -0.5, 64, rotated=True)
+    assert mx.array_equal(part, out[1:2]).item()
+
+
+@pytest.mark.parametrize("name", ["k4v4-g64", "k6v4-g64", "k8v8-g32", "k6v4-g128", "k4v4-g32"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_pack_kv_packs_unrotated_keys_and_values_bit_for_bit_as_mx_quantize(name, d, dtype):
+    from runtime.kvscheme import parse
+
+    scheme = parse(name)
+    if d % scheme.group_size:
+        pytest.skip("group larger than the head")
+    k = (mx.random.normal((3, 4, 5, d), key=mx.random.key(1)) * 3).astype(dtype)
+    v = mx.random.normal((3, 4, 5, d), key=mx.random.key(2)).astype(dtype)
+    k = mx.concatenate([k[..., :1, :] * 0, mx.abs(k[..., 1:2, :]), k[..., 2:, :]], axis=2)  # all-zero and all-positive tokens
+    pk, pv = q4pack.pack_kv(k, v, scheme)
+    for got, x, bits in ((pk, k, scheme.key_bits), (pv, v, scheme.value_bits)):
+        want = mx.quantize(x, group_size=scheme.group_size, bits=bits)
+        for a, w in zip(got, want):
+            assert a.shape == w.shape and a.dtype == w.dtype
+            assert mx.array_equal(a, w).item()
+
+
+@pytest.mark.parametrize("name", ["k6v4-g64-hadamard", "k4v4-g32-hadamard", "k8v8-g64-hadamard"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_pack_kv_rotates_like_the_matmul_before_quantizing(name, d):
+    from runtime.kvscheme import parse
+
+    scheme = parse(name)
+    k = mx.random.normal((2, 8, 33, d), key=mx.random.key(3)).astype(mx.bfloat16)
+    v = mx.random.normal((2, 8, 33, d), key=mx.random.key(4)).astype(mx.bfloat16)
+    pk, pv = q4pack.pack_kv(k, v, scheme)
+    for got, x, bits in ((pk, k, scheme.key_bits), (pv, v, scheme.value_bits)):
+        want = mx.quantize(rotate(x, scheme), group_size=scheme.group_size, bits=bits)
+        a = mx.dequantize(*got, group_size=scheme.group_size, bits=bits).astype(mx.float32)
+        w = mx.dequantize(*want, group_size=scheme.group_size, bits=bits).astype(mx.float32)
+        step = mx.abs(want[1]).max().item()  # one quantization step at most, where the two sums round apart
+        assert (mx.abs(a - w).max()).item() <= step * 1.01
+        same = mx.mean((got[0] == want[0]).astype(mx.float32)).item()
+        assert same > 0.97, f"only {same:.1%} of the packed words agree with the matmul path"
+        def error(deq):  # rotated back (H is its own inverse): the error against the input
+            return (mx.abs(rotate(deq.astype(mx.bfloat16), scheme).astype(mx.float32) - x).max()).item()
+
+        assert error(a) <= error(w) * 1.1 + 1e-3  # as faithful as the matmul path
 
 
 def test_q4_decode_attention_at_64k_context():

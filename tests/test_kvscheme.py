@@ -2,7 +2,9 @@
 
 Tolerances: float32 throughout; attention through a rotated cache must equal plain
 attention over the same stored (dequantized, rotated back) keys and values within
-1e-5, since only the order of float operations differs.
+1e-5, since only the order of float operations differs. On CUDA, float32 matmuls run
+as TF32 (10-bit mantissas), so there the bound is 2e-3, and the "quantized" route,
+which cannot decode on CUDA, is left out.
 """
 
 import json
@@ -15,8 +17,9 @@ from runtime.kvscheme import DEFAULT, KVScheme, KVSchemeError, from_options, had
 from runtime.model import ModelCacheSpec
 from runtime.q4cache import BatchQuantizedKVCache, Q4CacheError, layer_cache, scheme_of
 
-ATOL = 1e-5
-ROUTES = ["quantized", "dequant", "dequant_once"]
+CUDA = mx.default_device() == mx.gpu and mx.cuda.is_available()
+ATOL = 2e-3 if CUDA else 1e-5
+ROUTES = ["dequant", "dequant_once"] if CUDA else ["quantized", "dequant", "dequant_once"]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -53,11 +56,12 @@ def test_runtime_options_pick_one_scheme_or_refuse():
 
 
 def test_hadamard_is_orthonormal_and_keeps_dot_products():
-    h = hadamard(64, mx.float32)
-    assert mx.allclose(h @ h, mx.eye(64), atol=1e-6).item()  # symmetric and its own inverse
-    q, k = normal((5, 64), 0), normal((7, 64), 1)
-    assert mx.allclose(rotate(q, DEFAULT) @ rotate(k, DEFAULT).T, q @ k.T, atol=1e-4).item()
-    assert rotate(q, plain(4, 64)) is q
+    with mx.stream(mx.cpu):  # the arithmetic in full float32 (a CUDA float32 matmul is TF32)
+        h = hadamard(64, mx.float32)
+        assert mx.allclose(h @ h, mx.eye(64), atol=1e-6).item()  # symmetric and its own inverse
+        q, k = normal((5, 64), 0), normal((7, 64), 1)
+        assert mx.allclose(rotate(q, DEFAULT) @ rotate(k, DEFAULT).T, q @ k.T, atol=1e-4).item()
+        assert rotate(q, plain(4, 64)) is q
 
 
 def stored_attention(cache, queries, scale):
@@ -134,10 +138,11 @@ def test_a_cache_of_another_scheme_is_never_merged():
 def test_the_cuda_kernel_takes_4_or_6_bit_keys_and_4_bit_values_only():
     for name, expect in (("k4v4-g64-hadamard", True), ("k6v4-g64-hadamard", True), ("k8v4-g64", False),
                          ("k4v8-g64", False), ("k8v8-g64", False), ("k5v4-g32-hadamard", False)):
-        cache = BatchQuantizedKVCache([0], parse(name), "dequant")
-        cache.update_and_fetch(normal((1, 2, 3, 64), 0), normal((1, 2, 3, 64), 1))
-        cache.route = "q4kernel"  # the predicate alone; the kernel itself runs on CUDA only
-        assert cache._kernel_decode(1) is expect
+        for dtype in (mx.bfloat16, mx.float16, mx.float32):
+            cache = BatchQuantizedKVCache([0], parse(name), "dequant")
+            cache.update_and_fetch(normal((1, 2, 3, 64), 0).astype(dtype), normal((1, 2, 3, 64), 1).astype(dtype))
+            cache.route = "q4kernel"  # the predicate alone; the kernel itself runs on CUDA only
+            assert cache._kernel_decode(1) is (expect and dtype != mx.float32)  # it reads 16-bit queries
 
 
 def spec_for(scheme):
