@@ -60,3 +60,30 @@ def test_prefill_sized_inputs_multiply_the_dequantized_weight(tiny_model_path, m
     calls.clear()
     assert mx.array_equal(model(tokens[:, :8]), short_before).item()
     assert len(calls) == 1  # short inputs: the quantized kernel (only the lookup dequantizes)
+
+
+def test_compiled_mlps_give_bitwise_the_same_decode_and_prefill(tiny_model_path):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from runtime.prepare import compile_mlps
+
+    model, _ = mlx_lm.load(str(tiny_model_path("llama")))  # its own copy: it gets changed
+    model.set_dtype(mx.bfloat16)
+    nn.quantize(model, group_size=32, bits=4)
+    prepare_model(model, force=True, gemv=False, compile_mlp=False)
+    prompt = mx.arange(24).reshape(2, 12) % 17 + 3  # 24 rows: more than a decode step has
+    steps = [mx.array([[3], [6]]), mx.array([[1], [12]])]
+
+    def run():
+        cache = make_prompt_cache(model)
+        return [model(prompt, cache=cache)] + [model(t, cache=cache) for t in steps]
+
+    before = run()
+    mlp_class = type(model.layers[0].mlp)
+    assert compile_mlps(model) == len(model.layers)
+    assert type(model.layers[0].mlp) is not mlp_class and isinstance(model.layers[0].mlp, mlp_class)
+    assert compile_mlps(model) == len(model.layers)  # idempotent: no second subclass
+    assert type(model.layers[0].mlp).__mro__[1] is mlp_class
+    after = run()  # the prompt takes the model's own path; the steps (2 rows) the compiled one
+    assert all(mx.array_equal(a, b).item() for a, b in zip(before, after))
+    assert "_kvactors_compiled" not in dict(model.layers[0].mlp)  # not a parameter
