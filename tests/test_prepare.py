@@ -35,7 +35,8 @@ def test_last_logits_are_the_models_logits_at_one_position(tiny_model_path):
         want = model(tokens, cache=want_cache)[:, 3, :]
         got = last_logits(model, tokens, got_cache, 3)
         assert got.shape == want.shape
-        assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item(), arch
+        tol = 5e-3 if qgemv.available() else 1e-4  # float32 matmuls run as TF32 on CUDA
+        assert mx.allclose(got, want, atol=tol, rtol=tol).item(), arch
         for a, b in zip(want_cache, got_cache):  # the cache took every position either way
             assert a.offset == b.offset == 5 and mx.array_equal(a.state[0], b.state[0]).item()
 
