@@ -7,9 +7,13 @@ mutable object is shared between actors. Work items run strictly in arrival orde
 a turn renders the conversation with the chat template, matches the rendered text
 against the text its cache holds (`runtime.prefix`), sends only the new tokens to
 the batcher and returns to its mailbox; the result comes back as a message. The
-cache is then handed to the persistence actor, and the caller's future resolves
-once the write is durable (`durability="durable"`, the default) or at once
-(`durability="memory"`: a crash may lose the last turns).
+cache is then handed to the persistence actor (on the device: the persistence
+actor copies only the rows it writes), and the caller's future resolves once the
+turn is durable (`durability="durable"`, the default), which is once its journal
+records are fsynced: the cache file is written after that, in the background, and
+a crash before it lands costs only the re-prefill of the turns it lacks, found by
+comparing the history with the text the older cache holds. With
+`durability="memory"` the future resolves at once (a crash may lose the last turns).
 
 Before its first message the agent loads its durable state: the journal (the
 history) and the cache if it is valid; a bad or missing cache means the next turn

@@ -1,32 +1,45 @@
-"""PersistenceActor: makes agents' caches and journals durable, off the GPU thread.
+"""PersistenceActor: makes agents' journals durable, and writes their caches after, off the GPU thread.
 
 Agents hand it a `Write` (agent, seq, cache + metadata, journal records) with
-`submit`; it appends the records to the agent's journal, writes the cache
-atomically (only the new rows, as a delta file, when the write says which cached
-tokens it reused: see `store.next_segment`), and then acknowledges: the
-future returned by `submit` gets an `Ack`, and `reply_to` (an actor, which must not
-block on futures) is told the same `Ack`. An ack means durable: files and folder
-entries fsynced.
+`submit`; it appends the records to the agent's journal, raises the journal's
+high-water mark, and acknowledges once both are fsynced: the future returned by
+`submit` gets an `Ack`, and `reply_to` (an actor, which must not block on futures)
+is told the same `Ack`. An ack means the turn is durable: its records are in the
+journal on disk. The cache is written after the ack, by that agent's cache writer
+(one per agent, on a small pool of threads of its own): atomically (temp file,
+fsync, rename, fsync the folder), and only the new rows, as a delta file, when the
+write says which cached tokens it reused and that cache is on disk (see
+`store.next_segment`). A crash before the cache lands loses no acknowledged turn:
+the agent loads the older cache (or none) and re-prefills only the journal's turns
+that it lacks (`runtime.prefix` compares the history with the cached text).
+`Ack.cache_seq` is the seq of the cache on disk when the ack was sent, usually
+older than the write's; `settle` waits until every acknowledged cache is written.
 
-A cache handed over on the device (`store.on_device`) is copied to the host here,
-and only the rows the file needs: the agent's thread copies nothing, and the copy
-overlaps the engine's next work.
+A cache handed over on the device (`store.on_device`) is copied to the host by its
+writer, and only the rows the file needs: the agent's thread copies nothing, and the
+copy overlaps the engine's next work.
 
 Writes queue up while the actor is busy and are written in batches, agents in
-parallel: the actor runs an asyncio loop on its own thread, and each file operation
-is one of `runtime.store`'s functions, run in a worker thread (`aiofiles.os.wrap`).
-There is no second write path: `store.append_journal`, `store.save_cache` and
-`store.load_agent` compose the same functions. Within a batch every journal record
-is appended, in seq order, but only the newest cache of each agent is written: a
-newer write queued behind an older one supersedes it, and a cache never replaces one
-with a higher seq on disk (its ack then reports the newer `cache_seq`). Journal
-records whose seq is not above the journal's last are skipped, so a retried write is
-harmless. Stopping the actor flushes everything queued.
+parallel: the actor's file work runs on an asyncio loop on a thread of its own, and
+each file operation is one of `runtime.store`'s functions, run in a worker thread
+(`aiofiles.os.wrap`; caches on their own pool, so a long cache write never delays a
+journal append). Each agent's writes in a batch are acknowledged as soon as its
+journal is durable, whatever the other agents' files are doing. There is no second
+write path: `store.append_journal`, `store.save_cache` and `store.load_agent` compose
+the same functions. Every journal record is appended, in seq order, but not every
+cache is written: a cache waiting for the agent's cache writer is superseded by a
+newer one, unless the newer one continues it (then both are written, as small
+deltas, up to `CHAINED_WAITING` waiting). A cache whose delta's base never reached
+the disk is written whole, and a cache never replaces one with a higher seq on disk. Journal records whose seq
+is not above the journal's last are skipped, so a retried write is harmless. `load`
+first waits for that agent's cache writer, so the newest cache loads; `stored`,
+`stored_all`, `delete` and stopping the actor wait for them too: stopping flushes
+everything queued and writes every acknowledged cache.
 
 Errors never stop the actor, which serves every agent. A failed journal append (a
 full disk) leaves the journal as it was and fails the acks of that agent's writes in
 the batch, and nothing else. A failed cache write is only logged: the journal holds
-the turn, so the ack succeeds and reports the older cache still on disk. A journal
+the turn, so the turn stays acknowledged and the older cache stays on disk. A journal
 that cannot be read fails that agent's writes and comes back from `load` as
 `Loaded.journal_error`. Damage found when a journal is first opened (a torn tail, a
 damaged middle, a missing journal beside a cache, a tail cut below the journal's
@@ -41,6 +54,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -54,6 +69,7 @@ from runtime.store import CACHE_FILE, JOURNAL_FILE
 
 log = logging.getLogger(__name__)
 _io = aiofiles.os.wrap  # _io(f)(*args): f(*args) in a worker thread, awaited on the actor's loop
+CHAINED_WAITING = 2  # caches of one agent that may wait to be written as deltas; more are superseded
 
 
 @dataclass(frozen=True)
@@ -79,9 +95,12 @@ class Write:
 
 @dataclass(frozen=True)
 class Ack:
-    """`agent`'s write `seq` is durable; `cache_seq` is the cache seq on disk now (None: no cache).
+    """`agent`'s write `seq` is durable: its journal records are on disk.
 
-    On failure `error` holds the exception and nothing about this write is promised.
+    `cache_seq` is the seq of the agent's cache on disk when the ack was sent (None:
+    no cache). The write's own cache follows in the background, so it is usually
+    older than `seq`; the journal holds the turns between. On failure `error` holds
+    the exception and nothing about this write is promised.
     """
 
     agent: str
@@ -119,27 +138,35 @@ class PersistenceActor(SupervisedActor):
     `retention_s`: at start, delete caches (not journals) idle longer than this
     (None: keep all; see `store.prune`). A batch is written as soon as the mailbox is
     empty, or when `max_pending` writes or `max_pending_bytes` of caches are queued.
+    `cache_writers`: threads writing caches (each agent's one at a time, agents in parallel).
     """
 
     def __init__(
         self, cache_dir, spec, retention_s: float | None = None, max_pending: int = 64, max_pending_bytes: int = 1 << 30,
-        supervisor=None,
+        supervisor=None, cache_writers: int = 2,
     ):
         super().__init__(supervisor)
         self.cache_dir, self.spec, self.retention_s = cache_dir, spec, retention_s
         self.max_pending, self.max_pending_bytes = max_pending, max_pending_bytes
+        self.cache_writers = cache_writers
         self._pending: dict[str, list[Write]] = {}
         self._pending_count = self._pending_bytes = 0
+        # The state below belongs to the I/O loop's thread: only coroutines touch it.
         self._journal_seq: dict[str, int] = {}  # agent -> last seq in its journal
         self._journal_end: dict[str, int] = {}  # agent -> end of its journal's last good frame
         self._cache_seq: dict[str, int | None] = {}  # agent -> seq of its cache on disk
         self._high: dict[str, int] = {}  # agent -> its journal's high-water mark as on disk (-1: none)
         self._segment: dict[str, store.Segment] = {}  # agent -> newest cache file this actor wrote
-        self._loop = None
+        self._cache_next: dict[str, list[Write]] = {}  # agent -> acknowledged writes whose caches wait, oldest first
+        self._cache_jobs: dict[str, asyncio.Task] = {}  # agent -> its cache writer, while it has work
+        self._loop = self._thread = self._cache_pool = None
         self._model_recorded = False
 
     def on_start(self) -> None:
         self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvactors-persistence-io", daemon=True)
+        self._thread.start()
+        self._cache_pool = ThreadPoolExecutor(self.cache_writers, thread_name_prefix="kvactors-cache-writer")
         if self.retention_s is not None:
             try:
                 self._run(_io(store.prune)(self.cache_dir, self.retention_s))
@@ -158,14 +185,16 @@ class PersistenceActor(SupervisedActor):
         # Writes told after the stop request are still in the inbox: keep them too.
         for write in self.take_leftover(Write):
             self._queue(write)
-        self._flush()
-        if self._loop is not None:
-            self._loop.close()
+        self._close()
+
+    def on_failure(self, exception_type, exception_value, traceback) -> None:
+        self._close()  # what was acknowledged still gets its cache written, then the I/O thread ends
 
     def load(self, agent: str) -> store.Loaded:
         """`agent`'s journal and usable cache (see `store.Loaded`), after flushing queued writes.
 
-        Never raises for a bad file (this actor serves every agent): a journal that
+        Its acknowledged caches are written first, so the newest one loads. Never
+        raises for a bad file (this actor serves every agent): a journal that
         cannot be read comes back as `Loaded.journal_error`, a bad cache as `Loaded.error`.
         """
         self._flush()
@@ -192,32 +221,50 @@ class PersistenceActor(SupervisedActor):
             return None
 
     def stored(self, agent: str) -> store.StoredAgent | None:
-        """`agent`'s `store.StoredAgent` after flushing queued writes; None when it has no folder.
+        """`agent`'s `store.StoredAgent` after flushing queued writes and caches; None when it has no folder.
 
         Never raises for a bad journal (`turns` is then None); a symlinked folder is
         reported as unreadable too.
         """
         self._flush()
+        self._run(self._settle(agent))
         folder = store.agent_dir(self.cache_dir, self.spec.fingerprint, agent)
         if not os.path.lexists(folder):
             return None
         return _summary(folder)
 
     def stored_all(self) -> list[store.StoredAgent]:
-        """Every agent stored for this model (`store.StoredAgent`), sorted by name, after flushing queued writes."""
+        """Every agent stored for this model (`store.StoredAgent`), sorted by name, after flushing queued writes and caches."""
         self._flush()
+        self._run(self._settle())
         return [_summary(f) for f in store.agent_folders(self.cache_dir) if f.parent.name == self.spec.fingerprint]
 
     def delete(self, agent: str) -> bool:
         """Delete `agent`'s cache and journal (after its queued writes); return whether it existed."""
         self._flush()
-        self._forget(agent)
-        return self._run(_io(store.delete)(self.cache_dir, self.spec, agent))
+        return self._run(self._delete(agent))
+
+    def settle(self) -> None:
+        """Return once every queued write is acknowledged and every acknowledged cache is on disk (or failed)."""
+        self._flush()
+        self._run(self._settle())
 
     # -- internals
 
     def _run(self, coro):
-        return self._loop.run_until_complete(coro)
+        """Run `coro` on the I/O loop's thread; wait for its result here."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def _close(self) -> None:
+        """Flush queued writes, write every acknowledged cache, end the I/O thread (idempotent)."""
+        if self._loop is None or self._loop.is_closed():
+            return
+        self._flush()
+        self._run(self._settle())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+        self._cache_pool.shutdown()
 
     def _queue(self, write: Write) -> None:
         self._pending.setdefault(write.agent, []).append(write)
@@ -225,49 +272,97 @@ class PersistenceActor(SupervisedActor):
         self._pending_bytes += write.cache.nbytes if write.cache is not None else 0
 
     def _flush(self) -> None:
+        """Write the queued journal records; each agent's writes are acknowledged as soon as its journal is durable."""
         if not self._pending:
             return
         pending, self._pending = self._pending, {}
         self._pending_count = self._pending_bytes = 0
-        results = self._run(self._write_all(pending))
-        for writes, result in zip(pending.values(), results):
-            for w in writes:
-                _ack(w, result)
+        self._run(self._write_all(pending))
 
-    async def _write_all(self, pending: dict) -> list:
-        jobs = [self._write_agent(agent, writes) for agent, writes in pending.items()]
-        return await asyncio.gather(*jobs, return_exceptions=True)
+    async def _write_all(self, pending: dict) -> None:
+        await asyncio.gather(*(self._write_agent(agent, writes) for agent, writes in pending.items()))
 
-    async def _write_agent(self, agent: str, writes: list[Write]) -> int | None:
+    async def _write_agent(self, agent: str, writes: list[Write]) -> None:
+        """Append `writes`' records, queue their caches, ack them; errors go to the acks."""
         folder = store.agent_dir(self.cache_dir, self.spec.fingerprint, agent)
+        try:
+            await self._append(agent, folder, writes)
+        except Exception as e:
+            for w in writes:
+                _ack(w, e)
+            return
+        for w in sorted((w for w in writes if w.cache is not None), key=lambda w: w.seq):
+            self._queue_cache(agent, folder, w)
+        for w in writes:
+            _ack(w, self._cache_seq[agent])
+
+    async def _append(self, agent: str, folder, writes: list[Write]) -> None:
+        """Append the fresh records of `writes` to `agent`'s journal and raise its high-water mark, both fsynced."""
         if agent not in self._journal_seq:
+            await self._settle(agent)  # its cache writer must not race the reopening
             await self._open(agent, folder)
         fresh = store.fresh_records([r for w in writes for r in w.records], self._journal_seq[agent])
-        if fresh:
-            append = _io(store.append_frames)(folder / JOURNAL_FILE, store.encode_records(fresh), self._journal_end[agent])
-            # the high-water mark goes to disk beside the append, before either is acknowledged
-            end, _ = await asyncio.gather(append, self._record_high(agent, folder, fresh[-1]["seq"]),
-                                          return_exceptions=True)
-            if isinstance(end, BaseException):  # the journal is as it was: so goes the mark, or it would claim a cut
-                await self._record_high(agent, folder, self._high[agent])
-                self._forget(agent)  # the next write reopens the journal (and repairs it if the cut-back failed)
-                raise end
-            self._journal_seq[agent], self._journal_end[agent], self._high[agent] = fresh[-1]["seq"], end, fresh[-1]["seq"]
-        newest = max((w for w in writes if w.cache is not None), key=lambda w: w.seq, default=None)
-        on_disk = self._cache_seq[agent]
-        if newest is not None and (on_disk is None or newest.seq > on_disk):
-            await self._write_cache(agent, folder, newest)
-        return self._cache_seq[agent]
+        if not fresh:
+            return
+        append = _io(store.append_frames)(folder / JOURNAL_FILE, store.encode_records(fresh), self._journal_end[agent])
+        # the high-water mark goes to disk beside the append, before either is acknowledged
+        end, _ = await asyncio.gather(append, self._record_high(agent, folder, fresh[-1]["seq"]),
+                                      return_exceptions=True)
+        if isinstance(end, BaseException):  # the journal is as it was: so goes the mark, or it would claim a cut
+            await self._record_high(agent, folder, self._high[agent])
+            self._forget(agent)  # the next write reopens the journal (and repairs it if the cut-back failed)
+            raise end
+        self._journal_seq[agent], self._journal_end[agent], self._high[agent] = fresh[-1]["seq"], end, fresh[-1]["seq"]
+
+    def _queue_cache(self, agent: str, folder, write: Write) -> None:
+        """Hand `write`'s cache to `agent`'s cache writer.
+
+        It waits behind the agent's waiting caches when it continues the newest of them
+        (each then goes to disk as a small delta), up to CHAINED_WAITING of them;
+        otherwise it supersedes them all (and is written whole). An older seq than one
+        waiting is dropped.
+        """
+        waiting = self._cache_next.get(agent, [])
+        if waiting and write.seq <= waiting[-1].seq:
+            return
+        chains = bool(waiting) and write.reuse is not None and write.reuse[0] == waiting[-1].seq
+        self._cache_next[agent] = waiting + [write] if chains and len(waiting) < CHAINED_WAITING else [write]
+        if agent not in self._cache_jobs:
+            self._cache_jobs[agent] = self._loop.create_task(self._cache_writer(agent, folder))
+
+    async def _cache_writer(self, agent: str, folder) -> None:
+        """Write `agent`'s waiting caches one at a time, oldest first, until none waits.
+
+        One writer per agent, so each file is written knowing the one before it is
+        durable: a delta is only ever chained to a file on disk (`store.next_segment`).
+        """
+        try:
+            while self._cache_next.get(agent):
+                write = self._cache_next[agent].pop(0)
+                on_disk = self._cache_seq.get(agent)
+                if on_disk is None or write.seq > on_disk:
+                    await self._write_cache(agent, folder, write)
+        except Exception:  # _write_cache logs what it expects; anything else must not stop the others
+            log.exception("agent %s: the cache writer failed; its cache on disk stays as it was", agent)
+            self._cache_next.pop(agent, None)
+        finally:
+            del self._cache_jobs[agent]
+
+    async def _settle(self, agent: str | None = None) -> None:
+        """Wait until `agent`'s (None: every agent's) queued caches are written or failed."""
+        jobs = list(self._cache_jobs.values()) if agent is None else [self._cache_jobs[agent]] if agent in self._cache_jobs else []
+        if jobs:
+            await asyncio.wait(jobs)
 
     async def _write_cache(self, agent: str, folder, write: Write) -> None:
         """Write `write`'s cache; a failure (a full disk) is logged, not raised: the journal already holds the turn."""
         last = self._segment.pop(agent, None)  # unknown until this write is durable
         try:
-            name, data, segment = store.next_segment(write.cache, write.meta, self.spec.fingerprint, last, write.reuse)
-            await _io(store.write_atomic)(folder / name, data)
+            name, segment = await self._loop.run_in_executor(
+                self._cache_pool, _write_segment, folder, write, self.spec.fingerprint, last)
         except Exception as e:  # a full disk, or copying the cache off the device failed
             log.warning("agent %s: writing the cache of seq %d failed (%s); the turn is durable in the journal "
-                        "and the cache on disk stays at seq %s", agent, write.seq, e, self._cache_seq[agent])
+                        "and the cache on disk stays at seq %s", agent, write.seq, e, self._cache_seq.get(agent))
             return
         self._cache_seq[agent] = write.seq
         self._segment[agent] = segment
@@ -331,18 +426,36 @@ class PersistenceActor(SupervisedActor):
         except OSError as e:
             log.warning("recording the model id in %s failed: %s", model_dir, e)
 
+    async def _delete(self, agent: str) -> bool:
+        self._cache_next.pop(agent, None)  # a deleted agent's cache is not written back
+        await self._settle(agent)
+        self._forget(agent)
+        return await _io(store.delete)(self.cache_dir, self.spec, agent)
+
     def _forget(self, agent: str) -> None:
         for state in (self._journal_seq, self._journal_end, self._cache_seq, self._segment, self._high):
             state.pop(agent, None)
 
     async def _load(self, agent: str) -> store.Loaded:
         folder = store.agent_dir(self.cache_dir, self.spec.fingerprint, agent)
+        await self._settle(agent)  # the newest acknowledged cache is the one to load
         if agent not in self._journal_seq and await _io(os.path.lexists)(folder):
             await self._open(agent, folder)  # repairs damage and says what was lost, once
         loaded = await _io(store.load_agent)(self.cache_dir, self.spec, agent)
         if agent not in self._segment and loaded.segment is not None and loaded.segment.seq == self._cache_seq.get(agent):
             self._segment[agent] = loaded.segment  # the agent's next write continues the chain with a delta
         return replace(loaded, last_seq=max(loaded.last_seq, self._journal_seq.get(agent, -1)))
+
+
+def _write_segment(folder, write: Write, fingerprint: str, last) -> tuple[str, store.Segment]:
+    """Encode `write`'s cache as the file that follows `last` (`store.next_segment`) and write it atomically.
+
+    Runs on a cache-writer thread: copying a `DeviceCache`'s rows to the host and
+    encoding happen there too. Returns (file name, the Segment it became).
+    """
+    name, data, segment = store.next_segment(write.cache, write.meta, fingerprint, last, write.reuse)
+    store.write_atomic(folder / name, data)
+    return name, segment
 
 
 def _summary(folder) -> store.StoredAgent:

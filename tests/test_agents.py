@@ -229,6 +229,7 @@ def test_every_next_render_starts_with_the_cached_text_and_hot_turns_prefill_onl
     seen = {alice.name: 0, bob.name: 0}  # history records (system included) in each agent's cache
     states = []
     for who, sender, text in steps:
+        rt.flush()  # the cache files follow the acks
         meta = store.load_cache(rt.cache_dir, rt.spec, who.name)[1] if seen[who.name] else None
         r = who.ask(text, max_tokens=8) if sender is None else sender.send_to(who, text, max_tokens=8).get(timeout=60)
         states.append(r.cache)
@@ -947,6 +948,7 @@ def test_shutdown_returns_after_the_engine_thread_is_gone_down_to_its_os_thread(
 def test_kv_group_size_is_a_runtime_option_and_a_cache_of_another_group_is_re_prefilled(tmp_path):
     with Runtime(model=None, cache_dir=tmp_path, kv_group_size=32) as rt:
         first = rt.spawn("alice", system="You are Alice.").ask("Hello.", max_tokens=4)
+        rt.flush()  # the cache file follows the ack
         host, meta = store.load_cache(tmp_path, rt.spec, "alice")
     assert rt.spec.kv_group_size == 32 and host.group_size == 32
     with Runtime(model=None, cache_dir=tmp_path) as rt:  # the default group, 64: the stored cache does not fit

@@ -71,6 +71,7 @@ def test_a_message_cannot_forge_turns_in_an_agents_cache(tmp_path):
         for text in ("Hello.", FORGED):  # a cold turn, then a hot one
             bob.ask(text, max_tokens=4)
             eve.ask(text.replace(FORGED, "Fine."), max_tokens=4)
+        rt.flush()  # the cache files follow the acks
         ids = {a: store.load_cache(tmp_path, rt.spec, a)[1].token_ids for a in ("bob", "eve")}
         forged = [x for x in bob.history() if x["role"] == "user"][-1]
     assert forged["text"] == FORGED

@@ -187,6 +187,7 @@ def test_runtime_re_prefills_an_agent_stored_under_another_scheme(tmp_path):
     assert rt.spec.kv_scheme == plain(4, 64)
     with Runtime(model=None, cache_dir=tmp_path) as rt:  # the default scheme: the stored cache does not fit
         again = rt.spawn("alice", system="You are Alice.").ask("Hello again.", max_tokens=4)
+        rt.flush()  # the cache file follows the ack
         host, _ = store.load_cache(tmp_path, rt.spec, "alice")
     assert rt.spec.kv_scheme == DEFAULT and host.scheme == DEFAULT
     assert first.cache == "cold" and again.cache == "cold"  # re-prefilled from the journal, nothing lost

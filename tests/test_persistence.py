@@ -1,5 +1,6 @@
-"""actors.persistence: acks once durable, coalescing, seq ordering, flush on stop, errors,
-and a real crash harness (a child process SIGKILLed 50 times)."""
+"""actors.persistence: acks once the journal is durable, caches written after the ack (chained,
+superseded, flushed on stop), coalescing, seq ordering, errors, and a real crash harness (a child
+process SIGKILLed 50 times)."""
 
 import errno
 import os
@@ -11,9 +12,11 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pykka
 import pytest
 
+from actors import persistence
 from actors.persistence import Ack, PersistenceActor, submit
 from persistence_crash_child import AGENTS, SPEC, expected
 from runtime import journal, store
@@ -57,14 +60,113 @@ def journal_seqs(tmp_path, agent):
     return [r["seq"] for r in store.read_journal(tmp_path, SPEC, agent)]
 
 
-def test_ack_means_durable(tmp_path, actor):
+def settled(ref):
+    """Wait until every cache `ref` acknowledged is written; return ref."""
+    ref.proxy().settle().get(timeout=10)
+    return ref
+
+
+class HeldCaches:
+    """Holds every cache file write (full or delta) at its start until `release`; counts those started."""
+
+    def __init__(self, monkeypatch):
+        self.gate, self.started, self.names = threading.Event(), threading.Semaphore(0), []
+        real = store.write_atomic
+
+        def held(path, data):
+            if path.name.startswith("cache."):
+                self.names.append(path.name)
+                self.started.release()
+                assert self.gate.wait(10), "a cache write was held too long"
+            return real(path, data)
+
+        monkeypatch.setattr(store, "write_atomic", held)
+
+    def wait_started(self):
+        assert self.started.acquire(timeout=10), "no cache write started"
+
+    def release(self):
+        self.gate.set()
+
+
+def test_the_ack_comes_once_the_journal_is_durable_before_the_cache_is_written(tmp_path, actor, monkeypatch):
+    held = HeldCaches(monkeypatch)
     ref = actor()
-    ack = write(ref, "alpha", 0).get(timeout=10)
-    assert ack == Ack("alpha", 0, 0)
-    assert_cache_is(tmp_path, "alpha", 0)
+    ack = write(ref, "alpha", 0).get(timeout=10)  # the cache write is held: the ack came without it
+    assert ack == Ack("alpha", 0, None)  # no cache on disk yet
     assert store.read_journal(tmp_path, SPEC, "alpha") == [expected("alpha", 0)[2]]
+    assert store.high_seq(tmp_path / SPEC.fingerprint / "alpha") == 0
+    held.wait_started()
+    assert isinstance(store.load_agent(tmp_path, SPEC, "alpha").error, store.CacheMissing)
+    held.release()
+    settled(ref)
+    assert_cache_is(tmp_path, "alpha", 0)
     journal_only = submit(ref, "alpha", 1, records=[{"seq": 1, "role": "user", "text": "hi"}]).get(timeout=10)
     assert journal_only == Ack("alpha", 1, 0) and journal_seqs(tmp_path, "alpha") == [0, 1]
+
+
+def test_an_ack_never_waits_for_another_agents_cache(tmp_path, actor, monkeypatch):
+    held = HeldCaches(monkeypatch)
+    ref = actor()
+    write(ref, "alpha", 0).get(timeout=10)
+    held.wait_started()  # alpha's cache write is in progress, and stays so
+    assert write(ref, "beta", 0).get(timeout=10) == Ack("beta", 0, None)
+    assert write(ref, "alpha", 1).get(timeout=10) == Ack("alpha", 1, None)  # nor for its own older cache
+    assert journal_seqs(tmp_path, "beta") == [0] and journal_seqs(tmp_path, "alpha") == [0, 1]
+    held.release()
+    settled(ref)
+    assert_cache_is(tmp_path, "alpha", 1)
+    assert_cache_is(tmp_path, "beta", 0)
+
+
+def test_a_delta_is_only_chained_to_a_cache_file_on_disk(tmp_path, actor, monkeypatch):
+    """Each turn's cache continues the one before it. While one is being written, the next ones
+    wait and go to disk as deltas, each once its base is there; past CHAINED_WAITING waiting, the
+    newest supersedes them and is written whole, since its base never reached the disk."""
+    assert persistence.CHAINED_WAITING == 2
+    held = HeldCaches(monkeypatch)
+    ref = actor()
+
+    def turn(seq):
+        reuse = None if seq == 0 else (seq - 1, chained_cache(seq - 1)[0].n_tokens)
+        submit(ref, "alpha", seq, *chained_cache(seq), [record_of(seq)], reuse=reuse).get(timeout=10)
+
+    turn(0)
+    held.wait_started()  # seq 0's full file is held
+    turn(1), turn(2)  # both wait, each continuing the one before
+    held.release()
+    settled(ref)
+    assert held.names == [store.CACHE_FILE, store.DELTA_FILE.format(1), store.DELTA_FILE.format(2)]
+    held.gate.clear()
+    turn(3)
+    held.wait_started()  # seq 3's delta is held
+    for seq in (4, 5, 6):
+        turn(seq)
+    held.release()
+    settled(ref)
+    assert held.names[3:] == [store.DELTA_FILE.format(3), store.CACHE_FILE]  # 4 and 5 superseded: 6 written whole
+    host, meta = store.load_cache(tmp_path, SPEC, "alpha")
+    want_host, want_meta = chained_cache(6)
+    assert meta == want_meta and all(host.tensors[k].tobytes() == v.tobytes() for k, v in want_host.tensors.items())
+    assert journal_seqs(tmp_path, "alpha") == list(range(7))
+
+
+def chained_cache(seq):
+    """(HostCache, CacheMeta) of turn `seq`: 1000 + 10 * seq tokens, the first ones those of turn seq - 1."""
+    rng = np.random.default_rng(7)
+    n = 1000 + 10 * seq
+    tensors = {}
+    for i in range(SPEC.n_layers):
+        for kind in ("keys", "values"):
+            tensors[f"layers.{i}.{kind}.packed"] = rng.integers(0, 2**32, (1, 2, 1100, 8), dtype=np.uint32)[:, :, :n]
+            for part in ("scales", "biases"):
+                tensors[f"layers.{i}.{kind}.{part}"] = rng.standard_normal((1, 2, 1100, 1), dtype=np.float32)[:, :, :n]
+    meta = store.CacheMeta(seq, list(range(n)), list(range(1, n + 1)), "x" * n, f"turn-{seq}", created=1.0)
+    return store.HostCache(tensors, "float32", 4, 64, SPEC.n_layers, n), meta
+
+
+def record_of(seq):
+    return {"seq": seq, "role": "user", "text": f"message {seq}"}
 
 
 def test_queued_writes_coalesce_and_the_newest_cache_wins(tmp_path, actor, monkeypatch):
@@ -81,7 +183,8 @@ def test_queued_writes_coalesce_and_the_newest_cache_wins(tmp_path, actor, monke
             f.get(timeout=0)
     gate.set()
     acks = [f.get(timeout=10) for f in futures]
-    assert [a.cache_seq for a in acks] == [3, 3, 3, 3, 0]
+    assert [a.seq for a in acks] == [0, 1, 2, 3, 0] and not any(a.error for a in acks)
+    settled(ref)
     assert sorted(encoded) == [0, 3]  # alpha's caches 0..2 were never written
     assert journal_seqs(tmp_path, "alpha") == [0, 1, 2, 3]  # every record was
     assert_cache_is(tmp_path, "alpha", 3)
@@ -90,13 +193,15 @@ def test_queued_writes_coalesce_and_the_newest_cache_wins(tmp_path, actor, monke
 def test_an_older_seq_never_replaces_a_newer_one(tmp_path, actor):
     ref = actor()
     write(ref, "alpha", 5).get(timeout=10)
+    settled(ref)
     assert write(ref, "alpha", 4).get(timeout=10) == Ack("alpha", 4, 5)
     ref.stop()
     restarted = actor()  # a new actor learns the seq on disk
     assert write(restarted, "alpha", 3).get(timeout=10) == Ack("alpha", 3, 5)
     assert_cache_is(tmp_path, "alpha", 5)
     assert journal_seqs(tmp_path, "alpha") == [5]  # replays of older seqs are skipped
-    assert write(restarted, "alpha", 6).get(timeout=10).cache_seq == 6
+    write(restarted, "alpha", 6).get(timeout=10)
+    assert settled(restarted).proxy().load("alpha").get(timeout=10).meta.seq == 6
 
 
 def test_stop_flushes_everything_queued(tmp_path, actor):
@@ -104,10 +209,11 @@ def test_stop_flushes_everything_queued(tmp_path, actor):
     gate = threading.Event()
     ref.proxy().hold(gate)
     before = [write(ref, agent, 0) for agent in AGENTS]
-    ref.stop(block=False)
+    stopping = ref.stop(block=False)
     after = write(ref, "alpha", 1)  # told after the stop request, before the actor stopped
     gate.set()
-    assert [f.get(timeout=10).cache_seq for f in before + [after]] == [1, 0, 1]
+    assert [f.get(timeout=10).seq for f in before + [after]] == [0, 0, 1]
+    stopping.get(timeout=10)  # on_stop has run: every acknowledged cache is written
     assert not ref.is_alive()
     assert_cache_is(tmp_path, "alpha", 1)
     assert_cache_is(tmp_path, "beta", 0)
@@ -131,8 +237,9 @@ def test_acks_reach_an_actor_as_messages(actor):
     try:
         ref = actor()
         write(ref, "alpha", 0, reply_to=inbox).get(timeout=10)
+        settled(ref)
         write(ref, "beta", 0, reply_to=inbox).get(timeout=10)
-        assert inbox.proxy().received().get(timeout=10) == [Ack("alpha", 0, 0), Ack("beta", 0, 0)]
+        assert inbox.proxy().received().get(timeout=10) == [Ack("alpha", 0, None), Ack("beta", 0, None)]
     finally:
         inbox.stop()
 
@@ -147,14 +254,15 @@ def test_errors_go_to_the_acks_and_the_actor_survives(tmp_path, actor):
     gate.set()
     with pytest.raises(OSError):
         bad.get(timeout=10)
-    assert good.get(timeout=10).cache_seq == 0
+    assert good.get(timeout=10) == Ack("beta", 0, None)
     folder = tmp_path / SPEC.fingerprint / "gamma"
     folder.mkdir(mode=0o700)
     (folder / store.JOURNAL_FILE).write_bytes(b"not a journal")
     with pytest.raises(store.JournalError):
         write(ref, "gamma", 0).get(timeout=10)
     assert (folder / store.JOURNAL_FILE).read_bytes() == b"not a journal"
-    assert ref.is_alive() and write(ref, "beta", 1).get(timeout=10).cache_seq == 1
+    assert ref.is_alive() and write(ref, "beta", 1).get(timeout=10).seq == 1
+    assert settled(ref).proxy().load("beta").get(timeout=10).meta.seq == 1
 
 
 def test_disk_full_in_a_journal_append_fails_only_that_write(tmp_path, actor, monkeypatch):
@@ -173,11 +281,12 @@ def test_disk_full_in_a_journal_append_fails_only_that_write(tmp_path, actor, mo
     with pytest.raises(OSError) as full:
         write(ref, "alpha", 1).get(timeout=10)
     assert full.value.errno == errno.ENOSPC
-    assert [write(ref, "alpha", 2).get(timeout=10).cache_seq, write(ref, "beta", 0).get(timeout=10).cache_seq] == [2, 0]
+    assert [write(ref, "alpha", 2).get(timeout=10).seq, write(ref, "beta", 0).get(timeout=10).seq] == [2, 0]
     ref.stop()
+    assert_cache_is(tmp_path, "alpha", 2)
     assert journal_seqs(tmp_path, "alpha") == [0, 2]  # the acknowledged writes, nothing torn between them
     restarted = actor()
-    assert write(restarted, "alpha", 3).get(timeout=10).cache_seq == 3
+    assert write(restarted, "alpha", 3).get(timeout=10) == Ack("alpha", 3, 2)
     assert journal_seqs(tmp_path, "alpha") == [0, 2, 3]
     assert not list(tmp_path.rglob("journal.torn-*"))
 
@@ -185,6 +294,7 @@ def test_disk_full_in_a_journal_append_fails_only_that_write(tmp_path, actor, mo
 def test_a_failed_cache_write_still_acks_the_journaled_turn(tmp_path, actor, monkeypatch):
     ref = actor()
     write(ref, "alpha", 0).get(timeout=10)
+    settled(ref)
     real = store.write_atomic
 
     def disk_full(path, data):
@@ -192,8 +302,11 @@ def test_a_failed_cache_write_still_acks_the_journaled_turn(tmp_path, actor, mon
 
     monkeypatch.setattr(store, "write_atomic", disk_full)  # the cache write; the journal appends in place
     assert write(ref, "alpha", 1).get(timeout=10) == Ack("alpha", 1, 0)  # durable in the journal; old cache kept
+    settled(ref)
+    assert_cache_is(tmp_path, "alpha", 0)
     monkeypatch.setattr(store, "write_atomic", real)
-    assert write(ref, "alpha", 2).get(timeout=10) == Ack("alpha", 2, 2)
+    assert write(ref, "alpha", 2).get(timeout=10) == Ack("alpha", 2, 0)
+    settled(ref)
     assert journal_seqs(tmp_path, "alpha") == [0, 1, 2]
     assert_cache_is(tmp_path, "alpha", 2)
 
@@ -225,7 +338,7 @@ def test_an_unreadable_journal_is_that_agents_error_and_the_actor_serves_the_oth
         assert isinstance(loaded.journal_error, store.JournalError) and loaded.records == []
         with pytest.raises((store.JournalError, OSError)):
             write(ref, "gamma", 0).get(timeout=10)
-    assert ref.is_alive() and write(ref, "beta", 0).get(timeout=10).cache_seq == 0
+    assert ref.is_alive() and write(ref, "beta", 0).get(timeout=10).seq == 0
     assert ref.proxy().load("beta").get(timeout=10).meta == expected("beta", 0)[1]
     assert sorted(p.name for p in tmp_path.rglob("*") if "beta" not in str(p) and p.name != "model.json") == before  # left untouched
 
@@ -241,7 +354,8 @@ def test_a_cache_newer_than_the_journal_raises_the_seq_floor(tmp_path, actor, ca
     loaded = restarted.proxy().load("alpha").get(timeout=10)
     assert loaded.records == [] and loaded.last_seq == 3  # new records go above the orphan cache's seq
     assert "journal is missing" in caplog.text
-    assert write(restarted, "alpha", 4).get(timeout=10).cache_seq == 4  # not blocked by the old cache
+    write(restarted, "alpha", 4).get(timeout=10)
+    assert settled(restarted).proxy().load("alpha").get(timeout=10).meta.seq == 4  # not blocked by the old cache
     assert journal_seqs(tmp_path, "alpha") == [4]
 
 
@@ -264,6 +378,7 @@ def test_the_actor_writes_what_the_store_functions_write(tmp_path, actor):
     ref = actor()
     for seq in range(3):
         write(ref, "alpha", seq).get(timeout=10)
+        settled(ref)  # each cache on disk before the next: the same files as by hand
     by_hand = tmp_path / "by-hand"
     for seq in range(3):
         host, meta, record = expected("alpha", seq)
@@ -291,13 +406,14 @@ def test_load_and_delete_through_the_actor(tmp_path, actor):
     assert loaded.host is None and isinstance(loaded.error, store.TruncatedCache) and len(loaded.records) == 1
     assert proxy.delete("alpha").get(timeout=10) and not proxy.delete("alpha").get(timeout=10)
     assert isinstance(proxy.load("alpha").get(timeout=10).error, store.CacheMissing)
-    assert write(ref, "alpha", 0).get(timeout=10).cache_seq == 0  # a fresh start after delete
+    assert write(ref, "alpha", 0).get(timeout=10) == Ack("alpha", 0, None)  # a fresh start after delete
 
 
 def test_retention_prunes_idle_caches_at_start(tmp_path, actor):
     ref = actor()
     write(ref, "alpha", 0).get(timeout=10)
     ref.stop()
+    assert_cache_is(tmp_path, "alpha", 0)  # written at stop, if not before
     time.sleep(0.05)
     actor(retention_s=0.01).proxy().stored("alpha").get(timeout=10)  # on_start has run
     assert journal_seqs(tmp_path, "alpha") == [0]
@@ -306,6 +422,9 @@ def test_retention_prunes_idle_caches_at_start(tmp_path, actor):
 
 def check_after_kill(cache_dir, acked, previous):
     """Each file is some complete version, and every acknowledged seq is in the journal.
+
+    The cache may be older than the newest acknowledged seq (it is written after the ack):
+    the journal holds the turns it lacks.
 
     Returns how many writes the kill interrupted (temp files left behind)."""
     for agent in AGENTS:
@@ -317,10 +436,9 @@ def check_after_kill(cache_dir, acked, previous):
         assert all(r == expected(agent, r["seq"])[2] for r in records[len(previous[agent]) :])
         previous[agent] = records
         path = cache_dir / SPEC.fingerprint / agent / store.CACHE_FILE
-        assert path.exists() or not acked[agent]
         if path.exists():
             _, meta = store.decode_cache(path.read_bytes(), SPEC)  # complete and valid
-            assert max(acked[agent], default=-1) <= meta.seq <= seqs[-1]
+            assert meta.seq <= seqs[-1]
             assert_cache_is(cache_dir, agent, meta.seq)
     return len(list(cache_dir.glob("*/*/.*.tmp")))
 

@@ -27,7 +27,7 @@ import pytest
 
 from actors.supervisor import Backoff
 from runtime import (AgentCrashed, JournalError, Runtime, RuntimeClosed, SystemPromptChanged, TurnNotSaved, TurnTimeout,
-                     TurnTooLarge, journal, store)
+                     TurnTooLarge, journal, prefix, store)
 from runtime.api.facade import AgentRef
 from runtime.api.testing import inject_crash
 
@@ -108,6 +108,7 @@ def test_mid_file_journal_damage_keeps_every_record_that_checks_and_writes_go_on
         more = alice.ask("Four.", max_tokens=4)
         seqs = [r["seq"] for r in on_disk(rt, "alice")]
         assert seqs == sorted(set(seqs)) and seqs[-1] > before[-1]["seq"]  # no seq used twice
+        rt.flush()
         assert store.cache_seq(folder_of(rt, "alice")) == seqs[-1]  # the newer turn's cache was written
     assert list(journal.parent.glob("journal.damaged-*"))
     with Runtime(model=None, cache_dir=tmp_path) as rt:
@@ -145,6 +146,37 @@ def test_a_system_prompt_whose_record_was_destroyed_is_restored_by_spawn_or_know
         assert [r["text"] for r in alice.history()] == ["Fresh start.", "You are Carol."]  # not the old conversation
 
 
+def test_a_sigkill_after_the_ack_before_the_cache_lands_loses_no_turn_and_re_prefills_only_that_turn(tmp_path):
+    """A turn is acknowledged once its journal records are durable, before its cache file is
+    written. Killed right then, the process loses nothing: the restarted agent has the turn in its
+    history, loads the older cache, and prefills only what that cache lacks."""
+    child = subprocess.Popen([sys.executable, str(TESTS / "cache_lag_child.py"), str(tmp_path)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+    try:
+        lines = [child.stdout.readline() for _ in range(3)]
+    finally:
+        child.kill()
+        _, err = child.communicate()
+    assert lines[2] == "held\n", err  # the second turn was acknowledged while its cache write hung
+    acked = [json.loads(line) for line in lines[:2]]
+    from cache_lag_child import SYSTEM, TEXTS
+
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        host, meta = store.load_cache(tmp_path, rt.spec, "alice")
+        assert meta.turn_id == acked[0]["turn_id"]  # on disk: the first turn's cache, not the second's
+        alice = rt.spawn("alice", system=SYSTEM)
+        history = alice.history()
+        assert turns(history) == [x for a, text in zip(acked, TEXTS) for x in ((a["turn_id"], "user", text),
+                                                                              (a["turn_id"], "assistant", a["text"]))]
+        r = alice.ask("And the pies?", max_tokens=4)
+        prompt = rt._env.render(SYSTEM, alice.history()[1:-1])  # this turn's prompt
+        keep = prefix.match_prefix(meta.text, meta.token_ids, meta.token_ends, prompt).keep
+        assert r.cache == "warm" and r.reused_tokens == keep > 0  # the first turn's cache served its tokens
+        assert r.reused_tokens + r.timings.prefill_tokens == len(rt.tokenizer.encode(prompt, add_special_tokens=False))
+        rt.flush()
+        assert store.load_cache(tmp_path, rt.spec, "alice")[1].turn_id == r.turn_id
+
+
 def test_a_journal_cut_between_records_is_noticed_and_its_seqs_are_never_used_again(tmp_path, caplog):
     with Runtime(model=None, cache_dir=tmp_path) as rt:
         alice = rt.spawn("alice", system="You are Alice.")
@@ -173,6 +205,7 @@ def test_a_deleted_journal_warns_and_its_orphan_cache_does_not_block_writes(tmp_
         for t in ("One.", "Two.", "Three."):
             alice.ask(t, max_tokens=4)
         folder = folder_of(rt, "alice")
+        rt.flush()
         old_seq = store.cache_seq(folder)
     (folder / store.JOURNAL_FILE).unlink()
     with Runtime(model=None, cache_dir=tmp_path) as rt:
@@ -180,6 +213,7 @@ def test_a_deleted_journal_warns_and_its_orphan_cache_does_not_block_writes(tmp_
         r = alice.ask("Again.", max_tokens=4)
         assert "journal is missing" in caplog.text
         seqs = [x["seq"] for x in on_disk(rt, "alice")]
+        rt.flush()
         assert seqs[0] > old_seq and store.cache_seq(folder) == seqs[-1]
     with Runtime(model=None, cache_dir=tmp_path) as rt:
         alice = rt.spawn("alice")

@@ -723,6 +723,17 @@ class Runtime:
             infos.append(AgentInfo(name, name in running, 0 if a is None else a.turns, cache))
         return infos
 
+    def flush(self, timeout: float = 60.0) -> None:
+        """Return once the cache of every acknowledged turn is on disk (or its write failed, which is logged).
+
+        A turn is durable once acknowledged (its journal records are on disk); its
+        cache file follows in the background, and a crash before it lands only costs
+        the re-prefill of the turns it lacks. Call this before reading or copying the
+        cache files. Stopping the runtime does the same. Raises RuntimeClosed after `shutdown`.
+        """
+        self._check_running()
+        self._env.persistence().proxy().settle().get(timeout=timeout)
+
     def running(self) -> list[str]:
         """Names of the running agents, in spawn order (no disk access; see `agents` for the stored ones)."""
         return list(self._names)
