@@ -19,10 +19,12 @@ Before its first message the agent loads its durable state: the journal (the
 history) and the cache if it is valid; a bad or missing cache means the next turn
 re-prefills the history ("cold"). Any failure in a turn is a crash: the caller
 gets `AgentCrashed`, the actor stops and its supervisor starts a fresh one, which
-reloads the durable state. A turn that runs past its `timeout` is not a failure:
-its caller gets `TurnTimeout` at once, and the turn stays this agent's item in
-progress until the batcher answers: dropped at the batcher's next step
-(`Turn.abandoned`), or, if it had finished by then, committed like any other turn.
+reloads the durable state. A turn's `timeout` counts from `send` (its payload's
+`deadline`); running past it is not a failure: its caller gets `TurnTimeout` at
+once. A turn still queued then is dropped when it comes up, never run; one in
+progress stays this agent's item until the batcher answers: dropped at the
+batcher's next step (`Turn.abandoned`), or, if it had finished by then, committed
+like any other turn.
 The actor never blocks on another actor's future, except on the persistence
 actor, which never waits on agents.
 """
@@ -186,7 +188,7 @@ class Lookup:
     future: Any
 
 
-@dataclass
+@dataclass(eq=False)  # an item is itself: two with equal fields are still two items
 class _Item:
     """One unit of an agent's work: a turn ("ask"), a note, a reset or a lookup ("result"), until it is answered."""
 
@@ -200,7 +202,7 @@ class _Item:
     reply: Reply | None = None
     records: list | None = None  # written, awaiting the ack
     pending: dict | None = None  # a turn in the batcher: what was rendered, kept and fed
-    watchdog: int | None = None  # the turn's deadline handle (env.deadlines)
+    watchdog: int | None = None  # the turn's deadline handle (env.deadlines), set when the agent receives it
     forward: tuple | None = None  # a send_to turn: (sender, note payload) to deliver once durable
     given_up: bool = False  # its caller was answered (an error): the engine drops the turn at its next step,
     # and a turn that finished anyway commits without answering anyone
@@ -214,7 +216,7 @@ class _Done:
 
 @dataclass(frozen=True)
 class _Watchdog:
-    turn_id: str
+    item: _Item  # this agent's own item: the message never leaves the actor
 
 
 @dataclass(frozen=True)
@@ -395,9 +397,12 @@ class AgentActor(SupervisedActor):
     def on_receive(self, message):
         if isinstance(message, Ask):
             msg = msgpack.unpackb(message.payload)
-            self.work.append(_Item("ask", msg, message.future, turn_id=msg.get("turn_id"),
-                                   on_token=message.on_token, on_progress=message.on_progress,
-                                   cancel=message.cancel))
+            item = _Item("ask", msg, message.future, turn_id=msg.get("turn_id"), on_token=message.on_token,
+                         on_progress=message.on_progress, cancel=message.cancel)
+            if msg.get("deadline") is not None:
+                item.watchdog = self.env.deadlines.schedule(msg["deadline"] - time.monotonic(), _tell_quietly,
+                                                            self.actor_ref, _Watchdog(item))
+            self.work.append(item)
         elif isinstance(message, Note):
             self.work.append(_Item("note", msgpack.unpackb(message.payload), message.future, reply=message.reply))
         elif isinstance(message, Reset):
@@ -409,7 +414,7 @@ class AgentActor(SupervisedActor):
         elif isinstance(message, persistence.Ack):
             self._acked(message)
         elif isinstance(message, _Watchdog):
-            self._timed_out(message.turn_id)
+            self._timed_out(message.item)
         elif isinstance(message, _Fault):
             self.fault = True
         else:
@@ -436,6 +441,8 @@ class AgentActor(SupervisedActor):
                          else TurnNotSaved(item.turn_id, f"agent {self.name} cannot record its system prompt ({self.broken}); "
                                                  "retry once the disk is fixed"))
                 self._abandon(item, error, f"agent {self.name} cannot record messages: {self.broken}")
+            elif item.kind == "ask" and _overdue(item):
+                self._timed_out(item)  # its caller stopped waiting before it started: it never runs
             elif item.kind == "ask" and self._answer_if_committed(item):
                 pass  # a retry of a turn that already committed: answered with its reply, nothing runs
             elif item.kind == "note":
@@ -501,26 +508,30 @@ class AgentActor(SupervisedActor):
             except pykka.ActorDeadError:
                 env.dead_letter(self.name, outcome, "the agent was gone when its turn finished")
 
-        timeout = msg.get("timeout")
-        if timeout:
-            item.watchdog = env.deadlines.schedule(timeout, _tell_quietly, me, _Watchdog(turn_id))
         env.submit_turn(Submit(turn, reply), me)  # held while the batcher restarts
 
-    def _timed_out(self, turn_id: str):
-        """Turn `turn_id` ran past its timeout: answer its caller now; no crash, no restart.
+    def _timed_out(self, item: _Item):
+        """Turn `item` ran past its deadline: answer its caller now; no crash, no restart.
 
-        The turn stays the item in progress, so everything queued behind it still
-        waits: the batcher drops it at its next step (`_finish_turn` then gets
-        TurnAbandoned), or it finished meanwhile and commits as usual.
+        A turn that has not started is dropped: it never runs (the agent may be taking
+        it up right now: `_next` calls this then). One in progress stays the item in
+        progress, so everything queued behind it still waits: the batcher drops it at
+        its next step (`_finish_turn` then gets TurnAbandoned), or it finished
+        meanwhile and commits as usual. An item already answered or done is left alone.
         """
-        item = self.current
-        if item is None or item.turn_id != turn_id or item.given_up:
+        if item.given_up or (item is not self.current and not any(w is item for w in self.work)):
+            return
+        if item.pending is None:  # not started
+            self.work = collections.deque(w for w in self.work if w is not item)
+            self._abandon(item, TurnTimeout(item.turn_id, "the turn did not start within its timeout (it waited "
+                                                          "behind the agent's earlier work); it was dropped and never "
+                                                          "runs: retry it"), "timed out")
             return
         item.given_up, item.watchdog = True, None
         where = ("it is being written and commits unless the write fails" if item.records is not None
                  else "it is cancelled at the batcher's next step unless it finished meanwhile")
-        _fail(item.future, TurnTimeout(turn_id, f"the turn did not finish within its timeout; {where}: "
-                                                "ref.result(turn_id) says whether it committed"))
+        _fail(item.future, TurnTimeout(item.turn_id, f"the turn did not finish within its timeout; {where}: "
+                                                     "ref.result(turn_id) says whether it committed"))
 
     def _reuse(self, rendered: chat.Rendered):
         """(cache, tokens to feed, cache label, kept ids, kept ends, kept text) for `rendered`.
@@ -696,6 +707,12 @@ class AgentActor(SupervisedActor):
 def _turn_seqs(records) -> dict[str, int]:
     """Turn id -> seq of the assistant records (the committed turns) among `records`."""
     return {r["turn_id"]: r["seq"] for r in records if r["role"] == "assistant" and r.get("turn_id")}
+
+
+def _overdue(item: _Item) -> bool:
+    """Whether turn `item`'s deadline (counted from `send`) has passed."""
+    deadline = item.msg.get("deadline")
+    return deadline is not None and time.monotonic() >= deadline
 
 
 def _fail(future, error):

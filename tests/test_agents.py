@@ -692,6 +692,24 @@ def test_the_watchdog_answers_a_hung_turn_and_cancels_it_without_a_restart(tmp_p
         assert "Hang." not in [x["text"] for x in h]
 
 
+def test_a_queued_turn_whose_deadline_passed_before_it_started_never_runs(tmp_path):
+    """The timeout counts from send: a turn stuck behind its agent's earlier work times out
+    there, and is dropped when its turn comes, not run for a caller who stopped waiting."""
+    with Runtime(model=None, cache_dir=tmp_path, backoff=FAST) as rt:
+        alice = rt.spawn("alice", system="You are Alice.")
+        old = rt._env.refs["alice"]
+        with stalled_batcher(rt):
+            first = alice.send("One.", max_tokens=4, timeout=None)  # in progress, held by the batcher
+            late = alice.send("Late.", max_tokens=4, timeout=0.2)  # queued behind it
+            with pytest.raises(TurnTimeout, match="did not start"):
+                late.get(timeout=30)
+        r1 = first.get(timeout=60)
+        r2 = alice.ask("Two.", max_tokens=4)
+        assert alice.result(late.turn_id) is None
+        assert [x["text"] for x in alice.history() if x["role"] == "user"] == ["One.", "Two."]
+        assert rt._env.refs["alice"] is old and r2.cache == "hot" and r1.turn_id != r2.turn_id  # no crash, no restart
+
+
 def test_memory_durability(tmp_path):
     with Runtime(model=None, cache_dir=tmp_path, durability="memory") as rt:
         alice = rt.spawn("alice", system="You are Alice.")

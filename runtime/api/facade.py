@@ -338,9 +338,11 @@ class AgentRef:
         `max_tokens`: tokens to generate at most. `temperature` (0: greedy), `top_p`
         and `seed` pick the tokens; `stop` ends the reply before the first of these
         strings. The future raises AgentCrashed (with the turn id) if the agent crashes
-        in the turn, TurnTimeout after `timeout` seconds from the turn's start (None
-        disables the watchdog; the turn is cancelled at the batcher's next step unless
-        it finished meanwhile, and `result(turn_id)` says which: no crash, no restart),
+        in the turn, TurnTimeout `timeout` seconds after this call (None disables the
+        watchdog; the wait behind the agent's earlier work counts: a turn whose time ran
+        out before it started never runs, and one that started is cancelled at the
+        batcher's next step unless it finished meanwhile; `result(turn_id)` says which:
+        no crash, no restart),
         UnknownAgent if the agent is gone. `sender` attributes the message to another
         agent; `conversation_id` is recorded with the turn's journal records.
 
@@ -385,7 +387,7 @@ class AgentRef:
         payload = agent_mod.encode_message(
             text, sender, max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p), seed=seed,
             stop=list(stop), timeout=timeout, conversation_id=conversation_id, reply_to_agent=reply_to_agent,
-            turn_id=turn_id,
+            turn_id=turn_id, deadline=None if timeout is None else time.monotonic() + timeout,
         )
         future = ReplyFuture()
         future.turn_id, future.stop = turn_id, stop  # the stop strings as checked: a str is one of them
