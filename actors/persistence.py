@@ -43,8 +43,10 @@ the turn, so the turn stays acknowledged and the older cache stays on disk. A jo
 that cannot be read fails that agent's writes and comes back from `load` as
 `Loaded.journal_error`. Damage found when a journal is first opened (a torn tail, a
 damaged middle, a missing journal beside a cache, a tail cut below the journal's
-high-water mark) is repaired and logged, saying what was lost; `Loaded.last_seq`
-then keeps new seqs above every seq on disk. Each append raises the high-water
+high-water mark) is repaired and logged, saying what was lost, once: a loss that
+stays on disk until an append passes it is noted as reported (`store.record_reported_loss`),
+and the next start does not say it again. `Loaded.last_seq` then keeps new seqs
+above every seq on disk. Each append raises the high-water
 mark (`store.record_high_seq`) beside it, before the ack: no acknowledged seq is
 ever used again.
 """
@@ -402,20 +404,18 @@ class PersistenceActor(SupervisedActor):
             log.warning("agent %s: a torn journal tail (%d B, an append cut short) was moved aside to journal.torn-*",
                         agent, scan.torn)
         mark = max(-1 if cache_seq is None else cache_seq, -1 if high is None else high)  # seqs used, by other files
-        if scan is None and mark >= 0:
-            log.error("agent %s: its journal is missing but its files reached seq %d: the journal was deleted, "
-                      "its history starts empty; new turns continue after seq %d", agent, mark, mark)
-        elif cache_seq is not None and cache_seq > last:
-            log.error("agent %s: its cache (seq %d) is newer than its journal (last seq %d): the journal lost records; "
-                      "new turns continue after seq %d", agent, cache_seq, last, mark)
-        elif mark > last:
-            log.error("agent %s: its journal ends at seq %d, but records up to seq %d were written: the journal's "
-                      "tail was cut off and those records are lost; new turns continue after seq %d",
-                      agent, last, mark, mark)
+        lost = mark > last and await _io(store.reported_loss)(folder) != (last, mark)  # said once per loss
+        if lost:
+            _log_loss(agent, scan is None, cache_seq, last, mark)
         self._journal_seq[agent], self._journal_end[agent], self._cache_seq[agent] = last, end, cache_seq
         self._high[agent] = max(last, mark)
         if high is None:  # made now, while nothing waits on it: each append then rewrites it in place, needing no space
             await self._record_high(agent, folder, self._high[agent])
+        if lost:
+            try:
+                await _io(store.record_reported_loss)(folder, last, mark)
+            except OSError as e:  # the next start says it again
+                log.warning("agent %s: noting that its journal's loss was reported failed: %s", agent, e)
         return scan
 
     async def _record_model(self, model_dir) -> None:
@@ -456,6 +456,20 @@ def _write_segment(folder, write: Write, fingerprint: str, last) -> tuple[str, s
     name, data, segment = store.next_segment(write.cache, write.meta, fingerprint, last, write.reuse)
     store.write_atomic(folder / name, data)
     return name, segment
+
+
+def _log_loss(agent: str, missing: bool, cache_seq: int | None, last: int, mark: int) -> None:
+    """Say that `agent`'s journal ends at seq `last` (`missing`: it was gone) while its files used seqs up to `mark`."""
+    if missing:
+        log.error("agent %s: its journal is missing but its files reached seq %d: the journal was deleted, "
+                  "its history starts empty; new turns continue after seq %d", agent, mark, mark)
+    elif cache_seq is not None and cache_seq > last:
+        log.error("agent %s: its cache (seq %d) is newer than its journal (last seq %d): the journal lost records; "
+                  "new turns continue after seq %d", agent, cache_seq, last, mark)
+    else:
+        log.error("agent %s: its journal ends at seq %d, but records up to seq %d were written: the journal's "
+                  "tail was cut off and those records are lost; new turns continue after seq %d",
+                  agent, last, mark, mark)
 
 
 def _summary(folder) -> store.StoredAgent:

@@ -317,6 +317,47 @@ def record_high_seq(folder: Path, seq: int) -> None:
         os.close(fd)
 
 
+_LOSS = struct.Struct("<4sqqI")  # magic, journal's last seq, high mark, crc32 of the 20 bytes before: 24 bytes
+_LOSS_MAGIC = b"kvlr"
+_LOSS_AT = _HIGH.size  # in the high-water mark's file, after the mark (which `high_seq` reads alone)
+
+
+def reported_loss(folder: Path) -> tuple[int, int] | None:
+    """The (journal's last seq, mark) of the loss last reported for agent folder `folder` (`record_reported_loss`), or None."""
+    try:
+        fd = os.open(folder / HIGH_FILE, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        data = os.pread(fd, _LOSS.size, _LOSS_AT)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if len(data) != _LOSS.size:
+        return None
+    magic, last, mark, crc = _LOSS.unpack(data)
+    return (last, mark) if magic == _LOSS_MAGIC and crc == zlib.crc32(data[:20]) else None
+
+
+def record_reported_loss(folder: Path, last: int, mark: int) -> None:
+    """Durably note that the loss of the journal's records after seq `last` up to seq `mark` was reported.
+
+    A journal that ends below the seqs its other files used (a cut tail, a deleted
+    journal) stays so until an append passes the mark: each start would find the
+    same loss again. This note, after the high-water mark in its file (the mark is
+    left as it is), lets the next start know it was said. Needs the mark's file
+    (`record_high_seq`); raises OSError when it cannot be written.
+    """
+    data = _LOSS.pack(_LOSS_MAGIC, last, mark, zlib.crc32(_LOSS.pack(_LOSS_MAGIC, last, mark, 0)[:20]))
+    fd = os.open(folder / HIGH_FILE, os.O_WRONLY | os.O_NOFOLLOW)
+    try:
+        os.pwrite(fd, data, _LOSS_AT)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def open_journal(folder: Path) -> tuple[JournalScan | None, int]:
     """Make `folder`'s journal ready for appends; return (its scan as found, the byte to append at).
 

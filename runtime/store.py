@@ -39,7 +39,8 @@ from runtime.hotcache import HotCaches, cache_nbytes
 from runtime.journal import (JOURNAL_MAGIC, JournalError, JournalScan, append_frames, append_journal, check_record,
                              conversation_prompt, current_conversation, encode_records, fresh_records, high_seq,
                              journal_record, open_journal, parse_journal, prompt_check, read_journal,
-                             read_journal_bytes, record_high_seq, repair_journal, scan_journal)
+                             read_journal_bytes, record_high_seq, record_reported_loss, repair_journal, reported_loss,
+                             scan_journal)
 
 __all__ = [
     # runtime.files
@@ -59,7 +60,8 @@ __all__ = [
     # runtime.journal
     "JOURNAL_MAGIC", "JournalError", "JournalScan", "append_frames", "append_journal", "check_record",
     "conversation_prompt", "current_conversation", "encode_records", "fresh_records", "high_seq", "journal_record",
-    "open_journal", "parse_journal", "prompt_check", "read_journal", "read_journal_bytes", "record_high_seq", "repair_journal", "scan_journal",
+    "open_journal", "parse_journal", "prompt_check", "read_journal", "read_journal_bytes", "record_high_seq", "record_reported_loss", "repair_journal",
+    "reported_loss", "scan_journal",
     # runtime.hotcache
     "HotCaches", "cache_nbytes",
     # this module

@@ -359,6 +359,31 @@ def test_a_cache_newer_than_the_journal_raises_the_seq_floor(tmp_path, actor, ca
     assert journal_seqs(tmp_path, "alpha") == [4]
 
 
+@pytest.mark.parametrize("damage", ["cut tail", "deleted journal"])
+def test_a_journal_loss_is_said_once_and_its_seqs_stay_used(tmp_path, actor, caplog, damage):
+    ref = actor()
+    for seq in range(4):
+        submit(ref, "alpha", seq, records=[record_of(seq)]).get(timeout=10)
+    ref.stop()
+    path = tmp_path / SPEC.fingerprint / "alpha" / store.JOURNAL_FILE
+    if damage == "cut tail":
+        scan = store.scan_journal(path.read_bytes())
+        path.write_bytes(path.read_bytes()[: scan.frames[2][0]])  # between frames: a shorter, sound journal
+    else:
+        path.unlink()
+    said = "tail was cut off" if damage == "cut tail" else "journal is missing"
+    for start in range(3):  # the same loss, found at three starts
+        caplog.clear()
+        restarted = actor()
+        loaded = restarted.proxy().load("alpha").get(timeout=10)
+        assert loaded.last_seq == 3  # new records go above the lost ones, every time
+        assert (said in caplog.text) == (start == 0), caplog.text
+        restarted.stop()
+    restarted = actor()
+    submit(restarted, "alpha", 4, records=[record_of(4)]).get(timeout=10)
+    assert journal_seqs(tmp_path, "alpha") == ([0, 1] if damage == "cut tail" else []) + [4]
+
+
 def test_bad_requests_fail_at_submit(actor):
     ref = actor()
     host, meta, record = expected("alpha", 3)
