@@ -482,9 +482,14 @@ def test_crash_harness_sigkill_50_times(tmp_path):
         first = [child.stdout.readline() for _ in range(4)]  # real work in every run, however loaded the machine
         time.sleep(rng.uniform(0.03, 0.15))
         child.send_signal(signal.SIGKILL)
-        out, err = child.communicate()
+        # through the buffers readline filled (communicate would skip what they hold), once the child is gone
+        out, err = child.stdout.read(), child.stderr.read()
+        child.wait()
         assert child.returncode == -signal.SIGKILL, err
-        for line in first + out.splitlines():
+        for line in first + out.splitlines(keepends=True):
+            if not line.endswith("\n"):
+                continue  # the kill cut the line short
+            assert line.startswith("ack ") and len(line.split()) == 3, f"child printed {line!r}; stderr:\n{err}"
             _, agent, seq = line.split()
             acked[agent].add(int(seq))
         interrupted += check_after_kill(tmp_path, acked, previous)
