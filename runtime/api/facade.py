@@ -601,7 +601,8 @@ class Runtime:
     batcher may hold for running turns (None: half the device memory).
     hot_budget: bytes of agents' caches kept in memory between turns; beyond it
     the least recently used go "warm" (disk only). durability: "durable" (a turn
-    is acknowledged once its cache and journal are fsynced) or "memory" (at once).
+    is acknowledged once its journal records are fsynced; its cache file follows in
+    the background, see `flush`) or "memory" (at once).
     strategy / max_restarts / restart_period / backoff: agent supervision.
     on_escalate(name, error): called when supervision gives up; the runtime then stops.
     warmup: serve synthetic turns at start (`Engine.warmup`, a progress line per stage on
