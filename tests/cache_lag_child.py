@@ -6,12 +6,15 @@ embedded tiny model (under $KVACTORS_HOME), spawns alice (`SYSTEM`) and takes tu
 cache file write hangs at its start, as on a disk too slow to finish before a crash.
 It takes turn `TEXTS[1]`, prints one JSON line per acknowledged turn ({"turn_id",
 "text", "cache"}), then `held` once that turn's cache write is hanging, and waits to
-be killed.
+be killed. On an error (the second turn never acknowledged) it prints the traceback
+and exits at once.
 """
 
 import json
+import os
 import sys
 import threading
+import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -46,4 +49,9 @@ def main(cache_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    try:
+        main(sys.argv[1])
+    except BaseException:  # e.g. the second turn timed out: say why and end now, not after the actors
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
