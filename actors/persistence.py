@@ -30,11 +30,11 @@ the same functions. Every journal record is appended, in seq order, but not ever
 cache is written: a cache waiting for the agent's cache writer is superseded by a
 newer one, unless the newer one continues it (then both are written, as small
 deltas, up to `CHAINED_WAITING` waiting). A cache whose delta's base never reached
-the disk is written whole, and a cache never replaces one with a higher seq on disk. Journal records whose seq
-is not above the journal's last are skipped, so a retried write is harmless. `load`
-first waits for that agent's cache writer, so the newest cache loads; `stored`,
-`stored_all`, `delete` and stopping the actor wait for them too: stopping flushes
-everything queued and writes every acknowledged cache.
+the disk is written whole, and a cache never replaces one with a higher seq on
+disk. Journal records whose seq is not above the journal's last are skipped, so a
+retried write is harmless. `load` first waits for that agent's cache writer, so the
+newest cache loads; `stored`, `stored_all`, `delete` and stopping the actor wait for
+them too: stopping flushes everything queued and writes every acknowledged cache.
 
 Errors never stop the actor, which serves every agent. A failed journal append (a
 full disk) leaves the journal as it was and fails the acks of that agent's writes in
@@ -44,11 +44,11 @@ that cannot be read fails that agent's writes and comes back from `load` as
 `Loaded.journal_error`. Damage found when a journal is first opened (a torn tail, a
 damaged middle, a missing journal beside a cache, a tail cut below the journal's
 high-water mark) is repaired and logged, saying what was lost, once: a loss that
-stays on disk until an append passes it is noted as reported (`store.record_reported_loss`),
-and the next start does not say it again. `Loaded.last_seq` then keeps new seqs
-above every seq on disk. Each append raises the high-water
-mark (`store.record_high_seq`) beside it, before the ack: no acknowledged seq is
-ever used again.
+stays on disk until an append passes it is noted as reported
+(`store.record_reported_loss`), and the next start does not say it again.
+`Loaded.last_seq` then keeps new seqs above every seq on disk. Each append raises
+the high-water mark (`store.record_high_seq`) beside it, before the ack: no
+acknowledged seq is ever used again.
 """
 
 from __future__ import annotations
