@@ -46,6 +46,13 @@ class CacheDirInUse(KvactorsError, RuntimeError):
     """Another Runtime (in this or another process) is using the cache folder."""
 
 
+class AgentInUse(KvactorsError, RuntimeError):
+    """Another process sharing the cache folder (a node of the same cluster) runs this agent.
+
+    One live actor per agent name: stop it there (or let its node die) first.
+    """
+
+
 def check_agent_id(agent: str) -> str:
     """Return `agent` if it is a valid id (`[A-Za-z0-9][A-Za-z0-9._-]{0,127}`), else raise InvalidAgentId."""
     if not isinstance(agent, str) or not AGENT_ID.fullmatch(agent):
@@ -82,6 +89,35 @@ def lock_cache_dir(cache_dir) -> int:
         raise CacheDirInUse(
             f"{root} is in use by another Runtime; shut that one down or use another cache_dir"
         ) from None
+    return fd
+
+
+def lock_agent(cache_dir, fingerprint: str, agent: str) -> int:
+    """Take the exclusive lock of `agent` under model `fingerprint`; return the fd that holds it.
+
+    For processes that share one cache folder (the nodes of a cluster), each holding
+    some of its agents: at most one of them runs a given agent, so its journal has one
+    writer. The lock is a file `cache_dir/.locks/<fingerprint>/<agent>.lock` (0600), kept
+    out of the agent folders so that deleting an agent's files cannot release it.
+    Raises AgentInUse while another process holds it. Release with `os.close(fd)`;
+    a crash (or the death of the node) releases it too, where the file system's
+    `flock` is shared by the processes (local disks; NFS v4 and most cluster file
+    systems emulate it).
+    """
+    import fcntl
+
+    check_agent_id(agent)
+    if not re.fullmatch(r"[A-Za-z0-9_-]{1,128}", fingerprint or ""):
+        raise ValueError(f"invalid model fingerprint {fingerprint!r}")
+    folder = Path(cache_dir).expanduser() / ".locks" / fingerprint
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(folder / f"{agent}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise AgentInUse(f"agent {agent!r} is running in another process on {cache_dir}; stop it there "
+                         "first (one live actor per agent name)") from None
     return fd
 
 

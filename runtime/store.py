@@ -31,7 +31,7 @@ from runtime.cacheformat import (FORMAT, FORMAT_VERSION, MAX_HEADER, CacheError,
                                  CorruptCache, ForeignModel, QuantizationMismatch, ShapeMismatch, TruncatedCache,
                                  UnreadableCache, UnsupportedVersion, decode_cache, encode_cache)
 from runtime.files import (AGENT_ID, CACHE_FILE, DELTA_FILE, HIGH_FILE, JOURNAL_FILE, MODEL_FILE, CacheDirInUse,
-                           InvalidAgentId, UnsafePath, agent_dir, check_agent_id, fsync_dir, lock_cache_dir, make_dirs, map_file,
+                           AgentInUse, InvalidAgentId, UnsafePath, agent_dir, check_agent_id, fsync_dir, lock_agent, lock_cache_dir, make_dirs, map_file,
                            open_private, read_file, refuse_links, remove_temps, temp_path, write_atomic)
 from runtime.hostcache import (CacheMeta, DeviceCache, HostCache, cache_to_host, check_cache, host_to_cache, on_device,
                                trim_cache, trim_host)
@@ -45,7 +45,7 @@ from runtime.journal import (JOURNAL_MAGIC, JournalError, JournalScan, append_fr
 __all__ = [
     # runtime.files
     "AGENT_ID", "CACHE_FILE", "DELTA_FILE", "HIGH_FILE", "JOURNAL_FILE", "MODEL_FILE", "CacheDirInUse",
-    "InvalidAgentId", "UnsafePath", "agent_dir", "check_agent_id", "fsync_dir", "lock_cache_dir", "make_dirs", "map_file",
+    "AgentInUse", "InvalidAgentId", "UnsafePath", "agent_dir", "check_agent_id", "fsync_dir", "lock_agent", "lock_cache_dir", "make_dirs", "map_file",
     "open_private", "read_file", "refuse_links", "remove_temps", "temp_path", "write_atomic",
     # runtime.hostcache
     "CacheMeta", "DeviceCache", "HostCache", "cache_to_host", "check_cache", "host_to_cache", "on_device",
