@@ -32,13 +32,15 @@ _EXPORTS = {
     "runtime.engine": ("TurnError", "TurnAbandoned", "TurnTooLarge"),
     "runtime.q4cache": ("Q4CacheError",),
     "runtime.kvscheme": ("KVSchemeError",),
-    "runtime.store": ("CacheDirInUse", "InvalidAgentId", "JournalError", "UnsafePath", "CacheError", "CacheMissing",
+    "runtime.store": ("CacheDirInUse", "AgentInUse", "InvalidAgentId", "JournalError", "UnsafePath", "CacheError", "CacheMissing",
                       "CorruptCache", "TruncatedCache", "UnsupportedVersion", "ChecksumMismatch", "ForeignModel",
                       "QuantizationMismatch", "ShapeMismatch", "UnreadableCache"),
     "runtime.model": ("ModelLoadError", "DefaultModelMissing"),
     "runtime.gguf": ("GGUFError", "UnsupportedGGUF"),
     "runtime.deadlines": ("DeadlinesClosed",),
     "runtime.api.serve": ("ApiError",),
+    "runtime.api.cluster": ("RayMissing", "NodeDown", "ClusterRuntime"),
+    "runtime.api.rayhost": ("ClusterError",),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 

@@ -13,6 +13,7 @@ name: an `AgentRef` stays valid across restarts of the actor behind it.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import math
 import re
@@ -140,6 +141,7 @@ class Env:
         self._changed = threading.Condition(self._lock)  # notified when a ref is registered
         self._held: list = []  # (Submit, agent ref) told while the batcher was down
         self._closed = False
+        self.forward: Callable | None = None  # forward(name, payload, future, reply): a note to an agent hosted elsewhere
 
     def register(self, name: str, ref: pykka.ActorRef) -> None:
         """Make `ref` the current actor of `name`; a new batcher gets the turns held for it."""
@@ -201,6 +203,9 @@ class Env:
         note is durable; a dead-lettered note resolves it at once.
         """
         ref = self.refs.get(name)
+        if ref is None and self.forward is not None:  # not here: maybe on another node of the cluster
+            self.forward(name, payload, future, reply)
+            return
         try:
             if ref is None:
                 raise pykka.ActorDeadError(name)
@@ -543,14 +548,7 @@ class AgentRef:
 
     def history(self) -> list[dict]:
         """This agent's conversation as journal records, oldest first (see `AgentActor.history`)."""
-        for _ in range(3):
-            try:
-                return self.runtime._ref(self.name).proxy().history().get(timeout=30)
-            except pykka.ActorDeadError:
-                continue  # it crashed just now: ask its next incarnation
-            except pykka.Timeout:
-                raise AgentError(f"agent {self.name!r} did not answer history() within 30 s; it is busy, retry") from None
-        raise AgentCrashed(None, f"agent {self.name!r} kept crashing while asked for its history; retry")
+        return self.runtime._history(self.name)
 
     def note(self, text: str, sender: str | None = None) -> None:
         """Append a user message to the history without taking a turn (in order with turns)."""
@@ -610,14 +608,26 @@ class Runtime:
     None (the default): on CUDA only, where a fresh process's first turn otherwise
     spends tens of seconds compiling kernels (longer than a turn's default timeout on
     an H100); it buys little elsewhere.
+    cluster / address: run the agents on a Ray cluster instead of in this process
+    (`cluster="ray"`, or the `address` of a running cluster, e.g. "ray://head:10001" or
+    "auto"): then `Runtime(...)` returns a `runtime.api.cluster.ClusterRuntime` with the
+    same methods for agents (see there); it needs `pip install 'kvactors[ray]'`.
     """
+
+    def __new__(cls, *args, cluster: str | None = None, address: str | None = None, **options):
+        if cls is Runtime and (cluster is not None or address is not None):
+            from runtime.api.cluster import ClusterRuntime  # Ray stays unimported unless asked for
+
+            return ClusterRuntime(*args, cluster=cluster, address=address, **options)
+        return super().__new__(cls)
 
     def __init__(self, model=None, cache_dir=None, kv_bits: int | None = None, memory_budget: int | None = None, *,
                  hot_budget: int = 1 << 30, durability: str = "durable", max_batch: int = 8,
                  route: str | None = None, strategy: str = "one_for_one", max_restarts: int = 3,
                  restart_period: float = 5.0, backoff: Backoff = Backoff(min=0.01, max=1.0, reset=10.0),
                  retention_s: float | None = None, on_escalate=None, io_timeout: float = 60.0,
-                 warmup: bool | None = None, kv_group_size: int | None = None, kv_scheme: str | None = None):
+                 warmup: bool | None = None, kv_group_size: int | None = None, kv_scheme: str | None = None,
+                 cluster: str | None = None, address: str | None = None):
         scheme = scheme_from_options(kv_bits, kv_group_size, kv_scheme)
         _check_options(memory_budget=memory_budget,
                        hot_budget=hot_budget, durability=durability,
@@ -636,7 +646,7 @@ class Runtime:
         engine_options = dict(memory_budget=memory_budget, max_batch=max_batch, route=route)
         try:  # whatever fails from here on, nothing stays behind: no lock, no thread
             self._env = Env(self.tokenizer, self.spec, durability, hot_budget, io_timeout, self.max_context)
-            self._lock = store.lock_cache_dir(self.cache_dir)
+            self._lock = self._lock_store()
             self._services = Supervisor.start("one_for_one", max_restarts=max_restarts, period=restart_period,
                                              backoff=backoff, on_escalate=self._escalated)
             self._supervisor = Supervisor.start(strategy, max_restarts=max_restarts, period=restart_period,
@@ -861,6 +871,21 @@ class Runtime:
                 raise AgentCrashed(None, f"agent {name!r} did not come back from a restart")
             self._env.wait_changed(0.05)  # woken when the restarted actor registers
 
+    def _history(self, name: str) -> list[dict]:
+        """Agent `name`'s conversation as journal records (what `AgentRef.history` returns)."""
+        for _ in range(3):
+            try:
+                return self._ref(name).proxy().history().get(timeout=30)
+            except pykka.ActorDeadError:
+                continue  # it crashed just now: ask its next incarnation
+            except pykka.Timeout:
+                raise AgentError(f"agent {name!r} did not answer history() within 30 s; it is busy, retry") from None
+        raise AgentCrashed(None, f"agent {name!r} kept crashing while asked for its history; retry")
+
+    def _lock_store(self) -> int | None:
+        """Take the lock of `cache_dir` for this Runtime alone (CacheDirInUse if another has it); the fd."""
+        return store.lock_cache_dir(self.cache_dir)
+
     def _exited(self, name) -> bool:
         """Whether the agents' supervisor dropped child `name` (so no restart is coming)."""
         try:
@@ -908,6 +933,11 @@ class Runtime:
             name, error = self._escalation
             raise RuntimeEscalated(f"supervision gave up after {name!r} kept failing ({error}); "
                                    "start a new Runtime") from error
+
+
+# `__new__` takes (*args, **options) to hand them on; the signature that callers see is `__init__`'s.
+Runtime.__signature__ = inspect.signature(Runtime.__init__).replace(
+    parameters=list(inspect.signature(Runtime.__init__).parameters.values())[1:])
 
 
 def _check_options(*, memory_budget, hot_budget, durability, max_batch, route, strategy,

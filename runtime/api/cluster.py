@@ -1,0 +1,412 @@
+"""The Runtime on a Ray cluster: the same agents, spread over its nodes.
+
+    with Runtime(model="tiny", cache_dir="/shared/kvactors", cluster="ray") as rt:   # or address="auto"
+        alice = rt.spawn("alice", system="You are Alice.")
+        r = alice.ask("hi", max_tokens=64, timeout=60)
+
+`Runtime(..., cluster="ray")` (or `address=`) returns a `ClusterRuntime`. It starts
+one `NodeHost` Ray actor per GPU of the cluster (one per node when the nodes have no
+GPU), each loading the model itself and running the agents placed with it (see
+runtime/api/rayhost.py). Agents are the same `AgentRef`s: `spawn`, `agent`,
+`ask`, `send`, `send_to`, `note`, `reset`, `result`, `history`, `stop`, `converse`
+and `broadcast` behave as on one machine. An agent is placed on the host with the
+fewest agents and stays there; its cache stays on that node, its messages cross.
+
+`cache_dir` must be a folder every node sees at the same path (a shared file
+system): it holds the journals and caches in the format of one machine, and the
+per-agent locks that keep one live actor per agent name across the cluster.
+
+When a host's node dies, Ray reports its actor dead: the turns in flight there fail
+with AgentCrashed (retry them with the same turn id: a turn that had committed
+answers "committed", nothing runs twice), and its agents are started again on the
+other hosts, where they reload their durable state from the shared folder ("warm").
+When only a host's process dies, Ray restarts it in place (`max_restarts`) and its
+agents are started again there. What was acknowledged is on the shared disk, so
+nothing acknowledged is lost.
+
+Not on a cluster: `stream`/`astream` and the `on_token`, `on_progress` and `cancel`
+callbacks (they would run on another machine), `on_escalate`, `agents()` and
+`engine_stats()`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from actors.agent import AgentCrashed, Ask, Lookup, Note, Reset, UnknownAgent
+from runtime import store
+from runtime.api import rayhost
+from runtime.api.facade import DEFAULT_CACHE_DIR, AgentRef, DeadLetter, Runtime, RuntimeClosed, _check_options, _choice
+from runtime.errors import KvactorsError
+from runtime.kvscheme import from_options as scheme_from_options
+
+log = logging.getLogger(__name__)
+CLUSTERS = ("ray",)
+RECOVER_S = 60.0  # how long a host that Ray reports unavailable may take to come back or be reported dead
+HOST_THREADS = 64  # a host's concurrent calls: every turn in flight there waits on one
+
+
+class RayMissing(KvactorsError, ImportError):
+    """`cluster="ray"` was asked for, but Ray is not installed: `pip install 'kvactors[ray]'`."""
+
+
+class NodeDown(rayhost.ClusterError):
+    """The host of an agent did not answer: Ray reports its actor unavailable or dead.
+
+    `ClusterRuntime` handles it (the agents move, or wait for Ray's restart); it reaches
+    a caller only when an agent could not be reached twice in a row: retry.
+    """
+
+    def __init__(self, index: int, cause):
+        super().__init__(f"host {index}: {cause}; its agents are being started again: retry")
+        self.index = index
+
+
+def import_ray():
+    """The `ray` module; RayMissing (saying what to install) if it is not importable."""
+    try:
+        import ray
+    except ImportError as e:
+        raise RayMissing(f"Runtime(cluster='ray') needs Ray: pip install 'kvactors[ray]' ({e})") from None
+    return ray
+
+
+class ClusterRuntime:
+    """Agents on one model, on the nodes of a Ray cluster; see the module docstring. Use as a context manager.
+
+    Takes `Runtime`'s options (checked the same way, here, before anything starts) and
+    `cluster` ("ray") / `address` (a running cluster's address, passed to `ray.init`;
+    None with `cluster="ray"`: the cluster this process is connected to, or a new
+    local one). `max_restarts` is also how often Ray restarts a host's process.
+    Raises RayMissing without Ray, ValueError for `on_escalate` (supervision that gives
+    up stops that node's host; its agents then fail with UnknownAgent).
+    """
+
+    converse = Runtime.converse  # the same round-robin and fan-out: they only use AgentRefs
+    broadcast = Runtime.broadcast
+
+    def __init__(self, model=None, cache_dir=None, kv_bits=None, memory_budget=None, *, cluster: str | None = None,
+                 address: str | None = None, **options):
+        ray = import_ray()
+        if cluster is not None:
+            _choice("cluster", cluster, CLUSTERS)
+        if options.get("on_escalate") is not None:
+            raise ValueError("on_escalate is not supported on a cluster: a host whose supervision gives up stops alone")
+        bound = inspect.signature(Runtime.__init__).bind(None, model, cache_dir, kv_bits, memory_budget, **options)
+        bound.apply_defaults()
+        runtime_options = {k: v for k, v in bound.arguments.items()
+                           if k not in ("self", "model", "cache_dir", "cluster", "address")}
+        scheme_from_options(runtime_options["kv_bits"], runtime_options["kv_group_size"], runtime_options["kv_scheme"])
+        _check_options(**{k: runtime_options[k] for k in inspect.signature(_check_options).parameters})
+        self.cache_dir = Path(cache_dir or DEFAULT_CACHE_DIR).expanduser()
+        self._ray, self._owns_ray, self._closed = ray, False, False
+        self._lock = threading.RLock()  # placement: held while agents move
+        self._names: list[str] = []
+        self._where: dict[str, int] = {}  # agent -> host index
+        self._restart: dict[str, str] = {}  # agent -> its restart type
+        self._hosts: list = []
+        self._info: list[dict] = []
+        self._dead: set[int] = set()
+        if not ray.is_initialized():
+            ray.init(address=address, include_dashboard=False, log_to_driver=False, logging_level="warning")
+            self._owns_ray = True
+        try:
+            self._start_hosts(model, runtime_options)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.max_context = self._info[0]["max_context"]
+        self.fingerprint = self._info[0]["fingerprint"]
+
+    def _start_hosts(self, model, options):
+        """One NodeHost per GPU (per node without GPUs), pinned to its node; wait until every one has the model."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        ray = self._ray
+        directory = f"kvactors-directory-{uuid.uuid4().hex}"  # hosts find it by name: no handle in their arguments
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)  # dies with us only
+        self._directory = ray.remote(rayhost.Directory).options(num_cpus=0, name=directory,
+                                                                scheduling_strategy=here).remote()
+        host_class = ray.remote(rayhost.NodeHost)
+        for node in sorted((n for n in ray.nodes() if n["Alive"]), key=lambda n: n["NodeID"]):
+            gpus = int(node["Resources"].get("GPU", 0))
+            for _ in range(max(1, gpus)):
+                self._hosts.append(host_class.options(
+                    num_cpus=0, num_gpus=1 if gpus else 0, max_restarts=options["max_restarts"], max_concurrency=HOST_THREADS,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
+                ).remote(model, str(self.cache_dir), options, directory))
+        self._info = [_value(ray.get(h.info.remote())) for h in self._hosts]
+
+    # -- agents ------------------------------------------------------------------
+
+    def spawn(self, name: str, system: str = "", restart: str = "permanent", *, reset: bool = False,
+              timeout: float = 60.0) -> AgentRef:
+        """Start agent `name` on the host with the fewest agents (resuming it from `cache_dir`); return its ref.
+
+        As `Runtime.spawn`; also raises AgentInUse if a process outside this runtime runs it.
+        """
+        self._check_running()
+        store.check_agent_id(name)
+        with self._lock:
+            if name in self._names:
+                raise ValueError(f"agent {name!r} is already running; use rt.agent({name!r})")
+            index = self._least_loaded()
+            try:
+                self._call(index, "spawn", name, system, restart, reset, timeout)
+            except NodeDown:
+                self._recover(index)
+                index = self._least_loaded()
+                self._call(index, "spawn", name, system, restart, reset, timeout)
+            self._place(name, index)
+            self._restart[name] = restart
+            self._names.append(name)
+        return AgentRef(self, name)
+
+    def agent(self, name: str) -> AgentRef:
+        """The ref of running agent `name`; raises UnknownAgent otherwise."""
+        if name not in self._names:
+            raise UnknownAgent(f"no running agent named {name!r}; running: {self._names}")
+        return AgentRef(self, name)
+
+    def running(self) -> list[str]:
+        """Names of the running agents, in spawn order."""
+        return list(self._names)
+
+    def placement(self) -> dict[str, str]:
+        """Agent name -> the Ray node id it runs on now."""
+        with self._lock:
+            return {name: self._info[i]["node_id"] for name, i in self._where.items()}
+
+    def nodes(self) -> list[str]:
+        """The Ray node ids of the live hosts (one per GPU, or per node), in host order."""
+        return [info["node_id"] for i, info in enumerate(self._info) if i not in self._dead]
+
+    def forget(self, name: str, timeout: float = 60.0) -> bool:
+        """Stop agent `name` if it runs and delete its cache and journal; return whether any were stored."""
+        self._check_running()
+        store.check_agent_id(name)
+        with self._lock:
+            index = self._where.get(name, self._least_loaded())
+            found = self._call(index, "forget", name, timeout)
+            self._unplace(name)
+        return found
+
+    def stored(self, name: str) -> bool:
+        """Whether agent `name` has a journal or cache in `cache_dir` (running or not)."""
+        store.check_agent_id(name)
+        return store.agent_dir(self.cache_dir, self.fingerprint, name).exists()
+
+    @property
+    def dead_letters(self) -> list[DeadLetter]:
+        """Undeliverable messages of every live host, oldest first (a note's payload decoded)."""
+        letters = []
+        for i in range(len(self._hosts)):
+            if i not in self._dead:
+                try:
+                    letters += self._call(i, "dead_letters")
+                except (AgentCrashed, rayhost.ClusterError):
+                    pass  # a host that just died: its letters died with it
+        return sorted(letters, key=lambda d: d.at)
+
+    # -- life cycle ------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Stop every agent on every host, flush every write, stop the hosts. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        ray = self._ray
+        for i, host in enumerate(self._hosts):
+            if i not in self._dead:
+                try:
+                    ray.get(host.shutdown.remote(), timeout=120)
+                except Exception as e:  # noqa: BLE001 - a dead host has nothing left to flush
+                    log.warning("host %d did not shut down cleanly: %s", i, e)
+            ray.kill(host, no_restart=True)
+        if getattr(self, "_directory", None) is not None:
+            ray.kill(self._directory, no_restart=True)
+        if self._owns_ray:
+            ray.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    # -- what AgentRef calls ------------------------------------------------------------------
+
+    def _deliver(self, name, message, future):
+        """Put `message` in agent `name`'s mailbox on its host, in order; `future` gets the answer."""
+        kind, data = _envelope(message)
+        for attempt in range(2):
+            index = self._index(name)
+            try:
+                key = self._call(index, "deliver", name, kind, data, future is not None)
+                break
+            except NodeDown:
+                self._recover(index)
+            except UnknownAgent:  # the host restarted without it: start it there again
+                if attempt or name not in self._names:
+                    raise
+                self._recover(index)
+        else:
+            raise AgentCrashed(_turn_id(message), f"agent {name!r} could not be reached on its node; retry")
+        if future is not None:
+            ref = self._hosts[index].wait.remote(key)
+            ref.future().add_done_callback(lambda done: self._settle(future, done, name, index, _turn_id(message)))
+
+    def _history(self, name):
+        return self._call(self._index(name), "history", name)
+
+    def _stop_agent(self, name):
+        self._check_running()
+        with self._lock:
+            self._call(self._index(name), "stop", name)
+            self._unplace(name)
+
+    # -- internals ------------------------------------------------------------------
+
+    def _settle(self, future, done, name, index, turn_id):
+        """Resolve the caller's `future` from a host's `wait` (runs on Ray's callback thread)."""
+        try:
+            status, value = done.result()
+        except _host_gone(self._ray):
+            threading.Thread(target=self._recover, args=(index,), daemon=True, name="kvactors-recover").start()
+            error = AgentCrashed(turn_id, f"the node of agent {name!r} went down during this turn; the agent comes back "
+                                          "on another node from its durable state: retry with the same turn_id")
+            future.set_exception((type(error), error, None))
+            return
+        except Exception as e:  # noqa: BLE001 - the caller must hear of anything else too
+            error = rayhost.ClusterError(f"waiting for agent {name!r} failed: {e}")
+            future.set_exception((type(error), error, None))
+            return
+        if status == "ok":
+            future.set(value)
+        else:
+            error = rayhost.unpack_error(value)
+            future.set_exception((type(error), error, None))
+
+    def _call(self, index, method, *args):
+        """Host `index`'s `method(*args)`: its value, or its error raised here; NodeDown if the host is unreachable."""
+        ray = self._ray
+        try:
+            status, value = ray.get(getattr(self._hosts[index], method).remote(*args))
+        except _host_gone(ray) as e:
+            raise NodeDown(index, type(e).__name__) from None
+        if status == "error":
+            raise rayhost.unpack_error(value)
+        return value
+
+    def _index(self, name) -> int:
+        self._check_running()
+        with self._lock:
+            if name not in self._names:
+                raise UnknownAgent(f"no running agent named {name!r}; running: {self._names}")
+            return self._where[name]
+
+    def _least_loaded(self) -> int:
+        live = [i for i in range(len(self._hosts)) if i not in self._dead]
+        if not live:
+            raise rayhost.ClusterError("no host of the cluster is alive; start a new Runtime")
+        load = {i: 0 for i in live}
+        for i in self._where.values():
+            if i in load:
+                load[i] += 1
+        return min(live, key=lambda i: (load[i], i))
+
+    def _place(self, name, index):
+        self._where[name] = index
+        self._ray.get(self._directory.set.remote(name, self._hosts[index]))
+
+    def _unplace(self, name):
+        if name in self._names:
+            self._names.remove(name)
+        self._where.pop(name, None)
+        self._restart.pop(name, None)
+        self._ray.get(self._directory.set.remote(name, None))
+
+    def _recover(self, index) -> None:
+        """Host `index` failed a call: wait until Ray restarts it or reports it dead, then start its agents again.
+
+        Restarted in place (a new incarnation): its agents start there again. Dead (its
+        node died), or not back within RECOVER_S: it is given up, and its agents start
+        on the live hosts with the fewest agents. Either way each agent reloads its
+        durable state from the shared folder. Callers wait meanwhile (the placement lock).
+        """
+        with self._lock:
+            if self._closed:
+                return
+            restarted = False
+            if index not in self._dead:
+                info = self._probe(index)
+                if info is not None and info["incarnation"] == self._info[index]["incarnation"]:
+                    return  # it was a passing failure: the host and its agents are as they were
+                if info is None:
+                    log.warning("host %d (node %s) is dead: moving its agents", index, self._info[index]["node_id"])
+                    self._dead.add(index)
+                else:
+                    log.warning("host %d was restarted by Ray: starting its agents again", index)
+                    self._info[index], restarted = info, True
+            for name in [n for n, i in self._where.items() if i == index]:
+                target = index if restarted else self._least_loaded()
+                try:
+                    self._call(target, "spawn", name, "", self._restart[name], False, 60.0)
+                    self._place(name, target)
+                except Exception as e:  # noqa: BLE001 - one agent that cannot move must not strand the others
+                    log.error("agent %s could not be started again on host %d (the next call retries): %s",
+                              name, target, e)
+
+    def _probe(self, index) -> dict | None:
+        """Host `index`'s info once it answers; None once Ray reports it dead or after RECOVER_S."""
+        ray = self._ray
+        deadline = time.monotonic() + RECOVER_S
+        while time.monotonic() < deadline:
+            try:
+                return _value(ray.get(self._hosts[index].info.remote(), timeout=10))
+            except (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnschedulableError):
+                return None  # dead, or pinned to a node that is gone
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                time.sleep(0.5)  # unavailable: restarting, or its node is not yet known to be dead
+        return None
+
+    def _check_running(self):
+        if self._closed:
+            raise RuntimeClosed("the Runtime was shut down; start a new Runtime to talk to its agents")
+
+
+def _host_gone(ray) -> tuple:
+    """Ray's errors for an actor that does not answer: unavailable or dead, or pinned to a node that is gone."""
+    return ray.exceptions.RayActorError, ray.exceptions.ActorUnschedulableError
+
+
+def _value(result):
+    status, value = result
+    if status == "error":
+        raise rayhost.unpack_error(value)
+    return value
+
+
+def _envelope(message) -> tuple:
+    """(kind, data) of an AgentRef envelope; callbacks cannot cross to another machine: ValueError."""
+    if isinstance(message, Ask):
+        if message.on_token or message.on_progress or message.cancel:
+            raise ValueError("on_token, on_progress and cancel (and so stream/astream) run on the machine of the turn: "
+                             "a cluster runtime does not take them; leave them out")
+        return "ask", message.payload
+    if isinstance(message, Note):
+        return "note", message.payload
+    if isinstance(message, Reset):
+        return "reset", message.payload
+    if isinstance(message, Lookup):
+        return "result", message.turn_id
+    raise TypeError(f"not an agent envelope: {message!r:.100}")
+
+
+def _turn_id(message):
+    return getattr(getattr(message, "future", None), "turn_id", None) or getattr(message, "turn_id", None)

@@ -1,0 +1,292 @@
+"""The node host: one batcher's process on a Ray cluster, with the agents placed there.
+
+`ClusterRuntime` (runtime/api/cluster.py) starts one `NodeHost` per GPU of the
+cluster (one per node on CPU-only clusters) as a Ray actor. A host runs a
+`HostedRuntime`: the very Runtime of one machine (batcher, persistence actor,
+supervisors, and `AgentActor`s, the agents' turn logic as it is), on a cache folder
+that every node sees. So an agent's turns run in the process that holds the model,
+and its Q4 cache never leaves that process (hot) or the shared folder (warm): only
+messages cross nodes, as msgpack payloads and replies.
+
+Between hosts, `HostedRuntime` differs from a Runtime of one machine in two ways:
+- it locks each agent it runs (`store.lock_agent`), not the whole cache folder, so
+  that many hosts share the folder and one agent name has one live actor;
+- a note to an agent that is not here (a `send_to` reply to its sender) is forwarded
+  to the host that runs it, in the order this host's agents sent them.
+
+Errors cross Ray as plain data (`pack_error` / `unpack_error`): kvactors' errors keep
+their type and fields, so callers catch the same types as on one machine.
+
+This module never imports Ray: its classes become Ray actors in `runtime.api.cluster`.
+"""
+
+from __future__ import annotations
+
+import builtins
+import importlib
+import logging
+import os
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import msgpack
+
+from actors.agent import Ask, Lookup, Note, Reset, UnknownAgent
+from runtime import store
+from runtime.api.facade import DeadLetter, ReplyFuture, Runtime
+from runtime.errors import KvactorsError
+
+log = logging.getLogger(__name__)
+KINDS = ("ask", "note", "reset", "result")  # the envelopes `NodeHost.deliver` takes
+
+
+class ClusterError(KvactorsError, RuntimeError):
+    """Something failed on another node of the cluster; the message says what and where."""
+
+
+def pack_error(e: BaseException) -> tuple:
+    """`e` as plain data (module, class name, message, fields) that crosses processes without pickle's surprises."""
+    fields = {k: v for k, v in vars(e).items() if isinstance(v, (str, int, float, bool, type(None)))}
+    message = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+    return type(e).__module__, type(e).__qualname__, str(message), fields
+
+
+def unpack_error(packed: tuple) -> BaseException:
+    """The error `pack_error` packed: the same type with the same message and fields for kvactors' errors and builtins.
+
+    Any other type becomes a ClusterError naming it.
+    """
+    module, name, message, fields = packed
+    cls = None
+    try:
+        cls = builtins.__dict__.get(name) if module == "builtins" else getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        pass
+    if isinstance(cls, type) and issubclass(cls, KvactorsError):
+        error = cls.__new__(cls)
+        BaseException.__init__(error, message)
+        error.__dict__.update(fields)
+        return error
+    if isinstance(cls, type) and issubclass(cls, Exception) and module == "builtins":
+        return cls(message)
+    return ClusterError(f"{module}.{name} on a node of the cluster: {message}")
+
+
+def outcome(fn, *args, **kwargs) -> tuple:
+    """("ok", fn(...)) or ("error", pack_error(e)): what every host method returns."""
+    try:
+        return "ok", fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - every error goes back to the caller, typed
+        return "error", pack_error(e)
+
+
+class HostedRuntime(Runtime):
+    """A Runtime that shares its cache folder with other processes: it locks agents one by one.
+
+    Takes the options of `Runtime`. `spawn` raises AgentInUse when another process
+    (another node's host) runs the agent; stopping or forgetting an agent releases it.
+    """
+
+    def __init__(self, *args, **options):
+        self._agent_locks: dict[str, int] = {}
+        self._locks_guard = threading.Lock()
+        super().__init__(*args, **options)
+
+    def _lock_store(self) -> None:
+        self.cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        return None  # the agents are locked one by one, in spawn
+
+    def spawn(self, name: str, system: str = "", restart: str = "permanent", *, reset: bool = False,
+              timeout: float = 60.0):
+        """`Runtime.spawn`, holding agent `name`'s lock while it runs here (AgentInUse if another process runs it)."""
+        if name in self._names:
+            return super().spawn(name, system, restart, reset=reset, timeout=timeout)  # raises: already running
+        fd = store.lock_agent(self.cache_dir, self.spec.fingerprint, name)
+        try:
+            ref = super().spawn(name, system, restart, reset=reset, timeout=timeout)
+        except BaseException:
+            os.close(fd)
+            raise
+        with self._locks_guard:
+            self._agent_locks[name] = fd
+        return ref
+
+    def forget(self, name: str, timeout: float = 60.0) -> bool:
+        """`Runtime.forget`; an agent not running here is locked while its files go (AgentInUse if it runs elsewhere)."""
+        if name in self._names:
+            return super().forget(name, timeout)
+        fd = store.lock_agent(self.cache_dir, self.spec.fingerprint, name)
+        try:
+            return super().forget(name, timeout)
+        finally:
+            os.close(fd)
+
+    def _stop_agent(self, name):
+        try:
+            super()._stop_agent(name)
+        finally:
+            self._unlock(name)
+
+    def shutdown(self) -> None:
+        """`Runtime.shutdown`, then release every agent's lock."""
+        super().shutdown()
+        for name in list(getattr(self, "_agent_locks", {})):
+            self._unlock(name)
+
+    def _unlock(self, name):
+        with self._locks_guard:
+            fd = self._agent_locks.pop(name, None)
+        if fd is not None:
+            os.close(fd)
+
+
+class NodeHost:
+    """One batcher (the model and its engine) and the agents placed with it; a Ray actor of `ClusterRuntime`.
+
+    `model`, `cache_dir` and `options` are `Runtime`'s; `directory` names the cluster's
+    `Directory` actor (agent name -> its host), used to forward notes to agents on
+    other hosts. Every method returns `outcome(...)`: ("ok", value) or ("error", packed).
+    """
+
+    def __init__(self, model, cache_dir, options: dict, directory: str):
+        import ray
+
+        self.incarnation = uuid.uuid4().hex  # a restart by Ray re-runs this: the caller sees a new one
+        self.directory = ray.get_actor(directory)
+        self.rt = HostedRuntime(model, cache_dir, **options)
+        self.rt._env.forward = self._forward
+        self.futures: dict[str, ReplyFuture] = {}
+        self.forwarder = ThreadPoolExecutor(1, thread_name_prefix="kvactors-forward")  # one: in send order
+
+    def info(self) -> tuple:
+        """("ok", {incarnation, node_id, pid, fingerprint, max_context}): who and where this host is."""
+        import ray
+
+        return "ok", dict(incarnation=self.incarnation, node_id=ray.get_runtime_context().get_node_id(),
+                          pid=os.getpid(), fingerprint=self.rt.spec.fingerprint, max_context=self.rt.max_context)
+
+    def spawn(self, name: str, system: str, restart: str, reset: bool, timeout: float) -> tuple:
+        """Start agent `name` here (`Runtime.spawn`); ("ok", this host's incarnation)."""
+        return outcome(lambda: (self.rt.spawn(name, system, restart, reset=reset, timeout=timeout), self.incarnation)[1])
+
+    def deliver(self, name: str, kind: str, data, answer: bool = True) -> tuple:
+        """Put one envelope (`KINDS`: ask / note / reset payload, or a lookup's turn id) in agent `name`'s mailbox.
+
+        Returns ("ok", key) once it is there: with `answer`, `wait(key)` answers it
+        (without, the key is None). Callers deliver one envelope at a time, so an agent
+        takes each sender's messages in order.
+        """
+        return outcome(self._deliver, name, kind, data, answer)
+
+    def _deliver(self, name, kind, data, answer):
+        if kind not in KINDS:
+            raise ValueError(f"unknown envelope kind {kind!r}; one of {KINDS}")
+        future, key = ReplyFuture(), uuid.uuid4().hex
+        envelope = {"ask": lambda: Ask(data, future), "note": lambda: Note(data, future),
+                    "reset": lambda: Reset(data, future), "result": lambda: Lookup(data, future)}[kind]()
+        future.turn_id = msgpack.unpackb(data).get("turn_id") if kind == "ask" else data if kind == "result" else None
+        if answer:
+            self.futures[key] = future
+        try:
+            self.rt._deliver(name, envelope, future)
+        except BaseException:
+            self.futures.pop(key, None)
+            raise
+        return key if answer else None
+
+    def wait(self, key: str) -> tuple:
+        """("ok", the answer) to the envelope `deliver` returned `key` for, once the agent gives it; or ("error", ...)."""
+        future = self.futures.get(key)
+        if future is None:
+            return "error", pack_error(ClusterError(f"no envelope {key} on this host (it restarted meanwhile)"))
+        try:
+            return outcome(future.get)
+        finally:
+            self.futures.pop(key, None)
+
+    def history(self, name: str) -> tuple:
+        """Agent `name`'s conversation (`AgentRef.history`)."""
+        return outcome(self.rt._history, name)
+
+    def stop(self, name: str) -> tuple:
+        """Stop agent `name` for good and release its lock (`AgentRef.stop`)."""
+        return outcome(self.rt._stop_agent, name)
+
+    def forget(self, name: str, timeout: float) -> tuple:
+        """Stop agent `name` if it runs here and delete its files (`Runtime.forget`)."""
+        return outcome(self.rt.forget, name, timeout)
+
+    def running(self) -> tuple:
+        """The agents running here, in spawn order."""
+        return outcome(self.rt.running)
+
+    def dead_letters(self) -> tuple:
+        """This host's dead letters, as plain data (a note's payload decoded)."""
+        return outcome(lambda: [DeadLetter(d.recipient, _plain(d.message), d.reason, d.at) for d in self.rt.dead_letters])
+
+    def shutdown(self) -> tuple:
+        """Stop every agent here, flush every write, stop the batcher (`Runtime.shutdown`)."""
+        self.forwarder.shutdown(wait=True)
+        return outcome(self.rt.shutdown)
+
+    # -- notes to agents on other hosts
+
+    def _forward(self, name, payload, future, reply):
+        try:
+            self.forwarder.submit(self._forward_now, name, payload, future, reply)
+        except RuntimeError:  # shutting down
+            self._undeliverable(name, payload, future, reply, "the host is shutting down")
+
+    def _forward_now(self, name, payload, future, reply):
+        import ray
+
+        try:
+            host = ray.get(self.directory.lookup.remote(name), timeout=self.rt._env.io_timeout)
+            if host is None:
+                raise UnknownAgent(f"no running agent named {name!r} in the cluster")
+            status, key = ray.get(host.deliver.remote(name, "note", payload), timeout=self.rt._env.io_timeout)
+            if status == "error":
+                raise unpack_error(key)
+            status, value = ray.get(host.wait.remote(key), timeout=self.rt._env.io_timeout)
+            if status == "error":
+                raise unpack_error(value)
+        except Exception as e:  # noqa: BLE001 - an undeliverable note is a dead letter, never lost silently
+            self._undeliverable(name, payload, future, reply, f"forwarding to its node failed: {e}")
+            return
+        if future is not None:
+            future.set(reply)
+
+    def _undeliverable(self, name, payload, future, reply, why):
+        self.rt._env.dead_letter(name, payload, why)
+        if future is not None:
+            future.set(reply)
+
+
+def _plain(message):
+    """A dead letter's message as plain data: a note's payload decoded; anything else as its repr."""
+    payload = getattr(message, "payload", message)
+    if isinstance(payload, bytes):
+        try:
+            return msgpack.unpackb(payload)
+        except Exception:  # noqa: BLE001 - not msgpack: keep the bytes
+            return payload
+    return repr(message)
+
+
+class Directory:
+    """Agent name -> the host actor that runs it; a Ray actor of `ClusterRuntime`, read by hosts to forward notes."""
+
+    def __init__(self):
+        self.hosts: dict[str, object] = {}
+
+    def set(self, name: str, host) -> None:
+        """Agent `name` now runs on `host` (None: nowhere)."""
+        if host is None:
+            self.hosts.pop(name, None)
+        else:
+            self.hosts[name] = host
+
+    def lookup(self, name: str):
+        """The host of agent `name`, or None."""
+        return self.hosts.get(name)
