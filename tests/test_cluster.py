@@ -1,0 +1,228 @@
+"""The Runtime on a Ray cluster: a local cluster of three CPU nodes on this machine, the tiny model.
+
+One cluster for the module (a head and two nodes, 2 logical CPUs each, on loopback),
+one `Runtime(cluster="ray")` on it for the agent-level tests, and the node-death
+test last, since it takes a node away. The shared folder is a temp folder: every
+node of a local cluster sees it.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+
+from runtime import AgentCrashed, AgentInUse, KvactorsError, RayMissing, Runtime, SystemPromptChanged, UnknownAgent
+from runtime import store
+
+ray = pytest.importorskip("ray", reason="the Ray tests need `pip install 'kvactors[ray]'`")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+NODE = dict(num_cpus=2, object_store_memory=128 << 20)
+# Node death is noticed after 5 missed health checks of 1 s (Ray's default waits longer).
+HEAD = dict(NODE, include_dashboard=False,
+            _system_config={"health_check_period_ms": 1000, "health_check_failure_threshold": 5})
+OPTS = dict(max_tokens=4, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(initialize_head=True, head_node_args=HEAD)
+    for _ in range(2):
+        c.add_node(**NODE)
+    ray.init(address=c.address, log_to_driver=False, logging_level="warning")
+    c.wait_for_nodes()
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    return tmp_path_factory.mktemp("shared")
+
+
+@pytest.fixture(scope="module")
+def rt(cluster, shared):
+    with Runtime(model="tiny", cache_dir=shared, cluster="ray") as runtime:
+        yield runtime
+
+
+def local_spec(runtime):
+    """What `store.read_journal` needs of a model spec: its fingerprint."""
+    return type("Spec", (), {"fingerprint": runtime.fingerprint})()
+
+
+def _turns(history) -> list[tuple]:
+    return [(r["role"], r["text"], r.get("sender")) for r in history]
+
+
+def test_one_host_per_node_and_agents_spread_over_them(rt):
+    assert len(set(rt.nodes())) == 3
+    refs = [rt.spawn(f"spread{i}", system="Be brief.") for i in range(3)]
+    placed = rt.placement()
+    assert {placed[r.name] for r in refs} == set(rt.nodes())
+    assert [r.ask("Hello?", **OPTS).cache for r in refs] == ["cold"] * 3
+
+
+def test_the_same_conversation_as_on_one_machine(rt, tmp_path):
+    """ask, send, note, send_to, converse, broadcast, history: the same replies and records as a local Runtime."""
+
+    def play(runtime):
+        a, b = runtime.spawn("same-a", system="You are A."), runtime.spawn("same-b", system="You are B.")
+        out = [a.ask("Hi there.", **OPTS), a.send("And again.", **OPTS).get(timeout=120)]
+        a.note("A remark.", sender="same-b")
+        out.append(b.send_to(a, "From b to a.", **OPTS).get(timeout=120))
+        out += runtime.converse([a, b], "Talk.", 2, max_tokens=3, timeout=120)
+        out += [f.get(timeout=120) for f in runtime.broadcast([a, b], "All of you.", max_tokens=3, timeout=120)]
+        return [(r.agent, r.text, r.tokens) for r in out], _turns(a.history()), _turns(b.history()), \
+            [r.cache for r in out]
+
+    on_cluster = play(rt)
+    with Runtime(model="tiny", cache_dir=tmp_path) as local:
+        on_one = play(local)
+    assert rt.placement()["same-a"] != rt.placement()["same-b"]  # the send_to reply crossed nodes
+    assert on_cluster == on_one  # replies, tokens, both histories and cache states
+
+
+def test_turn_ids_make_retries_idempotent_and_result_finds_them(rt):
+    a = rt.spawn("idem", system="Be brief.")
+    first = a.ask("Once.", turn_id="idem-1", **OPTS)
+    again = a.ask("Once.", turn_id="idem-1", **OPTS)
+    assert again.cache == "committed" and again.text == first.text
+    assert a.result("idem-1").text == first.text and a.result("idem-nope") is None
+    assert sum(r.get("turn_id") == "idem-1" and r["role"] == "assistant" for r in a.history()) == 1
+
+
+def test_per_sender_order_holds_for_messages_sent_without_waiting(rt):
+    a = rt.spawn("order", system="Be brief.")
+    futures = [a.send(f"message {i}", max_tokens=2, timeout=120) for i in range(6)]
+    replies = [f.get(timeout=300) for f in futures]
+    users = [r["text"] for r in a.history() if r["role"] == "user"]
+    assert users == [f"message {i}" for i in range(6)]
+    assert [r["turn_id"] for r in a.history() if r["role"] == "assistant"] == [r.turn_id for r in replies]
+
+
+def test_one_live_actor_per_name_across_the_cluster(rt, shared):
+    a = rt.spawn("single", system="Be brief.")
+    a.ask("Hello?", **OPTS)
+    with pytest.raises(ValueError, match="already running"):
+        rt.spawn("single")
+    with pytest.raises(AgentInUse, match="one live actor"):  # any other process sharing the folder is refused
+        store.lock_agent(shared, rt.fingerprint, "single")
+    a.stop()
+    os.close(store.lock_agent(shared, rt.fingerprint, "single"))  # released by stop
+    with pytest.raises(UnknownAgent):
+        a.ask("Anyone?", **OPTS)
+    assert rt.spawn("single").ask("Back?", **OPTS).cache == "warm"  # wherever it lands, it reloads
+
+
+def test_errors_cross_nodes_with_their_types(rt):
+    a = rt.spawn("errs", system="Be brief.")
+    with pytest.raises(ValueError, match="cluster runtime does not take them"):
+        a.ask("Hi", on_token=print, **OPTS)
+    with pytest.raises(ValueError, match="cluster runtime does not take them"):
+        next(iter(a.stream("Hi", max_tokens=2, timeout=60)))
+    with pytest.raises(UnknownAgent):
+        rt.agent("nobody")
+    a.ask("Hi", **OPTS)
+    a.stop()
+    with pytest.raises(SystemPromptChanged) as e:  # raised on a node, caught here as the same type, fields and all
+        rt.spawn("errs", system="Another prompt.")
+    assert isinstance(e.value, (KvactorsError, ValueError)) and e.value.stored == "Be brief."
+    assert "errs" not in rt.running()
+
+
+def test_state_machine_invariants_on_the_cluster(rt, shared):
+    """Random ask / send_to / note / reset across nodes; after it, the journals on disk hold every
+    acknowledged turn exactly once, in per-sender order, and a local Runtime resumes them warm."""
+    rng = random.Random(18)
+    names = [f"sm{i}" for i in range(3)]
+    refs = {n: rt.spawn(n, system=f"You are {n}.") for n in names}
+    acked: dict[str, list[str]] = {n: [] for n in names}  # turn ids acknowledged, per agent, in order
+    for step in range(14):
+        op, who = rng.choice(["ask", "ask", "send_to", "note"]), rng.choice(names)
+        if op == "ask":
+            r = refs[who].ask(f"step {step}", turn_id=f"{who}-s{step}", **OPTS)
+            acked[who].append(r.turn_id)
+        elif op == "send_to":
+            other = rng.choice([n for n in names if n != who])
+            r = refs[who].send_to(refs[other], f"step {step}", turn_id=f"{other}-s{step}", **OPTS).get(timeout=120)
+            acked[other].append(r.turn_id)
+        else:
+            refs[who].note(f"note {step}")
+    histories = {n: refs[n].history() for n in names}
+    for n in names:
+        refs[n].stop()
+    for n in names:
+        turns = [r["turn_id"] for r in histories[n] if r["role"] == "assistant"]
+        assert turns == acked[n]
+        seqs = [r["seq"] for r in histories[n]]
+        assert seqs == sorted(set(seqs))
+        on_disk = [r["turn_id"] for r in store.read_journal(shared, local_spec(rt), n)
+                   if r["role"] == "assistant" and r["seq"] >= histories[n][0]["seq"]]
+        assert on_disk == acked[n]
+    other = shared.parent / "resumed"
+    # the same format: a Runtime of one machine resumes them from the shared folder, warm
+    import shutil
+    shutil.copytree(shared / rt.fingerprint, other / rt.fingerprint)
+    with Runtime(model="tiny", cache_dir=other) as local:
+        for n in names:
+            ref = local.spawn(n)
+            assert _turns(ref.history()) == _turns(histories[n])
+            if acked[n]:
+                assert ref.ask("And now?", **OPTS).cache == "warm"
+
+
+def test_ray_missing_says_what_to_install(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    with pytest.raises(RayMissing, match=r"pip install 'kvactors\[ray\]'") as e:
+        Runtime(model="tiny", cache_dir=tmp_path, cluster="ray")
+    assert isinstance(e.value, ImportError)
+
+
+def test_ray_is_imported_only_when_a_cluster_is_asked_for():
+    code = ("import sys, runtime; from runtime import Runtime, ClusterRuntime, RayMissing, NodeDown; "
+            "import runtime.api.rayhost; assert 'ray' not in sys.modules, 'ray imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+
+
+@pytest.mark.slow
+def test_a_node_killed_mid_conversation_its_agents_come_back_warm_elsewhere(rt, cluster, shared):
+    head = cluster.head_node.node_id
+    refs = [rt.spawn(f"kill{i}", system="Be brief.") for i in range(3)]
+    acked = {r.name: [r.ask("First.", turn_id=f"{r.name}-1", **OPTS).turn_id] for r in refs}
+    victim = next(r for r in refs if rt.placement()[r.name] != head)
+    doomed_node = rt.placement()[victim.name]
+    on_doomed = [r for r in refs if rt.placement()[r.name] == doomed_node]
+    pid = next(i["pid"] for i in rt._info if i["node_id"] == doomed_node)
+    in_flight = victim.send("A long answer, please.", max_tokens=400, timeout=120, turn_id=f"{victim.name}-2")
+    time.sleep(0.5)
+    node = next(n for n in cluster.list_all_nodes() if n.node_id == doomed_node)
+    t0 = time.monotonic()
+    cluster.remove_node(node, allow_graceful=False)
+    os.kill(pid, 9)  # a dead machine takes its processes with it
+    caches = []
+    try:
+        reply = in_flight.get(timeout=120)  # it may have finished before the node died
+    except AgentCrashed as e:
+        assert e.turn_id == f"{victim.name}-2"
+        reply = victim.ask("A long answer, please.", max_tokens=400, timeout=120, turn_id=f"{victim.name}-2")
+        assert reply.cache in ("warm", "committed"), reply.cache  # nothing runs twice
+        caches.append(reply.cache)
+    back_s = time.monotonic() - t0
+    acked[victim.name].append(reply.turn_id)
+    for r in on_doomed:
+        nxt = r.ask("Still there?", turn_id=f"{r.name}-3", **OPTS)
+        assert rt.placement()[r.name] != doomed_node
+        caches.append(nxt.cache)
+        acked[r.name].append(nxt.turn_id)
+    assert "warm" in caches and set(caches) <= {"warm", "hot", "committed"}, caches
+    for r in refs:
+        assert [h["turn_id"] for h in r.history() if h["role"] == "assistant"] == acked[r.name]
+    assert doomed_node not in rt.nodes()
+    print(f"\nnode death to the retried turn's reply: {back_s:.1f} s")
