@@ -192,6 +192,18 @@ def test_ray_is_imported_only_when_a_cluster_is_asked_for():
 
 
 @pytest.mark.slow
+def test_a_host_process_killed_is_restarted_by_ray_and_its_agents_reload_warm(rt):
+    a = rt.spawn("phoenix", system="Be brief.")
+    first = a.ask("Before.", **OPTS)
+    node = rt.placement()["phoenix"]
+    host = next(i for i, info in enumerate(rt._info) if info["node_id"] == node)
+    os.kill(rt._info[host]["pid"], 9)
+    after = a.ask("After.", turn_id="phoenix-after", **OPTS)
+    assert after.cache == "warm" and rt.placement()["phoenix"] == node  # restarted in place, reloaded from disk
+    assert [r["turn_id"] for r in a.history() if r["role"] == "assistant"] == [first.turn_id, "phoenix-after"]
+
+
+@pytest.mark.slow
 def test_a_node_killed_mid_conversation_its_agents_come_back_warm_elsewhere(rt, cluster, shared):
     head = cluster.head_node.node_id
     refs = [rt.spawn(f"kill{i}", system="Be brief.") for i in range(3)]
