@@ -69,13 +69,15 @@ def agent_dir(cache_dir, fingerprint: str, agent: str) -> Path:
     return Path(cache_dir).expanduser() / fingerprint / check_agent_id(agent)
 
 
-def lock_cache_dir(cache_dir) -> int:
+def lock_cache_dir(cache_dir, shared: bool = False) -> int:
     """Take the exclusive lock of `cache_dir` (created 0700); return the fd that holds it.
 
     Two writers would interleave journal appends: a second Runtime on the same folder
     raises CacheDirInUse instead. The lock is on the folder itself, not on a file in
     it, so deleting files cannot release it. Release with `os.close(fd)`; a crash
-    releases it too.
+    releases it too. `shared=True` takes it shared instead, for the processes that
+    share the folder and lock each agent (`lock_agent`): they exclude a Runtime of one
+    machine, and it excludes them.
     """
     import fcntl
 
@@ -83,7 +85,7 @@ def lock_cache_dir(cache_dir) -> int:
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
         raise CacheDirInUse(

@@ -16,16 +16,18 @@ import time
 
 import pytest
 
-from runtime import AgentCrashed, AgentInUse, KvactorsError, RayMissing, Runtime, SystemPromptChanged, UnknownAgent
+from runtime import AgentCrashed, AgentInUse, CacheDirInUse, KvactorsError, RayMissing, Runtime, SystemPromptChanged, UnknownAgent
 from runtime import store
+from runtime.api import testing
 
 ray = pytest.importorskip("ray", reason="the Ray tests need `pip install 'kvactors[ray]'`")
 from ray.cluster_utils import Cluster  # noqa: E402
 
 NODE = dict(num_cpus=2, object_store_memory=128 << 20)
-# Node death is noticed after 5 missed health checks of 1 s (Ray's default waits longer).
+# Node death is noticed after 10 missed health checks of 1 s (Ray's default waits longer; fewer risks
+# taking a busy node for dead on a 2-core machine).
 HEAD = dict(NODE, include_dashboard=False,
-            _system_config={"health_check_period_ms": 1000, "health_check_failure_threshold": 5})
+            _system_config={"health_check_period_ms": 1000, "health_check_failure_threshold": 10})
 OPTS = dict(max_tokens=4, timeout=120)
 
 
@@ -114,6 +116,8 @@ def test_one_live_actor_per_name_across_the_cluster(rt, shared):
         rt.spawn("single")
     with pytest.raises(AgentInUse, match="one live actor"):  # any other process sharing the folder is refused
         store.lock_agent(shared, rt.fingerprint, "single")
+    with pytest.raises(CacheDirInUse):  # nor does a Runtime of one machine write there meanwhile
+        Runtime(model="tiny", cache_dir=shared)
     a.stop()
     os.close(store.lock_agent(shared, rt.fingerprint, "single"))  # released by stop
     with pytest.raises(UnknownAgent):
@@ -178,6 +182,20 @@ def test_state_machine_invariants_on_the_cluster(rt, shared):
                 assert ref.ask("And now?", **OPTS).cache == "warm"
 
 
+def test_another_process_connects_by_address(cluster, tmp_path):
+    code = ("import sys; from runtime import Runtime\n"
+            "with Runtime(model='tiny', cache_dir=sys.argv[2], address=sys.argv[1]) as rt:\n"
+            "    print(rt.spawn('remote', system='Be brief.').ask('Hi', max_tokens=2, timeout=120).cache, len(rt.nodes()))\n")
+    out = subprocess.run([sys.executable, "-c", code, cluster.address, str(tmp_path)], check=True, capture_output=True,
+                         text=True, timeout=240, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert out.stdout.split()[-2:] == ["cold", "3"], out.stdout[-2000:]
+
+
+def test_an_address_other_than_the_connected_cluster_is_refused(cluster, tmp_path):
+    with pytest.raises(ValueError, match="call ray.shutdown"):
+        Runtime(model="tiny", cache_dir=tmp_path, address="127.0.0.1:1")
+
+
 def test_ray_missing_says_what_to_install(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     with pytest.raises(RayMissing, match=r"pip install 'kvactors\[ray\]'") as e:
@@ -196,8 +214,7 @@ def test_a_host_process_killed_is_restarted_by_ray_and_its_agents_reload_warm(rt
     a = rt.spawn("phoenix", system="Be brief.")
     first = a.ask("Before.", **OPTS)
     node = rt.placement()["phoenix"]
-    host = next(i for i, info in enumerate(rt._info) if info["node_id"] == node)
-    os.kill(rt._info[host]["pid"], 9)
+    os.kill(testing.host_pid(rt, node), 9)
     after = a.ask("After.", turn_id="phoenix-after", **OPTS)
     assert after.cache == "warm" and rt.placement()["phoenix"] == node  # restarted in place, reloaded from disk
     assert [r["turn_id"] for r in a.history() if r["role"] == "assistant"] == [first.turn_id, "phoenix-after"]
@@ -211,7 +228,7 @@ def test_a_node_killed_mid_conversation_its_agents_come_back_warm_elsewhere(rt, 
     victim = next(r for r in refs if rt.placement()[r.name] != head)
     doomed_node = rt.placement()[victim.name]
     on_doomed = [r for r in refs if rt.placement()[r.name] == doomed_node]
-    pid = next(i["pid"] for i in rt._info if i["node_id"] == doomed_node)
+    pid = testing.host_pid(rt, doomed_node)
     in_flight = victim.send("A long answer, please.", max_tokens=400, timeout=120, turn_id=f"{victim.name}-2")
     time.sleep(0.5)
     node = next(n for n in cluster.list_all_nodes() if n.node_id == doomed_node)

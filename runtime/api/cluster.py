@@ -112,9 +112,7 @@ class ClusterRuntime:
         self._hosts: list = []
         self._info: list[dict] = []
         self._dead: set[int] = set()
-        if not ray.is_initialized():
-            ray.init(address=address, include_dashboard=False, log_to_driver=False, logging_level="warning")
-            self._owns_ray = True
+        self._connect(address)
         try:
             self._start_hosts(model, runtime_options)
         except BaseException:
@@ -122,6 +120,21 @@ class ClusterRuntime:
             raise
         self.max_context = self._info[0]["max_context"]
         self.fingerprint = self._info[0]["fingerprint"]
+
+    def _connect(self, address):
+        """Connect to the cluster at `address` (None: the one this process is on, or a new local one)."""
+        ray = self._ray
+        if ray.is_initialized():
+            here = ray.get_runtime_context().gcs_address
+            if address not in (None, "auto") and address.removeprefix("ray://") != here:
+                raise ValueError(f"this process is connected to the Ray cluster at {here}, not {address}: "
+                                 "call ray.shutdown() first, or pass address=None")
+            return
+        if address is None:  # a new local cluster: no dashboard to serve
+            ray.init(include_dashboard=False, log_to_driver=False, logging_level="warning")
+        else:
+            ray.init(address=address, log_to_driver=False, logging_level="warning")
+        self._owns_ray = True
 
     def _start_hosts(self, model, options):
         """One NodeHost per GPU (per node without GPUs), pinned to its node; wait until every one has the model."""
@@ -227,9 +240,9 @@ class ClusterRuntime:
                     ray.get(host.shutdown.remote(), timeout=120)
                 except Exception as e:  # noqa: BLE001 - a dead host has nothing left to flush
                     log.warning("host %d did not shut down cleanly: %s", i, e)
-            ray.kill(host, no_restart=True)
+            _kill(ray, host)
         if getattr(self, "_directory", None) is not None:
-            ray.kill(self._directory, no_restart=True)
+            _kill(ray, self._directory)
         if self._owns_ray:
             ray.shutdown()
 
@@ -378,6 +391,13 @@ class ClusterRuntime:
     def _check_running(self):
         if self._closed:
             raise RuntimeClosed("the Runtime was shut down; start a new Runtime to talk to its agents")
+
+
+def _kill(ray, actor) -> None:
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception as e:  # noqa: BLE001 - gone already
+        log.debug("killing %s: %s", actor, e)
 
 
 def _host_gone(ray) -> tuple:

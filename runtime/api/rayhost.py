@@ -9,8 +9,9 @@ and its Q4 cache never leaves that process (hot) or the shared folder (warm): on
 messages cross nodes, as msgpack payloads and replies.
 
 Between hosts, `HostedRuntime` differs from a Runtime of one machine in two ways:
-- it locks each agent it runs (`store.lock_agent`), not the whole cache folder, so
-  that many hosts share the folder and one agent name has one live actor;
+- it locks each agent it runs (`store.lock_agent`) and the cache folder only shared,
+  so that many hosts share the folder, one agent name has one live actor, and no
+  Runtime of one machine writes there meanwhile;
 - a note to an agent that is not here (a `send_to` reply to its sender) is forwarded
   to the host that runs it, in the order this host's agents sent them.
 
@@ -93,9 +94,8 @@ class HostedRuntime(Runtime):
         self._locks_guard = threading.Lock()
         super().__init__(*args, **options)
 
-    def _lock_store(self) -> None:
-        self.cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        return None  # the agents are locked one by one, in spawn
+    def _lock_store(self) -> int:
+        return store.lock_cache_dir(self.cache_dir, shared=True)  # the agents are locked one by one, in spawn
 
     def spawn(self, name: str, system: str = "", restart: str = "permanent", *, reset: bool = False,
               timeout: float = 60.0):

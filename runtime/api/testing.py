@@ -19,3 +19,14 @@ def inject_crash(ref) -> None:
         ref.runtime._ref(ref.name).tell(agent_mod._Fault())
     except pykka.ActorDeadError:
         raise AgentCrashed(None, f"agent {ref.name!r} is restarting; retry") from None
+
+
+def host_pid(runtime, node_id: str) -> int:
+    """The process id of the host on Ray node `node_id` of a `ClusterRuntime`, to kill it on purpose.
+
+    Raises KeyError if no host of `runtime` lives on that node.
+    """
+    for info in runtime._info:
+        if info["node_id"] == node_id:
+            return info["pid"]
+    raise KeyError(f"no host of this runtime on node {node_id}")
