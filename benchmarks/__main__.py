@@ -5,6 +5,7 @@ folder `benchmark-runs/<date-time>` unless `--out` says where; the README's tabl
 `benchmarks/results/cpu` and `benchmarks/results/h100`):
   ttft       cold / hot / warm time to first token at several contexts
   workload   5 agents x 8 turns: stateless re-prefill vs mlx-lm prompt cache vs kvactors
+  cluster    the workload on a local Ray cluster of 1, 2 and 3 nodes: throughput against one node
   batching   batched vs sequential agents, engine overhead, resident capacity Q4 vs fp16
   q4         prefill / decode speed of the Q4 cache routes against fp16 KV
   persistence  save / load time against size and the disk's read bandwidth
@@ -30,6 +31,7 @@ from benchmarks.common import RESULTS
 SCENARIOS = {
     "ttft": ("benchmarks.ttft", {"llama-8b-shape": ["--contexts", "1024,4096,16384,32768"]}),
     "workload": ("benchmarks.workload", {"llama-8b-shape": ["--system-tokens", "2000", "--turn-tokens", "200", "--new", "64"]}),
+    "cluster": ("benchmarks.cluster", {}),
     "batching": ("benchmarks.batching", {"llama-8b-shape": ["--prompt", "1024", "--new", "64", "--agents", "1,2,4,8,16"]}),
     "q4": ("benchmarks.q4_attention", {"llama-8b-shape": ["--contexts", "4096,16384", "--chunk", "2048"]}),
     "persistence": ("benchmarks.persistence", {}),

@@ -84,7 +84,8 @@ class ClusterRuntime:
     None with `cluster="ray"`: the cluster this process is connected to, or a new
     local one). `max_restarts` is also how often Ray restarts a host's process.
     Raises RayMissing without Ray, ValueError for `on_escalate` (supervision that gives
-    up stops that node's host; its agents then fail with UnknownAgent).
+    up stops that node's host alone; its agents' calls then raise RuntimeEscalated), and
+    ValueError for an `address` other than the cluster this process is connected to.
     """
 
     converse = Runtime.converse  # the same round-robin and fan-out: they only use AgentRefs
@@ -126,7 +127,7 @@ class ClusterRuntime:
         ray = self._ray
         if ray.is_initialized():
             here = ray.get_runtime_context().gcs_address
-            if address not in (None, "auto") and address.removeprefix("ray://") != here:
+            if address not in (None, "auto") and not address.startswith("ray://") and address != here:
                 raise ValueError(f"this process is connected to the Ray cluster at {here}, not {address}: "
                                  "call ray.shutdown() first, or pass address=None")
             return
