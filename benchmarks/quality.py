@@ -56,6 +56,7 @@ def cache_kinds(spec, mlx: str, schemes: str, route: str | None, spread: bool) -
     """
     from runtime.kvscheme import default_scheme, parse, plain
     from runtime.q4cache import ROUTES, Q4CacheError, check_route, route_for
+    from runtime.qgemv import available as on_cuda
 
     kinds = [dict(label="unquantized", route="", bytes=1.0, make=lambda model: None)]
     for pair in filter(None, mlx.split(",")):
@@ -77,6 +78,8 @@ def cache_kinds(spec, mlx: str, schemes: str, route: str | None, spread: bool) -
                     continue
             except Q4CacheError:
                 continue  # not on this machine
+            if other == "quantized" and on_cuda():
+                continue  # MLX-CUDA's quantized matmul lacks these shapes (6-bit keys fail in prefill)
             kinds.append(dict(label=f"kvactors {default.name} (default)", route=other,
                               bytes=default.fp16_ratio(spec.k_head_dim, spec.v_head_dim), make=_kvactors_cache(s, other), ppl_only=True))
     return kinds
