@@ -31,6 +31,13 @@ def test_help_lists_the_commands():
         assert command in out.stdout
 
 
+def test_demo_takes_kv_bits_or_a_kv_scheme_not_both():
+    out = kvactors("demo", "--kv-bits", "8", "--kv-scheme", "k4v4-g64")
+    assert out.returncode == 2 and "not allowed with argument" in out.stderr
+    out = kvactors("demo", "--help")
+    assert "--kv-scheme" in out.stdout and "default KV scheme" in out.stdout
+
+
 def test_inspect_shows_stored_agents_and_their_health(tmp_path):
     with Runtime(cache_dir=tmp_path) as rt:
         rt.spawn("archivist").ask("remember this", max_tokens=3)

@@ -12,7 +12,8 @@ from runtime.model import ModelLoadError
 def _demo(args) -> int:
     from runtime.api.demo import run_demo
 
-    return run_demo(model=args.model, cache_dir=args.cache_dir, max_tokens=args.max_tokens, kv_bits=args.kv_bits)
+    return run_demo(model=args.model, cache_dir=args.cache_dir, max_tokens=args.max_tokens, kv_bits=args.kv_bits,
+                    kv_scheme=args.kv_scheme)
 
 
 def _serve(args) -> int:
@@ -74,8 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="model folder, .gguf file, Hugging Face id or 'tiny' (default: SmolLM2-135M-Instruct)")
     demo.add_argument("--cache-dir", default=None, help="where agent caches live (default: a fresh temporary folder)")
     demo.add_argument("--max-tokens", type=int, default=16, help="tokens generated per turn (default: 16)")
-    demo.add_argument("--kv-bits", type=int, choices=(4, 8), default=8,
-                      help="bits of the KV cache (default: 8; SmolLM2-135M's answers degrade at 4)")
+    kv = demo.add_mutually_exclusive_group()
+    kv.add_argument("--kv-bits", type=int, choices=(4, 8), default=None,
+                    help="a plain KV cache of this many bits for keys and values (SmolLM2-135M's answers degrade "
+                         "at 4; default: the model's default KV scheme)")
+    kv.add_argument("--kv-scheme", default=None,
+                    help="KV scheme by name, e.g. k6v4-g64-hadamard (the default for most models) or k8v8-g64")
     demo.set_defaults(func=_demo)
 
     srv = sub.add_parser(
