@@ -59,7 +59,7 @@ def _quantized_matmul(module, x):
     shape); for M >= DENSE_ROWS on CUDA, a 16-bit GEMM on the weight dequantized for this
     call; else MLX's quantized matmul on x flattened to 2-D."""
     shape = x.shape
-    if module._kvactors_gemv and x.size <= qgemv.MAX_ROWS * shape[-1] and x.dtype in qgemv.INPUT_DTYPES:
+    if module._kvactors_gemv and _decode_sized(x) and x.dtype in qgemv.INPUT_DTYPES:
         return qgemv.qgemv(x, module["weight"], module["scales"], module["biases"], module.group_size)
     flat = x.reshape(-1, shape[-1])
     if module._kvactors_dense and flat.shape[0] >= DENSE_ROWS:
@@ -71,6 +71,11 @@ def _quantized_matmul(module, x):
         y = mx.quantized_matmul(flat, module["weight"], scales=module["scales"], biases=module.get("biases"),
                                 transpose=True, group_size=module.group_size, bits=module.bits, mode=module.mode)
     return y.reshape(*shape[:-1], y.shape[-1])
+
+
+def _decode_sized(x) -> bool:
+    """Whether `x` (..., K) has at most `qgemv.MAX_ROWS` rows: a decode step's input."""
+    return x.size <= qgemv.MAX_ROWS * x.shape[-1]
 
 
 def _bound_in_flight(y) -> None:
@@ -146,7 +151,7 @@ _compiled_classes: dict = {}
 def _mlp_call(self, x):
     """A prepared MLP: decode-sized inputs through one compiled graph per shape (MLX replays it
     without Python building each op again); larger ones as the model's own class does."""
-    if x.size > qgemv.MAX_ROWS * x.shape[-1]:
+    if not _decode_sized(x):
         return super(type(self), self).__call__(x)
     fn = self.__dict__.get("_kvactors_compiled")
     if fn is None:

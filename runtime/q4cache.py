@@ -266,8 +266,7 @@ class BatchQuantizedKVCache(_BaseCache):
         The "q4kernel" route does it in one CUDA launch (`runtime.q4pack`) where it can.
         """
         sch = self.scheme
-        if (self.route == "q4kernel" and keys.dtype in (mx.float16, mx.bfloat16) and keys.dtype == values.dtype
-                and keys.shape == values.shape and q4pack.serves(sch, keys.shape[-1], values.shape[-1])):
+        if self.route == "q4kernel" and q4pack.serves(sch, keys, values):
             return q4pack.pack_kv(keys, values, sch)
         return (_quantize(rotate(keys, sch), sch.group_size, sch.key_bits),
                 _quantize(rotate(values, sch), sch.group_size, sch.value_bits))

@@ -112,27 +112,28 @@ _SOURCE = r"""
 _kernel = None
 
 
-def serves(scheme: KVScheme, k_head_dim: int, v_head_dim: int) -> bool:
-    """Whether `pack_kv` packs caches of this scheme and these head dims."""
-    return (k_head_dim == v_head_dim and k_head_dim in HEAD_DIMS and k_head_dim % scheme.group_size == 0
-            and scheme.key_bits in BITS and scheme.value_bits in BITS)
+def serves(scheme: KVScheme, keys, values) -> bool:
+    """Whether `pack_kv` packs these keys and values (arrays of shape (B, H, N, D)) under `scheme`:
+    one shape and dtype for both, float16 or bfloat16, D in HEAD_DIMS, bits in BITS."""
+    D = keys.shape[-1]
+    return (keys.shape == values.shape and keys.dtype == values.dtype and keys.dtype in (mx.float16, mx.bfloat16)
+            and D in HEAD_DIMS and D % scheme.group_size == 0 and scheme.key_bits in BITS
+            and scheme.value_bits in BITS)
 
 
 def pack_kv(keys, values, scheme: KVScheme):
     """`mx.quantize(kvscheme.rotate(x, scheme))` of `keys` and of `values`, in one launch on CUDA.
 
-    keys and values: (B, H, N, D) float16 or bfloat16 of the same shape, with
-    `serves(scheme, D, D)`. Returns ((words, scales, biases) of the keys, the same of the
-    values), laid out as `mx.quantize` lays them out. Raises ValueError for what it
-    does not serve.
+    keys and values: (B, H, N, D) with `serves(scheme, keys, values)`. Returns
+    ((words, scales, biases) of the keys, the same of the values), laid out as
+    `mx.quantize` lays them out. Raises ValueError for what it does not serve.
     """
     global _kernel
     B, H, N, D = keys.shape
-    if values.shape != keys.shape or keys.dtype != values.dtype or not serves(scheme, D, D):
-        raise ValueError(f"pack_kv packs keys and values of one shape with head dim {HEAD_DIMS} and {BITS} bits; "
-                         f"got keys {keys.shape}, values {values.shape}, scheme {scheme.name}")
-    if keys.dtype not in (mx.float16, mx.bfloat16):
-        raise ValueError(f"pack_kv takes float16 or bfloat16 keys and values, got {keys.dtype}")
+    if not serves(scheme, keys, values):
+        raise ValueError(f"pack_kv packs float16 or bfloat16 keys and values of one shape, head dim in {HEAD_DIMS}, "
+                         f"{BITS} bits; got keys {keys.shape} {keys.dtype}, values {values.shape} {values.dtype}, "
+                         f"scheme {scheme.name}")
     if _kernel is None:
         _kernel = mx.fast.cuda_kernel(name="kvactors_pack_kv", input_names=["keys", "values"],
                                       output_names=["kw", "ks", "kb", "vw", "vs", "vb"], source=_SOURCE,

@@ -196,3 +196,19 @@ def test_runtime_re_prefills_an_agent_stored_under_another_scheme(tmp_path):
     assert third.cache == "warm"
     with pytest.raises(ValueError, match="k7v4"):
         Runtime(model=None, cache_dir=tmp_path / "x", kv_scheme="k7v4-g64")
+
+
+def test_the_cuda_packer_serves_16_bit_keys_and_values_of_one_shape_only():
+    from runtime import q4pack
+
+    def arrays(shape, dtype, vshape=None, vdtype=None):
+        return mx.zeros(shape, dtype), mx.zeros(vshape or shape, vdtype or dtype)
+
+    assert q4pack.serves(DEFAULT, *arrays((2, 8, 1, 128), mx.bfloat16))
+    assert q4pack.serves(parse("k8v8-g32"), *arrays((2, 8, 5, 64), mx.float16))
+    assert not q4pack.serves(DEFAULT, *arrays((2, 8, 1, 128), mx.float32))  # the kernel reads 16-bit inputs
+    assert not q4pack.serves(DEFAULT, *arrays((2, 8, 1, 96), mx.bfloat16))  # head dims 64 and 128 only
+    assert not q4pack.serves(parse("k5v4-g64"), *arrays((2, 8, 1, 128), mx.bfloat16))  # 4, 6 or 8 bits
+    assert not q4pack.serves(parse("k4v4-g128"), *arrays((2, 8, 1, 64), mx.bfloat16))  # a group past the head
+    assert not q4pack.serves(DEFAULT, *arrays((2, 8, 1, 128), mx.bfloat16, (2, 8, 1, 64)))
+    assert not q4pack.serves(DEFAULT, *arrays((2, 8, 1, 128), mx.bfloat16, None, mx.float16))
