@@ -14,6 +14,11 @@ start at its own first column and their size follows from its own length (CHUNKS
 of them, at least MIN_CHUNK keys each), keys within a chunk are visited in a
 fixed order, and the combination order is fixed, so a row's output is bitwise
 the same whatever the other rows are and however much left padding it has.
+
+For caches stored Hadamard-rotated (`runtime.kvscheme`), `rotated=True` has the
+first kernel rotate the queries as it loads them (in registers, then across the
+four lanes that hold a row) and the second rotate the output back (in shared
+memory): no extra launches for the rotation.
 """
 
 from __future__ import annotations
