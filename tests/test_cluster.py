@@ -8,6 +8,7 @@ node of a local cluster sees it.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import subprocess
@@ -127,10 +128,6 @@ def test_one_live_actor_per_name_across_the_cluster(rt, shared):
 
 def test_errors_cross_nodes_with_their_types(rt):
     a = rt.spawn("errs", system="Be brief.")
-    with pytest.raises(ValueError, match="cluster runtime does not take them"):
-        a.ask("Hi", on_token=print, **OPTS)
-    with pytest.raises(ValueError, match="cluster runtime does not take them"):
-        next(iter(a.stream("Hi", max_tokens=2, timeout=60)))
     with pytest.raises(UnknownAgent):
         rt.agent("nobody")
     a.ask("Hi", **OPTS)
@@ -139,6 +136,57 @@ def test_errors_cross_nodes_with_their_types(rt):
         rt.spawn("errs", system="Another prompt.")
     assert isinstance(e.value, (KvactorsError, ValueError)) and e.value.stored == "Be brief."
     assert "errs" not in rt.running()
+
+
+def test_streams_and_callbacks_give_what_one_machine_gives(rt, shared, tmp_path):
+    """stream, astream, on_token and on_progress: the same pieces in the same order, the same progress and
+    the same Replies as a local Runtime; the streamed turns are in the agent's journal on the shared folder."""
+    long = dict(max_tokens=12, timeout=120)
+
+    def play(runtime):
+        a, b = runtime.spawn("stream-a", system="You are A."), runtime.spawn("stream-b", system="You are A.")
+        streamed = list(a.stream("Tell me a story.", turn_id="stream-1", **long))
+        k = len(streamed[0])
+        stop = streamed[-1].text[k - 1: k + 1]  # a stop string across two pieces: held back, then cut off
+        stopped = list(b.stream("Tell me a story.", turn_id="stream-2", stop=stop, **long))
+        tokens, progress = [], []
+        called = a.ask("Once more.", turn_id="stream-3", on_token=tokens.append,
+                       on_progress=lambda *p: progress.append(p), **long)
+
+        async def collect():
+            return [item async for item in a.astream("And now?", turn_id="stream-4", **long)]
+
+        astreamed = asyncio.run(collect())
+        replies = [streamed[-1], stopped[-1], called, astreamed[-1]]
+        return ([streamed[:-1], stopped[:-1], tokens, progress, astreamed[:-1]],
+                [(r.turn_id, r.text, r.tokens, r.cache, r.finish_reason) for r in replies], _turns(a.history()))
+
+    on_cluster = play(rt)
+    with Runtime(model="tiny", cache_dir=tmp_path) as local:
+        on_one = play(local)
+    assert on_cluster == on_one
+    pieces, replies, _ = on_cluster
+    assert len(pieces[0]) > 1 and "".join(pieces[0]) == replies[0][1]
+    assert replies[1][4] == "stop" and "".join(pieces[1]) == replies[1][1]
+    assert pieces[3] and pieces[3][-1][0] == pieces[3][-1][1]  # progress ends with the whole prompt prefilled
+    on_disk = [r["turn_id"] for r in store.read_journal(shared, local_spec(rt), "stream-a") if r["role"] == "assistant"]
+    assert on_disk == ["stream-1", "stream-3", "stream-4"]
+
+
+def test_a_cancelled_stream_ends_early_and_is_stored_and_a_failing_callback_fails_its_turn(rt):
+    a = rt.spawn("stream-c", system="You are A.")
+    *pieces, reply = a.stream("Tell me a long story.", max_tokens=400, timeout=120, turn_id="cancel-1",
+                              cancel=lambda: True)  # asked here after each piece; the host stops a few tokens later
+    assert reply.finish_reason == "cancelled" and len(reply.tokens) < 400 and "".join(pieces) == reply.text
+    assert a.result("cancel-1").text == reply.text
+
+    def boom(piece):
+        raise RuntimeError("no more")
+
+    with pytest.raises(AgentCrashed, match="on_token raised RuntimeError: no more") as e:
+        a.ask("Another long story.", max_tokens=400, timeout=120, turn_id="boom-1", on_token=boom)
+    assert e.value.turn_id == "boom-1"
+    assert a.ask("Still there?", **OPTS).cache in ("hot", "warm")  # the agent answers on
 
 
 def test_state_machine_invariants_on_the_cluster(rt, shared):

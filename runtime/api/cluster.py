@@ -8,7 +8,7 @@
 one `NodeHost` Ray actor per GPU of the cluster (one per node when the nodes have no
 GPU), each loading the model itself and running the agents placed with it (see
 runtime/api/rayhost.py). Agents are the same `AgentRef`s: `spawn`, `agent`,
-`ask`, `send`, `send_to`, `note`, `reset`, `result`, `history`, `stop`, `converse`
+`ask`, `send`, `send_to`, `stream`, `astream`, `note`, `reset`, `result`, `history`, `stop`, `converse`
 and `broadcast` behave as on one machine. An agent is placed on the host with the
 fewest agents and stays there; its cache stays on that node, its messages cross.
 
@@ -24,9 +24,12 @@ When only a host's process dies, Ray restarts it in place (`max_restarts`) and i
 agents are started again there. What was acknowledged is on the shared disk, so
 nothing acknowledged is lost.
 
-Not on a cluster: `stream`/`astream` and the `on_token`, `on_progress` and `cancel`
-callbacks (they would run on another machine), `on_escalate`, `agents()` and
-`engine_stats()`.
+`stream`/`astream` and the `on_token`, `on_progress` and `cancel` callbacks work as
+on one machine (the same pieces, then the same Reply), but the callbacks run in this
+process, on a thread of the runtime's, not on the batcher's thread: the host relays
+the turn's pieces and progress as they come (see `NodeHost.events`). `cancel` is asked
+after each piece that arrives here, so a cancelled turn ends a few tokens later than on
+one machine. Not on a cluster: `on_escalate`, `agents()` and `engine_stats()`.
 """
 
 from __future__ import annotations
@@ -256,12 +259,16 @@ class ClusterRuntime:
     # -- what AgentRef calls ------------------------------------------------------------------
 
     def _deliver(self, name, message, future):
-        """Put `message` in agent `name`'s mailbox on its host, in order; `future` gets the answer."""
-        kind, data = _envelope(message)
+        """Put `message` in agent `name`'s mailbox on its host, in order; `future` gets the answer.
+
+        An ask with callbacks (`on_token`, `on_progress`, `cancel`) is relayed: a thread
+        of this process calls them as its host's `events` arrive, then sets `future`.
+        """
+        kind, data, callbacks = _envelope(message)
         for attempt in range(2):
             index = self._index(name)
             try:
-                key = self._call(index, "deliver", name, kind, data, future is not None)
+                key = self._call(index, "deliver", name, kind, data, future is not None, callbacks)
                 break
             except NodeDown:
                 self._recover(index)
@@ -271,9 +278,48 @@ class ClusterRuntime:
                 self._recover(index)
         else:
             raise AgentCrashed(_turn_id(message), f"agent {name!r} could not be reached on its node; retry")
-        if future is not None:
+        if future is None:
+            return
+        turn_id = _turn_id(message)
+        if callbacks:
+            threading.Thread(target=self._settle, args=(future, lambda: self._relay(index, key, message), name, index,
+                                                        turn_id), daemon=True, name="kvactors-stream").start()
+        else:
             ref = self._hosts[index].wait.remote(key)
-            ref.future().add_done_callback(lambda done: self._settle(future, done, name, index, _turn_id(message)))
+            ref.future().add_done_callback(lambda done: self._settle(future, done.result, name, index, turn_id))
+
+    def _relay(self, index, key, message) -> tuple:
+        """Call `message`'s callbacks with streamed turn `key`'s events from host `index`, in order; its outcome.
+
+        The caller's `cancel` is asked after each piece; once it says True the host
+        ends the turn at its next token. A callback that raises gets no more events,
+        and the turn fails (AgentCrashed) at its next token on the host.
+        """
+        host, failure, cancelled = self._hosts[index], None, False
+        for ref in host.events.options(num_returns="streaming").remote(key):
+            event = self._ray.get(ref)
+            if event[0] == "end":
+                if failure is not None:
+                    return "error", rayhost.pack_error(AgentCrashed(_turn_id(message), failure))
+                return event[1]
+            if failure is not None:
+                continue
+            what = "on_token" if event[0] == "token" else "on_progress"
+            try:
+                if what == "on_progress":
+                    if message.on_progress:
+                        message.on_progress(*event[1:])
+                    continue
+                if message.on_token:
+                    message.on_token(event[1])
+                what = "cancel"
+                if message.cancel and not cancelled and message.cancel():
+                    cancelled = True
+                    host.signal.remote(key, "cancel")
+            except Exception as e:  # noqa: BLE001 - as on one machine, a failing callback fails its own turn
+                failure = f"{what} raised {type(e).__name__}: {e}"
+                host.signal.remote(key, "fail", failure)
+        raise rayhost.ClusterError(f"the events of turn {_turn_id(message)} ended without its outcome")
 
     def _history(self, name):
         return self._call(self._index(name), "history", name)
@@ -286,10 +332,10 @@ class ClusterRuntime:
 
     # -- internals ------------------------------------------------------------------
 
-    def _settle(self, future, done, name, index, turn_id):
-        """Resolve the caller's `future` from a host's `wait` (runs on Ray's callback thread)."""
+    def _settle(self, future, result, name, index, turn_id):
+        """Resolve the caller's `future` from `result()`: a host's `wait` (on Ray's callback thread) or `_relay`."""
         try:
-            status, value = done.result()
+            status, value = result()
         except _host_gone(self._ray):
             threading.Thread(target=self._recover, args=(index,), daemon=True, name="kvactors-recover").start()
             error = AgentCrashed(turn_id, f"the node of agent {name!r} went down during this turn; the agent comes back "
@@ -414,18 +460,21 @@ def _value(result):
 
 
 def _envelope(message) -> tuple:
-    """(kind, data) of an AgentRef envelope; callbacks cannot cross to another machine: ValueError."""
+    """(kind, data, callbacks) of an AgentRef envelope: `callbacks` names an ask's callbacks that its host relays.
+
+    A `cancel` is asked after each piece, so its host sends pieces for it even without `on_token`.
+    """
     if isinstance(message, Ask):
-        if message.on_token or message.on_progress or message.cancel:
-            raise ValueError("on_token, on_progress and cancel (and so stream/astream) run on the machine of the turn: "
-                             "a cluster runtime does not take them; leave them out")
-        return "ask", message.payload
+        callbacks = tuple(name for name in rayhost.CALLBACKS if getattr(message, name) is not None)
+        if message.cancel is not None and "on_token" not in callbacks:
+            callbacks = ("on_token", *callbacks)
+        return "ask", message.payload, callbacks
     if isinstance(message, Note):
-        return "note", message.payload
+        return "note", message.payload, ()
     if isinstance(message, Reset):
-        return "reset", message.payload
+        return "reset", message.payload, ()
     if isinstance(message, Lookup):
-        return "result", message.turn_id
+        return "result", message.turn_id, ()
     raise TypeError(f"not an agent envelope: {message!r:.100}")
 
 

@@ -15,6 +15,14 @@ Between hosts, `HostedRuntime` differs from a Runtime of one machine in two ways
 - a note to an agent that is not here (a `send_to` reply to its sender) is forwarded
   to the host that runs it, in the order this host's agents sent them.
 
+A turn with callbacks (`on_token`, `on_progress`, `cancel`: `AgentRef.stream` and
+`astream` give them) runs here with callbacks of this host's (`_Streamed`) that queue
+its pieces and progress; `NodeHost.events` yields them, then the turn's outcome, as a
+Ray streaming generator, and the caller's side calls the caller's callbacks in order.
+The caller's `cancel`, asked there after each piece, reaches the turn through
+`NodeHost.signal`, as does a callback of the caller's that raised: the turn then fails
+at its next token, as it does on one machine.
+
 Errors cross Ray as plain data (`pack_error` / `unpack_error`): kvactors' errors keep
 their type and fields, so callers catch the same types as on one machine.
 
@@ -27,6 +35,7 @@ import builtins
 import importlib
 import logging
 import os
+import queue
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +49,8 @@ from runtime.errors import KvactorsError
 
 log = logging.getLogger(__name__)
 KINDS = ("ask", "note", "reset", "result")  # the envelopes `NodeHost.deliver` takes
+CALLBACKS = ("on_token", "on_progress", "cancel")  # an ask's callbacks that `NodeHost.events` carries to its caller
+SIGNALS = ("cancel", "fail")  # what `NodeHost.signal` tells a streamed turn
 
 
 class ClusterError(KvactorsError, RuntimeError):
@@ -80,6 +91,38 @@ def outcome(fn, *args, **kwargs) -> tuple:
         return "ok", fn(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 - every error goes back to the caller, typed
         return "error", pack_error(e)
+
+
+class _Streamed:
+    """The host's side of a turn's callbacks: its pieces and progress go to `events`; `signal` ends the turn.
+
+    `cancel` is always given to the turn (asked after each generated token): it says
+    True once the caller cancelled, and raises once a callback on the caller's side
+    raised, so that the turn fails at its next token as it would on one machine.
+    """
+
+    END = object()
+
+    def __init__(self):
+        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self.cancelled = False
+        self.failure: str | None = None
+
+    def on_token(self, piece: str) -> None:
+        self._check()
+        self.events.put(("token", piece))
+
+    def on_progress(self, done: int, total: int) -> None:
+        self._check()
+        self.events.put(("progress", done, total))
+
+    def cancel(self) -> bool:
+        self._check()
+        return self.cancelled
+
+    def _check(self):
+        if self.failure is not None:
+            raise ClusterError(self.failure)
 
 
 class HostedRuntime(Runtime):
@@ -157,6 +200,7 @@ class NodeHost:
         self.rt = HostedRuntime(model, cache_dir, **options)
         self.rt._env.forward = self._forward
         self.futures: dict[str, ReplyFuture] = {}
+        self.streams: dict[str, _Streamed] = {}  # key -> a streamed turn's callbacks, until `events` ends
         self.forwarder = ThreadPoolExecutor(1, thread_name_prefix="kvactors-forward")  # one: in send order
 
     def info(self) -> tuple:
@@ -170,30 +214,78 @@ class NodeHost:
         """Start agent `name` here (`Runtime.spawn`); ("ok", this host's incarnation)."""
         return outcome(lambda: (self.rt.spawn(name, system, restart, reset=reset, timeout=timeout), self.incarnation)[1])
 
-    def deliver(self, name: str, kind: str, data, answer: bool = True) -> tuple:
+    def deliver(self, name: str, kind: str, data, answer: bool = True, callbacks: tuple = ()) -> tuple:
         """Put one envelope (`KINDS`: ask / note / reset payload, or a lookup's turn id) in agent `name`'s mailbox.
 
         Returns ("ok", key) once it is there: with `answer`, `wait(key)` answers it
         (without, the key is None). Callers deliver one envelope at a time, so an agent
-        takes each sender's messages in order.
+        takes each sender's messages in order. `callbacks` (an ask's, of `CALLBACKS`,
+        with `answer`) are the ones its caller holds: then `events(key)`, not `wait`,
+        carries the turn's pieces and progress and answers it.
         """
-        return outcome(self._deliver, name, kind, data, answer)
+        return outcome(self._deliver, name, kind, data, answer, tuple(callbacks))
 
-    def _deliver(self, name, kind, data, answer):
+    def _deliver(self, name, kind, data, answer, callbacks):
         if kind not in KINDS:
             raise ValueError(f"unknown envelope kind {kind!r}; one of {KINDS}")
+        unknown = set(callbacks) - set(CALLBACKS)
+        if unknown or (callbacks and (kind != "ask" or not answer)):
+            raise ValueError(f"callbacks {callbacks!r}: an answered ask takes some of {CALLBACKS}")
         future, key = ReplyFuture(), uuid.uuid4().hex
-        envelope = {"ask": lambda: Ask(data, future), "note": lambda: Note(data, future),
+        streamed = _Streamed() if callbacks else None
+        hooks = {} if streamed is None else dict(
+            on_token=streamed.on_token if "on_token" in callbacks else None,
+            on_progress=streamed.on_progress if "on_progress" in callbacks else None, cancel=streamed.cancel)
+        envelope = {"ask": lambda: Ask(data, future, **hooks), "note": lambda: Note(data, future),
                     "reset": lambda: Reset(data, future), "result": lambda: Lookup(data, future)}[kind]()
         future.turn_id = msgpack.unpackb(data).get("turn_id") if kind == "ask" else data if kind == "result" else None
         if answer:
             self.futures[key] = future
+        if streamed is not None:
+            self.streams[key] = streamed
+            future.add_done_callback(lambda _: streamed.events.put(_Streamed.END))
         try:
             self.rt._deliver(name, envelope, future)
         except BaseException:
             self.futures.pop(key, None)
+            self.streams.pop(key, None)
             raise
         return key if answer else None
+
+    def events(self, key: str):
+        """The streamed turn `deliver` returned `key` for, as it runs: a generator (Ray: `num_returns="streaming"`).
+
+        Yields ("token", piece) and ("progress", done, total) in the order the turn's
+        callbacks were called, then ("end", outcome): ("ok", the Reply) or ("error",
+        packed), as `wait` answers. Only ("end", error) for an unknown key.
+        """
+        streamed = self.streams.get(key)
+        if streamed is None:
+            yield "end", ("error", pack_error(ClusterError(f"no streamed turn {key} on this host (it restarted meanwhile)")))
+            return
+        try:
+            while (event := streamed.events.get()) is not _Streamed.END:
+                yield event
+            yield "end", self.wait(key)
+        finally:
+            self.streams.pop(key, None)
+
+    def signal(self, key: str, what: str, why: str = "") -> tuple:
+        """Tell streamed turn `key` (`SIGNALS`): "cancel" ends it at its next token, as `cancel()` returning True
+        does; "fail" fails it there with `why` (a callback on the caller's side raised). ("ok", whether it runs here)."""
+        return outcome(self._signal, key, what, why)
+
+    def _signal(self, key, what, why):
+        if what not in SIGNALS:
+            raise ValueError(f"unknown signal {what!r}; one of {SIGNALS}")
+        streamed = self.streams.get(key)
+        if streamed is None:
+            return False
+        if what == "cancel":
+            streamed.cancelled = True
+        else:
+            streamed.failure = why or "a callback on the caller's side raised"
+        return True
 
     def wait(self, key: str) -> tuple:
         """("ok", the answer) to the envelope `deliver` returned `key` for, once the agent gives it; or ("error", ...)."""
