@@ -358,7 +358,10 @@ class AgentRef:
         them; an exception in one fails the turn (AgentCrashed). `cancel()` is asked
         after each generated token (on the batcher's thread too, so make it cheap, e.g.
         `threading.Event().is_set`); once it returns True the turn ends with the text so
-        far, `finish_reason` "cancelled", and is stored like any other turn.
+        far, `finish_reason` "cancelled", and is stored like any other turn. On a
+        cluster runtime the three run in the caller's process instead, on a thread of
+        the runtime's, and `cancel()` is asked after each piece that arrives there (see
+        runtime/api/cluster.py).
 
         `turn_id` (default: a fresh one, `future.turn_id`) is the idempotency key:
         every error carries it, and a send with the id of a turn that already
