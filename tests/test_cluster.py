@@ -258,10 +258,14 @@ def test_ray_is_imported_only_when_a_cluster_is_asked_for():
 
 
 @pytest.mark.slow
-def test_a_host_process_killed_is_restarted_by_ray_and_its_agents_reload_warm(rt):
+def test_a_host_process_killed_is_restarted_by_ray_and_its_agents_reload_warm(rt, shared):
     a = rt.spawn("phoenix", system="Be brief.")
     first = a.ask("Before.", **OPTS)
     node = rt.placement()["phoenix"]
+    cache = store.agent_dir(shared, rt.fingerprint, "phoenix") / store.CACHE_FILE
+    deadline = time.monotonic() + 60
+    while not cache.exists() and time.monotonic() < deadline:  # written after the ack: a kill before it reloads cold
+        time.sleep(0.05)
     os.kill(testing.host_pid(rt, node), 9)
     after = a.ask("After.", turn_id="phoenix-after", **OPTS)
     assert after.cache == "warm" and rt.placement()["phoenix"] == node  # restarted in place, reloaded from disk
