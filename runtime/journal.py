@@ -277,19 +277,25 @@ def repair_journal(path: Path, scan: JournalScan) -> None:
             os.close(fd)
 
 
-def high_seq(folder: Path) -> int | None:
-    """The journal's high-water mark in agent folder `folder` (see `record_high_seq`), None if absent or unreadable."""
+def _read_high_file(folder: Path, size: int, offset: int) -> bytes | None:
+    """`size` bytes at `offset` of the high-water mark's file in `folder`; None if absent, unreadable or short."""
     try:
         fd = os.open(folder / HIGH_FILE, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError:
         return None
     try:
-        data = os.pread(fd, _HIGH.size, 0)
+        data = os.pread(fd, size, offset)
     except OSError:
         return None
     finally:
         os.close(fd)
-    if len(data) != _HIGH.size:
+    return data if len(data) == size else None
+
+
+def high_seq(folder: Path) -> int | None:
+    """The journal's high-water mark in agent folder `folder` (see `record_high_seq`), None if absent or unreadable."""
+    data = _read_high_file(folder, _HIGH.size, 0)
+    if data is None:
         return None
     magic, seq, crc = _HIGH.unpack(data)
     return seq if magic == _HIGH_MAGIC and crc == zlib.crc32(data[:12]) else None
@@ -324,17 +330,8 @@ _LOSS_AT = _HIGH.size  # in the high-water mark's file, after the mark (which `h
 
 def reported_loss(folder: Path) -> tuple[int, int] | None:
     """The (journal's last seq, mark) of the loss last reported for agent folder `folder` (`record_reported_loss`), or None."""
-    try:
-        fd = os.open(folder / HIGH_FILE, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
-        return None
-    try:
-        data = os.pread(fd, _LOSS.size, _LOSS_AT)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    if len(data) != _LOSS.size:
+    data = _read_high_file(folder, _LOSS.size, _LOSS_AT)
+    if data is None:
         return None
     magic, last, mark, crc = _LOSS.unpack(data)
     return (last, mark) if magic == _LOSS_MAGIC and crc == zlib.crc32(data[:20]) else None
