@@ -116,7 +116,7 @@ def serves(scheme: KVScheme, keys, values) -> bool:
     """Whether `pack_kv` packs these keys and values (arrays of shape (B, H, N, D)) under `scheme`:
     one shape and dtype for both, float16 or bfloat16, D in HEAD_DIMS, bits in BITS."""
     D = keys.shape[-1]
-    return (keys.shape == values.shape and keys.dtype == values.dtype and keys.dtype in (mx.float16, mx.bfloat16)
+    return (keys.ndim == 4 and keys.shape == values.shape and keys.dtype == values.dtype and keys.dtype in (mx.float16, mx.bfloat16)
             and D in HEAD_DIMS and D % scheme.group_size == 0 and scheme.key_bits in BITS
             and scheme.value_bits in BITS)
 
@@ -129,11 +129,11 @@ def pack_kv(keys, values, scheme: KVScheme):
     `mx.quantize` lays them out. Raises ValueError for what it does not serve.
     """
     global _kernel
-    B, H, N, D = keys.shape
     if not serves(scheme, keys, values):
         raise ValueError(f"pack_kv packs float16 or bfloat16 keys and values of one shape, head dim in {HEAD_DIMS}, "
                          f"{BITS} bits; got keys {keys.shape} {keys.dtype}, values {values.shape} {values.dtype}, "
                          f"scheme {scheme.name}")
+    B, H, N, D = keys.shape
     if _kernel is None:
         _kernel = mx.fast.cuda_kernel(name="kvactors_pack_kv", input_names=["keys", "values"],
                                       output_names=["kw", "ks", "kb", "vw", "vs", "vb"], source=_SOURCE,

@@ -212,3 +212,4 @@ def test_the_cuda_packer_serves_16_bit_keys_and_values_of_one_shape_only():
     assert not q4pack.serves(parse("k4v4-g128"), *arrays((2, 8, 1, 64), mx.bfloat16))  # a group past the head
     assert not q4pack.serves(DEFAULT, *arrays((2, 8, 1, 128), mx.bfloat16, (2, 8, 1, 64)))
     assert not q4pack.serves(DEFAULT, *arrays((2, 8, 1, 128), mx.bfloat16, None, mx.float16))
+    assert not q4pack.serves(DEFAULT, *arrays((8, 1, 128), mx.bfloat16))  # (B, H, N, D): the kernel's layout
