@@ -69,6 +69,10 @@ def test_one_host_per_node_and_agents_spread_over_them(rt):
     refs = [rt.spawn(f"spread{i}", system="Be brief.") for i in range(3)]
     placed = rt.placement()
     assert {placed[r.name] for r in refs} == set(rt.nodes())
+    hosts = rt.hosts()  # the same placement, host by host: no GPUs here
+    assert [h["node_id"] for h in hosts] == rt.nodes() and all(h["gpus"] == [] for h in hosts)
+    assert {name: h["node_id"] for h in hosts for name in h["agents"]} == {r.name: placed[r.name] for r in refs}
+    assert len({h["pid"] for h in hosts}) == 3
     assert [r.ask("Hello?", **OPTS).cache for r in refs] == ["cold"] * 3
 
 

@@ -199,6 +199,14 @@ class ClusterRuntime:
         with self._lock:
             return {name: self._info[i]["node_id"] for name, i in self._where.items()}
 
+    def hosts(self) -> list[dict]:
+        """The live hosts, in host order: each {"node_id", "gpus" (the GPU ids Ray gave it; [] on CPU), "pid",
+        "agents" (the names placed on it, in spawn order)}."""
+        with self._lock:
+            return [dict(node_id=info["node_id"], gpus=list(info["gpus"]), pid=info["pid"],
+                         agents=[n for n in self._names if self._where.get(n) == i])
+                    for i, info in enumerate(self._info) if i not in self._dead]
+
     def nodes(self) -> list[str]:
         """The Ray node ids of the live hosts (one per GPU, or per node), in host order."""
         return [info["node_id"] for i, info in enumerate(self._info) if i not in self._dead]
