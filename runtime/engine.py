@@ -173,12 +173,21 @@ class _Row:
     key: object = None
 
 
+def device_memory() -> int:
+    """Bytes of memory the device computes in: the GPU's own (CUDA), unified memory (Metal), else the host's RAM."""
+    info = mx.device_info()
+    size = info.get("memory_size") or info.get("total_memory")  # Metal names it one way, CUDA the other
+    return int(size) if size else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def default_memory_budget() -> int:
-    """Half the device's memory (unified/GPU memory, else the host's RAM), in bytes."""
-    size = mx.device_info().get("memory_size")
-    if not size:
-        size = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return int(size) // 2
+    """Half the device's memory (`device_memory`), in bytes."""
+    return device_memory() // 2
+
+
+def default_hot_budget() -> int:
+    """An eighth of the device's memory (`device_memory`), in bytes: idle agents' caches kept in memory."""
+    return device_memory() // 8
 
 
 def default_query_bucket() -> int:
@@ -216,7 +225,7 @@ class Engine:
         tokenizer,
         spec,
         memory_budget: int | None = None,
-        max_batch: int = 8,
+        max_batch: int = 16,
         route: str | None = None,
         max_prefill_chunk: int = 2048,
         query_bucket: int | None = None,

@@ -249,3 +249,18 @@ def test_a_row_left_with_padding_after_the_longest_leaves_equals_solo(llama):
     together = run(Engine(model, tokenizer, spec, **opts), [long, short])
     for t in (long, short):
         assert together[t.turn_id].tokens == solo(llama, t).tokens
+
+
+@pytest.mark.parametrize("info, size", [({"total_memory": 80 << 30, "free_memory": 1 << 30}, 80 << 30),  # CUDA's name
+                                        ({"memory_size": 64 << 30}, 64 << 30),  # Metal's
+                                        ({"architecture": "x86_64"}, None)])  # CPU: the host's RAM
+def test_default_budgets_follow_the_memory_the_device_computes_in(monkeypatch, info, size):
+    """The GPU's own memory where MLX reports it (each backend under its own key), else the host's RAM."""
+    import os
+
+    import runtime.engine as engine
+
+    monkeypatch.setattr(engine.mx, "device_info", lambda: info)  # another backend's report cannot exist here
+    size = size or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert engine.device_memory() == size
+    assert (engine.default_memory_budget(), engine.default_hot_budget()) == (size // 2, size // 8)

@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--durability", default="durable", choices=["durable", "memory"],
                      help="durable: a reply is sent once its turn is fsynced in the journal (the cache file follows); "
                           "memory: at once (default: %(default)s)")
-    srv.add_argument("--max-batch", type=int, default=8, help="turns decoded together at most (default: %(default)s)")
+    srv.add_argument("--max-batch", type=int, default=16, help="turns decoded together at most (default: %(default)s)")
     srv.add_argument("--turn-timeout", type=float, default=600.0, help="seconds a turn may take (default: %(default)s)")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     srv.set_defaults(func=_serve)

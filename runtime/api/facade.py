@@ -39,7 +39,7 @@ from actors.persistence import PersistenceActor
 from actors.supervisor import RESTART_TYPES, STRATEGIES, Backoff, ChildSpec, Supervisor, UnknownChild
 from runtime import store
 from runtime.deadlines import Deadlines
-from runtime.engine import MAX_TOKENS, Sampling
+from runtime.engine import MAX_TOKENS, Sampling, default_hot_budget
 from runtime.errors import KvactorsError
 from runtime.kvscheme import from_options as scheme_from_options
 from runtime.model import load_model
@@ -600,8 +600,10 @@ class Runtime:
     scheme of that many bits for keys and values (defaults 4 and 64). A cache stored
     under another scheme is re-prefilled. memory_budget: bytes of KV cache the
     batcher may hold for running turns (None: half the device memory).
-    hot_budget: bytes of agents' caches kept in memory between turns; beyond it
-    the least recently used go "warm" (disk only). durability: "durable" (a turn
+    hot_budget: bytes of agents' caches kept in memory between turns (None: an eighth
+    of the device memory); beyond it the least recently used go "warm" (disk only).
+    max_batch: turns decoded together at most (16: the rows one call of the CUDA
+    decode kernels serves). durability: "durable" (a turn
     is acknowledged once its journal records are fsynced; its cache file follows in
     the background, see `flush`) or "memory" (at once).
     strategy / max_restarts / restart_period / backoff: agent supervision.
@@ -625,7 +627,7 @@ class Runtime:
         return super().__new__(cls)
 
     def __init__(self, model=None, cache_dir=None, kv_bits: int | None = None, memory_budget: int | None = None, *,
-                 hot_budget: int = 1 << 30, durability: str = "durable", max_batch: int = 8,
+                 hot_budget: int | None = None, durability: str = "durable", max_batch: int = 16,
                  route: str | None = None, strategy: str = "one_for_one", max_restarts: int = 3,
                  restart_period: float = 5.0, backoff: Backoff = Backoff(min=0.01, max=1.0, reset=10.0),
                  retention_s: float | None = None, on_escalate=None, io_timeout: float = 60.0,
@@ -648,7 +650,8 @@ class Runtime:
         self.max_context = context if isinstance(context, int) else None  # the model's positions, when it says
         engine_options = dict(memory_budget=memory_budget, max_batch=max_batch, route=route)
         try:  # whatever fails from here on, nothing stays behind: no lock, no thread
-            self._env = Env(self.tokenizer, self.spec, durability, hot_budget, io_timeout, self.max_context)
+            hot = default_hot_budget() if hot_budget is None else hot_budget
+            self._env = Env(self.tokenizer, self.spec, durability, hot, io_timeout, self.max_context)
             self._lock = self._lock_store()
             self._services = Supervisor.start("one_for_one", max_restarts=max_restarts, period=restart_period,
                                              backoff=backoff, on_escalate=self._escalated)
@@ -947,7 +950,7 @@ def _check_options(*, memory_budget, hot_budget, durability, max_batch, route, s
                    max_restarts, restart_period, backoff, retention_s, on_escalate, io_timeout, warmup) -> None:
     """Raise ValueError/TypeError for a bad Runtime option, before anything is acquired.
 
-    memory_budget None or an int > 0; hot_budget an int >= 0;
+    memory_budget None or an int > 0; hot_budget None or an int >= 0;
     durability and strategy one of theirs; max_batch an int >= 1; route None or a
     route that runs here; max_restarts an int >= 0; restart_period finite and > 0;
     backoff a Backoff; retention_s None or finite and >= 0; on_escalate None or a
@@ -957,7 +960,8 @@ def _check_options(*, memory_budget, hot_budget, durability, max_batch, route, s
     _choice("strategy", strategy, STRATEGIES)
     if memory_budget is not None:
         _at_least("memory_budget", memory_budget, 1, int)
-    _at_least("hot_budget", hot_budget, 0, int)
+    if hot_budget is not None:
+        _at_least("hot_budget", hot_budget, 0, int)
     _at_least("max_batch", max_batch, 1, int)
     if route is not None:
         _choice("route", route, ROUTES)
