@@ -19,13 +19,15 @@ a model loaded elsewhere in the process is untouched) to subclasses that:
 - send decode-sized inputs (1 to `qgemv.MAX_ROWS` rows) of 4-bit weights through
   `qgemv`, which reads the weights once for all rows and gives each row the same
   result whatever the batch (batch-invariant decoding). Only float16 and
-  bfloat16 inputs go there (`qgemv.INPUT_DTYPES`); others take MLX's kernel.
+  bfloat16 inputs of the weights' scale type go there (`qgemv.INPUT_DTYPES`); others
+  take MLX's kernel.
 
-It also changes the class of each decoder layer's plain gate/up/down MLP
-(`compile_mlps`) so that decode-sized inputs run through `mx.compile`: MLX then
-replays the MLP's recorded graph instead of Python building its ops every step.
-A decode step on CUDA is bound by such host work: on an H100, 8B shape, 3K
-context, this took 11-26% off the host time of a step at batch 5 and 8
+It also gives decoder layers a compiled decode path, so that MLX replays a
+recorded graph instead of Python building its ops every step: mlx-lm's llama
+blocks whole except the cache update and attention (`compile_blocks`), other
+layers their plain gate/up/down MLP (`compile_mlps`). A decode step on CUDA is
+bound by such host work: on an H100, 8B shape, 3K context, the MLPs alone took
+11-26% off the host time of a step at batch 5 and 8
 (`benchmarks/results/h100/compiled_mlp.md`). The results are bitwise the same.
 
 The math is the model's own: same weights, same quantization. On backends other
@@ -45,6 +47,8 @@ import collections
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models import llama
+from mlx_lm.models.base import scaled_dot_product_attention
 
 from runtime import qgemv
 
@@ -59,7 +63,8 @@ def _quantized_matmul(module, x):
     shape); for M >= DENSE_ROWS on CUDA, a 16-bit GEMM on the weight dequantized for this
     call; else MLX's quantized matmul on x flattened to 2-D."""
     shape = x.shape
-    if module._kvactors_gemv and _decode_sized(x) and x.dtype in qgemv.INPUT_DTYPES:
+    if (module._kvactors_gemv and _decode_sized(x) and x.dtype in qgemv.INPUT_DTYPES
+            and x.dtype == module["scales"].dtype):
         return qgemv.qgemv(x, module["weight"], module["scales"], module["biases"], module.group_size)
     flat = x.reshape(-1, shape[-1])
     if module._kvactors_dense and flat.shape[0] >= DENSE_ROWS:
@@ -114,13 +119,14 @@ _SWAPS = {nn.QuantizedLinear: FlatQuantizedLinear, nn.QuantizedEmbedding: FlatQu
 
 
 def prepare_model(model, force: bool = False, gemv: bool | None = None, dense: bool | None = None,
-                  compile_mlp: bool | None = None) -> int:
+                  compile_decode: bool | None = None) -> int:
     """Prepare `model`'s quantized layers for batched decoding; return how many were changed.
 
     Does nothing off CUDA unless `force`. `gemv` (default: on CUDA) routes 1..16-row
     inputs of 4-bit layers through `qgemv`; `dense` (default: on CUDA) multiplies inputs
-    of DENSE_ROWS rows or more by the dequantized weight; `compile_mlp` (default: on
-    CUDA) gives the layers' MLPs a compiled decode path (`compile_mlps`). Idempotent.
+    of DENSE_ROWS rows or more by the dequantized weight; `compile_decode` (default: on
+    CUDA) gives the decoder layers a compiled decode path: llama blocks whole, around
+    the cache (`compile_blocks`), other layers their MLP (`compile_mlps`). Idempotent.
     Other layer types are left as they are.
     """
     cuda = qgemv.available()
@@ -135,11 +141,13 @@ def prepare_model(model, force: bool = False, gemv: bool | None = None, dense: b
         if flat is not None:
             module.__class__ = flat
         # a plain attribute, not a dict entry: parameters() and saving never see it
-        fits = qgemv.supports_weights(module.bits, module.group_size, module.mode, "biases" in module)
+        fits = qgemv.supports_weights(module.bits, module.group_size, module.mode, "biases" in module,
+                                      module["weight"].shape[-1] * 32 // module.bits)
         object.__setattr__(module, "_kvactors_gemv", gemv and fits)
         object.__setattr__(module, "_kvactors_dense", cuda if dense is None else dense)
         changed += 1
-    if cuda if compile_mlp is None else compile_mlp:
+    if cuda if compile_decode is None else compile_decode:
+        compile_blocks(model)
         compile_mlps(model)
     return changed
 
@@ -160,16 +168,21 @@ def _mlp_call(self, x):
     return fn(x)
 
 
+def _layers(model) -> list:
+    return getattr(model, "layers", None) or getattr(getattr(model, "model", None), "layers", [])
+
+
 def compile_mlps(model) -> int:
     """Give each decoder layer's gate/up/down MLP a compiled decode path; return how many.
 
     Only plain MLP modules (the three quantized projections of a prepared model, no
-    other children) are changed, by class, like `prepare_model`'s swaps.
+    other children) are changed, by class, like `prepare_model`'s swaps. The MLPs of
+    blocks compiled whole (`compile_blocks`) are left alone: they run inside the block's graph.
     """
     changed = 0
-    for layer in getattr(model, "layers", None) or getattr(getattr(model, "model", None), "layers", []):
+    for layer in _layers(model):
         mlp = getattr(layer, "mlp", None)
-        if mlp is None or set(mlp.children()) != set(_MLP_PARTS):
+        if mlp is None or set(mlp.children()) != set(_MLP_PARTS) or isinstance(layer, CompiledBlock):
             continue
         cls = type(mlp)
         if cls not in _compiled_classes.values():
@@ -178,6 +191,64 @@ def compile_mlps(model) -> int:
                 sub = _compiled_classes[cls] = type(f"Compiled{cls.__name__}", (cls,), {"__call__": _mlp_call})
             mlp.__class__ = sub
         changed += 1
+    return changed
+
+
+class CompiledBlock(llama.TransformerBlock):
+    """mlx-lm's llama decoder block, with one token per row run as two compiled graphs around the cache.
+
+    For a decode step (one query per row) against a cache whose `offset` is an array
+    (the engine's batch caches), the block runs `_before_cache` (input norm,
+    q/k/v projections, RoPE) and `_after_cache` (output projection, residual,
+    post-attention norm, MLP, residual) through `mx.compile`, one recorded graph per
+    batch size, and between them the cache update and attention as the model's own
+    attention does them. Everything else (prefill, caches with integer offsets)
+    runs the block's own `__call__`. The math and its order are mlx-lm's, so the
+    results are bitwise the same; what it saves is Python building those ops every
+    step, which bounds a decode step on CUDA.
+    """
+
+    def __call__(self, x, mask=None, cache=None):
+        if x.shape[1] != 1 or cache is None or not isinstance(cache.offset, mx.array):
+            return super().__call__(x, mask, cache)
+        graphs = self.__dict__.get("_kvactors_graphs")
+        if graphs is None:
+            graphs = (mx.compile(self._before_cache), mx.compile(self._after_cache))
+            object.__setattr__(self, "_kvactors_graphs", graphs)
+        attn = self.self_attn
+        queries, keys, values = graphs[0](x, cache.offset)
+        keys, values = cache.update_and_fetch(keys, values)
+        out = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=attn.scale, mask=mask)
+        return graphs[1](out, x)
+
+    def _before_cache(self, x, offset):
+        """Rows' queries, keys and values for one token each, rotated by RoPE at `offset`: mlx-lm's steps."""
+        attn = self.self_attn
+        h = self.input_layernorm(x)
+        B, L, _ = h.shape
+        queries = attn.q_proj(h).reshape(B, L, attn.n_heads, -1).transpose(0, 2, 1, 3)
+        keys = attn.k_proj(h).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        values = attn.v_proj(h).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        return attn.rope(queries, offset=offset), attn.rope(keys, offset=offset), values
+
+    def _after_cache(self, out, x):
+        """The block's output from attention's `out` and the block's input `x`: mlx-lm's steps."""
+        B, L, _ = x.shape
+        h = x + self.self_attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def compile_blocks(model) -> int:
+    """Make each of `model`'s mlx-lm llama decoder blocks a `CompiledBlock`; return how many are.
+
+    Only blocks of exactly mlx-lm's llama classes (block and attention) change, by
+    class, like `prepare_model`'s swaps; other architectures keep their blocks.
+    """
+    changed = 0
+    for layer in _layers(model):
+        if type(layer) is llama.TransformerBlock and type(layer.self_attn) is llama.Attention:
+            layer.__class__ = CompiledBlock
+        changed += isinstance(layer, CompiledBlock)
     return changed
 
 

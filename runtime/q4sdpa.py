@@ -404,7 +404,6 @@ _REDUCE = r"""
 """
 
 _kernels = {}
-_scales = {}  # (attention scale, rotated, D, dtype) -> the kernel's float parameter, made once
 
 
 def _get(name, inputs, outputs, source):
@@ -441,38 +440,48 @@ def q4_decode_sdpa(queries, keys, values, start, end: int, scale: float, group_s
     ValueError.
     """
     B, Hq, _, D = queries.shape
-    Hkv = keys[0].shape[1]
+    if meta_array is None:
+        meta_array = meta(end, window)
+    key = (B, Hq, keys[0].shape[1], D, keys[0].shape[-1], values[0].shape[-1], queries.dtype, group_size, scale,
+           bool(rotated))
+    launch = _launches.get(key)
+    if launch is None:
+        launch = _launches[key] = _launch(*key)
+    meta_f, partial, partial_args, reduce, reduce_args = launch
+    pm, pl, pacc = partial(inputs=[queries, *keys, *values, start, meta_array, meta_f], **partial_args)
+    return reduce(inputs=[pm, pl, pacc, start, meta_array], **reduce_args)[0]
+
+
+_launches = {}  # the arguments of `_launch`: made once per shape, looked up per call (a decode step makes 64)
+
+
+def _launch(B, Hq, Hkv, D, key_words, value_words, dtype, group_size, scale, rotated):
+    """(meta_f, the partial kernel and its launch arguments, the reduce kernel and its) for one shape of
+    `q4_decode_sdpa`."""
     rep = Hq // Hkv
-    key_bits, value_bits = keys[0].shape[-1] * 32 // D, values[0].shape[-1] * 32 // D
+    key_bits, value_bits = key_words * 32 // D, value_words * 32 // D
     if not serves(key_bits, value_bits, D, group_size):
         raise ValueError(f"q4_decode_sdpa reads keys of {KEY_BITS} bits, 4-bit values, head dim 64 or 128 and "
                          f"groups of 32-128; got {key_bits}-bit keys, {value_bits}-bit values, head dim {D}, "
                          f"group {group_size}")
-    if meta_array is None:
-        meta_array = meta(end, window)
-    key = (scale, rotated, D, queries.dtype)
-    meta_f = _scales.get(key)
-    if meta_f is None:  # scores in base 2; a rotation's 1/sqrt(D), as H holds it, joins the scale
-        h = mx.array(1 / math.sqrt(D), dtype=queries.dtype).item() if rotated else 1.0
-        meta_f = _scales[key] = mx.array([scale * math.log2(math.e) * h], dtype=mx.float32)
-    partial = _get("kvactors_q4_decode_partial",
-                   ["q", "kw", "ks", "kb", "vw", "vs", "vb", "start", "meta", "meta_f"], ["pm", "pl", "pacc"], _PARTIAL)
-    pm, pl, pacc = partial(
-        inputs=[queries, *keys, *values, start, meta_array, meta_f],
+    # scores in base 2; a rotation's 1/sqrt(D), as H holds it, joins the scale
+    h = mx.array(1 / math.sqrt(D), dtype=dtype).item() if rotated else 1.0
+    meta_f = mx.array([scale * math.log2(math.e) * h], dtype=mx.float32)
+    partial = dict(
         template=[("D", D), ("G", group_size), ("REP", rep), ("RB", min(rep, HEADS)), ("KB", key_bits), ("CHUNKS", CHUNKS),
-                  ("MIN_CHUNK", MIN_CHUNK), ("WARPS", WARPS), ("ROT", bool(rotated))],
+                  ("MIN_CHUNK", MIN_CHUNK), ("WARPS", WARPS), ("ROT", rotated)],
         grid=(CHUNKS * WARPS * 32, Hkv * -(-rep // HEADS), B),
         threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(B, Hq, CHUNKS), (B, Hq, CHUNKS), (B, Hq, CHUNKS, D)],
         output_dtypes=[mx.float32, mx.float32, mx.float32],
     )
-    reduce = _get("kvactors_q4_decode_reduce", ["pm", "pl", "pacc", "start", "meta"], ["out"], _REDUCE)
-    return reduce(
-        inputs=[pm, pl, pacc, start, meta_array],
-        template=[("T", queries.dtype), ("D", D), ("CHUNKS", CHUNKS), ("MIN_CHUNK", MIN_CHUNK),
-                  ("ROT", bool(rotated))],
+    reduce = dict(
+        template=[("T", dtype), ("D", D), ("CHUNKS", CHUNKS), ("MIN_CHUNK", MIN_CHUNK), ("ROT", rotated)],
         grid=(D, Hq, B),
         threadgroup=(D, 1, 1),
         output_shapes=[(B, Hq, 1, D)],
-        output_dtypes=[queries.dtype],
-    )[0]
+        output_dtypes=[dtype],
+    )
+    return (meta_f, _get("kvactors_q4_decode_partial", ["q", "kw", "ks", "kb", "vw", "vs", "vb", "start", "meta", "meta_f"],
+                         ["pm", "pl", "pacc"], _PARTIAL), partial,
+            _get("kvactors_q4_decode_reduce", ["pm", "pl", "pacc", "start", "meta"], ["out"], _REDUCE), reduce)

@@ -3,6 +3,7 @@
 import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
+import pytest
 
 from runtime import qgemv
 from runtime.prepare import FlatQuantizedLinear, prepare_model
@@ -71,7 +72,7 @@ def test_compiled_mlps_give_bitwise_the_same_decode_and_prefill(tiny_model_path)
     model, _ = mlx_lm.load(str(tiny_model_path("llama")))  # its own copy: it gets changed
     model.set_dtype(mx.bfloat16)
     nn.quantize(model, group_size=32, bits=4)
-    prepare_model(model, force=True, gemv=False, compile_mlp=False)
+    prepare_model(model, force=True, gemv=False, compile_decode=False)
     prompt = mx.arange(24).reshape(2, 12) % 17 + 3  # 24 rows: more than a decode step has
     steps = [mx.array([[3], [6]]), mx.array([[1], [12]])]
 
@@ -88,3 +89,41 @@ def test_compiled_mlps_give_bitwise_the_same_decode_and_prefill(tiny_model_path)
     after = run()  # the prompt takes the model's own path; the steps (2 rows) the compiled one
     assert all(mx.array_equal(a, b).item() for a, b in zip(before, after))
     assert "_kvactors_compiled" not in dict(model.layers[0].mlp)  # not a parameter
+
+
+@pytest.mark.parametrize("route", ["dequant", "dequant_once", "quantized",
+                                   pytest.param("q4kernel", marks=pytest.mark.skipif(not qgemv.available(),
+                                                                                     reason="CUDA only"))])
+def test_compiled_blocks_give_bitwise_the_same_decode_steps(tiny_model_path, route):
+    """Ragged rows in an engine batch cache: a llama block compiled around the cache decodes bitwise as mlx-lm's
+    (on CUDA with the GEMV kernel, the packing kernel and, for "q4kernel", the decode-attention kernel inside)."""
+    from runtime import attention
+    from runtime.model import ModelCacheSpec
+    from runtime.prepare import CompiledBlock, compile_blocks
+    from runtime.q4cache import extract_cache, merge_caches
+
+    model, _ = mlx_lm.load(str(tiny_model_path("llama")))  # its own copy: it gets changed
+    model.set_dtype(mx.bfloat16)
+    nn.quantize(model, group_size=32, bits=4)
+    prepare_model(model, force=True, gemv=qgemv.available(), compile_decode=False)
+    spec = ModelCacheSpec.from_model(model, tiny_model_path("llama"))
+    attention.install()
+    prompts = [mx.arange(11)[None] % 17 + 3, mx.arange(5)[None] % 13 + 2]  # unequal: the batch is left-padded
+    steps = [mx.array([[3], [6]]), mx.array([[1], [12]]), mx.array([[7], [7]])]
+
+    def run():
+        rows = []
+        for p in prompts:
+            cache = merge_caches(spec, [None], route)
+            mx.eval(model(p, cache=cache))
+            rows.append(extract_cache(cache, 0))
+        batch = merge_caches(spec, rows, route)
+        return [model(t, cache=batch) for t in steps]
+
+    before = run()
+    assert compile_blocks(model) == len(model.layers) and compile_blocks(model) == len(model.layers)  # idempotent
+    assert all(type(layer) is CompiledBlock for layer in model.layers)
+    after = run()
+    assert "_kvactors_graphs" in model.layers[0].__dict__  # the steps took the compiled path
+    assert all(mx.array_equal(a, b).item() for a, b in zip(before, after))
+    assert "_kvactors_graphs" not in dict(model.layers[0])  # not a parameter
