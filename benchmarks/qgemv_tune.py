@@ -1,9 +1,9 @@
-"""Tune `runtime.qgemv`: microseconds per call for each (columns per warp, warps per block)
-at each row count, on the 8B shape's matrices, against MLX's own quantized matmul.
+"""Tune `runtime.qgemv`: microseconds per call for each (TN, SPLIT) launch setting at each row
+count, on the 8B shape's matrices, against MLX's own quantized matmul.
 
-Every setting must give bitwise the same output (a row's sum does not depend on the
-launch shape); the benchmark checks it and says so. The fastest setting per row count
-is what `qgemv.columns` and `qgemv.WARPS` should say.
+Each setting must keep a row's result independent of the other rows: the benchmark checks
+that row 0 of every call equals the call on row 0 alone, and says so. The fastest setting
+per shape is what `qgemv.setting` should pick.
 
     python -m benchmarks.qgemv_tune            # CUDA only
 """
@@ -15,55 +15,53 @@ import mlx.core as mx
 from benchmarks.common import bench_parser, environment, kernel_us, write_results
 from runtime import qgemv
 
-COLUMNS = ["shape", "rows", "cols", "warps", "us", "mlx_us", "note"]
+COLUMNS = ["shape", "rows", "tn", "split", "us", "mlx_us", "weight_gb_s", "note"]
 SHAPES = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)]
-ROWS = [1, 2, 3, 4, 5, 6, 8, 12, 16]
 
 
 def main(argv=None) -> int:
     ap = bench_parser(__doc__)
-    ap.add_argument("--cols", default="1,2,4,8", help="columns per warp to try (default: %(default)s)")
-    ap.add_argument("--warps", default="2,4,8", help="warps per block to try (default: %(default)s)")
+    ap.add_argument("--rows", default="1,5,8,16", help="row counts (default: %(default)s)")
+    ap.add_argument("--tn", default="1,2,4", help="16-column tiles per warp to try (default: %(default)s)")
+    ap.add_argument("--split", default="2,4,8,16", help="warps along K to try (default: %(default)s)")
     args = ap.parse_args(argv)
     env = environment()
     print(env, flush=True)
     if not qgemv.available():
         raise SystemExit("this benchmark needs a CUDA GPU")
-    rows_out = []
-    default_columns, default_warps = qgemv.columns, qgemv.WARPS
+    rows_out, default = [], qgemv.setting
     for n, k in SHAPES:
         w = mx.random.normal((n, k), key=mx.random.key(n + k)).astype(mx.bfloat16)
         packed = mx.quantize(w, group_size=64, bits=4)
         mx.eval(packed)
-        for m in ROWS:
+        gb = sum(a.nbytes for a in packed) / 1e9
+        for m in [int(v) for v in args.rows.split(",")]:
             x = mx.random.normal((m, k), key=mx.random.key(m)).astype(mx.bfloat16)
             mx.eval(x)
             mlx_us = kernel_us(lambda: mx.quantized_matmul(x, *packed, transpose=True, group_size=64, bits=4), 60)
-            reference = qgemv.qgemv(x, *packed, 64)
-            mx.eval(reference)
-            current = kernel_us(lambda: qgemv.qgemv(x, *packed, 64), 60)
-            best = None
-            for c in [int(v) for v in args.cols.split(",")]:
-                for wp in [int(v) for v in args.warps.split(",")]:
-                    qgemv.columns, qgemv.WARPS = (lambda rows, c=c: c), wp
+            chosen = default(n, k)
+            for tn in [int(v) for v in args.tn.split(",")]:
+                for split in [int(v) for v in args.split.split(",")]:
+                    if split > k // 64:
+                        continue
+                    qgemv.setting = lambda n_, k_, s=(tn, split): s
                     qgemv._launch.clear()
                     try:
-                        out = qgemv.qgemv(x, *packed, 64)
-                        same = mx.array_equal(out, reference).item()
+                        out, alone = qgemv.qgemv(x, *packed, 64), qgemv.qgemv(x[:1], *packed, 64)
+                        same = mx.array_equal(out[:1], alone).item()
                         us = kernel_us(lambda: qgemv.qgemv(x, *packed, 64), 60)
                     finally:
-                        qgemv.columns, qgemv.WARPS = default_columns, default_warps
+                        qgemv.setting = default
                         qgemv._launch.clear()
-                    row = dict(shape=f"{n}x{k}", rows=m, cols=c, warps=wp, us=round(us, 1), mlx_us=round(mlx_us, 1),
-                               note="" if same else "OUTPUT DIFFERS")
-                    if best is None or us < best["us"]:
-                        best = row
-            best = {**best, "note": (best["note"] + f" best; current setting {current:.1f} us").strip()}
-            rows_out.append(best)
-            print(best, flush=True)
+                    note = ("" if same else "ROW 0 DIFFERS FROM ITS CALL ALONE") + (" chosen" if (tn, split) == chosen else "")
+                    row = dict(shape=f"{n}x{k}", rows=m, tn=tn, split=split, us=round(us, 1), mlx_us=round(mlx_us, 1),
+                               weight_gb_s=round(gb / us * 1e6), note=note.strip())
+                    rows_out.append(row)
+                    print(row, flush=True)
     write_results(args.name or "qgemv_tune", env, rows_out, COLUMNS, args.out,
-                  notes="us: 60 independent calls evaluated together, per call; the best (cols, warps) per shape and row count; "
-                        "4-bit g64 weights, bf16 x.")
+                  notes="us: 60 independent calls evaluated together, per call (device throughput while the host keeps "
+                        "up); weight_gb_s: the packed weight's bytes (words, scales, biases) per us; 4-bit g64 weights, "
+                        "bf16 x; 'chosen': what qgemv.setting picks for the shape.")
     return 0
 
 

@@ -8,134 +8,188 @@ Why a kernel of our own: MLX-CUDA serves M = 1 with a GEMV, 2 <= M < 8 by
 re-reading the weights once per row, and larger M with a tiled GEMM whose
 reduction order differs from the GEMV's. So a row's logits change with the
 number of rows beside it (up to 3e-2 at batch 8 on an 8B model), and greedy
-output then depends on which other agents happen to be decoding. Here every
-row is reduced in one fixed order whatever the batch: lane `l` of a warp sums
-its 16-element slices of K in ascending order with explicit fused
-multiply-adds, then the warp adds its lanes with a fixed butterfly. Row m's
-result depends on row m's input and the weights alone, so it is bitwise the
-same at batch 1 and batch 16.
+output then depends on which other agents happen to be decoding.
+
+How: tensor cores, with the weight as the 16-row operand of `mma.m16n8k16` and
+the input rows as its 8 columns (two products for 9 to 16 rows). A lane
+dequantizes its 4-bit weights two at a time straight into fragment layout (a
+nibble pair under a magic exponent, then one exact subtraction and one fused
+multiply-add with the group's scale and bias, in the input's 16-bit type), and
+reads its input values in the order those weights land in. A block owns 16 * TN
+output columns; its SPLIT warps take interleaved 64-element slices of K and add
+their partial sums in shared memory in warp order. TN and SPLIT follow from the
+matrix's shape alone (`setting`). So row m's result is built in the same order
+from row m's input and the weights whatever the other rows hold and however many
+there are: bitwise the same at batch 1 and batch 16.
 
 Layout (MLX's affine quantization): `w` (N, K * bits / 32) uint32, element j of
 a word in bits [4j, 4j + 4); `scales`, `biases` (N, K / group_size); the weight
-is `q * scale + bias`. Each warp computes `columns(rows)` output columns, so
-every load of x serves that many columns.
+is `q * scale + bias`. K must be a multiple of 64 (`supports_weights`).
 """
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 
 MAX_ROWS = 16  # rows one call serves; larger inputs (prefill) take MLX's GEMM
-INPUT_DTYPES = (mx.float16, mx.bfloat16)  # x is read 16 two-byte values at a time
-WARPS = 4  # warps per block (see `columns`)
+INPUT_DTYPES = (mx.float16, mx.bfloat16)  # the tensor cores' 16-bit input types
+RESIDENT_WARPS = 3300  # warps an H100 holds at this kernel's register use: the grid aims at about this many
 
 
-def bucket(rows: int) -> int:
-    """The kernel's row capacity for `rows` rows: the next power of two (1 to MAX_ROWS).
+def setting(n: int, k: int) -> tuple[int, int]:
+    """(TN, SPLIT) for an (n, k) weight: 16-column tiles per warp and warps per block along K.
 
-    Registers are sized for the capacity, so a small batch does not pay for sixteen
-    rows. A row's sum does not depend on it (the loop over rows only stops earlier)."""
-    return 1 << max(0, rows - 1).bit_length()
-
-
-def columns(rows: int) -> int:
-    """Output columns per warp for `rows` rows: 4, so each load of x serves 4 columns.
-
-    Measured on an H100 (`python -m benchmarks.qgemv_tune`, 8B shape): with 4 warps per
-    block, 4 columns was the fastest or within noise of it at every row count on the
-    large matrices. Per-row sums do not depend on it: a column's reduction order is
-    the same however many columns a warp holds."""
-    return 4
+    Two tiles per warp, so each input fragment serves two products; then as many warps
+    along K as bring the grid near RESIDENT_WARPS (a power of two, 1 to 16, at most
+    one per 64-element slice of K). Depends on the shape only, never on the rows.
+    """
+    tn = 2
+    blocks = -(-n // (16 * tn))
+    split = 1 << max(0, round(math.log2(max(1.0, RESIDENT_WARPS / blocks))))
+    return tn, max(1, min(16, split, k // 64))
 
 
 _SOURCE = r"""
+    // x (M, K) T, w (N, K / 8) uint32, scales / biases (N, K / G) T -> y (M, N) T; see the module docstring.
     const int K = x_shape[x_ndim - 1];
     int M = 1;
     for (int i = 0; i < x_ndim - 1; ++i) {
         M *= x_shape[i];
     }
     const int N = w_shape[0];
-    const int words_per_row = K / 8;
-    const int groups_per_row = K / G;
-    const int lane = threadIdx.x & 31;
-    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    const int n0 = warp * COLS;
-    if (n0 >= N) {
-        return;
-    }
-    float acc[COLS][MAXM];
+    const int wpr = K / 8, gpr = K / G, steps = K / 64;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int n_base = blockIdx.x * 16 * TN;
+    const unsigned short* sp = reinterpret_cast<const unsigned short*>(scales);
+    const unsigned short* bp = reinterpret_cast<const unsigned short*>(biases);
+    float acc[TN][MT][4];
     #pragma unroll
-    for (int c = 0; c < COLS; ++c) {
+    for (int i = 0; i < TN; ++i) {
         #pragma unroll
-        for (int m = 0; m < MAXM; ++m) {
-            acc[c][m] = 0.0f;
+        for (int j = 0; j < MT; ++j) {
+            acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.0f;
         }
     }
-    for (int idx = lane * 16; idx < K; idx += 512) {
-        float wf[COLS][16];
+    #pragma unroll 2
+    for (int s = warp; s < steps; s += SPLIT) {
+        const int k0 = s * 64 + t * 16;  // this lane's 16 elements of K
+        unsigned int xb[MT][4][2];  // B fragments of the 4 products: rows g (+ 8), K in the weights' order
         #pragma unroll
-        for (int c = 0; c < COLS; ++c) {
-            const int n = min(n0 + c, N - 1);
-            const uint2 q = *reinterpret_cast<const uint2*>(w + (size_t)n * words_per_row + idx / 8);
-            const float s = static_cast<float>(scales[(size_t)n * groups_per_row + idx / G]);
-            const float b = static_cast<float>(biases[(size_t)n * groups_per_row + idx / G]);
-            #pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                wf[c][i] = fmaf(static_cast<float>((q.x >> (4 * i)) & 15u), s, b);
-                wf[c][8 + i] = fmaf(static_cast<float>((q.y >> (4 * i)) & 15u), s, b);
-            }
-        }
-        #pragma unroll
-        for (int m = 0; m < MAXM; ++m) {
+        for (int mt = 0; mt < MT; ++mt) {
+            const int m = g + 8 * mt;
+            uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
             if (m < M) {
-                const uint4* xp = reinterpret_cast<const uint4*>(x + (size_t)m * K + idx);
-                uint4 raw[2] = {xp[0], xp[1]};
-                const auto* xv = reinterpret_cast<const T*>(raw);
-                float xf[16];
+                const uint4* xp = reinterpret_cast<const uint4*>(x + (size_t)m * K + k0);
+                lo = xp[0];
+                hi = xp[1];
+            }
+            xb[mt][0][0] = __byte_perm(lo.x, lo.z, 0x5410);  // (x0, x4)
+            xb[mt][0][1] = __byte_perm(lo.x, lo.z, 0x7632);  // (x1, x5)
+            xb[mt][1][0] = __byte_perm(lo.y, lo.w, 0x5410);  // (x2, x6)
+            xb[mt][1][1] = __byte_perm(lo.y, lo.w, 0x7632);  // (x3, x7)
+            xb[mt][2][0] = __byte_perm(hi.x, hi.z, 0x5410);
+            xb[mt][2][1] = __byte_perm(hi.x, hi.z, 0x7632);
+            xb[mt][3][0] = __byte_perm(hi.y, hi.w, 0x5410);
+            xb[mt][3][1] = __byte_perm(hi.y, hi.w, 0x7632);
+        }
+        #pragma unroll
+        for (int tn = 0; tn < TN; ++tn) {
+            const int na = n_base + tn * 16 + g, nb = na + 8;  // rows g and g + 8 of the A fragments
+            uint2 wa = make_uint2(0, 0), wb = wa;
+            unsigned int sa = 0, ba = 0, sb = 0, bb = 0;
+            if (na < N) {
+                wa = *reinterpret_cast<const uint2*>(w + (size_t)na * wpr + k0 / 8);
+                sa = sp[(size_t)na * gpr + k0 / G] * 0x10001u;
+                ba = bp[(size_t)na * gpr + k0 / G] * 0x10001u;
+            }
+            if (nb < N) {
+                wb = *reinterpret_cast<const uint2*>(w + (size_t)nb * wpr + k0 / 8);
+                sb = sp[(size_t)nb * gpr + k0 / G] * 0x10001u;
+                bb = bp[(size_t)nb * gpr + k0 / G] * 0x10001u;
+            }
+            #pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                // product j: word j / 2; its nibbles (2 sub, 2 sub + 4) in slots (2t, 2t + 1) and
+                // (2 sub + 1, 2 sub + 5) in slots (2t + 8, 2t + 9), sub = j % 2 (matching xb above)
+                const unsigned int qa = j < 2 ? wa.x : wa.y, qb = j < 2 ? wb.x : wb.y;
+                const int shift = (j & 1) * 8;
+                unsigned int a[4];
+                a[0] = dequant2(qa >> shift, sa, ba);
+                a[1] = dequant2(qb >> shift, sb, bb);
+                a[2] = dequant2(qa >> (shift + 4), sa, ba);
+                a[3] = dequant2(qb >> (shift + 4), sb, bb);
                 #pragma unroll
-                for (int i = 0; i < 16; ++i) {
-                    xf[i] = static_cast<float>(xv[i]);
-                }
-                #pragma unroll
-                for (int c = 0; c < COLS; ++c) {
-                    float a = acc[c][m];
-                    #pragma unroll
-                    for (int i = 0; i < 16; ++i) {
-                        a = fmaf(xf[i], wf[c][i], a);
-                    }
-                    acc[c][m] = a;
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma16816(acc[tn][mt], a, xb[mt][j][0], xb[mt][j][1]);
                 }
             }
         }
     }
+    // C fragment: acc[tn][mt] = (col na, row 2t), (na, 2t + 1), (nb, 2t), (nb, 2t + 1), rows + 8 mt
+    constexpr int R = TN * MT * 4;
+    __shared__ float part[SPLIT][R][32];
     #pragma unroll
-    for (int c = 0; c < COLS; ++c) {
+    for (int i = 0; i < TN; ++i) {
         #pragma unroll
-        for (int m = 0; m < MAXM; ++m) {
-            float a = acc[c][m];
+        for (int j = 0; j < MT; ++j) {
             #pragma unroll
-            for (int offset = 16; offset > 0; offset >>= 1) {
-                a += __shfl_xor_sync(0xffffffffu, a, offset);
+            for (int c = 0; c < 4; ++c) {
+                part[warp][(i * MT + j) * 4 + c][lane] = acc[i][j][c];
             }
-            acc[c][m] = a;
         }
     }
-    if (lane == 0) {
-        #pragma unroll
-        for (int c = 0; c < COLS; ++c) {
-            const int n = n0 + c;
-            #pragma unroll
-            for (int m = 0; m < MAXM; ++m) {
-                if (m < M && n < N) {
-                    y[(size_t)m * N + n] = static_cast<T>(acc[c][m]);
-                }
-            }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < R * 32; idx += SPLIT * 32) {
+        const int r = idx / 32, l = idx % 32;
+        float sum = part[0][r][l];
+        for (int v = 1; v < SPLIT; ++v) {
+            sum += part[v][r][l];  // in warp order: fixed
+        }
+        const int tn = r / (MT * 4), mt = (r / 4) % MT, c = r % 4;
+        const int n = n_base + tn * 16 + (l >> 2) + (c >= 2 ? 8 : 0);
+        const int m = 8 * mt + 2 * (l & 3) + (c & 1);
+        if (m < M && n < N) {
+            y[(size_t)m * N + n] = static_cast<T>(sum);
         }
     }
 """
 
-_kernel = None
-_launch = {}  # (dtype, group_size, n, columns, bucket) -> launch parameters: built once, looked up per call
+_HEADER = r"""
+// (lo, hi) 4-bit values at bits [0, 4) and [16, 20) of x, as a 16-bit pair times s plus b
+// (s, b: a 16-bit value in both halves): under a magic exponent the pair is 128 + q (bf16)
+// or 1024 + q (f16) exactly, one exact subtraction gives q, one fused multiply-add q s + b.
+__device__ __forceinline__ unsigned int dequant2(unsigned int x, unsigned int s, unsigned int b) {
+    unsigned int y, r;
+#if BF
+    y = (x & 0x000F000Fu) | 0x43004300u;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(y) : "r"(y), "r"(0x3F803F80u), "r"(0xC300C300u));
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(y), "r"(s), "r"(b));
+#else
+    y = (x & 0x000F000Fu) | 0x64006400u;
+    asm("sub.f16x2 %0, %1, %2;" : "=r"(y) : "r"(y), "r"(0x64006400u));
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(y), "r"(s), "r"(b));
+#endif
+    return r;
+}
+
+__device__ __forceinline__ void mma16816(float* c, const unsigned int* a, unsigned int b0, unsigned int b1) {
+#if BF
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+#else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+#endif
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+"""
+
+_kernels = {}  # BF -> the kernel for bfloat16 (1) or float16 (0) inputs
+_launch = {}  # (dtype, group_size, n, k, row tiles) -> launch parameters: built once, looked up per call
 
 
 def available() -> bool:
@@ -143,9 +197,10 @@ def available() -> bool:
     return mx.default_device() == mx.gpu and mx.cuda.is_available()
 
 
-def supports_weights(bits: int, group_size: int, mode: str, has_biases: bool) -> bool:
-    """Whether `qgemv` serves these weights (any 1..MAX_ROWS rows): 4-bit affine, group 32/64/128."""
-    return bits == 4 and mode == "affine" and has_biases and group_size in (32, 64, 128)
+def supports_weights(bits: int, group_size: int, mode: str, has_biases: bool, k: int) -> bool:
+    """Whether `qgemv` serves these weights (any 1..MAX_ROWS rows): 4-bit affine, group 32/64/128, K a
+    multiple of 64."""
+    return bits == 4 and mode == "affine" and has_biases and group_size in (32, 64, 128) and k % 64 == 0
 
 
 def qgemv(x, w, scales, biases, group_size: int):
@@ -154,26 +209,27 @@ def qgemv(x, w, scales, biases, group_size: int):
     Returns (..., N) in x's dtype: the leading dimensions stay as they are, so a
     decode step's (B, 1, K) needs no reshape. Each row's result is bitwise
     independent of the other rows (see the module docstring). K must be a
-    multiple of group_size; x must be float16 or bfloat16 (`INPUT_DTYPES`).
+    multiple of 64 and of group_size; x, scales and biases float16 or bfloat16
+    (`INPUT_DTYPES`), one type.
     """
-    global _kernel
-    if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(
-            name="kvactors_qgemv4",
-            input_names=["x", "w", "scales", "biases"],
-            output_names=["y"],
-            source=_SOURCE,
-            ensure_row_contiguous=True,
-        )
-    rows = x.size // x.shape[-1]
-    n, cols = w.shape[0], columns(rows)
-    key = (x.dtype, group_size, n, cols, bucket(rows))
+    k = x.shape[-1]
+    rows = x.size // k
+    n = w.shape[0]
+    key = (x.dtype, group_size, n, k, 1 if rows <= 8 else 2)
     launch = _launch.get(key)
     if launch is None:
-        warps = -(-n // cols)
-        threads = -(-warps // WARPS) * WARPS * 32
-        template = [("T", x.dtype), ("G", group_size), ("COLS", cols), ("MAXM", bucket(rows))]
-        launch = _launch[key] = (template, (threads, 1, 1), (WARPS * 32, 1, 1), [x.dtype])
-    template, grid, threadgroup, dtypes = launch
-    return _kernel(inputs=[x, w, scales, biases], template=template, grid=grid, threadgroup=threadgroup,
-                   output_shapes=[(*x.shape[:-1], n)], output_dtypes=dtypes)[0]
+        if k % 64 or k % group_size or x.dtype not in INPUT_DTYPES or scales.dtype != x.dtype:
+            raise ValueError(f"qgemv needs K a multiple of 64 and of the group size, and 16-bit x, scales and biases "
+                             f"of one type; got K {k}, group {group_size}, x {x.dtype}, scales {scales.dtype}")
+        tn, split = setting(n, k)
+        bf = int(x.dtype == mx.bfloat16)
+        if bf not in _kernels:
+            _kernels[bf] = mx.fast.cuda_kernel(name=f"kvactors_qgemv4_tc{bf}", input_names=["x", "w", "scales", "biases"],
+                                               output_names=["y"], source=_SOURCE, header=f"#define BF {bf}\n" + _HEADER,
+                                               ensure_row_contiguous=True)
+        template = [("T", x.dtype), ("G", group_size), ("TN", tn), ("MT", key[-1]), ("SPLIT", split)]
+        blocks = -(-n // (16 * tn))
+        launch = _launch[key] = (_kernels[bf], dict(template=template, grid=(blocks * split * 32, 1, 1),
+                                                    threadgroup=(split * 32, 1, 1), output_dtypes=[x.dtype]))
+    kernel, args = launch
+    return kernel(inputs=[x, w, scales, biases], output_shapes=[(*x.shape[:-1], n)], **args)[0]

@@ -29,11 +29,14 @@ def reference_gemv(x, packed, group):
     return x.astype(mx.float32) @ w.T
 
 
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 @pytest.mark.parametrize("group", [32, 64, 128])
-@pytest.mark.parametrize("n,k", [(4096, 4096), (1000, 640), (96, 1536)])
-def test_qgemv_matches_float32_and_each_row_is_batch_invariant(n, k, group):
-    packed = weights(n, k, group)
-    x = mx.random.normal((qgemv.MAX_ROWS, k), key=mx.random.key(1)).astype(mx.bfloat16)
+@pytest.mark.parametrize("n,k", [(4096, 4096), (1000, 640), (96, 1536), (14336, 4096), (4096, 14336), (49152, 576)])
+def test_qgemv_matches_float32_and_each_row_is_batch_invariant(n, k, group, dtype):
+    if k % group:
+        pytest.skip("the group must divide K")
+    packed = tuple(a.astype(dtype) if a.dtype != mx.uint32 else a for a in weights(n, k, group))
+    x = mx.random.normal((qgemv.MAX_ROWS, k), key=mx.random.key(1)).astype(dtype)
     full = qgemv.qgemv(x, *packed, group)
     ref = reference_gemv(x, packed, group)
     err = (mx.abs(full.astype(mx.float32) - ref).max() / mx.abs(ref).max()).item()
