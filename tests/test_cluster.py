@@ -96,6 +96,26 @@ def test_the_same_conversation_as_on_one_machine(rt, tmp_path):
     assert on_cluster == on_one  # replies, tokens, both histories and cache states
 
 
+def test_agents_flush_and_engine_stats_cover_every_host(rt, shared):
+    """agents() lists what a local Runtime would over the shared folder; every host's engine shows its own turns."""
+    refs = [rt.spawn(f"census{i}", system="Be brief.") for i in range(3)]
+    before = [len(st.prefill_chunks) for st in rt.engine_stats()]
+    for r in refs:
+        r.ask("Hello?", **OPTS)
+    refs[0].ask("Again?", **OPTS)
+    rt.flush()
+    infos = {a.name: a for a in rt.agents()}
+    assert [(infos[r.name].running, infos[r.name].turns, infos[r.name].cache) for r in refs] == \
+        [(True, 2, "hot"), (True, 1, "hot"), (True, 1, "hot")]
+    assert all(store.agent_dir(shared, rt.fingerprint, r.name).exists() for r in refs)
+    stats, hosts = rt.engine_stats(), rt.hosts()
+    assert len(stats) == len(hosts) == len(before) == 3
+    for st, host, n in zip(stats, hosts, before):  # each turn prefilled (one short chunk) on its agent's host
+        assert len(st.prefill_chunks) - n == sum(2 if r is refs[0] else 1 for r in refs if r.name in host["agents"])
+    refs[1].stop()
+    assert rt.agents()[[a.name for a in rt.agents()].index(refs[1].name)].running is False  # stored, not running
+
+
 def test_turn_ids_make_retries_idempotent_and_result_finds_them(rt):
     a = rt.spawn("idem", system="Be brief.")
     first = a.ask("Once.", turn_id="idem-1", **OPTS)

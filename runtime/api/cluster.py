@@ -29,7 +29,8 @@ on one machine (the same pieces, then the same Reply), but the callbacks run in 
 process, on a thread of the runtime's, not on the batcher's thread: the host relays
 the turn's pieces and progress as they come (see `NodeHost.events`). `cancel` is asked
 after each piece that arrives here, so a cancelled turn ends a few tokens later than on
-one machine. Not on a cluster: `on_escalate`, `agents()` and `engine_stats()`.
+one machine. `agents()` and `flush()` cover every host; `engine_stats()` gives one
+snapshot per host. Not on a cluster: `on_escalate`.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ from pathlib import Path
 from actors.agent import AgentCrashed, Ask, Lookup, Note, Reset, UnknownAgent
 from runtime import store
 from runtime.api import rayhost
-from runtime.api.facade import DEFAULT_CACHE_DIR, AgentRef, DeadLetter, Runtime, RuntimeClosed, _check_options, _choice
+from runtime.api.facade import (DEFAULT_CACHE_DIR, AgentInfo, AgentRef, DeadLetter, Runtime, RuntimeClosed, _check_options,
+                                _choice)
 from runtime.errors import KvactorsError
 from runtime.kvscheme import from_options as scheme_from_options
 
@@ -226,17 +228,47 @@ class ClusterRuntime:
         store.check_agent_id(name)
         return store.agent_dir(self.cache_dir, self.fingerprint, name).exists()
 
-    @property
-    def dead_letters(self) -> list[DeadLetter]:
-        """Undeliverable messages of every live host, oldest first (a note's payload decoded)."""
-        letters = []
+    def agents(self, timeout: float = 60.0) -> list[AgentInfo]:
+        """Every agent stored in `cache_dir` for this model and every running one, sorted by name, as
+        `Runtime.agents()`: running on any host; "hot" where its host holds its cache in memory."""
+        self._check_running()
+        merged: dict[str, AgentInfo] = {}
+        for infos in self._each_live_host("agents", timeout):
+            for a in infos:
+                b = merged.get(a.name)
+                if b is None:
+                    merged[a.name] = a
+                    continue
+                cache = "hot" if "hot" in (a.cache, b.cache) else a.cache if a.cache != "none" else b.cache
+                turns = max((t for t in (a.turns, b.turns) if t is not None), default=None)
+                merged[a.name] = AgentInfo(a.name, a.running or b.running, turns, cache)
+        return [merged[n] for n in sorted(merged)]
+
+    def flush(self, timeout: float = 60.0) -> None:
+        """Return once the cache of every acknowledged turn on every live host is on disk (`Runtime.flush`)."""
+        self._check_running()
+        self._each_live_host("flush", timeout)
+
+    def engine_stats(self, timeout: float = 10.0) -> list:
+        """Snapshots of every live host's `EngineStats`, in host order (as `hosts()`): one engine per GPU."""
+        self._check_running()
+        return self._each_live_host("engine_stats", timeout)
+
+    def _each_live_host(self, method, *args) -> list:
+        """`method(*args)` on every live host, in host order; a host that dies meanwhile is left out."""
+        out = []
         for i in range(len(self._hosts)):
             if i not in self._dead:
                 try:
-                    letters += self._call(i, "dead_letters")
+                    out.append(self._call(i, method, *args))
                 except (AgentCrashed, rayhost.ClusterError):
-                    pass  # a host that just died: its letters died with it
-        return sorted(letters, key=lambda d: d.at)
+                    pass  # a host that just died: its agents start again elsewhere
+        return out
+
+    @property
+    def dead_letters(self) -> list[DeadLetter]:
+        """Undeliverable messages of every live host, oldest first (a note's payload decoded)."""
+        return sorted((d for letters in self._each_live_host("dead_letters") for d in letters), key=lambda d: d.at)
 
     # -- life cycle ------------------------------------------------------------------
 

@@ -315,6 +315,18 @@ class NodeHost:
         """The agents running here, in spawn order."""
         return outcome(self.rt.running)
 
+    def agents(self, timeout: float) -> tuple:
+        """`Runtime.agents()` as this host sees it: every stored agent, and those running here."""
+        return outcome(self.rt.agents, timeout)
+
+    def flush(self, timeout: float) -> tuple:
+        """Return once every acknowledged turn here has its cache file on disk (`Runtime.flush`)."""
+        return outcome(self.rt.flush, timeout)
+
+    def engine_stats(self, timeout: float) -> tuple:
+        """A snapshot of this host's engine statistics (`Runtime.engine_stats`)."""
+        return outcome(self.rt.engine_stats, timeout)
+
     def dead_letters(self) -> tuple:
         """This host's dead letters, as plain data (a note's payload decoded)."""
         return outcome(lambda: [DeadLetter(d.recipient, _plain(d.message), d.reason, d.at) for d in self.rt.dead_letters])
