@@ -81,11 +81,15 @@ def default_route() -> str:
 
 
 def check_route(route: str) -> str:
-    """Return `route` if it is one of ROUTES and runs here ("q4kernel": CUDA only), else raise Q4CacheError."""
+    """Return `route` if it is one of ROUTES and runs here ("q4kernel": CUDA only; "quantized": not on CUDA,
+    whose quantized matmul cannot serve its decode steps), else raise Q4CacheError."""
     if route not in ROUTES:
         raise Q4CacheError(f"unknown Q4 attention route {route!r}; choose one of {ROUTES}")
     if route == "q4kernel" and not on_cuda():
         raise Q4CacheError("the q4kernel route runs on CUDA GPUs only; use 'quantized' or 'dequant_once' here")
+    if route == "quantized" and on_cuda():
+        raise Q4CacheError("the quantized route cannot decode on CUDA (MLX-CUDA's quantized matmul does not serve "
+                           "its batched attention); use 'q4kernel' (the default there) or 'dequant_once'")
     return route
 
 

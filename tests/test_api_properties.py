@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from actors.supervisor import Backoff
-from runtime import Runtime, TurnTimeout, TurnTooLarge
+from runtime import Runtime, TurnTimeout, TurnTooLarge, qgemv
 
 FAST = Backoff(min=0.001, max=0.02, reset=10.0)
 SETTINGS = dict(deadline=None, suppress_health_check=list(HealthCheck))
@@ -72,6 +72,9 @@ RUNTIME_OPTIONS = options({
 })
 
 
+HERE_ROUTES = ("dequant", "dequant_once", "q4kernel") if qgemv.available() else ("quantized", "dequant", "dequant_once")
+
+
 def runtime_valid(o) -> bool:
     """The oracle for `Runtime(**o)` (README: The API, and the Runtime's docstring)."""
     def get(key, default):
@@ -87,7 +90,7 @@ def runtime_valid(o) -> bool:
             and is_int(get("hot_budget", 0)) and get("hot_budget", 0) >= 0
             and isinstance(get("durability", "durable"), str) and get("durability", "durable") in ("durable", "memory")
             and is_int(get("max_batch", 8)) and get("max_batch", 8) >= 1
-            and (get("route", None) is None or get("route", None) in ("quantized", "dequant", "dequant_once"))
+            and (get("route", None) is None or get("route", None) in HERE_ROUTES)
             and isinstance(get("strategy", "one_for_one"), str)
             and get("strategy", "one_for_one") in ("one_for_one", "one_for_all", "rest_for_one")
             and is_int(get("max_restarts", 3)) and get("max_restarts", 3) >= 0

@@ -217,7 +217,7 @@ def test_default_route_on_this_machine_serves_every_arch(models, arch):
 CUDA = on_cuda()
 
 
-@pytest.mark.parametrize("route", [r for r in ROUTES if CUDA or r != "q4kernel"])
+@pytest.mark.parametrize("route", [r for r in ROUTES if r != ("quantized" if CUDA else "q4kernel")])
 def test_all_routes_agree(models, route):
     model, spec = models["llama"]
     tokens = list(range(3, 60))
@@ -233,16 +233,27 @@ def test_q4kernel_route_is_refused_off_cuda():
         BatchQuantizedKVCache([0], route="q4kernel")
 
 
+def test_quantized_route_is_refused_on_cuda(monkeypatch):
+    """MLX-CUDA's quantized matmul cannot serve the quantized route's decode: a clear error, before any turn."""
+    import runtime.q4cache as q4cache
+
+    monkeypatch.setattr(q4cache, "on_cuda", lambda: True)  # a CUDA machine, where there is none
+    with pytest.raises(Q4CacheError, match="cannot decode on CUDA.*dequant_once"):
+        q4cache.check_route("quantized")
+    assert [q4cache.check_route(r) for r in ("dequant", "dequant_once", "q4kernel")] == ["dequant", "dequant_once",
+                                                                                         "q4kernel"]
+
+
 def test_route_override(models, monkeypatch):
-    monkeypatch.setenv("KVACTORS_Q4_ROUTE", "quantized")
-    assert default_route() == "quantized"
+    monkeypatch.setenv("KVACTORS_Q4_ROUTE", "dequant_once")
+    assert default_route() == "dequant_once"
     monkeypatch.setenv("KVACTORS_Q4_ROUTE", "dequant")
     assert make_batch_cache(models["llama"][1])[0].route == "dequant"
     monkeypatch.setenv("KVACTORS_Q4_ROUTE", "fast")
     with pytest.raises(Q4CacheError, match="unknown Q4 attention route"):
         default_route()
     monkeypatch.delenv("KVACTORS_Q4_ROUTE")
-    with pytest.raises(Q4CacheError, match="sinks"):
+    with pytest.raises(Q4CacheError, match="CUDA" if CUDA else "sinks"):
         route_for(models["gpt_oss"][1], "quantized")
 
 
