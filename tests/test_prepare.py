@@ -129,3 +129,16 @@ def test_compiled_blocks_give_bitwise_the_same_decode_steps(tiny_model_path, rou
     assert "_kvactors_graphs" in model.layers[0].__dict__  # the steps took the compiled path
     assert all(mx.array_equal(a, b).item() for a, b in zip(before, after))
     assert "_kvactors_graphs" not in dict(model.layers[0])  # not a parameter
+
+
+def test_the_gemv_launch_follows_the_weight_shape_alone_and_refuses_what_it_cannot_read():
+    """`qgemv.setting` (which fixes a row's summation order) sees only (N, K); layers the kernel cannot read
+    are routed to MLX's matmul, and a direct call with them says why (checked before any launch)."""
+    for n, k in [(96, 1536), (1024, 4096), (4096, 4096), (14336, 4096), (4096, 14336), (128256, 4096), (49152, 576)]:
+        tn, split = qgemv.setting(n, k)
+        assert tn == 2 and split in (1, 2, 4, 8, 16) and split <= k // 64
+    assert qgemv.supports_weights(4, 64, "affine", True, 576) and not qgemv.supports_weights(4, 32, "affine", True, 608)
+    assert not qgemv.supports_weights(8, 64, "affine", True, 4096) and not qgemv.supports_weights(4, 64, "mxfp4", True, 4096)
+    w, s, b = mx.quantize(mx.zeros((64, 96)), group_size=32, bits=4)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        qgemv.qgemv(mx.zeros((2, 96), dtype=mx.bfloat16), w, s.astype(mx.bfloat16), b.astype(mx.bfloat16), 32)
