@@ -27,6 +27,8 @@ import math
 
 import mlx.core as mx
 
+from runtime.qgemv import MMA16816
+
 CHUNKS = 32  # blocks that share a row's keys (per kv head), whatever its length
 MIN_CHUNK = 256  # fewest keys a block takes (short rows use fewer blocks)
 WARPS = 4  # warps per block
@@ -63,13 +65,7 @@ __device__ __forceinline__ unsigned int dequant2(unsigned int x, unsigned int ma
     return r;
 }
 
-__device__ __forceinline__ void mma16816(float* c, const unsigned int* a, unsigned int b0, unsigned int b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-"""
+""" + "#define BF 0\n" + MMA16816  # f16 products
 
 _PARTIAL = r"""
     // One block: row b, kv head h, query heads r0 .. r0 + RB - 1 of its REP (RB <= 16) as the

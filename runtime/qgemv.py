@@ -157,6 +157,22 @@ _SOURCE = r"""
     }
 """
 
+MMA16816 = r"""
+// c += a b on the tensor cores (mma.m16n8k16, f32 accumulators), a and b in fragment layout:
+// bf16 operands where BF is 1, else f16. Shared with runtime.q4sdpa (f16).
+__device__ __forceinline__ void mma16816(float* c, const unsigned int* a, unsigned int b0, unsigned int b1) {
+#if BF
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+#else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+#endif
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+"""
+
 _HEADER = r"""
 // (lo, hi) 4-bit values at bits [0, 4) and [16, 20) of x, as a 16-bit pair times s plus b
 // (s, b: a 16-bit value in both halves): under a magic exponent the pair is 128 + q (bf16)
@@ -175,18 +191,7 @@ __device__ __forceinline__ unsigned int dequant2(unsigned int x, unsigned int s,
     return r;
 }
 
-__device__ __forceinline__ void mma16816(float* c, const unsigned int* a, unsigned int b0, unsigned int b1) {
-#if BF
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-#else
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-#endif
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-"""
+""" + MMA16816
 
 _kernels = {}  # BF -> the kernel for bfloat16 (1) or float16 (0) inputs
 _launch = {}  # (dtype, group_size, n, k, row tiles) -> launch parameters: built once, looked up per call
