@@ -140,9 +140,10 @@ def main(argv=None) -> int:
         for row in rows:
             row["x_one_node"] = row["turns_per_s"] / one["turns_per_s"] if one else None
     name = args.name or f"cluster-{args.model}" + ("-gpus" if args.gpus else "")
-    import ray
+    if any(sizes):  # Ray ran
+        import ray
 
-    env["ray"] = ray.__version__
+        env["ray"] = ray.__version__
     if args.gpus:
         where = (f"one node of {env['machine']} declaring 1 to {max(sizes)} GPUs ({args.cpus} logical CPUs); one "
                  "batcher per GPU, each its own Ray actor process given one device by Ray")

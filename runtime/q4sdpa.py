@@ -400,6 +400,7 @@ _REDUCE = r"""
 """
 
 _kernels = {}
+_launches = {}  # the arguments of `_launch`: made once per shape, looked up per call (a decode step makes 64)
 
 
 def _get(name, inputs, outputs, source):
@@ -446,9 +447,6 @@ def q4_decode_sdpa(queries, keys, values, start, end: int, scale: float, group_s
     meta_f, partial, partial_args, reduce, reduce_args = launch
     pm, pl, pacc = partial(inputs=[queries, *keys, *values, start, meta_array, meta_f], **partial_args)
     return reduce(inputs=[pm, pl, pacc, start, meta_array], **reduce_args)[0]
-
-
-_launches = {}  # the arguments of `_launch`: made once per shape, looked up per call (a decode step makes 64)
 
 
 def _launch(B, Hq, Hkv, D, key_words, value_words, dtype, group_size, scale, rotated):

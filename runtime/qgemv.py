@@ -194,7 +194,7 @@ __device__ __forceinline__ unsigned int dequant2(unsigned int x, unsigned int s,
 """ + MMA16816
 
 _kernels = {}  # BF -> the kernel for bfloat16 (1) or float16 (0) inputs
-_launch = {}  # (dtype, group_size, n, k, row tiles) -> launch parameters: built once, looked up per call
+_launch = {}  # (x dtype, scale dtype, group_size, n, k, row tiles) -> launch parameters: built once, looked up per call
 
 
 def available() -> bool:
@@ -220,7 +220,7 @@ def qgemv(x, w, scales, biases, group_size: int):
     k = x.shape[-1]
     rows = x.size // k
     n = w.shape[0]
-    key = (x.dtype, group_size, n, k, 1 if rows <= 8 else 2)
+    key = (x.dtype, scales.dtype, group_size, n, k, 1 if rows <= 8 else 2)  # every input the checks below read
     launch = _launch.get(key)
     if launch is None:
         if k % 64 or k % group_size or x.dtype not in INPUT_DTYPES or scales.dtype != x.dtype:

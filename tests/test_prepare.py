@@ -142,3 +142,6 @@ def test_the_gemv_launch_follows_the_weight_shape_alone_and_refuses_what_it_cann
     w, s, b = mx.quantize(mx.zeros((64, 96)), group_size=32, bits=4)
     with pytest.raises(ValueError, match="multiple of 64"):
         qgemv.qgemv(mx.zeros((2, 96), dtype=mx.bfloat16), w, s.astype(mx.bfloat16), b.astype(mx.bfloat16), 32)
+    w, s, b = mx.quantize(mx.zeros((64, 128)), group_size=64, bits=4)
+    with pytest.raises(ValueError, match="of one type"):  # float16 scales under bfloat16 inputs
+        qgemv.qgemv(mx.zeros((2, 128), dtype=mx.bfloat16), w, s.astype(mx.float16), b.astype(mx.float16), 64)
