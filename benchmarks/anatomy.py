@@ -11,6 +11,8 @@ takes longer than running it. This benchmark says where the host time goes:
 - pipelined: milliseconds per step when steps are queued as the engine queues them
   (the next step is built and launched before the current one's tokens are read):
   max(host, device) if the overlap is perfect;
+- host profile (--host-profile): Python's profile of building and launching 20 steps at
+  the largest batch, the functions with the most own time, written beside the results;
 - per-op: host microseconds per primitive for chains of one op type (a reshape, an
   elementwise add, a slice, MLX's quantized matmul and, on CUDA, our GEMV kernel, at 8 rows),
   built and launched.
@@ -90,6 +92,28 @@ def pipelined(model, spec, cache, route, b, steps=40):
     return (time.perf_counter() - t0) / steps * 1e3
 
 
+def host_profile(model, spec, cache, route, b, path, steps=20, top=30) -> None:
+    """Write to `path` cProfile's functions with the most own time over `steps` decode steps built and launched."""
+    import cProfile
+    import io
+    import pstats
+
+    batch = merge_caches(spec, [cache] * b, route)
+    tokens = mx.zeros((b, 1), dtype=mx.int32)
+    mx.eval(step(model, batch, tokens))
+    prof = cProfile.Profile()
+    for _ in range(steps):
+        prof.enable()
+        picks, state = step(model, batch, tokens)
+        mx.async_eval(picks, state)
+        prof.disable()
+        mx.eval(picks)
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+    Path(path).write_text(f"{steps} decode steps at batch {b}, built and launched (mx.async_eval: the launch)\n"
+                          + text.getvalue())
+
+
 def op_cost(make, n=400, reps=5):
     """Host microseconds per op (build, launch) for a chain of `n` ops `make(y) -> y`."""
     x = mx.ones((8, 4096), dtype=mx.bfloat16)
@@ -139,6 +163,8 @@ def main(argv=None) -> int:
     ap = bench_parser(__doc__)
     ap.add_argument("--context", type=int, default=1024, help="tokens in each row's cache (default: %(default)s)")
     ap.add_argument("--batches", default="1,8", help="batch sizes (default: %(default)s)")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="also write Python's profile of 20 steps at the largest batch (<name>-host-profile.txt)")
     args = ap.parse_args(argv)
     env = environment()
     print(env, flush=True)
@@ -168,6 +194,10 @@ def main(argv=None) -> int:
             value=round(pipelined(model, spec, cache, route, b), 2), unit="ms")
     op_rows(add)
     name = args.name or f"anatomy-{args.model}"
+    if args.host_profile:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        host_profile(model, spec, cache, route, max(int(x) for x in args.batches.split(",")),
+                     Path(args.out) / f"{name}-host-profile.txt")
     write_results(name, env, rows, COLUMNS, args.out,
                   notes=f"route {route}, KV scheme {spec.kv_scheme.name}, context {args.context}; split: median of "
                         f"20 steps after 4, device synchronized around each step; pipelined: mean of 40 steps after "

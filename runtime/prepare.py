@@ -28,7 +28,8 @@ blocks whole except the cache update and attention (`compile_blocks`), other
 layers their plain gate/up/down MLP (`compile_mlps`). A decode step on CUDA is
 bound by such host work: on an H100, 8B shape, 3K context, the MLPs alone took
 11-26% off the host time of a step at batch 5 and 8
-(`benchmarks/results/h100/compiled_mlp.md`). The results are bitwise the same.
+(`benchmarks/results/h100/compiled_mlp.md`). The results are bitwise the same,
+but for the fused GEMV launches of a compiled llama block (`CompiledBlock`).
 
 The math is the model's own: same weights, same quantization. On backends other
 than CUDA the preparation is not needed and `prepare_model` leaves the model as
@@ -63,9 +64,8 @@ def _quantized_matmul(module, x):
     shape); for M >= DENSE_ROWS on CUDA, a 16-bit GEMM on the weight dequantized for this
     call; else MLX's quantized matmul on x flattened to 2-D."""
     shape = x.shape
-    if (module._kvactors_gemv and _decode_sized(x) and x.dtype in qgemv.INPUT_DTYPES
-            and x.dtype == module["scales"].dtype):
-        return qgemv.qgemv(x, module["weight"], module["scales"], module["biases"], module.group_size)
+    if _gemv_serves(module, x):
+        return qgemv.qgemv(x, *_packed(module), module.group_size)
     flat = x.reshape(-1, shape[-1])
     if module._kvactors_dense and flat.shape[0] >= DENSE_ROWS:
         w = mx.dequantize(module["weight"], module["scales"], module.get("biases"), group_size=module.group_size,
@@ -76,6 +76,24 @@ def _quantized_matmul(module, x):
         y = mx.quantized_matmul(flat, module["weight"], scales=module["scales"], biases=module.get("biases"),
                                 transpose=True, group_size=module.group_size, bits=module.bits, mode=module.mode)
     return y.reshape(*shape[:-1], y.shape[-1])
+
+
+def _gemv_serves(module, x) -> bool:
+    """Whether `module` (a prepared quantized linear) multiplies `x` through `qgemv`."""
+    return (getattr(module, "_kvactors_gemv", False) and _decode_sized(x) and x.dtype in qgemv.INPUT_DTYPES
+            and x.dtype == module["scales"].dtype)
+
+
+def _packed(module) -> tuple:
+    """A quantized linear's (weight, scales, biases)."""
+    return module["weight"], module["scales"], module["biases"]
+
+
+def _fused(modules, x) -> bool:
+    """Whether one `qgemv` launch serves `modules` (linears of one input): each through the GEMV, one group
+    size, no bias added after the product."""
+    return (all(_gemv_serves(m, x) and "bias" not in m for m in modules)
+            and len({m.group_size for m in modules}) == 1)
 
 
 def _decode_sized(x) -> bool:
@@ -203,9 +221,12 @@ class CompiledBlock(llama.TransformerBlock):
     post-attention norm, MLP, residual) through `mx.compile`, one recorded graph per
     batch size, and between them the cache update and attention as the model's own
     attention does them. Everything else (prefill, caches with integer offsets)
-    runs the block's own `__call__`. The math and its order are mlx-lm's, so the
-    results are bitwise the same; what it saves is Python building those ops every
-    step, which bounds a decode step on CUDA.
+    runs the block's own `__call__`. What it saves is Python building those ops every
+    step, which bounds a decode step on CUDA. The math and its order are mlx-lm's, so
+    the results are bitwise the same, except where the GEMV serves the projections
+    (CUDA): there q/k/v are one launch and gate/up/SiLU another, which saves four
+    launches a layer (about 15 us of host time each) and may change a product's last
+    bits, as `qgemv.qgemv_parts` says; each row's result stays bitwise the same in any batch.
     """
 
     def __call__(self, x, mask=None, cache=None):
@@ -222,20 +243,39 @@ class CompiledBlock(llama.TransformerBlock):
         return graphs[1](out, x)
 
     def _before_cache(self, x, offset):
-        """Rows' queries, keys and values for one token each, rotated by RoPE at `offset`: mlx-lm's steps."""
+        """Rows' queries, keys and values for one token each, rotated by RoPE at `offset`: mlx-lm's steps.
+
+        Where the GEMV serves all three projections, they run as one launch that writes
+        each in mlx-lm's (B, heads, 1, head_dim) layout (`qgemv.qgemv_parts`).
+        """
         attn = self.self_attn
         h = self.input_layernorm(x)
         B, L, _ = h.shape
-        queries = attn.q_proj(h).reshape(B, L, attn.n_heads, -1).transpose(0, 2, 1, 3)
-        keys = attn.k_proj(h).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        values = attn.v_proj(h).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        parts = (attn.q_proj, attn.k_proj, attn.v_proj)
+        if _fused(parts, h):
+            heads = (attn.n_heads, attn.n_kv_heads, attn.n_kv_heads)
+            shapes = [(B, n, L, m["weight"].shape[0] // n) for n, m in zip(heads, parts)]
+            queries, keys, values = qgemv.qgemv_parts(h, [_packed(m) for m in parts], attn.q_proj.group_size, shapes)
+        else:
+            queries = attn.q_proj(h).reshape(B, L, attn.n_heads, -1).transpose(0, 2, 1, 3)
+            keys = attn.k_proj(h).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+            values = attn.v_proj(h).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
         return attn.rope(queries, offset=offset), attn.rope(keys, offset=offset), values
 
     def _after_cache(self, out, x):
-        """The block's output from attention's `out` and the block's input `x`: mlx-lm's steps."""
+        """The block's output from attention's `out` and the block's input `x`: mlx-lm's steps.
+
+        Where the GEMV serves the MLP's gate and up projections, they and the SiLU product
+        run as one launch (`qgemv.qgemv_swiglu`).
+        """
         B, L, _ = x.shape
         h = x + self.self_attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h_norm = self.post_attention_layernorm(h)
+        mlp = self.mlp
+        if type(mlp) is llama.MLP and _fused((mlp.gate_proj, mlp.up_proj), h_norm):
+            gated = qgemv.qgemv_swiglu(h_norm, _packed(mlp.gate_proj), _packed(mlp.up_proj), mlp.gate_proj.group_size)
+            return h + mlp.down_proj(gated)
+        return h + mlp(h_norm)
 
 
 def compile_blocks(model) -> int:

@@ -110,6 +110,7 @@ _SOURCE = r"""
 """
 
 _kernel = None
+_launches = {}  # (shape, dtype, scheme) -> the launch arguments: made once, looked up per call (a decode step makes 32)
 
 
 def serves(scheme: KVScheme, keys, values) -> bool:
@@ -129,20 +130,29 @@ def pack_kv(keys, values, scheme: KVScheme):
     `mx.quantize` lays them out. Raises ValueError for what it does not serve.
     """
     global _kernel
+    key = (keys.shape, values.shape, keys.dtype, values.dtype, scheme)
+    args = _launches.get(key)
+    if args is None:
+        args = _launches[key] = _launch(keys, values, scheme)
+    if _kernel is None:
+        _kernel = mx.fast.cuda_kernel(name="kvactors_pack_kv", input_names=["keys", "values"],
+                                      output_names=["kw", "ks", "kb", "vw", "vs", "vb"], source=_SOURCE,
+                                      ensure_row_contiguous=True)
+    out = _kernel(inputs=[keys, values], **args)
+    return tuple(out[:3]), tuple(out[3:])
+
+
+def _launch(keys, values, scheme: KVScheme) -> dict:
+    """`pack_kv`'s launch arguments for these keys, values and scheme; ValueError for what it does not serve."""
     if not serves(scheme, keys, values):
         raise ValueError(f"pack_kv packs float16 or bfloat16 keys and values of one shape, head dim in {HEAD_DIMS}, "
                          f"{BITS} bits; got keys {keys.shape} {keys.dtype}, values {values.shape} {values.dtype}, "
                          f"scheme {scheme.name}")
     B, H, N, D = keys.shape
-    if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(name="kvactors_pack_kv", input_names=["keys", "values"],
-                                      output_names=["kw", "ks", "kb", "vw", "vs", "vb"], source=_SOURCE,
-                                      ensure_row_contiguous=True)
     g, kb, vb = scheme.group_size, scheme.key_bits, scheme.value_bits
     shape = (B, H, N)
     warps = 2 * B * H * N
-    out = _kernel(
-        inputs=[keys, values],
+    return dict(
         template=[("T", keys.dtype), ("D", D), ("G", g), ("KB", kb), ("VB", vb), ("ROT", scheme.rotated)],
         grid=(-(-warps // 4) * 128, 1, 1),
         threadgroup=(128, 1, 1),
@@ -150,4 +160,3 @@ def pack_kv(keys, values, scheme: KVScheme):
                        (*shape, D * vb // 32), (*shape, D // g), (*shape, D // g)],
         output_dtypes=[mx.uint32, keys.dtype, keys.dtype, mx.uint32, keys.dtype, keys.dtype],
     )
-    return tuple(out[:3]), tuple(out[3:])

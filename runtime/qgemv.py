@@ -51,20 +51,23 @@ def setting(n: int, k: int) -> tuple[int, int]:
     return tn, max(1, min(16, split, k // 64))
 
 
-_SOURCE = r"""
-    // x (M, K) T, w (N, K / 8) uint32, scales / biases (N, K / G) T -> y (M, N) T; see the module docstring.
+_BODY = r"""
+    // x (M, K) T; per weight i: wi (N_i, K / 8) uint32, si / bi (N_i, K / G) T; see the module docstring.
     const int K = x_shape[x_ndim - 1];
     int M = 1;
     for (int i = 0; i < x_ndim - 1; ++i) {
         M *= x_shape[i];
     }
-    const int N = w_shape[0];
     const int wpr = K / 8, gpr = K / G, steps = K / 64;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int n_base = blockIdx.x * 16 * TN;
-    const unsigned short* sp = reinterpret_cast<const unsigned short*>(scales);
-    const unsigned short* bp = reinterpret_cast<const unsigned short*>(biases);
+    // this block's tiles: tile tn reads rows [row0[tn], row0[tn] + 16) of (wt, st, bt)[tn], N rows in all
+    const unsigned int* wt[TN];
+    const unsigned short* st[TN];
+    const unsigned short* bt[TN];
+    int row0[TN];
+    int N;
+    PICK
     float acc[TN][MT][4];
     #pragma unroll
     for (int i = 0; i < TN; ++i) {
@@ -97,18 +100,18 @@ _SOURCE = r"""
         }
         #pragma unroll
         for (int tn = 0; tn < TN; ++tn) {
-            const int na = n_base + tn * 16 + g, nb = na + 8;  // rows g and g + 8 of the A fragments
+            const int na = row0[tn] + g, nb = na + 8;  // rows g and g + 8 of the A fragments
             uint2 wa = make_uint2(0, 0), wb = wa;
             unsigned int sa = 0, ba = 0, sb = 0, bb = 0;
             if (na < N) {
-                wa = *reinterpret_cast<const uint2*>(w + (size_t)na * wpr + k0 / 8);
-                sa = sp[(size_t)na * gpr + k0 / G] * 0x10001u;
-                ba = bp[(size_t)na * gpr + k0 / G] * 0x10001u;
+                wa = *reinterpret_cast<const uint2*>(wt[tn] + (size_t)na * wpr + k0 / 8);
+                sa = st[tn][(size_t)na * gpr + k0 / G] * 0x10001u;
+                ba = bt[tn][(size_t)na * gpr + k0 / G] * 0x10001u;
             }
             if (nb < N) {
-                wb = *reinterpret_cast<const uint2*>(w + (size_t)nb * wpr + k0 / 8);
-                sb = sp[(size_t)nb * gpr + k0 / G] * 0x10001u;
-                bb = bp[(size_t)nb * gpr + k0 / G] * 0x10001u;
+                wb = *reinterpret_cast<const uint2*>(wt[tn] + (size_t)nb * wpr + k0 / 8);
+                sb = st[tn][(size_t)nb * gpr + k0 / G] * 0x10001u;
+                bb = bt[tn][(size_t)nb * gpr + k0 / G] * 0x10001u;
             }
             #pragma unroll
             for (int j = 0; j < 4; ++j) {
@@ -142,6 +145,36 @@ _SOURCE = r"""
         }
     }
     __syncthreads();
+    STORE
+"""
+
+# One weight per block (block b of weight i covers rows [16 TN (b - B_i), ...)): outputs y0, y1, ...
+_PICK_PART = """
+    int blk = blockIdx.x;
+    {choose}
+    #pragma unroll
+    for (int i = 0; i < TN; ++i) {{
+        wt[i] = wp;
+        st[i] = sp;
+        bt[i] = bp;
+        row0[i] = blk * 16 * TN + i * 16;
+    }}
+"""
+_CHOOSE = """const unsigned int* wp = w0;
+    const unsigned short* sp = reinterpret_cast<const unsigned short*>(s0);
+    const unsigned short* bp = reinterpret_cast<const unsigned short*>(b0);
+    T* y = y0;
+    N = w0_shape[0];"""
+_CHOOSE_NEXT = """
+    if ((int)blockIdx.x >= B{i}) {{  // B{i}: weight {i}'s first block (after every earlier weight's)
+        blk = blockIdx.x - B{i};
+        wp = w{i};
+        sp = reinterpret_cast<const unsigned short*>(s{i});
+        bp = reinterpret_cast<const unsigned short*>(b{i});
+        y = y{i};
+        N = w{i}_shape[0];
+    }}"""
+_STORE_PART = """
     for (int idx = threadIdx.x; idx < R * 32; idx += SPLIT * 32) {
         const int r = idx / 32, l = idx % 32;
         float sum = part[0][r][l];
@@ -149,10 +182,38 @@ _SOURCE = r"""
             sum += part[v][r][l];  // in warp order: fixed
         }
         const int tn = r / (MT * 4), mt = (r / 4) % MT, c = r % 4;
-        const int n = n_base + tn * 16 + (l >> 2) + (c >= 2 ? 8 : 0);
+        const int n = row0[tn] + (l >> 2) + (c >= 2 ? 8 : 0);
         const int m = 8 * mt + 2 * (l & 3) + (c & 1);
         if (m < M && n < N) {
             y[(size_t)m * N + n] = static_cast<T>(sum);
+        }
+    }
+"""
+# gate (w0) and up (w1) for the same 16 rows in one block (TN 2): y0 = silu(gate) * up
+_PICK_SWIGLU = """
+    N = w0_shape[0];
+    wt[0] = w0;
+    wt[1] = w1;
+    st[0] = reinterpret_cast<const unsigned short*>(s0);
+    st[1] = reinterpret_cast<const unsigned short*>(s1);
+    bt[0] = reinterpret_cast<const unsigned short*>(b0);
+    bt[1] = reinterpret_cast<const unsigned short*>(b1);
+    row0[0] = row0[1] = blockIdx.x * 16;
+"""
+_STORE_SWIGLU = """
+    constexpr int R1 = MT * 4;  // tile 0's entries of part; tile 1's follow
+    for (int idx = threadIdx.x; idx < R1 * 32; idx += SPLIT * 32) {
+        const int r = idx / 32, l = idx % 32;
+        float gate = part[0][r][l], up = part[0][R1 + r][l];
+        for (int v = 1; v < SPLIT; ++v) {
+            gate += part[v][r][l];  // in warp order: fixed
+            up += part[v][R1 + r][l];
+        }
+        const int mt = r / 4, c = r % 4;
+        const int n = row0[0] + (l >> 2) + (c >= 2 ? 8 : 0);
+        const int m = 8 * mt + 2 * (l & 3) + (c & 1);
+        if (m < M && n < N) {
+            y0[(size_t)m * N + n] = silu_mul(static_cast<T>(gate), static_cast<T>(up));
         }
     }
 """
@@ -191,10 +252,21 @@ __device__ __forceinline__ unsigned int dequant2(unsigned int x, unsigned int s,
     return r;
 }
 
+// silu(g) u as MLX computes `nn.silu(gate) * up` in T (sigmoid as MLX-CUDA's): each operation rounded to T
+template <typename T>
+__device__ __forceinline__ T silu_mul(T g, T u) {
+    const float x = static_cast<float>(g);
+    const T e = static_cast<T>(expf(fabsf(x)));
+    const T y = static_cast<T>(1.0f / static_cast<float>(static_cast<T>(1.0f + static_cast<float>(e))));
+    const T sig = x < 0.0f ? y : static_cast<T>(1.0f - static_cast<float>(y));
+    const T a = static_cast<T>(x * static_cast<float>(sig));
+    return static_cast<T>(static_cast<float>(a) * static_cast<float>(u));
+}
+
 """ + MMA16816
 
-_kernels = {}  # BF -> the kernel for bfloat16 (1) or float16 (0) inputs
-_launch = {}  # (x dtype, scale dtype, group_size, n, k, row tiles) -> launch parameters: built once, looked up per call
+_kernels = {}  # (BF, weights, swiglu) -> the kernel
+_launch = {}  # every input the checks read, and the weights' shapes -> launch parameters: built once, looked up per call
 
 
 def available() -> bool:
@@ -217,24 +289,87 @@ def qgemv(x, w, scales, biases, group_size: int):
     multiple of 64 and of group_size; x, scales and biases float16 or bfloat16
     (`INPUT_DTYPES`), one type.
     """
+    return qgemv_parts(x, [(w, scales, biases)], group_size)[0]
+
+
+def qgemv_parts(x, weights, group_size: int, shapes=None) -> list:
+    """`x @ dequantize(w).T` for each (w, scales, biases) in `weights` (1 to 3, one K), in one launch.
+
+    As `qgemv` for each weight, with one difference: the launch setting (so the
+    summation order) follows the weights' shapes together, so a part's result may
+    differ in its last bits from `qgemv` of that weight alone; it is still
+    bitwise the same at any number of rows. `shapes`: the output shapes (default
+    (..., N_i)); each must hold the rows times N_i elements, which the kernel writes in
+    row-major order: for a decode step's (B, 1, H * D), (B, H, 1, D) is the layout
+    of mlx-lm's reshape and transpose of its heads, without either.
+    """
+    n = tuple(w.shape[0] for w, _, _ in weights)
+    kernel, args = _launch_for(x, weights, group_size, False)
+    if shapes is None:
+        shapes = [(*x.shape[:-1], ni) for ni in n]
+    return kernel(inputs=[x, *(a for part in weights for a in part)], output_shapes=shapes, **args)
+
+
+def qgemv_swiglu(x, gate, up, group_size: int):
+    """`silu(x @ dequantize(gate).T) * (x @ dequantize(up).T)` in one launch: a gated MLP's first half.
+
+    `gate` and `up` are (w, scales, biases) of one shape; x as for `qgemv`. The
+    products are summed as `qgemv_parts` of the two would sum them; silu and the
+    product are computed in x's dtype as MLX computes `nn.silu(gate) * up` (each
+    operation rounded to it). Returns (..., N); bitwise the same at any number of rows.
+    """
+    if gate[0].shape != up[0].shape:
+        raise ValueError(f"qgemv_swiglu needs gate and up weights of one shape; got {gate[0].shape} and {up[0].shape}")
+    kernel, args = _launch_for(x, [gate, up], group_size, True)
+    return kernel(inputs=[x, *gate, *up], output_shapes=[(*x.shape[:-1], gate[0].shape[0])], **args)[0]
+
+
+def _launch_for(x, weights, group_size: int, swiglu: bool):
+    """(kernel, launch arguments) for x and these weights: made once per key, then looked up."""
     k = x.shape[-1]
     rows = x.size // k
-    n = w.shape[0]
-    key = (x.dtype, scales.dtype, group_size, n, k, 1 if rows <= 8 else 2)  # every input the checks below read
+    key = (x.dtype, tuple((w.shape, s.dtype) for w, s, _ in weights), group_size, k, 1 if rows <= 8 else 2, swiglu)
     launch = _launch.get(key)
     if launch is None:
-        if k % 64 or k % group_size or x.dtype not in INPUT_DTYPES or scales.dtype != x.dtype:
-            raise ValueError(f"qgemv needs K a multiple of 64 and of the group size, and 16-bit x, scales and biases "
-                             f"of one type; got K {k}, group {group_size}, x {x.dtype}, scales {scales.dtype}")
-        tn, split = setting(n, k)
-        bf = int(x.dtype == mx.bfloat16)
-        if bf not in _kernels:
-            _kernels[bf] = mx.fast.cuda_kernel(name=f"kvactors_qgemv4_tc{bf}", input_names=["x", "w", "scales", "biases"],
-                                               output_names=["y"], source=_SOURCE, header=f"#define BF {bf}\n" + _HEADER,
-                                               ensure_row_contiguous=True)
-        template = [("T", x.dtype), ("G", group_size), ("TN", tn), ("MT", key[-1]), ("SPLIT", split)]
-        blocks = -(-n // (16 * tn))
-        launch = _launch[key] = (_kernels[bf], dict(template=template, grid=(blocks * split * 32, 1, 1),
-                                                    threadgroup=(split * 32, 1, 1), output_dtypes=[x.dtype]))
-    kernel, args = launch
-    return kernel(inputs=[x, w, scales, biases], output_shapes=[(*x.shape[:-1], n)], **args)[0]
+        launch = _launch[key] = _make_launch(x, weights, group_size, swiglu, key[-2])
+    return launch
+
+
+def _make_launch(x, weights, group_size: int, swiglu: bool, mt: int):
+    k = x.shape[-1]
+    if not 1 <= len(weights) <= 3:
+        raise ValueError(f"qgemv_parts takes 1 to 3 weights; got {len(weights)}")
+    for w, scales, _ in weights:
+        if (k % 64 or k % group_size or x.dtype not in INPUT_DTYPES or scales.dtype != x.dtype
+                or w.shape[-1] * 8 != k):
+            raise ValueError(f"qgemv needs K a multiple of 64 and of the group size, weights of K {k}, and 16-bit "
+                             f"x, scales and biases of one type; got K {k}, group {group_size}, weight "
+                             f"{tuple(w.shape)}, x {x.dtype}, scales {scales.dtype}")
+    n = [w.shape[0] for w, _, _ in weights]
+    tn, split = setting(sum(n), k)
+    if swiglu:
+        blocks, starts = -(-n[0] // 16), []  # 16 rows of both weights per block: 32 rows, as TN 2
+    else:
+        per = [-(-ni // (16 * tn)) for ni in n]
+        blocks, starts = sum(per), [sum(per[:i]) for i in range(1, len(per))]
+    bf = int(x.dtype == mx.bfloat16)
+    name = (bf, len(weights), swiglu)
+    if name not in _kernels:
+        _kernels[name] = _kernel(*name)
+    template = [("T", x.dtype), ("G", group_size), ("TN", tn), ("MT", mt), ("SPLIT", split)]
+    template += [(f"B{i + 1}", b) for i, b in enumerate(starts)]
+    return _kernels[name], dict(template=template, grid=(blocks * split * 32, 1, 1), threadgroup=(split * 32, 1, 1),
+                                output_dtypes=[x.dtype] * (1 if swiglu else len(weights)))
+
+
+def _kernel(bf: int, parts: int, swiglu: bool):
+    inputs = ["x"] + [f"{a}{i}" for i in range(parts) for a in "wsb"]
+    if swiglu:
+        pick, store, outputs = _PICK_SWIGLU, _STORE_SWIGLU, ["y0"]
+    else:
+        choose = _CHOOSE + "".join(_CHOOSE_NEXT.format(i=i) for i in range(1, parts))
+        pick, store, outputs = _PICK_PART.format(choose=choose), _STORE_PART, [f"y{i}" for i in range(parts)]
+    source = _BODY.replace("PICK", pick).replace("STORE", store)
+    name = f"kvactors_qgemv4_tc{bf}_{'swiglu' if swiglu else parts}"
+    return mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs, source=source,
+                               header=f"#define BF {bf}\n" + _HEADER, ensure_row_contiguous=True)

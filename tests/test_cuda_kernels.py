@@ -9,6 +9,7 @@ Skipped off CUDA (the kernels exist only there). On the GPU:
 import math
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 
 from runtime import q4pack, q4sdpa, qgemv
@@ -47,6 +48,51 @@ def test_qgemv_matches_float32_and_each_row_is_batch_invariant(n, k, group, dtyp
     as_3d = qgemv.qgemv(x[:8, None, :], *packed, group)  # a decode step's (B, 1, K): no reshape needed
     assert as_3d.shape == (8, 1, n) and mx.array_equal(as_3d[:, 0], full[:8]).item()
 
+
+
+def relative_error(a, ref):
+    return (mx.abs(a.astype(mx.float32) - ref).max() / mx.abs(ref).max()).item()
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("ns,k,group", [((4096, 1024, 1024), 4096, 64), ((1000, 96, 40), 640, 32), ((14336, 14336), 4096, 128),
+                                        ((128, 64, 64), 128, 32)])
+def test_qgemv_parts_match_float32_in_one_launch_and_each_row_is_batch_invariant(ns, k, group, dtype):
+    parts = [tuple(a.astype(dtype) if a.dtype != mx.uint32 else a for a in weights(n, k, group, seed=i))
+             for i, n in enumerate(ns)]
+    x = mx.random.normal((qgemv.MAX_ROWS, k), key=mx.random.key(1)).astype(dtype)
+    full = qgemv.qgemv_parts(x, parts, group)
+    for out, packed in zip(full, parts):
+        assert relative_error(out, reference_gemv(x, packed, group)) < 1e-2
+    for rows in range(1, qgemv.MAX_ROWS + 1):
+        some = qgemv.qgemv_parts(x[:rows], parts, group)
+        assert all(mx.array_equal(a, b[:rows]).item() for a, b in zip(some, full)), f"rows 0..{rows} changed"
+    # a decode step's (B, 1, H * 64) written as mlx-lm's (B, H, 1, 64): its reshape and transpose, for free
+    heads = qgemv.qgemv_parts(x[:5, None, :], parts, group, [(5, n // 8, 1, 8) for n in ns])
+    for a, b in zip(heads, full):
+        assert mx.array_equal(a, b[:5].reshape(5, 1, -1, 8).transpose(0, 2, 1, 3)).item()
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("n,k,group", [(14336, 4096, 64), (1000, 640, 32), (256, 128, 32)])
+def test_qgemv_swiglu_is_mlxs_silu_product_of_the_two_products(n, k, group, dtype):
+    """One launch for a gated MLP's gate, up and SiLU product: each row bitwise MLX's `nn.silu(gate) * up` of
+    the two products as `qgemv_parts` sums them, the same in any batch, and within bf16 of float32."""
+    gate, up = [tuple(a.astype(dtype) if a.dtype != mx.uint32 else a for a in weights(n, k, group, seed=i))
+                for i in (3, 4)]
+    x = mx.random.normal((qgemv.MAX_ROWS, k), key=mx.random.key(2)).astype(dtype)
+    fused = qgemv.qgemv_swiglu(x, gate, up, group)
+    g, u = qgemv.qgemv_parts(x, [gate, up], group)
+    composed = nn.silu(g) * u
+    differ = (fused != composed).sum().item()
+    assert differ == 0, f"{differ} of {fused.size} elements differ from MLX's silu product, " \
+                        f"by up to {mx.abs(fused.astype(mx.float32) - composed.astype(mx.float32)).max().item()}"
+    ref_g, ref_u = reference_gemv(x, gate, group), reference_gemv(x, up, group)
+    assert relative_error(fused, ref_g * mx.sigmoid(ref_g) * ref_u) < 2e-2
+    for rows in (1, 2, 5, 8, 9, 16):
+        assert mx.array_equal(qgemv.qgemv_swiglu(x[:rows], gate, up, group), fused[:rows]).item()
+    with pytest.raises(ValueError, match="of one shape"):
+        qgemv.qgemv_swiglu(x, gate, weights(n + 32, k, group), group)
 
 def packed_cache(b, hkv, w, d, seed, key_bits=4):
     k = mx.random.normal((b, hkv, w, d), key=mx.random.key(seed)).astype(mx.bfloat16)
