@@ -15,7 +15,7 @@ a model loaded elsewhere in the process is untouched) to subclasses that:
   matmul and 2.0 ms this way; at 256 rows 1.03 against 0.89 ms; below that the
   quantized kernel wins (`benchmarks/prefill_gemm.py`). The dequantized weight
   lives for one call (117 MB for a 14336x4096 layer), and at most DENSE_IN_FLIGHT
-  such products are queued on the device at once (`_bound_in_flight`).
+  plus DENSE_LAUNCH such products are queued on the device at once (`_bound_in_flight`).
 - send decode-sized inputs (1 to `qgemv.MAX_ROWS` rows) of 4-bit weights through
   `qgemv`, which reads the weights once for all rows and gives each row the same
   result whatever the batch (batch-invariant decoding). Only float16 and
@@ -45,6 +45,7 @@ a prefill's work on SmolLM2-135M's 49K vocabulary); any other model runs whole.
 from __future__ import annotations
 
 import collections
+import threading
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -56,7 +57,15 @@ from runtime import qgemv
 
 DENSE_ROWS = 256  # on CUDA, inputs of this many rows or more multiply the dequantized weight
 DENSE_IN_FLIGHT = 14  # dense products queued on the device at most (two layers' worth)
-_in_flight: collections.deque = collections.deque()
+DENSE_LAUNCH = 7  # dense products launched together (a llama layer's seven): each launch has a fixed host cost
+_queue = threading.local()  # per thread (MLX evaluates a lazy array only on the thread that built it):
+# .launched, a deque of launched products, oldest first; .built, those built since the last launch
+
+
+def _queued():
+    if not hasattr(_queue, "built"):
+        _queue.launched, _queue.built = collections.deque(), []
+    return _queue.launched, _queue.built
 
 
 def _quantized_matmul(module, x):
@@ -102,18 +111,24 @@ def _decode_sized(x) -> bool:
 
 
 def _bound_in_flight(y) -> None:
-    """Queue `y` and wait for the product DENSE_IN_FLIGHT before it.
+    """Queue `y`; every DENSE_LAUNCH products, launch them and wait for those more than DENSE_IN_FLIGHT back.
 
     MLX keeps a product's dequantized weight alive until the device has run it, and
     the host queues a whole prefill chunk long before the device gets there: all 224
     weights of an 8B model (9 GB on an H100, and out of memory under a server's
     load). Waiting for an older product, which the device has usually finished,
-    bounds that to a few weights without idling the device.
+    bounds that to a few weights without idling the device. Launching several
+    products at once saves the host a launch's fixed cost per product.
     """
-    mx.async_eval(y)
-    _in_flight.append(y)
-    if len(_in_flight) > DENSE_IN_FLIGHT:
-        mx.eval(_in_flight.popleft())
+    launched, built = _queued()
+    built.append(y)
+    if len(built) < DENSE_LAUNCH:
+        return
+    mx.async_eval(built)
+    launched.extend(built)
+    built.clear()
+    while len(launched) > DENSE_IN_FLIGHT:
+        mx.eval(launched.popleft())
 
 
 class FlatQuantizedLinear(nn.QuantizedLinear):
@@ -299,7 +314,10 @@ def last_logits(model, inputs, cache, position: int):
     """Feed `inputs` (B, L) through `model` with `cache`; return the logits at `position` only, (B, V).
 
     The cache is updated with all L positions, exactly as `model(inputs, cache=cache)` does.
+    Dense products of an earlier call still waiting in this thread's launch queue
+    (`_bound_in_flight`) are dropped from it: whatever uses them holds them itself.
     """
+    _queued()[1].clear()
     if type(model).__module__ in _HEAD_KNOWN:
         h = model.model(inputs, cache)[:, position, :]
         if model.args.tie_word_embeddings:

@@ -1,0 +1,129 @@
+"""Where a hot prefill chunk's time goes: --tokens new tokens after a cache of --context tokens.
+
+A hot turn of the multi-agent workload prefills about 250 tokens (padded to 256)
+after 2-4K of context, and on an H100 such a chunk took 60-80 ms (p50), several
+times its linear layers' share. Each row is the median of 5 runs after 2, the
+device synchronized around each, on a batch of one merged from the agent's Q4
+cache as the engine merges it (the merge is not timed):
+
+- chunk: the engine's call (`last_logits`), the model prepared as the engine prepares it;
+- chunk, one launch per product: `prepare.DENSE_LAUNCH` 1 (the host launches each
+  dense product by itself, as before launches were grouped), and its host share;
+- chunk, no wait for older products: `prepare.DENSE_IN_FLIGHT` so large that the
+  host never waits for the device while it queues the chunk (more memory);
+- chunk, quantized matmul: prepare's dequantize-then-GEMM path off, so MLX's
+  quantized matmul takes the rows;
+- host share: building and queueing the chunk (the time to the last launch);
+- linears alone: the chunk's products (every linear layer of the model, on
+  random inputs of the chunk's rows), as prepared.
+
+    python -m benchmarks.hot_chunk --model llama-8b-shape            # GPU
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from benchmarks.common import bench_parser, environment, load_bench_model, write_results
+from benchmarks.profile import prefilled
+from runtime import prepare
+from runtime.prepare import last_logits
+from runtime.q4cache import merge_caches, route_for
+
+COLUMNS = ["piece", "context", "tokens", "ms", "note"]
+
+
+def timed_runs(fn, runs: int = 5, warm: int = 2) -> float:
+    """Median milliseconds of `fn()` (which returns its own seconds) over `runs` after `warm`."""
+    times = [fn() for _ in range(warm + runs)][warm:]
+    return statistics.median(times) * 1e3
+
+
+def chunk_runner(model, spec, route, agent, tokens, host_only: bool = False):
+    """A function that feeds `tokens` after `agent`'s cache once and returns its seconds (or the host's share)."""
+    def run():
+        cache = merge_caches(spec, [agent], route)
+        mx.eval([c.state for c in cache])
+        mx.synchronize()
+        t0 = time.perf_counter()
+        logits = last_logits(model, tokens[None], cache, tokens.size - 1)
+        mx.async_eval(logits, [c.state for c in cache])
+        queued = time.perf_counter()
+        mx.eval(logits, [c.state for c in cache])
+        mx.synchronize()
+        return (queued if host_only else time.perf_counter()) - t0
+    return run
+
+
+def linears_runner(model, rows: int):
+    """A function that runs every quantized linear of `model` on `rows` random rows and returns its seconds."""
+    linears = [m for _, m in model.named_modules() if isinstance(m, (nn.Linear, nn.QuantizedLinear))]
+    dtype = linears[0]["scales" if "scales" in linears[0] else "weight"].dtype
+
+    def width(m):
+        return m["weight"].shape[-1] * 32 // m.bits if isinstance(m, nn.QuantizedLinear) else m["weight"].shape[-1]
+
+    inputs = {}
+    for m in linears:
+        if width(m) not in inputs:
+            inputs[width(m)] = mx.random.normal((1, rows, width(m))).astype(dtype)
+    mx.eval(list(inputs.values()))
+
+    def run():
+        mx.synchronize()
+        t0 = time.perf_counter()
+        outs = [m(inputs[width(m)]) for m in linears]
+        mx.eval(outs)
+        mx.synchronize()
+        return time.perf_counter() - t0
+    return run, len(linears)
+
+
+def main(argv=None) -> int:
+    ap = bench_parser(__doc__)
+    ap.add_argument("--context", type=int, default=3072, help="tokens in the agent's cache (default: %(default)s)")
+    ap.add_argument("--tokens", type=int, default=256, help="tokens in the chunk (default: %(default)s)")
+    args = ap.parse_args(argv)
+    env = environment()
+    print(env, flush=True)
+    model, _, spec = load_bench_model(args.model)
+    route = route_for(spec, None)
+    agent = prefilled(model, spec, "dequant", args.context, seed=1)
+    mx.random.seed(2)
+    tokens = mx.random.randint(3, model.args.vocab_size, (args.tokens,))
+    rows = []
+
+    def add(piece, ms, note=""):
+        rows.append(dict(piece=piece, context=args.context, tokens=args.tokens, ms=round(ms, 2), note=note))
+        print(rows[-1], flush=True)
+
+    add("chunk", timed_runs(chunk_runner(model, spec, route, agent, tokens)), f"route {route}")
+    add("host share (build + queue)", timed_runs(chunk_runner(model, spec, route, agent, tokens, host_only=True)))
+    group = prepare.DENSE_LAUNCH
+    prepare.DENSE_LAUNCH = 1
+    add("chunk, one launch per product", timed_runs(chunk_runner(model, spec, route, agent, tokens)))
+    add("host share, one launch per product", timed_runs(chunk_runner(model, spec, route, agent, tokens, host_only=True)))
+    prepare.DENSE_LAUNCH = group
+    bound = prepare.DENSE_IN_FLIGHT
+    prepare.DENSE_IN_FLIGHT = 10**6
+    add("chunk, no wait for older products", timed_runs(chunk_runner(model, spec, route, agent, tokens)))
+    prepare.DENSE_IN_FLIGHT = bound
+    run, n = linears_runner(model, args.tokens)
+    add("linears alone", timed_runs(run), f"{n} products of {args.tokens} rows")
+    dense = [m for _, m in model.named_modules() if getattr(m, "_kvactors_dense", False)]
+    for m in dense:
+        object.__setattr__(m, "_kvactors_dense", False)
+    add("chunk, quantized matmul", timed_runs(chunk_runner(model, spec, route, agent, tokens)),
+        f"{len(dense)} layers off the dense path")
+    add("linears alone, quantized matmul", timed_runs(run))
+    write_results(args.name or f"hot_chunk-{args.model}", env, rows, COLUMNS, args.out,
+                  notes=f"KV scheme {spec.kv_scheme.name}; median of 5 runs after 2, device synchronized around each.")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
