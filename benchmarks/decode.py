@@ -149,7 +149,8 @@ def step_rows(add, model, spec, variant, pool, route, steps=24):
 def main(argv=None) -> int:
     ap = bench_parser(__doc__)
     ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--skip-kernel", action="store_true")
+    ap.add_argument("--skip-kernel", action="store_true", help="leave out the kernel parts")
+    ap.add_argument("--skip-steps", action="store_true", help="leave out the step times (invariance only)")
     args = ap.parse_args(argv)
     attention.install()  # batch caches without an Engine
     env = environment()
@@ -179,11 +180,12 @@ def main(argv=None) -> int:
     same = [base] + [prefilled(model, spec, "dequant", args.context, seed=10 + i) for i in range(3)]
     unequal = [base] + [prefilled(model, spec, "dequant", args.context + 40 * i, seed=20 + i) for i in range(1, 4)]
     invariance_rows(add, model, spec, "as loaded", same, unequal, "dequant_once")
-    step_rows(add, model, spec, "as loaded", [base], "dequant_once")
+    if not args.skip_steps:
+        step_rows(add, model, spec, "as loaded", [base], "dequant_once")
     prepare.prepare_model(model)
     for route in ("dequant_once", "q4kernel"):
         invariance_rows(add, model, spec, "prepared", same, unequal, route)
-        for pool in ([base], unequal):
+        for pool in ([base], unequal) if not args.skip_steps else ():
             step_rows(add, model, spec, "prepared", pool, route)
     name = args.name or f"decode-{args.model}"
     write_results(name, env, rows, COLUMNS, args.out,
