@@ -304,9 +304,12 @@ def qgemv_parts(x, weights, group_size: int, shapes=None) -> list:
     of mlx-lm's reshape and transpose of its heads, without either.
     """
     n = tuple(w.shape[0] for w, _, _ in weights)
-    kernel, args = _launch_for(x, weights, group_size, False)
     if shapes is None:
         shapes = [(*x.shape[:-1], ni) for ni in n]
+    elif len(shapes) != len(n) or any(math.prod(s) != x.size // x.shape[-1] * ni for s, ni in zip(shapes, n)):
+        raise ValueError(f"qgemv_parts: output shapes {shapes} do not hold {x.size // x.shape[-1]} rows of {n} "
+                         "columns, one shape per weight")
+    kernel, args = _launch_for(x, weights, group_size, False)
     return kernel(inputs=[x, *(a for part in weights for a in part)], output_shapes=shapes, **args)
 
 
@@ -328,6 +331,8 @@ def _launch_for(x, weights, group_size: int, swiglu: bool):
     """(kernel, launch arguments) for x and these weights: made once per key, then looked up."""
     k = x.shape[-1]
     rows = x.size // k
+    if rows > MAX_ROWS:
+        raise ValueError(f"qgemv serves 1 to {MAX_ROWS} rows; got {rows} (larger inputs take MLX's matmul)")
     key = (x.dtype, tuple((w.shape, s.dtype) for w, s, _ in weights), group_size, k, 1 if rows <= 8 else 2, swiglu)
     launch = _launch.get(key)
     if launch is None:

@@ -197,3 +197,10 @@ def test_the_gemv_launch_follows_the_weight_shape_alone_and_refuses_what_it_cann
     w, s, b = mx.quantize(mx.zeros((64, 128)), group_size=64, bits=4)
     with pytest.raises(ValueError, match="of one type"):  # float16 scales under bfloat16 inputs
         qgemv.qgemv(mx.zeros((2, 128), dtype=mx.bfloat16), w, s.astype(mx.float16), b.astype(mx.float16), 64)
+    s, b = s.astype(mx.bfloat16), b.astype(mx.bfloat16)
+    with pytest.raises(ValueError, match="1 to 16 rows"):
+        qgemv.qgemv(mx.zeros((17, 128), dtype=mx.bfloat16), w, s, b, 64)
+    with pytest.raises(ValueError, match="output shapes"):  # the kernel would write past a shape this small
+        qgemv.qgemv_parts(mx.zeros((2, 128), dtype=mx.bfloat16), [(w, s, b)], 64, [(2, 32)])
+    with pytest.raises(ValueError, match="of one shape"):
+        qgemv.qgemv_swiglu(mx.zeros((2, 128), dtype=mx.bfloat16), (w, s, b), (w[:32], s[:32], b[:32]), 64)
