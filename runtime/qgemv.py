@@ -358,8 +358,8 @@ def _make_launch(x, weights, group_size: int, swiglu: bool, mt: int):
                              f"{tuple(w.shape)}, x {x.dtype}, scales {scales.dtype}")
     n = [w.shape[0] for w, _, _ in weights]
     tn, split = setting(sum(n), k)
-    if swiglu:
-        blocks, starts = -(-n[0] // 16), []  # 16 rows of both weights per block: 32 rows, as TN 2
+    if swiglu:  # tile 0 from the gate, tile 1 from the up weight: 16 rows of each per block, whatever `setting` says
+        tn, blocks, starts = 2, -(-n[0] // 16), []
     else:
         per = [-(-ni // (16 * tn)) for ni in n]
         blocks, starts = sum(per), [sum(per[:i]) for i in range(1, len(per))]
