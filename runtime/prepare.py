@@ -239,9 +239,11 @@ class CompiledBlock(llama.TransformerBlock):
     runs the block's own `__call__`. What it saves is Python building those ops every
     step, which bounds a decode step on CUDA. The math and its order are mlx-lm's, so
     the results are bitwise the same, except where the GEMV serves the projections
-    (CUDA): there q/k/v are one launch and gate/up/SiLU another, which saves four
-    launches a layer (about 15 us of host time each) and may change a product's last
-    bits, as `qgemv.qgemv_parts` says; each row's result stays bitwise the same in any batch.
+    (CUDA): there q/k/v are one launch, the output projection and its residual another,
+    gate, up and SiLU a third, the down projection and its residual a fourth. That
+    saves six primitives a layer (each costs the host 5-15 us; the residuals' adds are
+    bitwise as before) and may change a product's last bits, as `qgemv.qgemv_parts`
+    says; each row's result stays bitwise the same in any batch.
     """
 
     def __call__(self, x, mask=None, cache=None):
@@ -278,19 +280,30 @@ class CompiledBlock(llama.TransformerBlock):
         return attn.rope(queries, offset=offset), attn.rope(keys, offset=offset), values
 
     def _after_cache(self, out, x):
-        """The block's output from attention's `out` and the block's input `x`: mlx-lm's steps.
+        """The block's output from attention's `out` (B, heads, 1, head_dim) and the block's input `x`: mlx-lm's steps.
 
-        Where the GEMV serves the MLP's gate and up projections, they and the SiLU product
-        run as one launch (`qgemv.qgemv_swiglu`).
+        Where the GEMV serves them: the output projection adds the residual in its
+        launch (`qgemv.qgemv`'s `add`); the MLP's gate and up projections and the SiLU
+        product run as one launch (`qgemv.qgemv_swiglu`); the down projection adds the
+        second residual in its own.
         """
         B, L, _ = x.shape
-        h = x + self.self_attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        attended = out.reshape(B, L, -1)  # one query per row: the heads' transpose moves nothing
+        h = _linear_plus(self.self_attn.o_proj, attended, x)
         h_norm = self.post_attention_layernorm(h)
         mlp = self.mlp
         if type(mlp) is llama.MLP and _fused((mlp.gate_proj, mlp.up_proj), h_norm):
             gated = qgemv.qgemv_swiglu(h_norm, _packed(mlp.gate_proj), _packed(mlp.up_proj), mlp.gate_proj.group_size)
-            return h + mlp.down_proj(gated)
+            return _linear_plus(mlp.down_proj, gated, h)
         return h + mlp(h_norm)
+
+
+def _linear_plus(module, x, residual):
+    """`residual + module(x)`: one GEMV launch where it serves the module (`qgemv.qgemv`'s `add`)."""
+    if _fused((module,), x):
+        return qgemv.qgemv(x, *_packed(module), module.group_size, add=residual)
+    return residual + module(x)
+
 
 
 def compile_blocks(model) -> int:

@@ -42,7 +42,9 @@ for prefix reuse (`can_trim`).
 
 from __future__ import annotations
 
+import collections
 import os
+import threading
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
@@ -168,6 +170,44 @@ def _grown(needed: int) -> int:
     return -(-needed // STEP) * STEP
 
 
+_memo = threading.local()  # .results: see _shared
+
+
+def _shared(op: str, inputs: tuple, param, make):
+    """`make()`, or the array it gave last time for the same `op`, the same input arrays and `param`.
+
+    Every layer of a batch holds the same row positions and padding, and makes the
+    same small arrays from them each step (a decode step advances 32 layers' offsets);
+    made once, one array serves every layer, and MLX launches one kernel instead of
+    one per layer. Inputs are compared by identity and kept alive while remembered;
+    the last few results are remembered, per thread (MLX evaluates an array only on
+    the thread that built it).
+    """
+    results = getattr(_memo, "results", None)
+    if results is None:
+        results = _memo.results = collections.OrderedDict()
+    key = (op, tuple(id(x) for x in inputs), param)
+    hit = results.get(key)
+    if hit is not None:
+        results.move_to_end(key)
+        return hit[1]
+    out = make()
+    results[key] = (inputs, out)
+    if len(results) > 8:
+        results.popitem(last=False)
+    return out
+
+
+def _row_array(values) -> mx.array:
+    """An int32 array of `values` (a list of ints), one per distinct list among the layers that ask in a row."""
+    return _shared("rows", (), tuple(values), lambda: mx.array(values, dtype=mx.int32))
+
+
+def _copied(x):
+    """A copy of `x` in a buffer of its own (multiplying by one is exact for integers and floats)."""
+    return x * mx.array(1, dtype=x.dtype)
+
+
 def _widened(x, width: int):
     """`x` with zero columns appended up to `width` columns (axis 2)."""
     return mx.concatenate([x, mx.zeros((*x.shape[:2], width - x.shape[2], x.shape[3]), x.dtype)], axis=2)
@@ -216,10 +256,11 @@ class BatchQuantizedKVCache(_BaseCache):
         self.scheme = scheme
         self.route = check_route(route or default_route())
         self.keys = None  # (words, scales, biases), each (B, H, allocated, ...)
+        self._owned = True  # whether only this cache holds its buffers (see `_own`)
         self.values = None
-        self.left_padding = mx.array(left_padding, dtype=mx.int32)
+        self.left_padding = _row_array(list(left_padding))
         self._padded = any(left_padding)
-        self.offset = -self.left_padding
+        self.offset = _shared("negated", (self.left_padding,), None, lambda: -self.left_padding)
         self._idx = 0
         self._dense = None  # "dequant_once": dequantized (keys, values), valid in [0, _dense_len)
         self._dense_len = 0
@@ -257,12 +298,45 @@ class BatchQuantizedKVCache(_BaseCache):
                 )
         prev = self._idx
         self._reserve(B, H, Dk, Dv, keys.dtype, prev + N)
+        if self._packs_in_place(keys, values):
+            written = q4pack.pack_kv_into(keys, values, self.scheme, self.keys, self.values, prev + N)
+            self._idx += N
+            self._advance(N)
+            return (*self.keys, written), self.values  # the kernel reads the buffers after `written`
         new_k, new_v = self._packed(keys, values)
+        self._own()  # else the slice updates would change the agent's arrays (Python objects both hold)
         for dst, src in zip(self.keys + self.values, new_k + new_v):
             dst[:, :, prev : prev + N] = src  # (B, H, W, ...): plain slices index faster than an ellipsis
         self._idx += N
-        self.offset = self.offset + N
+        self._advance(N)
         return self._fetch(new_k, new_v)
+
+    def _advance(self, n: int) -> None:
+        """Add `n` to every row's position (one array for all the layers: `_shared`)."""
+        offset = self.offset
+        self.offset = _shared("advanced", (offset,), n, lambda: offset + n)
+
+    def _packs_in_place(self, keys, values) -> bool:
+        """Whether this update packs its new tokens into the buffers in place (`q4pack.pack_kv_into`).
+
+        Decode steps of the "q4kernel" route whose attention is the kernel: it is their
+        only reader, and takes the write's result as an input. Other updates (prefill
+        chunks, whose attention dequantizes the buffers with MLX's own ops) write through
+        slice updates, which MLX orders itself. The first such write makes the buffers
+        the cache's own (`_own`).
+        """
+        N = keys.shape[2]
+        if not (self._kernel_decode(N) and self.keys[1].dtype == keys.dtype
+                and q4pack.serves(self.scheme, keys, values)):
+            return False
+        self._own()
+        return True
+
+    def _own(self) -> None:
+        """Copy the buffers once if they are arrays from outside (a merged agent's own), before the first write."""
+        if not self._owned:
+            self.keys, self.values = _map(_copied, self.keys), _map(_copied, self.values)
+            self._owned = True
 
     def _packed(self, keys, values):
         """The new keys and values rotated (if the scheme rotates) and quantized: (words, scales, biases) each.
@@ -291,6 +365,7 @@ class BatchQuantizedKVCache(_BaseCache):
             )
 
         keys, values = empty(Dk, self.scheme.key_bits), empty(Dv, self.scheme.value_bits)
+        self._owned = True  # new buffers either way
         if self.keys is None:
             self.keys, self.values = keys, values
         else:
@@ -431,7 +506,7 @@ class BatchQuantizedKVCache(_BaseCache):
             positions.append(0 if c is None or c.empty() else c.offset)
         longest = max(lengths, default=0)
         cache = cls([longest - n for n in lengths], scheme, route, keep, own_attention)
-        cache.offset = mx.array(positions, dtype=mx.int32)
+        cache.offset = _row_array(positions)
         if longest == 0:
             return cache
         template = next(c for c, n in zip(caches, lengths) if n)
@@ -446,6 +521,8 @@ class BatchQuantizedKVCache(_BaseCache):
             return tuple(mx.concatenate(list(xs), axis=0) if len(xs) > 1 else xs[0] for xs in zip(*out))
 
         cache.keys, cache.values = rows("keys"), rows("values")
+        theirs = {id(x) for c in caches if c is not None and not c.empty() for x in (*c.keys, *c.values)}
+        cache._owned = not any(id(x) in theirs for x in (*cache.keys, *cache.values))  # `_placed` may pass one on
         cache._idx = longest
         return cache
 
@@ -484,8 +561,10 @@ class BatchQuantizedKVCache(_BaseCache):
             idx = slice(keep[0], keep[-1] + 1)  # a run of rows: views, no copy
         else:
             idx = mx.array(keep, dtype=mx.int32)
-        self.left_padding = self.left_padding[idx]
-        self.offset = self.offset[idx]
+        rows = tuple(keep)
+        padding_, offset = self.left_padding, self.offset
+        self.left_padding = _shared("kept", (padding_,), rows, lambda: padding_[idx])
+        self.offset = _shared("kept", (offset,), rows, lambda: offset[idx])
         if self.keys is not None:
             self.keys = _map(lambda x: x[idx], self.keys)
             self.values = _map(lambda x: x[idx], self.values)
@@ -506,16 +585,17 @@ class BatchQuantizedKVCache(_BaseCache):
             self._dense = tuple(x[..., n:, :] for x in self._dense)
             self._dense_len -= n
         self._idx -= n
-        self.left_padding = self.left_padding - n
+        padding = self.left_padding
+        self.left_padding = _shared("advanced", (padding,), -n, lambda: padding - n)
 
     def extend(self, other: "BatchQuantizedKVCache") -> None:
         """Append the rows of `other` (same `KVScheme`) after this batch's rows."""
         if other.scheme != self.scheme:
             raise Q4CacheError(f"cannot extend a {self.scheme.name} batch with a {other.scheme.name} one")
         if other.keys is None and self.keys is None:
-            self.left_padding = mx.concatenate([self.left_padding, other.left_padding])
+            self.left_padding = _joined(self.left_padding, other.left_padding)
             self._padded = any(self.left_padding.tolist())
-            self.offset = mx.concatenate([self.offset, other.offset])
+            self.offset = _joined(self.offset, other.offset)
             return
         longest = max(self._idx, other._idx)
         template = self if self.keys is not None else other
@@ -532,12 +612,13 @@ class BatchQuantizedKVCache(_BaseCache):
             parts[part] = tuple(
                 mx.concatenate([a, b], axis=0) for a, b in zip(aligned(self, part), aligned(other, part))
             )
-        self.left_padding = mx.concatenate(
-            [self.left_padding + (longest - self._idx), other.left_padding + (longest - other._idx)]
-        )
+        mine, theirs = self.left_padding, other.left_padding
+        self.left_padding = _shared("extended", (mine, theirs), (longest - self._idx, longest - other._idx),
+                                    lambda: mx.concatenate([mine + (longest - self._idx), theirs + (longest - other._idx)]))
         self._padded = any(self.left_padding.tolist())
-        self.offset = mx.concatenate([self.offset, other.offset])
+        self.offset = _joined(self.offset, other.offset)
         self.keys, self.values = parts["keys"], parts["values"]
+        self._owned = True  # concatenated: new buffers
         self._idx = longest
         self._dense = None
 
@@ -559,7 +640,7 @@ class BatchQuantizedKVCache(_BaseCache):
         """Drop the last `n` columns of every row; return how many were dropped."""
         n = min(self._idx, n)
         self._idx -= n
-        self.offset = self.offset - n
+        self._advance(-n)
         self._dense_len = min(self._dense_len, self._idx)
         return n
 
@@ -576,6 +657,11 @@ class BatchQuantizedKVCache(_BaseCache):
             if part is not None:
                 total += sum(x.nbytes for x in part)
         return total
+
+
+def _joined(a, b):
+    """`a` and `b` (row arrays) concatenated, one array for all the layers (`_shared`)."""
+    return _shared("joined", (a, b), None, lambda: mx.concatenate([a, b]))
 
 
 def route_for(spec, route: str | None = None) -> str:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from runtime import q4sdpa
 from runtime.kvscheme import KVScheme
 
 BITS = (4, 6, 8)  # element widths the kernel packs
@@ -35,10 +36,13 @@ _SOURCE = r"""
     if (w >= 2 * R) return;
     const bool is_key = w < R;
     const int v = is_key ? w : w - R;
-    const T* src = (is_key ? keys : values) + (size_t)v * D + E * lane;
+    const int bits = is_key ? KB : VB;
+    // where to read and write (the hook below): src, the lane's first element (the next ones `step` apart);
+    // wdst, sdst, bdst: where vector v's words, scales and biases go
+    LOCATE
     float x[E];
     #pragma unroll
-    for (int e = 0; e < E; ++e) x[e] = static_cast<float>(src[e]);
+    for (int e = 0; e < E; ++e) x[e] = static_cast<float>(src[e * step]);
     if constexpr (ROT) {  // x H along D, H = Sylvester-Hadamard / sqrt(D) with entries in T
         #pragma unroll
         for (int len = 1; len < E; len <<= 1) {
@@ -64,7 +68,6 @@ _SOURCE = r"""
         for (int e = 0; e < E; ++e) x[e] = static_cast<float>(static_cast<T>(x[e] * h));
     }
     // MLX's affine rule per group of G dims (G / E lanes)
-    const int bits = is_key ? KB : VB;
     const float n_bins = static_cast<float>((1 << bits) - 1);
     float w_min = 3.402823466e38f, w_max = 0.0f;
     #pragma unroll
@@ -86,9 +89,8 @@ _SOURCE = r"""
     scale = at_zero ? scale : edge / q0;
     const float bias = at_zero ? 0.0f : edge;
     if ((E * lane) % G == 0) {
-        const size_t gi = (size_t)v * (D / G) + (E * lane) / G;
-        (is_key ? ks : vs)[gi] = static_cast<T>(scale);
-        (is_key ? kb : vb)[gi] = static_cast<T>(bias);
+        sdst[(E * lane) / G] = static_cast<T>(scale);
+        bdst[(E * lane) / G] = static_cast<T>(bias);
     }
     // the lane's E values as a little-endian bit stream of E * bits bits
     unsigned int packed = 0;
@@ -104,13 +106,39 @@ _SOURCE = r"""
         packed |= other << nbits;
         nbits *= 2;
     }
-    unsigned char* dst = reinterpret_cast<unsigned char*>(is_key ? kw : vw)
-        + (size_t)v * (D * bits / 8) + (size_t)(E * lane) * bits / 8;
+    unsigned char* dst = reinterpret_cast<unsigned char*>(wdst) + (size_t)(E * lane) * bits / 8;
     for (int i = 0; i < nbits / 8; ++i) dst[i] = static_cast<unsigned char>(packed >> (8 * i));
 """
+# fresh (B, H, N, ...) outputs, row-major inputs
+_LOCATE_NEW = """
+    constexpr int step = 1;
+    const T* src = (is_key ? keys : values) + (size_t)v * D + E * lane;
+    unsigned int* wdst = (is_key ? kw : vw) + (size_t)v * (D * bits / 32);
+    T* sdst = (is_key ? ks : vs) + (size_t)v * (D / G);
+    T* bdst = (is_key ? kb : vb) + (size_t)v * (D / G);
+"""
+# into columns [meta[0] - N, meta[0]) of the cache's (B, H, W, ...) buffers, in place; any strides
+_LOCATE_INTO = """
+    if (w == 0 && lane == 0) written[0] = 0;
+    const int H = keys_shape[1], N = keys_shape[2];
+    const int b = v / (H * N), h = (v / N) % H, n = v % N;
+    const long long col = meta[0] - N + n;
+    const long long step = is_key ? keys_strides[3] : values_strides[3];
+    const T* src = is_key ? keys + b * keys_strides[0] + h * keys_strides[1] + n * keys_strides[2]
+                          : values + b * values_strides[0] + h * values_strides[1] + n * values_strides[2];
+    src += E * lane * step;
+    unsigned int* wdst = const_cast<unsigned int*>(is_key
+        ? kw + b * kw_strides[0] + h * kw_strides[1] + col * kw_strides[2]
+        : vw + b * vw_strides[0] + h * vw_strides[1] + col * vw_strides[2]);
+    T* sdst = const_cast<T*>(is_key ? ks + b * ks_strides[0] + h * ks_strides[1] + col * ks_strides[2]
+                                    : vs + b * vs_strides[0] + h * vs_strides[1] + col * vs_strides[2]);
+    T* bdst = const_cast<T*>(is_key ? kb + b * kb_strides[0] + h * kb_strides[1] + col * kb_strides[2]
+                                    : vb + b * vb_strides[0] + h * vb_strides[1] + col * vb_strides[2]);
+"""
 
-_kernel = None
-_launches = {}  # (shape, dtype, scheme) -> the launch arguments: made once, looked up per call (a decode step makes 32)
+_kernels = {}  # in place or not -> the kernel
+_launches = {}  # (shape, dtype, scheme[, buffer shapes]) -> the launch arguments: made once, looked up per call
+# (a decode step makes 32)
 
 
 def serves(scheme: KVScheme, keys, values) -> bool:
@@ -129,17 +157,67 @@ def pack_kv(keys, values, scheme: KVScheme):
     ((words, scales, biases) of the keys, the same of the values), laid out as
     `mx.quantize` lays them out. Raises ValueError for what it does not serve.
     """
-    global _kernel
     key = (keys.shape, values.shape, keys.dtype, values.dtype, scheme)
     args = _launches.get(key)
     if args is None:
         args = _launches[key] = _launch(keys, values, scheme)
-    if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(name="kvactors_pack_kv", input_names=["keys", "values"],
-                                      output_names=["kw", "ks", "kb", "vw", "vs", "vb"], source=_SOURCE,
-                                      ensure_row_contiguous=True)
-    out = _kernel(inputs=[keys, values], **args)
+    out = _kernel(False)(inputs=[keys, values], **args)
     return tuple(out[:3]), tuple(out[3:])
+
+
+def pack_kv_into(keys, values, scheme: KVScheme, key_buffers, value_buffers, end: int):
+    """Pack `keys` and `values` as `pack_kv` does, into columns [end - N, end) of a cache's buffers, in place.
+
+    keys and values: (B, H, N, D) with `serves(scheme, keys, values)`; key_buffers and
+    value_buffers: (words, scales, biases) of shape (B, H, W, ...), as `pack_kv` lays
+    out a token, with W >= end >= N; any strides, the last one 1. The buffers are
+    written where they are: MLX sees them only as inputs, so nothing else may hold
+    them (a batch cache owns its buffers), and whatever reads the new columns in the
+    same evaluation must take the returned array as an input too: MLX-CUDA orders the
+    kernels of one evaluation by the arrays they share. Returns that array (one
+    uint32). One launch and no slice updates: a decode step saves six primitives a layer.
+    Raises ValueError for what it does not serve.
+    """
+    key = (keys.shape, values.shape, keys.dtype, values.dtype, scheme,
+           tuple((x.shape, x.dtype) for x in (*key_buffers, *value_buffers)))
+    args = _launches.get(key)
+    if args is None:
+        args = _launches[key] = _launch_into(keys, values, scheme, key_buffers, value_buffers)
+    W, N = key_buffers[0].shape[2], keys.shape[2]
+    if not N <= end <= W:
+        raise ValueError(f"pack_kv_into writes columns [end - {N}, end) of buffers {W} wide; got end {end}")
+    return _kernel(True)(inputs=[keys, values, *key_buffers, *value_buffers, q4sdpa.meta(end)], **args)[0]
+
+
+def _kernel(into: bool):
+    if into not in _kernels:
+        if into:
+            inputs = ["keys", "values", "kw", "ks", "kb", "vw", "vs", "vb", "meta"]
+            outputs = ["written"]
+        else:
+            inputs, outputs = ["keys", "values"], ["kw", "ks", "kb", "vw", "vs", "vb"]
+        source = _SOURCE.replace("LOCATE", _LOCATE_INTO if into else _LOCATE_NEW)
+        _kernels[into] = mx.fast.cuda_kernel(name=f"kvactors_pack_kv{'_into' if into else ''}", input_names=inputs,
+                                             output_names=outputs, source=source, ensure_row_contiguous=not into)
+    return _kernels[into]
+
+
+def _launch_into(keys, values, scheme: KVScheme, key_buffers, value_buffers) -> dict:
+    """`pack_kv_into`'s launch arguments; ValueError for buffers that do not fit."""
+    args = _launch(keys, values, scheme)
+    B, H, N, D = keys.shape
+    t = keys.dtype
+    for buffers, bits, what in ((key_buffers, scheme.key_bits, "key"), (value_buffers, scheme.value_bits, "value")):
+        want = [((B, H), D * bits // 32, mx.uint32), ((B, H), D // scheme.group_size, t),
+                ((B, H), D // scheme.group_size, t)]
+        W = key_buffers[0].shape[2]
+        if len(buffers) != 3 or any(x.ndim != 4 or tuple(x.shape[:2]) != bh or x.shape[2] != W or x.shape[3] != last
+                                    or x.dtype != dt for x, (bh, last, dt) in zip(buffers, want)):
+            raise ValueError(f"pack_kv_into needs {what} buffers (words, scales, biases) of shape ({B}, {H}, W, ...) "
+                             f"as pack_kv lays out a token, scales in {t}; got "
+                             f"{[(tuple(x.shape), x.dtype) for x in buffers]}")
+    return dict(template=args["template"], grid=args["grid"], threadgroup=args["threadgroup"],
+                output_shapes=[(1,)], output_dtypes=[mx.uint32])
 
 
 def _launch(keys, values, scheme: KVScheme) -> dict:

@@ -23,6 +23,7 @@ memory): no extra launches for the rotation.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import mlx.core as mx
@@ -403,6 +404,13 @@ _kernels = {}
 _launches = {}  # the arguments of `_launch`: made once per shape, looked up per call (a decode step makes 64)
 
 
+@functools.lru_cache(maxsize=1)
+def _no_write():
+    """What the partial kernel takes as `after` when nothing was written in place: pack_kv_into's dtype, so that
+    both cases share one compiled kernel. Made from a list, so any thread may evaluate it."""
+    return mx.array([0], dtype=mx.uint32)
+
+
 def _get(name, inputs, outputs, source):
     if name not in _kernels:
         _kernels[name] = mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs, source=source,
@@ -416,8 +424,13 @@ def serves(key_bits: int, value_bits: int, head_dim: int, group_size: int) -> bo
     return key_bits in KEY_BITS and value_bits == 4 and head_dim in (64, 128) and head_dim % group_size == 0
 
 
+@functools.lru_cache(maxsize=16)
 def meta(end: int, window: int = 0):
-    """The kernels' int32 parameters [end, window] as a device array (see `q4_decode_sdpa`)."""
+    """The kernels' int32 parameters [end, window] as a device array (see `q4_decode_sdpa`).
+
+    The same array for the same arguments while they are recent: a decode step's 32
+    layers (and `q4pack.pack_kv_into`, which reads `end`) share one.
+    """
     return mx.array([end, window], dtype=mx.int32)
 
 
@@ -434,8 +447,14 @@ def q4_decode_sdpa(queries, keys, values, start, end: int, scale: float, group_s
     `kvscheme.rotate` would (H's entries rounded to the queries' dtype).
     Returns (B, Hq, 1, D) in the queries' dtype. A row's output depends on its own columns
     only: bitwise the same in any batch and under any left padding. Other bit widths raise
-    ValueError.
+    ValueError. `keys` may carry a fourth array: the result of `q4pack.pack_kv_into`, when it
+    wrote the newest columns in place in this evaluation (the kernel takes it as an input,
+    so that MLX runs the write first).
     """
+    if len(keys) == 4:
+        *keys, after = keys
+    else:
+        after = _no_write()
     B, Hq, _, D = queries.shape
     if meta_array is None:
         meta_array = meta(end, window)
@@ -445,7 +464,7 @@ def q4_decode_sdpa(queries, keys, values, start, end: int, scale: float, group_s
     if launch is None:
         launch = _launches[key] = _launch(*key)
     meta_f, partial, partial_args, reduce, reduce_args = launch
-    pm, pl, pacc = partial(inputs=[queries, *keys, *values, start, meta_array, meta_f], **partial_args)
+    pm, pl, pacc = partial(inputs=[queries, *keys, *values, start, meta_array, meta_f, after], **partial_args)
     return reduce(inputs=[pm, pl, pacc, start, meta_array], **reduce_args)[0]
 
 
@@ -476,6 +495,7 @@ def _launch(B, Hq, Hkv, D, key_words, value_words, dtype, group_size, scale, rot
         output_shapes=[(B, Hq, 1, D)],
         output_dtypes=[dtype],
     )
-    return (meta_f, _get("kvactors_q4_decode_partial", ["q", "kw", "ks", "kb", "vw", "vs", "vb", "start", "meta", "meta_f"],
+    return (meta_f, _get("kvactors_q4_decode_partial", ["q", "kw", "ks", "kb", "vw", "vs", "vb", "start", "meta", "meta_f",
+                                                         "after"],
                          ["pm", "pl", "pacc"], _PARTIAL), partial,
             _get("kvactors_q4_decode_reduce", ["pm", "pl", "pacc", "start", "meta"], ["out"], _REDUCE), reduce)

@@ -41,20 +41,20 @@ import mlx.core as mx
 
 MAX_ROWS = 16  # rows one call serves; larger inputs (prefill) take MLX's GEMM
 INPUT_DTYPES = (mx.float16, mx.bfloat16)  # the tensor cores' 16-bit input types
-RESIDENT_WARPS = 3300  # warps an H100 holds at this kernel's register use: the grid aims at about this many
+MAX_SPLIT = 16  # warps per block along K: 512 threads, the most a block of this kernel's registers may have
+UNROLL = 4  # steps along K a warp's loop unrolls: how many of its weight loads are in flight at once
 
 
 def setting(n: int, k: int) -> tuple[int, int]:
     """(TN, SPLIT) for an (n, k) weight: 16-column tiles per warp and warps per block along K.
 
-    Two tiles per warp, so each input fragment serves two products; then as many warps
-    along K as bring the grid near RESIDENT_WARPS (a power of two, 1 to 16, at most
-    one per 64-element slice of K). Depends on the shape only, never on the rows.
+    One tile per warp and MAX_SPLIT warps along K (at most one per 64-element slice of
+    K): the most loads in flight. On an H100 every decode matrix of an 8B model ran
+    fastest so, 19-35% faster than two tiles per warp with the grid sized to the
+    resident warps (`benchmarks.qgemv_tune`, results/h100/qgemv_tune.md). Depends on
+    the shape only, never on the rows.
     """
-    tn = 2
-    blocks = -(-n // (16 * tn))
-    split = 1 << max(0, round(math.log2(max(1.0, RESIDENT_WARPS / blocks))))
-    return tn, max(1, min(16, split, k // 64))
+    return 1, max(1, min(MAX_SPLIT, k // 64))
 
 
 _BODY = r"""
@@ -82,7 +82,7 @@ _BODY = r"""
             acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.0f;
         }
     }
-    #pragma unroll 2
+    #pragma unroll UNROLL
     for (int s = warp; s < steps; s += SPLIT) {
         const int k0 = s * 64 + t * 16;  // this lane's 16 elements of K
         unsigned int xb[MT][4][2];  // B fragments of the 4 products: rows g (+ 8), K in the weights' order
@@ -191,7 +191,7 @@ _STORE_PART = """
         const int n = row0[tn] + (l >> 2) + (c >= 2 ? 8 : 0);
         const int m = 8 * mt + 2 * (l & 3) + (c & 1);
         if (m < M && n < N) {
-            y[(size_t)m * N + n] = static_cast<T>(sum);
+            y[(size_t)m * N + n] = static_cast<T>(sum) RESIDUAL;
         }
     }
 """
@@ -271,7 +271,7 @@ __device__ __forceinline__ T silu_mul(T g, T u) {
 
 """ + MMA16816
 
-_kernels = {}  # (BF, weights, swiglu) -> the kernel
+_kernels = {}  # (BF, weights, swiglu, extra) -> the kernel
 _launch = {}  # every input the checks read, and the weights' shapes -> launch parameters: built once, looked up per call
 
 
@@ -286,16 +286,24 @@ def supports_weights(bits: int, group_size: int, mode: str, has_biases: bool, k:
     return bits == 4 and mode == "affine" and has_biases and group_size in (32, 64, 128) and k % 64 == 0
 
 
-def qgemv(x, w, scales, biases, group_size: int):
+def qgemv(x, w, scales, biases, group_size: int, add=None):
     """`x @ dequantize(w, scales, biases).T` for x of shape (..., K) with at most MAX_ROWS rows, on CUDA.
 
     Returns (..., N) in x's dtype: the leading dimensions stay as they are, so a
     decode step's (B, 1, K) needs no reshape. Each row's result is bitwise
     independent of the other rows (see the module docstring). K must be a
     multiple of 64 and of group_size; x, scales and biases float16 or bfloat16
-    (`INPUT_DTYPES`), one type.
+    (`INPUT_DTYPES`), one type. `add`: an array of the result's shape and dtype added
+    to it in the same launch (a residual connection), bitwise as `add + qgemv(...)`.
     """
-    return qgemv_parts(x, [(w, scales, biases)], group_size)[0]
+    if add is None:
+        return qgemv_parts(x, [(w, scales, biases)], group_size)[0]
+    shape = (*x.shape[:-1], w.shape[0])
+    if tuple(add.shape) != shape or add.dtype != x.dtype:
+        raise ValueError(f"qgemv adds an array of the result's shape {shape} and dtype {x.dtype}; got "
+                         f"{tuple(add.shape)} {add.dtype}")
+    kernel, args = _launch_for(x, [(w, scales, biases)], group_size, False, "add")
+    return kernel(inputs=[x, w, scales, biases, add], output_shapes=[shape], **args)[0]
 
 
 def qgemv_parts(x, weights, group_size: int, shapes=None) -> list:
@@ -333,20 +341,23 @@ def qgemv_swiglu(x, gate, up, group_size: int):
     return kernel(inputs=[x, *gate, *up], output_shapes=[(*x.shape[:-1], gate[0].shape[0])], **args)[0]
 
 
-def _launch_for(x, weights, group_size: int, swiglu: bool):
-    """(kernel, launch arguments) for x and these weights: made once per key, then looked up."""
+def _launch_for(x, weights, group_size: int, swiglu: bool, extra: str = ""):
+    """(kernel, launch arguments) for x and these weights: made once per key, then looked up.
+
+    `extra`: "add" (an array to add follows the weights) or ""."""
     k = x.shape[-1]
     rows = x.size // k
     if rows > MAX_ROWS:
         raise ValueError(f"qgemv serves 1 to {MAX_ROWS} rows; got {rows} (larger inputs take MLX's matmul)")
-    key = (x.dtype, tuple((w.shape, s.dtype) for w, s, _ in weights), group_size, k, 1 if rows <= 8 else 2, swiglu)
+    key = (x.dtype, tuple((w.shape, s.dtype) for w, s, _ in weights), group_size, k, 1 if rows <= 8 else 2, swiglu,
+           extra)
     launch = _launch.get(key)
     if launch is None:
-        launch = _launch[key] = _make_launch(x, weights, group_size, swiglu, key[-2])
+        launch = _launch[key] = _make_launch(x, weights, group_size, swiglu, key[-3], extra)
     return launch
 
 
-def _make_launch(x, weights, group_size: int, swiglu: bool, mt: int):
+def _make_launch(x, weights, group_size: int, swiglu: bool, mt: int, extra: str):
     k = x.shape[-1]
     if not 1 <= len(weights) <= 3:
         raise ValueError(f"qgemv_parts takes 1 to 3 weights; got {len(weights)}")
@@ -356,6 +367,8 @@ def _make_launch(x, weights, group_size: int, swiglu: bool, mt: int):
             raise ValueError(f"qgemv needs K a multiple of 64 and of the group size, weights of K {k}, and 16-bit "
                              f"x, scales and biases of one type; got K {k}, group {group_size}, weight "
                              f"{tuple(w.shape)}, x {x.dtype}, scales {scales.dtype}")
+    if extra == "add" and len(weights) != 1:
+        raise ValueError(f"qgemv adds to the product of one weight; got {len(weights)}")
     n = [w.shape[0] for w, _, _ in weights]
     tn, split = setting(sum(n), k)
     if swiglu:  # tile 0 from the gate, tile 1 from the up weight: 16 rows of each per block, whatever `setting` says
@@ -364,23 +377,24 @@ def _make_launch(x, weights, group_size: int, swiglu: bool, mt: int):
         per = [-(-ni // (16 * tn)) for ni in n]
         blocks, starts = sum(per), [sum(per[:i]) for i in range(1, len(per))]
     bf = int(x.dtype == mx.bfloat16)
-    name = (bf, len(weights), swiglu)
+    name = (bf, len(weights), swiglu, extra)
     if name not in _kernels:
         _kernels[name] = _kernel(*name)
-    template = [("T", x.dtype), ("G", group_size), ("TN", tn), ("MT", mt), ("SPLIT", split)]
+    template = [("T", x.dtype), ("G", group_size), ("TN", tn), ("MT", mt), ("SPLIT", split), ("UNROLL", UNROLL)]
     template += [(f"B{i + 1}", b) for i, b in enumerate(starts)]
     return _kernels[name], dict(template=template, grid=(blocks * split * 32, 1, 1), threadgroup=(split * 32, 1, 1),
                                 output_dtypes=[x.dtype] * (1 if swiglu else len(weights)))
 
 
-def _kernel(bf: int, parts: int, swiglu: bool):
-    inputs = ["x"] + [f"{a}{i}" for i in range(parts) for a in "wsb"]
+def _kernel(bf: int, parts: int, swiglu: bool, extra: str):
+    inputs = ["x"] + [f"{a}{i}" for i in range(parts) for a in "wsb"] + (["add"] if extra == "add" else [])
     if swiglu:
         pick, store, outputs = _PICK_SWIGLU, _STORE_SWIGLU, ["y0"]
     else:
         choose = _CHOOSE + "".join(_CHOOSE_NEXT.format(i=i) for i in range(1, parts))
         pick, store, outputs = _PICK_PART.format(choose=choose), _STORE_PART, [f"y{i}" for i in range(parts)]
-    source = _BODY.replace("PICK", pick).replace("STORE", store)
-    name = f"kvactors_qgemv4_tc{bf}_{'swiglu' if swiglu else parts}"
+    source = (_BODY.replace("PICK", pick).replace("STORE", store)
+              .replace("RESIDUAL", "+ add[(size_t)m * N + n]" if extra == "add" else ""))
+    name = f"kvactors_qgemv4_tc{bf}_{'swiglu' if swiglu else f'p{parts}'}{extra}"
     return mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs, source=source,
                                header=f"#define BF {bf}\n" + _HEADER, ensure_row_contiguous=True)

@@ -94,6 +94,24 @@ def test_qgemv_swiglu_is_mlxs_silu_product_of_the_two_products(n, k, group, dtyp
     with pytest.raises(ValueError, match="of one shape"):
         qgemv.qgemv_swiglu(x, gate, weights(n + 32, k, group), group)
 
+def cast(packed, dtype):
+    return tuple(a.astype(dtype) if a.dtype != mx.uint32 else a for a in packed)
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("n,k,group", [(4096, 4096, 64), (4096, 14336, 64), (1000, 640, 32)])
+def test_qgemv_adds_a_residual_in_its_launch_bitwise_as_a_separate_add(n, k, group, dtype):
+    packed = cast(weights(n, k, group), dtype)
+    x = mx.random.normal((qgemv.MAX_ROWS, 1, k), key=mx.random.key(1)).astype(dtype)
+    r = (mx.random.normal((qgemv.MAX_ROWS, 1, n), key=mx.random.key(2)) * 4).astype(dtype)
+    fused = qgemv.qgemv(x, *packed, group, add=r)
+    assert mx.array_equal(fused, r + qgemv.qgemv(x, *packed, group)).item()
+    for rows in (1, 3, 8, 9):
+        assert mx.array_equal(qgemv.qgemv(x[:rows], *packed, group, add=r[:rows]), fused[:rows]).item()
+    with pytest.raises(ValueError, match="shape"):
+        qgemv.qgemv(x, *packed, group, add=r[:, :, :-1])
+
+
 def packed_cache(b, hkv, w, d, seed, key_bits=4):
     k = mx.random.normal((b, hkv, w, d), key=mx.random.key(seed)).astype(mx.bfloat16)
     v = mx.random.normal((b, hkv, w, d), key=mx.random.key(seed + 1)).astype(mx.bfloat16)
@@ -243,6 +261,95 @@ def test_pack_kv_rotates_like_the_matmul_before_quantizing(name, d):
             return (mx.abs(rotate(deq.astype(mx.bfloat16), scheme).astype(mx.float32) - x).max()).item()
 
         assert error(a) <= error(w) * 1.1 + 1e-3  # as faithful as the matmul path
+
+
+def cache_buffers(b, h, w, d, scheme, dtype, seed):
+    """Random (poisoned) cache buffers (words, scales, biases) for keys and for values."""
+    def part(bits, s):
+        return (mx.random.randint(0, 2**31, (b, h, w, d * bits // 32), key=mx.random.key(s)).astype(mx.uint32),
+                mx.random.normal((b, h, w, d // scheme.group_size), key=mx.random.key(s + 1)).astype(dtype),
+                mx.random.normal((b, h, w, d // scheme.group_size), key=mx.random.key(s + 2)).astype(dtype))
+    out = part(scheme.key_bits, seed), part(scheme.value_bits, seed + 3)
+    mx.eval(out)
+    return out
+
+
+@pytest.mark.parametrize("name", ["k6v4-g64-hadamard", "k4v4-g32", "k8v8-g64"])
+@pytest.mark.parametrize("n", [1, 3])
+def test_pack_kv_into_writes_pack_kvs_bits_into_its_columns_and_nothing_else(name, n):
+    from runtime.kvscheme import parse
+
+    scheme, d = parse(name), 128
+    k = mx.random.normal((3, 8, n, d), key=mx.random.key(1)).astype(mx.bfloat16)
+    v = mx.random.normal((3, 8, n, d), key=mx.random.key(2)).astype(mx.bfloat16)
+    kb, vb = cache_buffers(3, 8, 512, d, scheme, mx.bfloat16, seed=10)
+    before = [mx.array(x * 1) for x in (*kb, *vb)]
+    mx.eval(before)
+    end = 300
+    written = q4pack.pack_kv_into(k, v, scheme, kb, vb, end)
+    mx.eval(written)
+    pk, pv = q4pack.pack_kv(k, v, scheme)
+    for got, old, new in zip((*kb, *vb), before, (*pk, *pv)):
+        assert mx.array_equal(got[:, :, end - n : end], new).item()
+        assert mx.array_equal(got[:, :, : end - n], old[:, :, : end - n]).item()
+        assert mx.array_equal(got[:, :, end:], old[:, :, end:]).item()
+    with pytest.raises(ValueError, match="columns"):
+        q4pack.pack_kv_into(k, v, scheme, kb, vb, 513)
+
+
+def test_pack_kv_into_writes_through_a_view_of_rows_and_attention_reads_it_in_the_same_evaluation():
+    from runtime.kvscheme import parse
+
+    scheme, d = parse("k6v4-g64-hadamard"), 128
+    kb, vb = cache_buffers(4, 8, 256, d, scheme, mx.bfloat16, seed=20)
+    rows_kb, rows_vb = tuple(x[1:3] for x in kb), tuple(x[1:3] for x in vb)  # rows 1 and 2: views, as filter makes
+    k = mx.random.normal((2, 8, 1, d), key=mx.random.key(3)).astype(mx.bfloat16)
+    v = mx.random.normal((2, 8, 1, d), key=mx.random.key(4)).astype(mx.bfloat16)
+    q = mx.random.normal((2, 32, 1, d), key=mx.random.key(5)).astype(mx.bfloat16)
+    start = mx.array([0, 7], dtype=mx.int32)
+    written = q4pack.pack_kv_into(k, v, scheme, rows_kb, rows_vb, 100)
+    out = q4sdpa.q4_decode_sdpa(q, (*rows_kb, written), rows_vb, start, 100, d ** -0.5, 64, rotated=True)
+    mx.eval(out)  # one evaluation: the attention must run after the write
+    pk, pv = q4pack.pack_kv(k, v, scheme)
+    for got, new in zip((*kb, *vb), (*pk, *pv)):
+        assert mx.array_equal(got[1:3, :, 99:100], new).item()
+    fresh_k = tuple(mx.concatenate([x[1:3, :, :99], p, x[1:3, :, 100:]], axis=2) for x, p in zip(kb, pk))
+    fresh_v = tuple(mx.concatenate([x[1:3, :, :99], p, x[1:3, :, 100:]], axis=2) for x, p in zip(vb, pv))
+    want = q4sdpa.q4_decode_sdpa(q, fresh_k, fresh_v, start, 100, d ** -0.5, 64, rotated=True)
+    assert mx.array_equal(out, want).item()
+
+
+def test_batch_cache_decodes_in_place_as_it_does_through_slice_updates_and_leaves_agents_arrays_alone():
+    from runtime import attention
+    from runtime.q4cache import AgentKVCache, BatchQuantizedKVCache
+    from runtime.kvscheme import parse
+
+    attention.install()
+    scheme, d = parse("k6v4-g64-hadamard"), 128
+    agent = AgentKVCache(64, 6, 4, "hadamard")  # an agent cache with spare columns past its tokens
+    kb, vb = cache_buffers(1, 8, 512, d, scheme, mx.bfloat16, seed=30)
+    agent.keys, agent.values, agent.offset = kb, vb, 256
+    original = [mx.array(x * 1) for x in (*kb, *vb)]
+    mx.eval(original)
+    outs = []
+    for in_place in (True, False):
+        cache = BatchQuantizedKVCache.merge([agent], scheme, "q4kernel")
+        if not in_place:
+            cache._packs_in_place = lambda keys, values: False
+        got = []
+        for step in range(3):
+            k = mx.random.normal((1, 8, 1, d), key=mx.random.key(40 + step)).astype(mx.bfloat16)
+            v = mx.random.normal((1, 8, 1, d), key=mx.random.key(50 + step)).astype(mx.bfloat16)
+            q = mx.random.normal((1, 32, 1, d), key=mx.random.key(60 + step)).astype(mx.bfloat16)
+            mask = cache.make_mask(1)
+            keys, values = cache.update_and_fetch(k, v)
+            got.append(attention.sdpa(q, keys, values, d ** -0.5, mask, 64, scheme))
+        mx.eval(got)
+        outs.append((got, cache.keys_and_values()))
+    (got_a, (ka, va)), (got_b, (kb2, vb2)) = outs
+    assert all(mx.array_equal(a, b).item() for a, b in zip(got_a, got_b))
+    assert all(mx.array_equal(a, b).item() for a, b in zip((*ka, *va), (*kb2, *vb2)))
+    assert all(mx.array_equal(a, b).item() for a, b in zip((*agent.keys, *agent.values), original))
 
 
 def test_q4_decode_attention_at_64k_context():

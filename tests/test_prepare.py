@@ -188,7 +188,7 @@ def test_the_gemv_launch_follows_the_weight_shape_alone_and_refuses_what_it_cann
     are routed to MLX's matmul, and a direct call with them says why (checked before any launch)."""
     for n, k in [(96, 1536), (1024, 4096), (4096, 4096), (14336, 4096), (4096, 14336), (128256, 4096), (49152, 576)]:
         tn, split = qgemv.setting(n, k)
-        assert tn == 2 and split in (1, 2, 4, 8, 16) and split <= k // 64
+        assert (tn, split) == (1, min(qgemv.MAX_SPLIT, k // 64))
     assert qgemv.supports_weights(4, 64, "affine", True, 576) and not qgemv.supports_weights(4, 32, "affine", True, 608)
     assert not qgemv.supports_weights(8, 64, "affine", True, 4096) and not qgemv.supports_weights(4, 64, "mxfp4", True, 4096)
     w, s, b = mx.quantize(mx.zeros((64, 96)), group_size=32, bits=4)
@@ -204,3 +204,30 @@ def test_the_gemv_launch_follows_the_weight_shape_alone_and_refuses_what_it_cann
         qgemv.qgemv_parts(mx.zeros((2, 128), dtype=mx.bfloat16), [(w, s, b)], 64, [(2, 32)])
     with pytest.raises(ValueError, match="of one shape"):
         qgemv.qgemv_swiglu(mx.zeros((2, 128), dtype=mx.bfloat16), (w, s, b), (w[:32], s[:32], b[:32]), 64)
+    x = mx.zeros((2, 128), dtype=mx.bfloat16)
+    with pytest.raises(ValueError, match="result's shape"):  # a residual the kernel would read past
+        qgemv.qgemv(x, w, s, b, 64, add=mx.zeros((2, 32), dtype=mx.bfloat16))
+
+
+def test_pack_kv_into_refuses_buffers_and_columns_it_cannot_write():
+    """Checked before any launch: the kernel writes in place, so a wrong buffer would be corrupted, not copied."""
+    from runtime import q4pack
+    from runtime.kvscheme import parse
+
+    scheme = parse("k6v4-g64-hadamard")
+    k = v = mx.zeros((2, 8, 1, 128), dtype=mx.bfloat16)
+
+    def buffers(w, bits, dtype=mx.bfloat16, rows=2):
+        return (mx.zeros((rows, 8, w, 128 * bits // 32), mx.uint32), mx.zeros((rows, 8, w, 2), dtype),
+                mx.zeros((rows, 8, w, 2), dtype))
+
+    with pytest.raises(ValueError, match="columns"):
+        q4pack.pack_kv_into(k, v, scheme, buffers(256, 6), buffers(256, 4), 257)
+    with pytest.raises(ValueError, match="columns"):
+        q4pack.pack_kv_into(k, v, scheme, buffers(256, 6), buffers(256, 4), 0)
+    with pytest.raises(ValueError, match="key buffers"):  # 4-bit words where the scheme keeps 6-bit keys
+        q4pack.pack_kv_into(k, v, scheme, buffers(256, 4), buffers(256, 4), 10)
+    with pytest.raises(ValueError, match="value buffers"):  # another batch size
+        q4pack.pack_kv_into(k, v, scheme, buffers(256, 6), buffers(256, 4, rows=3), 10)
+    with pytest.raises(ValueError, match="value buffers"):  # scales in another dtype
+        q4pack.pack_kv_into(k, v, scheme, buffers(256, 6), buffers(256, 4, mx.float16), 10)

@@ -100,6 +100,48 @@ def test_filter_and_extend_keep_rows_bit_exact():
     assert batch.extract(3).empty()
 
 
+def test_writes_to_a_batch_leave_a_merged_agents_arrays_alone():
+    """A lone agent cache whose buffers already have the batch's width (mlx-lm's own caches keep spare
+    columns) is merged without a copy; the batch copies it before its first write, so the agent's arrays
+    (Python objects both hold) keep their contents."""
+    agent = QuantizedKVCache(group_size=64, bits=4)
+    key = mx.random.key(3)
+    agent.update_and_fetch(mx.random.normal((1, 2, 10, 64), key=key), mx.random.normal((1, 2, 10, 64), key=key))
+    assert agent.keys[0].shape[2] == STEP  # 10 tokens, STEP columns: exactly the width a batch allocates
+    before = [mx.array(x * 1) for x in (*agent.keys, *agent.values)]
+    batch = BatchQuantizedKVCache.merge([agent], plain(4, 64), route="dequant")
+    batch.update_and_fetch(mx.ones((1, 2, 3, 64)), mx.ones((1, 2, 3, 64)))
+    mx.eval(batch.keys, batch.values)
+    assert all(mx.array_equal(a, b).item() for a, b in zip((*agent.keys, *agent.values), before))
+    assert batch.offset.tolist() == [13]
+
+
+def test_a_batchs_layers_share_one_array_of_positions_through_every_change():
+    """Each layer's row positions are the same numbers: the layers hold one array, so a decode step
+    advances them with one kernel launch, not one per layer (`_shared`)."""
+    def layers(lengths, seed):
+        return [BatchQuantizedKVCache.merge([random_q4(T, seed=seed + T) for T in lengths], route="dequant")
+                for _ in range(3)]
+
+    def shared(batch, what):
+        return len({id(getattr(c, what)) for c in batch}) == 1
+
+    batch = layers([5, 40, 300], seed=1)
+    assert shared(batch, "offset") and shared(batch, "left_padding")
+    for c in batch:
+        c.update_and_fetch(mx.ones((3, 2, 1, 64)), mx.ones((3, 2, 1, 64)))
+    assert shared(batch, "offset") and batch[0].offset.tolist() == [6, 41, 301]
+    for c in batch:
+        c.filter([2, 0])
+    assert shared(batch, "offset") and shared(batch, "left_padding") and batch[1].offset.tolist() == [301, 6]
+    for c, other in zip(batch, layers([7], seed=2)):
+        c.extend(other)
+    assert shared(batch, "offset") and shared(batch, "left_padding") and batch[2].offset.tolist() == [301, 6, 7]
+    for c in batch:
+        c.trim(1)
+    assert shared(batch, "offset") and batch[0].offset.tolist() == [300, 5, 6]
+
+
 def test_merge_rejects_other_bits():
     c = QuantizedKVCache(group_size=64, bits=8)
     c.update_and_fetch(mx.zeros((1, 1, 2, 64)), mx.zeros((1, 1, 2, 64)))
