@@ -13,6 +13,10 @@ takes longer than running it. This benchmark says where the host time goes:
   max(host, device) if the overlap is perfect;
 - host profile (--host-profile): Python's profile of building and launching 20 steps at
   the largest batch, the functions with the most own time, written beside the results;
+- device profile (--device-profile, CUDA, needs the `cupti-python` package): every kernel
+  of 20 queued steps at the largest batch, traced by CUPTI; per step, the device's span
+  (first kernel's start to last kernel's end), its busy time, and each kernel's count and
+  time, written beside the results;
 - per-op: host microseconds per primitive for chains of one op type (a reshape, an
   elementwise add, a slice, MLX's quantized matmul and, on CUDA, our GEMV kernel, at 8 rows),
   built and launched.
@@ -32,7 +36,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from benchmarks.common import bench_parser, environment, load_bench_model, write_results
+from benchmarks.common import bench_parser, environment, load_bench_model, traced_kernels, write_results
 from benchmarks.profile import prefilled
 from runtime import qgemv
 from runtime.q4cache import merge_caches, route_for
@@ -114,6 +118,60 @@ def host_profile(model, spec, cache, route, b, path, steps=20, top=30) -> None:
                           + text.getvalue())
 
 
+def _kernel_name(raw: str) -> str:
+    """A kernel's name without its C++ decoration and template arguments."""
+    m = re.search(r"custom_kernel_(kvactors_[a-z0-9_]*?)(?=_(?:[0-9]|bfloat|float|half|_)|[^a-z0-9_]|$)", raw)
+    if m:
+        return m.group(1)
+    if raw.startswith("_ZN"):  # mangled: the innermost name of the nested name
+        names, i = [], 3
+        while (m := re.match(r"(\d+)", raw[i:])) is not None:
+            n, i = int(m.group(1)), i + len(m.group(1))
+            names.append(raw[i : i + n])
+            i += n
+        if names:
+            return names[-1]
+    return raw[:60]
+
+
+def device_profile(model, spec, cache, route, b, path, steps=20) -> None:
+    """Write to `path` where the device's time goes over `steps` decode steps queued as the engine queues them."""
+    batch = merge_caches(spec, [cache] * b, route)
+    current = step(model, batch, mx.zeros((b, 1), dtype=mx.int32))[0]
+    mx.eval(current, [c.state for c in batch])
+    for _ in range(4):
+        current = step(model, batch, current[:, None])[0]
+        mx.eval(current)
+
+    def run():
+        nonlocal current
+        for _ in range(steps):
+            nxt, state = step(model, batch, current[:, None])
+            mx.async_eval(nxt, state)
+            current.tolist()
+            current = nxt
+        mx.eval(current)
+        mx.synchronize()
+
+    records = traced_kernels(run)
+    span = (records[-1][2] - records[0][1]) / 1e6 if records else 0.0
+    busy, end = 0.0, 0
+    for _, start, stop in records:  # merged intervals: overlapping kernels count once
+        busy += max(0, stop - max(start, end)) / 1e6
+        end = max(end, stop)
+    by_name = collections.defaultdict(list)
+    for name, start, stop in records:
+        by_name[_kernel_name(name)].append((stop - start) / 1e3)
+    lines = [f"{steps} decode steps at batch {b}, queued like the engine; CUPTI kernel records: {len(records)}",
+             f"per step: device span {span / steps:.3f} ms, busy {busy / steps:.3f} ms "
+             f"(idle between kernels {(span - busy) / steps:.3f} ms), kernels {len(records) / steps:.1f}", "",
+             "| kernel | per step | us per step | us each (median) |", "|---|---|---|---|"]
+    for name, times in sorted(by_name.items(), key=lambda kv: -sum(kv[1])):
+        lines.append(f"| {name} | {len(times) / steps:.1f} | {sum(times) / steps:.1f} | {statistics.median(times):.2f} |")
+    Path(path).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[:12]), flush=True)
+
+
 def op_cost(make, n=400, reps=5):
     """Host microseconds per op (build, launch) for a chain of `n` ops `make(y) -> y`."""
     x = mx.ones((8, 4096), dtype=mx.bfloat16)
@@ -165,6 +223,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,8", help="batch sizes (default: %(default)s)")
     ap.add_argument("--host-profile", action="store_true",
                     help="also write Python's profile of 20 steps at the largest batch (<name>-host-profile.txt)")
+    ap.add_argument("--device-profile", action="store_true",
+                    help="also write a CUPTI trace summary of 20 steps at the largest batch (<name>-device-profile.md; "
+                         "CUDA and the cupti-python package only)")
     args = ap.parse_args(argv)
     env = environment()
     print(env, flush=True)
@@ -194,10 +255,13 @@ def main(argv=None) -> int:
             value=round(pipelined(model, spec, cache, route, b), 2), unit="ms")
     op_rows(add)
     name = args.name or f"anatomy-{args.model}"
+    largest = max(int(x) for x in args.batches.split(","))
     if args.host_profile:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        host_profile(model, spec, cache, route, max(int(x) for x in args.batches.split(",")),
-                     Path(args.out) / f"{name}-host-profile.txt")
+        host_profile(model, spec, cache, route, largest, Path(args.out) / f"{name}-host-profile.txt")
+    if args.device_profile:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        device_profile(model, spec, cache, route, largest, Path(args.out) / f"{name}-device-profile.md")
     write_results(name, env, rows, COLUMNS, args.out,
                   notes=f"route {route}, KV scheme {spec.kv_scheme.name}, context {args.context}; split: median of "
                         f"20 steps after 4, device synchronized around each step; pipelined: mean of 40 steps after "

@@ -120,6 +120,26 @@ def kernel_us(fn, reps: int = 50) -> float:
     return (time.perf_counter() - t0) / reps * 1e6
 
 
+def traced_kernels(run) -> list[tuple[str, int, int]]:
+    """(name, start ns, end ns) of every kernel the device ran for `run()` (which must wait for the device
+    itself), in start order, as CUPTI traced them. CUDA and the `cupti-python` package only."""
+    from cupti import cupti
+
+    records = []
+
+    def completed(activities):
+        records.extend((a.name, a.start, a.end) for a in activities if a.kind == cupti.ActivityKind.CONCURRENT_KERNEL)
+
+    cupti.activity_register_callbacks(lambda: (8 * 1024 * 1024, 0), completed)
+    cupti.activity_enable(cupti.ActivityKind.CONCURRENT_KERNEL)
+    try:
+        run()
+        cupti.activity_flush_all(1)
+    finally:
+        cupti.activity_disable(cupti.ActivityKind.CONCURRENT_KERNEL)
+    return sorted(records, key=lambda r: r[1])
+
+
 def write_results(name: str, env: dict, rows: list[dict], columns: list[str], out_dir: Path, notes: str = "") -> None:
     """Write `rows` as `<name>.json` and `<name>.md` (a markdown table) under `out_dir`; print the table."""
     out_dir.mkdir(parents=True, exist_ok=True)

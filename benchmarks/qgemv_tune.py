@@ -1,73 +1,123 @@
-"""Tune `runtime.qgemv`: microseconds per call for each (TN, SPLIT) launch setting at each row
-count, on the 8B shape's matrices, against MLX's own quantized matmul.
+"""Tune `runtime.qgemv` on the device: its time per launch for each launch setting (TN, SPLIT,
+UNROLL), on the 8B shape's decode matrices, traced by CUPTI (CUDA and the cupti-python package).
+
+A decode step is bound by the device once its host work is small, and most of the device's
+time goes to these launches. For each matrix (q/k/v as one launch, o, gate/up/SiLU as one,
+down) and row count, it times every setting asked for and reports the weight bytes read
+per second, against the setting `qgemv.setting` and `qgemv.UNROLL` pick today. It also
+times the output projection with the residual added in its launch (`add=`) against the
+GEMV alone and a separate add.
 
 Each setting must keep a row's result independent of the other rows: the benchmark checks
-that row 0 of every call equals the call on row 0 alone, and says so. The fastest setting
-per shape is what `qgemv.setting` should pick. Below about 20 us a call, the figure is the
-host's cost of launching custom kernels, not the device's: on an H100 every setting of
-the 4096x4096 matrix measured 18-30 us, where its weights alone take about 3 us to read.
+that row 0 of every launch equals the launch on row 0 alone, and says so. Each figure is
+the median device time of 40 launches queued together, rotating over four copies of the
+weights so that no launch finds its weight in L2.
 
-    python -m benchmarks.qgemv_tune            # CUDA only
+    python -m benchmarks.qgemv_tune --rows 1,8 --tn 1,2 --split 4,8,16 --unroll 1,2,4
 """
 
 from __future__ import annotations
 
+import statistics
+
 import mlx.core as mx
 
-from benchmarks.common import bench_parser, environment, kernel_us, write_results
+from benchmarks.common import bench_parser, environment, traced_kernels, write_results
 from runtime import qgemv
 
-COLUMNS = ["shape", "rows", "tn", "split", "us", "mlx_us", "weight_gb_s", "note"]
-SHAPES = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)]
+COLUMNS = ["launch", "rows", "tn", "split", "unroll", "us", "weight_gb_s", "note"]
+K, HIDDEN = 4096, 14336
+LAUNCHES = {"qkv": [(K, K), (1024, K), (1024, K)], "o": [(K, K)], "gate_up": [(HIDDEN, K), (HIDDEN, K)],
+            "down": [(K, HIDDEN)]}
+COPIES, CALLS = 4, 40
+
+
+def device_us(make) -> float:
+    """Median device microseconds of what `make(i)` launches, over CALLS calls queued together."""
+    mx.eval(make(0))  # compiled and loaded first
+
+    def run():
+        mx.eval([make(i) for i in range(CALLS)])
+        mx.synchronize()
+
+    records = traced_kernels(run)
+    per = len(records) // CALLS
+    return statistics.median(sum(e - s for _, s, e in records[i * per:(i + 1) * per]) / 1e3 for i in range(CALLS))
+
+
+def _call(name, x, parts):
+    if name == "gate_up":
+        return [qgemv.qgemv_swiglu(x, *parts, 64)]
+    return qgemv.qgemv_parts(x, parts, 64)
 
 
 def main(argv=None) -> int:
     ap = bench_parser(__doc__)
-    ap.add_argument("--rows", default="1,5,8,16", help="row counts (default: %(default)s)")
-    ap.add_argument("--tn", default="1,2,4", help="16-column tiles per warp to try (default: %(default)s)")
-    ap.add_argument("--split", default="2,4,8,16", help="warps along K to try (default: %(default)s)")
+    ap.add_argument("--rows", default="1,8", help="row counts (default: %(default)s)")
+    ap.add_argument("--tn", default="1,2", help="16-row tiles per warp (default: %(default)s; gate/up is always 2)")
+    ap.add_argument("--split", default="4,8,16", help="warps along K (default: %(default)s)")
+    ap.add_argument("--unroll", default="1,2,4", help="K steps a warp's loop unrolls (default: %(default)s)")
     args = ap.parse_args(argv)
     env = environment()
     print(env, flush=True)
     if not qgemv.available():
         raise SystemExit("this benchmark needs a CUDA GPU")
-    rows_out, default = [], qgemv.setting
-    for n, k in SHAPES:
-        w = mx.random.normal((n, k), key=mx.random.key(n + k)).astype(mx.bfloat16)
-        packed = mx.quantize(w, group_size=64, bits=4)
-        mx.eval(packed)
-        gb = sum(a.nbytes for a in packed) / 1e9
-        for m in [int(v) for v in args.rows.split(",")]:
-            x = mx.random.normal((m, k), key=mx.random.key(m)).astype(mx.bfloat16)
+    ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
+    rows_out, default_setting, default_unroll = [], qgemv.setting, qgemv.UNROLL
+
+    def add(**row):
+        rows_out.append(row)
+        print(row, flush=True)
+
+    for name, shapes in LAUNCHES.items():
+        copies = []
+        for c in range(COPIES):
+            parts = []
+            for i, (n, k) in enumerate(shapes):
+                w = mx.random.normal((n, k), key=mx.random.key(100 * c + i)).astype(mx.bfloat16) * 0.02
+                parts.append(tuple(mx.quantize(w, group_size=64, bits=4)))
+            copies.append(parts)
+        mx.eval(copies)
+        gb = sum(a.nbytes for a in (p for parts in copies[:1] for part in parts for p in part)) / 1e9
+        k = shapes[0][1]
+        chosen = (*default_setting(sum(n for n, _ in shapes), k), default_unroll)
+        for m in ints(args.rows):
+            x = mx.random.normal((m, 1, k), key=mx.random.key(m)).astype(mx.bfloat16)
             mx.eval(x)
-            mlx_us = kernel_us(lambda: mx.quantized_matmul(x, *packed, transpose=True, group_size=64, bits=4), 60)
-            chosen = default(n, k)
-            for tn in [int(v) for v in args.tn.split(",")]:
-                for split in [int(v) for v in args.split.split(",")]:
-                    if split > k // 64:
-                        continue
-                    qgemv.setting = lambda n_, k_, s=(tn, split): s
-                    qgemv._launch.clear()
-                    try:
-                        out, alone = qgemv.qgemv(x, *packed, 64), qgemv.qgemv(x[:1], *packed, 64)
-                        same = mx.array_equal(out[:1], alone).item()
-                        us = kernel_us(lambda: qgemv.qgemv(x, *packed, 64), 60)
-                    except RuntimeError as e:  # e.g. more registers than a block may have: no launch
-                        same, us = None, float("nan")
-                        print(f"{n}x{k} rows {m} tn {tn} split {split}: {e}", flush=True)
-                    finally:
-                        qgemv.setting = default
+            for tn in ([2] if name == "gate_up" else ints(args.tn)):
+                for split in ints(args.split):
+                    for unroll in ints(args.unroll):
+                        if split > k // 64:
+                            continue
+                        qgemv.setting, qgemv.UNROLL = (lambda n_, k_, s=(tn, split): s), unroll
                         qgemv._launch.clear()
-                    note = {True: "", False: "ROW 0 DIFFERS FROM ITS CALL ALONE", None: "does not launch"}[same]
-                    note += " chosen" if (tn, split) == chosen else ""
-                    row = dict(shape=f"{n}x{k}", rows=m, tn=tn, split=split, us=round(us, 1), mlx_us=round(mlx_us, 1),
-                               weight_gb_s=round(gb / us * 1e6), note=note.strip())
-                    rows_out.append(row)
-                    print(row, flush=True)
+                        try:
+                            same = all(mx.array_equal(a[:1], b).item() for a, b in
+                                       zip(_call(name, x, copies[0]), _call(name, x[:1], copies[0])))
+                            us = device_us(lambda i: _call(name, x, copies[i % COPIES]))
+                        except RuntimeError as e:  # more registers or shared memory than a block may have
+                            same, us = None, float("nan")
+                            print(f"{name} rows {m} tn {tn} split {split} unroll {unroll}: {e}", flush=True)
+                        finally:
+                            qgemv.setting, qgemv.UNROLL = default_setting, default_unroll
+                            qgemv._launch.clear()
+                        note = {True: "", False: "ROW 0 DIFFERS FROM ITS LAUNCH ALONE", None: "does not launch"}[same]
+                        note += " chosen" if (tn, split, unroll) == chosen else ""
+                        add(launch=name, rows=m, tn=tn, split=split, unroll=unroll, us=round(us, 2),
+                            weight_gb_s=round(gb / us * 1e6), note=note.strip())
+            if name == "o":
+                res = mx.random.normal((m, 1, K), key=mx.random.key(7)).astype(mx.bfloat16)
+                mx.eval(res)
+                fused = device_us(lambda i: qgemv.qgemv(x, *copies[i % COPIES][0], 64, add=res))
+                alone = device_us(lambda i: qgemv.qgemv(x, *copies[i % COPIES][0], 64))
+                separate = device_us(lambda i: res + x)
+                add(launch="o + residual", rows=m, tn=chosen[0], split=chosen[1], unroll=chosen[2], us=round(fused, 2),
+                    weight_gb_s=round(gb / fused * 1e6),
+                    note=f"GEMV alone {alone:.2f} us, a separate add {separate:.2f} us")
     write_results(args.name or "qgemv_tune", env, rows_out, COLUMNS, args.out,
-                  notes="us: 60 independent calls evaluated together, per call (device throughput while the host keeps "
-                        "up); weight_gb_s: the packed weight's bytes (words, scales, biases) per us; 4-bit g64 weights, "
-                        "bf16 x; 'chosen': what qgemv.setting picks for the shape.")
+                  notes=f"bf16 x, 4-bit g64 weights of Llama-3.1-8B's shapes; us: median device time of {CALLS} launches "
+                        f"queued together over {COPIES} weight copies (CUPTI); weight_gb_s: the packed weights' bytes "
+                        "(words, scales, biases) per second; 'chosen': what qgemv.setting and qgemv.UNROLL pick.")
     return 0
 
 
