@@ -30,7 +30,8 @@ variable KVACTORS_Q4_ROUTE):
   (`runtime.q4sdpa`, which rotates queries and output itself), each row over its
   own columns, so no 16-bit copy is kept and a row's output does not depend on
   the batch; prefill chunks dequantize transiently. New keys and values are
-  rotated and quantized in one launch (`runtime.q4pack`). The default on CUDA.
+  rotated and quantized in one launch (`runtime.q4pack`), which in a decode step
+  writes them into the buffers in place. The default on CUDA.
 
 Sliding-window layers use the same cache: the model passes the window to
 `make_mask`, which masks keys older than it, and `extract` keeps only their

@@ -3,12 +3,13 @@
 `qgemv(x, w, scales, biases, group_size)` computes `x @ dequantize(w).T` for an
 input of 1 to MAX_ROWS rows, reading the packed weights once for all rows. It is
 what `runtime.prepare` routes a decode step's quantized linears through on CUDA.
-Two variants save launches, each of which costs the host 7-15 us (a decode step
-is bound by the host): `qgemv_parts` multiplies one input by 1 to 3 weights in one
+Three variants save launches, each of which costs the host 7-15 us (a decode step
+is often bound by the host): `qgemv_parts` multiplies one input by 1 to 3 weights in one
 launch (a block takes its rows from one weight; each result goes to its own
-output, in any row-major shape), and `qgemv_swiglu` computes a gated MLP's
+output, in any row-major shape), `qgemv_swiglu` computes a gated MLP's
 `silu(x @ gate.T) * (x @ up.T)` in one (a block takes the same 16 rows of both
-weights and multiplies its two sums).
+weights and multiplies its two sums), and `qgemv(..., add=)` adds a residual to
+its result in the same launch.
 
 Why a kernel of our own: MLX-CUDA serves M = 1 with a GEMV, 2 <= M < 8 by
 re-reading the weights once per row, and larger M with a tiled GEMM whose
