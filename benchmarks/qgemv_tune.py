@@ -1,5 +1,5 @@
 """Tune `runtime.qgemv` on the device: its time per launch for each launch setting (TN, SPLIT,
-UNROLL), on the 8B shape's decode matrices, traced by CUPTI (CUDA and the cupti-python package).
+UNROLL, KL), on the 8B shape's decode matrices, traced by CUPTI (CUDA and the cupti-python package).
 
 A decode step is bound by the device once its host work is small, and most of the device's
 time goes to these launches. For each matrix (q/k/v as one launch, o, gate/up/SiLU as one,
@@ -13,7 +13,7 @@ that row 0 of every launch equals the launch on row 0 alone, and says so. Each f
 the median device time of 40 launches queued together, rotating over four copies of the
 weights so that no launch finds its weight in L2.
 
-    python -m benchmarks.qgemv_tune --rows 1,8 --tn 1,2 --split 4,8,16 --unroll 1,2,4
+    python -m benchmarks.qgemv_tune --rows 1,8 --tn 1,2 --split 4,8,16 --unroll 1,2,4 --kl 16,32
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import mlx.core as mx
 from benchmarks.common import bench_parser, environment, traced_kernels, write_results
 from runtime import qgemv
 
-COLUMNS = ["launch", "rows", "tn", "split", "unroll", "us", "weight_gb_s", "note"]
+COLUMNS = ["launch", "rows", "tn", "split", "unroll", "kl", "us", "weight_gb_s", "note"]
 K, HIDDEN = 4096, 14336
 LAUNCHES = {"qkv": [(K, K), (1024, K), (1024, K)], "o": [(K, K)], "gate_up": [(HIDDEN, K), (HIDDEN, K)],
             "down": [(K, HIDDEN)]}
@@ -57,6 +57,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tn", default="1,2", help="16-row tiles per warp (default: %(default)s; gate/up is always 2)")
     ap.add_argument("--split", default="4,8,16", help="warps along K (default: %(default)s)")
     ap.add_argument("--unroll", default="1,2,4", help="K steps a warp's loop unrolls (default: %(default)s)")
+    ap.add_argument("--kl", default="16,32", help="elements of K a lane reads per step (default: %(default)s)")
     args = ap.parse_args(argv)
     env = environment()
     print(env, flush=True)
@@ -80,16 +81,17 @@ def main(argv=None) -> int:
         mx.eval(copies)
         gb = sum(a.nbytes for a in (p for parts in copies[:1] for part in parts for p in part)) / 1e9
         k = shapes[0][1]
-        chosen = (*default_setting(sum(n for n, _ in shapes), k), default_unroll)
+        tn0, split0, kl0 = default_setting(sum(n for n, _ in shapes), k, 2 if name == "gate_up" else 1)
+        chosen = (tn0, split0, default_unroll, kl0)
         for m in ints(args.rows):
             x = mx.random.normal((m, 1, k), key=mx.random.key(m)).astype(mx.bfloat16)
             mx.eval(x)
             for tn in ([2] if name == "gate_up" else ints(args.tn)):
                 for split in ints(args.split):
-                    for unroll in ints(args.unroll):
-                        if split > k // 64:
+                    for unroll, kl in [(u, v) for u in ints(args.unroll) for v in ints(args.kl)]:
+                        if split > k // (4 * kl) or k % (4 * kl):
                             continue
-                        qgemv.setting, qgemv.UNROLL = (lambda n_, k_, s=(tn, split): s), unroll
+                        qgemv.setting, qgemv.UNROLL = (lambda n_, k_, tiles_=1, s=(tn, split, kl): s), unroll
                         qgemv._launch.clear()
                         try:
                             same = all(mx.array_equal(a[:1], b).item() for a, b in
@@ -97,13 +99,13 @@ def main(argv=None) -> int:
                             us = device_us(lambda i: _call(name, x, copies[i % COPIES]))
                         except RuntimeError as e:  # more registers or shared memory than a block may have
                             same, us = None, float("nan")
-                            print(f"{name} rows {m} tn {tn} split {split} unroll {unroll}: {e}", flush=True)
+                            print(f"{name} rows {m} tn {tn} split {split} unroll {unroll} kl {kl}: {e}", flush=True)
                         finally:
                             qgemv.setting, qgemv.UNROLL = default_setting, default_unroll
                             qgemv._launch.clear()
                         note = {True: "", False: "ROW 0 DIFFERS FROM ITS LAUNCH ALONE", None: "does not launch"}[same]
-                        note += " chosen" if (tn, split, unroll) == chosen else ""
-                        add(launch=name, rows=m, tn=tn, split=split, unroll=unroll, us=round(us, 2),
+                        note += " chosen" if (tn, split, unroll, kl) == chosen else ""
+                        add(launch=name, rows=m, tn=tn, split=split, unroll=unroll, kl=kl, us=round(us, 2),
                             weight_gb_s=round(gb / us * 1e6), note=note.strip())
             if name == "o":
                 res = mx.random.normal((m, 1, K), key=mx.random.key(7)).astype(mx.bfloat16)
@@ -111,7 +113,8 @@ def main(argv=None) -> int:
                 fused = device_us(lambda i: qgemv.qgemv(x, *copies[i % COPIES][0], 64, add=res))
                 alone = device_us(lambda i: qgemv.qgemv(x, *copies[i % COPIES][0], 64))
                 separate = device_us(lambda i: res + x)
-                add(launch="o + residual", rows=m, tn=chosen[0], split=chosen[1], unroll=chosen[2], us=round(fused, 2),
+                add(launch="o + residual", rows=m, tn=chosen[0], split=chosen[1], unroll=chosen[2], kl=chosen[3],
+                    us=round(fused, 2),
                     weight_gb_s=round(gb / fused * 1e6),
                     note=f"GEMV alone {alone:.2f} us, a separate add {separate:.2f} us")
     write_results(args.name or "qgemv_tune", env, rows_out, COLUMNS, args.out,

@@ -43,19 +43,24 @@ import mlx.core as mx
 MAX_ROWS = 16  # rows one call serves; larger inputs (prefill) take MLX's GEMM
 INPUT_DTYPES = (mx.float16, mx.bfloat16)  # the tensor cores' 16-bit input types
 MAX_SPLIT = 16  # warps per block along K: 512 threads, the most a block of this kernel's registers may have
-UNROLL = 4  # steps along K a warp's loop unrolls: how many of its weight loads are in flight at once
+UNROLL = 2  # steps along K a warp's loop unrolls: how many of its weight loads are in flight at once
+K_PER_LANE = 32  # elements of K (of one row) a lane reads per step where K allows: 16 bytes of weights
 
 
-def setting(n: int, k: int) -> tuple[int, int]:
-    """(TN, SPLIT) for an (n, k) weight: 16-column tiles per warp and warps per block along K.
+def setting(n: int, k: int, tiles: int = 1) -> tuple[int, int, int]:
+    """(TN, SPLIT, KL) for an (n, k) weight: 16-row tiles per warp, warps per block along K, and
+    elements of K a lane reads per step.
 
-    One tile per warp and MAX_SPLIT warps along K (at most one per 64-element slice of
-    K): the most loads in flight. On an H100 every decode matrix of an 8B model ran
-    fastest so, 19-35% faster than two tiles per warp with the grid sized to the
-    resident warps (`benchmarks.qgemv_tune`, results/h100/qgemv_tune.md). Depends on
-    the shape only, never on the rows.
+    One tile per warp (`tiles` 2: `qgemv_swiglu`'s gate and up) and MAX_SPLIT warps along
+    K, at most one per step of K: the most loads in flight. KL 32 (16-byte loads) where K
+    is a multiple of 128 and a warp holds one tile, else 16. On an H100 every decode
+    matrix of an 8B model ran fastest so (`benchmarks.qgemv_tune`, results/h100/qgemv_tune*.md):
+    one tile and 16 warps took 19-35% off two tiles with the grid sized to the resident
+    warps; 16-byte loads took 10-18% more off q/k/v, o and down, and cost gate/up 11%.
+    Depends on the shape only, never on the rows.
     """
-    return 1, max(1, min(MAX_SPLIT, k // 64))
+    kl = K_PER_LANE if tiles == 1 and k % (4 * K_PER_LANE) == 0 else 16
+    return tiles, max(1, min(MAX_SPLIT, k // (4 * kl))), kl
 
 
 _BODY = r"""
@@ -65,7 +70,7 @@ _BODY = r"""
     for (int i = 0; i < x_ndim - 1; ++i) {
         M *= x_shape[i];
     }
-    const int wpr = K / 8, gpr = K / G, steps = K / 64;
+    const int wpr = K / 8, gpr = K / G, steps = K / (4 * KL);  // a warp's step: 4 lanes of KL elements of K
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     // this block's tiles: tile tn reads rows [row0[tn], row0[tn] + 16) of (wt, st, bt)[tn], N rows in all
@@ -75,6 +80,7 @@ _BODY = r"""
     int row0[TN];
     int N;
     PICK
+    constexpr int NJ = KL / 4;  // tensor-core products per step: 16 elements of K each
     float acc[TN][MT][4];
     #pragma unroll
     for (int i = 0; i < TN; ++i) {
@@ -85,46 +91,49 @@ _BODY = r"""
     }
     #pragma unroll UNROLL
     for (int s = warp; s < steps; s += SPLIT) {
-        const int k0 = s * 64 + t * 16;  // this lane's 16 elements of K
-        unsigned int xb[MT][4][2];  // B fragments of the 4 products: rows g (+ 8), K in the weights' order
+        const int k0 = s * 4 * KL + t * KL;  // this lane's KL elements of K (one quantization group: KL <= G)
+        unsigned int xb[MT][NJ][2];  // B fragments of the NJ products: rows g (+ 8), K in the weights' order
         #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
             const int m = g + 8 * mt;
-            uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
+            uint4 xv[KL / 8];  // 8 elements each
+            #pragma unroll
+            for (int i = 0; i < KL / 8; ++i) xv[i] = make_uint4(0, 0, 0, 0);
             if (m < M) {
                 const uint4* xp = reinterpret_cast<const uint4*>(x + (size_t)m * K + k0);
-                lo = xp[0];
-                hi = xp[1];
+                #pragma unroll
+                for (int i = 0; i < KL / 8; ++i) xv[i] = xp[i];
             }
-            xb[mt][0][0] = __byte_perm(lo.x, lo.z, 0x5410);  // (x0, x4)
-            xb[mt][0][1] = __byte_perm(lo.x, lo.z, 0x7632);  // (x1, x5)
-            xb[mt][1][0] = __byte_perm(lo.y, lo.w, 0x5410);  // (x2, x6)
-            xb[mt][1][1] = __byte_perm(lo.y, lo.w, 0x7632);  // (x3, x7)
-            xb[mt][2][0] = __byte_perm(hi.x, hi.z, 0x5410);
-            xb[mt][2][1] = __byte_perm(hi.x, hi.z, 0x7632);
-            xb[mt][3][0] = __byte_perm(hi.y, hi.w, 0x5410);
-            xb[mt][3][1] = __byte_perm(hi.y, hi.w, 0x7632);
+            #pragma unroll
+            for (int j = 0; j < NJ; ++j) {  // product j: elements 8 (j / 2) + {0, 4 | 1, 5} (j even) or {2, 6 | 3, 7}
+                const uint4 v = xv[j >> 1];
+                const unsigned int p = (j & 1) ? v.y : v.x, q = (j & 1) ? v.w : v.z;
+                xb[mt][j][0] = __byte_perm(p, q, 0x5410);  // (x0, x4) of the 8, or (x2, x6)
+                xb[mt][j][1] = __byte_perm(p, q, 0x7632);  // (x1, x5), or (x3, x7)
+            }
         }
         #pragma unroll
         for (int tn = 0; tn < TN; ++tn) {
             const int na = row0[tn] + g, nb = na + 8;  // rows g and g + 8 of the A fragments
-            uint2 wa = make_uint2(0, 0), wb = wa;
+            unsigned int wa[KL / 8], wb[KL / 8];  // 8 4-bit weights each
+            #pragma unroll
+            for (int i = 0; i < KL / 8; ++i) wa[i] = wb[i] = 0;
             unsigned int sa = 0, ba = 0, sb = 0, bb = 0;
             if (na < N) {
-                wa = *reinterpret_cast<const uint2*>(wt[tn] + (size_t)na * wpr + k0 / 8);
+                load_words<KL / 8>(wa, wt[tn] + (size_t)na * wpr + k0 / 8);
                 sa = st[tn][(size_t)na * gpr + k0 / G] * 0x10001u;
                 ba = bt[tn][(size_t)na * gpr + k0 / G] * 0x10001u;
             }
             if (nb < N) {
-                wb = *reinterpret_cast<const uint2*>(wt[tn] + (size_t)nb * wpr + k0 / 8);
+                load_words<KL / 8>(wb, wt[tn] + (size_t)nb * wpr + k0 / 8);
                 sb = st[tn][(size_t)nb * gpr + k0 / G] * 0x10001u;
                 bb = bt[tn][(size_t)nb * gpr + k0 / G] * 0x10001u;
             }
             #pragma unroll
-            for (int j = 0; j < 4; ++j) {
+            for (int j = 0; j < NJ; ++j) {
                 // product j: word j / 2; its nibbles (2 sub, 2 sub + 4) in slots (2t, 2t + 1) and
                 // (2 sub + 1, 2 sub + 5) in slots (2t + 8, 2t + 9), sub = j % 2 (matching xb above)
-                const unsigned int qa = j < 2 ? wa.x : wa.y, qb = j < 2 ? wb.x : wb.y;
+                const unsigned int qa = wa[j >> 1], qb = wb[j >> 1];
                 const int shift = (j & 1) * 8;
                 unsigned int a[4];
                 a[0] = dequant2(qa >> shift, sa, ba);
@@ -259,6 +268,18 @@ __device__ __forceinline__ unsigned int dequant2(unsigned int x, unsigned int s,
     return r;
 }
 
+// n consecutive words from p (8-byte aligned for n = 2, 16-byte for n = 4) in one load
+template <int n>
+__device__ __forceinline__ void load_words(unsigned int* w, const unsigned int* p) {
+    if constexpr (n == 4) {
+        const uint4 v = *reinterpret_cast<const uint4*>(p);
+        w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+    } else {
+        const uint2 v = *reinterpret_cast<const uint2*>(p);
+        w[0] = v.x; w[1] = v.y;
+    }
+}
+
 // silu(g) u as MLX computes `nn.silu(gate) * up` in T (sigmoid as MLX-CUDA's): each operation rounded to T
 template <typename T>
 __device__ __forceinline__ T silu_mul(T g, T u) {
@@ -371,9 +392,9 @@ def _make_launch(x, weights, group_size: int, swiglu: bool, mt: int, extra: str)
     if extra == "add" and len(weights) != 1:
         raise ValueError(f"qgemv adds to the product of one weight; got {len(weights)}")
     n = [w.shape[0] for w, _, _ in weights]
-    tn, split = setting(sum(n), k)
-    if swiglu:  # tile 0 from the gate, tile 1 from the up weight: 16 rows of each per block, whatever `setting` says
-        tn, blocks, starts = 2, -(-n[0] // 16), []
+    tn, split, kl = setting(sum(n), k, 2 if swiglu else 1)
+    if swiglu:  # tile 0 from the gate, tile 1 from the up weight: 16 rows of each per block
+        blocks, starts = -(-n[0] // 16), []
     else:
         per = [-(-ni // (16 * tn)) for ni in n]
         blocks, starts = sum(per), [sum(per[:i]) for i in range(1, len(per))]
@@ -381,7 +402,8 @@ def _make_launch(x, weights, group_size: int, swiglu: bool, mt: int, extra: str)
     name = (bf, len(weights), swiglu, extra)
     if name not in _kernels:
         _kernels[name] = _kernel(*name)
-    template = [("T", x.dtype), ("G", group_size), ("TN", tn), ("MT", mt), ("SPLIT", split), ("UNROLL", UNROLL)]
+    template = [("T", x.dtype), ("G", group_size), ("TN", tn), ("MT", mt), ("SPLIT", split), ("UNROLL", UNROLL),
+                ("KL", kl)]
     template += [(f"B{i + 1}", b) for i, b in enumerate(starts)]
     return _kernels[name], dict(template=template, grid=(blocks * split * 32, 1, 1), threadgroup=(split * 32, 1, 1),
                                 output_dtypes=[x.dtype] * (1 if swiglu else len(weights)))

@@ -187,8 +187,10 @@ def test_the_gemv_launch_follows_the_weight_shape_alone_and_refuses_what_it_cann
     """`qgemv.setting` (which fixes a row's summation order) sees only (N, K); layers the kernel cannot read
     are routed to MLX's matmul, and a direct call with them says why (checked before any launch)."""
     for n, k in [(96, 1536), (1024, 4096), (4096, 4096), (14336, 4096), (4096, 14336), (128256, 4096), (49152, 576)]:
-        tn, split = qgemv.setting(n, k)
-        assert (tn, split) == (1, min(qgemv.MAX_SPLIT, k // 64))
+        tn, split, kl = qgemv.setting(n, k)
+        assert kl == (32 if k % 128 == 0 else 16)  # 16-byte loads where K allows them
+        assert (tn, split) == (1, min(qgemv.MAX_SPLIT, k // (4 * kl)))
+        assert qgemv.setting(n, k, 2) == (2, min(qgemv.MAX_SPLIT, k // 64), 16)  # gate/up: two tiles, 8-byte loads
     assert qgemv.supports_weights(4, 64, "affine", True, 576) and not qgemv.supports_weights(4, 32, "affine", True, 608)
     assert not qgemv.supports_weights(8, 64, "affine", True, 4096) and not qgemv.supports_weights(4, 64, "mxfp4", True, 4096)
     w, s, b = mx.quantize(mx.zeros((64, 96)), group_size=32, bits=4)
