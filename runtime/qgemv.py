@@ -56,7 +56,7 @@ def setting(n: int, k: int, tiles: int = 1) -> tuple[int, int, int]:
     is a multiple of 128 and a warp holds one tile, else 16. On an H100 every decode
     matrix of an 8B model ran fastest so (`benchmarks.qgemv_tune`, results/h100/qgemv_tune*.md):
     one tile and 16 warps took 19-35% off two tiles with the grid sized to the resident
-    warps; 16-byte loads took 10-18% more off q/k/v, o and down, and cost gate/up 11%.
+    warps; 16-byte loads took 8-18% more off q/k/v, o and down, and cost gate/up 11%.
     Depends on the shape only, never on the rows.
     """
     kl = K_PER_LANE if tiles == 1 and k % (4 * K_PER_LANE) == 0 else 16
