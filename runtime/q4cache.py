@@ -259,7 +259,7 @@ class BatchQuantizedKVCache(_BaseCache):
         self.keys = None  # (words, scales, biases), each (B, H, allocated, ...)
         self._owned = True  # whether only this cache holds its buffers (see `_own`)
         self.values = None
-        self.left_padding = _row_array(list(left_padding))
+        self.left_padding = _row_array([int(p) for p in left_padding])
         self._padded = any(left_padding)
         self.offset = _shared("negated", (self.left_padding,), None, lambda: -self.left_padding)
         self._idx = 0
