@@ -258,6 +258,7 @@ class BatchQuantizedKVCache(_BaseCache):
         self.route = check_route(route or default_route())
         self.keys = None  # (words, scales, biases), each (B, H, allocated, ...)
         self._owned = True  # whether only this cache holds its buffers (see `_own`)
+        self._pending = None  # the result of the last in-place write (`_packs_in_place`)
         self.values = None
         self.left_padding = _row_array([int(p) for p in left_padding])
         self._padded = any(left_padding)
@@ -285,8 +286,11 @@ class BatchQuantizedKVCache(_BaseCache):
 
         Keys and values are rotated first if the scheme rotates (`runtime.attention.sdpa`
         rotates queries and outputs to match). Returns packed tuples under the
-        "quantized" route, else 16-bit arrays (the dequantized cache including the
-        new tokens, still rotated).
+        "quantized" route; for a decode step that attention reads with the kernel (the
+        "q4kernel" route, when `make_mask` gave a `RowRange`), the whole packed buffers,
+        the keys' tuple carrying a fourth array, the in-place write's result
+        (`_packs_in_place`), which the kernel takes as an input; else 16-bit arrays (the
+        dequantized cache including the new tokens, still rotated).
         """
         B, H, N, Dk = keys.shape
         Dv = values.shape[-1]
@@ -298,19 +302,21 @@ class BatchQuantizedKVCache(_BaseCache):
                     "use a group size that divides it (32 or 64)"
                 )
         prev = self._idx
+        kernel = self._kernel_decode(N)  # as `make_mask` decided, before this update: the attention's route
         self._reserve(B, H, Dk, Dv, keys.dtype, prev + N)
-        if self._packs_in_place(keys, values):
-            written = q4pack.pack_kv_into(keys, values, self.scheme, self.keys, self.values, prev + N)
+        if kernel and self._packs_in_place(keys, values):
+            self._pending = q4pack.pack_kv_into(keys, values, self.scheme, self.keys, self.values, prev + N)
             self._idx += N
             self._advance(N)
-            return (*self.keys, written), self.values  # the kernel reads the buffers after `written`
+            return (*self.keys, self._pending), self.values  # the kernel reads the buffers after the write
         new_k, new_v = self._packed(keys, values)
+        self._settle()
         self._own()  # else the slice updates would change the agent's arrays (Python objects both hold)
         for dst, src in zip(self.keys + self.values, new_k + new_v):
             dst[:, :, prev : prev + N] = src  # (B, H, W, ...): plain slices index faster than an ellipsis
         self._idx += N
         self._advance(N)
-        return self._fetch(new_k, new_v)
+        return self._fetch(new_k, new_v, kernel)
 
     def _advance(self, n: int) -> None:
         """Add `n` to every row's position (one array for all the layers: `_shared`)."""
@@ -318,20 +324,29 @@ class BatchQuantizedKVCache(_BaseCache):
         self.offset = _shared("advanced", (offset,), n, lambda: offset + n)
 
     def _packs_in_place(self, keys, values) -> bool:
-        """Whether this update packs its new tokens into the buffers in place (`q4pack.pack_kv_into`).
+        """Whether a decode step whose attention is the kernel packs its tokens into the buffers in place
+        (`q4pack.pack_kv_into`).
 
-        Decode steps of the "q4kernel" route whose attention is the kernel: it is their
-        only reader, and takes the write's result as an input. Other updates (prefill
-        chunks, whose attention dequantizes the buffers with MLX's own ops) write through
-        slice updates, which MLX orders itself. The first such write makes the buffers
-        the cache's own (`_own`).
+        The kernel is the step's only reader of the buffers and takes the write's result
+        as an input. Other updates (prefill chunks, whose attention dequantizes the
+        buffers with MLX's own ops) write through slice updates, which MLX orders itself.
+        Whatever else reads the buffers later (`_settle`) or evaluates the cache (`state`)
+        sees the write. The first such write makes the buffers the cache's own (`_own`).
         """
-        N = keys.shape[2]
-        if not (self._kernel_decode(N) and self.keys[1].dtype == keys.dtype
-                and q4pack.serves(self.scheme, keys, values)):
+        if not (self.keys[1].dtype == keys.dtype and q4pack.serves(self.scheme, keys, values)):
             return False
         self._own()
         return True
+
+    def _settle(self) -> None:
+        """Queue the last in-place write for the device, if it is not yet, before anything else reads the buffers.
+
+        MLX-CUDA orders the kernels of one evaluation by the arrays they list, and the
+        write lists the buffers as inputs only; a later evaluation runs after it. The
+        engine queues every step before it touches the cache again, so this is then free.
+        """
+        if self._pending is not None:
+            mx.async_eval(self._pending)
 
     def _own(self) -> None:
         """Copy the buffers once if they are arrays from outside (a merged agent's own), before the first write."""
@@ -354,6 +369,7 @@ class BatchQuantizedKVCache(_BaseCache):
         allocated = 0 if self.keys is None else self.keys[0].shape[2]
         if needed <= allocated:
             return
+        self._settle()
         grow = _grown(needed) - self._idx
         g = self.scheme.group_size
 
@@ -376,10 +392,10 @@ class BatchQuantizedKVCache(_BaseCache):
     def _grown(self, packed, extra):
         return tuple(mx.concatenate([x[..., : self._idx, :], e], axis=2) for x, e in zip(packed, extra))
 
-    def _fetch(self, new_k, new_v):
+    def _fetch(self, new_k, new_v, kernel: bool):
         N = new_k[0].shape[2]
         if self.route == "q4kernel":
-            if self._kernel_decode(N):
+            if kernel:
                 return self.keys, self.values  # whole buffers: make_mask gives each row's columns
             if self._whole_width(N):
                 return _working_copy((self.keys, self.values), self.scheme, self.keys[0].shape[2] + DENSE_EXTRA)
@@ -432,6 +448,7 @@ class BatchQuantizedKVCache(_BaseCache):
         """The packed (keys, values) of the used columns [0, size())."""
         if self.keys is None:
             return None, None
+        self._settle()
         return (
             _map(lambda x: x[..., : self._idx, :], self.keys),
             _map(lambda x: x[..., : self._idx, :], self.values),
@@ -540,6 +557,7 @@ class BatchQuantizedKVCache(_BaseCache):
     def _extract(self, i: int, drop: int, pad: int, offset: int) -> AgentKVCache:
         """`extract` with the row's padding and offset given, unevaluated."""
         out = layer_cache(self.scheme)
+        self._settle()
         end = self._idx - drop
         if self.keys is None or pad >= end:
             return out
@@ -558,6 +576,7 @@ class BatchQuantizedKVCache(_BaseCache):
         rows' left padding, if the caller knows it (saves a wait for the device).
         """
         keep = list(keep)
+        self._settle()
         if keep and keep == list(range(keep[0], keep[-1] + 1)):
             idx = slice(keep[0], keep[-1] + 1)  # a run of rows: views, no copy
         else:
@@ -593,6 +612,8 @@ class BatchQuantizedKVCache(_BaseCache):
         """Append the rows of `other` (same `KVScheme`) after this batch's rows."""
         if other.scheme != self.scheme:
             raise Q4CacheError(f"cannot extend a {self.scheme.name} batch with a {other.scheme.name} one")
+        self._settle()
+        other._settle()
         if other.keys is None and self.keys is None:
             self.left_padding = _joined(self.left_padding, other.left_padding)
             self._padded = any(self.left_padding.tolist())
@@ -647,8 +668,9 @@ class BatchQuantizedKVCache(_BaseCache):
 
     @property
     def state(self):
-        """(keys, values, offset, left_padding): the arrays to evaluate after a step."""
-        return self.keys, self.values, self.offset, self.left_padding
+        """(keys, values, offset, left_padding, pending): the arrays to evaluate after a step. `pending` is
+        the last in-place write's result (evaluating it runs the write) or an empty tuple."""
+        return self.keys, self.values, self.offset, self.left_padding, () if self._pending is None else self._pending
 
     @property
     def nbytes(self) -> int:

@@ -186,7 +186,7 @@ def pack_kv_into(keys, values, scheme: KVScheme, key_buffers, value_buffers, end
     W, N = key_buffers[0].shape[2], keys.shape[2]
     if not N <= end <= W:
         raise ValueError(f"pack_kv_into writes columns [end - {N}, end) of buffers {W} wide; got end {end}")
-    return _kernel(True)(inputs=[keys, values, *key_buffers, *value_buffers, q4sdpa.meta(end)], **args)[0]
+    return _kernel(True)(inputs=[keys, values, *key_buffers, *value_buffers, q4sdpa.meta(end, 0)], **args)[0]
 
 
 def _kernel(into: bool):

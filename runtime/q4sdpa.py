@@ -429,7 +429,8 @@ def meta(end: int, window: int = 0):
     """The kernels' int32 parameters [end, window] as a device array (see `q4_decode_sdpa`).
 
     The same array for the same arguments while they are recent: a decode step's 32
-    layers (and `q4pack.pack_kv_into`, which reads `end`) share one.
+    layers share one, and so does `q4pack.pack_kv_into` (which reads `end`) with the
+    layers without a window. Call it with both arguments for that (the cache keys on them).
     """
     return mx.array([end, window], dtype=mx.int32)
 

@@ -23,9 +23,9 @@ dequantizes its 4-bit weights two at a time straight into fragment layout (a
 nibble pair under a magic exponent, then one exact subtraction and one fused
 multiply-add with the group's scale and bias, in the input's 16-bit type), and
 reads its input values in the order those weights land in. A block owns 16 * TN
-output columns; its SPLIT warps take interleaved 64-element slices of K and add
-their partial sums in shared memory in warp order. TN and SPLIT follow from the
-matrix's shape alone (`setting`). So row m's result is built in the same order
+output columns; its SPLIT warps take interleaved slices of K (4 lanes of KL
+elements each: 64 or 128) and add their partial sums in shared memory in warp
+order. TN, SPLIT and KL follow from the matrix's shape alone (`setting`). So row m's result is built in the same order
 from row m's input and the weights whatever the other rows hold and however many
 there are: bitwise the same at batch 1 and batch 16.
 
