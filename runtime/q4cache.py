@@ -304,6 +304,7 @@ class BatchQuantizedKVCache(_BaseCache):
         prev = self._idx
         kernel = self._kernel_decode(N)  # as `make_mask` decided, before this update: the attention's route
         self._reserve(B, H, Dk, Dv, keys.dtype, prev + N)
+        self._own()  # else a write would change a merged agent's arrays (Python objects both hold)
         if kernel and self._packs_in_place(keys, values):
             self._pending = q4pack.pack_kv_into(keys, values, self.scheme, self.keys, self.values, prev + N)
             self._idx += N
@@ -311,7 +312,6 @@ class BatchQuantizedKVCache(_BaseCache):
             return (*self.keys, self._pending), self.values  # the kernel reads the buffers after the write
         new_k, new_v = self._packed(keys, values)
         self._settle()
-        self._own()  # else the slice updates would change the agent's arrays (Python objects both hold)
         for dst, src in zip(self.keys + self.values, new_k + new_v):
             dst[:, :, prev : prev + N] = src  # (B, H, W, ...): plain slices index faster than an ellipsis
         self._idx += N
@@ -331,12 +331,9 @@ class BatchQuantizedKVCache(_BaseCache):
         as an input. Other updates (prefill chunks, whose attention dequantizes the
         buffers with MLX's own ops) write through slice updates, which MLX orders itself.
         Whatever else reads the buffers later (`_settle`) or evaluates the cache (`state`)
-        sees the write. The first such write makes the buffers the cache's own (`_own`).
+        sees the write.
         """
-        if not (self.keys[1].dtype == keys.dtype and q4pack.serves(self.scheme, keys, values)):
-            return False
-        self._own()
-        return True
+        return self.keys[1].dtype == keys.dtype and q4pack.serves(self.scheme, keys, values)
 
     def _settle(self) -> None:
         """Queue the last in-place write for the device, if it is not yet, before anything else reads the buffers.
@@ -349,7 +346,7 @@ class BatchQuantizedKVCache(_BaseCache):
             mx.async_eval(self._pending)
 
     def _own(self) -> None:
-        """Copy the buffers once if they are arrays from outside (a merged agent's own), before the first write."""
+        """Copy the buffers once if they are arrays from outside (a merged agent's own): before the first write."""
         if not self._owned:
             self.keys, self.values = _map(_copied, self.keys), _map(_copied, self.values)
             self._owned = True
