@@ -57,7 +57,7 @@ RUNTIME_OPTIONS = options({
     "kv_bits": (st.sampled_from([None, 4, 8]), st.sampled_from([3, 4.0, "4", True])),
     "kv_group_size": (st.sampled_from([None, 32, 64]), st.sampled_from([48, 16, 64.0, "64", True])),
     "memory_budget": (st.sampled_from([None, 1 << 30, 1, 4096]), st.sampled_from([0, -5, 2.5e9, "1G"])),
-    "hot_budget": (st.sampled_from([0, 1 << 20, 1 << 30]), st.sampled_from([-1, 1.5, "big"])),
+    "hot_budget": (st.sampled_from([None, 0, 1 << 20, 1 << 30]), st.sampled_from([-1, 1.5, "big"])),
     "durability": (st.sampled_from(["durable", "memory"]), st.sampled_from(["eventually", ["durable"]])),
     "max_batch": (st.integers(1, 16), st.sampled_from([0, -1, 2.0, "8"])),
     "route": (st.sampled_from([None, "quantized", "dequant", "dequant_once"]), st.sampled_from(["nope", "Quantized"])),
@@ -87,7 +87,7 @@ def runtime_valid(o) -> bool:
             and (get("kv_group_size", None) is None
                  or (is_int(o["kv_group_size"]) and o["kv_group_size"] in (32, 64, 128)))
             and positive_or_none(get("memory_budget", None))
-            and is_int(get("hot_budget", 0)) and get("hot_budget", 0) >= 0
+            and (get("hot_budget", None) is None or (is_int(o["hot_budget"]) and o["hot_budget"] >= 0))
             and isinstance(get("durability", "durable"), str) and get("durability", "durable") in ("durable", "memory")
             and is_int(get("max_batch", 8)) and get("max_batch", 8) >= 1
             and (get("route", None) is None or get("route", None) in HERE_ROUTES)
