@@ -154,6 +154,14 @@ def device_profile(model, spec, cache, route, b, path, steps=20) -> None:
         mx.synchronize()
 
     records = traced_kernels(run)
+    text = kernel_table(records, steps, f"{steps} decode steps at batch {b}, queued like the engine", "step")
+    Path(path).write_text(text)
+    print("\n".join(text.splitlines()[:12]), flush=True)
+
+
+def kernel_table(records, n: int, title: str, unit: str) -> str:
+    """A markdown summary of CUPTI kernel `records` (`common.traced_kernels`) spread over `n` `unit`s:
+    device span and busy time per unit, then every kernel by name, the costliest first."""
     span = (records[-1][2] - records[0][1]) / 1e6 if records else 0.0
     busy, end = 0.0, 0
     for _, start, stop in records:  # merged intervals: overlapping kernels count once
@@ -162,14 +170,13 @@ def device_profile(model, spec, cache, route, b, path, steps=20) -> None:
     by_name = collections.defaultdict(list)
     for name, start, stop in records:
         by_name[_kernel_name(name)].append((stop - start) / 1e3)
-    lines = [f"{steps} decode steps at batch {b}, queued like the engine; CUPTI kernel records: {len(records)}",
-             f"per step: device span {span / steps:.3f} ms, busy {busy / steps:.3f} ms "
-             f"(idle between kernels {(span - busy) / steps:.3f} ms), kernels {len(records) / steps:.1f}", "",
-             "| kernel | per step | us per step | us each (median) |", "|---|---|---|---|"]
+    lines = [f"{title}; CUPTI kernel records: {len(records)}",
+             f"per {unit}: device span {span / n:.3f} ms, busy {busy / n:.3f} ms "
+             f"(idle between kernels {(span - busy) / n:.3f} ms), kernels {len(records) / n:.1f}", "",
+             f"| kernel | per {unit} | us per {unit} | us each (median) |", "|---|---|---|---|"]
     for name, times in sorted(by_name.items(), key=lambda kv: -sum(kv[1])):
-        lines.append(f"| {name} | {len(times) / steps:.1f} | {sum(times) / steps:.1f} | {statistics.median(times):.2f} |")
-    Path(path).write_text("\n".join(lines) + "\n")
-    print("\n".join(lines[:12]), flush=True)
+        lines.append(f"| {name} | {len(times) / n:.1f} | {sum(times) / n:.1f} | {statistics.median(times):.2f} |")
+    return "\n".join(lines) + "\n"
 
 
 def op_cost(make, n=400, reps=5):

@@ -57,7 +57,7 @@ def main(argv=None) -> int:
         for rows_, _, sec in list(engine.stats.decode_steps)[steps:]:
             if sec * 1e3 > args.slow:
                 rows.append(dict(round=r, kind="decode", rows_or_tokens=rows_, width="", ms=sec * 1e3, new_shapes=""))
-        for tokens, context, sec in list(engine.stats.prefill_chunks)[chunks:]:
+        for tokens, context, sec, _ in list(engine.stats.prefill_chunks)[chunks:]:
             if sec * 1e3 > args.slow:
                 rows.append(dict(round=r, kind="prefill", rows_or_tokens=tokens, width=context, ms=sec * 1e3,
                                  new_shapes=""))

@@ -11,11 +11,16 @@ cache as the engine merges it (the merge is not timed):
   dense product by itself, as before launches were grouped), and its host share;
 - chunk, no wait for older products: `prepare.DENSE_IN_FLIGHT` so large that the
   host never waits for the device while it queues the chunk (more memory);
+- one chunk shared by --rows turns: that many agents' messages (of the agent's
+  cache each) in one forward pass, right-aligned, as the engine shares a chunk
+  among turns that wait together;
 - chunk, quantized matmul: prepare's dequantize-then-GEMM path off, so MLX's
   quantized matmul takes the rows;
 - host share: building and queueing the chunk (the time to the last launch);
 - linears alone: the chunk's products (every linear layer of the model, on
-  random inputs of the chunk's rows), as prepared.
+  random inputs of the chunk's rows), as prepared;
+- with --device-profile (CUDA, the `cupti-python` package): every kernel of 5
+  chunks by name, device time per chunk (`<name>-device-profile.md`).
 
     python -m benchmarks.hot_chunk --model llama-8b-shape            # GPU
 """
@@ -28,7 +33,8 @@ import time
 import mlx.core as mx
 import mlx.nn as nn
 
-from benchmarks.common import bench_parser, environment, load_bench_model, write_results
+from benchmarks.anatomy import kernel_table
+from benchmarks.common import bench_parser, environment, load_bench_model, traced_kernels, write_results
 from benchmarks.profile import prefilled
 from runtime import prepare
 from runtime.prepare import last_logits
@@ -56,6 +62,24 @@ def chunk_runner(model, spec, route, agent, tokens, host_only: bool = False):
         mx.eval(logits, [c.state for c in cache])
         mx.synchronize()
         return (queued if host_only else time.perf_counter()) - t0
+    return run
+
+
+def shared_runner(model, spec, route, agent, tokens, rows: int):
+    """A function that feeds `rows` agents' messages (`agent`'s cache each, messages 9 tokens apart in
+    length, the longest `tokens`) in one chunk as the engine shares it, and returns its seconds."""
+    lead = [9 * i for i in range(rows)]
+    inputs = mx.stack([tokens] * rows)  # a row's padding queries may hold any tokens
+
+    def run():
+        cache = merge_caches(spec, [agent] * rows, route, lead)
+        mx.eval([c.state for c in cache])
+        mx.synchronize()
+        t0 = time.perf_counter()
+        logits = last_logits(model, inputs, cache, tokens.size - 1)
+        mx.eval(logits, [c.state for c in cache])
+        mx.synchronize()
+        return time.perf_counter() - t0
     return run
 
 
@@ -87,6 +111,9 @@ def main(argv=None) -> int:
     ap = bench_parser(__doc__)
     ap.add_argument("--context", type=int, default=3072, help="tokens in the agent's cache (default: %(default)s)")
     ap.add_argument("--tokens", type=int, default=256, help="tokens in the chunk (default: %(default)s)")
+    ap.add_argument("--rows", type=int, default=5, help="turns sharing a chunk (default: %(default)s)")
+    ap.add_argument("--device-profile", action="store_true",
+                    help="also write a CUPTI trace summary of 5 chunks (<name>-device-profile.md; CUDA, cupti-python)")
     args = ap.parse_args(argv)
     env = environment()
     print(env, flush=True)
@@ -102,6 +129,15 @@ def main(argv=None) -> int:
         print(rows[-1], flush=True)
 
     add("chunk", timed_runs(chunk_runner(model, spec, route, agent, tokens)), f"route {route}")
+    name = args.name or f"hot_chunk-{args.model}"
+    if args.device_profile:  # the chunk as the engine runs it, before the variants below change the model
+        run = chunk_runner(model, spec, route, agent, tokens)
+        records = traced_kernels(lambda: [run() for _ in range(5)])
+        text = kernel_table(records, 5, f"5 chunks of {args.tokens} tokens after {args.context} (each with its "
+                                        f"merge), route {route}", "chunk")
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"{name}-device-profile.md").write_text(text)
+        print(text, flush=True)
     add("host share (build + queue)", timed_runs(chunk_runner(model, spec, route, agent, tokens, host_only=True)))
     group = prepare.DENSE_LAUNCH
     prepare.DENSE_LAUNCH = 1
@@ -112,6 +148,8 @@ def main(argv=None) -> int:
     prepare.DENSE_IN_FLIGHT = 10**6
     add("chunk, no wait for older products", timed_runs(chunk_runner(model, spec, route, agent, tokens)))
     prepare.DENSE_IN_FLIGHT = bound
+    add(f"one chunk shared by {args.rows} turns", timed_runs(shared_runner(model, spec, route, agent, tokens, args.rows)),
+        f"{args.rows} messages of {args.tokens} to {args.tokens - 9 * (args.rows - 1)} tokens, right-aligned")
     run, n = linears_runner(model, args.tokens)
     add("linears alone", timed_runs(run), f"{n} products of {args.tokens} rows")
     dense = [m for _, m in model.named_modules() if getattr(m, "_kvactors_dense", False)]
@@ -120,7 +158,7 @@ def main(argv=None) -> int:
     add("chunk, quantized matmul", timed_runs(chunk_runner(model, spec, route, agent, tokens)),
         f"{len(dense)} layers off the dense path")
     add("linears alone, quantized matmul", timed_runs(run))
-    write_results(args.name or f"hot_chunk-{args.model}", env, rows, COLUMNS, args.out,
+    write_results(name, env, rows, COLUMNS, args.out,
                   notes=f"KV scheme {spec.kv_scheme.name}; median of 5 runs after 2, device synchronized around each.")
     return 0
 

@@ -100,12 +100,13 @@ def engine_profile(stats_list, seen=()) -> dict:
         build_p50_ms=statistics.median(b for _, b, _ in steps) * 1e3 if steps else 0,
         cold_chunks=len(cold), cold_chunk_s=sum(c[2] for c in cold), cold_tokens=sum(c[0] for c in cold),
         hot_chunks=len(hot), hot_chunk_s=sum(c[2] for c in hot), hot_tokens=sum(c[0] for c in hot),
+        hot_rows=sum(c[3] for c in hot),
         hot_chunk_p50_ms=statistics.median(c[2] for c in hot) * 1e3 if hot else 0,
         hot_chunk_max_ms=max((c[2] for c in hot), default=0) * 1e3,
         first_shapes=len(new), first_shape_s=sum(sec for _, sec in new),
         first_shapes_raw=[[list(shape), round(sec, 5)] for shape, sec in new],
         # raw, for a closer look in the JSON: every chunk, and every decode step
-        chunks_raw=[[n, ctx, round(sec, 5)] for n, ctx, sec in chunks],
+        chunks_raw=[[n, ctx, round(sec, 5), rows] for n, ctx, sec, rows in chunks],
         steps_raw=[[r, round(b, 5), round(t, 5)] for r, b, t in steps],
     )
 
@@ -228,7 +229,8 @@ def main(argv=None) -> int:
                         f"p50 {parts['step_p50_ms']:.1f} ms, p99 {parts['step_p99_ms']:.1f} ms, of which building the graph "
                         f"{parts['build_p50_ms']:.1f} ms (p50); {parts['cold_chunks']} cold prefill chunks "
                         f"({parts['cold_tokens']} tokens) {parts['cold_chunk_s']:.1f} s; {parts['hot_chunks']} prefill chunks "
-                        f"after a cache ({parts['hot_tokens']} tokens) {parts['hot_chunk_s']:.1f} s, p50 "
+                        f"after a cache ({parts['hot_rows']} turns' chunks, {parts['hot_tokens']} tokens) "
+                        f"{parts['hot_chunk_s']:.1f} s, p50 "
                         f"{parts['hot_chunk_p50_ms']:.0f} ms, max {parts['hot_chunk_max_ms']:.0f} ms; steps and chunks at a "
                         f"shape met for the first time in the process: {parts['first_shapes']} "
                         f"({parts['first_shape_s']:.1f} s). Tokens prefilled per "

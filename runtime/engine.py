@@ -3,10 +3,13 @@
 `Engine` knows nothing of actors: `submit` queues a `Turn`, each `step` does
 one decode step for every decoding row and then at most one prefill chunk, and
 returns the turns that finished (a `TurnResult`) or failed (a `TurnError`). A
-turn is admitted when the memory budget allows, prefilled alone in chunks (so
-a decoding row waits at most one chunk, and prefilling rows take turns chunk by
+turn is admitted when the memory budget allows, prefilled in chunks (so a
+decoding row waits at most one chunk, and prefilling rows take turns chunk by
 chunk: a short prompt never waits behind a long one's whole prefill), then joins the decode batch
-(`extend`) and leaves it when done (`filter` + `extract`).
+(`extend`) and leaves it when done (`filter` + `extract`). Turns whose whole
+prompt fits one chunk (an agent's next message) share that chunk when several
+wait: one forward pass for all, the rows' tokens right-aligned (`merge`'s `lead`),
+so that a round of agents costs one chunk's host work instead of one per agent.
 
 Everything runs on the thread that calls `step` (MLX streams are per thread);
 every array handed out (the result cache) is evaluated.
@@ -34,6 +37,7 @@ from runtime.q4cache import (
     extend_cache,
     extract_cache,
     filter_cache,
+    history_tokens,
     merge_caches,
     route_for,
 )
@@ -135,12 +139,12 @@ class EngineStats:
     """What the engine did, for profiles in place (the most recent 100,000 of each).
 
     `decode_steps`: (rows, graph-build seconds, total seconds) per decode step;
-    `prefill_chunks`: (tokens fed, tokens of context before, seconds) per chunk.
-    The build time is the Python side of a step (building MLX's graph), the rest
-    waits for the device.
+    `prefill_chunks`: (tokens fed, tokens of context before (the longest row's),
+    seconds, rows) per chunk. The build time is the Python side of a step (building
+    MLX's graph), the rest waits for the device.
 
     `shapes` counts the steps and chunks per shape: ("decode", rows, cache width)
-    or ("prefill", tokens fed with padding, cache width). A backend that sets up
+    or ("prefill", rows, tokens fed a row with padding, cache width). A backend that sets up
     kernels per shape (MLX-CUDA) pays once for each new one; `first_shapes`
     lists (shape, seconds) for each step or chunk that met its shape for the first time.
     """
@@ -352,7 +356,6 @@ class Engine:
             self.waiting.popleft()
             row.admitted = now
             row.pending = list(row.turn.tokens)
-            row.cache = merge_caches(self.spec, [row.turn.cache], self.route)
             row.detok = AnchoredDetokenizer(self.tokenizer, row.turn.tokens[-1])  # spelled in context
             if row.turn.sampling.temperature > 0:
                 row.key = mx.random.key(row.turn.sampling.seed)
@@ -362,52 +365,120 @@ class Engine:
     # -- prefill -------------------------------------------------------------------
 
     def _prefill_chunk(self):
-        """Prefill one chunk of the first prefilling row; rows take turns chunk by chunk.
+        """Prefill one chunk: the first prefilling row's, shared with rows behind it where they fit
+        (`_sharers`); rows take turns chunk by chunk.
 
         A row whose caller is gone (`abandoned`) is dropped before its chunk.
         """
         row = self.prefilling[0]
+        if row.turn.abandoned is not None and row.turn.abandoned():
+            self.prefilling.pop(0)
+            return [TurnAbandoned(row.turn.turn_id, "its caller gave up during the prefill")]
+        rows = self._sharers()
+        if len(rows) > 1:
+            return self._shared_chunk(rows)
         t0 = time.perf_counter()
         try:
-            if row.turn.abandoned is not None and row.turn.abandoned():
-                self.prefilling.pop(0)
-                return [TurnAbandoned(row.turn.turn_id, "its caller gave up during the prefill")]
+            if row.cache is None:
+                row.cache = merge_caches(self.spec, [row.turn.cache], self.route)
             context = row.cache[0].size()
             n = prefill_chunk_size(context, self.max_prefill_chunk)
             chunk, row.pending = row.pending[:n], row.pending[n:]
             pad = -len(chunk) % self.query_bucket  # see default_query_bucket
             logits = last_logits(self.model, mx.array(chunk + chunk[-1:] * pad)[None], row.cache, len(chunk) - 1)
-            shape = ("prefill", len(chunk) + pad, _width(row.cache))
+            shape = ("prefill", 1, len(chunk) + pad, _width(row.cache))
             for layer in row.cache:
                 layer.trim(pad)
             if row.pending:  # the logits stay unevaluated: MLX never computes them
                 mx.eval([c.state for c in row.cache])
-                row.prefill_s += self._chunk_done(t0, len(chunk), context, shape)
+                row.prefill_s += self._chunk_done(t0, len(chunk), context, shape, 1)
                 _report_progress(row)
                 self.prefilling.append(self.prefilling.pop(0))  # fair: the next row's chunk comes next
                 return []
             picks = self._sample([row], logits)
             mx.eval(picks, [c.state for c in row.cache])
             token = picks.tolist()[0]
-            row.prefill_s += self._chunk_done(t0, len(chunk), context, shape)
+            row.prefill_s += self._chunk_done(t0, len(chunk), context, shape, 1)
             row.first_token = time.perf_counter()
             _report_progress(row)
         except Exception as e:
             self.prefilling.pop(0)
             return [TurnError(row.turn.turn_id, f"prefill failed: {type(e).__name__}: {e}")]
         self.prefilling.pop(0)
+        cache, row.cache = row.cache, None
+        return self._join([row], cache, [token])
+
+    def _sharers(self) -> list:
+        """The first prefilling row, and the rows behind it that share its chunk.
+
+        Rows share a chunk when it is each one's whole prompt (its first and last) and
+        their prompts round up to one length L (the query bucket, `default_query_bucket`),
+        so that none computes more padding than alone. Their tokens are right-aligned in
+        `rows` x L query slots (at most `max_prefill_chunk`): a shorter row's padding
+        queries sit over the last columns of its history, which must hold that many
+        tokens (`merge`'s `lead`).
+        """
+        first = self.prefilling[0]
+        width = _bucketed(len(first.pending), self.query_bucket)
+        rows = []
+        for row in self.prefilling:
+            if (row.cache is None and _bucketed(len(row.pending), self.query_bucket) == width
+                    and width <= prefill_chunk_size(cache_tokens(row.turn.cache), self.max_prefill_chunk)
+                    and width - len(row.pending) <= history_tokens(row.turn.cache)
+                    and (len(rows) + 1) * width <= self.max_prefill_chunk
+                    and (row is first or row.turn.abandoned is None or not row.turn.abandoned())):
+                rows.append(row)
+            elif row is first:
+                break
+        return rows or [first]
+
+    def _shared_chunk(self, rows):
+        """Prefill `rows` (from `_sharers`) in one chunk; they join the decode batch together."""
+        t0 = time.perf_counter()
+        for row in rows:
+            self.prefilling.remove(row)
+        try:
+            width = _bucketed(max(len(r.pending) for r in rows), self.query_bucket)
+            lead = [width - len(r.pending) for r in rows]
+            cache = merge_caches(self.spec, [r.turn.cache for r in rows], self.route, lead)
+            tokens = mx.array([r.pending[:1] * n + r.pending for r, n in zip(rows, lead)])
+            logits = last_logits(self.model, tokens, cache, width - 1)
+            shape = ("prefill", len(rows), width, _width(cache))
+            picks = self._sample(rows, logits)
+            mx.eval(picks, [c.state for c in cache])
+            firsts = picks.tolist()
+            seconds = self._chunk_done(t0, sum(len(r.pending) for r in rows),
+                                       max(cache_tokens(r.turn.cache) for r in rows), shape, len(rows))
+        except Exception as e:
+            return [TurnError(r.turn.turn_id, f"prefill failed: {type(e).__name__}: {e}") for r in rows]
+        now, kept, failed = time.perf_counter(), [], []
+        for i, row in enumerate(rows):
+            row.pending, row.prefill_s, row.first_token = [], row.prefill_s + seconds, now
+            try:
+                _report_progress(row)
+                kept.append(i)
+            except Exception as e:
+                failed.append(TurnError(row.turn.turn_id, f"prefill failed: {type(e).__name__}: {e}"))
+        if len(kept) < len(rows):
+            if not kept:
+                return failed
+            filter_cache(cache, kept)
+        return failed + self._join([rows[i] for i in kept], cache, [firsts[i] for i in kept])
+
+    def _join(self, rows, cache, tokens):
+        """Rows whose prefill ended (their batch `cache`, their first tokens) join the decode batch."""
         if self.batch is None:
-            self.batch = row.cache
+            self.batch = cache
         else:
-            extend_cache(self.batch, row.cache)  # lazily, after the step in flight
-        row.cache = None
-        self.decoding.append(row)
+            extend_cache(self.batch, cache)  # lazily, after the step in flight
+        self.decoding += rows
         if self._next is not None:
-            # join the step in flight's output: the next step feeds this token too, and
-            # the row takes it with the others' (no wait for the device, no extra step)
-            self._next = mx.concatenate([self._next, mx.array([token], dtype=self._next.dtype)])
+            # join the step in flight's output: the next step feeds these tokens too, and
+            # the rows take them with the others' (no wait for the device, no extra step)
+            self._next = mx.concatenate([self._next, mx.array(tokens, dtype=self._next.dtype)])
             return []
-        return self._accept([(len(self.decoding) - 1, token)], fed=False)
+        first = len(self.decoding) - len(rows)
+        return self._accept(list(enumerate(tokens, first)), fed=False)
 
     # -- decode -------------------------------------------------------------------
 
@@ -445,9 +516,9 @@ class Engine:
         mx.async_eval(picks, [c.state for c in self.batch])
         return picks
 
-    def _chunk_done(self, t0, tokens, context, shape):
+    def _chunk_done(self, t0, tokens, context, shape, rows):
         seconds = time.perf_counter() - t0
-        self.stats.prefill_chunks.append((tokens, context, seconds))
+        self.stats.prefill_chunks.append((tokens, context, seconds, rows))
         self.stats.count_shape(shape, seconds)
         return seconds
 
@@ -557,6 +628,11 @@ def _width(cache) -> int:
     layer = cache[0] if cache else None
     keys = getattr(layer, "keys", None)
     return 0 if keys is None else keys[0].shape[2]
+
+
+def _bucketed(n: int, bucket: int) -> int:
+    """`n` rounded up to a multiple of `bucket`."""
+    return -(-n // bucket) * bucket
 
 
 def _report_progress(row):

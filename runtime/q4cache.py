@@ -143,6 +143,10 @@ def _map(fn, packed):
     return tuple(fn(x) for x in packed)
 
 
+def _map2(fn, a, b):
+    return tuple(fn(x, y) for x, y in zip(a, b))
+
+
 def _placed(packed, used: int, end: int, width: int):
     """The first `used` columns of `packed` placed to end at column `end` of `width` zero columns.
 
@@ -259,6 +263,7 @@ class BatchQuantizedKVCache(_BaseCache):
         self.keys = None  # (words, scales, biases), each (B, H, allocated, ...)
         self._owned = True  # whether only this cache holds its buffers (see `_own`)
         self._pending = None  # the result of the last in-place write (`_packs_in_place`)
+        self._lead = None  # per row, columns of history past size() that the next update keeps (`merge`)
         self.values = None
         self.left_padding = _row_array([int(p) for p in left_padding])
         self._padded = any(left_padding)
@@ -302,6 +307,9 @@ class BatchQuantizedKVCache(_BaseCache):
                     "use a group size that divides it (32 or 64)"
                 )
         prev = self._idx
+        if self._lead is not None and N <= max(self._lead):
+            raise Q4CacheError(f"this update must feed more than {max(self._lead)} tokens a row (the rows' lead, "
+                               f"see merge); got {N}")
         kernel = self._kernel_decode(N)  # as `make_mask` decided, before this update: the attention's route
         self._reserve(B, H, Dk, Dv, keys.dtype, prev + N)
         self._own()  # else a write would change a merged agent's arrays (Python objects both hold)
@@ -312,11 +320,27 @@ class BatchQuantizedKVCache(_BaseCache):
             return (*self.keys, self._pending), self.values  # the kernel reads the buffers after the write
         new_k, new_v = self._packed(keys, values)
         self._settle()
+        if self._lead is not None:
+            new_k, new_v = self._behind_lead(prev, N, new_k, new_v)
         for dst, src in zip(self.keys + self.values, new_k + new_v):
             dst[:, :, prev : prev + N] = src  # (B, H, W, ...): plain slices index faster than an ellipsis
         self._idx += N
         self._advance(N)
         return self._fetch(new_k, new_v, kernel)
+
+    def _behind_lead(self, prev: int, N: int, new_k, new_v):
+        """The packed new columns with each row's first `lead` of them taken from the buffers (its history)."""
+        history = (mx.arange(N)[None] < _row_array(self._lead)[:, None])[:, None, :, None]  # (B, 1, N, 1)
+        self._lead = None
+
+        def kept(dst, src):
+            return mx.where(history, dst[:, :, prev : prev + N], src)
+
+        return (_map2(kept, self.keys, new_k), _map2(kept, self.values, new_v))
+
+    def _unled(self, what: str) -> None:
+        if self._lead is not None:
+            raise Q4CacheError(f"cannot {what} a batch before the update its merge's lead is for")
 
     def _advance(self, n: int) -> None:
         """Add `n` to every row's position (one array for all the layers: `_shared`)."""
@@ -367,7 +391,7 @@ class BatchQuantizedKVCache(_BaseCache):
         if needed <= allocated:
             return
         self._settle()
-        grow = _grown(needed) - self._idx
+        grow = _grown(needed) - self._used()
         g = self.scheme.group_size
 
         def empty(d, bits):
@@ -387,7 +411,11 @@ class BatchQuantizedKVCache(_BaseCache):
             self.values = self._grown(self.values, values)
 
     def _grown(self, packed, extra):
-        return tuple(mx.concatenate([x[..., : self._idx, :], e], axis=2) for x, e in zip(packed, extra))
+        return tuple(mx.concatenate([x[..., : self._used(), :], e], axis=2) for x, e in zip(packed, extra))
+
+    def _used(self) -> int:
+        """Columns that hold tokens: size(), plus the history of rows with a lead (`merge`)."""
+        return self._idx + (max(self._lead) if self._lead is not None else 0)
 
     def _fetch(self, new_k, new_v, kernel: bool):
         N = new_k[0].shape[2]
@@ -502,43 +530,58 @@ class BatchQuantizedKVCache(_BaseCache):
 
     @classmethod
     def merge(cls, caches, scheme: KVScheme = KVScheme(), route: str | None = None,
-              keep: int | None = None, own_attention: bool = True):
+              keep: int | None = None, own_attention: bool = True, lead=None):
         """One batch from per-agent `QuantizedKVCache`s (None or empty: no history).
 
         Rows are left-padded to the longest; packed words are copied, never
         requantized. Every cache must be stored under `scheme` (`scheme_of`), else
         Q4CacheError. A cache may hold fewer tokens than its `offset` (a bounded
         sliding layer): the row's position stays `offset`.
+
+        `lead` (one int per row, default 0) serves a prefill of several rows whose new
+        tokens are fewer than the update's N for some: row i's tokens fill the last N -
+        lead[i] columns of the update, after lead[i] padding queries. Row i's history
+        then ends lead[i] columns after `size()`, so that every row ends at one column
+        after the update, and that update (the next call of `update_and_fetch`, with N
+        greater than every lead) keeps those columns of history instead of storing the
+        padding queries' keys and values. A row's RoPE positions (`offset`) start lead[i]
+        before its history's end, so its real tokens get their true positions. A lead
+        may not exceed the tokens its row holds (Q4CacheError). Until that update, only
+        `make_mask` and `update_and_fetch` may be called.
         """
+        lead = [0] * len(caches) if lead is None else [int(x) for x in lead]
         lengths, positions = [], []
-        for c in caches:
+        for c, ahead in zip(caches, lead, strict=True):
             if c is not None and not c.empty() and scheme_of(c) != scheme:
                 raise Q4CacheError(
                     f"cannot merge a cache stored as {scheme_of(c).name} into a {scheme.name} batch; "
                     "re-prefill that agent"
                 )
             lengths.append(0 if c is None else stored_tokens(c))
-            positions.append(0 if c is None or c.empty() else c.offset)
-        longest = max(lengths, default=0)
-        cache = cls([longest - n for n in lengths], scheme, route, keep, own_attention)
+            positions.append((0 if c is None or c.empty() else c.offset) - ahead)
+            if not 0 <= ahead <= lengths[-1]:
+                raise Q4CacheError(f"a row's lead must be 0 to the {lengths[-1]} tokens it holds; got {ahead}")
+        base = max((n - ahead for n, ahead in zip(lengths, lead)), default=0)
+        cache = cls([base + ahead - n for n, ahead in zip(lengths, lead)], scheme, route, keep, own_attention)
         cache.offset = _row_array(positions)
-        if longest == 0:
+        cache._lead = lead if any(lead) else None
+        if base + max(lead, default=0) == 0:
             return cache
         template = next(c for c, n in zip(caches, lengths) if n)
 
-        width = _allocation(longest)
+        width = _allocation(base + max(lead))
 
         def rows(part):
             out = [
-                _placed(getattr(c, part), n, longest, width) if n else _zero_rows(getattr(template, part), 1, width)
-                for c, n in zip(caches, lengths)
+                _placed(getattr(c, part), n, base + ahead, width) if n else _zero_rows(getattr(template, part), 1, width)
+                for c, n, ahead in zip(caches, lengths, lead)
             ]
             return tuple(mx.concatenate(list(xs), axis=0) if len(xs) > 1 else xs[0] for xs in zip(*out))
 
         cache.keys, cache.values = rows("keys"), rows("values")
         theirs = {id(x) for c in caches if c is not None and not c.empty() for x in (*c.keys, *c.values)}
         cache._owned = not any(id(x) in theirs for x in (*cache.keys, *cache.values))  # `_placed` may pass one on
-        cache._idx = longest
+        cache._idx = base
         return cache
 
     def extract(self, i: int, drop: int = 0) -> AgentKVCache:
@@ -553,6 +596,7 @@ class BatchQuantizedKVCache(_BaseCache):
 
     def _extract(self, i: int, drop: int, pad: int, offset: int) -> AgentKVCache:
         """`extract` with the row's padding and offset given, unevaluated."""
+        self._unled("take a row out of")
         out = layer_cache(self.scheme)
         self._settle()
         end = self._idx - drop
@@ -573,6 +617,7 @@ class BatchQuantizedKVCache(_BaseCache):
         rows' left padding, if the caller knows it (saves a wait for the device).
         """
         keep = list(keep)
+        self._unled("filter")
         self._settle()
         if keep and keep == list(range(keep[0], keep[-1] + 1)):
             idx = slice(keep[0], keep[-1] + 1)  # a run of rows: views, no copy
@@ -609,6 +654,8 @@ class BatchQuantizedKVCache(_BaseCache):
         """Append the rows of `other` (same `KVScheme`) after this batch's rows."""
         if other.scheme != self.scheme:
             raise Q4CacheError(f"cannot extend a {self.scheme.name} batch with a {other.scheme.name} one")
+        self._unled("extend")
+        other._unled("extend")
         self._settle()
         other._settle()
         if other.keys is None and self.keys is None:
@@ -657,6 +704,7 @@ class BatchQuantizedKVCache(_BaseCache):
 
     def trim(self, n: int) -> int:
         """Drop the last `n` columns of every row; return how many were dropped."""
+        self._unled("trim")
         n = min(self._idx, n)
         self._idx -= n
         self._advance(-n)
@@ -729,13 +777,16 @@ def _keep(spec, layer):
     return None if window is None else window + SLIDING_SLACK
 
 
-def merge_caches(spec, agent_caches, route: str | None = None):
-    """Merge per-agent caches (each a per-layer list of QuantizedKVCache, or None) into a batch."""
+def merge_caches(spec, agent_caches, route: str | None = None, lead=None):
+    """Merge per-agent caches (each a per-layer list of QuantizedKVCache, or None) into a batch.
+
+    `lead`: per row, as `BatchQuantizedKVCache.merge` takes it (every layer the same).
+    """
     route = route_for(spec, route)
     return [
         BatchQuantizedKVCache.merge(
             [None if c is None else c[layer] for c in agent_caches], spec.kv_scheme, route,
-            _keep(spec, layer), not spec.has_sinks,
+            _keep(spec, layer), not spec.has_sinks, lead,
         )
         for layer in range(spec.n_layers)
     ]
@@ -765,6 +816,11 @@ def extend_cache(batch, other) -> None:
     """Append the rows of per-layer batch `other` to every layer of `batch`."""
     for mine, theirs in zip(batch, other):
         mine.extend(theirs)
+
+
+def history_tokens(cache) -> int:
+    """Tokens every layer of a per-agent cache (or None) still stores: what a merge's `lead` may reach."""
+    return min((stored_tokens(c) for c in cache), default=0) if cache else 0
 
 
 def cache_tokens(cache) -> int:

@@ -353,7 +353,8 @@ def qgemv_swiglu(x, gate, up, group_size: int):
     """`silu(x @ dequantize(gate).T) * (x @ dequantize(up).T)` in one launch: a gated MLP's first half.
 
     `gate` and `up` are (w, scales, biases) of one shape; x as for `qgemv`. The
-    products are summed as `qgemv_parts` of the two would sum them; silu and the
+    products are summed as `qgemv_parts` of the two would sum them with 8-byte loads
+    (KL 16: `setting` with two tiles, whatever K is); silu and the
     product are computed in x's dtype as MLX computes `nn.silu(gate) * up` (each
     operation rounded to it). Returns (..., N); bitwise the same at any number of rows.
     """

@@ -57,6 +57,51 @@ def test_four_agents_together_equal_solo(llama):
         assert together[t.turn_id].cached_tokens == t.cache[0].offset + len(t.tokens) + 23
 
 
+def test_next_messages_of_several_agents_share_one_chunk_and_equal_solo(llama):
+    """Agents' next messages of different lengths within one query bucket, waiting together, are prefilled
+    in one chunk (right-aligned over their histories); a failing progress report fails only its own turn,
+    and the rest equal solo."""
+    model, tokenizer, spec, opts = llama
+    opts = {**opts, "query_bucket": opts.get("query_bucket", 16)}
+    engine = Engine(model, tokenizer, spec, **opts)
+    turns = [with_history(engine, tokenizer, f"s{i}", w) for i, w in enumerate((30, 45, 25, 60))]
+    messages = (" and then?", " why did the cat sit there for so long?", " ok", " tell me more about the mat")
+    turns = [Turn(t.turn_id, t.agent_id, t.cache, t.tokens[:1] + encode(tokenizer, m), max_tokens=12)
+             for t, m in zip(turns, messages)]
+    assert len({len(t.tokens) for t in turns}) == 4 and max(len(t.tokens) for t in turns) <= 16
+    llama = (model, tokenizer, spec, opts)  # solo with the same bucket
+
+    def broken(done, total):
+        raise ValueError("progress bar broke")
+
+    turns[2] = Turn(turns[2].turn_id, turns[2].agent_id, turns[2].cache, turns[2].tokens, max_tokens=12,
+                    on_progress=broken)
+    chunks = len(engine.stats.prefill_chunks)
+    together = run(engine, turns)
+    assert [c[3] for c in list(engine.stats.prefill_chunks)[chunks:]] == [4]  # one chunk, four rows
+    assert isinstance(together["s2"], TurnError) and "progress bar broke" in str(together["s2"])
+    for t in turns[:2] + turns[3:]:
+        assert together[t.turn_id].tokens == solo(llama, t).tokens
+        assert together[t.turn_id].cached_tokens == t.cache[0].offset + len(t.tokens) + 11
+    assert engine.reserved == 0
+
+
+def test_turns_share_a_chunk_only_where_none_computes_more_padding_than_alone(llama):
+    """Messages that round up to different lengths, or a message longer than one chunk, go alone."""
+    model, tokenizer, spec, opts = llama
+    engine = Engine(model, tokenizer, spec, **opts, max_prefill_chunk=128)
+    bucket = engine.query_bucket
+    turns = [with_history(engine, tokenizer, f"p{i}", 50) for i in range(4)]
+    lengths = (bucket, bucket + 1, bucket, 130)  # the second rounds up further; the last takes two chunks
+    turns = [Turn(t.turn_id, t.agent_id, t.cache, (t.tokens * 200)[:n], max_tokens=3) for t, n in zip(turns, lengths)]
+    chunks = len(engine.stats.prefill_chunks)
+    out = run(engine, turns)
+    rows = sorted(c[3] for c in list(engine.stats.prefill_chunks)[chunks:])
+    assert rows == [1, 1, 1, 2]  # p0 and p2 together; p1 alone; p3 in two chunks alone
+    for t in turns:
+        assert out[t.turn_id].tokens == solo(llama, t).tokens
+
+
 def test_staggered_arrival_gets_first_token_before_others_finish(llama):
     model, tokenizer, spec, opts = llama
     engine = Engine(model, tokenizer, spec, **opts)

@@ -142,6 +142,59 @@ def test_a_batchs_layers_share_one_array_of_positions_through_every_change():
     assert shared(batch, "offset") and batch[0].offset.tolist() == [300, 5, 6]
 
 
+@pytest.mark.parametrize("route", ["dequant", "dequant_once", "quantized"])
+def test_a_merge_with_leads_keeps_the_history_under_a_rows_padding_queries(route):
+    """Rows whose new tokens are fewer than the update's: each row's tokens take the update's last columns,
+    its history the columns before them, and every row ends at one column, bitwise as each row fed alone."""
+    lengths, lead, N = [40, 300, 7, 256], [3, 0, 5, 6], 7
+    rows = [random_q4(T, seed=T) for T in lengths]
+    k = mx.random.normal((4, 2, N, 64), key=mx.random.key(5))
+    v = mx.random.normal((4, 2, N, 64), key=mx.random.key(6))
+    batch = BatchQuantizedKVCache.merge(rows, route=route, lead=lead)
+    assert batch.offset.tolist() == [T - n for T, n in zip(lengths, lead)]  # RoPE: a padding query's position
+    batch.update_and_fetch(k, v)
+    assert batch.offset.tolist() == [T + N - n for T, n in zip(lengths, lead)]
+    for i, (row, n) in enumerate(zip(rows, lead)):
+        alone = BatchQuantizedKVCache.merge([row], route=route)
+        alone.update_and_fetch(k[i : i + 1, :, n:], v[i : i + 1, :, n:])
+        assert_same_packed(batch.extract(i), alone.extract(0))
+
+
+def test_a_lead_is_at_most_a_rows_history_and_its_update_must_cover_it():
+    rows = [random_q4(T, seed=T) for T in (10, 4)]
+    with pytest.raises(Q4CacheError, match="lead must be 0 to the 4 tokens"):
+        BatchQuantizedKVCache.merge(rows, route="dequant", lead=[0, 5])
+    batch = BatchQuantizedKVCache.merge(rows, route="dequant", lead=[0, 4])
+    with pytest.raises(Q4CacheError, match="before the update"):
+        batch.extract(0)
+    with pytest.raises(Q4CacheError, match="more than 4 tokens"):
+        batch.update_and_fetch(mx.ones((2, 2, 4, 64)), mx.ones((2, 2, 4, 64)))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_rows_prefilled_together_with_leads_match_solo(models, arch):
+    """Several agents' next messages of different lengths in one forward pass, right-aligned: each row's
+    last logits and greedy continuation are those of its prefill alone."""
+    model, spec = models[arch]
+    hist = histories(seed=2)
+    caches = [prefill(model, spec, h)[0] for h in hist]
+    news = [[7, 8, 9], [11], [12, 13, 14, 15, 16]]
+    alone = []
+    for cache, new in zip(caches, news):
+        b = merge_caches(spec, [cache])
+        logits = model(mx.array([new]), cache=b)[0, -1]
+        alone.append((logits, greedy(model, b, [mx.argmax(logits).item()], 12)[0]))
+    width = max(map(len, news))
+    lead = [width - len(n) for n in news]
+    batch = merge_caches(spec, caches, lead=lead)
+    logits = model(mx.array([n[:1] * k + n for n, k in zip(news, lead)]), cache=batch)[:, -1]
+    firsts = mx.argmax(logits, axis=-1).tolist()
+    together = greedy(model, batch, firsts, 12)
+    for i, (solo_logits, solo_tokens) in enumerate(alone):
+        assert mx.allclose(logits[i], solo_logits, atol=ATOL).item()
+        assert together[i] == solo_tokens
+
+
 def test_merge_rejects_other_bits():
     c = QuantizedKVCache(group_size=64, bits=8)
     c.update_and_fetch(mx.zeros((1, 1, 2, 64)), mx.zeros((1, 1, 2, 64)))
