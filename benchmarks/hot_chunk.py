@@ -20,7 +20,8 @@ cache as the engine merges it (the merge is not timed):
 - linears alone: the chunk's products (every linear layer of the model, on
   random inputs of the chunk's rows), as prepared;
 - with --device-profile (CUDA, the `cupti-python` package): every kernel of 5
-  chunks by name, device time per chunk (`<name>-device-profile.md`).
+  chunks by name, device time per chunk (`<name>-device-profile.md`), for one
+  turn and for --rows turns sharing the chunk.
 
     python -m benchmarks.hot_chunk --model llama-8b-shape            # GPU
 """
@@ -130,14 +131,16 @@ def main(argv=None) -> int:
 
     add("chunk", timed_runs(chunk_runner(model, spec, route, agent, tokens)), f"route {route}")
     name = args.name or f"hot_chunk-{args.model}"
-    if args.device_profile:  # the chunk as the engine runs it, before the variants below change the model
-        run = chunk_runner(model, spec, route, agent, tokens)
-        records = traced_kernels(lambda: [run() for _ in range(5)])
-        text = kernel_table(records, 5, f"5 chunks of {args.tokens} tokens after {args.context} (each with its "
-                                        f"merge), route {route}", "chunk")
+    if args.device_profile:  # the chunks as the engine runs them, before the variants below change the model
+        texts = []
+        for rows, run in ((1, chunk_runner(model, spec, route, agent, tokens)),
+                          (args.rows, shared_runner(model, spec, route, agent, tokens, args.rows))):
+            records = traced_kernels(lambda: [run() for _ in range(5)])
+            texts.append(kernel_table(records, 5, f"5 chunks of {args.tokens} tokens for {rows} turn(s) after "
+                                                  f"{args.context} (each with its merge), route {route}", "chunk"))
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"{name}-device-profile.md").write_text(text)
-        print(text, flush=True)
+        (args.out / f"{name}-device-profile.md").write_text("\n".join(texts))
+        print("\n".join(texts), flush=True)
     add("host share (build + queue)", timed_runs(chunk_runner(model, spec, route, agent, tokens, host_only=True)))
     group = prepare.DENSE_LAUNCH
     prepare.DENSE_LAUNCH = 1
