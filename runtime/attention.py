@@ -37,12 +37,14 @@ SHORT_QUERY = 512  # queries per call from which the fused kernel's per-shape se
 @dataclass(frozen=True)
 class RowRange:
     """A decode mask given as ranges: row b attends to columns [start[b], end) of whole packed buffers,
-    only the last `window` of them when `window` > 0."""
+    only the last `window` of them when `window` > 0. `rope`: (positions, inv_freq) when the queries
+    are not yet rotated by RoPE and the kernel rotates them (`q4sdpa.q4_decode_sdpa`)."""
 
     start: mx.array
     end: int
     window: int
     meta: mx.array  # `q4sdpa.meta(end, window)`, made once per step rather than once per layer
+    rope: tuple | None = None
 
 
 def install() -> None:
@@ -73,7 +75,7 @@ def sdpa(queries, keys, values, scale, mask, group_size: int = 64, bits: int | K
     scheme = bits if isinstance(bits, KVScheme) else plain(bits, group_size)
     if isinstance(mask, RowRange):  # the kernel rotates queries and output itself: no extra primitives per layer
         return q4sdpa.q4_decode_sdpa(queries, keys, values, mask.start, mask.end, scale, scheme.group_size,
-                                     mask.meta, mask.window, rotated=scheme.rotated)
+                                     mask.meta, mask.window, rotated=scheme.rotated, rope=mask.rope)
     out = _routed_sdpa(rotate(queries, scheme), keys, values, scale, mask, scheme)
     return rotate(out, scheme)
 

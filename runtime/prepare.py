@@ -45,19 +45,25 @@ a prefill's work on SmolLM2-135M's 49K vocabulary); any other model runs whole.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models import llama
 from mlx_lm.models.base import scaled_dot_product_attention
 
 from runtime import qgemv
+from runtime.attention import RowRange
 
 
 DENSE_ROWS = 256  # on CUDA, inputs of this many rows or more multiply the dequantized weight
 DENSE_IN_FLIGHT = 14  # dense products queued on the device at most (two layers' worth)
 DENSE_LAUNCH = 7  # dense products launched together (a llama layer's seven): each launch has a fixed host cost
+# compiled blocks hand decode steps' keys and queries to the CUDA kernels unrotated (RoPE inside): off until
+# measured on a GPU (its kernels and tests are in place: tests/test_cuda_kernels.py, tests/test_prepare.py)
+FUSE_ROPE = False
 _queue = threading.local()  # per thread (MLX evaluates a lazy array only on the thread that built it):
 # .launched, a deque of launched products, oldest first; .built, those built since the last launch
 
@@ -235,7 +241,10 @@ class CompiledBlock(llama.TransformerBlock):
     q/k/v projections, RoPE) and `_after_cache` (output projection, residual,
     post-attention norm, MLP, residual) through `mx.compile`, one recorded graph per
     batch size, and between them the cache update and attention as the model's own
-    attention does them. Everything else (prefill, caches with integer offsets)
+    attention does them. Where the cache's CUDA kernels can rotate by the model's RoPE
+    (`BatchQuantizedKVCache.fuses_rope`, `rope_frequencies`; FUSE_ROPE), the compiled
+    graph stops before RoPE (`_projected`) and the in-place cache write rotates the
+    keys, the attention kernel the queries: two launches fewer a layer. Everything else (prefill, caches with integer offsets)
     runs the block's own `__call__`. What it saves is Python building those ops every
     step, which bounds a decode step on CUDA. The math and its order are mlx-lm's, so
     the results are bitwise the same, except where the GEMV serves the projections
@@ -251,16 +260,29 @@ class CompiledBlock(llama.TransformerBlock):
             return super().__call__(x, mask, cache)
         graphs = self.__dict__.get("_kvactors_graphs")
         if graphs is None:
-            graphs = (mx.compile(self._before_cache), mx.compile(self._after_cache))
+            graphs = (mx.compile(self._before_cache), mx.compile(self._after_cache), mx.compile(self._projected))
             object.__setattr__(self, "_kvactors_graphs", graphs)
         attn = self.self_attn
-        queries, keys, values = graphs[0](x, cache.offset)
-        keys, values = cache.update_and_fetch(keys, values)
+        if (FUSE_ROPE and isinstance(mask, RowRange) and cache.fuses_rope(x.dtype, attn.head_dim)
+                and (inv_freq := rope_frequencies(attn.rope, attn.head_dim)) is not None):
+            rope = (cache.offset, inv_freq)  # the rows' positions before this token
+            queries, keys, values = graphs[2](x)
+            keys, values = cache.update_and_fetch(keys, values, rope=rope)
+            mask = dataclasses.replace(mask, rope=rope)
+        else:
+            queries, keys, values = graphs[0](x, cache.offset)
+            keys, values = cache.update_and_fetch(keys, values)
         out = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=attn.scale, mask=mask)
         return graphs[1](out, x)
 
     def _before_cache(self, x, offset):
-        """Rows' queries, keys and values for one token each, rotated by RoPE at `offset`: mlx-lm's steps.
+        """Rows' queries, keys and values for one token each, rotated by RoPE at `offset`: mlx-lm's steps."""
+        queries, keys, values = self._projected(x)
+        rope = self.self_attn.rope
+        return rope(queries, offset=offset), rope(keys, offset=offset), values
+
+    def _projected(self, x):
+        """Rows' queries, keys and values for one token each, before RoPE, as (B, heads, 1, head_dim).
 
         Where the GEMV serves all three projections, they run as one launch that writes
         each in mlx-lm's (B, heads, 1, head_dim) layout (`qgemv.qgemv_parts`).
@@ -277,7 +299,7 @@ class CompiledBlock(llama.TransformerBlock):
             queries = attn.q_proj(h).reshape(B, L, attn.n_heads, -1).transpose(0, 2, 1, 3)
             keys = attn.k_proj(h).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
             values = attn.v_proj(h).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        return attn.rope(queries, offset=offset), attn.rope(keys, offset=offset), values
+        return queries, keys, values
 
     def _after_cache(self, out, x):
         """The block's output from attention's `out` (B, heads, 1, head_dim) and the block's input `x`: mlx-lm's steps.
@@ -296,6 +318,37 @@ class CompiledBlock(llama.TransformerBlock):
             gated = qgemv.qgemv_swiglu(h_norm, _packed(mlp.gate_proj), _packed(mlp.up_proj), mlp.gate_proj.group_size)
             return _linear_plus(mlp.down_proj, gated, h)
         return h + mlp(h_norm)
+
+
+def rope_frequencies(rope, head_dim: int):
+    """The inverse frequencies (float32, (head_dim/2,)) of `rope`, a RoPE module of mlx-lm's, if it rotates as
+    the kernels can (`q4pack.pack_kv_into`'s `rope`), else None; found once per module and kept on it.
+
+    The module is asked, through its own call, where it puts a unit vector at positions 1, 2 and 7:
+    a non-traditional rotation of the whole head, dim i with dim i + head_dim/2 by the angle position
+    x inv_freq[i], with no scaling, is what the kernels compute (`nn.RoPE` and mlx-lm's Llama 3 RoPE
+    are; traditional, partial or scaled ones are not, and keep MLX's kernel).
+    """
+    known = rope.__dict__.get("_kvactors_inv_freq")
+    if known is None:
+        known = _probed_frequencies(rope, head_dim)
+        object.__setattr__(rope, "_kvactors_inv_freq", known)
+    return known if isinstance(known, mx.array) else None
+
+
+def _probed_frequencies(rope, head_dim: int):
+    half = head_dim // 2
+    unit = mx.concatenate([mx.ones((half,)), mx.zeros((half,))]).reshape(1, 1, 1, head_dim)
+    try:
+        rows = [np.array(rope(unit, offset=p).astype(mx.float32), dtype=np.float64).reshape(-1) for p in (1, 2, 7)]
+    except Exception:
+        return False
+    theta = np.arctan2(rows[0][half:], rows[0][:half])
+    for p, row in zip((1, 2, 7), rows):
+        if not (np.allclose(row[:half], np.cos(p * theta), atol=1e-5)
+                and np.allclose(row[half:], np.sin(p * theta), atol=1e-5)):
+            return False
+    return mx.array(theta.astype(np.float32))
 
 
 def _linear_plus(module, x, residual):

@@ -286,8 +286,12 @@ class BatchQuantizedKVCache(_BaseCache):
 
     # -- what the model drives -------------------------------------------------
 
-    def update_and_fetch(self, keys, values):
+    def update_and_fetch(self, keys, values, rope=None):
         """Quantize and append keys/values of shape (B, H, N, D); return what attention reads.
+
+        `rope`: (positions, inv_freq) for keys not yet rotated by RoPE, where `fuses_rope`
+        says the in-place write rotates them (at the rows' positions, `offset`); Q4CacheError
+        elsewhere.
 
         Keys and values are rotated first if the scheme rotates (`runtime.attention.sdpa`
         rotates queries and outputs to match). Returns packed tuples under the
@@ -311,10 +315,12 @@ class BatchQuantizedKVCache(_BaseCache):
             raise Q4CacheError(f"this update must feed more than {max(self._lead)} tokens a row (the rows' lead, "
                                f"see merge); got {N}")
         kernel = self._kernel_decode(N)  # as `make_mask` decided, before this update: the attention's route
+        if rope is not None and not (kernel and self.fuses_rope(keys.dtype, Dk)):
+            raise Q4CacheError("this update cannot rotate its keys by RoPE (see fuses_rope): rotate them first")
         self._reserve(B, H, Dk, Dv, keys.dtype, prev + N)
         self._own()  # else a write would change a merged agent's arrays (Python objects both hold)
         if kernel and self._packs_in_place(keys, values):
-            self._pending = q4pack.pack_kv_into(keys, values, self.scheme, self.keys, self.values, prev + N)
+            self._pending = q4pack.pack_kv_into(keys, values, self.scheme, self.keys, self.values, prev + N, rope)
             self._idx += N
             self._advance(N)
             return (*self.keys, self._pending), self.values  # the kernel reads the buffers after the write
@@ -358,6 +364,14 @@ class BatchQuantizedKVCache(_BaseCache):
         sees the write.
         """
         return self.keys[1].dtype == keys.dtype and q4pack.serves(self.scheme, keys, values)
+
+    def fuses_rope(self, dtype, head_dim: int) -> bool:
+        """Whether a decode step's update (one token a row, keys and values of `dtype` and `head_dim`) may hand
+        its keys over unrotated by RoPE (`update_and_fetch`'s `rope`): it writes them in place with the kernel
+        that rotates them, and attention's kernel rotates the queries (`attention.RowRange.rope`)."""
+        return (self._kernel_decode(1) and self.keys[1].dtype == dtype and head_dim in q4pack.HEAD_DIMS
+                and head_dim % self.scheme.group_size == 0 and self.scheme.key_bits in q4pack.BITS
+                and self.scheme.value_bits in q4pack.BITS)
 
     def _settle(self) -> None:
         """Queue the last in-place write for the device, if it is not yet, before anything else reads the buffers.

@@ -19,6 +19,8 @@ where the two sums round differently.
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 
 from runtime import q4sdpa
@@ -43,6 +45,7 @@ _SOURCE = r"""
     float x[E];
     #pragma unroll
     for (int e = 0; e < E; ++e) x[e] = static_cast<float>(src[e * step]);
+    ROPE_HOOK
     if constexpr (ROT) {  // x H along D, H = Sylvester-Hadamard / sqrt(D) with entries in T
         #pragma unroll
         for (int len = 1; len < E; len <<= 1) {
@@ -109,6 +112,22 @@ _SOURCE = r"""
     unsigned char* dst = reinterpret_cast<unsigned char*>(wdst) + (size_t)(E * lane) * bits / 8;
     for (int i = 0; i < nbits / 8; ++i) dst[i] = static_cast<unsigned char>(packed >> (8 * i));
 """
+# keys rotated by RoPE at their rows' positions first (ROPE): dim i with dim i + D/2 (lane ^ 16 holds it) by
+# pos[b] + n times inv_freq[i], as mx.fast.rope does (non-traditional), rounded to T as its output is
+_ROPE = """
+    if constexpr (ROPE) {
+        if (is_key) {  // warp-uniform: a warp packs one vector
+            const float p = static_cast<float>(pos[b] + n);
+            #pragma unroll
+            for (int e = 0; e < E; ++e) {
+                const float other = __shfl_xor_sync(0xffffffffu, x[e], 16);
+                const float theta = p * inv_freq[(E * lane + e) % (D / 2)];
+                const float c = cos(theta), s = sin(theta);
+                x[e] = static_cast<float>(static_cast<T>(lane < 16 ? x[e] * c - other * s : other * s + x[e] * c));
+            }
+        }
+    }
+"""
 # fresh (B, H, N, ...) outputs, row-major inputs
 _LOCATE_NEW = """
     constexpr int step = 1;
@@ -165,8 +184,13 @@ def pack_kv(keys, values, scheme: KVScheme):
     return tuple(out[:3]), tuple(out[3:])
 
 
-def pack_kv_into(keys, values, scheme: KVScheme, key_buffers, value_buffers, end: int):
+def pack_kv_into(keys, values, scheme: KVScheme, key_buffers, value_buffers, end: int, rope=None):
     """Pack `keys` and `values` as `pack_kv` does, into columns [end - N, end) of a cache's buffers, in place.
+
+    `rope`: (positions, inv_freq) to rotate the keys by RoPE first, as `mx.fast.rope`
+    (non-traditional, over the whole head) would at row b's position positions[b] (int32,
+    (B,); token n of a row at positions[b] + n) with inverse frequencies inv_freq (float32,
+    (D/2,)); each rotated element is rounded to the keys' dtype, as that op's output is.
 
     keys and values: (B, H, N, D) with `serves(scheme, keys, values)`; key_buffers and
     value_buffers: (words, scales, biases) of shape (B, H, W, ...), as `pack_kv` lays
@@ -179,30 +203,52 @@ def pack_kv_into(keys, values, scheme: KVScheme, key_buffers, value_buffers, end
     Raises ValueError for what it does not serve.
     """
     key = (keys.shape, values.shape, keys.dtype, values.dtype, scheme,
-           tuple((x.shape, x.dtype) for x in (*key_buffers, *value_buffers)))
+           tuple((x.shape, x.dtype) for x in (*key_buffers, *value_buffers)), rope is not None)
     args = _launches.get(key)
     if args is None:
-        args = _launches[key] = _launch_into(keys, values, scheme, key_buffers, value_buffers)
+        args = _launches[key] = _launch_into(keys, values, scheme, key_buffers, value_buffers, rope)
     W, N = key_buffers[0].shape[2], keys.shape[2]
+    check_rope(rope, keys.shape[0], keys.shape[3])
     if not N <= end <= W:
         raise ValueError(f"pack_kv_into writes columns [end - {N}, end) of buffers {W} wide; got end {end}")
-    return _kernel(True)(inputs=[keys, values, *key_buffers, *value_buffers, q4sdpa.meta(end, 0)], **args)[0]
+    positions, inv_freq = rope if rope is not None else no_rope()
+    return _kernel(True)(inputs=[keys, values, *key_buffers, *value_buffers, q4sdpa.meta(end, 0), positions, inv_freq],
+                         **args)[0]
+
+
+@functools.lru_cache(maxsize=1)
+def no_rope():
+    """(positions, inv_freq) that the kernels take when they rotate nothing: one compiled kernel per setting,
+    one list of inputs. Made from lists, so any thread may evaluate them."""
+    return mx.array([0], dtype=mx.int32), mx.array([0.0], dtype=mx.float32)
+
+
+def check_rope(rope, rows: int, head_dim: int) -> None:
+    """Raise ValueError unless `rope` is None or (positions int32 (rows,), inv_freq float32 (head_dim/2,))."""
+    if rope is None:
+        return
+    positions, inv_freq = rope  # the shapes only: a decode step asks 64 times
+    if (positions.dtype != mx.int32 or tuple(positions.shape) != (rows,) or inv_freq.dtype != mx.float32
+            or tuple(inv_freq.shape) != (head_dim // 2,)):
+        raise ValueError(f"rope is (positions int32 ({rows},), inv_freq float32 ({head_dim // 2},)); got "
+                         f"{positions.dtype} {tuple(positions.shape)}, {inv_freq.dtype} {tuple(inv_freq.shape)}")
 
 
 def _kernel(into: bool):
     if into not in _kernels:
         if into:
-            inputs = ["keys", "values", "kw", "ks", "kb", "vw", "vs", "vb", "meta"]
+            inputs = ["keys", "values", "kw", "ks", "kb", "vw", "vs", "vb", "meta", "pos", "inv_freq"]
             outputs = ["written"]
         else:
             inputs, outputs = ["keys", "values"], ["kw", "ks", "kb", "vw", "vs", "vb"]
-        source = _SOURCE.replace("LOCATE", _LOCATE_INTO if into else _LOCATE_NEW)
+        source = (_SOURCE.replace("LOCATE", _LOCATE_INTO if into else _LOCATE_NEW)
+                  .replace("ROPE_HOOK", _ROPE if into else ""))
         _kernels[into] = mx.fast.cuda_kernel(name=f"kvactors_pack_kv{'_into' if into else ''}", input_names=inputs,
                                              output_names=outputs, source=source, ensure_row_contiguous=not into)
     return _kernels[into]
 
 
-def _launch_into(keys, values, scheme: KVScheme, key_buffers, value_buffers) -> dict:
+def _launch_into(keys, values, scheme: KVScheme, key_buffers, value_buffers, rope) -> dict:
     """`pack_kv_into`'s launch arguments; ValueError for buffers that do not fit."""
     args = _launch(keys, values, scheme)
     B, H, N, D = keys.shape
@@ -216,8 +262,8 @@ def _launch_into(keys, values, scheme: KVScheme, key_buffers, value_buffers) -> 
             raise ValueError(f"pack_kv_into needs {what} buffers (words, scales, biases) of shape ({B}, {H}, W, ...) "
                              f"as pack_kv lays out a token, scales in {t}; got "
                              f"{[(tuple(x.shape), x.dtype) for x in buffers]}")
-    return dict(template=args["template"], grid=args["grid"], threadgroup=args["threadgroup"],
-                output_shapes=[(1,)], output_dtypes=[mx.uint32])
+    return dict(template=args["template"] + [("ROPE", rope is not None)], grid=args["grid"],
+                threadgroup=args["threadgroup"], output_shapes=[(1,)], output_dtypes=[mx.uint32])
 
 
 def _launch(keys, values, scheme: KVScheme) -> dict:

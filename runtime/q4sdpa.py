@@ -116,9 +116,21 @@ _PARTIAL = r"""
                 const uint4 w = qr[v];
                 const auto* e8 = reinterpret_cast<decltype(q)>(&w);
                 #pragma unroll
-                for (int j = 0; j < 8; ++j) x[8 * v + j] = static_cast<float>(e8[j]) * scale;
+                for (int j = 0; j < 8; ++j) x[8 * v + j] = static_cast<float>(e8[j]);
             }
         }
+        if constexpr (ROPE) {  // RoPE at the row's position, as mx.fast.rope: dim i with i + D/2 (lane t ^ 2)
+            const float p = static_cast<float>(pos[b]);
+            #pragma unroll
+            for (int e = 0; e < D / 4; ++e) {
+                const float other = __shfl_xor_sync(0xffffffffu, x[e], 2);
+                const float theta = p * inv_freq[((D / 4) * t + e) % (D / 2)];
+                const float c = cos(theta), s = sin(theta);
+                x[e] = static_cast<float>(static_cast<T>(t < 2 ? x[e] * c - other * s : other * s + x[e] * c));
+            }
+        }
+        #pragma unroll
+        for (int e = 0; e < D / 4; ++e) x[e] *= scale;
         if constexpr (ROT) {  // x H along D (H's 1/sqrt(D) is in `scale`): the lane's D/4 dims, then across t
             #pragma unroll
             for (int len = 1; len < D / 4; len <<= 1) {
@@ -411,6 +423,20 @@ def _no_write():
     return mx.array([0], dtype=mx.uint32)
 
 
+def _check_rope(rope, rows, head_dim):
+    from runtime.q4pack import check_rope  # imported late: q4pack imports this module
+
+    check_rope(rope, rows, head_dim)
+
+
+@functools.lru_cache(maxsize=1)
+def _no_rope():
+    """`q4pack.no_rope()`: the inputs that say "no RoPE" (imported late: q4pack imports this module)."""
+    from runtime.q4pack import no_rope
+
+    return no_rope()
+
+
 def _get(name, inputs, outputs, source):
     if name not in _kernels:
         _kernels[name] = mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs, source=source,
@@ -436,7 +462,7 @@ def meta(end: int, window: int = 0):
 
 
 def q4_decode_sdpa(queries, keys, values, start, end: int, scale: float, group_size: int, meta_array=None,
-                   window: int = 0, rotated: bool = False):
+                   window: int = 0, rotated: bool = False, rope=None):
     """Attention of one query per row over packed keys (4 or 6 bits) and 4-bit values, row b over [start[b], end).
 
     queries (B, Hq, 1, D) in float16 or bfloat16 with D 64 or 128; keys/values (words,
@@ -450,7 +476,8 @@ def q4_decode_sdpa(queries, keys, values, start, end: int, scale: float, group_s
     only: bitwise the same in any batch and under any left padding. Other bit widths raise
     ValueError. `keys` may carry a fourth array: the result of `q4pack.pack_kv_into`, when it
     wrote the newest columns in place in this evaluation (the kernel takes it as an input,
-    so that MLX runs the write first).
+    so that MLX runs the write first). `rope`: (positions, inv_freq) to rotate the queries by
+    RoPE first, at row b's position positions[b], as `q4pack.pack_kv_into` rotates keys.
     """
     if len(keys) == 4:
         *keys, after = keys
@@ -460,16 +487,20 @@ def q4_decode_sdpa(queries, keys, values, start, end: int, scale: float, group_s
     if meta_array is None:
         meta_array = meta(end, window)
     key = (B, Hq, keys[0].shape[1], D, keys[0].shape[-1], values[0].shape[-1], queries.dtype, group_size, scale,
-           bool(rotated))
+           bool(rotated), rope is not None)
     launch = _launches.get(key)
+    if rope is not None:
+        _check_rope(rope, B, D)
     if launch is None:
         launch = _launches[key] = _launch(*key)
     meta_f, partial, partial_args, reduce, reduce_args = launch
-    pm, pl, pacc = partial(inputs=[queries, *keys, *values, start, meta_array, meta_f, after], **partial_args)
+    positions, inv_freq = rope if rope is not None else _no_rope()
+    pm, pl, pacc = partial(inputs=[queries, *keys, *values, start, meta_array, meta_f, after, positions, inv_freq],
+                           **partial_args)
     return reduce(inputs=[pm, pl, pacc, start, meta_array], **reduce_args)[0]
 
 
-def _launch(B, Hq, Hkv, D, key_words, value_words, dtype, group_size, scale, rotated):
+def _launch(B, Hq, Hkv, D, key_words, value_words, dtype, group_size, scale, rotated, rope):
     """(meta_f, the partial kernel and its launch arguments, the reduce kernel and its) for one shape of
     `q4_decode_sdpa`."""
     rep = Hq // Hkv
@@ -482,8 +513,8 @@ def _launch(B, Hq, Hkv, D, key_words, value_words, dtype, group_size, scale, rot
     h = mx.array(1 / math.sqrt(D), dtype=dtype).item() if rotated else 1.0
     meta_f = mx.array([scale * math.log2(math.e) * h], dtype=mx.float32)
     partial = dict(
-        template=[("D", D), ("G", group_size), ("REP", rep), ("RB", min(rep, HEADS)), ("KB", key_bits), ("CHUNKS", CHUNKS),
-                  ("MIN_CHUNK", MIN_CHUNK), ("WARPS", WARPS), ("ROT", rotated)],
+        template=[("T", dtype), ("D", D), ("G", group_size), ("REP", rep), ("RB", min(rep, HEADS)), ("KB", key_bits), ("CHUNKS", CHUNKS),
+                  ("MIN_CHUNK", MIN_CHUNK), ("WARPS", WARPS), ("ROT", rotated), ("ROPE", rope)],
         grid=(CHUNKS * WARPS * 32, Hkv * -(-rep // HEADS), B),
         threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(B, Hq, CHUNKS), (B, Hq, CHUNKS), (B, Hq, CHUNKS, D)],
@@ -497,6 +528,6 @@ def _launch(B, Hq, Hkv, D, key_words, value_words, dtype, group_size, scale, rot
         output_dtypes=[dtype],
     )
     return (meta_f, _get("kvactors_q4_decode_partial", ["q", "kw", "ks", "kb", "vw", "vs", "vb", "start", "meta", "meta_f",
-                                                         "after"],
+                                                         "after", "pos", "inv_freq"],
                          ["pm", "pl", "pacc"], _PARTIAL), partial,
             _get("kvactors_q4_decode_reduce", ["pm", "pl", "pacc", "start", "meta"], ["out"], _REDUCE), reduce)

@@ -300,6 +300,68 @@ def test_pack_kv_into_writes_pack_kvs_bits_into_its_columns_and_nothing_else(nam
         q4pack.pack_kv_into(k, v, scheme, kb, vb, 513)
 
 
+def llama3_rope(d):
+    from mlx_lm.models.rope_utils import initialize_rope
+
+    from runtime.prepare import rope_frequencies
+
+    rope = initialize_rope(d, 500000.0, False, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                           131072)
+    return rope, rope_frequencies(rope, d)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_pack_kv_into_rotates_keys_by_rope_at_each_rows_position_as_mx_fast_rope(d, dtype):
+    """Keys handed over unrotated: the written columns hold what `mx.fast.rope` at the rows' positions and then
+    the packing give (values untouched by RoPE), within a rounding of the rotated keys, and nothing else moves."""
+    from runtime.kvscheme import parse
+
+    scheme = parse("k6v4-g64-hadamard")
+    rope, inv_freq = llama3_rope(d)
+    positions = mx.array([0, 3000, 70000], dtype=mx.int32)
+    k = mx.random.normal((3, 8, 1, d), key=mx.random.key(1)).astype(dtype)
+    v = mx.random.normal((3, 8, 1, d), key=mx.random.key(2)).astype(dtype)
+    kb, vb = cache_buffers(3, 8, 512, d, scheme, dtype, seed=30)
+    before = [mx.array(x * 1) for x in (*kb, *vb)]
+    mx.eval(before)
+    written = q4pack.pack_kv_into(k, v, scheme, kb, vb, 300, rope=(positions, inv_freq))
+    mx.eval(written)
+    roped = mx.concatenate([rope(k[i : i + 1], offset=positions[i].item()) for i in range(3)])
+    pk, pv = q4pack.pack_kv(roped, v, scheme)
+    for got, want in zip(vb, pv):
+        assert mx.array_equal(got[:, :, 299:300], want).item()
+    got = mx.dequantize(*(x[:, :, 299:300] for x in kb), group_size=64, bits=scheme.key_bits).astype(mx.float32)
+    want = mx.dequantize(*pk, group_size=64, bits=scheme.key_bits).astype(mx.float32)
+    assert relative_error(got, want) < 1e-2
+    for now, old in zip((*kb, *vb), before):
+        assert mx.array_equal(now[:, :, :299], old[:, :, :299]).item()
+        assert mx.array_equal(now[:, :, 300:], old[:, :, 300:]).item()
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_q4_decode_attention_rotates_queries_by_rope_as_mx_fast_rope(d):
+    """Queries handed over unrotated: the output is the kernel's on `mx.fast.rope`d queries within bf16, and a
+    row's output is bitwise the same in any batch."""
+    b, hq, hkv, end = 3, 32, 8, 900
+    rope, inv_freq = llama3_rope(d)
+    kq, vq = packed_cache(b, hkv, end + 8, d, seed=21, key_bits=6)
+    start = mx.array([0, 300, end - 1], dtype=mx.int32)
+    positions = mx.array([end - 1, 40000, 5], dtype=mx.int32)
+    q = mx.random.normal((b, hq, 1, d), key=mx.random.key(22)).astype(mx.bfloat16)
+    out = q4sdpa.q4_decode_sdpa(q, kq, vq, start, end, d ** -0.5, 64, rotated=True, rope=(positions, inv_freq))
+    roped = mx.concatenate([rope(q[i : i + 1], offset=positions[i].item()) for i in range(b)])
+    want = q4sdpa.q4_decode_sdpa(roped, kq, vq, start, end, d ** -0.5, 64, rotated=True)
+    assert relative_error(out, want.astype(mx.float32)) < 1e-2
+    part = q4sdpa.q4_decode_sdpa(q[1:2], tuple(x[1:2] for x in kq), tuple(x[1:2] for x in vq), start[1:2], end,
+                                 d ** -0.5, 64, rotated=True, rope=(positions[1:2], inv_freq))
+    assert mx.array_equal(part, out[1:2]).item()
+    with pytest.raises(ValueError, match="rope is"):
+        q4sdpa.q4_decode_sdpa(q[:1], tuple(x[:1] for x in kq), tuple(x[:1] for x in vq), start[:1], end,
+                              d ** -0.5, 64, rope=(positions, inv_freq))
+
+
 def test_pack_kv_into_writes_through_a_view_of_rows_and_attention_reads_it_in_the_same_evaluation():
     from runtime.kvscheme import parse
 

@@ -148,6 +148,7 @@ def test_compiled_blocks_give_bitwise_the_same_decode_steps(tiny_model_path, rou
     from runtime.prepare import CompiledBlock, compile_blocks
     from runtime.q4cache import extract_cache, merge_caches
 
+    monkeypatch.setattr(prepare, "FUSE_ROPE", True)
     model, _ = mlx_lm.load(str(tiny_model_path("llama")))  # its own copy: it gets changed
     model.set_dtype(mx.bfloat16)
     nn.quantize(model, group_size=32, bits=4)
@@ -171,11 +172,15 @@ def test_compiled_blocks_give_bitwise_the_same_decode_steps(tiny_model_path, rou
     assert all(type(layer) is CompiledBlock for layer in model.layers)
     after = run()
     assert "_kvactors_graphs" in model.layers[0].__dict__  # the steps took the compiled path
+    # on the kernel route, keys and queries reach the kernels unrotated (RoPE inside them)
+    fused_rope = isinstance(model.layers[0].self_attn.rope.__dict__.get("_kvactors_inv_freq"), mx.array)
+    assert fused_rope == (route == "q4kernel")
     if qgemv.available():
         for a, b in zip(before, after):
             a, b = a.astype(mx.float32), b.astype(mx.float32)
             assert (mx.abs(a - b).max() / mx.abs(a).max()).item() < 2e-2
         monkeypatch.setattr(prepare, "_fused", lambda modules, x: False)
+        monkeypatch.setattr(prepare, "FUSE_ROPE", False)
         for layer in model.layers:
             del layer.__dict__["_kvactors_graphs"]  # record the graphs again, unfused
         after = run()
@@ -233,3 +238,28 @@ def test_pack_kv_into_refuses_buffers_and_columns_it_cannot_write():
         q4pack.pack_kv_into(k, v, scheme, buffers(256, 6), buffers(256, 4, rows=3), 10)
     with pytest.raises(ValueError, match="value buffers"):  # scales in another dtype
         q4pack.pack_kv_into(k, v, scheme, buffers(256, 6), buffers(256, 4, mx.float16), 10)
+
+
+def test_rope_frequencies_are_read_from_the_module_and_only_for_a_rotation_the_kernels_compute():
+    """The fused RoPE asks the model's own module where it puts a unit vector: plain and Llama 3 RoPE give their
+    inverse frequencies; a traditional (interleaved) or scaling one gives None and keeps MLX's kernel."""
+    import math
+
+    import numpy as np
+    from mlx_lm.models.rope_utils import SuScaledRoPE, initialize_rope
+
+    from runtime.prepare import rope_frequencies
+
+    plain = nn.RoPE(64, base=10000.0)
+    want = np.array([10000.0 ** (-i / 32) for i in range(32)])
+    assert np.allclose(np.array(rope_frequencies(plain, 64)), want, rtol=1e-6)
+    llama3 = initialize_rope(128, 500000.0, False, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                    "high_freq_factor": 4.0,
+                                                    "original_max_position_embeddings": 8192}, 131072)
+    got = np.array(rope_frequencies(llama3, 128))
+    assert np.allclose(got, 1 / np.array(llama3._freqs), rtol=1e-6) and got[-1] < want[-1] * 0.2  # scaled down
+    assert rope_frequencies(nn.RoPE(64, traditional=True), 64) is None
+    assert rope_frequencies(nn.RoPE(32), 64) is None  # half the head only
+    scaled = SuScaledRoPE(64, max_position_embeddings=131072, original_max_position_embeddings=4096)
+    assert not math.isclose(scaled._scale, 1.0) and rope_frequencies(scaled, 64) is None
+    assert rope_frequencies(plain, 64) is rope_frequencies(plain, 64)  # found once

@@ -195,6 +195,16 @@ def test_rows_prefilled_together_with_leads_match_solo(models, arch):
         assert together[i] == solo_tokens
 
 
+def test_an_update_refuses_keys_it_cannot_rotate_by_rope():
+    """Only a CUDA decode step's in-place write rotates keys by RoPE; elsewhere unrotated keys are refused."""
+    batch = BatchQuantizedKVCache.merge([random_q4(10)], route="dequant")
+    assert not batch.fuses_rope(mx.float32, 64)
+    rope = (mx.array([10], dtype=mx.int32), mx.ones((32,)))
+    with pytest.raises(Q4CacheError, match="RoPE"):
+        batch.update_and_fetch(mx.ones((1, 2, 1, 64)), mx.ones((1, 2, 1, 64)), rope=rope)
+    assert batch.size() == 10  # nothing written
+
+
 def test_merge_rejects_other_bits():
     c = QuantizedKVCache(group_size=64, bits=8)
     c.update_and_fetch(mx.zeros((1, 1, 2, 64)), mx.zeros((1, 1, 2, 64)))
