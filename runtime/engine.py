@@ -384,7 +384,7 @@ class Engine:
             context = row.cache[0].size()
             n = prefill_chunk_size(context, self.max_prefill_chunk)
             chunk, row.pending = row.pending[:n], row.pending[n:]
-            pad = -len(chunk) % self.query_bucket  # see default_query_bucket
+            pad = _bucketed(len(chunk), self.query_bucket) - len(chunk)  # see default_query_bucket
             logits = last_logits(self.model, mx.array(chunk + chunk[-1:] * pad)[None], row.cache, len(chunk) - 1)
             shape = ("prefill", 1, len(chunk) + pad, _width(row.cache))
             for layer in row.cache:

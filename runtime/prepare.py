@@ -244,7 +244,8 @@ class CompiledBlock(llama.TransformerBlock):
     attention does them. Where the cache's CUDA kernels can rotate by the model's RoPE
     (`BatchQuantizedKVCache.fuses_rope`, `rope_frequencies`; FUSE_ROPE), the compiled
     graph stops before RoPE (`_projected`) and the in-place cache write rotates the
-    keys, the attention kernel the queries: two launches fewer a layer. Everything else (prefill, caches with integer offsets)
+    keys, the attention kernel the queries: two launches fewer a layer.
+    Everything else (prefill, caches with integer offsets)
     runs the block's own `__call__`. What it saves is Python building those ops every
     step, which bounds a decode step on CUDA. The math and its order are mlx-lm's, so
     the results are bitwise the same, except where the GEMV serves the projections
