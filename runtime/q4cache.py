@@ -295,11 +295,11 @@ class BatchQuantizedKVCache(_BaseCache):
 
         Keys and values are rotated first if the scheme rotates (`runtime.attention.sdpa`
         rotates queries and outputs to match). Returns packed tuples under the
-        "quantized" route; for a decode step that attention reads with the kernel (the
-        "q4kernel" route, when `make_mask` gave a `RowRange`), the whole packed buffers,
-        the keys' tuple carrying a fourth array, the in-place write's result
-        (`_packs_in_place`), which the kernel takes as an input; else 16-bit arrays (the
-        dequantized cache including the new tokens, still rotated).
+        "quantized" route; where attention reads with the kernel (the "q4kernel" route,
+        when `make_mask` gave a `RowRange`: decode steps and short prefill chunks), the whole
+        packed buffers, for a decode step the keys' tuple carrying a fourth array, the
+        in-place write's result (`_packs_in_place`), which the kernel takes as an input;
+        else 16-bit arrays (the dequantized cache including the new tokens, still rotated).
         """
         B, H, N, Dk = keys.shape
         Dv = values.shape[-1]
@@ -314,12 +314,12 @@ class BatchQuantizedKVCache(_BaseCache):
         if self._lead is not None and N <= max(self._lead):
             raise Q4CacheError(f"this update must feed more than {max(self._lead)} tokens a row (the rows' lead, "
                                f"see merge); got {N}")
-        kernel = self._kernel_decode(N)  # as `make_mask` decided, before this update: the attention's route
-        if rope is not None and not (kernel and self.fuses_rope(keys.dtype, Dk)):
+        kernel = self._kernel_reads(N)  # as `make_mask` decided, before this update: the attention's route
+        if rope is not None and not (N == 1 and kernel and self.fuses_rope(keys.dtype, Dk)):
             raise Q4CacheError("this update cannot rotate its keys by RoPE (see fuses_rope): rotate them first")
         self._reserve(B, H, Dk, Dv, keys.dtype, prev + N)
         self._own()  # else a write would change a merged agent's arrays (Python objects both hold)
-        if kernel and self._packs_in_place(keys, values):
+        if kernel and N == 1 and self._packs_in_place(keys, values):
             self._pending = q4pack.pack_kv_into(keys, values, self.scheme, self.keys, self.values, prev + N, rope)
             self._idx += N
             self._advance(N)
@@ -358,8 +358,9 @@ class BatchQuantizedKVCache(_BaseCache):
         (`q4pack.pack_kv_into`).
 
         The kernel is the step's only reader of the buffers and takes the write's result
-        as an input. Other updates (prefill chunks, whose attention dequantizes the
-        buffers with MLX's own ops) write through slice updates, which MLX orders itself.
+        as an input. Other updates (prefill chunks, whose attention reads a new array of
+        the buffers, or dequantizes them with MLX's own ops) write through slice updates,
+        which MLX orders itself.
         Whatever else reads the buffers later (`_settle`) or evaluates the cache (`state`)
         sees the write.
         """
@@ -471,11 +472,18 @@ class BatchQuantizedKVCache(_BaseCache):
         )
 
     def _kernel_decode(self, N: int) -> bool:
-        """Whether attention for N queries runs `q4sdpa` on the packed cache (route "q4kernel").
+        """Whether attention for N queries is a decode step (N = 1) that `q4sdpa` runs on the packed cache."""
+        return N == 1 and self._kernel_reads(N)
 
-        Layouts the kernel does not read (`q4sdpa.serves`) decode on the working copy.
+    def _kernel_reads(self, N: int) -> bool:
+        """Whether attention for N queries runs `q4sdpa` on the packed cache (route "q4kernel"): decode steps,
+        and prefill chunks of fewer than SHORT_QUERY queries into a cache that holds tokens already (a hot turn;
+        longer chunks are faster through MLX's fused kernel on the dequantized cache).
+
+        Layouts the kernel does not read (`q4sdpa.serves`) attend on the working copy.
         """
-        if not (self.route == "q4kernel" and self.own_attention and N == 1 and self.keys is not None
+        if not (self.route == "q4kernel" and self.own_attention and 1 <= N < attention.SHORT_QUERY
+                and self.keys is not None
                 and self.keys[1].dtype in (mx.float16, mx.bfloat16)):  # the kernel reads 16-bit queries
             return False
         sch = self.scheme
@@ -501,7 +509,7 @@ class BatchQuantizedKVCache(_BaseCache):
         it is a boolean array (B, 1, N, size()+N). Where attention reads the whole
         working copy (`_whole_width`), the array spans it.
         """
-        if self._kernel_decode(N):
+        if self._kernel_reads(N):
             end, window = self._idx + N, window_size or 0
             return attention.RowRange(self.left_padding, end, window, q4sdpa.meta(end, window))
         if self._whole_width(N):

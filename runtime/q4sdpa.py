@@ -1,15 +1,17 @@
-"""Decode attention that reads the packed 4-bit cache directly, on CUDA.
+"""Attention that reads the packed 4-bit cache directly, on CUDA: decode steps and short prefill chunks.
 
 `q4_decode_sdpa(queries, keys, values, start, end, scale, group_size)` attends
-one query per row (decode) over packed (words, scales, biases) keys (4 or 6 bits)
-and values (4 bits) of shape (B, Hkv, W, ...), row b using only columns
-[start[b], end). Keys and values are dequantized in registers; nothing 16-bit is
-stored.
+each row's L queries (one when decoding, up to MAX_QUERIES for a short prefill
+chunk, causally: query l sits at column end - L + l) over packed (words, scales,
+biases) keys (4 or 6 bits) and values (4 bits) of shape (B, Hkv, W, ...), row b
+using only columns [start[b], end). Keys and values are dequantized in registers;
+nothing 16-bit is stored.
 
-Two kernels (flash-decoding): the first gives every (row, kv head, chunk of its
-keys) a block that computes, for the kv head's Hq/Hkv query heads, the
-chunk's running max, sum of exponentials and weighted sum of values (online
-softmax in float32); the second combines a row's chunks in order. A row's chunks
+Two kernels (flash-decoding): the first gives every (row, kv head, tile of its
+queries, chunk of its keys) a block that computes, for the tile's (query, query
+head) pairs (16 at most: the rows of one tensor-core product), the chunk's running
+max, sum of exponentials and weighted sum of values (online softmax in float32);
+the second combines a query's chunks in order. A row's chunks
 start at its own first column and their size follows from its own length (CHUNKS
 of them, at least MIN_CHUNK keys each), keys within a chunk are visited in a
 fixed order, and the combination order is fixed, so a row's output is bitwise
@@ -30,7 +32,8 @@ import mlx.core as mx
 
 from runtime.qgemv import MMA16816
 
-CHUNKS = 32  # blocks that share a row's keys (per kv head), whatever its length
+CHUNKS = 32  # blocks that share a row's keys (per kv head), whatever its length, when decoding
+MAX_QUERIES = 512  # queries per row the kernel takes at most (longer prefill chunks have faster routes)
 MIN_CHUNK = 256  # fewest keys a block takes (short rows use fewer blocks)
 WARPS = 4  # warps per block
 HEADS = 16  # query heads per block: the rows of one tensor-core product
@@ -69,9 +72,11 @@ __device__ __forceinline__ unsigned int dequant2(unsigned int x, unsigned int ma
 """ + "#define BF 0\n" + MMA16816  # f16 products
 
 _PARTIAL = r"""
-    // One block: row b, kv head h, query heads r0 .. r0 + RB - 1 of its REP (RB <= 16) as the
-    // rows of 16x8x16 tensor-core products (rows >= RB are zero), keys [lo, hi); a warp takes
-    // 16 keys at a time. Lane
+    // One block: row b, kv head h, keys [lo, hi), and a tile of 16 (query, head) pairs as the rows
+    // of 16x8x16 tensor-core products: QPT of the row's QL queries (query l at column end - QL + l,
+    // attending up to it) times query heads r0 .. r0 + RB - 1 of the kv head's REP (RB <= 16); tile
+    // row r is query qt QPT + r / RB, head r0 + r % RB, and rows past NR = QPT RB or QL are zero.
+    // A warp takes 16 keys at a time. Lane
     // (g, t) = (lane / 4, lane % 4) as in the fragment layout of mma.m16n8k16.
     // Scores S = Q K^T run over k-slices of 16 dims, where in slice ks the k indices 2t + j and
     //   2t + 8 + j are dims (D/4) t + 4 ks + j and (D/4) t + 4 ks + 2 + j: lane t reads D/32
@@ -84,17 +89,22 @@ _PARTIAL = r"""
     constexpr int KWR = D * KB / 32, VWR = D / 8, GPR = D / G;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    constexpr int HB = (REP + RB - 1) / RB;
-    const int c = blockIdx.x, h = blockIdx.y / HB, r0 = (blockIdx.y % HB) * RB, b = blockIdx.z;
+    constexpr int HB = (REP + RB - 1) / RB, QPT = RB >= 16 ? 1 : 16 / RB, NR = QPT * RB;
+    constexpr int QT = (QL + QPT - 1) / QPT;  // tiles of a kv head's queries
+    constexpr int NRV = QL * RB < NR ? QL * RB : NR;  // tile rows that can hold a query (RB when decoding)
+    const int c = blockIdx.x, qt = blockIdx.y % QT, h = blockIdx.y / (QT * HB);
+    const int r0 = ((blockIdx.y / QT) % HB) * RB, b = blockIdx.z;
     const int Hkv = kw_shape[1];
     const int W = kw_shape[2];
     const int Hq = Hkv * REP;
     const int nc = gridDim.x;
     const int end = meta[0], window = meta[1];
-    const int first = window > 0 ? max(start[b], end - window) : start[b];
+    const int first = window > 0 ? max(start[b], end - QL + 1 - window) : start[b];
     const int chunk = keys_per_chunk(end - first, CHUNKS, MIN_CHUNK);
-    const int lo = first + c * chunk;
-    const int hi = min(end, lo + chunk);
+    // the tile's queries see keys up to its last query's column, and from its first query's window on
+    const int ql0 = qt * QPT, ql1 = min(QL, ql0 + QPT) - 1;
+    const int lo = window > 0 && QL > 1 ? max(first + c * chunk, end - QL + ql0 + 1 - window) : first + c * chunk;
+    const int hi = min(min(end, end - QL + ql1 + 1), first + (c + 1) * chunk);
     const float scale = meta_f[0];
     const size_t row_base = ((size_t)(b * Hkv + h)) * W;
     const int kgrp = ((D / 4) * t) / G, vgrp = ((D / 8) * g) / G;
@@ -105,12 +115,12 @@ _PARTIAL = r"""
       unsigned int qa[NS][4];
       #pragma unroll
       for (int i = 0; i < 2; ++i) {
-        const int row = g + 8 * i;
+        const int row = g + 8 * i, ql = ql0 + row / RB, hq = h * REP + r0 + row % RB;
         float x[D / 4];
         #pragma unroll
         for (int e = 0; e < D / 4; ++e) x[e] = 0.0f;
-        if (row < RB && r0 + row < REP) {
-            const uint4* qr = reinterpret_cast<const uint4*>(q + ((size_t)(b * Hq + h * REP + r0 + row)) * D + (D / 4) * t);
+        if (row < NRV && ql < QL && r0 + row % RB < REP) {
+            const uint4* qr = reinterpret_cast<const uint4*>(q + ((size_t)(b * Hq + hq) * QL + ql) * D + (D / 4) * t);
             #pragma unroll
             for (int v = 0; v < D / 32; ++v) {
                 const uint4 w = qr[v];
@@ -163,6 +173,8 @@ _PARTIAL = r"""
     }
     __syncthreads();
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // rows g and g + 8
+    // columns of the queries of rows g and g + 8 (QL > 1: each attends up to its own, and its window)
+    const int qpos[2] = {end - QL + min(QL - 1, ql0 + g / RB), end - QL + min(QL - 1, ql0 + (g + 8) / RB)};
     float o[NT][4];
     #pragma unroll
     for (int dt = 0; dt < NT; ++dt) {
@@ -259,7 +271,12 @@ _PARTIAL = r"""
         for (int nt = 0; nt < 2; ++nt) {
             #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                if (base + 8 * nt + 2 * t + (i & 1) >= hi) sc[nt][i] = -INFINITY;
+                const int col = base + 8 * nt + 2 * t + (i & 1);
+                if (col >= hi) sc[nt][i] = -INFINITY;
+                if constexpr (QL > 1) {
+                    const int p = qpos[i >> 1];
+                    if (col > p || (window > 0 && col <= p - window)) sc[nt][i] = -INFINITY;
+                }
             }
         }
         // online softmax per row (the 4 lanes of a g hold a row's 16 scores)
@@ -309,11 +326,11 @@ _PARTIAL = r"""
     }
     __shared__ float s_m[WARPS][16];
     __shared__ float s_l[WARPS][16];
-    __shared__ float s_acc[WARPS][RB][D];
+    __shared__ float s_acc[WARPS][NRV][D];
     #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int row = g + 8 * r;
-        if (row < RB) {
+        if (row < NRV) {
             if (t == 0) {
                 s_m[warp][row] = m[r];
                 s_l[warp][row] = l[r];
@@ -326,9 +343,9 @@ _PARTIAL = r"""
         }
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < RB * D; i += blockDim.x) {
+    for (int i = threadIdx.x; i < NRV * D; i += blockDim.x) {
         const int r = i / D, d = i % D;
-        if (r0 + r >= REP) break;
+        if (r0 + r % RB >= REP || ql0 + r / RB >= QL) continue;
         float M = -INFINITY;
         #pragma unroll
         for (int w = 0; w < WARPS; ++w) M = fmaxf(M, s_m[w][r]);
@@ -339,7 +356,7 @@ _PARTIAL = r"""
             L = fmaf(s_l[w][r], f, L);
             A = fmaf(s_acc[w][r][d], f, A);
         }
-        const size_t o_ = ((size_t)(b * Hq + h * REP + r0 + r)) * nc + c;
+        const size_t o_ = ((size_t)(b * Hq + h * REP + r0 + r % RB) * QL + ql0 + r / RB) * nc + c;
         pacc[o_ * D + d] = A;
         if (d == 0) {
             pm[o_] = M;
@@ -349,14 +366,14 @@ _PARTIAL = r"""
 """
 
 _REDUCE = r"""
-    // One block per (row, query head), a thread per output dim. Chunk weights are made D at a
+    // One block per (row, query head and query), a thread per output dim. Chunk weights are made D at a
     // time into shared memory, then every thread sums its dim over them; every sum runs in a
     // fixed order.
     const int d = threadIdx.x, hq = blockIdx.y, b = blockIdx.z;
     const int lane = d & 31, warp = d >> 5;
-    const int Hq = pm_shape[1], nc = pm_shape[2];
+    const int Hq = pm_shape[1], nc = pm_shape[2];  // Hq: query heads times QL
     const int end = meta[0], window = meta[1];
-    const int first = window > 0 ? max(start[b], end - window) : start[b];
+    const int first = window > 0 ? max(start[b], end - QL + 1 - window) : start[b];
     const int chunk = keys_per_chunk(end - first, CHUNKS, MIN_CHUNK);
     const int mine = min(nc, (end - first + chunk - 1) / chunk);
     const size_t base = ((size_t)(b * Hq + hq)) * nc;
@@ -463,30 +480,35 @@ def meta(end: int, window: int = 0):
 
 def q4_decode_sdpa(queries, keys, values, start, end: int, scale: float, group_size: int, meta_array=None,
                    window: int = 0, rotated: bool = False, rope=None):
-    """Attention of one query per row over packed keys (4 or 6 bits) and 4-bit values, row b over [start[b], end).
+    """Attention of L queries per row over packed keys (4 or 6 bits) and 4-bit values, row b over [start[b], end).
 
-    queries (B, Hq, 1, D) in float16 or bfloat16 with D 64 or 128; keys/values (words,
+    queries (B, Hq, L, D) in float16 or bfloat16 with D 64 or 128 and 1 <= L <= MAX_QUERIES;
+    query l of a row sits at column end - L + l and attends to the columns up to it (causal;
+    L = 1 is a decode step, more a short prefill chunk whose keys are already written); keys/values (words,
     scales, biases) of shape (B, Hkv, W, ...) with W >= end, Hq a multiple of Hkv, and group size 32, 64 or 128 (at most D); start: int32 (B,). With
-    `window` > 0 a row attends only to its last `window` columns (a sliding-window layer).
+    `window` > 0 a query attends only to its last `window` columns (a sliding-window layer).
     `meta_array`: `meta(end, window)`, made here if not given (pass it to share one per step).
     `rotated`: keys and values are stored Hadamard-rotated along D (`runtime.kvscheme`); the
     kernels then rotate the queries in and the output back out themselves, as
     `kvscheme.rotate` would (H's entries rounded to the queries' dtype).
-    Returns (B, Hq, 1, D) in the queries' dtype. A row's output depends on its own columns
-    only: bitwise the same in any batch and under any left padding. Other bit widths raise
+    Returns (B, Hq, L, D) in the queries' dtype. A row's output depends on its own columns
+    and L only: bitwise the same in any batch and under any left padding. Other bit widths raise
     ValueError. `keys` may carry a fourth array: the result of `q4pack.pack_kv_into`, when it
     wrote the newest columns in place in this evaluation (the kernel takes it as an input,
     so that MLX runs the write first). `rope`: (positions, inv_freq) to rotate the queries by
-    RoPE first, at row b's position positions[b], as `q4pack.pack_kv_into` rotates keys.
+    RoPE first, at row b's position positions[b], as `q4pack.pack_kv_into` rotates keys (decode only).
     """
     if len(keys) == 4:
         *keys, after = keys
     else:
         after = _no_write()
-    B, Hq, _, D = queries.shape
+    B, Hq, L, D = queries.shape
+    if not 1 <= L <= MAX_QUERIES or (rope is not None and L > 1):
+        raise ValueError(f"q4_decode_sdpa takes 1 to {MAX_QUERIES} queries a row (RoPE inside for one only); "
+                         f"got {L}{' with rope' if rope is not None else ''}")
     if meta_array is None:
         meta_array = meta(end, window)
-    key = (B, Hq, keys[0].shape[1], D, keys[0].shape[-1], values[0].shape[-1], queries.dtype, group_size, scale,
+    key = (B, Hq, L, keys[0].shape[1], D, keys[0].shape[-1], values[0].shape[-1], queries.dtype, group_size, scale,
            bool(rotated), rope is not None)
     launch = _launches.get(key)
     if rope is not None:
@@ -500,7 +522,20 @@ def q4_decode_sdpa(queries, keys, values, start, end: int, scale: float, group_s
     return reduce(inputs=[pm, pl, pacc, start, meta_array], **reduce_args)[0]
 
 
-def _launch(B, Hq, Hkv, D, key_words, value_words, dtype, group_size, scale, rotated, rope):
+def _query_tiles(queries: int, rep: int) -> int:
+    """Tiles of (query, head) pairs per kv head and head group: HEADS pairs each, of one query's heads when
+    `rep` (query heads per kv head) is HEADS or more, else of HEADS // rep queries."""
+    return -(-queries // (1 if rep >= HEADS else HEADS // rep))
+
+
+def _chunks(queries: int, rep: int) -> int:
+    """Blocks that share a row's keys: CHUNKS when decoding, fewer (at least 4) as a prefill chunk's query
+    tiles multiply, so that the grid stays a few waves and the partial results small."""
+    tiles = _query_tiles(queries, rep)
+    return max(4, CHUNKS // tiles) if tiles > 1 else CHUNKS
+
+
+def _launch(B, Hq, L, Hkv, D, key_words, value_words, dtype, group_size, scale, rotated, rope):
     """(meta_f, the partial kernel and its launch arguments, the reduce kernel and its) for one shape of
     `q4_decode_sdpa`."""
     rep = Hq // Hkv
@@ -512,19 +547,20 @@ def _launch(B, Hq, Hkv, D, key_words, value_words, dtype, group_size, scale, rot
     # scores in base 2; a rotation's 1/sqrt(D), as H holds it, joins the scale
     h = mx.array(1 / math.sqrt(D), dtype=dtype).item() if rotated else 1.0
     meta_f = mx.array([scale * math.log2(math.e) * h], dtype=mx.float32)
+    rb, tiles, chunks = min(rep, HEADS), _query_tiles(L, rep), _chunks(L, rep)
     partial = dict(
-        template=[("T", dtype), ("D", D), ("G", group_size), ("REP", rep), ("RB", min(rep, HEADS)), ("KB", key_bits), ("CHUNKS", CHUNKS),
-                  ("MIN_CHUNK", MIN_CHUNK), ("WARPS", WARPS), ("ROT", rotated), ("ROPE", rope)],
-        grid=(CHUNKS * WARPS * 32, Hkv * -(-rep // HEADS), B),
+        template=[("T", dtype), ("D", D), ("G", group_size), ("REP", rep), ("RB", rb), ("KB", key_bits), ("CHUNKS", chunks),
+                  ("MIN_CHUNK", MIN_CHUNK), ("WARPS", WARPS), ("ROT", rotated), ("ROPE", rope), ("QL", L)],
+        grid=(chunks * WARPS * 32, Hkv * -(-rep // HEADS) * tiles, B),
         threadgroup=(WARPS * 32, 1, 1),
-        output_shapes=[(B, Hq, CHUNKS), (B, Hq, CHUNKS), (B, Hq, CHUNKS, D)],
+        output_shapes=[(B, Hq * L, chunks), (B, Hq * L, chunks), (B, Hq * L, chunks, D)],
         output_dtypes=[mx.float32, mx.float32, mx.float32],
     )
     reduce = dict(
-        template=[("T", dtype), ("D", D), ("CHUNKS", CHUNKS), ("MIN_CHUNK", MIN_CHUNK), ("ROT", rotated)],
-        grid=(D, Hq, B),
+        template=[("T", dtype), ("D", D), ("CHUNKS", chunks), ("MIN_CHUNK", MIN_CHUNK), ("ROT", rotated), ("QL", L)],
+        grid=(D, Hq * L, B),
         threadgroup=(D, 1, 1),
-        output_shapes=[(B, Hq, 1, D)],
+        output_shapes=[(B, Hq, L, D)],
         output_dtypes=[dtype],
     )
     return (meta_f, _get("kvactors_q4_decode_partial", ["q", "kw", "ks", "kb", "vw", "vs", "vb", "start", "meta", "meta_f",

@@ -124,19 +124,21 @@ def packed_cache(b, hkv, w, d, seed, key_bits=4):
 
 
 def reference_attention(q, kq, vq, start, end, scale, window=0):
-    """float32 attention of row b over columns [start[b], end) of the dequantized cache (the last
-    `window` of them if `window` > 0)."""
+    """float32 attention of row b over columns [start[b], end) of the dequantized cache, causal for
+    L queries (query l at column end - L + l sees the columns up to it; the last `window` of them if
+    `window` > 0)."""
     d = q.shape[-1]
     k = mx.dequantize(*kq, group_size=64, bits=kq[0].shape[-1] * 32 // d).astype(mx.float32)
     v = mx.dequantize(*vq, group_size=64, bits=4).astype(mx.float32)
     rep = q.shape[1] // k.shape[1]
     k, v = mx.repeat(k, rep, axis=1), mx.repeat(v, rep, axis=1)
     s = (q.astype(mx.float32) * scale) @ k.swapaxes(-1, -2)
-    cols = mx.arange(k.shape[2])
+    cols = mx.arange(k.shape[2])[None, None]  # (1, 1, W)
+    pos = (end - q.shape[2] + mx.arange(q.shape[2]))[None, :, None]  # (1, L, 1)
+    valid = (cols >= start[:, None, None]) & (cols <= pos)
     if window:
-        start = mx.maximum(start, end - window)
-    valid = (cols[None] >= start[:, None]) & (cols[None] < end)
-    s = mx.where(valid[:, None, None, :], s, -math.inf)
+        valid = valid & (cols > pos - window)
+    s = mx.where(valid[:, None], s, -math.inf)
     return mx.softmax(s, axis=-1) @ v
 
 
@@ -203,13 +205,61 @@ def test_q4_decode_attention_of_a_row_is_the_same_in_any_batch(key_bits):
 
 
 @pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("hq,hkv", [(32, 8), (9, 3), (32, 1)])  # GQA 4, 3, 32
+@pytest.mark.parametrize("n", [2, 64, 200, 512])
+@pytest.mark.parametrize("key_bits", [4, 6])
+def test_q4_prefill_attention_is_causal_matches_float32_and_ignores_other_columns(d, hq, hkv, n, key_bits):
+    # a short prefill chunk: n queries a row, the last n of its columns, each attending up to its own
+    b, end = 3, n + 1500
+    kq, vq = packed_cache(b, hkv, end + 40, d, seed=n, key_bits=key_bits)
+    start = mx.array([0, 700, end - n], dtype=mx.int32)  # ragged rows; the last holds only the chunk
+    q = mx.random.normal((b, hq, n, d), key=mx.random.key(n + 3)).astype(mx.bfloat16)
+    out = q4sdpa.q4_decode_sdpa(q, kq, vq, start, end, d ** -0.5, 64)
+    assert out.shape == q.shape
+    ref = reference_attention(q, kq, vq, start, end, d ** -0.5)
+    assert (mx.abs(out.astype(mx.float32) - ref).max()).item() < 2e-2
+    poisoned = q4sdpa.q4_decode_sdpa(q, poison(kq, start, end), poison(vq, start, end), start, end, d ** -0.5, 64)
+    assert mx.array_equal(poisoned, out).item()
+    part = q4sdpa.q4_decode_sdpa(q[1:2], tuple(x[1:2] for x in kq), tuple(x[1:2] for x in vq), start[1:2], end,
+                                 d ** -0.5, 64)
+    assert mx.array_equal(part, out[1:2]).item()  # a row's result does not depend on the batch
+
+
+@pytest.mark.parametrize("window", [1, 100, 256, 700])
+@pytest.mark.parametrize("n", [7, 128])
+def test_q4_prefill_attention_with_a_window_gives_each_query_its_own_last_columns(window, n):
+    b, hq, hkv, d, end = 3, 32, 8, 128, 1500
+    kq, vq = packed_cache(b, hkv, end + 8, d, seed=window + n)
+    start = mx.array([0, 900, end - n], dtype=mx.int32)
+    q = mx.random.normal((b, hq, n, d), key=mx.random.key(5)).astype(mx.bfloat16)
+    out = q4sdpa.q4_decode_sdpa(q, kq, vq, start, end, d ** -0.5, 64, window=window)
+    ref = reference_attention(q, kq, vq, start, end, d ** -0.5, window)
+    assert (mx.abs(out.astype(mx.float32) - ref).max()).item() < 2e-2
+    first = mx.maximum(start, end - n + 1 - window)  # the first query's window: nothing before it is read
+    poisoned = q4sdpa.q4_decode_sdpa(q, poison(kq, first, end), poison(vq, first, end), start, end, d ** -0.5, 64,
+                                     window=window)
+    assert mx.array_equal(poisoned, out).item()
+
+
+def test_q4_prefill_attention_refuses_too_many_queries_and_rope():
+    kq, vq = packed_cache(1, 2, 600, 64, seed=1)
+    start = mx.array([0], dtype=mx.int32)
+    with pytest.raises(ValueError, match="queries a row"):
+        q4sdpa.q4_decode_sdpa(mx.zeros((1, 4, q4sdpa.MAX_QUERIES + 1, 64), mx.bfloat16), kq, vq, start, 600, 0.1, 64)
+    rope = (mx.array([5], dtype=mx.int32), mx.ones((32,), mx.float32))
+    with pytest.raises(ValueError, match="RoPE"):
+        q4sdpa.q4_decode_sdpa(mx.zeros((1, 4, 2, 64), mx.bfloat16), kq, vq, start, 600, 0.1, 64, rope=rope)
+
+
+@pytest.mark.parametrize("n", [1, 3])  # a decode step, a short prefill
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
-def test_rotated_q4_decode_attention_rotates_queries_in_and_the_output_back(d, dtype):
+def test_rotated_q4_decode_attention_rotates_queries_in_and_the_output_back(d, dtype, n):
     # keys and values stored rotated: the kernel's output equals rotate(attention(rotate(q))), in float32
     b, hq, hkv, end = 3, 16, 4, 700
     kq, vq = packed_cache(b, hkv, end + 8, d, seed=11)
-    start = mx.array([0, 250, end - 1], dtype=mx.int32)
-    q = mx.random.normal((b, hq, 1, d), key=mx.random.key(12)).astype(dtype)
+    start = mx.array([0, 250, end - n], dtype=mx.int32)
+    q = mx.random.normal((b, hq, n, d), key=mx.random.key(12)).astype(dtype)
     scheme = KVScheme(4, 4, 64, "hadamard")
     out = q4sdpa.q4_decode_sdpa(q, kq, vq, start, end, d ** -0.5, 64, rotated=True)
     h = rotate(mx.eye(d, dtype=dtype), scheme).astype(mx.float32)  # H with the entries `rotate` uses

@@ -263,3 +263,45 @@ def test_rope_frequencies_are_read_from_the_module_and_only_for_a_rotation_the_k
     scaled = SuScaledRoPE(64, max_position_embeddings=131072, original_max_position_embeddings=4096)
     assert not math.isclose(scaled._scale, 1.0) and rope_frequencies(scaled, 64) is None
     assert rope_frequencies(plain, 64) is rope_frequencies(plain, 64)  # found once
+
+
+@pytest.mark.skipif(not qgemv.available(), reason="CUDA only")
+@pytest.mark.parametrize("n", [5, 64, 300])
+def test_a_hot_chunk_attends_on_the_packed_cache_as_the_dequantized_route_does(tiny_model_path, n, monkeypatch):
+    """On the "q4kernel" route a short prefill chunk after a history runs the attention kernel on the packed
+    cache (no 16-bit copy): its logits match the "dequant" route's within bf16's precision, rows of unequal
+    histories batched (left padding) as each alone."""
+    from runtime import attention, q4sdpa
+    from runtime.model import ModelCacheSpec
+    from runtime.q4cache import extract_cache, merge_caches
+
+    model, _ = mlx_lm.load(str(tiny_model_path("llama")))  # its own copy: it gets changed
+    model.set_dtype(mx.bfloat16)
+    nn.quantize(model, group_size=32, bits=4)
+    prepare_model(model, force=True)
+    spec = ModelCacheSpec.from_model(model, tiny_model_path("llama"))
+    attention.install()
+    histories = []
+    for length in (700, 130):
+        cache = merge_caches(spec, [None], "dequant")
+        mx.eval(model(mx.arange(length)[None] % 31 + 3, cache=cache))
+        histories.append(extract_cache(cache, 0))
+    chunk = mx.arange(2 * n).reshape(2, n) % 23 + 2
+    served = []
+    kernel = q4sdpa.q4_decode_sdpa
+    monkeypatch.setattr(q4sdpa, "q4_decode_sdpa", lambda q, *a, **k: served.append(q.shape[2]) or kernel(q, *a, **k))
+
+    def hot(route, rows):
+        return model(chunk[rows], cache=merge_caches(spec, [histories[i] for i in rows], route))
+
+    for rows in ([0], [1], [0, 1]):
+        want = hot("dequant", rows).astype(mx.float32)
+        assert not served
+        got = hot("q4kernel", rows).astype(mx.float32)
+        assert served and set(served) == {n}
+        served.clear()
+        assert (mx.abs(got - want).max() / mx.abs(want).max()).item() < 2e-2
+        if len(rows) == 2:
+            for i in rows:  # each row of the batch as alone
+                alone = hot("q4kernel", [i]).astype(mx.float32)
+                assert (mx.abs(got[i] - alone[0]).max() / mx.abs(alone[0]).max()).item() < 2e-2
