@@ -36,14 +36,15 @@ SHORT_QUERY = 512  # queries per call from which the fused kernel's per-shape se
 
 @dataclass(frozen=True)
 class RowRange:
-    """A decode mask given as ranges: row b attends to columns [start[b], end) of whole packed buffers,
+    """A mask given as ranges, for decode steps and short prefill chunks (`q4sdpa.q4_decode_sdpa`): row b
+    attends to columns [start[b], end) of whole packed buffers, each query causally up to its own column and
     only the last `window` of them when `window` > 0. `rope`: (positions, inv_freq) when the queries
     are not yet rotated by RoPE and the kernel rotates them (`q4sdpa.q4_decode_sdpa`)."""
 
     start: mx.array
     end: int
     window: int
-    meta: mx.array  # `q4sdpa.meta(end, window)`, made once per step rather than once per layer
+    meta: mx.array  # `q4sdpa.meta(end, window, queries)`, made once per step rather than once per layer
     rope: tuple | None = None
 
 

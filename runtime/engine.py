@@ -304,12 +304,13 @@ class Engine:
     def warmup(self, progress: Callable[[int, int, str], None] | None = None) -> float:
         """Serve synthetic turns so one-time setup happens now, not in users' turns; returns seconds.
 
-        Prefills one chunk of each bucketed length up to `max_prefill_chunk`, then
-        decodes `max_batch` turns of 32 query buckets each (2048 tokens on CUDA) that
+        Prefills one chunk of each bucketed length up to `max_prefill_chunk`, then one
+        chunk after a cache (a hot turn), then decodes `max_batch` turns of 32 query
+        buckets each (2048 tokens on CUDA) that
         all join the batch before the first ends, so every batch size from 1 to
         `max_batch` runs, at a context as long as a user's. On CUDA this pays MLX's
-        per-shape kernel builds and the first-use compiles (tens of seconds on an
-        H100, and about 2 s for the first step of 5 or more rows at a long context);
+        per-shape kernel builds and the first-use compiles of our kernels (tens of seconds
+        on an H100, and about 2 s for the first step of 5 or more rows at a long context);
         elsewhere it costs little and buys little. `progress(done, total, what)` is called
         after each stage. Must run on the engine's thread with no turn in flight.
         """
@@ -322,21 +323,35 @@ class Engine:
             n *= 4
         lengths.append(self.max_prefill_chunk)
         ids = self.tokenizer.encode("warm up the engine", add_special_tokens=False) or [0]
-        stages = [[Turn(f"warmup-p{n}", "warmup", None, (ids * n)[:n], max_tokens=1)] for n in lengths]
-        long = (ids * self.query_bucket * 32)[: min(self.max_prefill_chunk, self.query_bucket * 32)]
-        stages.append([Turn(f"warmup-d{i}", "warmup", None, long, max_tokens=2 * self.max_batch + 2 * i)
-                       for i in range(self.max_batch)])
-        for done, turns in enumerate(stages, 1):
-            for turn in turns:
-                self.submit(turn)
-            while self.has_work():
-                for outcome in self.step():
-                    if isinstance(outcome, TurnError):
-                        raise outcome
+        total = len(lengths) + 2
+        first = None
+        for done, n in enumerate(lengths, 1):
+            result = self._serve([Turn(f"warmup-p{n}", "warmup", None, (ids * n)[:n], max_tokens=1)])[0]
+            first = first or result
             if progress:
-                what = f"prefill {len(turns[0].tokens)} tokens" if done < len(stages) else f"decode at batch 1..{self.max_batch}"
-                progress(done, len(stages), what)
+                progress(done, total, f"prefill {n} tokens")
+        n = self.query_bucket
+        self._serve([Turn("warmup-hot", "warmup", first.cache, (ids * n)[:n], max_tokens=1)])
+        if progress:
+            progress(total - 1, total, f"prefill {n} tokens after a cache")
+        long = (ids * self.query_bucket * 32)[: min(self.max_prefill_chunk, self.query_bucket * 32)]
+        self._serve([Turn(f"warmup-d{i}", "warmup", None, long, max_tokens=2 * self.max_batch + 2 * i)
+                     for i in range(self.max_batch)])
+        if progress:
+            progress(total, total, f"decode at batch 1..{self.max_batch}")
         return time.perf_counter() - t0
+
+    def _serve(self, turns) -> list:
+        """Submit `turns` and step until every turn has ended; return their results (raise the first error)."""
+        for turn in turns:
+            self.submit(turn)
+        results = []
+        while self.has_work():
+            for outcome in self.step():
+                if isinstance(outcome, TurnError):
+                    raise outcome
+                results.append(outcome)
+        return results
 
     def fail_all(self, make_error: Callable[[str], Exception]) -> list:
         """End every queued and admitted turn with `make_error(turn_id)`; returns them."""

@@ -511,7 +511,7 @@ class BatchQuantizedKVCache(_BaseCache):
         """
         if self._kernel_reads(N):
             end, window = self._idx + N, window_size or 0
-            return attention.RowRange(self.left_padding, end, window, q4sdpa.meta(end, window))
+            return attention.RowRange(self.left_padding, end, window, q4sdpa.meta(end, window, N))
         if self._whole_width(N):
             return self._whole_width_mask(N, window_size)
         if not self._padded:

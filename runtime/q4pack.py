@@ -212,7 +212,7 @@ def pack_kv_into(keys, values, scheme: KVScheme, key_buffers, value_buffers, end
     if not N <= end <= W:
         raise ValueError(f"pack_kv_into writes columns [end - {N}, end) of buffers {W} wide; got end {end}")
     positions, inv_freq = rope if rope is not None else no_rope()
-    return _kernel(True)(inputs=[keys, values, *key_buffers, *value_buffers, q4sdpa.meta(end, 0), positions, inv_freq],
+    return _kernel(True)(inputs=[keys, values, *key_buffers, *value_buffers, q4sdpa.meta(end, 0, 1), positions, inv_freq],
                          **args)[0]
 
 

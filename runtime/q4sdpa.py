@@ -33,6 +33,7 @@ import mlx.core as mx
 from runtime.qgemv import MMA16816
 
 CHUNKS = 32  # blocks that share a row's keys (per kv head), whatever its length, when decoding
+PREFILL_CHUNKS = 4  # the same for a prefill chunk, whose query tiles make many blocks already
 MAX_QUERIES = 512  # queries per row the kernel takes at most (longer prefill chunks have faster routes)
 MIN_CHUNK = 256  # fewest keys a block takes (short rows use fewer blocks)
 WARPS = 4  # warps per block
@@ -90,8 +91,9 @@ _PARTIAL = r"""
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     constexpr int HB = (REP + RB - 1) / RB, QPT = RB >= 16 ? 1 : 16 / RB, NR = QPT * RB;
-    constexpr int QT = (QL + QPT - 1) / QPT;  // tiles of a kv head's queries
-    constexpr int NRV = QL * RB < NR ? QL * RB : NR;  // tile rows that can hold a query (RB when decoding)
+    const int QL = PREFILL ? meta[2] : 1;  // queries a row
+    const int QT = (QL + QPT - 1) / QPT;  // tiles of a kv head's queries
+    constexpr int NRV = PREFILL ? NR : RB;  // tile rows that can hold a query
     const int c = blockIdx.x, qt = blockIdx.y % QT, h = blockIdx.y / (QT * HB);
     const int r0 = ((blockIdx.y / QT) % HB) * RB, b = blockIdx.z;
     const int Hkv = kw_shape[1];
@@ -173,7 +175,7 @@ _PARTIAL = r"""
     }
     __syncthreads();
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // rows g and g + 8
-    // columns of the queries of rows g and g + 8 (QL > 1: each attends up to its own, and its window)
+    // columns of the queries of rows g and g + 8 (PREFILL: each attends up to its own, and its window)
     const int qpos[2] = {end - QL + min(QL - 1, ql0 + g / RB), end - QL + min(QL - 1, ql0 + (g + 8) / RB)};
     float o[NT][4];
     #pragma unroll
@@ -273,7 +275,7 @@ _PARTIAL = r"""
             for (int i = 0; i < 4; ++i) {
                 const int col = base + 8 * nt + 2 * t + (i & 1);
                 if (col >= hi) sc[nt][i] = -INFINITY;
-                if constexpr (QL > 1) {
+                if constexpr (PREFILL) {
                     const int p = qpos[i >> 1];
                     if (col > p || (window > 0 && col <= p - window)) sc[nt][i] = -INFINITY;
                 }
@@ -372,7 +374,7 @@ _REDUCE = r"""
     const int d = threadIdx.x, hq = blockIdx.y, b = blockIdx.z;
     const int lane = d & 31, warp = d >> 5;
     const int Hq = pm_shape[1], nc = pm_shape[2];  // Hq: query heads times QL
-    const int end = meta[0], window = meta[1];
+    const int end = meta[0], window = meta[1], QL = PREFILL ? meta[2] : 1;
     const int first = window > 0 ? max(start[b], end - QL + 1 - window) : start[b];
     const int chunk = keys_per_chunk(end - first, CHUNKS, MIN_CHUNK);
     const int mine = min(nc, (end - first + chunk - 1) / chunk);
@@ -468,14 +470,14 @@ def serves(key_bits: int, value_bits: int, head_dim: int, group_size: int) -> bo
 
 
 @functools.lru_cache(maxsize=16)
-def meta(end: int, window: int = 0):
-    """The kernels' int32 parameters [end, window] as a device array (see `q4_decode_sdpa`).
+def meta(end: int, window: int, queries: int):
+    """The kernels' int32 parameters [end, window, queries a row] as a device array (see `q4_decode_sdpa`).
 
     The same array for the same arguments while they are recent: a decode step's 32
     layers share one, and so does `q4pack.pack_kv_into` (which reads `end`) with the
-    layers without a window. Call it with both arguments for that (the cache keys on them).
+    layers without a window.
     """
-    return mx.array([end, window], dtype=mx.int32)
+    return mx.array([end, window, queries], dtype=mx.int32)
 
 
 def q4_decode_sdpa(queries, keys, values, start, end: int, scale: float, group_size: int, meta_array=None,
@@ -487,7 +489,7 @@ def q4_decode_sdpa(queries, keys, values, start, end: int, scale: float, group_s
     L = 1 is a decode step, more a short prefill chunk whose keys are already written); keys/values (words,
     scales, biases) of shape (B, Hkv, W, ...) with W >= end, Hq a multiple of Hkv, and group size 32, 64 or 128 (at most D); start: int32 (B,). With
     `window` > 0 a query attends only to its last `window` columns (a sliding-window layer).
-    `meta_array`: `meta(end, window)`, made here if not given (pass it to share one per step).
+    `meta_array`: `meta(end, window, L)`, made here if not given (pass it to share one per step).
     `rotated`: keys and values are stored Hadamard-rotated along D (`runtime.kvscheme`); the
     kernels then rotate the queries in and the output back out themselves, as
     `kvscheme.rotate` would (H's entries rounded to the queries' dtype).
@@ -507,7 +509,7 @@ def q4_decode_sdpa(queries, keys, values, start, end: int, scale: float, group_s
         raise ValueError(f"q4_decode_sdpa takes 1 to {MAX_QUERIES} queries a row (RoPE inside for one only); "
                          f"got {L}{' with rope' if rope is not None else ''}")
     if meta_array is None:
-        meta_array = meta(end, window)
+        meta_array = meta(end, window, L)
     key = (B, Hq, L, keys[0].shape[1], D, keys[0].shape[-1], values[0].shape[-1], queries.dtype, group_size, scale,
            bool(rotated), rope is not None)
     launch = _launches.get(key)
@@ -528,13 +530,6 @@ def _query_tiles(queries: int, rep: int) -> int:
     return -(-queries // (1 if rep >= HEADS else HEADS // rep))
 
 
-def _chunks(queries: int, rep: int) -> int:
-    """Blocks that share a row's keys: CHUNKS when decoding, fewer (at least 4) as a prefill chunk's query
-    tiles multiply, so that the grid stays a few waves and the partial results small."""
-    tiles = _query_tiles(queries, rep)
-    return max(4, CHUNKS // tiles) if tiles > 1 else CHUNKS
-
-
 def _launch(B, Hq, L, Hkv, D, key_words, value_words, dtype, group_size, scale, rotated, rope):
     """(meta_f, the partial kernel and its launch arguments, the reduce kernel and its) for one shape of
     `q4_decode_sdpa`."""
@@ -547,17 +542,17 @@ def _launch(B, Hq, L, Hkv, D, key_words, value_words, dtype, group_size, scale, 
     # scores in base 2; a rotation's 1/sqrt(D), as H holds it, joins the scale
     h = mx.array(1 / math.sqrt(D), dtype=dtype).item() if rotated else 1.0
     meta_f = mx.array([scale * math.log2(math.e) * h], dtype=mx.float32)
-    rb, tiles, chunks = min(rep, HEADS), _query_tiles(L, rep), _chunks(L, rep)
+    rb, tiles, chunks = min(rep, HEADS), _query_tiles(L, rep), PREFILL_CHUNKS if L > 1 else CHUNKS
     partial = dict(
         template=[("T", dtype), ("D", D), ("G", group_size), ("REP", rep), ("RB", rb), ("KB", key_bits), ("CHUNKS", chunks),
-                  ("MIN_CHUNK", MIN_CHUNK), ("WARPS", WARPS), ("ROT", rotated), ("ROPE", rope), ("QL", L)],
+                  ("MIN_CHUNK", MIN_CHUNK), ("WARPS", WARPS), ("ROT", rotated), ("ROPE", rope), ("PREFILL", L > 1)],
         grid=(chunks * WARPS * 32, Hkv * -(-rep // HEADS) * tiles, B),
         threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(B, Hq * L, chunks), (B, Hq * L, chunks), (B, Hq * L, chunks, D)],
         output_dtypes=[mx.float32, mx.float32, mx.float32],
     )
     reduce = dict(
-        template=[("T", dtype), ("D", D), ("CHUNKS", chunks), ("MIN_CHUNK", MIN_CHUNK), ("ROT", rotated), ("QL", L)],
+        template=[("T", dtype), ("D", D), ("CHUNKS", chunks), ("MIN_CHUNK", MIN_CHUNK), ("ROT", rotated), ("PREFILL", L > 1)],
         grid=(D, Hq * L, B),
         threadgroup=(D, 1, 1),
         output_shapes=[(B, Hq, L, D)],
