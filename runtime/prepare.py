@@ -234,13 +234,15 @@ def compile_mlps(model) -> int:
 
 
 class CompiledBlock(llama.TransformerBlock):
-    """mlx-lm's llama decoder block, with one token per row run as two compiled graphs around the cache.
+    """mlx-lm's llama decoder block, run as two compiled graphs around the cache for decode steps and short chunks.
 
-    For a decode step (one query per row) against a cache whose `offset` is an array
+    For a decode step (one query per row), or a prefill chunk of fewer than DENSE_ROWS
+    rows in all (a hot turn's chunk: the dense products launch and wait inside, which a
+    recorded graph cannot), against a cache whose `offset` is an array
     (the engine's batch caches), the block runs `_before_cache` (input norm,
     q/k/v projections, RoPE) and `_after_cache` (output projection, residual,
     post-attention norm, MLP, residual) through `mx.compile`, one recorded graph per
-    batch size, and between them the cache update and attention as the model's own
+    input shape, and between them the cache update and attention as the model's own
     attention does them. Where the cache's CUDA kernels can rotate by the model's RoPE
     (`BatchQuantizedKVCache.fuses_rope`, `rope_frequencies`; FUSE_ROPE), the compiled
     graph stops before RoPE (`_projected`) and the in-place cache write rotates the
@@ -257,14 +259,14 @@ class CompiledBlock(llama.TransformerBlock):
     """
 
     def __call__(self, x, mask=None, cache=None):
-        if x.shape[1] != 1 or cache is None or not isinstance(cache.offset, mx.array):
+        if x.shape[0] * x.shape[1] >= DENSE_ROWS or cache is None or not isinstance(cache.offset, mx.array):
             return super().__call__(x, mask, cache)
         graphs = self.__dict__.get("_kvactors_graphs")
         if graphs is None:
             graphs = (mx.compile(self._before_cache), mx.compile(self._after_cache), mx.compile(self._projected))
             object.__setattr__(self, "_kvactors_graphs", graphs)
         attn = self.self_attn
-        if (FUSE_ROPE and isinstance(mask, RowRange) and cache.fuses_rope(x.dtype, attn.head_dim)
+        if (FUSE_ROPE and x.shape[1] == 1 and isinstance(mask, RowRange) and cache.fuses_rope(x.dtype, attn.head_dim)
                 and (inv_freq := rope_frequencies(attn.rope, attn.head_dim)) is not None):
             rope = (cache.offset, inv_freq)  # the rows' positions before this token
             queries, keys, values = graphs[2](x)
@@ -277,13 +279,13 @@ class CompiledBlock(llama.TransformerBlock):
         return graphs[1](out, x)
 
     def _before_cache(self, x, offset):
-        """Rows' queries, keys and values for one token each, rotated by RoPE at `offset`: mlx-lm's steps."""
+        """Rows' queries, keys and values, rotated by RoPE at `offset`: mlx-lm's steps."""
         queries, keys, values = self._projected(x)
         rope = self.self_attn.rope
         return rope(queries, offset=offset), rope(keys, offset=offset), values
 
     def _projected(self, x):
-        """Rows' queries, keys and values for one token each, before RoPE, as (B, heads, 1, head_dim).
+        """Rows' queries, keys and values of x (B, L, hidden), before RoPE, as (B, heads, L, head_dim).
 
         Where the GEMV serves all three projections, they run as one launch that writes
         each in mlx-lm's (B, heads, 1, head_dim) layout (`qgemv.qgemv_parts`).
@@ -303,7 +305,7 @@ class CompiledBlock(llama.TransformerBlock):
         return queries, keys, values
 
     def _after_cache(self, out, x):
-        """The block's output from attention's `out` (B, heads, 1, head_dim) and the block's input `x`: mlx-lm's steps.
+        """The block's output from attention's `out` (B, heads, L, head_dim) and the block's input `x`: mlx-lm's steps.
 
         Where the GEMV serves them: the output projection adds the residual in its
         launch (`qgemv.qgemv`'s `add`); the MLP's gate and up projections and the SiLU
@@ -311,7 +313,8 @@ class CompiledBlock(llama.TransformerBlock):
         second residual in its own.
         """
         B, L, _ = x.shape
-        attended = out.reshape(B, L, -1)  # one query per row: the heads' transpose moves nothing
+        # one query per row: the heads' transpose moves nothing
+        attended = out.reshape(B, L, -1) if L == 1 else out.transpose(0, 2, 1, 3).reshape(B, L, -1)
         h = _linear_plus(self.self_attn.o_proj, attended, x)
         h_norm = self.post_attention_layernorm(h)
         mlp = self.mlp

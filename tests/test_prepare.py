@@ -139,7 +139,8 @@ def test_compiled_mlps_give_bitwise_the_same_decode_and_prefill(tiny_model_path)
                                    pytest.param("q4kernel", marks=pytest.mark.skipif(not qgemv.available(),
                                                                                      reason="CUDA only"))])
 def test_compiled_blocks_give_bitwise_the_same_decode_steps(tiny_model_path, route, monkeypatch):
-    """Ragged rows in an engine batch cache: a llama block compiled around the cache decodes bitwise as mlx-lm's
+    """Ragged rows in an engine batch cache: a llama block compiled around the cache prefills a short chunk
+    and decodes bitwise as mlx-lm's
     (on CUDA with the GEMV kernel, the packing kernel and, for "q4kernel", the decode-attention kernel inside).
     On CUDA the fused q/k/v and gate/up launches may change last bits: there the logits are compared within
     bf16's precision, and bitwise with the fusion turned off."""
@@ -156,6 +157,7 @@ def test_compiled_blocks_give_bitwise_the_same_decode_steps(tiny_model_path, rou
     spec = ModelCacheSpec.from_model(model, tiny_model_path("llama"))
     attention.install()
     prompts = [mx.arange(11)[None] % 17 + 3, mx.arange(5)[None] % 13 + 2]  # unequal: the batch is left-padded
+    chunk = mx.arange(12).reshape(2, 6) % 11 + 4  # a hot chunk of 6 tokens a row
     steps = [mx.array([[3], [6]]), mx.array([[1], [12]]), mx.array([[7], [7]])]
 
     def run():
@@ -165,7 +167,7 @@ def test_compiled_blocks_give_bitwise_the_same_decode_steps(tiny_model_path, rou
             mx.eval(model(p, cache=cache))
             rows.append(extract_cache(cache, 0))
         batch = merge_caches(spec, rows, route)
-        return [model(t, cache=batch) for t in steps]
+        return [model(chunk, cache=batch)] + [model(t, cache=batch) for t in steps]
 
     before = run()
     assert compile_blocks(model) == len(model.layers) and compile_blocks(model) == len(model.layers)  # idempotent
