@@ -287,14 +287,14 @@ class CompiledBlock(llama.TransformerBlock):
     def _projected(self, x):
         """Rows' queries, keys and values of x (B, L, hidden), before RoPE, as (B, heads, L, head_dim).
 
-        Where the GEMV serves all three projections, they run as one launch that writes
-        each in mlx-lm's (B, heads, 1, head_dim) layout (`qgemv.qgemv_parts`).
+        Where the GEMV serves all three projections of one token a row, they run as one launch
+        that writes each in mlx-lm's (B, heads, 1, head_dim) layout (`qgemv.qgemv_parts`).
         """
         attn = self.self_attn
         h = self.input_layernorm(x)
         B, L, _ = h.shape
         parts = (attn.q_proj, attn.k_proj, attn.v_proj)
-        if _fused(parts, h):
+        if L == 1 and _fused(parts, h):  # the launch writes rows in order: the heads' layout only for one token
             heads = (attn.n_heads, attn.n_kv_heads, attn.n_kv_heads)
             shapes = [(B, n, L, m["weight"].shape[0] // n) for n, m in zip(heads, parts)]
             queries, keys, values = qgemv.qgemv_parts(h, [_packed(m) for m in parts], attn.q_proj.group_size, shapes)
