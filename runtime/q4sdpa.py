@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 
 import mlx.core as mx
 
@@ -469,15 +470,31 @@ def serves(key_bits: int, value_bits: int, head_dim: int, group_size: int) -> bo
     return key_bits in KEY_BITS and value_bits == 4 and head_dim in (64, 128) and head_dim % group_size == 0
 
 
-@functools.lru_cache(maxsize=16)
+META_BLOCK = 64  # ends whose parameters `meta` makes in one array
+
+
 def meta(end: int, window: int, queries: int):
     """The kernels' int32 parameters [end, window, queries a row] as a device array (see `q4_decode_sdpa`).
 
-    The same array for the same arguments while they are recent: a decode step's 32
-    layers share one, and so does `q4pack.pack_kv_into` (which reads `end`) with the
-    layers without a window.
+    The same array for the same arguments while they are recent, per thread: a decode
+    step's 32 layers share one, and so does `q4pack.pack_kv_into` (which reads `end`) with
+    the layers without a window. It is a view of a row of an array made for META_BLOCK
+    consecutive ends at once (making an array from host data cost an H100's host 200 us a
+    step, a row's view 3 us), and a view is evaluated by the thread that made it.
     """
-    return mx.array([end, window, queries], dtype=mx.int32)
+    return _meta_row(end, window, queries, threading.get_ident())
+
+
+@functools.lru_cache(maxsize=16)
+def _meta_row(end: int, window: int, queries: int, thread: int):
+    return _meta_block(end // META_BLOCK, window, queries)[end % META_BLOCK]
+
+
+@functools.lru_cache(maxsize=4)
+def _meta_block(block: int, window: int, queries: int):
+    """`meta`'s parameters for ends block * META_BLOCK ... (block + 1) * META_BLOCK - 1, one row each."""
+    first = block * META_BLOCK
+    return mx.array([[first + i, window, queries] for i in range(META_BLOCK)], dtype=mx.int32)
 
 
 def q4_decode_sdpa(queries, keys, values, start, end: int, scale: float, group_size: int, meta_array=None,

@@ -439,3 +439,22 @@ def test_dequant_once_working_copy_never_spans_whole_steps(models):
 
     assert watched("dequant_once") == watched("dequant")
     assert all(w % STEP for w in widths) and len(set(widths)) > 1
+
+
+def test_kernel_parameters_are_shared_per_step_and_per_thread():
+    """`q4sdpa.meta` gives the kernels' [end, window, queries] as one array per step that every layer shares,
+    made per thread (a view is evaluated by the thread that made it), right across its blocks of ends."""
+    import threading
+
+    from runtime import q4sdpa
+
+    first = q4sdpa.meta(130, 0, 1)
+    assert first is q4sdpa.meta(130, 0, 1) and first.tolist() == [130, 0, 1]
+    for end in (0, q4sdpa.META_BLOCK - 1, q4sdpa.META_BLOCK, 5 * q4sdpa.META_BLOCK + 7):
+        assert q4sdpa.meta(end, 512, 3).tolist() == [end, 512, 3]
+    other = {}
+    thread = threading.Thread(target=lambda: other.update(m=q4sdpa.meta(130, 0, 1), v=q4sdpa.meta(130, 0, 1).tolist()))
+    thread.start()
+    thread.join()
+    assert other["m"] is not first and other["v"] == [130, 0, 1]
+
