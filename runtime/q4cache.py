@@ -315,11 +315,12 @@ class BatchQuantizedKVCache(_BaseCache):
             raise Q4CacheError(f"this update must feed more than {max(self._lead)} tokens a row (the rows' lead, "
                                f"see merge); got {N}")
         kernel = self._kernel_reads(N)  # as `make_mask` decided, before this update: the attention's route
-        if rope is not None and not (N == 1 and kernel and self.fuses_rope(keys.dtype, Dk)):
+        decode = kernel and N == 1  # `_kernel_decode`, from the route just found
+        if rope is not None and not (decode and self.fuses_rope(keys.dtype, Dk)):
             raise Q4CacheError("this update cannot rotate its keys by RoPE (see fuses_rope): rotate them first")
         self._reserve(B, H, Dk, Dv, keys.dtype, prev + N)
         self._own()  # else a write would change a merged agent's arrays (Python objects both hold)
-        if kernel and N == 1 and self._packs_in_place(keys, values):
+        if decode and self._packs_in_place(keys, values):
             self._pending = q4pack.pack_kv_into(keys, values, self.scheme, self.keys, self.values, prev + N, rope)
             self._idx += N
             self._advance(N)
