@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -109,6 +110,9 @@ def load_bench_model(name: str):
         return load_model(bench_model_folder(name, Path(tmp)))
 
 
+DEVICE_TIMED = importlib.util.find_spec("cupti") is not None  # device_us traces kernels with CUPTI
+
+
 def kernel_us(fn, reps: int = 50) -> float:
     """Microseconds per call of `fn`: `reps` independent calls evaluated together, after one
     warm-up call, with no sync per call (the device's throughput, not one call's latency)."""
@@ -117,6 +121,24 @@ def kernel_us(fn, reps: int = 50) -> float:
     t0 = time.perf_counter()
     mx.eval([fn() for _ in range(reps)])
     mx.synchronize()
+    return (time.perf_counter() - t0) / reps * 1e6
+
+
+def device_us(calls, reps: int = 40) -> float:
+    """Microseconds per call, cycling through `calls` (one per input copy), after one warm-up round: the
+    device's kernel time as CUPTI traces it where the cupti-python package is installed (`DEVICE_TIMED`),
+    else the wall time of the calls queued together (which includes the host's launch work)."""
+    mx.eval([c() for c in calls])
+    mx.synchronize()
+
+    def run():
+        mx.eval([calls[i % len(calls)]() for i in range(reps)])
+        mx.synchronize()
+
+    if DEVICE_TIMED:
+        return sum(e - s for _, s, e in traced_kernels(run)) / reps / 1e3
+    t0 = time.perf_counter()
+    run()
     return (time.perf_counter() - t0) / reps * 1e6
 
 

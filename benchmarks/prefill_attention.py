@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from benchmarks.common import bench_parser, environment, write_results
-from benchmarks.q4sdpa_tune import D, GROUP, HQ, HKV, _time_us
+from benchmarks.common import bench_parser, device_us, environment, write_results
+from benchmarks.q4sdpa_tune import D, GROUP, HQ, HKV
 from runtime import attention, q4sdpa
 from runtime.kvscheme import parse
 from runtime.q4cache import DENSE_EXTRA, STEP, _working_copy
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
             for b in (int(x) for x in args.rows.split(",")):
                 base = None
                 for label, call in cases(context, queries, b):
-                    us = _time_us([call], reps=10)
+                    us = device_us([call], reps=10)
                     base = base or us
                     rows.append(dict(context=context, queries=queries, rows=b, route=label, us=round(us, 1),
                                      x_before=round(us / base, 3)))

@@ -17,17 +17,15 @@ from __future__ import annotations
 import importlib.util
 import math
 import sys
-import time
 
 import mlx.core as mx
 
-from benchmarks.common import bench_parser, environment, traced_kernels, write_results
+from benchmarks.common import DEVICE_TIMED, bench_parser, device_us, environment, write_results
 from runtime import q4sdpa
 
 COLUMNS = ["context", "rows", "kernel", "setting", "us", "x_fp16", "GB_per_s", "max_err"]
 HQ, HKV, D, GROUP = 32, 8, 128, 64
 ROTATE_BYTES = 256 << 20  # inputs per timed call set: well over an H100's 50 MB L2
-DEVICE_TIMED = importlib.util.find_spec("cupti") is not None
 
 
 def _packed(b, w, seed, key_bits=4):
@@ -40,24 +38,6 @@ def _packed(b, w, seed, key_bits=4):
 
 def _bytes(packed) -> int:
     return sum(x.nbytes for x in packed)
-
-
-def _time_us(calls, reps: int = 40) -> float:
-    """Microseconds per call, cycling through `calls` (one per input copy), after one warm-up round: the
-    device's kernel time as CUPTI traces it where the cupti-python package is installed (`DEVICE_TIMED`),
-    else the wall time of the calls queued together (which includes the host's launch work)."""
-    mx.eval([c() for c in calls])
-    mx.synchronize()
-
-    def run():
-        mx.eval([calls[i % len(calls)]() for i in range(reps)])
-        mx.synchronize()
-
-    if DEVICE_TIMED:
-        return sum(e - s for _, s, e in traced_kernels(run)) / reps / 1e3
-    t0 = time.perf_counter()
-    run()
-    return (time.perf_counter() - t0) / reps * 1e6
 
 
 def _reference(q, kq, vq, start, end, scale):
@@ -134,7 +114,7 @@ def main(argv=None) -> int:
             copies16 = max(1, min(8, -(-ROTATE_BYTES // fp16_bytes)))
             dense = [(k16, v16)] + [(k16 + 0, v16 + 0) for _ in range(copies16 - 1)]
             mx.eval(dense)
-            fp16_us = _time_us([lambda k=k, v=v: mx.fast.scaled_dot_product_attention(q, k, v, scale=D ** -0.5)
+            fp16_us = device_us([lambda k=k, v=v: mx.fast.scaled_dot_product_attention(q, k, v, scale=D ** -0.5)
                                 for k, v in dense])
             base = dict(context=context, rows=b)
             rows.append(dict(base, kernel="mlx fused sdpa (bf16 K/V)", setting="-", us=fp16_us, x_fp16=1.0,
@@ -145,7 +125,7 @@ def main(argv=None) -> int:
             for name, setting, module, err in timed:
                 use(setting)
                 try:
-                    us = _time_us([lambda k=k, v=v: module.q4_decode_sdpa(q, k, v, start, context, D ** -0.5, GROUP)
+                    us = device_us([lambda k=k, v=v: module.q4_decode_sdpa(q, k, v, start, context, D ** -0.5, GROUP)
                                    for k, v in sets])
                 except Exception as e:  # a launch setting the device refuses is reported, not fatal
                     rows.append(dict(base, kernel=name, setting="/".join(map(str, setting)), us=f"failed: {e}"[:80]))
