@@ -133,10 +133,10 @@ def main(argv=None) -> int:
     name = args.name or f"hot_chunk-{args.model}"
     if args.device_profile:  # the chunks as the engine runs them, before the variants below change the model
         texts = []
-        for rows, run in ((1, chunk_runner(model, spec, route, agent, tokens)),
+        for turns, run in ((1, chunk_runner(model, spec, route, agent, tokens)),
                           (args.rows, shared_runner(model, spec, route, agent, tokens, args.rows))):
             records = traced_kernels(lambda: [run() for _ in range(5)])
-            texts.append(kernel_table(records, 5, f"5 chunks of {args.tokens} tokens for {rows} turn(s) after "
+            texts.append(kernel_table(records, 5, f"5 chunks of {args.tokens} tokens for {turns} turn(s) after "
                                                   f"{args.context} (each with its merge), route {route}", "chunk"))
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"{name}-device-profile.md").write_text("\n".join(texts))

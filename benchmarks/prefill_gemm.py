@@ -1,60 +1,76 @@
-"""Prefill's matrix products: MLX's 4-bit quantized matmul against dequantize + 16-bit GEMM.
+"""Prefill's matrix products: MLX's 4-bit quantized matmul, `runtime.qgemm`, and dequantize + 16-bit GEMM.
 
 For the weight shapes of the 8B model (q/o 4096x4096, k/v 1024x4096, gate/up
 14336x4096, down 4096x14336; 4-bit, group 64, bf16) and a range of rows M (the
-tokens of a prefill chunk), the time of `mx.quantized_matmul` and of
-`mx.dequantize` followed by `x @ w.T`, each as a device throughput
-(`common.kernel_us`). A hot turn prefills a few hundred tokens: where the
-quantized kernel is slow for such M, dequantizing the layer's weights first pays.
+tokens of a prefill chunk), the device time per call of `mx.quantized_matmul`,
+of `qgemm` (both launches) and of `mx.dequantize` followed by `x @ w.T`
+(`common.device_us`: CUPTI where installed). Each call reads one of several
+copies of the weight, enough to pass the GPU's L2 (`L2_BYTES`), so the
+weights come from memory as they do in a model's forward pass; a kernel timed
+on one copy reads it from L2 and looks faster than it runs in place.
 
     python -m benchmarks.prefill_gemm --out DIR      # GPU
 """
-
 from __future__ import annotations
 
 import sys
 
 import mlx.core as mx
 
-from benchmarks.common import bench_parser, environment, kernel_us, write_results
+from benchmarks.common import bench_parser, device_us, environment, write_results
+from runtime import qgemm
 
 SHAPES = {"q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (14336, 4096), "down": (4096, 14336)}
 PER_LAYER = {"q/o": 2, "k/v": 2, "gate/up": 2, "down": 1}
-COLUMNS = ["rows", "weight", "qmm_us", "dequant_gemm_us", "ratio"]
+COLUMNS = ["rows", "weight", "qmm_us", "qgemm_us", "dequant_gemm_us", "qmm_x_qgemm", "qmm_x_dequant"]
+L2_BYTES = 50 << 20  # an H100's L2: the copies of a weight together hold at least twice this
+ROUTES = {
+    "qmm_us": lambda x, p: mx.quantized_matmul(x, *p, transpose=True, group_size=64, bits=4),
+    "qgemm_us": lambda x, p: qgemm.qgemm(x, *p, 64),
+    "dequant_gemm_us": lambda x, p: x @ mx.dequantize(*p, group_size=64, bits=4).T,
+}
 
 
-def measure(rows: int, n: int, k: int, dtype=mx.bfloat16) -> tuple[float, float]:
-    """(quantized matmul us, dequantize + matmul us) for x (rows, k) times a 4-bit (n, k) weight."""
-    w = mx.random.normal((n, k)).astype(dtype) * 0.02
-    qw, scales, biases = mx.quantize(w, group_size=64, bits=4)
+def measure(rows: int, n: int, k: int, dtype=mx.bfloat16) -> dict:
+    """Device microseconds per call of each route (`ROUTES`) for x (rows, k) times a 4-bit (n, k) weight,
+    cycling through copies of the weight that together pass L2 twice."""
+    copies = max(2, -(-2 * L2_BYTES // (n * k // 2)))
+    packed = []
+    for i in range(copies):
+        w = mx.random.normal((n, k), key=mx.random.key(i)).astype(dtype) * 0.02
+        packed.append(mx.quantize(w, group_size=64, bits=4))
+        mx.eval(packed[-1])
     x = mx.random.normal((rows, k)).astype(dtype)
-    mx.eval(qw, scales, biases, x)
-    qmm = kernel_us(lambda: mx.quantized_matmul(x, qw, scales, biases, transpose=True, group_size=64, bits=4), 20)
-    deq = kernel_us(lambda: x @ mx.dequantize(qw, scales, biases, group_size=64, bits=4).T, 20)
-    return qmm, deq
+    mx.eval(x)
+    return {name: device_us([lambda p=p: route(x, p) for p in packed], reps=4 * copies) for name, route in ROUTES.items()}
 
 
 def main(argv=None) -> int:
     ap = bench_parser(__doc__)
-    ap.add_argument("--rows", default="64,256,448,1024,2048")
+    ap.add_argument("--rows", default="64,128,192,256,1024")
     args = ap.parse_args(argv)
     env = environment()
     print(env, flush=True)
     results = []
     for m in (int(r) for r in args.rows.split(",")):
-        layer = [0.0, 0.0]
+        layer = dict.fromkeys(ROUTES, 0.0)
         for name, (n, k) in SHAPES.items():
-            qmm, deq = measure(m, n, k)
-            layer[0] += PER_LAYER[name] * qmm
-            layer[1] += PER_LAYER[name] * deq
-            results.append(dict(rows=m, weight=f"{name} {n}x{k}", qmm_us=qmm, dequant_gemm_us=deq, ratio=qmm / deq))
+            times = measure(m, n, k)
+            for route, us in times.items():
+                layer[route] += PER_LAYER[name] * us
+            results.append(_row(m, f"{name} {n}x{k}", times))
             print(results[-1], flush=True)
-        results.append(dict(rows=m, weight="one layer", qmm_us=layer[0], dequant_gemm_us=layer[1],
-                            ratio=layer[0] / layer[1]))
+        results.append(_row(m, "one layer", layer))
     write_results(args.name or "prefill_gemm", env, results, COLUMNS, args.out,
-                  notes="4-bit weights, group 64, bf16; microseconds per call as device throughput; "
-                        "ratio > 1: dequantize + GEMM is faster. 'one layer' sums a llama layer's 7 products.")
+                  notes="4-bit weights, group 64, bf16; device microseconds per call, weights read from memory "
+                        "(copies past L2); qmm_x_*: MLX's quantized matmul time over the other route's. "
+                        "'one layer' sums a llama layer's 7 products.")
     return 0
+
+
+def _row(rows: int, weight: str, times: dict) -> dict:
+    return dict(rows=rows, weight=weight, **times, qmm_x_qgemm=times["qmm_us"] / times["qgemm_us"],
+                qmm_x_dequant=times["qmm_us"] / times["dequant_gemm_us"])
 
 
 if __name__ == "__main__":

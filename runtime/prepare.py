@@ -18,9 +18,11 @@ a model loaded elsewhere in the process is untouched) to subclasses that:
   plus DENSE_LAUNCH such products are queued on the device at once (`_bound_in_flight`).
 - send decode-sized inputs (1 to `qgemv.MAX_ROWS` rows) of 4-bit weights through
   `qgemv`, which reads the weights once for all rows and gives each row the same
-  result whatever the batch (batch-invariant decoding). Only float16 and
-  bfloat16 inputs of the weights' scale type go there (`qgemv.INPUT_DTYPES`); others
-  take MLX's kernel.
+  result whatever the batch (batch-invariant decoding), and larger inputs below
+  DENSE_ROWS (a hot turn's chunk) through `qgemm`, which splits K to fill the GPU
+  where MLX-CUDA's quantized matmul gives a 64-row chunk a few dozen blocks. Only
+  float16 and bfloat16 inputs of the weights' scale type go there
+  (`qgemv.INPUT_DTYPES`); others take MLX's kernel.
 
 It also gives decoder layers a compiled decode path, so that MLX replays a
 recorded graph instead of Python building its ops every step: mlx-lm's llama
@@ -54,7 +56,7 @@ import numpy as np
 from mlx_lm.models import llama
 from mlx_lm.models.base import scaled_dot_product_attention
 
-from runtime import qgemv
+from runtime import qgemm, qgemv
 from runtime.attention import RowRange
 
 
@@ -77,7 +79,8 @@ def _queued():
 def _quantized_matmul(module, x):
     """`x @ module's dequantized weight.T`: the GEMV kernel for small M on CUDA (any leading
     shape); for M >= DENSE_ROWS on CUDA, a 16-bit GEMM on the weight dequantized for this
-    call; else MLX's quantized matmul on x flattened to 2-D."""
+    call; for M between, `qgemm` where it serves the weight; else MLX's quantized matmul on
+    x flattened to 2-D."""
     shape = x.shape
     if _gemv_serves(module, x):
         return qgemv.qgemv(x, *_packed(module), module.group_size)
@@ -87,6 +90,8 @@ def _quantized_matmul(module, x):
                           bits=module.bits, mode=module.mode)
         y = flat @ w.astype(x.dtype).T
         _bound_in_flight(y)
+    elif module._kvactors_gemv and qgemm.supports(flat, module["weight"], module["scales"], module.group_size):
+        y = qgemm.qgemm(flat, *_packed(module), module.group_size)
     else:
         y = mx.quantized_matmul(flat, module["weight"], scales=module["scales"], biases=module.get("biases"),
                                 transpose=True, group_size=module.group_size, bits=module.bits, mode=module.mode)
@@ -162,7 +167,7 @@ def prepare_model(model, force: bool = False, gemv: bool | None = None, dense: b
     """Prepare `model`'s quantized layers for batched decoding; return how many were changed.
 
     Does nothing off CUDA unless `force`. `gemv` (default: on CUDA) routes 1..16-row
-    inputs of 4-bit layers through `qgemv`; `dense` (default: on CUDA) multiplies inputs
+    inputs of 4-bit layers through `qgemv` and larger ones below DENSE_ROWS through `qgemm`; `dense` (default: on CUDA) multiplies inputs
     of DENSE_ROWS rows or more by the dequantized weight; `compile_decode` (default: on
     CUDA) gives the decoder layers a compiled decode path: llama blocks whole, around
     the cache (`compile_blocks`), other layers their MLP (`compile_mlps`). Idempotent.

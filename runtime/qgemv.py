@@ -250,7 +250,8 @@ __device__ __forceinline__ void mma16816(float* c, const unsigned int* a, unsign
 }
 """
 
-_HEADER = r"""
+# device functions of the 4-bit kernels (also runtime.qgemm's): dequant2, load_words, silu_mul, mma16816
+DEVICE_HELPERS = r"""
 // (lo, hi) 4-bit values at bits [0, 4) and [16, 20) of x, as a 16-bit pair times s plus b
 // (s, b: a 16-bit value in both halves): under a magic exponent the pair is 128 + q (bf16)
 // or 1024 + q (f16) exactly, one exact subtraction gives q, one fused multiply-add q s + b.
@@ -421,4 +422,4 @@ def _kernel(bf: int, parts: int, swiglu: bool, extra: str):
               .replace("RESIDUAL", "+ add[(size_t)m * N + n]" if extra == "add" else ""))
     name = f"kvactors_qgemv4_tc{bf}_{'swiglu' if swiglu else f'p{parts}'}{extra}"
     return mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs, source=source,
-                               header=f"#define BF {bf}\n" + _HEADER, ensure_row_contiguous=True)
+                               header=f"#define BF {bf}\n" + DEVICE_HELPERS, ensure_row_contiguous=True)

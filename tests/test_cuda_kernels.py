@@ -1,4 +1,4 @@
-"""The CUDA kernels (runtime.qgemv, runtime.q4sdpa, runtime.q4pack) against float32 or MLX
+"""The CUDA kernels (runtime.qgemv, runtime.qgemm, runtime.q4sdpa, runtime.q4pack) against float32 or MLX
 references, and their batch invariance: a row's result is bitwise the same whatever else is
 in the batch.
 
@@ -12,7 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from runtime import q4pack, q4sdpa, qgemv
+from runtime import q4pack, q4sdpa, qgemm, qgemv
 from runtime.kvscheme import KVScheme, rotate
 
 pytestmark = pytest.mark.skipif(not qgemv.available(), reason="CUDA-only kernels")
@@ -48,6 +48,33 @@ def test_qgemv_matches_float32_and_each_row_is_batch_invariant(n, k, group, dtyp
     as_3d = qgemv.qgemv(x[:8, None, :], *packed, group)  # a decode step's (B, 1, K): no reshape needed
     assert as_3d.shape == (8, 1, n) and mx.array_equal(as_3d[:, 0], full[:8]).item()
 
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("n,k,group", [(4096, 4096, 64), (1000, 640, 32), (14336, 4096, 128), (4096, 14336, 64),
+                                       (100, 192, 64), (1024, 4096, 64)])
+def test_qgemm_matches_float32_and_each_row_is_the_same_in_any_chunk(n, k, group, dtype):
+    packed = tuple(a.astype(dtype) if a.dtype != mx.uint32 else a for a in weights(n, k, group))
+    x = mx.random.normal((200, k), key=mx.random.key(2)).astype(dtype)
+    full = qgemm.qgemm(x, *packed, group)
+    assert full.shape == (200, n) and full.dtype == dtype
+    assert relative_error(full, reference_gemv(x, packed, group)) < 1e-2
+    for rows in (17, 40, 64, 65, 130):  # fewer tiles of 8, a partial second or third slice of 64 rows
+        assert mx.array_equal(qgemm.qgemm(x[:rows], *packed, group), full[:rows]).item(), rows
+    # a row's place in the chunk does not matter either; leading dimensions are kept
+    assert mx.array_equal(qgemm.qgemm(x[70:134], *packed, group), full[70:134]).item()
+    as_3d = qgemm.qgemm(x[:128].reshape(2, 64, k), *packed, group)
+    assert as_3d.shape == (2, 64, n) and mx.array_equal(as_3d.reshape(128, n), full[:128]).item()
+
+
+def test_qgemm_refuses_what_it_cannot_read():
+    packed = weights(96, 128, 64)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        qgemm.qgemm(mx.zeros((20, 128), mx.float32), *packed, 64)  # float32 input
+    odd = weights(98, 128, 64)
+    assert not qgemm.supports(mx.zeros((20, 128), mx.bfloat16), odd[0], odd[1], 64)  # N not a multiple of 4
+    assert not qgemm.supports(mx.zeros((20, 96), mx.bfloat16), *packed[:2], 32)  # K not the weight's
+    assert qgemm.supports(mx.zeros((20, 128), mx.bfloat16), *packed[:2], 64)
 
 
 def relative_error(a, ref):

@@ -307,3 +307,27 @@ def test_a_hot_chunk_attends_on_the_packed_cache_as_the_dequantized_route_does(t
             for i in rows:  # each row of the batch as alone
                 alone = hot("q4kernel", [i]).astype(mx.float32)
                 assert (mx.abs(got[i] - alone[0]).max() / mx.abs(alone[0]).max()).item() < 2e-2
+
+
+@pytest.mark.skipif(not qgemv.available(), reason="CUDA only")
+def test_a_chunk_between_decode_and_dense_sizes_multiplies_through_qgemm(tiny_model_path, monkeypatch):
+    """Inputs of more than qgemv.MAX_ROWS and fewer than DENSE_ROWS rows (a hot turn's chunk) go through
+    `qgemm` in every 4-bit linear, with logits as the model's own quantized matmuls give them (bf16)."""
+    from runtime import prepare, qgemm
+
+    model, _ = mlx_lm.load(str(tiny_model_path("llama")))  # its own copy: it gets changed
+    model.set_dtype(mx.bfloat16)
+    nn.quantize(model, group_size=64, bits=4)
+    tokens = mx.random.randint(3, 500, (2, 40), key=mx.random.key(3))
+    want = model(tokens).astype(mx.float32)
+    prepare_model(model, compile_decode=False)
+    served = []
+    gemm = qgemm.qgemm
+    monkeypatch.setattr(qgemm, "qgemm", lambda x, *a: served.append(x.shape) or gemm(x, *a))
+    got = model(tokens).astype(mx.float32)
+    linears = sum(isinstance(m, FlatQuantizedLinear) for m in model.modules())
+    assert len(served) == linears + 1 and {s[0] for s in served} == {80}  # and the tied output head
+    assert (mx.abs(got - want).max() / mx.abs(want).max()).item() < 2e-2
+    served.clear()
+    model(tokens[:, :8])  # 16 rows: the decode-sized GEMV
+    assert not served

@@ -1,0 +1,230 @@
+"""A batch-invariant 4-bit matrix product for short prefill chunks on CUDA (hot turns).
+
+`qgemm(x, w, scales, biases, group_size)` computes `x @ dequantize(w).T` for an
+input of any number of rows; `runtime.prepare` sends it the chunks between a
+decode step (`qgemv`, up to 16 rows) and a long prefill (dequantize + 16-bit GEMM,
+`prepare.DENSE_ROWS` rows and more): a hot turn's new message and template.
+
+Why a kernel of our own: MLX-CUDA's quantized matmul (`qmm_sm80`) gives each
+block a 64-row x 128-column tile and all of K, so at 64 rows the seven products
+of an 8B-shape layer get 8 to 112 blocks for the H100's 132 SMs: in a 64-token
+hot chunk they took about 930 us a layer, against 35 us to read the layer's
+4-bit weights once (`benchmarks/results/h100/prefill-kernel-2026-11-24`).
+
+How: tensor cores as in `qgemv` (the weight is the 16-row operand of
+`mma.m16n8k16`, dequantized two nibbles at a time straight into fragment
+layout; the input rows are its 8 columns, read in the order the nibbles land
+in). A block of 8 warps owns 128 output columns (a 16-row tile of the weight
+per warp) and 64 input rows (a launch's second grid dimension walks the rows
+64 at a time), over 1/S of K in steps of 64. Its warps share each step's
+slice of the input through shared memory (double buffered, stored in the
+nibbles' order), so the input is read from L2 once per 128 columns; the next
+step's weights and input are loaded while the current one is multiplied. S
+follows from the weight's shape alone (`splits`: enough blocks to fill the
+GPU); each block writes its float32 sums to its own slice of a scratch array,
+and a second launch adds the S slices in split order and rounds to x's type.
+
+Each output is summed in one fixed order (steps of K in order within a split,
+then splits in order) from its own row of x and the weights, whatever the
+other rows hold and however many there are: a row's result is bitwise the same
+in any chunk (the order differs from `qgemv`'s, so it may differ from a decode
+step's in its last bits).
+
+Layout and limits as `qgemv` (MLX's affine 4-bit quantization: `w` (N, K / 8)
+uint32, `scales` and `biases` (N, K / group_size) of x's type; K a multiple of
+64), and N a multiple of 4 (`supports`).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from runtime import qgemv
+
+COLUMNS = 128  # output columns a block owns: 8 warps, a 16-row weight tile each
+ROWS = 64  # input rows a block multiplies: 8 columns of 8 of mma.m16n8k16
+STEP = 64  # elements of K a block's warps multiply between two barriers
+WAVE = 264  # blocks resident at once on an H100 (132 SMs, two blocks each): `splits` stays within one wave
+MIN_STEPS = 4  # steps of K a block takes at least (its loads overlap only within a split)
+
+_GEMM = r"""
+    // x (M, K) T; w (N, K / 8) uint32; s, b (N, K / G) T; part (S, M, N) float: split z's sums over its steps of K
+    const int K = x_shape[x_ndim - 1];
+    int M = 1;
+    for (int i = 0; i < x_ndim - 1; ++i) {
+        M *= x_shape[i];
+    }
+    const int N = w_shape[0];
+    const int wpr = K / 8, gpr = K / G, steps = K / 64;
+    const int tile = blockIdx.x / S, z = blockIdx.x % S;
+    const int s0 = z * steps / S, s1 = (z + 1) * steps / S;
+    const int m0 = blockIdx.y * 64;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int na = tile * 128 + warp * 16 + g, nb = na + 8;  // rows g and g + 8 of this warp's A fragments
+    const unsigned short* sp = reinterpret_cast<const unsigned short*>(s);
+    const unsigned short* bp = reinterpret_cast<const unsigned short*>(b);
+    // two steps' input: 64 rows of 64 elements (8 x 16 bytes, in nibble order) and 16 bytes of padding,
+    // so that the 8 lanes of a 16-byte access phase hit distinct banks
+    __shared__ uint4 xs[2][64][9];
+    // this thread's share of a step's input: row r, 16-byte columns c and c + 1
+    const int r = threadIdx.x >> 2, c = (threadIdx.x & 3) * 2;
+    const bool live = m0 + r < M;
+    const uint4* xrow = reinterpret_cast<const uint4*>(x) + (size_t)(live ? m0 + r : 0) * (K / 8);
+    uint4 xr0 = make_uint4(0, 0, 0, 0), xr1 = make_uint4(0, 0, 0, 0);
+    unsigned int wa[2] = {0, 0}, wb[2] = {0, 0}, sa = 0, ba = 0, sb = 0, bb = 0;
+    float acc[MT][4];  // MT: tiles of 8 rows a block multiplies (8, or fewer where the call has fewer rows)
+    #pragma unroll
+    for (int i = 0; i < MT; ++i) {
+        acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+    }
+    #define FETCH(step) {                                                                   \
+        const int k8 = (step) * 8;                                                          \
+        if (live) {                                                                         \
+            xr0 = xrow[k8 + c];                                                             \
+            xr1 = xrow[k8 + c + 1];                                                         \
+        }                                                                                   \
+        const int kw = (step) * 64 + t * 16;  /* this lane's 16 elements of the weights */  \
+        if (na < N) {                                                                       \
+            load_words<2>(wa, w + (size_t)na * wpr + kw / 8);                               \
+            sa = sp[(size_t)na * gpr + kw / G] * 0x10001u;                                  \
+            ba = bp[(size_t)na * gpr + kw / G] * 0x10001u;                                  \
+        }                                                                                   \
+        if (nb < N) {                                                                       \
+            load_words<2>(wb, w + (size_t)nb * wpr + kw / 8);                               \
+            sb = sp[(size_t)nb * gpr + kw / G] * 0x10001u;                                  \
+            bb = bp[(size_t)nb * gpr + kw / G] * 0x10001u;                                  \
+        }                                                                                   \
+    }
+    #define PUT(buf) {                                                                      \
+        xs[buf][r][c] = nibble_order(xr0);                                                  \
+        xs[buf][r][c + 1] = nibble_order(xr1);                                              \
+    }
+    FETCH(s0);
+    PUT(0);
+    __syncthreads();
+    for (int step = s0; step < s1; ++step) {
+        const int buf = (step - s0) & 1;
+        unsigned int a[4][4];  // product j: word j / 2's nibbles (2 sub, 2 sub + 4) and (2 sub + 1, 2 sub + 5), sub = j % 2
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int shift = (j & 1) * 8;
+            a[j][0] = dequant2(wa[j >> 1] >> shift, sa, ba);
+            a[j][1] = dequant2(wb[j >> 1] >> shift, sb, bb);
+            a[j][2] = dequant2(wa[j >> 1] >> (shift + 4), sa, ba);
+            a[j][3] = dequant2(wb[j >> 1] >> (shift + 4), sb, bb);
+        }
+        const bool more = step + 1 < s1;
+        if (more) FETCH(step + 1);
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {  // rows past M are zeros (a bound per tile costs 36 registers)
+            const uint4 v0 = xs[buf][8 * mt + g][2 * t], v1 = xs[buf][8 * mt + g][2 * t + 1];
+            mma16816(acc[mt], a[0], v0.x, v0.y);
+            mma16816(acc[mt], a[1], v0.z, v0.w);
+            mma16816(acc[mt], a[2], v1.x, v1.y);
+            mma16816(acc[mt], a[3], v1.z, v1.w);
+        }
+        if (more) PUT(buf ^ 1);
+        __syncthreads();
+    }
+    #undef FETCH
+    #undef PUT
+    // C fragment: acc[mt] = (col na, row 2t), (na, 2t + 1), (nb, 2t), (nb, 2t + 1), rows + m0 + 8 mt
+    float* pz = part + (size_t)z * M * N;
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        const int m = m0 + 8 * mt + 2 * t;
+        if (na < N) {
+            if (m < M) pz[(size_t)m * N + na] = acc[mt][0];
+            if (m + 1 < M) pz[(size_t)(m + 1) * N + na] = acc[mt][1];
+        }
+        if (nb < N) {
+            if (m < M) pz[(size_t)m * N + nb] = acc[mt][2];
+            if (m + 1 < M) pz[(size_t)(m + 1) * N + nb] = acc[mt][3];
+        }
+    }
+"""
+
+_SUM = r"""
+    // part (S, M, N) float; y (M, N) T: the S slices added in split order, rounded to T; 4 outputs a thread
+    const size_t total = (size_t)part_shape[1] * part_shape[2];
+    const size_t i = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * 4;
+    if (i >= total) {
+        return;
+    }
+    float4 v = *reinterpret_cast<const float4*>(part + i);
+    for (int z = 1; z < S; ++z) {
+        const float4 u = *reinterpret_cast<const float4*>(part + z * total + i);
+        v.x += u.x;
+        v.y += u.y;
+        v.z += u.z;
+        v.w += u.w;
+    }
+    y[i] = static_cast<T>(v.x);
+    y[i + 1] = static_cast<T>(v.y);
+    y[i + 2] = static_cast<T>(v.z);
+    y[i + 3] = static_cast<T>(v.w);
+"""
+
+_NIBBLE_ORDER = r"""
+// 8 consecutive 16-bit values x0..x7 as (x0, x4), (x1, x5), (x2, x6), (x3, x7): the order in which
+// dequant2 puts a word's nibbles into mma16816's A fragment (see qgemv's B fragments)
+__device__ __forceinline__ uint4 nibble_order(uint4 v) {
+    return make_uint4(__byte_perm(v.x, v.z, 0x5410), __byte_perm(v.x, v.z, 0x7632),
+                      __byte_perm(v.y, v.w, 0x5410), __byte_perm(v.y, v.w, 0x7632));
+}
+"""
+
+_kernels = {}  # BF -> (product kernel, sum kernel)
+
+
+def supports(x, w, scales, group_size: int) -> bool:
+    """Whether `qgemm` serves x (..., K) times this 4-bit weight: K a multiple of 64 and of the group
+    size, the weight's K, N a multiple of 4, x and scales one 16-bit type (`qgemv.INPUT_DTYPES`)."""
+    k = x.shape[-1]
+    return (k % 64 == 0 and k % group_size == 0 and w.shape[-1] * 8 == k and w.shape[0] % 4 == 0
+            and x.dtype in qgemv.INPUT_DTYPES and scales.dtype == x.dtype)
+
+
+def splits(n: int, k: int) -> int:
+    """S, the slices of K a product of an (n, k) weight is split into: as many as keep the blocks of 64 rows
+    within one WAVE (a block more would run in a second wave, alone), each slice at least MIN_STEPS steps
+    of K. Depends on the shape alone."""
+    tiles = -(-n // COLUMNS)
+    return max(1, min(k // STEP // MIN_STEPS, WAVE // tiles))
+
+
+def qgemm(x, w, scales, biases, group_size: int):
+    """`x @ dequantize(w, scales, biases).T` for x (..., K) of any number of rows, on CUDA.
+
+    Returns (..., N) in x's dtype. Each row's result is bitwise independent of the
+    other rows (see the module docstring). Raises ValueError where `supports` does
+    not hold; group_size is 32, 64 or 128 (`qgemv.supports_weights`).
+    """
+    if not supports(x, w, scales, group_size):
+        raise ValueError(f"qgemm needs K a multiple of 64 and of the group size, weights of x's K, N a multiple "
+                         f"of 4, and 16-bit x and scales of one type; got x {tuple(x.shape)} {x.dtype}, weight "
+                         f"{tuple(w.shape)}, group {group_size}, scales {scales.dtype}")
+    k, n = x.shape[-1], w.shape[0]
+    rows = x.size // k
+    s = splits(n, k)
+    gemm, add = _kernels_for(int(x.dtype == mx.bfloat16))
+    part = gemm(inputs=[x, w, scales, biases], output_shapes=[(s, rows, n)], output_dtypes=[mx.float32],
+                template=[("T", x.dtype), ("G", group_size), ("S", s), ("MT", min(ROWS // 8, -(-rows // 8)))],
+                grid=(-(-n // COLUMNS) * s * 256, -(-rows // ROWS), 1), threadgroup=(256, 1, 1))[0]
+    quads = rows * n // 4
+    return add(inputs=[part], output_shapes=[(*x.shape[:-1], n)], output_dtypes=[x.dtype],
+               template=[("T", x.dtype), ("S", s)], grid=(-(-quads // 256) * 256, 1, 1),
+               threadgroup=(256, 1, 1))[0]
+
+
+def _kernels_for(bf: int):
+    if bf not in _kernels:
+        header = f"#define BF {bf}\n" + qgemv.DEVICE_HELPERS + _NIBBLE_ORDER
+        _kernels[bf] = (
+            mx.fast.cuda_kernel(name=f"kvactors_qgemm4_tc{bf}", input_names=["x", "w", "s", "b"],
+                                output_names=["part"], source=_GEMM, header=header, ensure_row_contiguous=True),
+            mx.fast.cuda_kernel(name=f"kvactors_qgemm4_sum{bf}", input_names=["part"], output_names=["y"],
+                                source=_SUM, ensure_row_contiguous=True),
+        )
+    return _kernels[bf]
