@@ -13,6 +13,7 @@ later token): prefix matching only cuts where it is >= 0.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -20,6 +21,7 @@ import numpy as np
 from runtime.kvscheme import KVScheme
 
 _PARTS = ("packed", "scales", "biases")
+PIECE_BYTES = 8 << 20  # a cache leaves the device in transfers of about this many bytes (`_to_numpy`)
 # activation dtype -> numpy dtype that holds its scales and biases (bfloat16 as raw bits)
 SCALE_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 
@@ -139,25 +141,36 @@ def cache_to_host(cache, start: int = 0) -> HostCache:
 
 
 def _to_numpy(arrays: dict) -> dict:
-    """Evaluated copies of MLX `arrays` as numpy arrays, moved off the device in one piece.
+    """Evaluated copies of MLX `arrays` as numpy arrays, moved off the device in pieces of about PIECE_BYTES.
 
-    One evaluation and one transfer for all of them: each evaluation on the writer's
-    thread waits for the device's queue (a decode step is usually in flight), and each
-    transfer has its own fixed cost, so a 32-layer cache copied tensor by tensor
-    (192 of each) took tens of milliseconds longer per write on an H100.
+    One evaluation for all of them: each evaluation on the writer's thread waits for
+    the device's queue (a decode step is usually in flight). Few transfers: each has
+    its own fixed cost, so a 32-layer cache copied tensor by tensor (192 of each) took
+    tens of milliseconds longer per write on an H100. But not one: MLX-CUDA moves an
+    array off the device inside numpy's request for its buffer, with the GIL held, so
+    a whole 4K-token cache (186 MB) in one transfer stopped every other Python thread,
+    the engine's included, for tens of milliseconds. Between pieces the thread yields.
     """
     import mlx.core as mx
 
-    if not arrays:
-        return {}
-    blob = mx.concatenate([x.reshape(-1).view(mx.uint8) for x in arrays.values()])
-    mx.eval(blob)
-    data = np.array(blob, copy=True)
-    out, at = {}, 0
+    groups, size = [[]], 0
     for name, x in arrays.items():
-        dtype = np.dtype(str(x.dtype).removeprefix("mlx.core."))
-        out[name] = data[at: at + x.nbytes].view(dtype).reshape(x.shape)
-        at += x.nbytes
+        if groups[-1] and size + x.nbytes > PIECE_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += x.nbytes
+    blobs = [mx.concatenate([arrays[n].reshape(-1).view(mx.uint8) for n in group]) for group in groups if group]
+    mx.eval(blobs)
+    out = {}
+    for group, blob in zip(groups, blobs):
+        data = np.array(blob, copy=True)
+        at = 0
+        for name in group:
+            x = arrays[name]
+            out[name] = data[at: at + x.nbytes].view(np.dtype(str(x.dtype).removeprefix("mlx.core."))).reshape(x.shape)
+            at += x.nbytes
+        time.sleep(0)  # let a thread waiting for the GIL (the engine's) have it between transfers
     return out
 
 

@@ -92,6 +92,23 @@ def test_save_load_is_bit_exact(tmp_path, dtype, T):
     assert_same_cache(cache, store.host_to_cache(host))
 
 
+@pytest.mark.parametrize("piece,pieces", [(1, 12), (900, 8), (1 << 30, 1)])
+def test_a_cache_leaves_the_device_in_pieces_bit_exactly(tmp_path, monkeypatch, piece, pieces):
+    """Whatever the transfer size (one tensor each; a layer's keys, then its scales and biases together; all
+    at once), the host copy is the same."""
+    from runtime import hostcache
+
+    cache = q4_cache(100, dtype=mx.bfloat16, seed=3)
+    transfers = []
+    to_numpy = hostcache.np.array
+    monkeypatch.setattr(hostcache, "PIECE_BYTES", piece)
+    monkeypatch.setattr(hostcache.np, "array", lambda a, *args, **kw: transfers.append(a.nbytes) or to_numpy(a, *args, **kw))
+    host = store.cache_to_host(cache)
+    assert len(transfers) == pieces  # 2 layers of 6 tensors: packed 6400 bytes, scales and biases 400 each
+    store.save_cache(tmp_path, SPEC, "agent-1", host, meta_for(100))
+    assert_same_cache(cache, store.host_to_cache(store.load_cache(tmp_path, SPEC, "agent-1")[0]))
+
+
 def test_special_scale_values_survive_in_bfloat16(tmp_path):
     cache = q4_cache(3, dtype=mx.bfloat16)
     special = mx.array([float("nan"), -0.0, float("inf"), 1e-40], dtype=mx.bfloat16)  # 1e-40: subnormal
