@@ -15,10 +15,13 @@ cache as the engine merges it (the merge is not timed):
   cache each) in one forward pass, right-aligned, as the engine shares a chunk
   among turns that wait together;
 - chunk, quantized matmul: prepare's dequantize-then-GEMM path off, so MLX's
-  quantized matmul takes the rows;
+  quantized matmul takes the rows (chunks of `prepare.DENSE_ROWS` or more; shorter
+  ones take `qgemm` either way);
 - host share: building and queueing the chunk (the time to the last launch);
 - linears alone: the chunk's products (every linear layer of the model, on
   random inputs of the chunk's rows), as prepared;
+- with --host-profile: Python's profile of building and queueing 5 chunks
+  (`<name>-host-profile.txt`);
 - with --device-profile (CUDA, the `cupti-python` package): every kernel of 5
   chunks by name, device time per chunk (`<name>-device-profile.md`), for one
   turn and for --rows turns sharing the chunk.
@@ -50,15 +53,20 @@ def timed_runs(fn, runs: int = 5, warm: int = 2) -> float:
     return statistics.median(times) * 1e3
 
 
-def chunk_runner(model, spec, route, agent, tokens, host_only: bool = False):
-    """A function that feeds `tokens` after `agent`'s cache once and returns its seconds (or the host's share)."""
+def chunk_runner(model, spec, route, agent, tokens, host_only: bool = False, profile=None):
+    """A function that feeds `tokens` after `agent`'s cache once and returns its seconds (or the host's share);
+    `profile` (a cProfile.Profile) is enabled while the host builds and queues the chunk."""
     def run():
         cache = merge_caches(spec, [agent], route)
         mx.eval([c.state for c in cache])
         mx.synchronize()
         t0 = time.perf_counter()
+        if profile:
+            profile.enable()
         logits = last_logits(model, tokens[None], cache, tokens.size - 1)
         mx.async_eval(logits, [c.state for c in cache])
+        if profile:
+            profile.disable()
         queued = time.perf_counter()
         mx.eval(logits, [c.state for c in cache])
         mx.synchronize()
@@ -113,6 +121,8 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=3072, help="tokens in the agent's cache (default: %(default)s)")
     ap.add_argument("--tokens", type=int, default=256, help="tokens in the chunk (default: %(default)s)")
     ap.add_argument("--rows", type=int, default=5, help="turns sharing a chunk (default: %(default)s)")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="also write Python's profile of building and queueing 5 chunks (<name>-host-profile.txt)")
     ap.add_argument("--device-profile", action="store_true",
                     help="also write a CUPTI trace summary of 5 chunks (<name>-device-profile.md; CUDA, cupti-python)")
     args = ap.parse_args(argv)
@@ -131,6 +141,20 @@ def main(argv=None) -> int:
 
     add("chunk", timed_runs(chunk_runner(model, spec, route, agent, tokens)), f"route {route}")
     name = args.name or f"hot_chunk-{args.model}"
+    if args.host_profile:
+        import cProfile
+        import io
+        import pstats
+
+        prof, text = cProfile.Profile(), io.StringIO()
+        run = chunk_runner(model, spec, route, agent, tokens, profile=prof)
+        for _ in range(5):
+            run()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"{name}-host-profile.txt").write_text(
+            f"5 chunks of {args.tokens} tokens after {args.context}, built and queued (mx.async_eval: the launch)\n"
+            + text.getvalue())
     if args.device_profile:  # the chunks as the engine runs them, before the variants below change the model
         texts = []
         for turns, run in ((1, chunk_runner(model, spec, route, agent, tokens)),

@@ -90,7 +90,8 @@ def _quantized_matmul(module, x):
                           bits=module.bits, mode=module.mode)
         y = flat @ w.astype(x.dtype).T
         _bound_in_flight(y)
-    elif module._kvactors_gemv and qgemm.supports(flat, module["weight"], module["scales"], module.group_size):
+    elif (module._kvactors_gemv and flat.shape[0] < DENSE_ROWS
+          and qgemm.supports(flat, module["weight"], module["scales"], module.group_size)):
         y = qgemm.qgemm(flat, *_packed(module), module.group_size)
     else:
         y = mx.quantized_matmul(flat, module["weight"], scales=module["scales"], biases=module.get("biases"),
