@@ -9,7 +9,9 @@ Why a kernel of our own: MLX-CUDA's quantized matmul (`qmm_sm80`) gives each
 block a 64-row x 128-column tile and all of K, so at 64 rows the seven products
 of an 8B-shape layer get 8 to 112 blocks for the H100's 132 SMs: in a 64-token
 hot chunk they took about 930 us a layer, against 35 us to read the layer's
-4-bit weights once (`benchmarks/results/h100/prefill-kernel-2026-11-24`).
+4-bit weights once (`benchmarks/results/h100/prefill-kernel-2026-11-24`). With
+the weights read from memory, one layer's products at 64 rows take 421 us this
+way against 1,363 us (`benchmarks.prefill_gemm`, results/h100/qgemm-2026-11-25).
 
 How: tensor cores as in `qgemv` (the weight is the 16-row operand of
 `mma.m16n8k16`, dequantized two nibbles at a time straight into fragment
@@ -20,8 +22,8 @@ per warp) and 64 input rows (a launch's second grid dimension walks the rows
 slice of the input through shared memory (double buffered, stored in the
 nibbles' order), so the input is read from L2 once per 128 columns; the next
 step's weights and input are loaded while the current one is multiplied. S
-follows from the weight's shape alone (`splits`: enough blocks to fill the
-GPU); each block writes its float32 sums to its own slice of a scratch array,
+follows from the weight's shape alone (`splits`: as many as fit one wave of
+blocks); each block writes its float32 sums to its own slice of a scratch array,
 and a second launch adds the S slices in split order and rounds to x's type.
 
 Each output is summed in one fixed order (steps of K in order within a split,
