@@ -32,7 +32,8 @@ from pathlib import Path
 from benchmarks.common import RESULTS
 
 SCENARIOS = {
-    "ttft": ("benchmarks.ttft", {"llama-8b-shape": ["--contexts", "1024,4096,16384,32768"]}),
+    "ttft": ("benchmarks.ttft", {"llama-8b-shape": ["--contexts", "1024,4096,16384,32768"],
+                                 "tiny": ["--contexts", "1024,2048,3072"]}),  # the tiny model has 4,096 positions
     "workload": ("benchmarks.workload", {"llama-8b-shape": ["--system-tokens", "2000", "--turn-tokens", "200", "--new", "64"]}),
     "cluster": ("benchmarks.cluster", {}),
     "batching": ("benchmarks.batching", {"llama-8b-shape": ["--prompt", "1024", "--new", "64", "--agents", "1,2,4,8,16"]}),

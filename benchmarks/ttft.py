@@ -30,6 +30,7 @@ from runtime import Runtime, store
 from runtime.tiny import tokenizer_corpus
 
 HOT_BUDGET = 16 << 30  # keep every cache of this benchmark hot between turns
+ROOM = 256  # positions past the context that the three turns take at most (messages, template, max_tokens)
 COLUMNS = ["context", "cold_ttft_s", "hot_ttft_s", "warm_ttft_s", "hot_x_cold", "warm_x_cold",
            "cache_mb", "reload_s", "disk_read_gb_s", "reload_x_disk", "page_cache"]
 
@@ -75,13 +76,16 @@ def reload_time(cache_dir, spec, agent) -> float:
 
 
 def bench_context(model_path, context, cache_dir, max_tokens):
-    """One row: the TTFTs of an agent of `context` tokens, each measured after another agent of that length
+    """One row (None where `context` and the turns do not fit the model's positions): the TTFTs of an agent of `context` tokens, each measured after another agent of that length
     (a different text) took the same turns in the same Runtime. MLX-CUDA compiles kernels once a process
     and the engine's model records its compiled graphs once a shape (`prepare.CompiledBlock`), both on
     first use: a Runtime serves one agent's turn in the steady state only after such a turn."""
     row = dict(context=context)
     names = (f"first{context}", f"ctx{context}")
     with Runtime(model=model_path, cache_dir=cache_dir, hot_budget=HOT_BUDGET, warmup=False) as rt:
+        if rt.max_context is not None and context + ROOM > rt.max_context:
+            print(f"context {context}: skipped, the model has {rt.max_context} positions", flush=True)
+            return None
         for name, seed in zip(names, (context + 1, context)):
             agent = rt.spawn(name, system=long_text(rt.tokenizer, context, seed=seed))
             cold = agent.ask("Summarize the notes above in one line.", max_tokens=max_tokens, timeout=600)
@@ -116,15 +120,20 @@ def main(argv=None) -> int:
     print(env, flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         model_path = bench_model_folder(args.model, Path(tmp))
-        rows = []
+        rows, skipped = [], []
         for c in [int(c) for c in args.contexts.split(",")]:
-            rows.append(bench_context(model_path, c, Path(tmp) / f"agents{c}", args.max_tokens))
+            row = bench_context(model_path, c, Path(tmp) / f"agents{c}", args.max_tokens)
+            if row is None:
+                skipped.append(c)
+            else:
+                rows.append(row)
     name = args.name or f"ttft-{args.model}"
     plot_lines(args.out / f"{name}.png", {s: [r[f"{s}_ttft_s"] for r in rows] for s in ("cold", "warm", "hot")},
                "context (tokens)", "TTFT (s)", f"TTFT cold / warm / hot, {args.model}", x=[r["context"] for r in rows])
     write_results(name, env, rows, COLUMNS, args.out,
                   notes=f"model {args.model}; warm = a new Runtime over the same cache_dir (reload included in TTFT); "
-                        "targets (GPU, 8B shape): hot <= 0.05x cold at 4K, warm <= 0.1x cold at 16K (page cache dropped).")
+                        "targets (GPU, 8B shape): hot <= 0.05x cold at 4K, warm <= 0.1x cold at 16K (page cache dropped)."
+                        + (f" Skipped (longer than the model's positions): {skipped}." if skipped else ""))
     return 0
 
 
