@@ -117,6 +117,15 @@ def _fused(modules, x) -> bool:
             and len({m.group_size for m in modules}) == 1)
 
 
+def _gemm_fused(modules, x) -> bool:
+    """Whether one `qgemm.qgemm_parts` launch serves `modules` (linears of one input): a chunk of more than
+    `qgemv.MAX_ROWS` and fewer than DENSE_ROWS rows, each weight one `qgemm` reads, one group size, no bias."""
+    rows = x.size // x.shape[-1]
+    return (qgemv.MAX_ROWS < rows < DENSE_ROWS and len({m.group_size for m in modules}) == 1
+            and all(getattr(m, "_kvactors_gemv", False) and "bias" not in m
+                    and qgemm.supports(x, m["weight"], m["scales"], m.group_size) for m in modules))
+
+
 def _decode_sized(x) -> bool:
     """Whether `x` (..., K) has at most `qgemv.MAX_ROWS` rows: a decode step's input."""
     return x.size <= qgemv.MAX_ROWS * x.shape[-1]
@@ -261,7 +270,9 @@ class CompiledBlock(llama.TransformerBlock):
     gate, up and SiLU a third, the down projection and its residual a fourth. That
     saves six primitives a layer (each costs the host 5-15 us; the residuals' adds are
     bitwise as before) and may change a product's last bits, as `qgemv.qgemv_parts`
-    says; each row's result stays bitwise the same in any batch.
+    says; each row's result stays bitwise the same in any batch. For a short chunk
+    (`qgemm`'s rows) q/k/v are one product launch and one sum launch, and gate and up
+    another pair (`qgemm.qgemm_parts`): four launches a layer fewer.
     """
 
     def __call__(self, x, mask=None, cache=None):
@@ -304,6 +315,11 @@ class CompiledBlock(llama.TransformerBlock):
             heads = (attn.n_heads, attn.n_kv_heads, attn.n_kv_heads)
             shapes = [(B, n, L, m["weight"].shape[0] // n) for n, m in zip(heads, parts)]
             queries, keys, values = qgemv.qgemv_parts(h, [_packed(m) for m in parts], attn.q_proj.group_size, shapes)
+        elif _gemm_fused(parts, h):  # a short chunk: one product launch and one sum launch for the three
+            q, k, v = qgemm.qgemm_parts(h, [_packed(m) for m in parts], attn.q_proj.group_size)
+            queries = q.reshape(B, L, attn.n_heads, -1).transpose(0, 2, 1, 3)
+            keys = k.reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+            values = v.reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
         else:
             queries = attn.q_proj(h).reshape(B, L, attn.n_heads, -1).transpose(0, 2, 1, 3)
             keys = attn.k_proj(h).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
@@ -327,6 +343,9 @@ class CompiledBlock(llama.TransformerBlock):
         if type(mlp) is llama.MLP and _fused((mlp.gate_proj, mlp.up_proj), h_norm):
             gated = qgemv.qgemv_swiglu(h_norm, _packed(mlp.gate_proj), _packed(mlp.up_proj), mlp.gate_proj.group_size)
             return _linear_plus(mlp.down_proj, gated, h)
+        if type(mlp) is llama.MLP and _gemm_fused((mlp.gate_proj, mlp.up_proj), h_norm):
+            gate, up = qgemm.qgemm_parts(h_norm, [_packed(mlp.gate_proj), _packed(mlp.up_proj)], mlp.gate_proj.group_size)
+            return h + mlp.down_proj(llama.swiglu(gate, up))
         return h + mlp(h_norm)
 
 

@@ -50,22 +50,21 @@ WAVE = 264  # blocks resident at once on an H100 (132 SMs, two blocks each): `sp
 MIN_STEPS = 4  # steps of K a block takes at least (its loads overlap only within a split)
 
 _GEMM = r"""
-    // x (M, K) T; w (N, K / 8) uint32; s, b (N, K / G) T; part (S, M, N) float: split z's sums over its steps of K
+    // x (M, K) T; per weight i: wi (N_i, K / 8) uint32, si, bi (N_i, K / G) T; parti (S, M, N_i) float: split z's
+    // sums over its steps of K. Blocks take the weights in order, (column tiles of weight i) x S each.
     const int K = x_shape[x_ndim - 1];
     int M = 1;
     for (int i = 0; i < x_ndim - 1; ++i) {
         M *= x_shape[i];
     }
-    const int N = w_shape[0];
+    PICK
     const int wpr = K / 8, gpr = K / G, steps = K / 64;
-    const int tile = blockIdx.x / S, z = blockIdx.x % S;
-    const int s0 = z * steps / S, s1 = (z + 1) * steps / S;
+    const int tile = blk / S, z = blk % S;
+    const int first = z * steps / S, last = (z + 1) * steps / S;  // this split's steps of K
     const int m0 = blockIdx.y * 64;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int na = tile * 128 + warp * 16 + g, nb = na + 8;  // rows g and g + 8 of this warp's A fragments
-    const unsigned short* sp = reinterpret_cast<const unsigned short*>(s);
-    const unsigned short* bp = reinterpret_cast<const unsigned short*>(b);
     // two steps' input: 64 rows of 64 elements (8 x 16 bytes, in nibble order) and 16 bytes of padding,
     // so that the 8 lanes of a 16-byte access phase hit distinct banks
     __shared__ uint4 xs[2][64][9];
@@ -88,12 +87,12 @@ _GEMM = r"""
         }                                                                                   \
         const int kw = (step) * 64 + t * 16;  /* this lane's 16 elements of the weights */  \
         if (na < N) {                                                                       \
-            load_words<2>(wa, w + (size_t)na * wpr + kw / 8);                               \
+            load_words<2>(wa, wq + (size_t)na * wpr + kw / 8);                               \
             sa = sp[(size_t)na * gpr + kw / G] * 0x10001u;                                  \
             ba = bp[(size_t)na * gpr + kw / G] * 0x10001u;                                  \
         }                                                                                   \
         if (nb < N) {                                                                       \
-            load_words<2>(wb, w + (size_t)nb * wpr + kw / 8);                               \
+            load_words<2>(wb, wq + (size_t)nb * wpr + kw / 8);                               \
             sb = sp[(size_t)nb * gpr + kw / G] * 0x10001u;                                  \
             bb = bp[(size_t)nb * gpr + kw / G] * 0x10001u;                                  \
         }                                                                                   \
@@ -102,11 +101,11 @@ _GEMM = r"""
         xs[buf][r][c] = nibble_order(xr0);                                                  \
         xs[buf][r][c + 1] = nibble_order(xr1);                                              \
     }
-    FETCH(s0);
+    FETCH(first);
     PUT(0);
     __syncthreads();
-    for (int step = s0; step < s1; ++step) {
-        const int buf = (step - s0) & 1;
+    for (int step = first; step < last; ++step) {
+        const int buf = (step - first) & 1;
         unsigned int a[4][4];  // product j: word j / 2's nibbles (2 sub, 2 sub + 4) and (2 sub + 1, 2 sub + 5), sub = j % 2
         #pragma unroll
         for (int j = 0; j < 4; ++j) {
@@ -116,7 +115,7 @@ _GEMM = r"""
             a[j][2] = dequant2(wa[j >> 1] >> (shift + 4), sa, ba);
             a[j][3] = dequant2(wb[j >> 1] >> (shift + 4), sb, bb);
         }
-        const bool more = step + 1 < s1;
+        const bool more = step + 1 < last;
         if (more) FETCH(step + 1);
         #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {  // rows past M are zeros (a bound per tile costs 36 registers)
@@ -132,7 +131,7 @@ _GEMM = r"""
     #undef FETCH
     #undef PUT
     // C fragment: acc[mt] = (col na, row 2t), (na, 2t + 1), (nb, 2t), (nb, 2t + 1), rows + m0 + 8 mt
-    float* pz = part + (size_t)z * M * N;
+    float* pz = pout + (size_t)z * M * N;
     #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
         const int m = m0 + 8 * mt + 2 * t;
@@ -148,9 +147,11 @@ _GEMM = r"""
 """
 
 _SUM = r"""
-    // part (S, M, N) float; y (M, N) T: the S slices added in split order, rounded to T; 4 outputs a thread
-    const size_t total = (size_t)part_shape[1] * part_shape[2];
-    const size_t i = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * 4;
+    // parti (S, M, N_i) float; yi (M, N_i) T: the S slices added in split order, rounded to T; 4 outputs a thread,
+    // the threads taking the weights' outputs in order
+    size_t q = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    PICK
+    const size_t i = q * 4;
     if (i >= total) {
         return;
     }
@@ -168,6 +169,34 @@ _SUM = r"""
     y[i + 3] = static_cast<T>(v.w);
 """
 
+# weight i's blocks follow weight i - 1's: (column tiles) x S each
+_PICK_GEMM = """int blk = blockIdx.x;
+    const unsigned int* wq = w0;
+    const unsigned short* sp = reinterpret_cast<const unsigned short*>(s0);
+    const unsigned short* bp = reinterpret_cast<const unsigned short*>(b0);
+    float* pout = part0;
+    int N = w0_shape[0];"""
+_PICK_GEMM_NEXT = """
+    if (blk >= (N + 127) / 128 * S) {{  // past weight {j}'s blocks
+        blk -= (N + 127) / 128 * S;
+        wq = w{i};
+        sp = reinterpret_cast<const unsigned short*>(s{i});
+        bp = reinterpret_cast<const unsigned short*>(b{i});
+        pout = part{i};
+        N = w{i}_shape[0];
+    }}"""
+# weight i's outputs follow weight i - 1's: a thread's 4 outputs are of one weight (N_i is a multiple of 4)
+_PICK_SUM = """const float* part = part0;
+    T* y = y0;
+    size_t total = (size_t)part0_shape[1] * part0_shape[2];"""
+_PICK_SUM_NEXT = """
+    if (q >= total / 4) {{
+        q -= total / 4;
+        part = part{i};
+        y = y{i};
+        total = (size_t)part{i}_shape[1] * part{i}_shape[2];
+    }}"""
+
 _NIBBLE_ORDER = r"""
 // 8 consecutive 16-bit values x0..x7 as (x0, x4), (x1, x5), (x2, x6), (x3, x7): the order in which
 // dequant2 puts a word's nibbles into mma16816's A fragment (see qgemv's B fragments)
@@ -177,7 +206,7 @@ __device__ __forceinline__ uint4 nibble_order(uint4 v) {
 }
 """
 
-_kernels = {}  # BF -> (product kernel, sum kernel)
+_kernels = {}  # (BF, weights) -> (product kernel, sum kernel)
 
 
 def supports(x, w, scales, group_size: int) -> bool:
@@ -203,30 +232,51 @@ def qgemm(x, w, scales, biases, group_size: int):
     other rows (see the module docstring). Raises ValueError where `supports` does
     not hold; group_size is 32, 64 or 128 (`qgemv.supports_weights`).
     """
-    if not supports(x, w, scales, group_size):
-        raise ValueError(f"qgemm needs K a multiple of 64 and of the group size, weights of x's K, N a multiple "
-                         f"of 4, and 16-bit x and scales of one type; got x {tuple(x.shape)} {x.dtype}, weight "
-                         f"{tuple(w.shape)}, group {group_size}, scales {scales.dtype}")
-    k, n = x.shape[-1], w.shape[0]
+    return qgemm_parts(x, [(w, scales, biases)], group_size)[0]
+
+
+def qgemm_parts(x, weights, group_size: int) -> list:
+    """`x @ dequantize(w).T` for each (w, scales, biases) in `weights` (1 to 3, one K), in one product launch
+    and one sum launch: a layer's q/k/v, or its gate and up.
+
+    As `qgemm` for each weight, but the split of K follows the weights' shapes together
+    (`splits` of their summed N), so a part may differ in its last bits from `qgemm` of
+    that weight alone; each row's result is still bitwise the same in any chunk.
+    Returns a list of (..., N_i) in x's dtype. ValueError as `qgemm`'s, or for more than 3.
+    """
+    if not 1 <= len(weights) <= 3:
+        raise ValueError(f"qgemm_parts takes 1 to 3 weights; got {len(weights)}")
+    for w, scales, _ in weights:
+        if not supports(x, w, scales, group_size):
+            raise ValueError(f"qgemm needs K a multiple of 64 and of the group size, weights of x's K, N a multiple "
+                             f"of 4, and 16-bit x and scales of one type; got x {tuple(x.shape)} {x.dtype}, weight "
+                             f"{tuple(w.shape)}, group {group_size}, scales {scales.dtype}")
+    k, n = x.shape[-1], [w.shape[0] for w, _, _ in weights]
     rows = x.size // k
-    s = splits(n, k)
-    gemm, add = _kernels_for(int(x.dtype == mx.bfloat16))
-    part = gemm(inputs=[x, w, scales, biases], output_shapes=[(s, rows, n)], output_dtypes=[mx.float32],
-                template=[("T", x.dtype), ("G", group_size), ("S", s), ("MT", min(ROWS // 8, -(-rows // 8)))],
-                grid=(-(-n // COLUMNS) * s * 256, -(-rows // ROWS), 1), threadgroup=(256, 1, 1))[0]
-    quads = rows * n // 4
-    return add(inputs=[part], output_shapes=[(*x.shape[:-1], n)], output_dtypes=[x.dtype],
-               template=[("T", x.dtype), ("S", s)], grid=(-(-quads // 256) * 256, 1, 1),
-               threadgroup=(256, 1, 1))[0]
+    s = splits(sum(n), k)
+    gemm, add = _kernels_for(int(x.dtype == mx.bfloat16), len(weights))
+    blocks = sum(-(-ni // COLUMNS) for ni in n) * s
+    parts = gemm(inputs=[x, *(a for part in weights for a in part)], output_shapes=[(s, rows, ni) for ni in n],
+                 output_dtypes=[mx.float32] * len(n),
+                 template=[("T", x.dtype), ("G", group_size), ("S", s), ("MT", min(ROWS // 8, -(-rows // 8)))],
+                 grid=(blocks * 256, -(-rows // ROWS), 1), threadgroup=(256, 1, 1))
+    quads = rows * sum(n) // 4
+    return add(inputs=parts, output_shapes=[(*x.shape[:-1], ni) for ni in n], output_dtypes=[x.dtype] * len(n),
+               template=[("T", x.dtype), ("S", s)], grid=(-(-quads // 256) * 256, 1, 1), threadgroup=(256, 1, 1))
 
 
-def _kernels_for(bf: int):
-    if bf not in _kernels:
+def _kernels_for(bf: int, parts: int):
+    key = (bf, parts)
+    if key not in _kernels:
         header = f"#define BF {bf}\n" + qgemv.DEVICE_HELPERS + _NIBBLE_ORDER
-        _kernels[bf] = (
-            mx.fast.cuda_kernel(name=f"kvactors_qgemm4_tc{bf}", input_names=["x", "w", "s", "b"],
-                                output_names=["part"], source=_GEMM, header=header, ensure_row_contiguous=True),
-            mx.fast.cuda_kernel(name=f"kvactors_qgemm4_sum{bf}", input_names=["part"], output_names=["y"],
-                                source=_SUM, ensure_row_contiguous=True),
+        gemm = _GEMM.replace("PICK", _PICK_GEMM + "".join(_PICK_GEMM_NEXT.format(i=i, j=i - 1) for i in range(1, parts)))
+        total = _SUM.replace("PICK", _PICK_SUM + "".join(_PICK_SUM_NEXT.format(i=i) for i in range(1, parts)))
+        _kernels[key] = (
+            mx.fast.cuda_kernel(name=f"kvactors_qgemm4_tc{bf}_p{parts}",
+                                input_names=["x"] + [f"{a}{i}" for i in range(parts) for a in "wsb"],
+                                output_names=[f"part{i}" for i in range(parts)], source=gemm, header=header,
+                                ensure_row_contiguous=True),
+            mx.fast.cuda_kernel(name=f"kvactors_qgemm4_sum{bf}_p{parts}", input_names=[f"part{i}" for i in range(parts)],
+                                output_names=[f"y{i}" for i in range(parts)], source=total, ensure_row_contiguous=True),
         )
-    return _kernels[bf]
+    return _kernels[key]

@@ -67,6 +67,22 @@ def test_qgemm_matches_float32_and_each_row_is_the_same_in_any_chunk(n, k, group
     assert as_3d.shape == (2, 64, n) and mx.array_equal(as_3d.reshape(128, n), full[:128]).item()
 
 
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("ns,k,group", [((4096, 1024, 1024), 4096, 64), ((1000, 96, 40), 640, 32), ((14336, 14336), 4096, 128)])
+def test_qgemm_parts_match_float32_in_one_launch_and_each_row_is_the_same_in_any_chunk(ns, k, group, dtype):
+    packed = [tuple(a.astype(dtype) if a.dtype != mx.uint32 else a for a in weights(n, k, group, seed=i))
+              for i, n in enumerate(ns)]
+    x = mx.random.normal((150, k), key=mx.random.key(5)).astype(dtype)
+    full = qgemm.qgemm_parts(x, packed, group)
+    assert [y.shape for y in full] == [(150, n) for n in ns]
+    for y, p in zip(full, packed):
+        assert relative_error(y, reference_gemv(x, p, group)) < 1e-2
+    for rows in (17, 64, 100):
+        assert all(mx.array_equal(a, b[:rows]).item() for a, b in zip(qgemm.qgemm_parts(x[:rows], packed, group), full))
+    with pytest.raises(ValueError, match="1 to 3 weights"):
+        qgemm.qgemm_parts(x, packed * 2, group)
+
+
 def test_qgemm_refuses_what_it_cannot_read():
     packed = weights(96, 128, 64)
     with pytest.raises(ValueError, match="multiple of 64"):

@@ -331,3 +331,28 @@ def test_a_chunk_between_decode_and_dense_sizes_multiplies_through_qgemm(tiny_mo
     served.clear()
     model(tokens[:, :8])  # 16 rows: the decode-sized GEMV
     assert not served
+
+
+@pytest.mark.skipif(not qgemv.available(), reason="CUDA only")
+def test_a_compiled_block_runs_a_short_chunks_qkv_and_gate_up_as_one_launch_each(tiny_model_path, monkeypatch):
+    """In a compiled llama block, a chunk of qgemm's size takes q/k/v through one `qgemm_parts` launch and
+    gate/up through another, with logits as the uncompiled blocks' separate products give them (bf16)."""
+    from runtime import attention, qgemm
+    from runtime.model import ModelCacheSpec
+    from runtime.q4cache import merge_caches
+
+    model, _ = mlx_lm.load(str(tiny_model_path("llama")))  # its own copy: it gets changed
+    model.set_dtype(mx.bfloat16)
+    nn.quantize(model, group_size=64, bits=4)
+    prepare_model(model, compile_decode=False)
+    spec = ModelCacheSpec.from_model(model, tiny_model_path("llama"))
+    attention.install()
+    tokens = mx.random.randint(3, 500, (2, 40), key=mx.random.key(6))
+    want = model(tokens, cache=merge_caches(spec, [None, None], "q4kernel")).astype(mx.float32)
+    prepare_model(model)  # now with the compiled blocks
+    calls = []
+    parts = qgemm.qgemm_parts
+    monkeypatch.setattr(qgemm, "qgemm_parts", lambda x, w, g: calls.append(len(w)) or parts(x, w, g))
+    got = model(tokens, cache=merge_caches(spec, [None, None], "q4kernel")).astype(mx.float32)
+    assert calls.count(3) == calls.count(2) == len(model.layers)
+    assert (mx.abs(got - want).max() / mx.abs(want).max()).item() < 2e-2
