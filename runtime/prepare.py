@@ -90,8 +90,7 @@ def _quantized_matmul(module, x):
                           bits=module.bits, mode=module.mode)
         y = flat @ w.astype(x.dtype).T
         _bound_in_flight(y)
-    elif (module._kvactors_gemv and flat.shape[0] < DENSE_ROWS
-          and qgemm.supports(flat, module["weight"], module["scales"], module.group_size)):
+    elif _gemm_serves(module, flat):
         y = qgemm.qgemm(flat, *_packed(module), module.group_size)
     else:
         y = mx.quantized_matmul(flat, module["weight"], scales=module["scales"], biases=module.get("biases"),
@@ -117,13 +116,18 @@ def _fused(modules, x) -> bool:
             and len({m.group_size for m in modules}) == 1)
 
 
+def _gemm_serves(module, x) -> bool:
+    """Whether `module` (a prepared quantized linear) multiplies `x` (not decode-sized: see `_gemv_serves`)
+    through `qgemm`: fewer than DENSE_ROWS rows, a weight `qgemm` reads."""
+    return (getattr(module, "_kvactors_gemv", False) and x.size < DENSE_ROWS * x.shape[-1]
+            and qgemm.supports(x, module["weight"], module["scales"], module.group_size))
+
+
 def _gemm_fused(modules, x) -> bool:
     """Whether one `qgemm.qgemm_parts` launch serves `modules` (linears of one input): a chunk of more than
-    `qgemv.MAX_ROWS` and fewer than DENSE_ROWS rows, each weight one `qgemm` reads, one group size, no bias."""
-    rows = x.size // x.shape[-1]
-    return (qgemv.MAX_ROWS < rows < DENSE_ROWS and len({m.group_size for m in modules}) == 1
-            and all(getattr(m, "_kvactors_gemv", False) and "bias" not in m
-                    and qgemm.supports(x, m["weight"], m["scales"], m.group_size) for m in modules))
+    `qgemv.MAX_ROWS` rows, each through `qgemm`, one group size, no bias added after the product."""
+    return (not _decode_sized(x) and all(_gemm_serves(m, x) and "bias" not in m for m in modules)
+            and len({m.group_size for m in modules}) == 1)
 
 
 def _decode_sized(x) -> bool:

@@ -9,6 +9,15 @@ from runtime import qgemv
 from runtime.prepare import FlatQuantizedLinear, last_logits, prepare_model
 
 
+def bf16_llama(tiny_model_path, group: int):
+    """A fresh copy of the tiny llama in bfloat16 with 4-bit weights of `group` (not yet prepared): CUDA's
+    kernels take 16-bit inputs only."""
+    model, _ = mlx_lm.load(str(tiny_model_path("llama")))  # its own copy: it gets changed
+    model.set_dtype(mx.bfloat16)
+    nn.quantize(model, group_size=group, bits=4)
+    return model
+
+
 def test_flattened_linears_give_the_same_logits(tiny_model_path):
     model, _ = mlx_lm.load(str(tiny_model_path("llama")))  # its own copy: it gets changed
     nn.quantize(model, group_size=32, bits=4)
@@ -111,9 +120,7 @@ def test_compiled_mlps_give_bitwise_the_same_decode_and_prefill(tiny_model_path)
 
     from runtime.prepare import compile_mlps
 
-    model, _ = mlx_lm.load(str(tiny_model_path("llama")))  # its own copy: it gets changed
-    model.set_dtype(mx.bfloat16)
-    nn.quantize(model, group_size=32, bits=4)
+    model = bf16_llama(tiny_model_path, 32)
     prepare_model(model, force=True, gemv=False, compile_decode=False)
     prompt = mx.arange(24).reshape(2, 12) % 17 + 3  # 24 rows: more than a decode step has
     steps = [mx.array([[3], [6]]), mx.array([[1], [12]])]
@@ -150,9 +157,7 @@ def test_compiled_blocks_give_bitwise_the_same_decode_steps(tiny_model_path, rou
     from runtime.q4cache import extract_cache, merge_caches
 
     monkeypatch.setattr(prepare, "FUSE_ROPE", True)
-    model, _ = mlx_lm.load(str(tiny_model_path("llama")))  # its own copy: it gets changed
-    model.set_dtype(mx.bfloat16)
-    nn.quantize(model, group_size=32, bits=4)
+    model = bf16_llama(tiny_model_path, 32)
     prepare_model(model, force=True, gemv=qgemv.available(), compile_decode=False)
     spec = ModelCacheSpec.from_model(model, tiny_model_path("llama"))
     attention.install()
@@ -277,9 +282,7 @@ def test_a_hot_chunk_attends_on_the_packed_cache_as_the_dequantized_route_does(t
     from runtime.model import ModelCacheSpec
     from runtime.q4cache import extract_cache, merge_caches
 
-    model, _ = mlx_lm.load(str(tiny_model_path("llama")))  # its own copy: it gets changed
-    model.set_dtype(mx.bfloat16)
-    nn.quantize(model, group_size=32, bits=4)
+    model = bf16_llama(tiny_model_path, 32)
     prepare_model(model, force=True)
     spec = ModelCacheSpec.from_model(model, tiny_model_path("llama"))
     attention.install()
@@ -315,9 +318,7 @@ def test_a_chunk_between_decode_and_dense_sizes_multiplies_through_qgemm(tiny_mo
     `qgemm` in every 4-bit linear, with logits as the model's own quantized matmuls give them (bf16)."""
     from runtime import prepare, qgemm
 
-    model, _ = mlx_lm.load(str(tiny_model_path("llama")))  # its own copy: it gets changed
-    model.set_dtype(mx.bfloat16)
-    nn.quantize(model, group_size=64, bits=4)
+    model = bf16_llama(tiny_model_path, 64)
     tokens = mx.random.randint(3, 500, (2, 40), key=mx.random.key(3))
     want = model(tokens).astype(mx.float32)
     prepare_model(model, compile_decode=False)
@@ -341,9 +342,7 @@ def test_a_compiled_block_runs_a_short_chunks_qkv_and_gate_up_as_one_launch_each
     from runtime.model import ModelCacheSpec
     from runtime.q4cache import merge_caches
 
-    model, _ = mlx_lm.load(str(tiny_model_path("llama")))  # its own copy: it gets changed
-    model.set_dtype(mx.bfloat16)
-    nn.quantize(model, group_size=64, bits=4)
+    model = bf16_llama(tiny_model_path, 64)
     prepare_model(model, compile_decode=False)
     spec = ModelCacheSpec.from_model(model, tiny_model_path("llama"))
     attention.install()
