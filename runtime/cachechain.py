@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from runtime.cacheformat import (MAX_HEADER, CacheError, CacheMissing, CorruptCache, UnreadableCache, check_spec,
-                                 decode_file, encode_cache, encode_file)
+                                 decode_file, encode_file, parts_size)
 from runtime.files import CACHE_FILE, DELTA_FILE, agent_dir, fsync_dir, make_dirs, map_file, refuse_links, write_atomic
 from runtime.hostcache import CacheMeta, DeviceCache, HostCache, layer_names
 
@@ -33,10 +33,10 @@ def save_cache(cache_dir, spec, agent: str, host: HostCache, meta: CacheMeta) ->
     Any delta files of an older chain are removed.
     """
     folder = agent_dir(cache_dir, spec.fingerprint, agent)
-    data = encode_cache(host, meta, spec.fingerprint)
+    parts = encode_file(host, meta, spec.fingerprint)[0]
     make_dirs(folder)
     path = folder / CACHE_FILE
-    write_atomic(path, data)
+    write_atomic(path, parts)
     remove_deltas(folder)
     return path
 
@@ -163,12 +163,12 @@ def next_segment(cache: HostCache | DeviceCache, meta: CacheMeta, fingerprint: s
         delta = cache.rows(reuse[1])
         if last.delta_bytes + delta.nbytes < last.base_bytes:
             link = {"parent": last.checksum, "start": reuse[1], "lengths": list(lengths)}
-            data, checksum = encode_file(delta, meta, fingerprint, link)
+            parts, checksum = encode_file(delta, meta, fingerprint, link)
             k = last.deltas + 1
-            seg = Segment(meta.seq, checksum, lengths, ids, k, last.base_bytes, last.delta_bytes + len(data))
-            return DELTA_FILE.format(k), data, seg
-    data, checksum = encode_file(cache.rows(0), meta, fingerprint)
-    return CACHE_FILE, data, Segment(meta.seq, checksum, lengths, ids, 0, len(data), 0)
+            seg = Segment(meta.seq, checksum, lengths, ids, k, last.base_bytes, last.delta_bytes + parts_size(parts))
+            return DELTA_FILE.format(k), parts, seg
+    parts, checksum = encode_file(cache.rows(0), meta, fingerprint)
+    return CACHE_FILE, parts, Segment(meta.seq, checksum, lengths, ids, 0, parts_size(parts), 0)
 
 
 def _delta_fits(cache: HostCache | DeviceCache, start: int, last: Segment) -> bool:

@@ -173,11 +173,16 @@ def fsync_dir(folder) -> None:
 
 
 def write_atomic(path: Path, data) -> None:
-    """Replace `path` by `data`: temp file in the same folder, fsync, rename, fsync the folder."""
+    """Replace `path` by `data`: temp file in the same folder, fsync, rename, fsync the folder.
+
+    `data` is bytes-like, or a list of bytes-like parts written in order (each handed
+    to the OS as it is: large writes release the GIL).
+    """
     tmp = temp_path(path)
     try:
         with open(tmp, "xb", opener=open_private) as f:
-            f.write(data)
+            for part in data if isinstance(data, list) else [data]:
+                f.write(part)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -92,6 +92,38 @@ def test_save_load_is_bit_exact(tmp_path, dtype, T):
     assert_same_cache(cache, store.host_to_cache(host))
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+def test_cache_files_are_safetensors_the_package_reads(tmp_path, dtype):
+    """The file is written without the safetensors package; its own reader gets the header and every tensor's
+    dtype, shape and bits (numpy has no bfloat16: those bits are checked through MLX, which reads the same file)."""
+    from safetensors import safe_open
+
+    path, _ = saved(tmp_path, T=70, dtype=dtype)
+    host, _ = store.load_cache(tmp_path, SPEC, "a")
+    header = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16"}[dtype]
+    with safe_open(path, "numpy") as f:
+        assert set(f.keys()) == set(host.tensors)
+        for name, a in host.tensors.items():
+            part = f.get_slice(name)
+            assert part.get_shape() == list(a.shape)
+            assert part.get_dtype() == ("U32" if name.endswith("packed") else header)
+            if part.get_dtype() != "BF16":
+                assert f.get_tensor(name).tobytes() == a.tobytes()
+        info = f.metadata()
+    assert info["format"] == cacheformat.FORMAT and json.loads(info["meta"])["n_tokens"] == 70
+    loaded = mx.load(str(path))
+    assert all(raw(loaded[name]).tobytes() == a.tobytes() for name, a in host.tensors.items())
+
+
+def test_encoding_a_cache_copies_no_tensor(tmp_path):
+    """A writer hands the host arrays to the OS as they are: one file's bytes built in memory would hold the GIL."""
+    host = store.cache_to_host(q4_cache(90))
+    parts, _ = cacheformat.encode_file(host, meta_for(90), SPEC.fingerprint)
+    assert len(parts) == 1 + len(host.tensors)
+    assert all(any(np.shares_memory(p, a) for a in host.tensors.values()) for p in parts[1:])
+    assert cacheformat.parts_size(parts) == len(b"".join(parts))
+
+
 @pytest.mark.parametrize("piece,pieces", [(1, 12), (900, 8), (1 << 30, 1)])
 def test_a_cache_leaves_the_device_in_pieces_bit_exactly(tmp_path, monkeypatch, piece, pieces):
     """Whatever the transfer size (one tensor each; a layer's keys, then its scales and biases together; all
@@ -645,7 +677,7 @@ def write_segment(tmp_path, host, meta, last, reuse):
     store.write_atomic(folder / name, data)
     if name == store.CACHE_FILE:
         store.remove_deltas(folder)
-    return name, len(data), segment
+    return name, (folder / name).stat().st_size, segment
 
 
 def assert_loads_as(tmp_path, host, meta):
@@ -729,7 +761,8 @@ def test_a_malformed_delta_ends_the_chain(tmp_path):
     first = grown(empty, 0, 200, seed=0)
     _, _, last = write_segment(tmp_path, first, meta_for(200, 1), None, None)
     second = grown(first, 200, 10, seed=2)
-    name, data, _ = store.next_segment(second, meta_for(210, 2), SPEC.fingerprint, last, (1, 200))
+    name, parts, _ = store.next_segment(second, meta_for(210, 2), SPEC.fingerprint, last, (1, 200))
+    data = b"".join(parts)
     header = cacheformat._parse_safetensors(data)[0]["__metadata__"]
     bad_meta = json.loads(header["meta"])
     bad_meta["delta"]["lengths"] = ["210", 210]  # well-formed file, nonsense link
@@ -779,7 +812,7 @@ def test_a_device_cache_writes_the_same_files_copying_only_the_new_rows(tmp_path
     from_host = store.next_segment(host, meta, SPEC.fingerprint, last, (1, 300))
     assert from_device[0] == store.DELTA_FILE.format(1) and copied == [300]  # only the 25 new rows left the device
     assert from_device[2] == from_host[2]  # the checksum covers the meta and every tensor's bytes
-    (got, got_meta), (want, want_meta) = store.decode_cache(from_device[1]), store.decode_cache(from_host[1])
+    (got, got_meta), (want, want_meta) = (store.decode_cache(b"".join(x[1])) for x in (from_device, from_host))
     assert got_meta == want_meta and got.lengths == want.lengths == (25, 25)
     assert {k: v.tobytes() for k, v in got.tensors.items()} == {k: v.tobytes() for k, v in want.tensors.items()}
 
