@@ -97,7 +97,7 @@ def bench_context(model_path, context, cache_dir, max_tokens):
             hot = agent.ask("And what comes next?", max_tokens=max_tokens, timeout=600)
             rt.flush()
             settled = agent.ask("And after that?", max_tokens=max_tokens, timeout=600)
-            assert (cold.cache, hot.cache, settled.cache) == ("cold", "hot", "hot"), (cold.cache, hot.cache)
+            assert (cold.cache, hot.cache, settled.cache) == ("cold", "hot", "hot"), (cold.cache, hot.cache, settled.cache)
         spec = rt.spec
     with Runtime(model=model_path, cache_dir=cache_dir, hot_budget=HOT_BUDGET, warmup=False) as rt:
         for name in names:

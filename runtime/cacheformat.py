@@ -1,14 +1,14 @@
 """The cache file format: encoding, decoding, validation, and the errors of a cache that cannot be used.
 
 `cache.safetensors` is a safetensors file (readable by the `safetensors` package): the
-tensors of a `runtime.hostcache.HostCache`, moved as raw bits, back to back in name order. The header's `__metadata__` holds
-`format` ("kvactors-q4-cache"), `format_version` ("1"), `meta` (JSON: fingerprint,
-kv_bits (the keys'), kv_value_bits, kv_group_size, kv_rotation (the `KVScheme`; a
-file without the last two is an unrotated one of kv_bits for keys and values),
-dtype, n_layers, n_tokens, lengths, seq, turn_id, text,
-token_ids, token_ends, created, and in a delta file `delta`: see `runtime.cachechain`)
-and `checksum` ("crc32:<hex>" over the meta string, then every tensor's name, dtype,
-shape and crc32 of its bytes, in name order).
+tensors of a `runtime.hostcache.HostCache`, moved as raw bits, back to back in name
+order. The header's `__metadata__` holds `format` ("kvactors-q4-cache"),
+`format_version` ("1"), `meta` (JSON: fingerprint, kv_bits (the keys'), kv_value_bits,
+kv_group_size, kv_rotation (the `KVScheme`; a file without the last two is an unrotated
+one of kv_bits for keys and values), dtype, n_layers, n_tokens, lengths, seq, turn_id,
+text, token_ids, token_ends, created, and in a delta file `delta`: see
+`runtime.cachechain`) and `checksum` ("crc32:<hex>" over the meta string, then every
+tensor's name, dtype, shape and crc32 of its bytes, in name order).
 
 Decoding validates everything and raises one `CacheError` subclass per problem; the
 caller falls back to re-prefilling from the journal.
@@ -33,13 +33,8 @@ FORMAT_VERSION = 1
 MAX_HEADER = 100 << 20  # the safetensors package's own limit
 _PARALLEL_CRC_BYTES = 16 << 20
 
-# safetensors header dtype -> (numpy dtype that holds the bytes, activation dtype name)
-_DTYPES = {
-    "U32": (np.uint32, "uint32"),
-    "F32": (np.float32, "float32"),
-    "F16": (np.float16, "float16"),
-    "BF16": (np.uint16, "bfloat16"),
-}
+# safetensors header dtype -> numpy dtype that holds the bytes
+_DTYPES = {"U32": np.uint32, "F32": np.float32, "F16": np.float16, "BF16": np.uint16}
 _SCALE_HEADER = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
 
@@ -168,14 +163,14 @@ def _safetensors_parts(tensors: dict, dtypes: dict, info: dict) -> list:
     """A safetensors file as parts: header length (8 bytes, little-endian) and JSON header
     (`info` as `__metadata__`, padded with spaces to a multiple of 8), then each tensor's
     bytes in name order."""
-    header, at = {"__metadata__": info}, 0
-    for name in sorted(tensors):
+    names, header, at = sorted(tensors), {"__metadata__": info}, 0
+    for name in names:
         a = tensors[name]
         header[name] = {"dtype": dtypes[name], "shape": list(a.shape), "data_offsets": [at, at + a.nbytes]}
         at += a.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    return [len(text).to_bytes(8, "little") + text] + [tensors[n].reshape(-1).view(np.uint8) for n in sorted(tensors)]
+    return [len(text).to_bytes(8, "little") + text] + [tensors[n].reshape(-1).view(np.uint8) for n in names]
 
 
 def decode_cache(data, spec=None) -> tuple[HostCache, CacheMeta]:
@@ -247,7 +242,7 @@ def _parse_safetensors(data) -> tuple[dict, memoryview]:
         tensors = sorted((t["data_offsets"], name, t) for name, t in header.items() if name != "__metadata__")
         for _, name, t in tensors:
             start, stop = t["data_offsets"]
-            size = int(np.prod(t["shape"], dtype=np.int64)) * np.dtype(_DTYPES[t["dtype"]][0]).itemsize
+            size = int(np.prod(t["shape"], dtype=np.int64)) * np.dtype(_DTYPES[t["dtype"]]).itemsize
             if start != end or stop - start != size:
                 raise ValueError(f"tensor {name} spans bytes {start}..{stop}, expected {end}..{end + size}")
             end = stop
@@ -262,7 +257,7 @@ def _parse_safetensors(data) -> tuple[dict, memoryview]:
 
 def _tensor(body: memoryview, t: dict) -> np.ndarray:
     start, stop = t["data_offsets"]
-    np_dtype = _DTYPES[t["dtype"]][0]
+    np_dtype = _DTYPES[t["dtype"]]
     return np.frombuffer(body[start:stop], dtype=np_dtype).reshape(t["shape"])
 
 

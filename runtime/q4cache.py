@@ -168,7 +168,7 @@ def _placed(packed, used: int, end: int, width: int):
 
 
 def _stacked(parts, used: list, ends: list, template, width: int):
-    """One batch of `width` columns from rows' packed tuples (None: an empty row): the first
+    """One batch of `width` columns from rows' packed tuples (an empty row's is not read): the first
     `used[i]` columns of row i end at column `ends[i]`, every other column is zero.
 
     Zeros, then each row's columns written over them (a slice update, in place on the
@@ -181,7 +181,7 @@ def _stacked(parts, used: list, ends: list, template, width: int):
     for j, x in enumerate(template):
         batch = mx.zeros((len(parts), x.shape[1], width, x.shape[3]), x.dtype)
         for i, (row, n, end) in enumerate(zip(parts, used, ends)):
-            if row is not None and n:
+            if n:
                 batch[i : i + 1, :, end - n : end, :] = row[j][..., :n, :]
         out.append(batch)
     return tuple(out)
