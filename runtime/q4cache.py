@@ -51,7 +51,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import QuantizedKVCache, _BaseCache, create_attention_mask
 
-from runtime import attention, q4pack, q4sdpa
+from runtime import attention, q4columns, q4pack, q4sdpa
 from runtime.errors import KvactorsError
 from runtime.kvscheme import KVScheme, plain, rotate
 from runtime.qgemv import available as on_cuda
@@ -324,8 +324,8 @@ class BatchQuantizedKVCache(_BaseCache):
         rotates queries and outputs to match). Returns packed tuples under the
         "quantized" route; where attention reads with the kernel (the "q4kernel" route,
         when `make_mask` gave a `RowRange`: decode steps and short prefill chunks), the whole
-        packed buffers, for a decode step the keys' tuple carrying a fourth array, the
-        in-place write's result (`_packs_in_place`), which the kernel takes as an input;
+        packed buffers, the keys' tuple carrying a fourth array when the update was written
+        in place (`_packs_in_place`): the write's result, which the kernel takes as an input;
         else 16-bit arrays (the dequantized cache including the new tokens, still rotated).
         """
         B, H, N, Dk = keys.shape
@@ -347,7 +347,7 @@ class BatchQuantizedKVCache(_BaseCache):
             raise Q4CacheError("this update cannot rotate its keys by RoPE (see fuses_rope): rotate them first")
         self._reserve(B, H, Dk, Dv, keys.dtype, prev + N)
         self._own()  # else a write would change a merged agent's arrays (Python objects both hold)
-        if decode and self._packs_in_place(keys, values):
+        if kernel and self._lead is None and self._packs_in_place(keys, values):
             self._pending = q4pack.pack_kv_into(keys, values, self.scheme, self.keys, self.values, prev + N, rope)
             self._idx += N
             self._advance(N)
@@ -382,13 +382,14 @@ class BatchQuantizedKVCache(_BaseCache):
         self.offset = _shared("advanced", (offset,), n, lambda: offset + n)
 
     def _packs_in_place(self, keys, values) -> bool:
-        """Whether a decode step whose attention is the kernel packs its tokens into the buffers in place
-        (`q4pack.pack_kv_into`).
+        """Whether an update whose attention is the kernel (a decode step, or a short chunk without a merge's
+        lead) packs its tokens into the buffers in place (`q4pack.pack_kv_into`): one launch a layer
+        instead of a pack and six slice updates.
 
-        The kernel is the step's only reader of the buffers and takes the write's result
-        as an input. Other updates (prefill chunks, whose attention reads a new array of
-        the buffers, or dequantizes them with MLX's own ops) write through slice updates,
-        which MLX orders itself.
+        The kernel is the update's only reader of the buffers and takes the write's result
+        as an input. Other updates (long chunks, which attention reads dequantized with
+        MLX's own ops, and a lead's update, which keeps some columns) write through slice
+        updates, which MLX orders itself.
         Whatever else reads the buffers later (`_settle`) or evaluates the cache (`state`)
         sees the write.
         """
@@ -621,6 +622,12 @@ class BatchQuantizedKVCache(_BaseCache):
 
         width = _allocation(base + max(lead))
 
+        if len(caches) == 1 and cache.route == "q4kernel":  # one launch a layer (see runtime.q4columns)
+            n, c = lengths[0], caches[0]
+            cache.keys, cache.values = q4columns.take(c.keys, c.values, 0, 0, n, width, _row_array([0, 0, n, width]))
+            cache._idx = base
+            return cache
+
         def rows(part):
             if len(caches) == 1:
                 return _placed(getattr(caches[0], part), lengths[0], base + lead[0], width)
@@ -653,8 +660,12 @@ class BatchQuantizedKVCache(_BaseCache):
             return out
         if self.keep is not None:
             pad = max(pad, end - self.keep)
-        out.keys = _map(lambda x: mx.contiguous(x[i : i + 1, :, pad:end, :]), self.keys)
-        out.values = _map(lambda x: mx.contiguous(x[i : i + 1, :, pad:end, :]), self.values)
+        if self.route == "q4kernel":  # one launch a layer instead of six copies
+            out.keys, out.values = q4columns.take(self.keys, self.values, i, pad, end, end - pad,
+                                                  _row_array([i, pad, end, end - pad]))
+        else:
+            out.keys = _map(lambda x: mx.contiguous(x[i : i + 1, :, pad:end, :]), self.keys)
+            out.values = _map(lambda x: mx.contiguous(x[i : i + 1, :, pad:end, :]), self.values)
         out.offset = offset - drop
         return out
 

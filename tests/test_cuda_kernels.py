@@ -480,9 +480,28 @@ def test_pack_kv_into_writes_through_a_view_of_rows_and_attention_reads_it_in_th
     assert mx.array_equal(out, want).item()
 
 
-def test_batch_cache_decodes_in_place_as_it_does_through_slice_updates_and_leaves_agents_arrays_alone():
+@pytest.mark.parametrize("name,dtype", [("k6v4-g64-hadamard", mx.bfloat16), ("k8v8-g32", mx.float16),
+                                        ("k4v4-g128", mx.float32)])
+@pytest.mark.parametrize("row,start,stop,width", [(0, 0, 300, 512), (2, 17, 300, 283), (1, 0, 0, 256), (1, 5, 6, 1),
+                                                  (2, 0, 512, 768)])
+def test_take_columns_gives_a_rows_columns_then_zeros_bit_for_bit(name, dtype, row, start, stop, width):
+    from runtime import q4columns
+    from runtime.kvscheme import parse
+
+    scheme = parse(name)
+    kb, vb = cache_buffers(3, 8, 512, 128, scheme, dtype, seed=20)
+    got_k, got_v = q4columns.take(kb, vb, row, start, stop, width)
+    for got, x in zip((*got_k, *got_v), (*kb, *vb)):
+        want = mx.concatenate([x[row : row + 1, :, start:stop],
+                               mx.zeros((1, 8, width - (stop - start), x.shape[3]), x.dtype)], axis=2)
+        assert got.dtype == x.dtype and got.shape == want.shape
+        assert mx.array_equal(got, want).item()  # every element written: a fresh buffer holds whatever it held
+
+
+@pytest.mark.parametrize("n", [1, 5, 64])  # a decode step, short chunks (the kernel reads them too)
+def test_batch_cache_writes_in_place_as_it_does_through_slice_updates_and_leaves_agents_arrays_alone(n):
     from runtime import attention
-    from runtime.q4cache import AgentKVCache, BatchQuantizedKVCache
+    from runtime.q4cache import AgentKVCache, BatchQuantizedKVCache, _placed
     from runtime.kvscheme import parse
 
     attention.install()
@@ -495,22 +514,30 @@ def test_batch_cache_decodes_in_place_as_it_does_through_slice_updates_and_leave
     outs = []
     for in_place in (True, False):
         cache = BatchQuantizedKVCache.merge([agent], scheme, "q4kernel")
+        width = cache.keys[0].shape[2]
+        placed = (*_placed(agent.keys, 256, 256, width), *_placed(agent.values, 256, 256, width))  # MLX's own ops
+        assert all(mx.array_equal(a[:, :, :256], b[:, :, :256]).item()  # past 256: unused either way
+                   for a, b in zip((*cache.keys, *cache.values), placed))
         if not in_place:
             cache._packs_in_place = lambda keys, values: False
         got = []
         for step in range(3):
-            k = mx.random.normal((1, 8, 1, d), key=mx.random.key(40 + step)).astype(mx.bfloat16)
-            v = mx.random.normal((1, 8, 1, d), key=mx.random.key(50 + step)).astype(mx.bfloat16)
-            q = mx.random.normal((1, 32, 1, d), key=mx.random.key(60 + step)).astype(mx.bfloat16)
-            mask = cache.make_mask(1)
+            k = mx.random.normal((1, 8, n, d), key=mx.random.key(40 + step)).astype(mx.bfloat16)
+            v = mx.random.normal((1, 8, n, d), key=mx.random.key(50 + step)).astype(mx.bfloat16)
+            q = mx.random.normal((1, 32, n, d), key=mx.random.key(60 + step)).astype(mx.bfloat16)
+            mask = cache.make_mask(n)
             keys, values = cache.update_and_fetch(k, v)
+            assert len(keys) == (4 if in_place else 3)  # the write's result rides along when it was in place
             got.append(attention.sdpa(q, keys, values, d ** -0.5, mask, 64, scheme))
             mx.eval(got[-1])  # a step at a time, as a decoder's steps follow one another
-        outs.append((got, cache.keys_and_values()))
-    (got_a, (ka, va)), (got_b, (kb2, vb2)) = outs
+        row = cache.extract(0)
+        outs.append((got, cache.keys_and_values(), row))
+    (got_a, (ka, va), row_a), (got_b, (kb2, vb2), row_b) = outs
     assert all(mx.array_equal(a, b).item() for a, b in zip(got_a, got_b))
     assert all(mx.array_equal(a, b).item() for a, b in zip((*ka, *va), (*kb2, *vb2)))
     assert all(mx.array_equal(a, b).item() for a, b in zip((*agent.keys, *agent.values), original))
+    assert row_a.offset == 256 + 3 * n and row_a.keys[0].shape[2] == 256 + 3 * n
+    assert all(mx.array_equal(a, b).item() for a, b in zip((*row_a.keys, *row_a.values), (*ka, *va)))
 
 
 def test_q4_decode_attention_at_64k_context():

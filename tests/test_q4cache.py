@@ -458,3 +458,19 @@ def test_kernel_parameters_are_shared_per_step_and_per_thread():
     thread.join()
     assert other["m"] is not first and other["v"] == [130, 0, 1]
 
+
+
+def test_take_columns_refuses_ranges_outside_the_tensors():
+    """`q4columns.take` checks its arguments before it launches anything (so this runs anywhere)."""
+    from runtime import q4columns
+
+    def part(words):
+        return (mx.zeros((2, 4, 64, words), mx.uint32), mx.zeros((2, 4, 64, 2), mx.bfloat16),
+                mx.zeros((2, 4, 64, 2), mx.bfloat16))
+
+    kb, vb = part(16), part(16)
+    for row, start, stop, width in ((2, 0, 1, 1), (0, 10, 9, 5), (0, 0, 65, 65), (0, 0, 10, 9), (-1, 0, 1, 1)):
+        with pytest.raises(ValueError, match="take needs"):
+            q4columns.take(kb, vb, row, start, stop, width)
+    with pytest.raises(ValueError, match="one B, H and W"):
+        q4columns.take(kb, (vb[0][:, :, :10], *vb[1:]), 0, 0, 1, 1)
