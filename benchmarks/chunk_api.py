@@ -1,0 +1,104 @@
+"""Where a hot chunk's host time goes: building the graph, queueing it, and the CUDA calls under the queueing.
+
+A hot turn's prefill chunk (--tokens after an agent's cache of --context tokens, one row,
+merged as the engine merges it; the merge is not timed) is timed in three parts, the
+median of 5 after 4: building the graph in Python, `mx.async_eval` (MLX-CUDA turns the
+graph into CUDA graphs and launches them), and the wait for the device after that. Then
+5 more chunks run with CUPTI tracing the CUDA runtime and driver calls the host makes,
+and a table gives, per chunk, each call's count and time. CUDA and the `cupti-python`
+package only.
+
+    python -m benchmarks.chunk_api --model llama-8b-shape
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+import sys
+import time
+
+import mlx.core as mx
+
+from benchmarks.common import bench_parser, environment, load_bench_model, write_results
+from benchmarks.profile import prefilled
+from runtime.prepare import last_logits
+from runtime.q4cache import merge_caches, route_for
+
+COLUMNS = ["what", "per_chunk", "ms", "us_each"]
+CHUNKS = 5
+
+
+def timed_chunk(model, spec, route, agent, tokens) -> tuple[float, float, float]:
+    """One chunk after `agent`'s cache: (build, queue, wait) seconds."""
+    cache = merge_caches(spec, [agent], route)
+    mx.eval([c.state for c in cache])
+    mx.synchronize()
+    t0 = time.perf_counter()
+    logits = last_logits(model, tokens[None], cache, tokens.size - 1)
+    t1 = time.perf_counter()
+    mx.async_eval(logits, [c.state for c in cache])
+    t2 = time.perf_counter()
+    mx.eval(logits, [c.state for c in cache])
+    mx.synchronize()
+    return t1 - t0, t2 - t1, time.perf_counter() - t2
+
+
+def api_calls(run) -> dict:
+    """{CUDA runtime or driver function name: (calls, total microseconds)} of what `run()` called, by CUPTI."""
+    from cupti import cupti
+
+    kinds = (cupti.ActivityKind.RUNTIME, cupti.ActivityKind.DRIVER)
+    domains = {cupti.ActivityKind.RUNTIME: cupti.CallbackDomain.RUNTIME_API,
+               cupti.ActivityKind.DRIVER: cupti.CallbackDomain.DRIVER_API}
+    records = []
+
+    def completed(activities):
+        records.extend((a.kind, a.cbid, a.end - a.start) for a in activities if a.kind in kinds)
+
+    cupti.activity_register_callbacks(lambda: (8 * 1024 * 1024, 0), completed)
+    for kind in kinds:
+        cupti.activity_enable(kind)
+    try:
+        run()
+        cupti.activity_flush_all(1)
+    finally:
+        for kind in kinds:
+            cupti.activity_disable(kind)
+    calls = collections.defaultdict(lambda: [0, 0.0])
+    for kind, cbid, ns in records:
+        entry = calls[cupti.get_callback_name(domains[kind], cbid)]
+        entry[0] += 1
+        entry[1] += ns / 1e3
+    return {name: tuple(v) for name, v in calls.items()}
+
+
+def main(argv=None) -> int:
+    ap = bench_parser(__doc__)
+    ap.add_argument("--context", type=int, default=3072, help="tokens in the agent's cache (default: %(default)s)")
+    ap.add_argument("--tokens", type=int, default=64, help="tokens in the chunk (default: %(default)s)")
+    args = ap.parse_args(argv)
+    env = environment()
+    model, _, spec = load_bench_model(args.model)
+    route = route_for(spec, None)
+    agent = prefilled(model, spec, "dequant", args.context, seed=1)
+    mx.random.seed(2)
+    tokens = mx.random.randint(3, model.args.vocab_size, (args.tokens,))
+    for _ in range(4):
+        timed_chunk(model, spec, route, agent, tokens)
+    parts = [timed_chunk(model, spec, route, agent, tokens) for _ in range(CHUNKS)]
+    rows = [dict(what=what, per_chunk=1, ms=round(statistics.median(p[i] for p in parts) * 1e3, 2), us_each="")
+            for i, what in enumerate(("build the graph (Python)", "queue it (mx.async_eval)", "wait for the device"))]
+    calls = api_calls(lambda: [timed_chunk(model, spec, route, agent, tokens) for _ in range(CHUNKS)])
+    for name, (n, us) in sorted(calls.items(), key=lambda kv: -kv[1][1]):
+        rows.append(dict(what=name, per_chunk=round(n / CHUNKS, 1), ms=round(us / CHUNKS / 1e3, 3),
+                         us_each=round(us / n, 2)))
+    notes = (f"model {args.model}, route {route}; one row, {args.tokens} tokens after {args.context}; the three parts: "
+             f"median of {CHUNKS} chunks after 4; the CUDA calls: {CHUNKS} more chunks traced by CUPTI (runtime and "
+             "driver API), per chunk. cudaEventSynchronize is the host waiting for the device.")
+    write_results(args.name or f"chunk_api-{args.model}", env, rows, COLUMNS, args.out, notes)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
