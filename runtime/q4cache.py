@@ -26,12 +26,14 @@ variable KVACTORS_Q4_ROUTE):
   batch lives and only new tokens are dequantized each step. Numerically the
   same as "dequant"; costs 16-bit memory for the rows while they are active.
   The default for models with attention sinks off CUDA.
-- "q4kernel" (CUDA only): decode attention reads the packed cache directly
-  (`runtime.q4sdpa`, which rotates queries and output itself), each row over its
-  own columns, so no 16-bit copy is kept and a row's output does not depend on
-  the batch; prefill chunks dequantize transiently. New keys and values are
-  rotated and quantized in one launch (`runtime.q4pack`), which in a decode step
-  writes them into the buffers in place. The default on CUDA.
+- "q4kernel" (CUDA only): decode steps and short prefill chunks attend on the
+  packed cache directly (`runtime.q4sdpa`, which rotates queries and output
+  itself), each row over its own columns, so no 16-bit copy is kept and a row's
+  output does not depend on the batch; longer chunks dequantize transiently. New
+  keys and values are rotated and quantized in one launch (`runtime.q4pack`),
+  which for those steps and chunks writes them into the buffers in place; a
+  single row's merge and a row's extraction are one launch a layer too
+  (`runtime.q4columns`). The default on CUDA.
 
 Sliding-window layers use the same cache: the model passes the window to
 `make_mask`, which masks keys older than it, and `extract` keeps only their
@@ -348,6 +350,8 @@ class BatchQuantizedKVCache(_BaseCache):
         self._reserve(B, H, Dk, Dv, keys.dtype, prev + N)
         self._own()  # else a write would change a merged agent's arrays (Python objects both hold)
         if kernel and self._lead is None and self._packs_in_place(keys, values):
+            if N > 1:  # an earlier chunk's write feeds only its own chunk: queue it before this one's
+                self._settle()  # (a decode step's tokens come from the previous step, which wrote first)
             self._pending = q4pack.pack_kv_into(keys, values, self.scheme, self.keys, self.values, prev + N, rope)
             self._idx += N
             self._advance(N)
@@ -388,8 +392,8 @@ class BatchQuantizedKVCache(_BaseCache):
 
         The kernel is the update's only reader of the buffers and takes the write's result
         as an input. Other updates (long chunks, which attention reads dequantized with
-        MLX's own ops, and a lead's update, which keeps some columns) write through slice
-        updates, which MLX orders itself.
+        MLX's own ops, a lead's update, which keeps some columns, and layouts the kernels
+        do not serve) write through slice updates, which MLX orders itself.
         Whatever else reads the buffers later (`_settle`) or evaluates the cache (`state`)
         sees the write.
         """

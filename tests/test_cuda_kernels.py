@@ -540,6 +540,38 @@ def test_batch_cache_writes_in_place_as_it_does_through_slice_updates_and_leaves
     assert all(mx.array_equal(a, b).item() for a, b in zip((*row_a.keys, *row_a.values), (*ka, *va)))
 
 
+def test_two_chunks_written_in_place_before_either_is_evaluated_keep_both():
+    """The first chunk's in-place write feeds only its own attention; building a second chunk must still run
+    it first (else the second attends on columns never written)."""
+    from runtime import attention
+    from runtime.q4cache import AgentKVCache, BatchQuantizedKVCache
+    from runtime.kvscheme import parse
+
+    attention.install()
+    scheme, d = parse("k6v4-g64-hadamard"), 128
+    agent = AgentKVCache(64, 6, 4, "hadamard")
+    agent.keys, agent.values = cache_buffers(1, 8, 256, d, scheme, mx.bfloat16, seed=70)
+    agent.offset = 256
+    chunks = [tuple(mx.random.normal((1, h, 7, d), key=mx.random.key(80 + 3 * i + j)).astype(mx.bfloat16)
+                    for j, h in enumerate((8, 8, 32))) for i in range(2)]
+    outs = []
+    for together in (False, True):
+        cache = BatchQuantizedKVCache.merge([agent], scheme, "q4kernel")
+        got = []
+        for k, v, q in chunks:
+            mask = cache.make_mask(7)
+            keys, values = cache.update_and_fetch(k, v)
+            assert len(keys) == 4  # written in place
+            got.append(attention.sdpa(q, keys, values, d ** -0.5, mask, 64, scheme))
+            if not together:
+                mx.eval(got[-1])
+        mx.eval(got[-1])  # the second chunk's output alone: the first's is not asked for
+        outs.append((got[-1], cache.keys_and_values()))
+    (a, (ka, va)), (b, (kb, vb)) = outs
+    assert mx.array_equal(a, b).item()
+    assert all(mx.array_equal(x, y).item() for x, y in zip((*ka, *va), (*kb, *vb)))
+
+
 def test_q4_decode_attention_at_64k_context():
     hq, hkv, d, end = 32, 8, 128, 65536
     kq, vq = packed_cache(1, hkv, end, d, seed=5)
