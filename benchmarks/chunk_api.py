@@ -16,32 +16,16 @@ from __future__ import annotations
 import collections
 import statistics
 import sys
-import time
 
 import mlx.core as mx
 
 from benchmarks.common import bench_parser, environment, load_bench_model, write_results
+from benchmarks.hot_chunk import chunk_parts
 from benchmarks.profile import prefilled
-from runtime.prepare import last_logits
-from runtime.q4cache import merge_caches, route_for
+from runtime.q4cache import route_for
 
 COLUMNS = ["what", "per_chunk", "ms", "us_each"]
 CHUNKS = 5
-
-
-def timed_chunk(model, spec, route, agent, tokens) -> tuple[float, float, float]:
-    """One chunk after `agent`'s cache: (build, queue, wait) seconds."""
-    cache = merge_caches(spec, [agent], route)
-    mx.eval([c.state for c in cache])
-    mx.synchronize()
-    t0 = time.perf_counter()
-    logits = last_logits(model, tokens[None], cache, tokens.size - 1)
-    t1 = time.perf_counter()
-    mx.async_eval(logits, [c.state for c in cache])
-    t2 = time.perf_counter()
-    mx.eval(logits, [c.state for c in cache])
-    mx.synchronize()
-    return t1 - t0, t2 - t1, time.perf_counter() - t2
 
 
 def api_calls(run) -> dict:
@@ -85,11 +69,11 @@ def main(argv=None) -> int:
     mx.random.seed(2)
     tokens = mx.random.randint(3, model.args.vocab_size, (args.tokens,))
     for _ in range(4):
-        timed_chunk(model, spec, route, agent, tokens)
-    parts = [timed_chunk(model, spec, route, agent, tokens) for _ in range(CHUNKS)]
+        chunk_parts(model, spec, route, agent, tokens)
+    parts = [chunk_parts(model, spec, route, agent, tokens) for _ in range(CHUNKS)]
     rows = [dict(what=what, per_chunk=1, ms=round(statistics.median(p[i] for p in parts) * 1e3, 2), us_each="")
             for i, what in enumerate(("build the graph (Python)", "queue it (mx.async_eval)", "wait for the device"))]
-    calls = api_calls(lambda: [timed_chunk(model, spec, route, agent, tokens) for _ in range(CHUNKS)])
+    calls = api_calls(lambda: [chunk_parts(model, spec, route, agent, tokens) for _ in range(CHUNKS)])
     for name, (n, us) in sorted(calls.items(), key=lambda kv: -kv[1][1]):
         rows.append(dict(what=name, per_chunk=round(n / CHUNKS, 1), ms=round(us / CHUNKS / 1e3, 3),
                          us_each=round(us / n, 2)))

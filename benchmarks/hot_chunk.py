@@ -53,24 +53,33 @@ def timed_runs(fn, runs: int = 5, warm: int = 2) -> float:
     return statistics.median(times) * 1e3
 
 
+def chunk_parts(model, spec, route, agent, tokens, profile=None) -> tuple[float, float, float]:
+    """Feed `tokens` after `agent`'s cache once (merged first, untimed); return the seconds the host took to
+    build the graph, to queue it (`mx.async_eval`), and then waited for the device. `profile` (a
+    cProfile.Profile) is enabled while the host builds and queues the chunk."""
+    cache = merge_caches(spec, [agent], route)
+    mx.eval([c.state for c in cache])
+    mx.synchronize()
+    t0 = time.perf_counter()
+    if profile:
+        profile.enable()
+    logits = last_logits(model, tokens[None], cache, tokens.size - 1)
+    built = time.perf_counter()
+    mx.async_eval(logits, [c.state for c in cache])
+    if profile:
+        profile.disable()
+    queued = time.perf_counter()
+    mx.eval(logits, [c.state for c in cache])
+    mx.synchronize()
+    return built - t0, queued - built, time.perf_counter() - queued
+
+
 def chunk_runner(model, spec, route, agent, tokens, host_only: bool = False, profile=None):
-    """A function that feeds `tokens` after `agent`'s cache once and returns its seconds (or the host's share);
-    `profile` (a cProfile.Profile) is enabled while the host builds and queues the chunk."""
+    """A function that feeds `tokens` after `agent`'s cache once and returns its seconds (or the host's share:
+    build and queue); see `chunk_parts`."""
     def run():
-        cache = merge_caches(spec, [agent], route)
-        mx.eval([c.state for c in cache])
-        mx.synchronize()
-        t0 = time.perf_counter()
-        if profile:
-            profile.enable()
-        logits = last_logits(model, tokens[None], cache, tokens.size - 1)
-        mx.async_eval(logits, [c.state for c in cache])
-        if profile:
-            profile.disable()
-        queued = time.perf_counter()
-        mx.eval(logits, [c.state for c in cache])
-        mx.synchronize()
-        return (queued if host_only else time.perf_counter()) - t0
+        build, queue, wait = chunk_parts(model, spec, route, agent, tokens, profile)
+        return build + queue + (0.0 if host_only else wait)
     return run
 
 
