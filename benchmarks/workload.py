@@ -17,6 +17,7 @@ Total wall time, TTFT per turn, and peak MLX memory for each.
 
 from __future__ import annotations
 
+import collections
 import statistics
 import sys
 import tempfile
@@ -91,13 +92,19 @@ def engine_profile(stats_list, seen=()) -> dict:
         seen.update(st.shapes)
     steps = [s for st in stats_list for s in st.decode_steps]
     chunks = [c for st in stats_list for c in st.prefill_chunks]
-    totals = sorted(t for _, _, t in steps) or [0.0]
+    totals = sorted(t for _, _, t, _ in steps) or [0.0]
+    by_change = collections.defaultdict(list)
+    for _, _, t, changes in steps:
+        by_change[changes or "none"].append(t)
     cold = [c for c in chunks if c[1] == 0]
     hot = [c for c in chunks if c[1] > 0]
     return dict(
-        decode_steps=len(steps), decode_s=sum(totals), mean_batch=statistics.mean(r for r, _, _ in steps) if steps else 0,
+        decode_steps=len(steps), decode_s=sum(totals), mean_batch=statistics.mean(r for r, *_ in steps) if steps else 0,
         step_p50_ms=totals[len(totals) // 2] * 1e3, step_p99_ms=totals[min(len(totals) - 1, int(len(totals) * 0.99))] * 1e3,
-        build_p50_ms=statistics.median(b for _, b, _ in steps) * 1e3 if steps else 0,
+        build_p50_ms=statistics.median(b for _, b, _, _ in steps) * 1e3 if steps else 0,
+        # steps by what changed in the batch before them (EngineStats): count, p50 and max ms
+        steps_by_change={k: [len(v), round(statistics.median(v) * 1e3, 2), round(max(v) * 1e3, 2)]
+                         for k, v in sorted(by_change.items())},
         cold_chunks=len(cold), cold_chunk_s=sum(c[2] for c in cold), cold_tokens=sum(c[0] for c in cold),
         hot_chunks=len(hot), hot_chunk_s=sum(c[2] for c in hot), hot_tokens=sum(c[0] for c in hot),
         hot_rows=sum(c[3] for c in hot),
@@ -107,7 +114,7 @@ def engine_profile(stats_list, seen=()) -> dict:
         first_shapes_raw=[[list(shape), round(sec, 5)] for shape, sec in new],
         # raw, for a closer look in the JSON: every chunk, and every decode step
         chunks_raw=[[n, ctx, round(sec, 5), rows] for n, ctx, sec, rows in chunks],
-        steps_raw=[[r, round(b, 5), round(t, 5)] for r, b, t in steps],
+        steps_raw=[[r, round(b, 5), round(t, 5), changes] for r, b, t, changes in steps],
     )
 
 
@@ -227,7 +234,8 @@ def main(argv=None) -> int:
                         f"(cache copies, writes, acks) {parts['after_s']:.1f} s. Inside the engine: "
                         f"{parts['decode_steps']} decode steps (mean batch {parts['mean_batch']:.1f}) {parts['decode_s']:.1f} s, "
                         f"p50 {parts['step_p50_ms']:.1f} ms, p99 {parts['step_p99_ms']:.1f} ms, of which building the graph "
-                        f"{parts['build_p50_ms']:.1f} ms (p50); {parts['cold_chunks']} cold prefill chunks "
+                        f"{parts['build_p50_ms']:.1f} ms (p50); steps by what changed in the batch before them "
+                        f"(count, p50 ms, max ms): {parts['steps_by_change']}; {parts['cold_chunks']} cold prefill chunks "
                         f"({parts['cold_tokens']} tokens) {parts['cold_chunk_s']:.1f} s; {parts['hot_chunks']} prefill chunks "
                         f"after a cache ({parts['hot_rows']} turns' chunks, {parts['hot_tokens']} tokens) "
                         f"{parts['hot_chunk_s']:.1f} s, p50 "

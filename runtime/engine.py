@@ -138,7 +138,10 @@ class TurnTooLarge(TurnError):
 class EngineStats:
     """What the engine did, for profiles in place (the most recent 100,000 of each).
 
-    `decode_steps`: (rows, graph-build seconds, total seconds) per decode step;
+    `decode_steps`: (rows, graph-build seconds, total seconds, changes) per decode step,
+    where `changes` names what happened to the batch since the step before, "+"-joined
+    in this order: "join" (rows joined), "leave" (rows left), "chunk" (a prefill chunk
+    ran), "grow" (this step's update widened the buffers); "" for none;
     `prefill_chunks`: (tokens fed, tokens of context before (the longest row's),
     seconds, rows) per chunk. The build time is the Python side of a step (building
     MLX's graph), the rest waits for the device.
@@ -248,6 +251,7 @@ class Engine:
         self.decoding: list[_Row] = []
         self.batch = None  # per-layer BatchQuantizedKVCache of the decoding rows
         self._next = None  # the tokens the step in flight samples, one per decoding row (lazy)
+        self._changes: set = set()  # what happened to the batch since the last decode step (EngineStats)
         self.peak_admitted = 0
         self.stats = EngineStats()
         per_token = spec.q4_bytes_per_token()
@@ -299,6 +303,7 @@ class Engine:
             done += self._decode_step()
         if self.prefilling:
             done += self._prefill_chunk()
+            self._changes.add("chunk")
         return done
 
     def warmup(self, progress: Callable[[int, int, str], None] | None = None) -> float:
@@ -487,6 +492,7 @@ class Engine:
         else:
             extend_cache(self.batch, cache)  # lazily, after the step in flight
         self.decoding += rows
+        self._changes.add("join")
         if self._next is not None:
             # join the step in flight's output: the next step feeds these tokens too, and
             # the rows take them with the others' (no wait for the device, no extra step)
@@ -510,6 +516,7 @@ class Engine:
         """
         try:
             t0 = time.perf_counter()
+            width = _width(self.batch)
             if self._next is None:
                 self._next = self._forward(mx.array([[r.generated[-1]] for r in self.decoding]))
             current = self._next
@@ -517,7 +524,11 @@ class Engine:
             built = time.perf_counter()
             tokens = current.tolist()
             seconds = time.perf_counter() - t0
-            self.stats.decode_steps.append((len(tokens), built - t0, seconds))
+            if _width(self.batch) > width:
+                self._changes.add("grow")
+            changes = "+".join(c for c in ("join", "leave", "chunk", "grow") if c in self._changes)
+            self._changes.clear()
+            self.stats.decode_steps.append((len(tokens), built - t0, seconds, changes))
             self.stats.count_shape(("decode", len(tokens), _width(self.batch)), seconds)
         except Exception as e:
             rows, self.decoding, self.batch, self._next = self.decoding, [], None, None
@@ -574,6 +585,7 @@ class Engine:
                 finished.append(i)
                 results.append(self._finish(row, i, reason, fed))
         if finished:
+            self._changes.add("leave")
             keep = [i for i in range(len(self.decoding)) if i not in finished]
             self.decoding = [self.decoding[i] for i in keep]
             if keep:

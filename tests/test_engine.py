@@ -222,7 +222,9 @@ def test_warmup_leaves_the_engine_idle_and_output_unchanged(llama):
     seen = []
     assert engine.warmup(lambda done, total, what: seen.append((done, total))) > 0
     assert seen[-1][0] == seen[-1][1] and not engine.has_work() and engine.peak_admitted == 3
-    assert {rows for rows, _, _ in engine.stats.decode_steps} == {1, 2, 3}  # every batch size decoded
+    assert {rows for rows, *_ in engine.stats.decode_steps} == {1, 2, 3}  # every batch size decoded
+    changes = {c for *_, named in engine.stats.decode_steps for c in named.split("+")}
+    assert {"join", "leave", "chunk", ""} <= changes  # the step profile names what changed before a step
     assert any(context > 0 for _, context, _, _ in engine.stats.prefill_chunks)  # a chunk after a cache (hot)
     assert run(engine, [turn])["t"].tokens == solo(llama, turn).tokens
 
