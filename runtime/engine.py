@@ -138,7 +138,8 @@ class TurnTooLarge(TurnError):
 class EngineStats:
     """What the engine did, for profiles in place (the most recent 100,000 of each).
 
-    `decode_steps`: (rows, graph-build seconds, total seconds, changes) per decode step,
+    `decode_steps`: (rows, graph-build seconds, total seconds, changes) per decode step (the
+    total includes taking its tokens: ending rows and changing the batch for them),
     where `changes` names what happened to the batch since the step before, "+"-joined
     in this order: "join" (rows joined), "leave" (rows left), "chunk" (a prefill chunk
     ran), "grow" (this step's update widened the buffers); "" for none;
@@ -523,17 +524,19 @@ class Engine:
             self._next = self._forward(current[:, None])
             built = time.perf_counter()
             tokens = current.tolist()
-            seconds = time.perf_counter() - t0
             if _width(self.batch) > width:
                 self._changes.add("grow")
             changes = "+".join(c for c in ("join", "leave", "chunk", "grow") if c in self._changes)
             self._changes.clear()
-            self.stats.decode_steps.append((len(tokens), built - t0, seconds, changes))
-            self.stats.count_shape(("decode", len(tokens), _width(self.batch)), seconds)
+            shape = ("decode", len(tokens), _width(self.batch))
         except Exception as e:
             rows, self.decoding, self.batch, self._next = self.decoding, [], None, None
             return [TurnError(r.turn.turn_id, f"decode step failed: {type(e).__name__}: {e}") for r in rows]
-        return self._accept(list(enumerate(tokens)), fed=True)
+        done = self._accept(list(enumerate(tokens)), fed=True)
+        seconds = time.perf_counter() - t0  # taking the tokens too: where rows end, the batch changes
+        self.stats.decode_steps.append((len(tokens), built - t0, seconds, changes))
+        self.stats.count_shape(shape, seconds)
+        return done
 
     def _forward(self, inputs):
         """Queue a decode step over the batch; returns its sampled tokens (being computed)."""
