@@ -18,6 +18,7 @@ Total wall time, TTFT per turn, and peak MLX memory for each.
 from __future__ import annotations
 
 import collections
+import gc
 import statistics
 import sys
 import tempfile
@@ -161,6 +162,31 @@ def actors(model_path, cache_dir, systems, messages, new, seen=(), warmup=False)
     return ttfts, labels, parts
 
 
+class GcPauses:
+    """Python's garbage-collection pauses while installed as a `gc.callbacks` entry: (generation, seconds).
+
+    A collection stops every Python thread (it holds the GIL), the engine's included.
+    """
+
+    def __init__(self):
+        self.pauses, self._start = [], None
+
+    def __call__(self, phase, info):
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.pauses.append((info["generation"], time.perf_counter() - self._start))
+            self._start = None
+
+    def summary(self) -> dict:
+        """Per generation: [collections, total ms, longest ms]."""
+        out = {}
+        for gen in sorted({g for g, _ in self.pauses}):
+            times = [t for g, t in self.pauses if g == gen]
+            out[gen] = [len(times), round(sum(times) * 1e3, 1), round(max(times) * 1e3, 2)]
+        return out
+
+
 def measure(fn, *args):
     mx.synchronize()
     mx.reset_peak_memory()
@@ -209,9 +235,15 @@ def main(argv=None) -> int:
         sampler = StackSampler() if args.sample else None
         if sampler:
             sampler.start()
-        total, peak, (ttfts, labels, parts) = measure(actors, model_path, Path(tmp) / "agents", systems, messages,
-                                                      args.new, warm["shapes"])
+        pauses = GcPauses()
+        gc.callbacks.append(pauses)
+        try:
+            total, peak, (ttfts, labels, parts) = measure(actors, model_path, Path(tmp) / "agents", systems,
+                                                          messages, args.new, warm["shapes"])
+        finally:
+            gc.callbacks.remove(pauses)
         parts.pop("shapes")
+        parts["gc_pauses"] = pauses.summary()
         if sampler:
             sampler.stop()
             parts["where_threads_were"] = sampler.as_dict()
@@ -235,7 +267,8 @@ def main(argv=None) -> int:
                         f"{parts['decode_steps']} decode steps (mean batch {parts['mean_batch']:.1f}) {parts['decode_s']:.1f} s, "
                         f"p50 {parts['step_p50_ms']:.1f} ms, p99 {parts['step_p99_ms']:.1f} ms, of which building the graph "
                         f"{parts['build_p50_ms']:.1f} ms (p50); steps by what changed in the batch before them "
-                        f"(count, p50 ms, max ms): {parts['steps_by_change']}; {parts['cold_chunks']} cold prefill chunks "
+                        f"(count, p50 ms, max ms): {parts['steps_by_change']}; Python's garbage collections in every thread "
+                        f"(generation: count, total ms, longest ms): {parts['gc_pauses']}; {parts['cold_chunks']} cold prefill chunks "
                         f"({parts['cold_tokens']} tokens) {parts['cold_chunk_s']:.1f} s; {parts['hot_chunks']} prefill chunks "
                         f"after a cache ({parts['hot_rows']} turns' chunks, {parts['hot_tokens']} tokens) "
                         f"{parts['hot_chunk_s']:.1f} s, p50 "
