@@ -298,6 +298,10 @@ class BatchQuantizedKVCache(_BaseCache):
         self._padded = any(left_padding)
         self.offset = _shared("negated", (self.left_padding,), None, lambda: -self.left_padding)
         self._idx = 0
+        # the host's copies of left_padding and of offset - size(): what extract, filter and extend
+        # read, so that none of them waits for the device (a step in flight computes `offset`)
+        self._pads = [int(p) for p in left_padding]
+        self._bases = [-p for p in self._pads]
         self._dense = None  # "dequant_once": dequantized (keys, values), valid in [0, _dense_len)
         self._dense_len = 0
         # attention through runtime.attention (it needs mlx-lm to see `bits`); the
@@ -433,6 +437,21 @@ class BatchQuantizedKVCache(_BaseCache):
             return q4pack.pack_kv(keys, values, sch)
         return (_quantize(rotate(keys, sch), sch.group_size, sch.key_bits),
                 _quantize(rotate(values, sch), sch.group_size, sch.value_bits))
+
+    def reserve(self, n: int) -> bool:
+        """Grow the buffers now if `n` more columns would not fit; return whether they grew.
+
+        An update grows them itself when it must, but then the copy joins that update's
+        graph; growing ahead lets the caller evaluate the copy on its own (see Engine).
+        """
+        self._unled("reserve room in")
+        if self.keys is None or self._idx + n <= self.keys[0].shape[2]:
+            return False
+        (words_k, scales, _), words_v = self.keys, self.values[0]
+        B, H, _, w = words_k.shape
+        self._reserve(B, H, w * 32 // self.scheme.key_bits, words_v.shape[-1] * 32 // self.scheme.value_bits,
+                      scales.dtype, self._idx + n)
+        return True
 
     def _reserve(self, B, H, Dk, Dv, dtype, needed):
         allocated = 0 if self.keys is None else self.keys[0].shape[2]
@@ -619,6 +638,8 @@ class BatchQuantizedKVCache(_BaseCache):
         base = max((n - ahead for n, ahead in zip(lengths, lead)), default=0)
         cache = cls([base + ahead - n for n, ahead in zip(lengths, lead)], scheme, route, keep, own_attention)
         cache.offset = _row_array(positions)
+        cache._idx = base
+        cache._bases = [p - base for p in positions]
         cache._lead = lead if any(lead) else None
         if base + max(lead, default=0) == 0:
             return cache
@@ -629,7 +650,6 @@ class BatchQuantizedKVCache(_BaseCache):
         if len(caches) == 1 and cache.route == "q4kernel":  # one launch a layer (see runtime.q4columns)
             n, c = lengths[0], caches[0]
             cache.keys, cache.values = q4columns.take(c.keys, c.values, 0, 0, n, width, _row_array([0, 0, n, width]))
-            cache._idx = base
             return cache
 
         def rows(part):
@@ -641,7 +661,6 @@ class BatchQuantizedKVCache(_BaseCache):
         cache.keys, cache.values = rows("keys"), rows("values")
         theirs = {id(x) for c in caches if c is not None and not c.empty() for x in (*c.keys, *c.values)}
         cache._owned = not any(id(x) in theirs for x in (*cache.keys, *cache.values))  # `_placed` may pass one on
-        cache._idx = base
         return cache
 
     def extract(self, i: int, drop: int = 0) -> AgentKVCache:
@@ -650,9 +669,13 @@ class BatchQuantizedKVCache(_BaseCache):
         The last `drop` columns are left out. A layer built with `keep` hands out
         only its last `keep` tokens; `offset` is the row's position either way.
         """
-        out = self._extract(i, drop, int(self.left_padding[i].item()), int(self.offset[i].item()))
+        out = self._extract(i, drop, *self.row_place(i))
         mx.eval(out.keys, out.values)
         return out
+
+    def row_place(self, i: int) -> tuple[int, int]:
+        """Row `i`'s (left padding, offset) as ints, from the host's copies: never waits for the device."""
+        return self._pads[i], self._bases[i] + self._idx
 
     def _extract(self, i: int, drop: int, pad: int, offset: int) -> AgentKVCache:
         """`extract` with the row's padding and offset given, unevaluated."""
@@ -673,12 +696,11 @@ class BatchQuantizedKVCache(_BaseCache):
         out.offset = offset - drop
         return out
 
-    def filter(self, keep, padding: list[int] | None = None) -> None:
+    def filter(self, keep) -> None:
         """Keep only rows `keep` (a list of row indices), in that order; trim shared padding.
 
         Padding that every row shares is dropped in whole STEP blocks (so widths stay
-        multiples of STEP); less than a block stays as padding. `padding`: the kept
-        rows' left padding, if the caller knows it (saves a wait for the device).
+        multiples of STEP); less than a block stays as padding.
         """
         keep = list(keep)
         self._unled("filter")
@@ -696,8 +718,8 @@ class BatchQuantizedKVCache(_BaseCache):
             self.values = _map(lambda x: x[idx], self.values)
         if self._dense is not None:
             self._dense = tuple(x[idx] for x in self._dense)
-        if padding is None:
-            padding = self.left_padding.tolist()
+        self._pads, self._bases = [self._pads[k] for k in keep], [self._bases[k] for k in keep]
+        padding = self._pads
         drop = min(padding, default=0) // STEP * STEP  # whole blocks only: a copy of every buffer
         self._padded = max(padding, default=0) > drop  # a row left with padding needs the padded mask
         if drop:
@@ -713,6 +735,8 @@ class BatchQuantizedKVCache(_BaseCache):
         self._idx -= n
         padding = self.left_padding
         self.left_padding = _shared("advanced", (padding,), -n, lambda: padding - n)
+        self._pads = [p - n for p in self._pads]
+        self._bases = [b + n for b in self._bases]  # offsets stay: size() fell by n
 
     def extend(self, other: "BatchQuantizedKVCache") -> None:
         """Append the rows of `other` (same `KVScheme`) after this batch's rows."""
@@ -724,8 +748,10 @@ class BatchQuantizedKVCache(_BaseCache):
         other._settle()
         if other.keys is None and self.keys is None:
             self.left_padding = _joined(self.left_padding, other.left_padding)
-            self._padded = any(self.left_padding.tolist())
             self.offset = _joined(self.offset, other.offset)
+            self._pads = self._pads + other._pads
+            self._bases = self._bases + [b + other._idx - self._idx for b in other._bases]
+            self._padded = any(self._pads)
             return
         longest = max(self._idx, other._idx)
         template = self if self.keys is not None else other
@@ -745,8 +771,10 @@ class BatchQuantizedKVCache(_BaseCache):
         mine, theirs = self.left_padding, other.left_padding
         self.left_padding = _shared("extended", (mine, theirs), (longest - self._idx, longest - other._idx),
                                     lambda: mx.concatenate([mine + (longest - self._idx), theirs + (longest - other._idx)]))
-        self._padded = any(self.left_padding.tolist())
         self.offset = _joined(self.offset, other.offset)
+        self._pads = [p + longest - self._idx for p in self._pads] + [p + longest - other._idx for p in other._pads]
+        self._bases = [b + self._idx - longest for b in self._bases] + [b + other._idx - longest for b in other._bases]
+        self._padded = any(self._pads)
         self.keys, self.values = parts["keys"], parts["values"]
         self._owned = True  # concatenated: new buffers
         self._idx = longest
@@ -856,30 +884,38 @@ def merge_caches(spec, agent_caches, route: str | None = None, lead=None):
     ]
 
 
-def extract_cache(batch, i: int, drop: int = 0):
+def extract_cache(batch, i: int, drop: int = 0, wait: bool = True):
     """Row `i` of a per-layer batch as a per-layer list of evaluated `QuantizedKVCache`.
 
     `drop`: leave out the row's last `drop` columns (tokens fed after the turn ended).
+    `wait=False` queues the copies for the device (`mx.async_eval`) and returns at once,
+    without waiting for the work queued before them: evaluate the list (`mx.eval`) on
+    this thread before anything else reads it.
     """
     # every layer has the same padding and offsets: read them once, evaluate once
-    pad, offset = int(batch[0].left_padding[i].item()), int(batch[0].offset[i].item())
+    pad, offset = batch[0].row_place(i)
     out = [layer._extract(i, drop, pad, offset) for layer in batch]
-    mx.eval([(c.keys, c.values) for c in out if c.keys is not None])
+    (mx.eval if wait else mx.async_eval)([(c.keys, c.values) for c in out if c.keys is not None])
     return out
 
 
 def filter_cache(batch, keep) -> None:
     """Keep rows `keep` in every layer of `batch`."""
-    padding = batch[0].left_padding.tolist()  # the same in every layer
-    padding = [padding[k] for k in keep]
     for layer in batch:
-        layer.filter(keep, padding)
+        layer.filter(keep)
 
 
 def extend_cache(batch, other) -> None:
     """Append the rows of per-layer batch `other` to every layer of `batch`."""
     for mine, theirs in zip(batch, other):
         mine.extend(theirs)
+
+
+def reserve_cache(batch, n: int) -> bool:
+    """Make room for `n` more columns in every layer of `batch` now (`BatchQuantizedKVCache.reserve`);
+    return whether any layer grew."""
+    grew = [layer.reserve(n) for layer in batch]
+    return any(grew)
 
 
 def history_tokens(cache) -> int:

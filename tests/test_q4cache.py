@@ -74,6 +74,13 @@ def assert_same_packed(a, b):
         assert mx.array_equal(x, y).item()
 
 
+def assert_host_copies_match(batch):
+    """The positions a batch keeps on the host (`row_place`) are the device arrays' numbers."""
+    rows = batch.left_padding.shape[0]
+    assert [batch.row_place(i) for i in range(rows)] == list(zip(batch.left_padding.tolist(), batch.offset.tolist()))
+    assert batch._padded == any(batch.left_padding.tolist())
+
+
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 def test_merge_extract_round_trip_is_bit_exact(dtype):
     lengths = [0, 1, 63, 64, 257, 1000]
@@ -88,13 +95,16 @@ def test_merge_extract_round_trip_is_bit_exact(dtype):
 def test_filter_and_extend_keep_rows_bit_exact():
     rows = [random_q4(T, seed=T) for T in (3, 300, 40)]
     batch = BatchQuantizedKVCache.merge(rows, route="dequant")
+    assert_host_copies_match(batch)
     batch.filter([2, 0])  # the longest row leaves: shared padding is trimmed in whole blocks
     assert batch.size() == 40 + (300 - 40) % STEP and batch.keys[0].shape[2] % STEP == 0
+    assert_host_copies_match(batch)
     assert_same_packed(batch.extract(0), rows[2])
     assert_same_packed(batch.extract(1), rows[0])
     other = BatchQuantizedKVCache.merge([random_q4(500, seed=9), None], route="dequant")
     batch.extend(other)
     assert batch.offset.tolist() == [40, 3, 500, 0]
+    assert_host_copies_match(batch)
     assert_same_packed(batch.extract(0), rows[2])
     assert_same_packed(batch.extract(2), random_q4(500, seed=9))
     assert batch.extract(3).empty()
@@ -140,6 +150,10 @@ def test_a_batchs_layers_share_one_array_of_positions_through_every_change():
     for c in batch:
         c.trim(1)
     assert shared(batch, "offset") and batch[0].offset.tolist() == [300, 5, 6]
+    assert_host_copies_match(batch[0])
+    empty = [BatchQuantizedKVCache([0, 0], route="dequant") for _ in range(2)]  # no keys yet, on either side
+    empty[0].extend(empty[1])
+    assert_host_copies_match(empty[0])
 
 
 @pytest.mark.parametrize("route", ["dequant", "dequant_once", "quantized"])
@@ -152,8 +166,10 @@ def test_a_merge_with_leads_keeps_the_history_under_a_rows_padding_queries(route
     v = mx.random.normal((4, 2, N, 64), key=mx.random.key(6))
     batch = BatchQuantizedKVCache.merge(rows, route=route, lead=lead)
     assert batch.offset.tolist() == [T - n for T, n in zip(lengths, lead)]  # RoPE: a padding query's position
+    assert_host_copies_match(batch)
     batch.update_and_fetch(k, v)
     assert batch.offset.tolist() == [T + N - n for T, n in zip(lengths, lead)]
+    assert_host_copies_match(batch)
     for i, (row, n) in enumerate(zip(rows, lead)):
         alone = BatchQuantizedKVCache.merge([row], route=route)
         alone.update_and_fetch(k[i : i + 1, :, n:], v[i : i + 1, :, n:])
@@ -474,3 +490,19 @@ def test_take_columns_refuses_ranges_outside_the_tensors():
             q4columns.take(kb, vb, row, start, stop, width)
     with pytest.raises(ValueError, match="one B, H and W"):
         q4columns.take(kb, (vb[0][:, :, :10], *vb[1:]), 0, 0, 1, 1)
+
+
+def test_reserving_room_ahead_grows_once_and_changes_no_update():
+    """`reserve` grows the buffers before an update (so a caller can evaluate the copy on its own); the
+    update then writes exactly as it would have after growing the buffers itself."""
+    rows = [random_q4(T, seed=T) for T in (250, 30)]
+    ahead, inline = (BatchQuantizedKVCache.merge(rows, route="dequant") for _ in range(2))
+    assert ahead.keys[0].shape[2] == STEP and not ahead.reserve(STEP - 250)  # room enough: nothing to do
+    assert ahead.reserve(10) and ahead.keys[0].shape[2] == 2 * STEP and not ahead.reserve(10)
+    k = mx.random.normal((2, 2, 10, 64), key=mx.random.key(7))
+    for c in (ahead, inline):
+        c.update_and_fetch(k, k)
+    assert inline.keys[0].shape[2] == 2 * STEP
+    for i in range(2):
+        assert_same_packed(ahead.extract(i), inline.extract(i))
+    assert_host_copies_match(ahead)
