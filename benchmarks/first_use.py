@@ -54,9 +54,10 @@ def main(argv=None) -> int:
         seconds = serve_round(engine, args.agents, args.prompt, args.new, f"r{r}")
         new_shapes = {shape for shape, _ in list(engine.stats.first_shapes)[firsts:]}
         print(f"round {r}: {seconds:.2f} s, new shapes {sorted(new_shapes)}", flush=True)
-        for rows_, _, sec, _ in list(engine.stats.decode_steps)[steps:]:
-            if sec * 1e3 > args.slow:
-                rows.append(dict(round=r, kind="decode", rows_or_tokens=rows_, width="", ms=sec * 1e3, new_shapes=""))
+        for step in list(engine.stats.decode_steps)[steps:]:
+            if step.total_s * 1e3 > args.slow:
+                rows.append(dict(round=r, kind="decode", rows_or_tokens=step.rows, width="", ms=step.total_s * 1e3,
+                                 new_shapes=""))
         for tokens, context, sec, _ in list(engine.stats.prefill_chunks)[chunks:]:
             if sec * 1e3 > args.slow:
                 rows.append(dict(round=r, kind="prefill", rows_or_tokens=tokens, width=context, ms=sec * 1e3,

@@ -17,8 +17,10 @@ from __future__ import annotations
 import collections
 import sys
 import threading
+import time
 
 OURS = ("/runtime/", "/actors/", "/benchmarks/")
+IDLE = (" wait", " select", "thread.py:81 _worker")  # where a thread waiting for work is sampled
 
 
 def _where(frame) -> str:
@@ -37,12 +39,16 @@ def _ours(frame):
 
 
 class StackSampler:
-    """Counts where each thread is, sampled every `interval` seconds, between `start` and `stop`."""
+    """Counts where each thread is, sampled every `interval` seconds, between `start` and `stop`.
 
-    def __init__(self, interval: float = 0.005):
+    `timeline` also keeps every sample as (time.perf_counter(), thread kind, place), for `during`.
+    """
+
+    def __init__(self, interval: float = 0.005, timeline: bool = False):
         self.interval = interval
         self.samples = 0
         self.counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        self.timeline: list | None = [] if timeline else None
         self._stop = threading.Event()
         self._thread = None
 
@@ -68,12 +74,16 @@ class StackSampler:
         me = threading.get_ident()
         while not self._stop.wait(self.interval):
             names = {t.ident: t.name for t in threading.enumerate()}
+            now = time.perf_counter()
             for ident, frame in sys._current_frames().items():
                 if ident == me:
                     continue
                 ours = _ours(frame)
                 key = _where(frame) if ours is None or ours is frame else f"{_where(ours)} > {_where(frame)}"
-                self.counts[_thread_kind(names.get(ident, str(ident)))][key] += 1
+                kind = _thread_kind(names.get(ident, str(ident)))
+                self.counts[kind][key] += 1
+                if self.timeline is not None:
+                    self.timeline.append((now, kind, key))
             self.samples += 1
 
     def table(self, top: int = 12) -> str:
@@ -85,6 +95,13 @@ class StackSampler:
             for where, n in counter.most_common(top):
                 lines.append(f"{100 * n / total:5.1f}%  {where}")
         return "\n".join(lines)
+
+    def during(self, start: float, end: float, top: int = 8) -> list:
+        """The `top` (thread kind, place, samples) sampled between `start` and `end` (needs `timeline`), leaving
+        out threads that wait for work (a condition, a selector, an idle pool thread)."""
+        seen = collections.Counter((kind, where) for t, kind, where in self.timeline
+                                   if start <= t <= end and not where.endswith(IDLE))
+        return [[kind, where, n] for (kind, where), n in seen.most_common(top)]
 
     def as_dict(self, top: int = 30) -> dict:
         """The counts as plain data for a JSON result: {thread kind: [[place, samples], ...]}."""

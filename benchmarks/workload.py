@@ -93,16 +93,16 @@ def engine_profile(stats_list, seen=()) -> dict:
         seen.update(st.shapes)
     steps = [s for st in stats_list for s in st.decode_steps]
     chunks = [c for st in stats_list for c in st.prefill_chunks]
-    totals = sorted(t for _, _, t, _ in steps) or [0.0]
+    totals = sorted(s.total_s for s in steps) or [0.0]
     by_change = collections.defaultdict(list)
-    for _, _, t, changes in steps:
-        by_change[changes or "none"].append(t)
+    for s in steps:
+        by_change[s.changes or "none"].append(s.total_s)
     cold = [c for c in chunks if c[1] == 0]
     hot = [c for c in chunks if c[1] > 0]
     return dict(
-        decode_steps=len(steps), decode_s=sum(totals), mean_batch=statistics.mean(r for r, *_ in steps) if steps else 0,
+        decode_steps=len(steps), decode_s=sum(totals), mean_batch=statistics.mean(s.rows for s in steps) if steps else 0,
         step_p50_ms=totals[len(totals) // 2] * 1e3, step_p99_ms=totals[min(len(totals) - 1, int(len(totals) * 0.99))] * 1e3,
-        build_p50_ms=statistics.median(b for _, b, _, _ in steps) * 1e3 if steps else 0,
+        build_p50_ms=statistics.median(s.build_s for s in steps) * 1e3 if steps else 0,
         # steps by what changed in the batch before them (EngineStats): count, p50 and max ms
         steps_by_change={k: [len(v), round(statistics.median(v) * 1e3, 2), round(max(v) * 1e3, 2)]
                          for k, v in sorted(by_change.items())},
@@ -115,7 +115,9 @@ def engine_profile(stats_list, seen=()) -> dict:
         first_shapes_raw=[[list(shape), round(sec, 5)] for shape, sec in new],
         # raw, for a closer look in the JSON: every chunk, and every decode step
         chunks_raw=[[n, ctx, round(sec, 5), rows] for n, ctx, sec, rows in chunks],
-        steps_raw=[[r, round(b, 5), round(t, 5), changes] for r, b, t, changes in steps],
+        # (rows, build, wait, total seconds, changes, start)
+        steps_raw=[[s.rows, round(s.build_s, 5), round(s.wait_s, 5), round(s.total_s, 5), s.changes, round(s.start, 4)]
+                   for s in steps],
     )
 
 
@@ -232,7 +234,7 @@ def main(argv=None) -> int:
             print(rows[-1], flush=True)
         del model
         *_, warm = actors(model_path, Path(tmp) / "warm-up", systems, [m[:2] for m in messages], 8, warmup=True)
-        sampler = StackSampler() if args.sample else None
+        sampler = StackSampler(timeline=True) if args.sample else None
         if sampler:
             sampler.start()
         pauses = GcPauses()
@@ -248,6 +250,14 @@ def main(argv=None) -> int:
             sampler.stop()
             parts["where_threads_were"] = sampler.as_dict()
             print(sampler.table(), flush=True)
+            # the slowest decode steps, and where every thread was sampled while each ran
+            slowest = sorted(parts["steps_raw"], key=lambda st: -st[3])[:12]
+            parts["slowest_steps"] = [[st, sampler.during(st[5], st[5] + st[3], top=14)] for st in slowest]
+            for st, places in parts["slowest_steps"]:
+                print(f"\nstep: rows {st[0]}, build {st[1] * 1e3:.1f} ms, wait {st[2] * 1e3:.1f} ms, "
+                      f"total {st[3] * 1e3:.1f} ms, after '{st[4]}'", flush=True)
+                for kind, where, n in places:
+                    print(f"  {n:3d}  {kind}: {where}", flush=True)
         message_tokens = [len(tokenizer.encode(m, add_special_tokens=False)) for t in range(args.turns) for m in
                           [messages[a][t] for a in range(args.agents)]]
         rows.append(dict(variant="c: kvactors (restart halfway)", total_s=total, ttft_mean_s=statistics.mean(ttfts),

@@ -22,7 +22,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import mlx.core as mx
 
@@ -39,6 +39,7 @@ from runtime.q4cache import (
     filter_cache,
     history_tokens,
     merge_caches,
+    reserve_cache,
     route_for,
 )
 
@@ -134,18 +135,27 @@ class TurnTooLarge(TurnError):
     """The turn can never fit the memory budget (or the context limit)."""
 
 
+class DecodeStep(NamedTuple):
+    """One decode step, as `EngineStats` records it (seconds from `time.perf_counter`)."""
+
+    rows: int
+    build_s: float  # building and queueing the next step's graph (the host's side)
+    wait_s: float  # then waiting for this step's tokens (the device's)
+    total_s: float  # all of it, taking the tokens included: where rows end, the batch changes
+    changes: str  # what happened to the batch since the step before (see EngineStats)
+    start: float  # when the step began
+
+
 @dataclass
 class EngineStats:
     """What the engine did, for profiles in place (the most recent 100,000 of each).
 
-    `decode_steps`: (rows, graph-build seconds, total seconds, changes) per decode step (the
-    total includes taking its tokens: ending rows and changing the batch for them),
-    where `changes` names what happened to the batch since the step before, "+"-joined
+    `decode_steps`: a `DecodeStep` per decode step, whose `changes` names what
+    happened to the batch since the step before, "+"-joined
     in this order: "join" (rows joined), "leave" (rows left), "chunk" (a prefill chunk
     ran), "grow" (this step's update widened the buffers); "" for none;
     `prefill_chunks`: (tokens fed, tokens of context before (the longest row's),
-    seconds, rows) per chunk. The build time is the Python side of a step (building
-    MLX's graph), the rest waits for the device.
+    seconds, rows) per chunk.
 
     `shapes` counts the steps and chunks per shape: ("decode", rows, cache width)
     or ("prefill", rows, tokens fed a row with padding, cache width). A backend that sets up
@@ -252,6 +262,8 @@ class Engine:
         self.decoding: list[_Row] = []
         self.batch = None  # per-layer BatchQuantizedKVCache of the decoding rows
         self._next = None  # the tokens the step in flight samples, one per decoding row (lazy)
+        self._handing: list = []  # (step count, TurnResult): finished turns whose cache copies are queued
+        self._steps = 0  # calls of step()
         self._changes: set = set()  # what happened to the batch since the last decode step (EngineStats)
         self.peak_admitted = 0
         self.stats = EngineStats()
@@ -281,8 +293,8 @@ class Engine:
         return math.ceil(total / BLOCK) * self._bytes_per_block
 
     def has_work(self) -> bool:
-        """True while any turn is queued, prefilling or decoding."""
-        return bool(self.waiting or self.prefilling or self.decoding)
+        """True while any turn is queued, prefilling, decoding, or finished but not yet returned by `step`."""
+        return bool(self.waiting or self.prefilling or self.decoding or self._handing)
 
     def active(self) -> int:
         """Number of admitted turns (prefilling or decoding)."""
@@ -296,8 +308,12 @@ class Engine:
     def step(self) -> list:
         """Admit what fits, decode one token for every decoding row, prefill one chunk.
 
-        Returns the turns that ended in this step: `TurnResult`s and `TurnError`s.
+        Returns the turns that ended: `TurnResult`s and `TurnError`s. A turn that ends in
+        a decode step is returned by the next call, while a step is in flight (its cache
+        copy is queued behind that step, and waiting for it here would leave the device
+        idle while the next step is built), else by this one.
         """
+        self._steps += 1
         done = []
         self._admit()
         if self.decoding:
@@ -305,7 +321,7 @@ class Engine:
         if self.prefilling:
             done += self._prefill_chunk()
             self._changes.add("chunk")
-        return done
+        return done + self._hand_over(everything=self._next is None)
 
     def warmup(self, progress: Callable[[int, int, str], None] | None = None) -> float:
         """Serve synthetic turns so one-time setup happens now, not in users' turns; returns seconds.
@@ -364,7 +380,23 @@ class Engine:
         rows = list(self.waiting) + self.prefilling + self.decoding
         self.waiting.clear()
         self.prefilling, self.decoding, self.batch, self._next = [], [], None, None
-        return [make_error(r.turn.turn_id) for r in rows]
+        return self._hand_over(everything=True) + [make_error(r.turn.turn_id) for r in rows]
+
+    def _hand_over(self, everything: bool) -> list:
+        """The finished turns whose cache copies were queued in an earlier step (all of them if `everything`),
+        their caches evaluated (`TurnResult` promises it); a copy that fails fails its turn."""
+        ready = [r for n, r in self._handing if everything or n < self._steps]
+        if not ready:
+            return []
+        self._handing = [] if everything else [(n, r) for n, r in self._handing if n == self._steps]
+        out = []
+        for r in ready:
+            try:
+                mx.eval([(c.keys, c.values) for c in r.cache if c.keys is not None])
+                out.append(r)
+            except Exception as e:
+                out.append(TurnError(r.turn_id, f"extracting the cache failed: {type(e).__name__}: {e}"))
+        return out
 
     # -- admission -------------------------------------------------------------------
 
@@ -488,16 +520,20 @@ class Engine:
 
     def _join(self, rows, cache, tokens):
         """Rows whose prefill ended (their batch `cache`, their first tokens) join the decode batch."""
-        if self.batch is None:
-            self.batch = cache
+        extended = self.batch is not None
+        if extended:
+            extend_cache(self.batch, cache)  # after the step in flight
         else:
-            extend_cache(self.batch, cache)  # lazily, after the step in flight
+            self.batch = cache
         self.decoding += rows
         self._changes.add("join")
         if self._next is not None:
             # join the step in flight's output: the next step feeds these tokens too, and
             # the rows take them with the others' (no wait for the device, no extra step)
             self._next = mx.concatenate([self._next, mx.array(tokens, dtype=self._next.dtype)])
+        if extended:
+            self._queue_surgery()
+        if self._next is not None:
             return []
         first = len(self.decoding) - len(rows)
         return self._accept(list(enumerate(tokens, first)), fed=False)
@@ -518,12 +554,15 @@ class Engine:
         try:
             t0 = time.perf_counter()
             width = _width(self.batch)
+            if reserve_cache(self.batch, 1 if self._next is not None else 2):  # the steps built below
+                self._queue_surgery()
             if self._next is None:
                 self._next = self._forward(mx.array([[r.generated[-1]] for r in self.decoding]))
             current = self._next
             self._next = self._forward(current[:, None])
             built = time.perf_counter()
             tokens = current.tolist()
+            waited = time.perf_counter() - built
             if _width(self.batch) > width:
                 self._changes.add("grow")
             changes = "+".join(c for c in ("join", "leave", "chunk", "grow") if c in self._changes)
@@ -534,9 +573,15 @@ class Engine:
             return [TurnError(r.turn.turn_id, f"decode step failed: {type(e).__name__}: {e}") for r in rows]
         done = self._accept(list(enumerate(tokens)), fed=True)
         seconds = time.perf_counter() - t0  # taking the tokens too: where rows end, the batch changes
-        self.stats.decode_steps.append((len(tokens), built - t0, seconds, changes))
+        self.stats.decode_steps.append(DecodeStep(len(tokens), built - t0, waited, seconds, changes, t0))
         self.stats.count_shape(shape, seconds)
         return done
+
+    def _queue_surgery(self):
+        """Queue the batch's new buffers (a join, a filter, a growth) for the device as an evaluation of
+        their own, so that the next decode step's graph is the same as every step's: MLX-CUDA replays it
+        as a CUDA graph it has already made, where copies inside it made a new one each time."""
+        mx.async_eval([c.state for c in self.batch], [] if self._next is None else self._next)
 
     def _forward(self, inputs):
         """Queue a decode step over the batch; returns its sampled tokens (being computed)."""
@@ -567,7 +612,8 @@ class Engine:
         return mx.stack(picks)
 
     def _accept(self, row_tokens, fed: bool):
-        """Record sampled tokens; finish rows that hit a stop; return their results.
+        """Record sampled tokens; finish rows that hit a stop; return the turns that failed (the finished
+        ones wait in `_handing`).
 
         `fed`: a step already queued feeds these tokens to the cache (see `_decode_step`).
         """
@@ -586,7 +632,11 @@ class Engine:
                 continue
             if reason:
                 finished.append(i)
-                results.append(self._finish(row, i, reason, fed))
+                outcome = self._finish(row, i, reason, fed)
+                if isinstance(outcome, TurnResult):  # its cache copy is queued: see step
+                    self._handing.append((self._steps, outcome))
+                else:
+                    results.append(outcome)
         if finished:
             self._changes.add("leave")
             keep = [i for i in range(len(self.decoding)) if i not in finished]
@@ -595,6 +645,7 @@ class Engine:
                 filter_cache(self.batch, keep)
                 if self._next is not None:
                     self._next = self._next[mx.array(keep)]
+                self._queue_surgery()
             else:
                 self.batch = self._next = None
             return results
@@ -629,7 +680,7 @@ class Engine:
             if tail and row.turn.on_token:
                 row.turn.on_token(tail)
         try:
-            cache = extract_cache(self.batch, i, drop=int(fed))
+            cache = extract_cache(self.batch, i, drop=int(fed), wait=False)  # evaluated in _hand_over
         except Exception as e:
             return TurnError(row.turn.turn_id, f"extracting the cache failed: {type(e).__name__}: {e}")
         now = time.perf_counter()

@@ -223,7 +223,7 @@ def test_warmup_leaves_the_engine_idle_and_output_unchanged(llama):
     assert engine.warmup(lambda done, total, what: seen.append((done, total))) > 0
     assert seen[-1][0] == seen[-1][1] and not engine.has_work() and engine.peak_admitted == 3
     assert {rows for rows, *_ in engine.stats.decode_steps} == {1, 2, 3}  # every batch size decoded
-    changes = {c for *_, named in engine.stats.decode_steps for c in named.split("+")}
+    changes = {c for step in engine.stats.decode_steps for c in step.changes.split("+")}
     assert {"join", "leave", "chunk", ""} <= changes  # the step profile names what changed before a step
     assert any(context > 0 for _, context, _, _ in engine.stats.prefill_chunks)  # a chunk after a cache (hot)
     assert run(engine, [turn])["t"].tokens == solo(llama, turn).tokens
@@ -298,6 +298,30 @@ def test_a_row_left_with_padding_after_the_longest_leaves_equals_solo(llama):
     for t in (long, short):
         assert together[t.turn_id].tokens == solo(llama, t).tokens
 
+
+def test_a_turn_that_ends_while_others_decode_is_returned_evaluated_and_never_lost(llama):
+    """A turn that ends while other rows decode is returned by the next step (its cache copy queued
+    behind the step in flight, see Engine.step), evaluated and equal to solo; the engine has work
+    until then, and stopping it in between (`fail_all`) returns that turn's result, not an error."""
+    model, tokenizer, spec, opts = llama
+    prompt = encode(tokenizer, "a prompt for two rows")
+    short, long = Turn("short", "s", None, prompt, max_tokens=3), Turn("long", "l", None, prompt, max_tokens=20)
+    engine = Engine(model, tokenizer, spec, **opts)
+    out = run(engine, [short, long])
+    assert out["short"].tokens == solo(llama, short).tokens and out["long"].tokens == solo(llama, long).tokens
+    assert out["short"].cached_tokens == len(prompt) + 2 == out["short"].cache[0].offset
+
+    tokens = []
+    engine.submit(Turn("short2", "s", None, prompt, max_tokens=3, on_token=tokens.append))
+    engine.submit(Turn("long2", "l", None, prompt, max_tokens=20))
+    returned = []
+    while len(tokens) < 3:  # the step in which short2 ends (three pieces of text: one a token here)
+        returned += engine.step()
+    assert "short2" not in [r.turn_id for r in returned] and engine.has_work()
+    stopped = {r.turn_id: r for r in engine.fail_all(lambda tid: TurnError(tid, "stopped"))}
+    assert stopped["short2"].tokens == out["short"].tokens  # a result, its cache usable
+    assert stopped["short2"].cache[0].offset == out["short"].cache[0].offset
+    assert isinstance(stopped["long2"], TurnError) and not engine.has_work()
 
 @pytest.mark.parametrize("info, size", [({"total_memory": 80 << 30, "free_memory": 1 << 30}, 80 << 30),  # CUDA's name
                                         ({"memory_size": 64 << 30}, 64 << 30),  # Metal's
