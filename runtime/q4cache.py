@@ -885,16 +885,15 @@ def merge_caches(spec, agent_caches, route: str | None = None, lead=None):
 
 
 def extract_cache(batch, i: int, drop: int = 0, wait: bool = True):
-    """Row `i` of a per-layer batch as a per-layer list of evaluated `QuantizedKVCache`.
+    """Row `i` of a per-layer batch as a per-layer list of `QuantizedKVCache`, evaluated (but see `wait`).
 
     `drop`: leave out the row's last `drop` columns (tokens fed after the turn ended).
     `wait=False` queues the copies for the device (`mx.async_eval`) and returns at once,
     without waiting for the work queued before them: evaluate the list (`mx.eval`) on
     this thread before anything else reads it.
     """
-    # every layer has the same padding and offsets: read them once, evaluate once
-    pad, offset = batch[0].row_place(i)
-    out = [layer._extract(i, drop, pad, offset) for layer in batch]
+    # each layer's own padding: a bounded sliding layer stores fewer columns than a full one
+    out = [layer._extract(i, drop, *layer.row_place(i)) for layer in batch]
     (mx.eval if wait else mx.async_eval)([(c.keys, c.values) for c in out if c.keys is not None])
     return out
 

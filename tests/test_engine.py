@@ -336,3 +336,29 @@ def test_default_budgets_follow_the_memory_the_device_computes_in(monkeypatch, i
     size = size or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     assert engine.device_memory() == size
     assert (engine.default_memory_budget(), engine.default_hot_budget()) == (size // 2, size // 8)
+
+
+def test_a_short_history_decoded_beside_a_long_one_comes_back_as_solo_in_sliding_layers(tiny_model_path, load_tiny):
+    """gemma3-style layers: a bounded sliding layer stores fewer columns than a full one, so a row's padding
+    differs between layers; the short row's returned cache holds what solo's does and continues the same."""
+    from runtime.q4cache import stored_tokens
+
+    model, tokenizer = load_tiny("gemma3_text")
+    spec = ModelCacheSpec.from_model(model, tiny_model_path("gemma3_text"))
+    first = Engine(model, tokenizer, spec)
+    long = run(first, [Turn("h-long", "long", None, list(range(3, 423)), max_tokens=2)])["h-long"]
+    short = run(first, [Turn("h-short", "short", None, list(range(5, 45)), max_tokens=2)])["h-short"]
+
+    def turns():
+        return [Turn("long", "long", long.cache, [7, 8, 9], max_tokens=30),
+                Turn("short", "short", short.cache, [7, 8, 9], max_tokens=6)]
+
+    together = run(Engine(model, tokenizer, spec), turns())["short"]
+    alone = run(Engine(model, tokenizer, spec), turns()[1:])["short"]
+    assert together.tokens == alone.tokens
+    assert [stored_tokens(c) for c in together.cache] == [stored_tokens(c) for c in alone.cache]
+
+    def next_turn(cache):
+        return run(Engine(model, tokenizer, spec), [Turn("next", "short", cache, [11, 12], max_tokens=12)])["next"].tokens
+
+    assert next_turn(together.cache) == next_turn(alone.cache)

@@ -506,3 +506,17 @@ def test_reserving_room_ahead_grows_once_and_changes_no_update():
     for i in range(2):
         assert_same_packed(ahead.extract(i), inline.extract(i))
     assert_host_copies_match(ahead)
+
+
+def test_extracting_a_row_reads_each_layers_own_padding():
+    """A bounded sliding layer stores fewer columns than a full one, so a row's padding differs between layers:
+    `extract_cache` takes each layer's own (it once took layer 0's for all, corrupting the others)."""
+    sliding = random_q4(320, seed=2)
+    sliding.offset = 420  # the last 320 of 420 positions
+    batch = [BatchQuantizedKVCache.merge([random_q4(420, seed=1), random_q4(100, seed=3)], route="dequant"),
+             BatchQuantizedKVCache.merge([sliding, random_q4(100, seed=4)], route="dequant", keep=320)]
+    assert batch[0].row_place(1) != batch[1].row_place(1)
+    for i in range(2):
+        for whole, alone in zip(extract_cache(batch, i), (layer.extract(i) for layer in batch)):
+            assert_same_packed(whole, alone)
+    assert_same_packed(extract_cache(batch, 1)[1], random_q4(100, seed=4))
