@@ -2,7 +2,8 @@
 
 `Engine` knows nothing of actors: `submit` queues a `Turn`, each `step` does
 one decode step for every decoding row and then at most one prefill chunk, and
-returns the turns that finished (a `TurnResult`) or failed (a `TurnError`). A
+returns the turns that finished (a `TurnResult`: one that ends in a decode step
+comes back from the next `step`, see `step`) or failed (a `TurnError`). A
 turn is admitted when the memory budget allows, prefilled in chunks (so a
 decoding row waits at most one chunk, and prefilling rows take turns chunk by
 chunk: a short prompt never waits behind a long one's whole prefill), then joins the decode batch
@@ -153,7 +154,7 @@ class EngineStats:
     `decode_steps`: a `DecodeStep` per decode step, whose `changes` names what
     happened to the batch since the step before, "+"-joined
     in this order: "join" (rows joined), "leave" (rows left), "chunk" (a prefill chunk
-    ran), "grow" (this step's update widened the buffers); "" for none;
+    ran), "grow" (the buffers widened for this step); "" for none;
     `prefill_chunks`: (tokens fed, tokens of context before (the longest row's),
     seconds, rows) per chunk.
 
@@ -549,7 +550,7 @@ class Engine:
         fed its last token once too often: `_finish` leaves that column out of its
         cache, and `filter` drops the row from the step in flight. A row that joins
         while a step is in flight appends its first token to `_next` and takes it
-        with the others at the next step (`_prefill_chunk`).
+        with the others at the next step (`_join`).
         """
         try:
             t0 = time.perf_counter()
