@@ -554,9 +554,9 @@ class Engine:
         """
         try:
             t0 = time.perf_counter()
-            width = _width(self.batch)
             if reserve_cache(self.batch, 1 if self._next is not None else 2):  # the steps built below
                 self._queue_surgery()
+                self._changes.add("grow")
             if self._next is None:
                 self._next = self._forward(mx.array([[r.generated[-1]] for r in self.decoding]))
             current = self._next
@@ -564,8 +564,6 @@ class Engine:
             built = time.perf_counter()
             tokens = current.tolist()
             waited = time.perf_counter() - built
-            if _width(self.batch) > width:
-                self._changes.add("grow")
             changes = "+".join(c for c in ("join", "leave", "chunk", "grow") if c in self._changes)
             self._changes.clear()
             shape = ("decode", len(tokens), _width(self.batch))

@@ -719,9 +719,8 @@ class BatchQuantizedKVCache(_BaseCache):
         if self._dense is not None:
             self._dense = tuple(x[idx] for x in self._dense)
         self._pads, self._bases = [self._pads[k] for k in keep], [self._bases[k] for k in keep]
-        padding = self._pads
-        drop = min(padding, default=0) // STEP * STEP  # whole blocks only: a copy of every buffer
-        self._padded = max(padding, default=0) > drop  # a row left with padding needs the padded mask
+        drop = min(self._pads, default=0) // STEP * STEP  # whole blocks only: a copy of every buffer
+        self._padded = max(self._pads, default=0) > drop  # a row left with padding needs the padded mask
         if drop:
             self._drop_front(drop)
 
