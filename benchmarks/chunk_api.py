@@ -20,6 +20,7 @@ import sys
 import mlx.core as mx
 
 from benchmarks.common import bench_parser, environment, load_bench_model, write_results
+from benchmarks.cuda_calls import CudaCalls
 from benchmarks.hot_chunk import chunk_parts
 from benchmarks.profile import prefilled
 from runtime.q4cache import route_for
@@ -30,30 +31,12 @@ CHUNKS = 5
 
 def api_calls(run) -> dict:
     """{CUDA runtime or driver function name: (calls, total microseconds)} of what `run()` called, by CUPTI."""
-    from cupti import cupti
-
-    kinds = (cupti.ActivityKind.RUNTIME, cupti.ActivityKind.DRIVER)
-    domains = {cupti.ActivityKind.RUNTIME: cupti.CallbackDomain.RUNTIME_API,
-               cupti.ActivityKind.DRIVER: cupti.CallbackDomain.DRIVER_API}
-    records = []
-
-    def completed(activities):
-        records.extend((a.kind, a.cbid, a.end - a.start) for a in activities if a.kind in kinds)
-
-    cupti.activity_register_callbacks(lambda: (8 * 1024 * 1024, 0), completed)
-    for kind in kinds:
-        cupti.activity_enable(kind)
-    try:
+    with CudaCalls() as trace:
         run()
-        cupti.activity_flush_all(1)
-    finally:
-        for kind in kinds:
-            cupti.activity_disable(kind)
     calls = collections.defaultdict(lambda: [0, 0.0])
-    for kind, cbid, ns in records:
-        entry = calls[cupti.get_callback_name(domains[kind], cbid)]
-        entry[0] += 1
-        entry[1] += ns / 1e3
+    for (_, name), (n, ms) in trace.totals().items():
+        calls[name][0] += n
+        calls[name][1] += ms * 1e3
     return {name: tuple(v) for name, v in calls.items()}
 
 

@@ -20,7 +20,7 @@ import threading
 import time
 
 OURS = ("/runtime/", "/actors/", "/benchmarks/")
-IDLE = (" wait", " select", "thread.py:81 _worker")  # where a thread waiting for work is sampled
+IDLE = (" wait", " select", " _worker")  # where a thread waiting for work is sampled (a pool's _worker: in its queue's get)
 
 
 def _where(frame) -> str:
@@ -80,7 +80,7 @@ class StackSampler:
                     continue
                 ours = _ours(frame)
                 key = _where(frame) if ours is None or ours is frame else f"{_where(ours)} > {_where(frame)}"
-                kind = _thread_kind(names.get(ident, str(ident)))
+                kind = thread_kind(names.get(ident, str(ident)))
                 self.counts[kind][key] += 1
                 if self.timeline is not None:
                     self.timeline.append((now, kind, key))
@@ -108,7 +108,7 @@ class StackSampler:
         return {kind: counter.most_common(top) for kind, counter in self.counts.items()}
 
 
-def _thread_kind(name: str) -> str:
+def thread_kind(name: str) -> str:
     """A thread's name without its serial number, so threads of one kind add up."""
     base = name.split(" ")[0].rstrip("0123456789").rstrip("-_")
     return base or name

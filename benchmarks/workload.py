@@ -31,6 +31,7 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 from benchmarks.common import bench_parser, bench_model_folder, environment, plot_lines, write_results
+from benchmarks.cuda_calls import CudaCalls
 from benchmarks.sampler import StackSampler
 from benchmarks.ttft import long_text
 from actors.agent import render
@@ -115,9 +116,9 @@ def engine_profile(stats_list, seen=()) -> dict:
         first_shapes_raw=[[list(shape), round(sec, 5)] for shape, sec in new],
         # raw, for a closer look in the JSON: every chunk, and every decode step
         chunks_raw=[[n, ctx, round(sec, 5), rows] for n, ctx, sec, rows in chunks],
-        # (rows, build, wait, total seconds, changes, start)
-        steps_raw=[[s.rows, round(s.build_s, 5), round(s.wait_s, 5), round(s.total_s, 5), s.changes, round(s.start, 4)]
-                   for s in steps],
+        # (rows, build, wait, total seconds, changes, start, of build: in mx.async_eval)
+        steps_raw=[[s.rows, round(s.build_s, 5), round(s.wait_s, 5), round(s.total_s, 5), s.changes, round(s.start, 4),
+                    round(s.queue_s, 5)] for s in steps],
     )
 
 
@@ -189,6 +190,29 @@ class GcPauses:
         return out
 
 
+def calls_by_change(trace, steps_raw, top: int = 10) -> dict:
+    """Per kind of change before a decode step (as `steps_by_change`): the mean step, its mean time in
+    mx.async_eval, the mean time the device was busy while it ran, and the `top` [thread kind, CUDA
+    function, calls per step, ms per step] the host made while such steps ran."""
+    groups = collections.defaultdict(list)
+    for st in steps_raw:
+        groups[st[4] or "none"].append(st)
+    out = {}
+    for change, steps in sorted(groups.items()):
+        summed = collections.defaultdict(lambda: [0, 0.0])
+        for st in steps:
+            for key, (n, ms) in trace.totals(st[5], st[5] + st[3]).items():
+                summed[key][0] += n
+                summed[key][1] += ms
+        ranked = sorted(summed.items(), key=lambda kv: -kv[1][1])[:top]
+        out[change] = dict(steps=len(steps), step_ms=round(statistics.mean(st[3] for st in steps) * 1e3, 2),
+                           queue_ms=round(statistics.mean(st[6] for st in steps) * 1e3, 2),
+                           device_ms=round(statistics.mean(trace.device_busy(st[5], st[5] + st[3]) for st in steps), 2),
+                           calls=[[thread, fn, round(n / len(steps), 1), round(ms / len(steps), 3)]
+                                  for (thread, fn), (n, ms) in ranked])
+    return out
+
+
 def measure(fn, *args):
     mx.synchronize()
     mx.reset_peak_memory()
@@ -208,6 +232,8 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default="abc", help="which variants to run (profiling: 'c'); ratios need 'a'")
     ap.add_argument("--sample", action="store_true",
                     help="sample every thread's stack during (c) and store where each spent its time")
+    ap.add_argument("--trace-cuda", action="store_true",
+                    help="trace the host's CUDA calls during (c) with CUPTI and sum them per decode step (CUDA only)")
     args = ap.parse_args(argv)
     env = environment()
     print(env, flush=True)
@@ -235,8 +261,10 @@ def main(argv=None) -> int:
         del model
         *_, warm = actors(model_path, Path(tmp) / "warm-up", systems, [m[:2] for m in messages], 8, warmup=True)
         sampler = StackSampler(timeline=True) if args.sample else None
-        if sampler:
-            sampler.start()
+        trace = CudaCalls() if args.trace_cuda else None
+        for tool in (sampler, trace):
+            if tool:
+                tool.start()
         pauses = GcPauses()
         gc.callbacks.append(pauses)
         try:
@@ -244,20 +272,36 @@ def main(argv=None) -> int:
                                                           messages, args.new, warm["shapes"])
         finally:
             gc.callbacks.remove(pauses)
+            for tool in (sampler, trace):
+                if tool:
+                    tool.stop()
         parts.pop("shapes")
         parts["gc_pauses"] = pauses.summary()
         if sampler:
-            sampler.stop()
             parts["where_threads_were"] = sampler.as_dict()
             print(sampler.table(), flush=True)
-            # the slowest decode steps, and where every thread was sampled while each ran
+        if trace:
+            parts["cuda_calls_by_change"] = calls_by_change(trace, parts["steps_raw"])
+            for change, entry in parts["cuda_calls_by_change"].items():
+                print(f"\nafter '{change}': {entry['steps']} steps, mean {entry['step_ms']} ms (in async_eval "
+                      f"{entry['queue_ms']} ms, device busy {entry['device_ms']} ms); CUDA calls per step:", flush=True)
+                for thread, fn, n, ms in entry["calls"]:
+                    print(f"  {ms:8.3f} ms  {n:7.1f}x  {thread}: {fn}", flush=True)
+        if sampler or trace:
+            # the slowest decode steps: where every thread was sampled, and what the host called, while each ran
             slowest = sorted(parts["steps_raw"], key=lambda st: -st[3])[:12]
-            parts["slowest_steps"] = [[st, sampler.during(st[5], st[5] + st[3], top=14)] for st in slowest]
-            for st, places in parts["slowest_steps"]:
-                print(f"\nstep: rows {st[0]}, build {st[1] * 1e3:.1f} ms, wait {st[2] * 1e3:.1f} ms, "
-                      f"total {st[3] * 1e3:.1f} ms, after '{st[4]}'", flush=True)
-                for kind, where, n in places:
+            parts["slowest_steps"] = [[st, sampler.during(st[5], st[5] + st[3], top=14) if sampler else None,
+                                       trace.during(st[5], st[5] + st[3], top=10) if trace else None,
+                                       trace.device_busy(st[5], st[5] + st[3]) if trace else None]
+                                      for st in slowest]
+            for st, places, calls, busy in parts["slowest_steps"]:
+                print(f"\nstep: rows {st[0]}, build {st[1] * 1e3:.1f} ms (async_eval {st[6] * 1e3:.1f}), wait "
+                      f"{st[2] * 1e3:.1f} ms, total {st[3] * 1e3:.1f} ms, after '{st[4]}'"
+                      + (f", device busy {busy:.1f} ms" if busy is not None else ""), flush=True)
+                for kind, where, n in places or ():
                     print(f"  {n:3d}  {kind}: {where}", flush=True)
+                for thread, fn, n, ms in calls or ():
+                    print(f"  {ms:8.3f} ms  {n:5d}x  {thread}: {fn}", flush=True)
         message_tokens = [len(tokenizer.encode(m, add_special_tokens=False)) for t in range(args.turns) for m in
                           [messages[a][t] for a in range(args.agents)]]
         rows.append(dict(variant="c: kvactors (restart halfway)", total_s=total, ttft_mean_s=statistics.mean(ttfts),

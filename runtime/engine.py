@@ -141,6 +141,7 @@ class DecodeStep(NamedTuple):
 
     rows: int
     build_s: float  # building and queueing the next step's graph (the host's side)
+    queue_s: float  # of build_s, inside mx.async_eval (encoding, launching; MLX waits there past 10 unfinished batches)
     wait_s: float  # then waiting for this step's tokens (the device's)
     total_s: float  # all of it, taking the tokens included: where rows end, the batch changes
     changes: str  # what happened to the batch since the step before (see EngineStats)
@@ -266,6 +267,7 @@ class Engine:
         self._handing: list = []  # (step count, TurnResult): finished turns whose cache copies are queued
         self._steps = 0  # calls of step()
         self._changes: set = set()  # what happened to the batch since the last decode step (EngineStats)
+        self._queued = 0.0  # seconds in mx.async_eval since the decode step began (DecodeStep.queue_s)
         self.peak_admitted = 0
         self.stats = EngineStats()
         per_token = spec.q4_bytes_per_token()
@@ -553,7 +555,7 @@ class Engine:
         with the others at the next step (`_join`).
         """
         try:
-            t0 = time.perf_counter()
+            t0, self._queued = time.perf_counter(), 0.0
             if reserve_cache(self.batch, 1 if self._next is not None else 2):  # the steps built below
                 self._queue_surgery()
                 self._changes.add("grow")
@@ -572,7 +574,8 @@ class Engine:
             return [TurnError(r.turn.turn_id, f"decode step failed: {type(e).__name__}: {e}") for r in rows]
         done = self._accept(list(enumerate(tokens)), fed=True)
         seconds = time.perf_counter() - t0  # taking the tokens too: where rows end, the batch changes
-        self.stats.decode_steps.append(DecodeStep(len(tokens), built - t0, waited, seconds, changes, t0))
+        self.stats.decode_steps.append(DecodeStep(len(tokens), built - t0, self._queued, waited, seconds,
+                                                   changes, t0))
         self.stats.count_shape(shape, seconds)
         return done
 
@@ -580,14 +583,20 @@ class Engine:
         """Queue the batch's new buffers (a join, a filter, a growth) for the device as an evaluation of
         their own, so that the next decode step's graph is the same as every step's: MLX-CUDA replays it
         as a CUDA graph it has already made, where copies inside it made a new one each time."""
-        mx.async_eval([c.state for c in self.batch], [] if self._next is None else self._next)
+        self._async_eval([c.state for c in self.batch], [] if self._next is None else self._next)
 
     def _forward(self, inputs):
         """Queue a decode step over the batch; returns its sampled tokens (being computed)."""
         logits = self.model(inputs, cache=self.batch)
         picks = self._sample(self.decoding, logits[:, -1, :])
-        mx.async_eval(picks, [c.state for c in self.batch])
+        self._async_eval(picks, [c.state for c in self.batch])
         return picks
+
+    def _async_eval(self, *arrays):
+        """`mx.async_eval`, its seconds added to the step's `queue_s`."""
+        t0 = time.perf_counter()
+        mx.async_eval(*arrays)
+        self._queued += time.perf_counter() - t0
 
     def _chunk_done(self, t0, tokens, context, shape, rows):
         seconds = time.perf_counter() - t0
