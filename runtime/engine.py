@@ -311,6 +311,10 @@ class Engine:
     def step(self) -> list:
         """Admit what fits, decode one token for every decoding row, prefill one chunk.
 
+        Decoding is pipelined (see `_decode_step`): a call queues the next decode
+        step and takes the tokens of the one before, so the call after the batch
+        was empty only queues.
+
         Returns the turns that ended: `TurnResult`s and `TurnError`s. A turn that ends in
         a decode step is returned by the next call, while a step is in flight (its cache
         copy is queued behind that step, and waiting for it here would leave the device
@@ -552,15 +556,18 @@ class Engine:
         fed its last token once too often: `_finish` leaves that column out of its
         cache, and `filter` drops the row from the step in flight. A row that joins
         while a step is in flight appends its first token to `_next` and takes it
-        with the others at the next step (`_join`).
+        with the others at the next step (`_join`). With no step in flight (the batch
+        was empty), a call only queues the first step and takes its tokens at the next
+        call, so every call builds one step's graph.
         """
         try:
             t0, self._queued = time.perf_counter(), 0.0
-            if reserve_cache(self.batch, 1 if self._next is not None else 2):  # the steps built below
+            if reserve_cache(self.batch, 1):  # the step built below
                 self._queue_surgery()
                 self._changes.add("grow")
             if self._next is None:
                 self._next = self._forward(mx.array([[r.generated[-1]] for r in self.decoding]))
+                return []
             current = self._next
             self._next = self._forward(current[:, None])
             built = time.perf_counter()

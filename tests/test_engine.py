@@ -323,6 +323,32 @@ def test_a_turn_that_ends_while_others_decode_is_returned_evaluated_and_never_lo
     assert stopped["short2"].cache[0].offset == out["short"].cache[0].offset
     assert isinstance(stopped["long2"], TurnError) and not engine.has_work()
 
+
+def test_a_step_builds_at_most_one_decode_step_also_when_rows_join_an_empty_batch(llama):
+    """Every `step()` queues at most one decode step's graph, so steps cost alike: after the batch
+    was empty, a call only queues the first step and the next call takes its tokens. Rows joining
+    an empty batch and a batch in flight, then leaving at different steps, still equal solo."""
+    model, tokenizer, spec, opts = llama
+    calls = []
+
+    def counting(inputs, cache=None):
+        calls[-1] += inputs.shape[1] == 1  # a decode step; a prefill chunk feeds a bucket of tokens
+        return model(inputs, cache=cache)
+
+    engine = Engine(counting, tokenizer, spec, **opts)
+    turns = [Turn(f"t{i}", f"a{i}", None, encode(tokenizer, f"agent {i} opens with this"), max_tokens=3 + 4 * i)
+             for i in range(3)]
+    for t in turns:
+        engine.submit(t)
+    out = {}
+    while engine.has_work():
+        calls.append(0)
+        out.update((r.turn_id, r) for r in engine.step())
+    assert max(calls) == 1 and sum(calls) >= max(t.max_tokens for t in turns) - 1
+    for t in turns:
+        assert out[t.turn_id].tokens == solo(llama, t).tokens
+
+
 @pytest.mark.parametrize("info, size", [({"total_memory": 80 << 30, "free_memory": 1 << 30}, 80 << 30),  # CUDA's name
                                         ({"memory_size": 64 << 30}, 64 << 30),  # Metal's
                                         ({"architecture": "x86_64"}, None)])  # CPU: the host's RAM
