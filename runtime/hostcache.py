@@ -13,7 +13,6 @@ later token): prefix matching only cuts where it is >= 0.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -21,7 +20,7 @@ import numpy as np
 from runtime.kvscheme import KVScheme
 
 _PARTS = ("packed", "scales", "biases")
-PIECE_BYTES = 8 << 20  # a cache leaves the device in transfers of about this many bytes (`_to_numpy`)
+PIECE_BYTES = 8 << 20  # a cache leaves the device in copies of about this many bytes (`_to_numpy`)
 # activation dtype -> numpy dtype that holds its scales and biases (bfloat16 as raw bits)
 SCALE_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 
@@ -146,10 +145,12 @@ def _to_numpy(arrays: dict) -> dict:
     One evaluation for all of them: each evaluation on the writer's thread waits for
     the device's queue (a decode step is usually in flight). Few transfers: each has
     its own fixed cost, so a 32-layer cache copied tensor by tensor (192 of each) took
-    tens of milliseconds longer per write on an H100. But not one: MLX-CUDA moves an
-    array off the device inside numpy's request for its buffer, with the GIL held, so
-    a whole 4K-token cache (186 MB) in one transfer stopped every other Python thread,
-    the engine's included, for tens of milliseconds. Between pieces the thread yields.
+    tens of milliseconds longer per write on an H100. The transfer itself is an
+    operation on MLX's CPU stream, which reads each piece into host memory inside
+    the evaluation, without the GIL; numpy then views the result. Asked for the
+    buffer of a device array, MLX-CUDA would make that transfer inside numpy's
+    request, with the GIL held, stopping every other Python thread (the engine's
+    included) for as long. Pieces bound the extra device memory the copy takes.
     """
     import mlx.core as mx
 
@@ -160,17 +161,18 @@ def _to_numpy(arrays: dict) -> dict:
             size = 0
         groups[-1].append(name)
         size += x.nbytes
-    blobs = [mx.concatenate([arrays[n].reshape(-1).view(mx.uint8) for n in group]) for group in groups if group]
+    zero = mx.array(0, mx.uint8)
+    blobs = [mx.add(mx.concatenate([arrays[n].reshape(-1).view(mx.uint8) for n in group]), zero, stream=mx.cpu)
+             for group in groups if group]
     mx.eval(blobs)
     out = {}
     for group, blob in zip(groups, blobs):
-        data = np.array(blob, copy=True)
+        data = np.asarray(blob)
         at = 0
         for name in group:
             x = arrays[name]
             out[name] = data[at: at + x.nbytes].view(np.dtype(str(x.dtype).removeprefix("mlx.core."))).reshape(x.shape)
             at += x.nbytes
-        time.sleep(0)  # let a thread waiting for the GIL (the engine's) have it between transfers
     return out
 
 

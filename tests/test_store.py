@@ -132,11 +132,13 @@ def test_a_cache_leaves_the_device_in_pieces_bit_exactly(tmp_path, monkeypatch, 
 
     cache = q4_cache(100, dtype=mx.bfloat16, seed=3)
     transfers = []
-    to_numpy = hostcache.np.array
+    to_numpy = hostcache.np.asarray
     monkeypatch.setattr(hostcache, "PIECE_BYTES", piece)
-    monkeypatch.setattr(hostcache.np, "array", lambda a, *args, **kw: transfers.append(a.nbytes) or to_numpy(a, *args, **kw))
+    monkeypatch.setattr(hostcache.np, "asarray", lambda a, *args, **kw: transfers.append(a.nbytes) or to_numpy(a, *args, **kw))
     host = store.cache_to_host(cache)
     assert len(transfers) == pieces  # 2 layers of 6 tensors: packed 6400 bytes, scales and biases 400 each
+    live = np.asarray(cache[0].keys[0])  # a copy, not a view of the cache: later updates must not reach it
+    assert not any(np.shares_memory(t, live) for t in host.tensors.values())
     store.save_cache(tmp_path, SPEC, "agent-1", host, meta_for(100))
     assert_same_cache(cache, store.host_to_cache(store.load_cache(tmp_path, SPEC, "agent-1")[0]))
 
