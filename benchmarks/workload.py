@@ -232,10 +232,16 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default="abc", help="which variants to run (profiling: 'c'); ratios need 'a'")
     ap.add_argument("--sample", action="store_true",
                     help="sample every thread's stack during (c) and store where each spent its time")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="Python's thread switch interval in seconds for the whole run (sys.setswitchinterval; "
+                         "default: Python's, 0.005): how long a thread that wants the GIL may wait for a busy one")
     ap.add_argument("--trace-cuda", action="store_true",
                     help="trace the host's CUDA calls during (c) with CUPTI and sum them per decode step (CUDA only)")
     args = ap.parse_args(argv)
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
     env = environment()
+    env["switch_interval_s"] = sys.getswitchinterval()
     print(env, flush=True)
     rows, curves = [], {}
     with tempfile.TemporaryDirectory() as tmp:
