@@ -28,7 +28,11 @@ class CudaCalls:
     """Every CUDA runtime and driver call made between `start` and `stop`, by CUPTI's activity API."""
 
     def __init__(self):
-        from cupti import cupti
+        try:
+            from cupti import cupti
+        except ImportError as e:
+            raise SystemExit(f"tracing CUDA calls needs NVIDIA's cupti-python on a CUDA machine "
+                             f"(pip install cupti-python): {e}") from e
 
         self._cupti = cupti
         self._kinds = (cupti.ActivityKind.RUNTIME, cupti.ActivityKind.DRIVER)

@@ -294,14 +294,13 @@ class BatchQuantizedKVCache(_BaseCache):
         self._pending = None  # the result of the last in-place write (`_packs_in_place`)
         self._lead = None  # per row, columns of history past size() that the next update keeps (`merge`)
         self.values = None
-        self.left_padding = _row_array([int(p) for p in left_padding])
         self._padded = any(left_padding)
-        self.offset = _shared("negated", (self.left_padding,), None, lambda: -self.left_padding)
         self._idx = 0
         # the host's copies of left_padding and of offset - size(): what extract, filter and extend
         # read, so that none of them waits for the device (a step in flight computes `offset`)
         self._pads = [int(p) for p in left_padding]
         self._bases = [-p for p in self._pads]
+        self._rows_from_host()
         self._dense = None  # "dequant_once": dequantized (keys, values), valid in [0, _dense_len)
         self._dense_len = 0
         # attention through runtime.attention (it needs mlx-lm to see `bits`); the
@@ -637,9 +636,9 @@ class BatchQuantizedKVCache(_BaseCache):
                 raise Q4CacheError(f"a row's lead must be 0 to the {lengths[-1]} tokens it holds; got {ahead}")
         base = max((n - ahead for n, ahead in zip(lengths, lead)), default=0)
         cache = cls([base + ahead - n for n, ahead in zip(lengths, lead)], scheme, route, keep, own_attention)
-        cache.offset = _row_array(positions)
         cache._idx = base
         cache._bases = [p - base for p in positions]
+        cache._rows_from_host()
         cache._lead = lead if any(lead) else None
         if base + max(lead, default=0) == 0:
             return cache
@@ -709,10 +708,6 @@ class BatchQuantizedKVCache(_BaseCache):
             idx = slice(keep[0], keep[-1] + 1)  # a run of rows: views, no copy
         else:
             idx = mx.array(keep, dtype=mx.int32)
-        rows = tuple(keep)
-        padding_, offset = self.left_padding, self.offset
-        self.left_padding = _shared("kept", (padding_,), rows, lambda: padding_[idx])
-        self.offset = _shared("kept", (offset,), rows, lambda: offset[idx])
         if self.keys is not None:
             self.keys = _map(lambda x: x[idx], self.keys)
             self.values = _map(lambda x: x[idx], self.values)
@@ -723,6 +718,8 @@ class BatchQuantizedKVCache(_BaseCache):
         self._padded = max(self._pads, default=0) > drop  # a row left with padding needs the padded mask
         if drop:
             self._drop_front(drop)
+        else:
+            self._rows_from_host()
 
     def _drop_front(self, n):
         if self.keys is not None:  # contiguous: the decode kernel reads whole buffers
@@ -732,10 +729,15 @@ class BatchQuantizedKVCache(_BaseCache):
             self._dense = tuple(x[..., n:, :] for x in self._dense)
             self._dense_len -= n
         self._idx -= n
-        padding = self.left_padding
-        self.left_padding = _shared("advanced", (padding,), -n, lambda: padding - n)
         self._pads = [p - n for p in self._pads]
         self._bases = [b + n for b in self._bases]  # offsets stay: size() fell by n
+        self._rows_from_host()
+
+    def _rows_from_host(self) -> None:
+        """Set `left_padding` and `offset` from the host's copies: where the batch's rows change (a filter,
+        a join, dropped columns), the one rule for both; a step only advances `offset` (`_advance`)."""
+        self.left_padding = _row_array(self._pads)
+        self.offset = _row_array([b + self._idx for b in self._bases])
 
     def extend(self, other: "BatchQuantizedKVCache") -> None:
         """Append the rows of `other` (same `KVScheme`) after this batch's rows."""
@@ -746,11 +748,10 @@ class BatchQuantizedKVCache(_BaseCache):
         self._settle()
         other._settle()
         if other.keys is None and self.keys is None:
-            self.left_padding = _joined(self.left_padding, other.left_padding)
-            self.offset = _joined(self.offset, other.offset)
             self._pads = self._pads + other._pads
             self._bases = self._bases + [b + other._idx - self._idx for b in other._bases]
             self._padded = any(self._pads)
+            self._rows_from_host()
             return
         longest = max(self._idx, other._idx)
         template = self if self.keys is not None else other
@@ -767,10 +768,6 @@ class BatchQuantizedKVCache(_BaseCache):
             parts[part] = tuple(
                 mx.concatenate([a, b], axis=0) for a, b in zip(aligned(self, part), aligned(other, part))
             )
-        mine, theirs = self.left_padding, other.left_padding
-        self.left_padding = _shared("extended", (mine, theirs), (longest - self._idx, longest - other._idx),
-                                    lambda: mx.concatenate([mine + (longest - self._idx), theirs + (longest - other._idx)]))
-        self.offset = _joined(self.offset, other.offset)
         self._pads = [p + longest - self._idx for p in self._pads] + [p + longest - other._idx for p in other._pads]
         self._bases = [b + self._idx - longest for b in self._bases] + [b + other._idx - longest for b in other._bases]
         self._padded = any(self._pads)
@@ -778,6 +775,7 @@ class BatchQuantizedKVCache(_BaseCache):
         self._owned = True  # concatenated: new buffers
         self._idx = longest
         self._dense = None
+        self._rows_from_host()
 
     # -- the rest of mlx-lm's cache protocol ------------------------------------
 
@@ -816,11 +814,6 @@ class BatchQuantizedKVCache(_BaseCache):
             if part is not None:
                 total += sum(x.nbytes for x in part)
         return total
-
-
-def _joined(a, b):
-    """`a` and `b` (row arrays) concatenated, one array for all the layers (`_shared`)."""
-    return _shared("joined", (a, b), None, lambda: mx.concatenate([a, b]))
 
 
 def route_for(spec, route: str | None = None) -> str:
