@@ -294,7 +294,6 @@ class BatchQuantizedKVCache(_BaseCache):
         self._pending = None  # the result of the last in-place write (`_packs_in_place`)
         self._lead = None  # per row, columns of history past size() that the next update keeps (`merge`)
         self.values = None
-        self._padded = any(left_padding)
         self._idx = 0
         # the host's copies of left_padding and of offset - size(): what extract, filter and extend
         # read, so that none of them waits for the device (a step in flight computes `offset`)
@@ -715,7 +714,6 @@ class BatchQuantizedKVCache(_BaseCache):
             self._dense = tuple(x[idx] for x in self._dense)
         self._pads, self._bases = [self._pads[k] for k in keep], [self._bases[k] for k in keep]
         drop = min(self._pads, default=0) // STEP * STEP  # whole blocks only: a copy of every buffer
-        self._padded = max(self._pads, default=0) > drop  # a row left with padding needs the padded mask
         if drop:
             self._drop_front(drop)
         else:
@@ -734,10 +732,12 @@ class BatchQuantizedKVCache(_BaseCache):
         self._rows_from_host()
 
     def _rows_from_host(self) -> None:
-        """Set `left_padding` and `offset` from the host's copies: where the batch's rows change (a filter,
-        a join, dropped columns), the one rule for both; a step only advances `offset` (`_advance`)."""
+        """Set `left_padding`, `offset` and `_padded` from the host's copies: where the batch's rows change
+        (a filter, a join, dropped columns), the one rule for all three; a step only advances `offset`
+        (`_advance`)."""
         self.left_padding = _row_array(self._pads)
         self.offset = _row_array([b + self._idx for b in self._bases])
+        self._padded = any(self._pads)  # a row with padding needs the padded mask
 
     def extend(self, other: "BatchQuantizedKVCache") -> None:
         """Append the rows of `other` (same `KVScheme`) after this batch's rows."""
@@ -750,7 +750,6 @@ class BatchQuantizedKVCache(_BaseCache):
         if other.keys is None and self.keys is None:
             self._pads = self._pads + other._pads
             self._bases = self._bases + [b + other._idx - self._idx for b in other._bases]
-            self._padded = any(self._pads)
             self._rows_from_host()
             return
         longest = max(self._idx, other._idx)
@@ -770,7 +769,6 @@ class BatchQuantizedKVCache(_BaseCache):
             )
         self._pads = [p + longest - self._idx for p in self._pads] + [p + longest - other._idx for p in other._pads]
         self._bases = [b + self._idx - longest for b in self._bases] + [b + other._idx - longest for b in other._bases]
-        self._padded = any(self._pads)
         self.keys, self.values = parts["keys"], parts["values"]
         self._owned = True  # concatenated: new buffers
         self._idx = longest
