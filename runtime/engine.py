@@ -7,7 +7,11 @@ comes back from the next `step`, see `step`) or failed (a `TurnError`). A
 turn is admitted when the memory budget allows, prefilled in chunks (so a
 decoding row waits at most one chunk, and prefilling rows take turns chunk by
 chunk: a short prompt never waits behind a long one's whole prefill), then joins the decode batch
-(`extend`) and leaves it when done (`filter` + `extract`). Turns whose whole
+(`extend`). A row that ends hands over its cache at once (`extract`) but stays in the
+batch, finished, until the batch changes anyway (a join), until finished rows outnumber
+the decoding ones, or until the budget needs its room (`_drop_finished`): each filter of the
+batch copies every buffer and gives the next step a new shape, which MLX-CUDA pays for
+on the host. Turns whose whole
 prompt fits one chunk (an agent's next message) share that chunk when several
 wait: one forward pass for all, the rows' tokens right-aligned (`merge`'s `lead`),
 so that a round of agents costs one chunk's host work instead of one per agent.
@@ -154,8 +158,10 @@ class EngineStats:
 
     `decode_steps`: a `DecodeStep` per decode step, whose `changes` names what
     happened to the batch since the step before, "+"-joined
-    in this order: "join" (rows joined), "leave" (rows left), "chunk" (a prefill chunk
-    ran), "grow" (the buffers widened for this step); "" for none;
+    in this order: "join" (rows joined), "leave" (finished rows were filtered out,
+    `Engine._drop_finished`), "chunk" (a prefill chunk ran), "grow" (the buffers widened
+    for this step); "" for none. `rows` counts the batch's rows, finished ones not yet
+    filtered out included;
     `prefill_chunks`: (tokens fed, tokens of context before (the longest row's),
     seconds, rows) per chunk.
 
@@ -191,6 +197,7 @@ class _Row:
     first_token: float = 0.0
     prefill_s: float = 0.0
     key: object = None
+    finished: bool = False  # ended, its cache handed over; still a row of the batch (see Engine._drop_finished)
 
 
 def device_memory() -> int:
@@ -261,8 +268,8 @@ class Engine:
         self.query_bucket = query_bucket or default_query_bucket()
         self.waiting: collections.deque[_Row] = collections.deque()
         self.prefilling: list[_Row] = []
-        self.decoding: list[_Row] = []
-        self.batch = None  # per-layer BatchQuantizedKVCache of the decoding rows
+        self._rows: list[_Row] = []  # the batch's rows in its order: decoding ones and finished ones not yet dropped
+        self.batch = None  # per-layer BatchQuantizedKVCache of `_rows`
         self._next = None  # the tokens the step in flight samples, one per decoding row (lazy)
         self._handing: list = []  # (step count, TurnResult): finished turns whose cache copies are queued
         self._steps = 0  # calls of step()
@@ -295,6 +302,11 @@ class Engine:
         total = cache_tokens(turn.cache) + len(turn.tokens) + turn.max_tokens
         return math.ceil(total / BLOCK) * self._bytes_per_block
 
+    @property
+    def decoding(self) -> list:
+        """The admitted turns' rows that are decoding, in batch order."""
+        return [r for r in self._rows if not r.finished]
+
     def has_work(self) -> bool:
         """True while any turn is queued, prefilling, decoding, or finished but not yet returned by `step`."""
         return bool(self.waiting or self.prefilling or self.decoding or self._handing)
@@ -305,8 +317,8 @@ class Engine:
 
     @property
     def reserved(self) -> int:
-        """Bytes of the budget reserved by the admitted turns."""
-        return sum(r.reserved for r in self.prefilling) + sum(r.reserved for r in self.decoding)
+        """Bytes of the budget reserved by the admitted turns and by finished rows still in the batch."""
+        return sum(r.reserved for r in self.prefilling) + sum(r.reserved for r in self._rows)
 
     def step(self) -> list:
         """Admit what fits, decode one token for every decoding row, prefill one chunk.
@@ -334,9 +346,9 @@ class Engine:
         """Serve synthetic turns so one-time setup happens now, not in users' turns; returns seconds.
 
         Prefills one chunk of each bucketed length up to `max_prefill_chunk`, then one
-        chunk after a cache (a hot turn), then decodes `max_batch` turns of 32 query
-        buckets each (2048 tokens on CUDA) that
-        all join the batch before the first ends, so every batch size from 1 to
+        chunk after a cache (a hot turn), then decodes `max_batch` turns of up to 32 query
+        buckets (2048 tokens on CUDA), one bucket fewer each so that each joins on its own,
+        that all join the batch before the first ends, so every batch size from 1 to
         `max_batch` runs, at a context as long as a user's. On CUDA this pays MLX's
         per-shape kernel builds and the first-use compiles of our kernels (tens of seconds
         on an H100, and about 2 s for the first step of 5 or more rows at a long context);
@@ -363,8 +375,9 @@ class Engine:
         self._serve([Turn("warmup-hot", "warmup", first.cache, (ids * n)[:n], max_tokens=1)])
         if progress:
             progress(total - 1, total, f"prefill {n} tokens after a cache")
-        long = (ids * self.query_bucket * 32)[: min(self.max_prefill_chunk, self.query_bucket * 32)]
-        self._serve([Turn(f"warmup-d{i}", "warmup", None, long, max_tokens=2 * self.max_batch + 2 * i)
+        n = min(self.max_prefill_chunk, self.query_bucket * 32)
+        long = [(ids * n)[: max(1, n - i * self.query_bucket)] for i in range(self.max_batch)]  # no chunk shared
+        self._serve([Turn(f"warmup-d{i}", "warmup", None, long[i], max_tokens=2 * self.max_batch + 2 * i)
                      for i in range(self.max_batch)])
         if progress:
             progress(total, total, f"decode at batch 1..{self.max_batch}")
@@ -386,7 +399,7 @@ class Engine:
         """End every queued and admitted turn with `make_error(turn_id)`; returns them."""
         rows = list(self.waiting) + self.prefilling + self.decoding
         self.waiting.clear()
-        self.prefilling, self.decoding, self.batch, self._next = [], [], None, None
+        self.prefilling, self._rows, self.batch, self._next = [], [], None, None
         return self._hand_over(everything=True) + [make_error(r.turn.turn_id) for r in rows]
 
     def _hand_over(self, everything: bool) -> list:
@@ -412,6 +425,8 @@ class Engine:
         while self.waiting and self.active() < self.max_batch:
             row = self.waiting[0]
             if self.reserved + row.reserved > self.memory_budget:
+                if self._drop_finished():
+                    continue
                 break  # FIFO: nobody overtakes the head of the queue
             self.waiting.popleft()
             row.admitted = now
@@ -529,10 +544,11 @@ class Engine:
         """Rows whose prefill ended (their batch `cache`, their first tokens) join the decode batch."""
         extended = self.batch is not None
         if extended:
+            self._drop_finished()  # the batch changes shape now anyway
             extend_cache(self.batch, cache)  # after the step in flight
         else:
             self.batch = cache
-        self.decoding += rows
+        self._rows += rows
         self._changes.add("join")
         if self._next is not None:
             # join the step in flight's output: the next step feeds these tokens too, and
@@ -542,7 +558,7 @@ class Engine:
             self._queue_surgery()
         if self._next is not None:
             return []
-        first = len(self.decoding) - len(rows)
+        first = len(self._rows) - len(rows)
         return self._accept(list(enumerate(tokens, first)), fed=False)
 
     # -- decode -------------------------------------------------------------------
@@ -554,7 +570,7 @@ class Engine:
         the step that feeds them is built and queued, so MLX builds a step's graph
         while the device runs the previous one. A row that finishes has then been
         fed its last token once too often: `_finish` leaves that column out of its
-        cache, and `filter` drops the row from the step in flight. A row that joins
+        cache; the row stays in the batch, finished, until `_drop_finished`. A row that joins
         while a step is in flight appends its first token to `_next` and takes it
         with the others at the next step (`_join`). With no step in flight (the batch
         was empty), a call only queues the first step and takes its tokens at the next
@@ -566,7 +582,7 @@ class Engine:
                 self._queue_surgery()
                 self._changes.add("grow")
             if self._next is None:
-                self._next = self._forward(mx.array([[r.generated[-1]] for r in self.decoding]))
+                self._next = self._forward(mx.array([[r.generated[-1]] for r in self._rows]))
                 return []
             current = self._next
             self._next = self._forward(current[:, None])
@@ -577,7 +593,7 @@ class Engine:
             self._changes.clear()
             shape = ("decode", len(tokens), _width(self.batch))
         except Exception as e:
-            rows, self.decoding, self.batch, self._next = self.decoding, [], None, None
+            rows, self._rows, self.batch, self._next = self.decoding, [], None, None
             return [TurnError(r.turn.turn_id, f"decode step failed: {type(e).__name__}: {e}") for r in rows]
         done = self._accept(list(enumerate(tokens)), fed=True)
         seconds = time.perf_counter() - t0  # taking the tokens too: where rows end, the batch changes
@@ -595,7 +611,7 @@ class Engine:
     def _forward(self, inputs):
         """Queue a decode step over the batch; returns its sampled tokens (being computed)."""
         logits = self.model(inputs, cache=self.batch)
-        picks = self._sample(self.decoding, logits[:, -1, :])
+        picks = self._sample(self._rows, logits[:, -1, :])
         self._async_eval(picks, [c.state for c in self.batch])
         return picks
 
@@ -612,14 +628,14 @@ class Engine:
         return seconds
 
     def _sample(self, rows, logits):
-        """The next token of every row (a lazy array): greedy, or seeded top-p sampling."""
+        """The next token of every row (a lazy array): greedy, or seeded top-p sampling (finished rows: greedy)."""
         greedy = mx.argmax(logits, axis=-1)
-        if all(r.turn.sampling.temperature <= 0 for r in rows):
+        if all(r.turn.sampling.temperature <= 0 or r.finished for r in rows):
             return greedy
         picks = []
         for i, r in enumerate(rows):
             s = r.turn.sampling
-            if s.temperature <= 0:
+            if s.temperature <= 0 or r.finished:
                 picks.append(greedy[i])
                 continue
             r.key, sub = mx.random.split(r.key)
@@ -627,44 +643,64 @@ class Engine:
         return mx.stack(picks)
 
     def _accept(self, row_tokens, fed: bool):
-        """Record sampled tokens; finish rows that hit a stop; return the turns that failed (the finished
-        ones wait in `_handing`).
+        """Record sampled tokens of the batch's rows (`(index, token)` pairs; finished rows' are ignored);
+        finish rows that hit a stop; return the turns that failed (the finished ones wait in `_handing`).
 
         `fed`: a step already queued feeds these tokens to the cache (see `_decode_step`).
         """
         finished, results = [], []
         for i, token in row_tokens:
-            row = self.decoding[i]
+            row = self._rows[i]
+            if row.finished:
+                continue
             if row.turn.abandoned is not None and row.turn.abandoned():
-                finished.append(i)
+                finished.append(row)
                 results.append(TurnAbandoned(row.turn.turn_id, "its caller gave up during the decode"))
                 continue
             try:
                 reason = self._add_token(row, token)
             except Exception as e:  # a failing on_token callback fails its own turn
-                finished.append(i)
+                finished.append(row)
                 results.append(TurnError(row.turn.turn_id, f"on_token raised {type(e).__name__}: {e}"))
                 continue
             if reason:
-                finished.append(i)
+                finished.append(row)
                 outcome = self._finish(row, i, reason, fed)
                 if isinstance(outcome, TurnResult):  # its cache copy is queued: see step
                     self._handing.append((self._steps, outcome))
                 else:
                     results.append(outcome)
-        if finished:
-            self._changes.add("leave")
-            keep = [i for i in range(len(self.decoding)) if i not in finished]
-            self.decoding = [self.decoding[i] for i in keep]
-            if keep:
-                filter_cache(self.batch, keep)
-                if self._next is not None:
-                    self._next = self._next[mx.array(keep)]
-                self._queue_surgery()
-            else:
-                self.batch = self._next = None
-            return results
-        return []
+        for row in finished:
+            row.finished = True
+        live = len(self.decoding)
+        if not live:
+            self._rows, self.batch, self._next = [], None, None
+        elif len(self._rows) - live > live:
+            self._drop_finished()
+        return results
+
+    def _drop_finished(self) -> bool:
+        """Filter the finished rows out of the batch; return whether there were any.
+
+        A finished row stays in the batch (each step computes it and ignores its token)
+        until the batch changes shape anyway (a join), until finished rows outnumber
+        decoding ones, or until the budget needs their room (`_admit`): a filter copies
+        every buffer and the next step has a new shape, which on MLX-CUDA costs the host
+        more than a step's work for a few rows more.
+        """
+        keep = [i for i, r in enumerate(self._rows) if not r.finished]
+        if len(keep) == len(self._rows):
+            return False
+        self._rows = [self._rows[i] for i in keep]
+        self._changes.add("leave")
+        if not keep:
+            self.batch = self._next = None
+            return True
+        filter_cache(self.batch, keep)
+        if self._next is not None:
+            self._next = self._next[mx.array(keep)]
+        self._queue_surgery()
+        return True
 
     def _add_token(self, row, token) -> str | None:
         turn = row.turn

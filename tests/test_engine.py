@@ -137,6 +137,69 @@ def test_budget_for_two_admits_at_most_two(llama):
     assert max(peaks) == 2 and engine.peak_admitted == 2
 
 
+def test_finished_rows_stay_in_the_batch_until_they_outnumber_the_decoding_ones(llama):
+    """A row that ends is handed over at once but stays in the batch (no filter, no new shape) while the
+    decoding rows are at least as many; once finished rows outnumber them they are filtered out together.
+    Every row's tokens and cache equal solo."""
+    model, tokenizer, spec, opts = llama
+    engine = Engine(model, tokenizer, spec, **opts)
+    prompt = encode(tokenizer, "four rows decode together " * 3)
+    turns = [Turn(f"f{i}", f"f{i}", None, prompt, max_tokens=n) for i, n in enumerate((6, 9, 12, 30))]
+    out = run(engine, turns)
+    rows = [s.rows for s in engine.stats.decode_steps]
+    after = rows[rows.index(4):]  # from the step with all four (they join together or one by one)
+    assert after == [4] * after.count(4) + [1] * after.count(1) and after.count(1) >= 30 - 12
+    assert [s.changes for s in engine.stats.decode_steps].count("leave") == 1
+    for t in turns:
+        alone = solo(llama, t)
+        assert out[t.turn_id].tokens == alone.tokens
+        assert out[t.turn_id].cached_tokens == alone.cached_tokens == len(prompt) + t.max_tokens - 1
+    assert engine.reserved == 0 and not engine.has_work()
+
+
+def test_a_join_filters_out_finished_rows_in_the_same_change(llama):
+    """Rows that join a batch holding a finished row replace it: the batch never computes three rows."""
+    model, tokenizer, spec, opts = llama
+    engine = Engine(model, tokenizer, spec, **opts)
+    short = Turn("short", "short", None, encode(tokenizer, "a short turn " * 2), max_tokens=3)
+    long = Turn("long", "long", None, encode(tokenizer, "a long turn " * 2), max_tokens=30)
+    late = Turn("late", "late", None, encode(tokenizer, "a late turn " * 3), max_tokens=8)
+
+    sent = []
+
+    def submit_late(eng, out):
+        if "short" in out and not sent:
+            sent.append(eng.submit(late))
+
+    out = run(engine, [short, long], submit_late)
+    rows = [s.rows for s in engine.stats.decode_steps]
+    assert max(rows) == 2 and rows.count(2) > 3  # short and long, then long and late: never three
+    for t in (short, long, late):
+        assert out[t.turn_id].tokens == solo(llama, t).tokens
+
+
+def test_the_budget_counts_a_finished_row_until_a_waiting_turn_needs_its_room(llama):
+    """A finished row's reservation holds while it stays in the batch; the head of the queue that needs the
+    room gets it at once, before the other row ends, and the budget is never exceeded."""
+    model, tokenizer, spec, opts = llama
+    probe = Engine(model, tokenizer, spec, **opts)
+    turns = [Turn(name, name, None, encode(tokenizer, f"turn {name} " * 3), max_tokens=n)
+             for name, n in (("a", 4), ("b", 40), ("c", 6))]
+    engine = Engine(model, tokenizer, spec, **opts, memory_budget=2 * max(probe.turn_bytes(t) for t in turns))
+    seen = []
+
+    def check(eng, out):
+        assert eng.reserved <= eng.memory_budget
+        live = {r.turn.turn_id for r in eng.decoding}
+        seen.append(live)
+
+    out = run(engine, turns, check)
+    assert any({"b", "c"} <= live for live in seen)  # c decoded beside b: it did not wait for b to end
+    assert max(s.rows for s in engine.stats.decode_steps) == 2
+    for t in turns:
+        assert out[t.turn_id].tokens == solo(llama, t).tokens
+
+
 def test_turn_that_can_never_fit_fails_at_once(llama):
     model, tokenizer, spec, opts = llama
     engine = Engine(model, tokenizer, spec, **opts, memory_budget=1000)
