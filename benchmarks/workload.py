@@ -95,9 +95,6 @@ def engine_profile(stats_list, seen=()) -> dict:
     steps = [s for st in stats_list for s in st.decode_steps]
     chunks = [c for st in stats_list for c in st.prefill_chunks]
     totals = sorted(s.total_s for s in steps) or [0.0]
-    by_change = collections.defaultdict(list)
-    for s in steps:
-        by_change[s.changes or "none"].append(s.total_s)
     cold = [c for c in chunks if c[1] == 0]
     hot = [c for c in chunks if c[1] > 0]
     return dict(
@@ -105,8 +102,8 @@ def engine_profile(stats_list, seen=()) -> dict:
         step_p50_ms=totals[len(totals) // 2] * 1e3, step_p99_ms=totals[min(len(totals) - 1, int(len(totals) * 0.99))] * 1e3,
         build_p50_ms=statistics.median(s.build_s for s in steps) * 1e3 if steps else 0,
         # steps by what changed in the batch before them (EngineStats): count, p50 and max ms
-        steps_by_change={k: [len(v), round(statistics.median(v) * 1e3, 2), round(max(v) * 1e3, 2)]
-                         for k, v in sorted(by_change.items())},
+        steps_by_change={k: [len(v), round(statistics.median(s.total_s for s in v) * 1e3, 2),
+                             round(max(s.total_s for s in v) * 1e3, 2)] for k, v in by_change(steps).items()},
         cold_chunks=len(cold), cold_chunk_s=sum(c[2] for c in cold), cold_tokens=sum(c[0] for c in cold),
         hot_chunks=len(hot), hot_chunk_s=sum(c[2] for c in hot), hot_tokens=sum(c[0] for c in hot),
         hot_rows=sum(c[3] for c in hot),
@@ -117,9 +114,22 @@ def engine_profile(stats_list, seen=()) -> dict:
         # raw, for a closer look in the JSON: every chunk, and every decode step
         chunks_raw=[[n, ctx, round(sec, 5), rows] for n, ctx, sec, rows in chunks],
         # (rows, build, wait, total seconds, changes, start, of build: in mx.async_eval)
-        steps_raw=[[s.rows, round(s.build_s, 5), round(s.wait_s, 5), round(s.total_s, 5), s.changes, round(s.start, 4),
-                    round(s.queue_s, 5)] for s in steps],
+        steps_raw=[step_raw(s) for s in steps],
     )
+
+
+def by_change(steps) -> dict:
+    """`DecodeStep`s grouped by what changed in the batch before them ("none" for nothing), sorted by that."""
+    groups = collections.defaultdict(list)
+    for s in steps:
+        groups[s.changes or "none"].append(s)
+    return dict(sorted(groups.items()))
+
+
+def step_raw(s) -> list:
+    """A `DecodeStep` as the JSON's `steps_raw` stores it: rows, build, wait, total, changes, start, queue."""
+    return [s.rows, round(s.build_s, 5), round(s.wait_s, 5), round(s.total_s, 5), s.changes, round(s.start, 4),
+            round(s.queue_s, 5)]
 
 
 def actors(model_path, cache_dir, systems, messages, new, seen=(), warmup=False):
@@ -136,7 +146,7 @@ def actors(model_path, cache_dir, systems, messages, new, seen=(), warmup=False)
     last token of the round), and the rest of each round (until every reply is
     durable: copying caches out, writing them, acking). `seen`: engine shapes met
     before in this process (see `engine_profile`); the shapes these Runtimes met are
-    returned in the parts as "shapes".
+    returned in the parts as "shapes", and their `DecodeStep`s as "steps".
     """
     turns = len(messages[0])
     ttfts, labels, prefilled, stats = [], [], [], []
@@ -162,6 +172,7 @@ def actors(model_path, cache_dir, systems, messages, new, seen=(), warmup=False)
     parts["prefilled"] = prefilled
     parts.update(engine_profile(stats, seen))
     parts["shapes"] = {shape for st in stats for shape in st.shapes}
+    parts["steps"] = [s for st in stats for s in st.decode_steps]
     return ttfts, labels, parts
 
 
@@ -190,24 +201,22 @@ class GcPauses:
         return out
 
 
-def calls_by_change(trace, steps_raw, top: int = 10) -> dict:
-    """Per kind of change before a decode step (as `steps_by_change`): the mean step, its mean time in
-    mx.async_eval, the mean time the device was busy while it ran, and the `top` [thread kind, CUDA
-    function, calls per step, ms per step] the host made while such steps ran."""
-    groups = collections.defaultdict(list)
-    for st in steps_raw:
-        groups[st[4] or "none"].append(st)
+def calls_by_change(trace, steps, top: int = 10) -> dict:
+    """Per kind of change before a decode step (`DecodeStep`s, grouped as `steps_by_change`): the mean step,
+    its mean time in mx.async_eval, the mean time the device was busy while it ran, and the `top` [thread
+    kind, CUDA function, calls per step, ms per step] the host made while such steps ran."""
     out = {}
-    for change, steps in sorted(groups.items()):
+    for change, steps in by_change(steps).items():
         summed = collections.defaultdict(lambda: [0, 0.0])
         for st in steps:
-            for key, (n, ms) in trace.totals(st[5], st[5] + st[3]).items():
+            for key, (n, ms) in trace.totals(st.start, st.start + st.total_s).items():
                 summed[key][0] += n
                 summed[key][1] += ms
         ranked = sorted(summed.items(), key=lambda kv: -kv[1][1])[:top]
-        out[change] = dict(steps=len(steps), step_ms=round(statistics.mean(st[3] for st in steps) * 1e3, 2),
-                           queue_ms=round(statistics.mean(st[6] for st in steps) * 1e3, 2),
-                           device_ms=round(statistics.mean(trace.device_busy(st[5], st[5] + st[3]) for st in steps), 2),
+        out[change] = dict(steps=len(steps), step_ms=round(statistics.mean(st.total_s for st in steps) * 1e3, 2),
+                           queue_ms=round(statistics.mean(st.queue_s for st in steps) * 1e3, 2),
+                           device_ms=round(statistics.mean(trace.device_busy(st.start, st.start + st.total_s)
+                                                           for st in steps), 2),
                            calls=[[thread, fn, round(n / len(steps), 1), round(ms / len(steps), 3)]
                                   for (thread, fn), (n, ms) in ranked])
     return out
@@ -282,12 +291,13 @@ def main(argv=None) -> int:
                 if tool:
                     tool.stop()
         parts.pop("shapes")
+        steps = parts.pop("steps")
         parts["gc_pauses"] = pauses.summary()
         if sampler:
             parts["where_threads_were"] = sampler.as_dict()
             print(sampler.table(), flush=True)
         if trace:
-            parts["cuda_calls_by_change"] = calls_by_change(trace, parts["steps_raw"])
+            parts["cuda_calls_by_change"] = calls_by_change(trace, steps)
             for change, entry in parts["cuda_calls_by_change"].items():
                 print(f"\nafter '{change}': {entry['steps']} steps, mean {entry['step_ms']} ms (in async_eval "
                       f"{entry['queue_ms']} ms, device busy {entry['device_ms']} ms); CUDA calls per step:", flush=True)
@@ -295,14 +305,15 @@ def main(argv=None) -> int:
                     print(f"  {ms:8.3f} ms  {n:7.1f}x  {thread}: {fn}", flush=True)
         if sampler or trace:
             # the slowest decode steps: where every thread was sampled, and what the host called, while each ran
-            slowest = sorted(parts["steps_raw"], key=lambda st: -st[3])[:12]
-            parts["slowest_steps"] = [[st, sampler.during(st[5], st[5] + st[3], top=14) if sampler else None,
-                                       trace.during(st[5], st[5] + st[3], top=10) if trace else None,
-                                       trace.device_busy(st[5], st[5] + st[3]) if trace else None]
-                                      for st in slowest]
-            for st, places, calls, busy in parts["slowest_steps"]:
-                print(f"\nstep: rows {st[0]}, build {st[1] * 1e3:.1f} ms (async_eval {st[6] * 1e3:.1f}), wait "
-                      f"{st[2] * 1e3:.1f} ms, total {st[3] * 1e3:.1f} ms, after '{st[4]}'"
+            slowest = sorted(steps, key=lambda st: -st.total_s)[:12]
+            spans = [(st.start, st.start + st.total_s) for st in slowest]
+            parts["slowest_steps"] = [[step_raw(st), sampler.during(*span, top=14) if sampler else None,
+                                       trace.during(*span, top=10) if trace else None,
+                                       trace.device_busy(*span) if trace else None]
+                                      for st, span in zip(slowest, spans)]
+            for st, (_, places, calls, busy) in zip(slowest, parts["slowest_steps"]):
+                print(f"\nstep: rows {st.rows}, build {st.build_s * 1e3:.1f} ms (async_eval {st.queue_s * 1e3:.1f}), "
+                      f"wait {st.wait_s * 1e3:.1f} ms, total {st.total_s * 1e3:.1f} ms, after '{st.changes}'"
                       + (f", device busy {busy:.1f} ms" if busy is not None else ""), flush=True)
                 for kind, where, n in places or ():
                     print(f"  {n:3d}  {kind}: {where}", flush=True)
