@@ -455,7 +455,7 @@ class Engine:
         t0 = time.perf_counter()
         try:
             if row.cache is None:
-                row.cache = merge_caches(self.spec, [row.turn.cache], self.route)
+                row.cache = merge_caches(self.spec, [row.turn.cache], self.route, room=self._room([row]))
             context = row.cache[0].size()
             n = prefill_chunk_size(context, self.max_prefill_chunk)
             chunk, row.pending = row.pending[:n], row.pending[n:]
@@ -515,7 +515,7 @@ class Engine:
         try:
             width = _bucketed(max(len(r.pending) for r in rows), self.query_bucket)
             lead = [width - len(r.pending) for r in rows]
-            cache = merge_caches(self.spec, [r.turn.cache for r in rows], self.route, lead)
+            cache = merge_caches(self.spec, [r.turn.cache for r in rows], self.route, lead, self._room(rows))
             tokens = mx.array([r.pending[:1] * n + r.pending for r, n in zip(rows, lead)])
             logits = last_logits(self.model, tokens, cache, width - 1)
             shape = ("prefill", len(rows), width, _width(cache))
@@ -545,7 +545,7 @@ class Engine:
         extended = self.batch is not None
         if extended:
             self._drop_finished()  # the batch changes shape now anyway
-            extend_cache(self.batch, cache)  # after the step in flight
+            extend_cache(self.batch, cache, self._room(self._rows + rows))  # after the step in flight
         else:
             self.batch = cache
         self._rows += rows
@@ -560,6 +560,14 @@ class Engine:
             return []
         first = len(self._rows) - len(rows)
         return self._accept(list(enumerate(tokens, first)), fed=False)
+
+    def _room(self, rows) -> int:
+        """Columns a batch of `rows` may still take: the most any row still feeds (its prompt left, padded to
+        the query bucket, and the tokens it may still generate). Merges and joins allocate it at once, so
+        no chunk or step until the batch changes grows the buffers (a copy of each, and new shapes); the
+        budget reserves each turn's final length anyway (`turn_bytes`)."""
+        return max(_bucketed(len(r.pending), self.query_bucket) + r.turn.max_tokens - len(r.generated)
+                   for r in rows)
 
     # -- decode -------------------------------------------------------------------
 

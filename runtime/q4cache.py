@@ -189,14 +189,15 @@ def _stacked(parts, used: list, ends: list, template, width: int):
     return tuple(out)
 
 
-def _allocation(used: int) -> int:
-    """Columns to allocate for `used` ones: the next multiple of STEP above `used`.
+def _allocation(used: int, room: int = 1) -> int:
+    """Columns to allocate for `used` ones and at least `room` more (at least one): a multiple of STEP.
 
     A merged or extended batch gets room for the next token at once (else its first
-    decode step regrows every buffer, a copy of the whole cache), and widths come from
-    a small set (multiples of STEP), so a backend that sets up work per shape meets few.
+    decode step regrows every buffer, a copy of the whole cache), or for every token its
+    rows may still take (`merge`'s and `extend`'s `room`), and widths come from a small
+    set (multiples of STEP), so a backend that sets up work per shape meets few.
     """
-    return (used // STEP + 1) * STEP
+    return _grown(used + max(1, room))
 
 
 def _grown(needed: int) -> int:
@@ -294,6 +295,7 @@ class BatchQuantizedKVCache(_BaseCache):
         self._pending = None  # the result of the last in-place write (`_packs_in_place`)
         self._lead = None  # per row, columns of history past size() that the next update keeps (`merge`)
         self.values = None
+        self._first_width = 0  # columns the first allocation takes at least (`merge`'s room, with no history)
         self._idx = 0
         # the host's copies of left_padding and of offset - size(): what extract, filter and extend
         # read, so that none of them waits for the device (a step in flight computes `offset`)
@@ -452,11 +454,11 @@ class BatchQuantizedKVCache(_BaseCache):
         return True
 
     def _reserve(self, B, H, Dk, Dv, dtype, needed):
-        allocated = 0 if self.keys is None else self.keys[0].shape[2]
-        if needed <= allocated:
+        width = self._width_for(needed)
+        if self.keys is not None and width == self.keys[0].shape[2]:
             return
         self._settle()
-        grow = _grown(needed) - self._used()
+        grow = width - self._used()
         g = self.scheme.group_size
 
         def empty(d, bits):
@@ -474,6 +476,13 @@ class BatchQuantizedKVCache(_BaseCache):
         else:
             self.keys = self._grown(self.keys, keys)
             self.values = self._grown(self.values, values)
+
+    def _width_for(self, needed: int) -> int:
+        """Columns the buffers have once `needed` columns fit: as allocated, or what `_reserve` makes them."""
+        allocated = 0 if self.keys is None else self.keys[0].shape[2]
+        if needed <= allocated:
+            return allocated
+        return max(_grown(needed), self._first_width if self.keys is None else 0)
 
     def _grown(self, packed, extra):
         return tuple(mx.concatenate([x[..., : self._used(), :], e], axis=2) for x, e in zip(packed, extra))
@@ -571,10 +580,7 @@ class BatchQuantizedKVCache(_BaseCache):
         )
 
     def _whole_width_mask(self, N: int, window_size: int | None):
-        allocated = 0 if self.keys is None else self.keys[0].shape[2]
-        if self._idx + N > allocated:  # what _reserve will grow it to
-            allocated = _grown(self._idx + N)
-        columns = mx.arange(allocated + DENSE_EXTRA)
+        columns = mx.arange(self._width_for(self._idx + N) + DENSE_EXTRA)  # the buffers after this update
         positions = mx.arange(self._idx, self._idx + N)[:, None]
         mask = columns[None] <= positions
         if window_size is not None:
@@ -602,7 +608,7 @@ class BatchQuantizedKVCache(_BaseCache):
 
     @classmethod
     def merge(cls, caches, scheme: KVScheme = KVScheme(), route: str | None = None,
-              keep: int | None = None, own_attention: bool = True, lead=None):
+              keep: int | None = None, own_attention: bool = True, lead=None, room: int = 1):
         """One batch from per-agent `QuantizedKVCache`s (None or empty: no history).
 
         Rows are left-padded to the longest; packed words are copied, never
@@ -620,6 +626,10 @@ class BatchQuantizedKVCache(_BaseCache):
         before its history's end, so its real tokens get their true positions. A lead
         may not exceed the tokens its row holds (Q4CacheError). Until that update, only
         `make_mask` and `update_and_fetch` may be called.
+
+        `room`: columns to allocate beyond the rows' history (at least one): what the batch
+        will take before it changes again, so that no update or step in between grows the
+        buffers (a copy of every one, and new shapes).
         """
         lead = [0] * len(caches) if lead is None else [int(x) for x in lead]
         lengths, positions = [], []
@@ -640,10 +650,11 @@ class BatchQuantizedKVCache(_BaseCache):
         cache._rows_from_host()
         cache._lead = lead if any(lead) else None
         if base + max(lead, default=0) == 0:
+            cache._first_width = _allocation(0, room)  # the first update allocates it
             return cache
         template = next(c for c, n in zip(caches, lengths) if n)
 
-        width = _allocation(base + max(lead))
+        width = _allocation(base + max(lead), room)
 
         if len(caches) == 1 and cache.route == "q4kernel":  # one launch a layer (see runtime.q4columns)
             n, c = lengths[0], caches[0]
@@ -739,8 +750,9 @@ class BatchQuantizedKVCache(_BaseCache):
         self.offset = _row_array([b + self._idx for b in self._bases])
         self._padded = any(self._pads)  # a row with padding needs the padded mask
 
-    def extend(self, other: "BatchQuantizedKVCache") -> None:
-        """Append the rows of `other` (same `KVScheme`) after this batch's rows."""
+    def extend(self, other: "BatchQuantizedKVCache", room: int = 1) -> None:
+        """Append the rows of `other` (same `KVScheme`) after this batch's rows, with at least `room` free
+        columns after the longest row (as `merge` takes it)."""
         if other.scheme != self.scheme:
             raise Q4CacheError(f"cannot extend a {self.scheme.name} batch with a {other.scheme.name} one")
         self._unled("extend")
@@ -754,7 +766,7 @@ class BatchQuantizedKVCache(_BaseCache):
             return
         longest = max(self._idx, other._idx)
         template = self if self.keys is not None else other
-        width = max(_allocation(longest), self.keys[0].shape[2] if self.keys is not None else 0)
+        width = max(_allocation(longest, room), self.keys[0].shape[2] if self.keys is not None else 0)
 
         def aligned(c, part):
             src = getattr(c, part)
@@ -859,16 +871,16 @@ def _keep(spec, layer):
     return None if window is None else window + SLIDING_SLACK
 
 
-def merge_caches(spec, agent_caches, route: str | None = None, lead=None):
+def merge_caches(spec, agent_caches, route: str | None = None, lead=None, room: int = 1):
     """Merge per-agent caches (each a per-layer list of QuantizedKVCache, or None) into a batch.
 
-    `lead`: per row, as `BatchQuantizedKVCache.merge` takes it (every layer the same).
+    `lead` (per row) and `room`: as `BatchQuantizedKVCache.merge` takes them (every layer the same).
     """
     route = route_for(spec, route)
     return [
         BatchQuantizedKVCache.merge(
             [None if c is None else c[layer] for c in agent_caches], spec.kv_scheme, route,
-            _keep(spec, layer), not spec.has_sinks, lead,
+            _keep(spec, layer), not spec.has_sinks, lead, room,
         )
         for layer in range(spec.n_layers)
     ]
@@ -894,10 +906,10 @@ def filter_cache(batch, keep) -> None:
         layer.filter(keep)
 
 
-def extend_cache(batch, other) -> None:
-    """Append the rows of per-layer batch `other` to every layer of `batch`."""
+def extend_cache(batch, other, room: int = 1) -> None:
+    """Append the rows of per-layer batch `other` to every layer of `batch` (`room`: as `extend` takes it)."""
     for mine, theirs in zip(batch, other):
-        mine.extend(theirs)
+        mine.extend(theirs, room)
 
 
 def reserve_cache(batch, n: int) -> bool:

@@ -200,6 +200,23 @@ def test_the_budget_counts_a_finished_row_until_a_waiting_turn_needs_its_room(ll
         assert out[t.turn_id].tokens == solo(llama, t).tokens
 
 
+def test_turns_allocate_what_they_may_take_at_once_so_no_chunk_or_step_grows_the_buffers(llama):
+    """A turn's cache is allocated for its whole prompt and every token it may generate when it is merged, and
+    a batch for its rows' remaining tokens when rows join: across several 256-column blocks, no decode step
+    grows the buffers, and every chunk of a turn's prompt sees one width. Tokens equal solo."""
+    model, tokenizer, spec, opts = llama
+    engine = Engine(model, tokenizer, spec, **opts, max_prefill_chunk=128)
+    prompt = (encode(tokenizer, "grow once ") * 200)[:300]  # three chunks
+    turns = [Turn("g0", "g0", None, prompt, max_tokens=300), Turn("g1", "g1", None, prompt[:40], max_tokens=550)]
+    out = run(engine, turns)
+    assert not any("grow" in s.changes for s in engine.stats.decode_steps)
+    assert len({shape for shape in engine.stats.shapes if shape[0] == "decode"}) <= 2  # g1 alone, then with g0
+    assert len({shape[-1] for shape in engine.stats.shapes if shape[0] == "prefill"}) == 1  # every chunk: one width
+    for t in turns:
+        assert out[t.turn_id].tokens == solo(llama, t).tokens
+        assert out[t.turn_id].cached_tokens == len(t.tokens) + t.max_tokens - 1
+
+
 def test_turn_that_can_never_fit_fails_at_once(llama):
     model, tokenizer, spec, opts = llama
     engine = Engine(model, tokenizer, spec, **opts, memory_budget=1000)
