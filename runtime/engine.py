@@ -74,7 +74,8 @@ class Turn:
     each generated token; once it returns True the turn finishes with what it has,
     finish reason "cancelled". `abandoned`, if given, says the caller is gone (it
     already got an error): it is asked before each prefill chunk and after each token,
-    and once True the turn is dropped with no result (`TurnAbandoned`), freeing its place.
+    and once True the turn is dropped with no result (`TurnAbandoned`), freeing its place (its share of the
+    memory budget once the batch filters it out, see `Engine._drop_finished`).
     """
 
     turn_id: str
@@ -160,8 +161,9 @@ class EngineStats:
     happened to the batch since the step before, "+"-joined
     in this order: "join" (rows joined), "leave" (finished rows were filtered out,
     `Engine._drop_finished`), "chunk" (a prefill chunk ran), "grow" (the buffers widened
-    for this step); "" for none. `rows` counts the batch's rows, finished ones not yet
-    filtered out included;
+    for this step); "" for none (a batch whose last row ends is dropped, and no step
+    records that). `rows` counts the batch's rows, finished ones not yet filtered out
+    included;
     `prefill_chunks`: (tokens fed, tokens of context before (the longest row's),
     seconds, rows) per chunk.
 
@@ -197,7 +199,7 @@ class _Row:
     first_token: float = 0.0
     prefill_s: float = 0.0
     key: object = None
-    finished: bool = False  # ended, its cache handed over; still a row of the batch (see Engine._drop_finished)
+    finished: bool = False  # ended (its cache handed over, or it failed); still a row of the batch until Engine._drop_finished
 
 
 def device_memory() -> int:
@@ -270,7 +272,7 @@ class Engine:
         self.prefilling: list[_Row] = []
         self._rows: list[_Row] = []  # the batch's rows in its order: decoding ones and finished ones not yet dropped
         self.batch = None  # per-layer BatchQuantizedKVCache of `_rows`
-        self._next = None  # the tokens the step in flight samples, one per decoding row (lazy)
+        self._next = None  # the tokens the step in flight samples, one per row of the batch (`_rows`; lazy)
         self._handing: list = []  # (step count, TurnResult): finished turns whose cache copies are queued
         self._steps = 0  # calls of step()
         self._changes: set = set()  # what happened to the batch since the last decode step (EngineStats)
@@ -425,7 +427,9 @@ class Engine:
         while self.waiting and self.active() < self.max_batch:
             row = self.waiting[0]
             if self.reserved + row.reserved > self.memory_budget:
-                if self._drop_finished():
+                held = sum(r.reserved for r in self._rows if r.finished)
+                if held and self.reserved - held + row.reserved <= self.memory_budget:
+                    self._drop_finished()  # their room is needed now
                     continue
                 break  # FIFO: nobody overtakes the head of the queue
             self.waiting.popleft()
@@ -544,7 +548,7 @@ class Engine:
         """Rows whose prefill ended (their batch `cache`, their first tokens) join the decode batch."""
         extended = self.batch is not None
         if extended:
-            self._drop_finished()  # the batch changes shape now anyway
+            self._drop_finished(queue=False)  # the batch changes shape now anyway; queued with the extension
             extend_cache(self.batch, cache, self._room(self._rows + rows))  # after the step in flight
         else:
             self.batch = cache
@@ -562,12 +566,21 @@ class Engine:
         return self._accept(list(enumerate(tokens, first)), fed=False)
 
     def _room(self, rows) -> int:
-        """Columns a batch of `rows` may still take: the most any row still feeds (its prompt left, padded to
-        the query bucket, and the tokens it may still generate). Merges and joins allocate it at once, so
-        no chunk or step until the batch changes grows the buffers (a copy of each, and new shapes); the
-        budget reserves each turn's final length anyway (`turn_bytes`)."""
-        return max(_bucketed(len(r.pending), self.query_bucket) + r.turn.max_tokens - len(r.generated)
+        """Columns a batch of `rows` allocates beyond its longest row when it is merged or joined: what its rows
+        may still take (the prompt left, padded to the query bucket, and the tokens left to generate), so that
+        no chunk or step grows the buffers (a copy of each, and new shapes) until the batch changes.
+
+        Every row of a batch has the same columns, while the budget reserves each turn its own final
+        length (`turn_bytes`): the room stops where the rows' reservations, shared evenly, end (rounded up
+        to a whole block, so at most a block a row past them), and past it the buffers grow as they fill.
+        """
+        need = max(_bucketed(len(r.pending), self.query_bucket) + r.turn.max_tokens - len(r.generated)
                    for r in rows)
+        blocks = sum(r.reserved for r in rows) // self._bytes_per_block
+        covered = -(-blocks // len(rows)) * BLOCK  # the rows' reserved blocks shared evenly, rounded up
+        longest = max(cache_tokens(r.turn.cache) + len(r.turn.tokens) - len(r.pending) + len(r.generated)
+                      for r in rows)
+        return max(1, min(need, covered - longest))
 
     # -- decode -------------------------------------------------------------------
 
@@ -590,6 +603,7 @@ class Engine:
                 self._queue_surgery()
                 self._changes.add("grow")
             if self._next is None:
+                self._drop_finished()  # rows that ended at their first token (none was fed), in a new shape anyway
                 self._next = self._forward(mx.array([[r.generated[-1]] for r in self._rows]))
                 return []
             current = self._next
@@ -687,8 +701,9 @@ class Engine:
             self._drop_finished()
         return results
 
-    def _drop_finished(self) -> bool:
-        """Filter the finished rows out of the batch; return whether there were any.
+    def _drop_finished(self, queue: bool = True) -> bool:
+        """Filter the finished rows out of the batch (and queue that for the device unless `queue` is off: the
+        caller changes the batch again and queues both); return whether there were any.
 
         A finished row stays in the batch (each step computes it and ignores its token)
         until the batch changes shape anyway (a join), until finished rows outnumber
@@ -707,7 +722,8 @@ class Engine:
         filter_cache(self.batch, keep)
         if self._next is not None:
             self._next = self._next[mx.array(keep)]
-        self._queue_surgery()
+        if queue:
+            self._queue_surgery()
         return True
 
     def _add_token(self, row, token) -> str | None:
@@ -737,7 +753,10 @@ class Engine:
             tail = row.detok.last_segment
             row.text += tail
             if tail and row.turn.on_token:
-                row.turn.on_token(tail)
+                try:
+                    row.turn.on_token(tail)
+                except Exception as e:  # fails its own turn, as in _accept
+                    return TurnError(row.turn.turn_id, f"on_token raised {type(e).__name__}: {e}")
         try:
             cache = extract_cache(self.batch, i, drop=int(fed), wait=False)  # evaluated in _hand_over
         except Exception as e:

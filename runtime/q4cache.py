@@ -766,7 +766,7 @@ class BatchQuantizedKVCache(_BaseCache):
             return
         longest = max(self._idx, other._idx)
         template = self if self.keys is not None else other
-        width = max(_allocation(longest, room), self.keys[0].shape[2] if self.keys is not None else 0)
+        width = _allocation(longest, room)  # new buffers either way: the width this batch needs, wider or not
 
         def aligned(c, part):
             src = getattr(c, part)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from runtime.engine import Engine, Sampling, Turn, TurnError, TurnTooLarge
+from runtime.engine import Engine, Sampling, Turn, TurnAbandoned, TurnError, TurnTooLarge
 from runtime.model import ModelCacheSpec
 
 
@@ -207,14 +207,90 @@ def test_turns_allocate_what_they_may_take_at_once_so_no_chunk_or_step_grows_the
     model, tokenizer, spec, opts = llama
     engine = Engine(model, tokenizer, spec, **opts, max_prefill_chunk=128)
     prompt = (encode(tokenizer, "grow once ") * 200)[:300]  # three chunks
-    turns = [Turn("g0", "g0", None, prompt, max_tokens=300), Turn("g1", "g1", None, prompt[:40], max_tokens=550)]
+    turns = [Turn(f"g{i}", f"g{i}", None, prompt[i:], max_tokens=300) for i in range(2)]  # chunks alternate
     out = run(engine, turns)
     assert not any("grow" in s.changes for s in engine.stats.decode_steps)
-    assert len({shape for shape in engine.stats.shapes if shape[0] == "decode"}) <= 2  # g1 alone, then with g0
+    assert len({shape for shape in engine.stats.shapes if shape[0] == "decode"}) <= 2  # g0 alone, then with g1
     assert len({shape[-1] for shape in engine.stats.shapes if shape[0] == "prefill"}) == 1  # every chunk: one width
     for t in turns:
         assert out[t.turn_id].tokens == solo(llama, t).tokens
         assert out[t.turn_id].cached_tokens == len(t.tokens) + t.max_tokens - 1
+
+
+def test_a_row_abandoned_at_its_first_token_does_not_fail_the_batch_it_started(llama):
+    """Two agents' next messages share a chunk that starts the batch; one caller gives up between the chunk's
+    start and its first token: that turn is dropped, the other decodes on and equals solo."""
+    model, tokenizer, spec, opts = llama
+    opts = {**opts, "query_bucket": opts.get("query_bucket", 16)}
+    engine = Engine(model, tokenizer, spec, **opts)
+    a, b = (with_history(engine, tokenizer, name, 30) for name in ("ab0", "ab1"))
+    asked = []
+
+    def gone():  # asked when the chunk's rows are chosen, then after the first token
+        asked.append(1)
+        return len(asked) >= 2
+
+    b = Turn(b.turn_id, b.agent_id, b.cache, b.tokens, max_tokens=12, abandoned=gone)
+    chunks = len(engine.stats.prefill_chunks)
+    out = run(engine, [a, b])
+    assert [c[3] for c in list(engine.stats.prefill_chunks)[chunks:]] == [2]  # one chunk for both
+    assert isinstance(out[b.turn_id], TurnAbandoned)
+    assert out[a.turn_id].tokens == solo((model, tokenizer, spec, opts), a).tokens
+
+
+class HeldBack:
+    """The tokenizer, except that every spelled sequence ends inside a character: a turn's text is held back
+    until the turn ends and flushed then (`AnchoredDetokenizer.finalize`), as a real tokenizer's byte
+    tokens are when a turn ends in the middle of a character."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+
+    def decode(self, ids):
+        return self._tokenizer.decode(ids) + "\ufffd" if ids else ""
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+
+def test_an_on_token_that_raises_on_the_flushed_last_piece_fails_its_own_turn_only(llama):
+    model, tokenizer, spec, opts = llama
+
+    def boom(piece):
+        raise RuntimeError("display gone")
+
+    engine = Engine(model, HeldBack(tokenizer), spec, **opts)
+    bad = Turn("bad", "bad", None, encode(tokenizer, "the last piece breaks"), max_tokens=3, on_token=boom)
+    good = Turn("good", "good", None, encode(tokenizer, "the others go on"), max_tokens=9)
+    out = run(engine, [bad, good])
+    assert isinstance(out["bad"], TurnError) and "display gone" in str(out["bad"])
+    assert out["good"].tokens == solo(llama, good).tokens
+    assert engine.reserved == 0 and not engine.has_work()
+
+
+def test_one_long_turn_does_not_make_every_row_allocate_its_length(llama):
+    """Rows of a batch share their columns, the budget reserves each turn its own length: a join allocates
+    room only as far as the rows' reservations cover it (a block a row at most past them)."""
+    model, tokenizer, spec, opts = llama
+    engine = Engine(model, tokenizer, spec, **opts)
+    prompt = encode(tokenizer, "x y " * 20)
+    turns = [Turn("long", "long", None, prompt, max_tokens=3000)]
+    turns += [Turn(f"s{i}", f"s{i}", None, prompt, max_tokens=8) for i in range(7)]
+    per_block = engine.turn_bytes(Turn("b", "b", None, [1], max_tokens=1))
+    worst = []
+
+    def held(eng, _):
+        if eng.batch is not None:
+            rows, width = len(eng.batch[0].left_padding.tolist()), eng.batch[0].keys[0].shape[2]
+            worst.append(rows * width / 256 * per_block / eng.reserved)
+
+    for t in turns:
+        engine.submit(t)
+    while len(engine.stats.decode_steps) < 12:
+        engine.step()
+        held(engine, None)
+    assert max(worst) <= 1.5  # packed bytes held against reserved: at most a block a row past the reservations
+    engine.fail_all(lambda turn_id: TurnError(turn_id, "stopped"))
 
 
 def test_turn_that_can_never_fit_fails_at_once(llama):
