@@ -45,7 +45,7 @@ from actors import persistence
 from actors.batcher import Submit
 from actors.supervisor import SupervisedActor
 from runtime import chat, prefix, store
-from runtime.engine import Sampling, Timings, Turn, TurnResult, TurnTooLarge
+from runtime.engine import CallbackFailed, Sampling, Timings, Turn, TurnResult, TurnTooLarge
 from runtime.errors import KvactorsError
 from runtime.q4cache import can_trim
 
@@ -421,12 +421,19 @@ class AgentActor(SupervisedActor):
             raise TypeError(f"agent {self.name} got an unknown message {message!r}")
         self._next()
 
-    def history(self) -> list[dict]:
+    def history(self) -> list[dict] | store.JournalError:
         """The conversation as journal records (seq, role, text, sender, ...), oldest first.
 
         It includes the records of a turn whose write is still in flight, which
         become durable (or, after a crash, are dropped) once that write finishes.
+        While the agent's journal cannot be read it returns a JournalError for the
+        caller to raise (an empty list would pass for a conversation that never
+        happened; raised here, it would crash this supervised actor).
         """
+        if isinstance(self.broken, store.JournalError) and self.current is None:
+            self._restore()  # the file may have been fixed meanwhile
+        if isinstance(self.broken, store.JournalError):
+            return store.JournalError(f"agent {self.name}: {self.broken}")
         return [dict(r) for r in self.records]
 
     def _next(self):
@@ -566,8 +573,9 @@ class AgentActor(SupervisedActor):
         if item is None or item.turn_id != done.turn_id:
             return  # a late answer to a turn that already failed
         msg, turn_id, outcome = item.msg, item.turn_id, done.outcome
-        if isinstance(outcome, TurnTooLarge) or (item.given_up and isinstance(outcome, BaseException)):
-            # it can never fit the memory budget, or its caller gave up and it was dropped: not a fault
+        if isinstance(outcome, (TurnTooLarge, CallbackFailed)) or (item.given_up and isinstance(outcome, BaseException)):
+            # it can never fit the memory budget, its caller's callback raised, or its caller gave up and it was
+            # dropped: not a fault
             self.seq = item.pending["user"]["seq"] - 1  # the user record was never written
             self._abandon(item, outcome, str(outcome))
             return

@@ -24,12 +24,12 @@ from runtime.errors import KvactorsError
 # module -> the public names it defines, imported from there on first use
 _EXPORTS = {
     "runtime.api.facade": ("Runtime", "AgentRef", "ReplyFuture", "DeadLetter", "AgentInfo",
-                           "RuntimeEscalated", "RuntimeClosed", "SystemPromptChanged"),
+                           "RuntimeEscalated", "RuntimeClosed", "SystemPromptChanged", "WaitTimeout"),
     "actors.agent": ("Reply", "AgentError", "AgentCrashed", "TurnTimeout", "TurnNotSaved", "TurnTooLong",
                      "UnknownAgent"),
     "actors.batcher": ("BatcherStopped", "BatcherCrashed"),
     "actors.supervisor": ("UnknownChild",),
-    "runtime.engine": ("TurnError", "TurnAbandoned", "TurnTooLarge"),
+    "runtime.engine": ("TurnError", "TurnAbandoned", "TurnTooLarge", "CallbackFailed"),
     "runtime.q4cache": ("Q4CacheError",),
     "runtime.kvscheme": ("KVSchemeError",),
     "runtime.store": ("CacheDirInUse", "AgentInUse", "InvalidAgentId", "JournalError", "UnsafePath", "CacheError", "CacheMissing",

@@ -92,6 +92,21 @@ def encode_text(tokenizer, text: str) -> list[int]:
     return _plain_encoder(tokenizer)(text)
 
 
+def longest_token_chars(tokenizer) -> int | None:
+    """The most characters any one token of `tokenizer` spells (its vocabulary's longest entry), or None when
+    the tokenizer does not list its vocabulary.
+
+    A byte-level vocabulary spells a token's bytes one character each, and a text has at least as many
+    bytes as characters, so a text longer than `n` times this needs more than `n` tokens: a message can
+    be refused as too long without tokenizing it (which holds the GIL, seconds for megabytes).
+    """
+    try:
+        vocab = tokenizer.get_vocab()
+    except (AttributeError, NotImplementedError, TypeError):
+        return None
+    return max(map(len, vocab), default=0) or None
+
+
 def _plain_encoder(tokenizer):
     """A thread-safe encoder that never matches special tokens, built once per tokenizer.
 

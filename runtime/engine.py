@@ -70,7 +70,7 @@ class Turn:
     `on_token`, if given, is called with each new piece of detokenized text, and
     `on_progress` with (tokens prefilled, tokens to prefill) after each prefill
     chunk, both on the engine's thread: keep them short and never block in them.
-    An exception in either fails this turn only. `cancel`, if given, is asked after
+    An exception in either (or in `cancel`) fails this turn only, with `CallbackFailed`. `cancel`, if given, is asked after
     each generated token; once it returns True the turn finishes with what it has,
     finish reason "cancelled". `abandoned`, if given, says the caller is gone (it
     already got an error): it is asked before each prefill chunk and after each token,
@@ -135,6 +135,11 @@ class TurnError(KvactorsError, RuntimeError):
 
 class TurnAbandoned(TurnError):
     """The turn's `abandoned` returned True: it was dropped at the next step, with no result."""
+
+
+class CallbackFailed(TurnError):
+    """A callback of the turn's caller (`on_token`, `on_progress` or `cancel`) raised: the turn ended with no
+    result and nothing else was affected. The caller's mistake, not a fault: fix the callback and ask again."""
 
 
 class TurnTooLarge(TurnError):
@@ -482,7 +487,7 @@ class Engine:
             _report_progress(row)
         except Exception as e:
             self.prefilling.pop(0)
-            return [TurnError(row.turn.turn_id, f"prefill failed: {type(e).__name__}: {e}")]
+            return [_own_error(row, e, "prefill failed")]
         self.prefilling.pop(0)
         cache, row.cache = row.cache, None
         return self._join([row], cache, [token])
@@ -537,7 +542,7 @@ class Engine:
                 _report_progress(row)
                 kept.append(i)
             except Exception as e:
-                failed.append(TurnError(row.turn.turn_id, f"prefill failed: {type(e).__name__}: {e}"))
+                failed.append(_own_error(row, e, "prefill failed"))
         if len(kept) < len(rows):
             if not kept:
                 return failed
@@ -681,9 +686,9 @@ class Engine:
                 continue
             try:
                 reason = self._add_token(row, token)
-            except Exception as e:  # a failing on_token callback fails its own turn
+            except Exception as e:  # a failing callback (or detokenizer) fails its own turn
                 finished.append(row)
-                results.append(TurnError(row.turn.turn_id, f"on_token raised {type(e).__name__}: {e}"))
+                results.append(_own_error(row, e, "taking its token failed"))
                 continue
             if reason:
                 finished.append(row)
@@ -740,10 +745,10 @@ class Engine:
                 row.text = row.text[:at]
                 return "stop"
         if piece and turn.on_token:
-            turn.on_token(piece)
+            _call(turn, "on_token", piece)
         if len(row.generated) >= turn.max_tokens:
             return "length"
-        if turn.cancel is not None and turn.cancel():
+        if turn.cancel is not None and _call(turn, "cancel"):
             return "cancelled"
         return None
 
@@ -754,9 +759,9 @@ class Engine:
             row.text += tail
             if tail and row.turn.on_token:
                 try:
-                    row.turn.on_token(tail)
-                except Exception as e:  # fails its own turn, as in _accept
-                    return TurnError(row.turn.turn_id, f"on_token raised {type(e).__name__}: {e}")
+                    _call(row.turn, "on_token", tail)
+                except CallbackFailed as e:  # fails its own turn, as in _accept
+                    return e
         try:
             cache = extract_cache(self.batch, i, drop=int(fed), wait=False)  # evaluated in _hand_over
         except Exception as e:
@@ -797,7 +802,24 @@ def _bucketed(n: int, bucket: int) -> int:
 def _report_progress(row):
     if row.turn.on_progress:
         total = len(row.turn.tokens)
-        row.turn.on_progress(total - len(row.pending), total)
+        _call(row.turn, "on_progress", total - len(row.pending), total)
+
+
+def _call(turn, name: str, *args):
+    """`turn.<name>(*args)` (a caller's callback); whatever it raises becomes CallbackFailed."""
+    try:
+        return getattr(turn, name)(*args)
+    except CallbackFailed:
+        raise  # relayed from the caller's side, naming its callback (runtime.api.rayhost)
+    except Exception as e:
+        raise CallbackFailed(turn.turn_id, f"its {name} callback raised {type(e).__name__}: {e}") from e
+
+
+def _own_error(row, error: Exception, what: str) -> TurnError:
+    """The error that ends `row`'s turn alone: a CallbackFailed as it is, anything else as a TurnError."""
+    if isinstance(error, CallbackFailed):
+        return error
+    return TurnError(row.turn.turn_id, f"{what}: {type(error).__name__}: {error}")
 
 
 def _sample_top_p(logits, temperature, top_p, key):

@@ -33,7 +33,8 @@ from actors import pykka_compat
 from actors.agent import Ask, AgentActor, Note, encode_message
 from actors.batcher import Submit
 from actors.supervisor import Backoff
-from runtime import AgentCrashed, Reply, Runtime, RuntimeEscalated, TurnTimeout, UnknownAgent, chat, store
+from runtime import (AgentCrashed, CallbackFailed, Reply, Runtime, RuntimeEscalated, TurnTimeout, TurnTooLong,
+                     UnknownAgent, WaitTimeout, chat, store)
 from runtime.engine import Turn
 from runtime.api.facade import AgentRef
 from runtime.api.testing import inject_crash
@@ -593,6 +594,57 @@ def test_too_many_crashes_escalate(tmp_path):
         with pytest.raises(RuntimeEscalated):
             rt.spawn("carol")
         wait_for(lambda: not live_agents(rt._env), what="the group to stop")
+
+
+def test_callbacks_that_raise_fail_their_turns_only_and_never_escalate(tmp_path):
+    """A caller's callback that raises is the caller's mistake: its turn ends with CallbackFailed naming the
+    callback, nothing is recorded, and no number of them restarts the agent or escalates."""
+    escalated = threading.Event()
+
+    def broken(*_):
+        raise ValueError("oops in my UI code")
+
+    with Runtime(model=None, cache_dir=tmp_path, max_restarts=1, restart_period=60, backoff=FAST,
+                 on_escalate=lambda *_: escalated.set()) as rt:
+        alice, bob = rt.spawn("cb-alice", system="You are Alice."), rt.spawn("cb-bob", system="You are Bob.")
+        first = alice.ask("One.", max_tokens=4)
+        for callback in ("on_token", "on_progress", "cancel", "on_token"):
+            with pytest.raises(CallbackFailed, match=f"its {callback} callback raised ValueError: oops") as e:
+                alice.ask("Break it.", max_tokens=4, **{callback: broken})
+            assert e.value.turn_id
+        assert not escalated.is_set()
+        assert [r["text"] for r in alice.history()] == ["You are Alice.", "One.", first.text]  # nothing recorded
+        assert alice.ask("Still there?", max_tokens=4).cache == "hot"  # no restart: its cache is in memory
+        assert bob.ask("Hello.", max_tokens=4).text
+
+
+def test_a_message_that_could_never_fit_is_refused_before_it_is_tokenized(rt):
+    """Past the model's positions times its longest token's characters no tokenization can fit a message: it is
+    refused in the caller's thread (tokenizing megabytes holds every thread of the process for seconds)."""
+    a = rt.spawn("huge", system="You are A.")
+    limit = rt.max_message_chars
+    assert limit == rt.max_context * max(map(len, rt.tokenizer.get_vocab()))
+    with pytest.raises(TurnTooLong, match=f"the message has {limit + 1} characters"):
+        a.ask("x" * (limit + 1), max_tokens=4)
+    with pytest.raises(TurnTooLong, match="positions"):  # shorter, and still too long: the agent counts its tokens
+        a.ask("word " * (rt.max_context + 1), max_tokens=4)
+    assert [r["role"] for r in a.history()] == ["system"]
+    assert a.ask("Short.", max_tokens=4).agent == "huge"
+
+
+def test_waits_on_the_files_check_their_timeout_and_run_out_with_wait_timeout(tmp_path, monkeypatch):
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        for bad in (0, -1, float("nan")):
+            with pytest.raises(ValueError, match="timeout must be a finite number > 0"):
+                rt.flush(timeout=bad)
+            with pytest.raises(ValueError, match="timeout must be a finite number > 0"):
+                rt.forget("someone", timeout=bad)
+        release = threading.Event()
+        monkeypatch.setattr(pykka_compat.actor_of(rt._env.persistence()), "settle", lambda: release.wait(10))
+        with pytest.raises(WaitTimeout, match="did not finish within 0.05 s"):
+            rt.flush(timeout=0.05)
+        release.set()
+        rt.flush()
 
 
 def test_restart_types_of_agents(tmp_path):

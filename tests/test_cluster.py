@@ -17,7 +17,8 @@ import time
 
 import pytest
 
-from runtime import AgentCrashed, AgentInUse, CacheDirInUse, KvactorsError, RayMissing, Runtime, SystemPromptChanged, UnknownAgent
+from runtime import (AgentCrashed, AgentInUse, CacheDirInUse, CallbackFailed, KvactorsError, RayMissing, Runtime,
+                     SystemPromptChanged, UnknownAgent)
 from runtime import store
 from runtime.api import testing
 
@@ -207,7 +208,7 @@ def test_a_cancelled_stream_ends_early_and_is_stored_and_a_failing_callback_fail
     def boom(piece):
         raise RuntimeError("no more")
 
-    with pytest.raises(AgentCrashed, match="on_token raised RuntimeError: no more") as e:
+    with pytest.raises(CallbackFailed, match="on_token callback raised RuntimeError: no more") as e:
         a.ask("Another long story.", max_tokens=400, timeout=120, turn_id="boom-1", on_token=boom)
     assert e.value.turn_id == "boom-1"
     assert a.ask("Still there?", **OPTS).cache in ("hot", "warm")  # the agent answers on

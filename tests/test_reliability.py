@@ -239,12 +239,15 @@ def test_an_unreadable_journal_stops_only_its_agent(tmp_path):
             for name, ref in bad.items():
                 with pytest.raises(JournalError, match=name):
                     ref.ask("Hello?", max_tokens=4)
+                with pytest.raises(JournalError, match=name):  # not an empty conversation
+                    ref.history()
             assert bob.ask("Still fine?", max_tokens=4).agent == "bob"
         assert rt._escalation is None and rt._env.persistence() is persistence
         assert {n: rt._env.refs[n] for n in bad} == actors  # nothing restarted
         assert list((tmp_path / "outside").iterdir()) == []
         (model / "alice" / store.JOURNAL_FILE).rename(model / "alice" / "journal.moved-aside")
-        assert bad["alice"].ask("And now?", max_tokens=4).agent == "alice"  # fixed files: back at work
+        assert [r["role"] for r in bad["alice"].history()] == ["system"]  # fixed files: a new conversation
+        assert bad["alice"].ask("And now?", max_tokens=4).agent == "alice"  # back at work
 
 
 def test_send_to_resolves_once_the_senders_copy_is_durable(tmp_path):

@@ -388,3 +388,17 @@ def test_request_defaults_follow_openai():
     assert a.system == "d" and a.messages == [("user", "hi", "ann")]
     c = parse_chat({**body, "seed": 5, "stop": "x", "max_completion_tokens": 3, "max_tokens": 9, "n": 1})
     assert (c.seed, c.stop, c.max_tokens) == (5, ["x"], 3)
+
+
+def test_runtime_errors_are_answered_with_their_own_status_and_code():
+    """An unreadable journal or a failed journal write is the server's state, not a crash of the agent: each
+    gets a 503 with a code of its own and a message that says what to do."""
+    from runtime import AgentCrashed, JournalError, TurnNotSaved
+    from runtime.api.serve import error_for
+
+    cases = {JournalError("agent a: not a kvactors journal"): (503, "journal_unreadable", "move aside"),
+             TurnNotSaved("t1", "the journal write failed: disk full"): (503, "turn_not_saved", "retry once"),
+             AgentCrashed("t2", "the turn failed"): (503, "agent_crashed", "restarts from its durable state")}
+    for error, (status, code, advice) in cases.items():
+        answer = error_for(error)
+        assert (answer.status, answer.code) == (status, code) and advice in answer.message

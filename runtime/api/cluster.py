@@ -47,6 +47,7 @@ from runtime import store
 from runtime.api import rayhost
 from runtime.api.facade import (DEFAULT_CACHE_DIR, AgentInfo, AgentRef, DeadLetter, Runtime, RuntimeClosed, _check_options,
                                 _choice)
+from runtime.engine import CallbackFailed
 from runtime.errors import KvactorsError
 from runtime.kvscheme import from_options as scheme_from_options
 
@@ -333,14 +334,14 @@ class ClusterRuntime:
 
         The caller's `cancel` is asked after each piece; once it says True the host
         ends the turn at its next token. A callback that raises gets no more events,
-        and the turn fails (AgentCrashed) at its next token on the host.
+        and the turn fails (CallbackFailed) at its next token on the host.
         """
         host, failure, cancelled = self._hosts[index], None, False
         for ref in host.events.options(num_returns="streaming").remote(key):
             event = self._ray.get(ref)
             if event[0] == "end":
                 if failure is not None:
-                    return "error", rayhost.pack_error(AgentCrashed(_turn_id(message), failure))
+                    return "error", rayhost.pack_error(CallbackFailed(_turn_id(message), failure))
                 return event[1]
             if failure is not None:
                 continue
@@ -357,7 +358,7 @@ class ClusterRuntime:
                     cancelled = True
                     host.signal.remote(key, "cancel")
             except Exception as e:  # noqa: BLE001 - as on one machine, a failing callback fails its own turn
-                failure = f"{what} raised {type(e).__name__}: {e}"
+                failure = f"its {what} callback raised {type(e).__name__}: {e}"
                 host.signal.remote(key, "fail", failure)
         raise rayhost.ClusterError(f"the events of turn {_turn_id(message)} ended without its outcome")
 

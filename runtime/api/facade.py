@@ -33,11 +33,11 @@ import pykka
 
 from actors import agent as agent_mod
 from actors.agent import (DURABILITY, AgentActor, AgentCrashed, AgentError, Ask, Lookup, Note, Reply, Reset, TurnTimeout,
-                          UnknownAgent)
+                          TurnTooLong, UnknownAgent)
 from actors.batcher import STATS as _STATS, BatcherActor, BatcherStopped, Warmup
 from actors.persistence import PersistenceActor
 from actors.supervisor import RESTART_TYPES, STRATEGIES, Backoff, ChildSpec, Supervisor, UnknownChild
-from runtime import store
+from runtime import chat, store
 from runtime.deadlines import Deadlines
 from runtime.engine import MAX_TOKENS, Sampling, default_hot_budget
 from runtime.errors import KvactorsError
@@ -79,6 +79,11 @@ class RuntimeEscalated(KvactorsError, RuntimeError):
 
 class RuntimeClosed(KvactorsError, RuntimeError):
     """The Runtime was shut down; start a new one to talk to its agents again."""
+
+
+class WaitTimeout(KvactorsError, TimeoutError):
+    """A wait on the Runtime's files (`flush`, `forget`, `agents`, `spawn`'s checks) ran past its `timeout`; the
+    work goes on: call again to wait longer."""
 
 
 class SystemPromptChanged(KvactorsError, ValueError):
@@ -348,14 +353,17 @@ class AgentRef:
         out before it started never runs, and one that started is cancelled at the
         batcher's next step unless it finished meanwhile; `result(turn_id)` says which:
         no crash, no restart),
-        UnknownAgent if the agent is gone. `sender` attributes the message to another
+        UnknownAgent if the agent is gone, TurnTooLong if the turn needs more positions than
+        the model has (raised here at once for a message that could never fit, before it is
+        tokenized). `sender` attributes the message to another
         agent; `conversation_id` is recorded with the turn's journal records.
 
         `on_token(piece)` gets the reply's text piece by piece while it decodes (the
         last pieces may hold the start of a stop string the reply then drops), and
         `on_progress(done, total)` the tokens prefilled so far after each prefill
         chunk. Both run on the batcher's thread: keep them short and never block in
-        them; an exception in one fails the turn (AgentCrashed). `cancel()` is asked
+        them; an exception in one (or in `cancel`) fails the turn with CallbackFailed: nothing
+        is recorded and the agent goes on. `cancel()` is asked
         after each generated token (on the batcher's thread too, so make it cheap, e.g.
         `threading.Event().is_set`); once it returns True the turn ends with the text so
         far, `finish_reason` "cancelled", and is stored like any other turn. On a
@@ -387,6 +395,10 @@ class AgentRef:
             turn_id = f"{self.name}-{uuid.uuid4().hex[:12]}"
         elif not isinstance(turn_id, str) or not TURN_ID.fullmatch(turn_id):
             raise ValueError(f"turn_id must match {TURN_ID.pattern}, got {turn_id!r}")
+        limit = self.runtime.max_message_chars
+        if limit is not None and len(text) > limit:  # tokenizing it would hold every thread up for nothing
+            raise TurnTooLong(turn_id, f"the message has {len(text)} characters: more tokens than the model's "
+                                       f"{self.runtime.max_context} positions whatever they are; shorten it")
         for name, fn in (("on_token", on_token), ("on_progress", on_progress), ("cancel", cancel)):
             if fn is not None and not callable(fn):
                 raise TypeError(f"{name} must be a callable or None, got {type(fn).__name__}")
@@ -550,7 +562,9 @@ class AgentRef:
         raise AgentCrashed(turn_id, f"agent {self.name!r} kept crashing while asked about this turn; ask again")
 
     def history(self) -> list[dict]:
-        """This agent's conversation as journal records, oldest first (see `AgentActor.history`)."""
+        """This agent's conversation as journal records, oldest first (see `AgentActor.history`).
+
+        Raises JournalError while the agent's journal cannot be read (fix or move the file aside)."""
         return self.runtime._history(self.name)
 
     def note(self, text: str, sender: str | None = None) -> None:
@@ -648,6 +662,9 @@ class Runtime:
         self.model, self.tokenizer, self.spec = load_model(model, scheme)
         context = getattr(getattr(self.model, "args", None), "max_position_embeddings", None)
         self.max_context = context if isinstance(context, int) else None  # the model's positions, when it says
+        longest = chat.longest_token_chars(self.tokenizer)
+        # a message longer than this can never fit: refused before it is tokenized (see `AgentRef.send`)
+        self.max_message_chars = None if self.max_context is None or longest is None else self.max_context * longest
         engine_options = dict(memory_budget=memory_budget, max_batch=max_batch, route=route)
         try:  # whatever fails from here on, nothing stays behind: no lock, no thread
             hot = default_hot_budget() if hot_budget is None else hot_budget
@@ -698,7 +715,7 @@ class Runtime:
         if name in self._names:
             raise ValueError(f"agent {name!r} is already running; use rt.agent({name!r})")
         if reset:
-            self._env.persistence().proxy().delete(name).get(timeout=timeout)
+            self._on_files(f"deleting agent {name!r}", timeout, lambda p: p.delete(name))
         elif system:
             self._check_system(name, system, timeout)
         self._start_child(self._supervisor, name,
@@ -712,7 +729,7 @@ class Runtime:
         A prompt lost to journal damage is checked against the checksum its
         conversation's records carry; the agent then records the given one again.
         """
-        stored = self._env.persistence().proxy().stored(name).get(timeout=timeout)
+        stored = self._on_files(f"reading agent {name!r}", timeout, lambda p: p.stored(name))
         if stored is None or stored.messages == 0:
             return  # nothing stored, or an unreadable journal: the agent itself reports that
         lost_but_same = stored.system is None and stored.check in (None, store.prompt_check(system))
@@ -730,10 +747,10 @@ class Runtime:
 
         Each is an `AgentInfo(name, running, turns, cache)`. Reads each stored agent's
         journal (after the queued writes land); `running()` is the cheap list of names.
-        Raises RuntimeClosed after `shutdown`.
+        Raises RuntimeClosed after `shutdown`, and WaitTimeout after `timeout` seconds.
         """
         self._check_running()
-        stored = {a.name: a for a in self._env.persistence().proxy().stored_all().get(timeout=timeout)}
+        stored = {a.name: a for a in self._on_files("reading the stored agents", timeout, lambda p: p.stored_all())}
         running = set(self._names)
         infos = []
         for name in sorted(running | set(stored)):
@@ -748,10 +765,20 @@ class Runtime:
         A turn is durable once acknowledged (its journal records are on disk); its
         cache file follows in the background, and a crash before it lands only costs
         the re-prefill of the turns it lacks. Call this before reading or copying the
-        cache files. Stopping the runtime does the same. Raises RuntimeClosed after `shutdown`.
+        cache files. Stopping the runtime does the same. Raises RuntimeClosed after `shutdown`, and
+        WaitTimeout after `timeout` seconds (the writes go on).
         """
         self._check_running()
-        self._env.persistence().proxy().settle().get(timeout=timeout)
+        self._on_files("writing every acknowledged turn's cache", timeout, lambda p: p.settle())
+
+    def _on_files(self, what: str, timeout, call):
+        """The persistence actor's answer to `call(its proxy)` within `timeout` seconds (checked: a finite number
+        > 0), else WaitTimeout saying `what` did not finish."""
+        _positive("timeout", timeout)
+        try:
+            return call(self._env.persistence().proxy()).get(timeout=timeout)
+        except pykka.Timeout:
+            raise WaitTimeout(f"{what} did not finish within {timeout} s; it goes on: call again to wait longer") from None
 
     def running(self) -> list[str]:
         """Names of the running agents, in spawn order (no disk access; see `agents` for the stored ones)."""
@@ -760,13 +787,15 @@ class Runtime:
     def forget(self, name: str, timeout: float = 60.0) -> bool:
         """Stop agent `name` if it runs and delete its cache and journal; return whether any were stored.
 
-        Its queued writes land first, then its folder goes. Raises InvalidAgentId for a bad name.
+        Its queued writes land first, then its folder goes. Raises InvalidAgentId for a bad name, and
+        WaitTimeout if that takes more than `timeout` seconds.
         """
         self._check_running()
         store.check_agent_id(name)
+        _positive("timeout", timeout)
         if name in self._names:
             self._stop_agent(name)
-        return self._env.persistence().proxy().delete(name).get(timeout=timeout)
+        return self._on_files(f"deleting agent {name!r}", timeout, lambda p: p.delete(name))
 
     def stored(self, name: str) -> bool:
         """Whether agent `name` has a journal or cache in `cache_dir` (running or not)."""
@@ -881,11 +910,14 @@ class Runtime:
         """Agent `name`'s conversation as journal records (what `AgentRef.history` returns)."""
         for _ in range(3):
             try:
-                return self._ref(name).proxy().history().get(timeout=30)
+                records = self._ref(name).proxy().history().get(timeout=30)
             except pykka.ActorDeadError:
                 continue  # it crashed just now: ask its next incarnation
             except pykka.Timeout:
                 raise AgentError(f"agent {name!r} did not answer history() within 30 s; it is busy, retry") from None
+            if isinstance(records, store.JournalError):
+                raise records
+            return records
         raise AgentCrashed(None, f"agent {name!r} kept crashing while asked for its history; retry")
 
     def _lock_store(self) -> int | None:
@@ -1034,7 +1066,7 @@ def check_turn_options(text, max_tokens, temperature, top_p, seed, stop, timeout
     Raises TypeError for a wrong type and ValueError for a value out of range:
     `text` a non-empty str; `max_tokens` an int >= 1 (and at most `max_context`, the
     model's positions, when known); `temperature` finite and >= 0; `top_p` in (0, 1];
-    `seed` an int >= 0; `stop` one non-empty str or an iterable of them; `timeout`
+    `seed` an int in [0, 2**64); `stop` one non-empty str or an iterable of them; `timeout`
     None or a finite number > 0.
     """
     if not isinstance(text, str):
@@ -1053,8 +1085,8 @@ def check_turn_options(text, max_tokens, temperature, top_p, seed, stop, timeout
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     _number("seed", seed, int)
-    if seed < 0:
-        raise ValueError(f"seed must be >= 0, got {seed}")
+    if not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be in [0, 2**64), got {seed}")
     stop = (stop,) if isinstance(stop, str) else stop
     try:
         stop = tuple(stop)

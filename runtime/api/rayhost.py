@@ -45,6 +45,7 @@ import msgpack
 from actors.agent import Ask, Lookup, Note, Reset, UnknownAgent
 from runtime import store
 from runtime.api.facade import DeadLetter, ReplyFuture, Runtime
+from runtime.engine import CallbackFailed
 from runtime.errors import KvactorsError
 
 log = logging.getLogger(__name__)
@@ -103,7 +104,8 @@ class _Streamed:
 
     END = object()
 
-    def __init__(self):
+    def __init__(self, turn_id: str | None):
+        self.turn_id = turn_id
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         self.cancelled = False
         self.failure: str | None = None
@@ -122,7 +124,7 @@ class _Streamed:
 
     def _check(self):
         if self.failure is not None:
-            raise ClusterError(self.failure)
+            raise CallbackFailed(self.turn_id, self.failure)
 
 
 class HostedRuntime(Runtime):
@@ -234,13 +236,13 @@ class NodeHost:
         if unknown or (callbacks and (kind != "ask" or not answer)):
             raise ValueError(f"callbacks {callbacks!r}: an answered ask takes some of {CALLBACKS}")
         future, key = ReplyFuture(), uuid.uuid4().hex
-        streamed = _Streamed() if callbacks else None
+        future.turn_id = msgpack.unpackb(data).get("turn_id") if kind == "ask" else data if kind == "result" else None
+        streamed = _Streamed(future.turn_id) if callbacks else None
         hooks = {} if streamed is None else dict(
             on_token=streamed.on_token if "on_token" in callbacks else None,
             on_progress=streamed.on_progress if "on_progress" in callbacks else None, cancel=streamed.cancel)
         envelope = {"ask": lambda: Ask(data, future, **hooks), "note": lambda: Note(data, future),
                     "reset": lambda: Reset(data, future), "result": lambda: Lookup(data, future)}[kind]()
-        future.turn_id = msgpack.unpackb(data).get("turn_id") if kind == "ask" else data if kind == "result" else None
         if answer:
             self.futures[key] = future
         if streamed is not None:

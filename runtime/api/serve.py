@@ -46,8 +46,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from runtime import (AgentCrashed, Reply, Runtime, RuntimeEscalated, SystemPromptChanged, TurnTimeout, TurnTooLong,
-                     UnknownAgent)
+from runtime import (AgentCrashed, JournalError, Reply, Runtime, RuntimeEscalated, SystemPromptChanged,
+                     TurnNotSaved, TurnTimeout, TurnTooLong, UnknownAgent)
 from runtime.errors import KvactorsError
 from runtime.store import InvalidAgentId, check_agent_id, conversation_prompt
 
@@ -416,9 +416,15 @@ def error_for(e: BaseException) -> ApiError:
         return bad(str(e), "messages", "context_length_exceeded")
     if isinstance(e, TurnTimeout):
         return ApiError(504, f"{e}; GET /v1/agents/NAME shows whether it committed", None, "timeout", "server_error")
+    if isinstance(e, TurnNotSaved):
+        return ApiError(503, f"{e}; the server could not write the turn (a full disk?): retry once it can", None,
+                        "turn_not_saved", "server_error")
     if isinstance(e, AgentCrashed):
         return ApiError(503, f"{e}; the agent restarts from its durable state, retry the request", None,
                         "agent_crashed", "server_error")
+    if isinstance(e, JournalError):
+        return ApiError(503, f"{e}; the server's operator must fix or move aside that agent's journal file", None,
+                        "journal_unreadable", "server_error")
     if isinstance(e, (TypeError, ValueError)):  # the Runtime refused an option in the caller's thread
         return bad(str(e), None, "invalid_value")
     if isinstance(e, RuntimeEscalated):
