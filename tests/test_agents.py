@@ -647,6 +647,26 @@ def test_waits_on_the_files_check_their_timeout_and_run_out_with_wait_timeout(tm
         rt.flush()
 
 
+def test_more_bad_arguments_are_refused_in_the_callers_thread(rt):
+    a = rt.spawn("args", system="You are A.")
+    with pytest.raises(store.InvalidAgentId):
+        a.note("from a number", sender=5)
+    with pytest.raises(TypeError, match="records must be a list of dicts"):
+        a.reset("abc")
+    with pytest.raises(ValueError, match=r"seed must be in \[0, 2\*\*64\)"):
+        a.send("Hi.", seed=2**64)
+    future = a.send("Hi.", max_tokens=2)
+    for bad in (float("nan"), -1.0):
+        with pytest.raises(ValueError, match="timeout must be None or a finite number >= 0"):
+            future.get(timeout=bad)
+    with pytest.raises(TypeError, match="timeout must be"):
+        future.get(timeout="soon")
+    assert future.get(timeout=60).agent == "args"
+    with pytest.raises(ValueError, match="cache_dir is empty"):
+        Runtime(model=None, cache_dir="")
+    assert [r["role"] for r in a.history()] == ["system", "user", "assistant"]  # nothing else got in
+
+
 def test_restart_types_of_agents(tmp_path):
     with Runtime(model=None, cache_dir=tmp_path, backoff=FAST) as rt:
         transient = rt.spawn("tr", system="You are T.", restart="transient")

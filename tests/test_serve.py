@@ -200,6 +200,16 @@ def test_native_agent_routes_spawn_send_to_history_and_forget(served):
     assert served.request("POST", "/v1/agents", {"name": "no/slashes"})[0] == 400
 
 
+def test_answers_to_runtime_errors_are_not_logged_as_server_faults(served, caplog):
+    """A 4xx from the runtime's own refusal (here SystemPromptChanged) is an answer: no traceback in the log."""
+    served.request("POST", "/v1/agents", {"name": "quiet", "system": "You are Q."})
+    with caplog.at_level("ERROR"):
+        status, body, _ = served.request("POST", "/v1/agents", {"name": "quiet", "system": "You are R."})
+        assert status == 409 and body["error"]["code"] == "system_prompt_changed"
+        assert served.request("POST", "/v1/agents", {"name": "no/slashes"})[0] == 400
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+
+
 def test_a_named_agent_takes_only_the_new_message_and_a_changed_system_prompt_starts_over(served):
     client = served.client()
     ask = lambda messages: client.chat.completions.create(  # noqa: E731
@@ -296,6 +306,10 @@ def test_a_stored_agent_with_another_system_prompt_is_reset_by_chat_and_refused_
         status, body, _ = s.request("POST", "/v1/agents", {"name": "p2", "system": "You are Z."})  # p2 stopped: stored
         assert status == 409 and body["error"]["code"] == "system_prompt_changed", body
         assert s.request("GET", "/v1/agents/p2")[1]["system"] == "You are Q."
+        status, body, _ = s.request("POST", "/v1/agents", {"name": "p1", "system": "You are Z."})  # p1 running
+        assert status == 409 and body["error"]["code"] == "system_prompt_changed", body
+        assert s.request("POST", "/v1/agents", {"name": "p1", "system": "You are R."})[0] == 200  # its own prompt
+        assert s.request("GET", "/v1/agents/p1")[1]["system"] == "You are R."
     finally:
         s.close()
 

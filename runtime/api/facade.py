@@ -243,7 +243,12 @@ class ReplyFuture(pykka.ThreadingFuture):
         self._callbacks_lock = threading.Lock()
 
     def get(self, *, timeout: float | None = None):
-        """The Reply, or the turn's error; TurnTimeout if none came within `timeout` seconds."""
+        """The Reply, or the turn's error; TurnTimeout if none came within `timeout` seconds (None: wait as long
+        as it takes; else a number >= 0, ValueError or TypeError otherwise)."""
+        if timeout is not None:
+            _number("timeout", timeout)
+            if not (math.isfinite(timeout) and timeout >= 0):
+                raise ValueError(f"timeout must be None or a finite number >= 0, got {timeout}")
         try:
             return super().get(timeout=timeout)
         except pykka.Timeout:
@@ -568,9 +573,13 @@ class AgentRef:
         return self.runtime._history(self.name)
 
     def note(self, text: str, sender: str | None = None) -> None:
-        """Append a user message to the history without taking a turn (in order with turns)."""
+        """Append a user message to the history without taking a turn (in order with turns).
+
+        Raises ValueError for an empty or non-str text, InvalidAgentId for a bad `sender` (as `send`)."""
         if not isinstance(text, str) or not text:
             raise ValueError("a note needs a non-empty text")
+        if sender is not None:
+            store.check_agent_id(sender)
         self.runtime._deliver(self.name, Note(agent_mod.encode_message(text, sender)), None)
 
     def reset(self, records: list[dict], system: str | None = None) -> ReplyFuture:
@@ -581,8 +590,10 @@ class AgentRef:
         prompt (None keeps it). Queued after the agent's pending work. The journal keeps
         the old conversation; `history()` shows only the new one. The cache is kept and
         the next turn reuses the prefix of it that the new conversation still renders to.
-        Raises ValueError for a malformed record.
+        Raises ValueError for a malformed record, TypeError for records that are not a list of dicts.
         """
+        if not isinstance(records, (list, tuple)) or not all(isinstance(r, dict) for r in records):
+            raise TypeError(f"records must be a list of dicts (the shape history() returns), got {records!r:.100}")
         clean = []
         for r in records:
             if r.get("role") not in ("user", "assistant") or not isinstance(r.get("text"), str):
@@ -658,6 +669,8 @@ class Runtime:
         self._escalation: tuple | None = None
         self._on_escalate = on_escalate
         self._names: list[str] = []
+        if isinstance(cache_dir, str) and not cache_dir.strip():
+            raise ValueError("cache_dir is empty: give a folder, or None for the default (~/.cache/kvactors/agents)")
         self.cache_dir = Path(cache_dir or DEFAULT_CACHE_DIR).expanduser()
         self.model, self.tokenizer, self.spec = load_model(model, scheme)
         context = getattr(getattr(self.model, "args", None), "max_position_embeddings", None)

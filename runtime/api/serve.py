@@ -304,9 +304,15 @@ class Server:
         """
         async with self._spawning:
             if name in self.rt.running():
+                ref = self.rt.agent(name)
+                if strict and system:  # as a stored agent's spawn would refuse it
+                    records = await asyncio.to_thread(ref.history)
+                    current = records[0]["text"] if records and records[0]["role"] == "system" else ""
+                    if current != system:
+                        raise SystemPromptChanged(name, current, system)
                 self._used[name] = None
                 self._used.move_to_end(name)
-                return self.rt.agent(name)
+                return ref
             for old in list(self._used):
                 if len(self._used) < self.max_agents:
                     break
@@ -603,7 +609,10 @@ def build_app(server: Server):
     async def http_error(request, exc: HTTPException):
         return ApiError(exc.status_code, exc.detail or "", None, None).response()
 
-    app = Starlette(routes=routes(server), exception_handlers={ApiError: api_error, HTTPException: http_error,
+    # the runtime's errors (and the options it refuses) are answers, not server faults: handled as such, they
+    # are not logged as "Exception in ASGI application"; anything else is a 500, logged with its traceback
+    answers = {cls: api_error for cls in (ApiError, KvactorsError, ValueError, TypeError)}
+    app = Starlette(routes=routes(server), exception_handlers={**answers, HTTPException: http_error,
                                                                Exception: api_error})
     return _Auth(app, server.api_key) if server.api_key else app
 
