@@ -19,7 +19,9 @@ Before its first message the agent loads its durable state: the journal (the
 history) and the cache if it is valid; a bad or missing cache means the next turn
 re-prefills the history ("cold"). Any failure in a turn is a crash: the caller
 gets `AgentCrashed`, the actor stops and its supervisor starts a fresh one, which
-reloads the durable state. A turn's `timeout` counts from `send` (its payload's
+reloads the durable state. The caller's own mistakes are not: a turn that can never
+fit (`TurnTooLong`, `TurnTooLarge`) or whose callback raised (`CallbackFailed`) fails
+alone, with nothing recorded. A turn's `timeout` counts from `send` (its payload's
 `deadline`); running past it is not a failure: its caller gets `TurnTimeout` at
 once. A turn still queued then is dropped when it comes up, never run; one in
 progress stays this agent's item until the batcher answers: dropped at the
@@ -431,7 +433,10 @@ class AgentActor(SupervisedActor):
         happened; raised here, it would crash this supervised actor).
         """
         if isinstance(self.broken, store.JournalError) and self.current is None:
-            self._restore()  # the file may have been fixed meanwhile
+            try:
+                self._restore()  # the file may have been fixed meanwhile
+            except Exception as e:  # noqa: BLE001 - a read that fails now (say, a slow disk) is no crash either
+                log.warning("agent %s: rereading its journal failed: %s", self.name, e)
         if isinstance(self.broken, store.JournalError):
             return store.JournalError(f"agent {self.name}: {self.broken}")
         return [dict(r) for r in self.records]

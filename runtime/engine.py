@@ -809,8 +809,10 @@ def _call(turn, name: str, *args):
     """`turn.<name>(*args)` (a caller's callback); whatever it raises becomes CallbackFailed."""
     try:
         return getattr(turn, name)(*args)
-    except CallbackFailed:
-        raise  # relayed from the caller's side, naming its callback (runtime.api.rayhost)
+    except CallbackFailed as e:
+        if e.turn_id == turn.turn_id:
+            raise  # relayed from the caller's side, naming its callback (runtime.api.rayhost)
+        raise CallbackFailed(turn.turn_id, f"its {name} callback raised CallbackFailed: {e}") from e
     except Exception as e:
         raise CallbackFailed(turn.turn_id, f"its {name} callback raised {type(e).__name__}: {e}") from e
 

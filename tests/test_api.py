@@ -49,7 +49,7 @@ def test_errors_keep_their_builtin_base():
         "CacheDirInUse": RuntimeError, "RuntimeClosed": RuntimeError, "RuntimeEscalated": RuntimeError,
         "AgentCrashed": RuntimeError, "UnknownAgent": KeyError, "UnknownChild": LookupError,
         "ModelLoadError": RuntimeError, "UnsupportedGGUF": RuntimeError, "DeadlinesClosed": RuntimeError,
-        "BatcherStopped": runtime.TurnError,
+        "BatcherStopped": runtime.TurnError, "CallbackFailed": runtime.TurnError, "WaitTimeout": TimeoutError,
     }
     for name, base in expect.items():
         assert issubclass(getattr(runtime, name), base), (name, base)

@@ -110,6 +110,8 @@ class ClusterRuntime:
                            if k not in ("self", "model", "cache_dir", "cluster", "address")}
         scheme_from_options(runtime_options["kv_bits"], runtime_options["kv_group_size"], runtime_options["kv_scheme"])
         _check_options(**{k: runtime_options[k] for k in inspect.signature(_check_options).parameters})
+        if isinstance(cache_dir, str) and not cache_dir.strip():
+            raise ValueError("cache_dir is empty: give a folder, or None for the default (~/.cache/kvactors/agents)")
         self.cache_dir = Path(cache_dir or DEFAULT_CACHE_DIR).expanduser()
         self._ray, self._owns_ray, self._closed = ray, False, False
         self._lock = threading.RLock()  # placement: held while agents move
@@ -126,6 +128,7 @@ class ClusterRuntime:
             self.shutdown()
             raise
         self.max_context = self._info[0]["max_context"]
+        self.longest_token_chars = self._info[0]["longest_token_chars"]
         self.fingerprint = self._info[0]["fingerprint"]
 
     def _connect(self, address):
@@ -334,13 +337,14 @@ class ClusterRuntime:
 
         The caller's `cancel` is asked after each piece; once it says True the host
         ends the turn at its next token. A callback that raises gets no more events,
-        and the turn fails (CallbackFailed) at its next token on the host.
+        and the turn fails (CallbackFailed) at its next token on the host, unless it had
+        finished there: then its reply stands.
         """
         host, failure, cancelled = self._hosts[index], None, False
         for ref in host.events.options(num_returns="streaming").remote(key):
             event = self._ray.get(ref)
             if event[0] == "end":
-                if failure is not None:
+                if failure is not None and event[1][0] != "ok":  # a turn that finished first stands, as on one machine
                     return "error", rayhost.pack_error(CallbackFailed(_turn_id(message), failure))
                 return event[1]
             if failure is not None:

@@ -400,10 +400,12 @@ class AgentRef:
             turn_id = f"{self.name}-{uuid.uuid4().hex[:12]}"
         elif not isinstance(turn_id, str) or not TURN_ID.fullmatch(turn_id):
             raise ValueError(f"turn_id must match {TURN_ID.pattern}, got {turn_id!r}")
-        limit = self.runtime.max_message_chars
-        if limit is not None and len(text) > limit:  # tokenizing it would hold every thread up for nothing
-            raise TurnTooLong(turn_id, f"the message has {len(text)} characters: more tokens than the model's "
-                                       f"{self.runtime.max_context} positions whatever they are; shorten it")
+        # a message that can never fit is refused here: tokenizing it would hold every thread up for nothing
+        longest, positions = self.runtime.longest_token_chars, self.runtime.max_context
+        if longest and positions and len(text) > (positions - max_tokens) * longest:
+            raise TurnTooLong(turn_id, f"the message has {len(text)} characters: more tokens, whatever they are, "
+                                       f"than the {positions - max_tokens} positions the model has left after "
+                                       f"max_tokens {max_tokens}; shorten it")
         for name, fn in (("on_token", on_token), ("on_progress", on_progress), ("cancel", cancel)):
             if fn is not None and not callable(fn):
                 raise TypeError(f"{name} must be a callable or None, got {type(fn).__name__}")
@@ -575,11 +577,12 @@ class AgentRef:
     def note(self, text: str, sender: str | None = None) -> None:
         """Append a user message to the history without taking a turn (in order with turns).
 
-        Raises ValueError for an empty or non-str text, InvalidAgentId for a bad `sender` (as `send`)."""
+        `sender` labels the message in the rendered conversation ("sender: text"), as in `reset`'s records.
+        Raises ValueError for an empty or non-str text, TypeError for a sender that is not a str or None."""
         if not isinstance(text, str) or not text:
             raise ValueError("a note needs a non-empty text")
-        if sender is not None:
-            store.check_agent_id(sender)
+        if sender is not None and not isinstance(sender, str):
+            raise TypeError(f"sender must be a str or None, got {type(sender).__name__}")
         self.runtime._deliver(self.name, Note(agent_mod.encode_message(text, sender)), None)
 
     def reset(self, records: list[dict], system: str | None = None) -> ReplyFuture:
@@ -617,7 +620,7 @@ class AgentRef:
 class Runtime:
     """Agents on one model; see the module docstring. Use as a context manager.
 
-    model: folder or Hugging Face id; None: the embedded tiny model.
+    model: folder, .gguf file, Hugging Face id or "tiny"; None: the default (SmolLM2-135M-Instruct, or $KVACTORS_MODEL).
     cache_dir: where caches and journals live (per model fingerprint, per agent).
     kv_scheme: how the KV cache is quantized, a `runtime.kvscheme` name such as
     "k6v4-g64-hadamard" (None: the model's default, `kvscheme.default_scheme`).
@@ -675,9 +678,9 @@ class Runtime:
         self.model, self.tokenizer, self.spec = load_model(model, scheme)
         context = getattr(getattr(self.model, "args", None), "max_position_embeddings", None)
         self.max_context = context if isinstance(context, int) else None  # the model's positions, when it says
-        longest = chat.longest_token_chars(self.tokenizer)
-        # a message longer than this can never fit: refused before it is tokenized (see `AgentRef.send`)
-        self.max_message_chars = None if self.max_context is None or longest is None else self.max_context * longest
+        # the most characters one token spells: a message longer than the positions left for it times this can
+        # never fit, and is refused before it is tokenized (see `AgentRef.send`)
+        self.longest_token_chars = chat.longest_token_chars(self.tokenizer)
         engine_options = dict(memory_budget=memory_budget, max_batch=max_batch, route=route)
         try:  # whatever fails from here on, nothing stays behind: no lock, no thread
             hot = default_hot_budget() if hot_budget is None else hot_budget

@@ -33,6 +33,7 @@ import hashlib
 import hmac
 import json
 import logging
+import os
 import secrets
 import threading
 import time
@@ -46,8 +47,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from runtime import (AgentCrashed, JournalError, Reply, Runtime, RuntimeEscalated, SystemPromptChanged,
-                     TurnNotSaved, TurnTimeout, TurnTooLong, UnknownAgent)
+from runtime import (AgentCrashed, JournalError, Reply, Runtime, RuntimeClosed, RuntimeEscalated, SystemPromptChanged,
+                     TurnNotSaved, TurnTimeout, TurnTooLarge, TurnTooLong, UnknownAgent, WaitTimeout)
 from runtime.errors import KvactorsError
 from runtime.store import InvalidAgentId, check_agent_id, conversation_prompt
 
@@ -306,9 +307,8 @@ class Server:
             if name in self.rt.running():
                 ref = self.rt.agent(name)
                 if strict and system:  # as a stored agent's spawn would refuse it
-                    records = await asyncio.to_thread(ref.history)
-                    current = records[0]["text"] if records and records[0]["role"] == "system" else ""
-                    if current != system:
+                    current = conversation_prompt(await asyncio.to_thread(ref.history))
+                    if current is not None and current != system:  # None: lost to journal damage, the agent's call
                         raise SystemPromptChanged(name, current, system)
                 self._used[name] = None
                 self._used.move_to_end(name)
@@ -433,7 +433,11 @@ def error_for(e: BaseException) -> ApiError:
                         "journal_unreadable", "server_error")
     if isinstance(e, (TypeError, ValueError)):  # the Runtime refused an option in the caller's thread
         return bad(str(e), None, "invalid_value")
-    if isinstance(e, RuntimeEscalated):
+    if isinstance(e, TurnTooLarge):
+        return bad(f"{e}", "max_tokens", "turn_too_large")
+    if isinstance(e, WaitTimeout):
+        return ApiError(504, f"{e}", None, "timeout", "server_error")
+    if isinstance(e, (RuntimeEscalated, RuntimeClosed)):
         return ApiError(503, str(e), None, "runtime_stopped", "server_error")
     log.exception("unexpected error", exc_info=e)
     return ApiError(500, f"internal error: {type(e).__name__}: {e}", None, "internal_error", "server_error")
@@ -609,9 +613,9 @@ def build_app(server: Server):
     async def http_error(request, exc: HTTPException):
         return ApiError(exc.status_code, exc.detail or "", None, None).response()
 
-    # the runtime's errors (and the options it refuses) are answers, not server faults: handled as such, they
-    # are not logged as "Exception in ASGI application"; anything else is a 500, logged with its traceback
-    answers = {cls: api_error for cls in (ApiError, KvactorsError, ValueError, TypeError)}
+    # the runtime's errors are answers, not server faults: handled as such, they are not logged as "Exception in
+    # ASGI application"; anything else (a builtin ValueError included) goes through error_for too, logged
+    answers = {cls: api_error for cls in (ApiError, KvactorsError)}
     app = Starlette(routes=routes(server), exception_handlers={**answers, HTTPException: http_error,
                                                                Exception: api_error})
     return _Auth(app, server.api_key) if server.api_key else app
@@ -633,5 +637,6 @@ def serve(model=None, cache_dir=None, host: str = "127.0.0.1", port: int = 8000,
 
 
 def model_id(model) -> str:
-    """The model id the server reports: the --model value, or "kvactors-tiny" for the embedded model."""
-    return str(model) if model else "kvactors-tiny"
+    """The model id the server reports: the --model value, else the default's ($KVACTORS_MODEL, or
+    SmolLM2-135M-Instruct, the embedded default)."""
+    return str(model or os.environ.get("KVACTORS_MODEL") or "SmolLM2-135M-Instruct")
