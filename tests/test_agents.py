@@ -653,6 +653,7 @@ def test_more_bad_arguments_are_refused_in_the_callers_thread(rt):
         a.note("from a number", sender=5)
     with pytest.raises(TypeError, match="records must be a list of dicts"):
         a.reset("abc")
+    a.reset(a.history()).get(timeout=60)  # history()'s own shape, system record and all
     with pytest.raises(ValueError, match=r"seed must be in \[0, 2\*\*64\)"):
         a.send("Hi.", seed=2**64)
     future = a.send("Hi.", max_tokens=2)

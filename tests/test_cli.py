@@ -38,6 +38,17 @@ def test_demo_takes_kv_bits_or_a_kv_scheme_not_both():
     assert "--kv-scheme" in out.stdout and "default KV scheme" in out.stdout
 
 
+def test_bad_values_argparse_cannot_check_get_one_line_and_exit_2(tmp_path):
+    """Refused before a server starts (it would blame every client) or a model loads; no traceback."""
+    for args, says in ((("serve", "--model", "tiny", "--max-tokens", "0"), "max_tokens must be an int >= 1"),
+                       (("serve", "--model", "tiny", "--turn-timeout", "-1"), "turn_timeout must be"),
+                       (("serve", "--model", "tiny", "--port", "99999"), "port must be 0 to 65535"),
+                       (("demo", "--model", "tiny", "--kv-scheme", "bogus", "--cache-dir", tmp_path / "d"),
+                        "KV scheme names look like")):
+        out = kvactors(*args)
+        assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
 def test_inspect_shows_stored_agents_and_their_health(tmp_path):
     with Runtime(cache_dir=tmp_path) as rt:
         rt.spawn("archivist").ask("remember this", max_tokens=3)

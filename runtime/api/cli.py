@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from runtime.model import ModelLoadError
+from runtime.errors import KvactorsError
 
 
 def _demo(args) -> int:
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return args.func(args)
-    except (ModelLoadError, FileExistsError) as e:  # what to do fits in one line: no traceback
+    except (KvactorsError, ValueError, OSError) as e:  # a bad option or path, a missing model: one line says it
         print(f"kvactors {args.command}: {e}", file=sys.stderr)
         return 2
 

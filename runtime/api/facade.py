@@ -589,16 +589,20 @@ class AgentRef:
         """Start the conversation over from `records`; return a future that resolves (to None) once durable.
 
         `records` are {"role": "user" | "assistant", "text": str, "sender": str | None}
-        dicts, oldest first (the shape `history()` returns); `system` replaces the system
-        prompt (None keeps it). Queued after the agent's pending work. The journal keeps
-        the old conversation; `history()` shows only the new one. The cache is kept and
-        the next turn reuses the prefix of it that the new conversation still renders to.
-        Raises ValueError for a malformed record, TypeError for records that are not a list of dicts.
+        dicts, oldest first (the shape `history()` returns; its system records are skipped:
+        `system` replaces the system prompt, None keeps it). Queued after the agent's pending
+        work. The journal keeps the old conversation; `history()` shows only the new one. The
+        cache is kept and the next turn reuses the prefix of it that the new conversation still
+        renders to, where that prefix is most of the cached text (`runtime.prefix`: 80%; else
+        the turn re-prefills). Raises ValueError for a malformed record, TypeError for records
+        that are not a list of dicts.
         """
         if not isinstance(records, (list, tuple)) or not all(isinstance(r, dict) for r in records):
             raise TypeError(f"records must be a list of dicts (the shape history() returns), got {records!r:.100}")
         clean = []
         for r in records:
+            if r.get("role") == "system":
+                continue  # as history() holds it: `system` says the prompt
             if r.get("role") not in ("user", "assistant") or not isinstance(r.get("text"), str):
                 raise ValueError(f"a record needs role 'user' or 'assistant' and a str text, got {r!r:.200}")
             sender = r.get("sender")

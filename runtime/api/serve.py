@@ -33,6 +33,7 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import os
 import secrets
 import threading
@@ -275,13 +276,23 @@ def plan_turn(history: list[dict], req: ChatRequest, named: bool) -> Plan:
     return Plan(last[1], last[2], (), records, req.system if new_system else None)
 
 
+def check_server_options(max_agents, default_max_tokens, turn_timeout) -> None:
+    """Raise ValueError unless `max_agents` and `default_max_tokens` are ints >= 1 and `turn_timeout` a finite
+    number > 0: a server with another would refuse every request, blaming its clients."""
+    for name, value in (("max_agents", max_agents), ("max_tokens", default_max_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if isinstance(turn_timeout, bool) or not isinstance(turn_timeout, (int, float)) or not (
+            math.isfinite(turn_timeout) and turn_timeout > 0):
+        raise ValueError(f"turn_timeout must be a finite number of seconds > 0, got {turn_timeout!r}")
+
+
 class Server:
     """The HTTP layer's state over one Runtime: agent locks, the running-agent LRU, the routes."""
 
     def __init__(self, rt: Runtime, model_id: str, *, api_key: str | None = None, max_agents: int = 256,
                  default_max_tokens: int = 512, turn_timeout: float = 600.0):
-        if max_agents < 1:
-            raise ValueError(f"max_agents must be at least 1, got {max_agents}")
+        check_server_options(max_agents, default_max_tokens, turn_timeout)
         self.rt, self.model_id, self.api_key = rt, model_id, api_key
         self.max_agents, self.default_max_tokens, self.turn_timeout = max_agents, default_max_tokens, turn_timeout
         self.started = int(time.time())
@@ -627,6 +638,9 @@ def serve(model=None, cache_dir=None, host: str = "127.0.0.1", port: int = 8000,
     """Run `kvactors serve` until interrupted: a Runtime on `model` over `cache_dir`, served by uvicorn."""
     import uvicorn
 
+    check_server_options(max_agents, default_max_tokens, turn_timeout)  # before the model loads
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port must be 0 to 65535, got {port}")
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         log.warning("serving on %s without --api-key: anyone who can reach it can use and forget your agents", host)
     with Runtime(model=model, cache_dir=cache_dir, **runtime_options) as rt:
