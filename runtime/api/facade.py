@@ -82,8 +82,8 @@ class RuntimeClosed(KvactorsError, RuntimeError):
 
 
 class WaitTimeout(KvactorsError, TimeoutError):
-    """A wait on the Runtime's files (`flush`, `forget`, `agents`, `spawn`'s checks) ran past its `timeout`; the
-    work goes on: call again to wait longer."""
+    """A wait on the Runtime (`flush`, `forget`, `agents`, `engine_stats`, `spawn`'s look at the stored agent) ran
+    past its `timeout`; the work goes on: call again to wait longer."""
 
 
 class SystemPromptChanged(KvactorsError, ValueError):
@@ -847,8 +847,15 @@ class Runtime:
                        timeout=timeout) for a in group]
 
     def engine_stats(self, timeout: float = 10.0):
-        """A snapshot of the engine's `EngineStats` (decode step and prefill chunk times), for profiles."""
-        return self._env.batcher().ask(_STATS, timeout=timeout)
+        """A snapshot of the engine's `EngineStats` (decode step and prefill chunk times), for profiles.
+
+        The batcher answers between steps: WaitTimeout if it has not within `timeout` seconds."""
+        _positive("timeout", timeout)
+        try:
+            return self._env.batcher().ask(_STATS, timeout=timeout)
+        except pykka.Timeout:
+            raise WaitTimeout(f"the batcher did not answer within {timeout} s (busy with a long step?); "
+                              "call again") from None
 
     @property
     def dead_letters(self) -> list[DeadLetter]:
