@@ -302,9 +302,11 @@ def inspect_table(cache_dir) -> str:
 
     Each table is titled `model <model id> (<fingerprint>)`, or just the fingerprint when
     the folder has no `model.json` (made before kvactors recorded it). Reads every file
-    (checksums included); changes nothing.
+    (checksums included); changes nothing. Raises NotADirectoryError for a path that is a file.
     """
     root = Path(cache_dir).expanduser()
+    if root.exists() and not root.is_dir():
+        raise NotADirectoryError(f"{root} is a file, not a cache folder")
     if not root.is_dir():
         return f"{root}: no such folder (no agents stored yet)"
     models: dict[str, list[Path]] = {}

@@ -44,7 +44,8 @@ def test_bad_values_argparse_cannot_check_get_one_line_and_exit_2(tmp_path):
                        (("serve", "--model", "tiny", "--turn-timeout", "-1"), "turn_timeout must be"),
                        (("serve", "--model", "tiny", "--port", "99999"), "port must be 0 to 65535"),
                        (("demo", "--model", "tiny", "--kv-scheme", "bogus", "--cache-dir", tmp_path / "d"),
-                        "KV scheme names look like")):
+                        "KV scheme names look like"),
+                       (("inspect", Path(__file__)), "is a file, not a cache folder")):
         out = kvactors(*args)
         assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr, out.stderr
 
