@@ -52,9 +52,19 @@ def test_a_reset_to_no_system_prompt_survives_a_restart(tmp_path):
 def test_reset_refuses_malformed_records_in_the_caller(tmp_path):
     with Runtime(cache_dir=tmp_path) as rt:
         a = rt.spawn("strict")
-        for bad in ([{"role": "system", "text": "x"}], [{"role": "user"}], [{"role": "user", "text": "x", "sender": 3}]):
+        for bad in ([{"role": "tool", "text": "x"}], [{"role": "user"}], [{"role": "user", "text": "x", "sender": 3}],
+                    [{"role": "system", "text": 3}]):
             with pytest.raises(ValueError):
                 a.reset(bad)
+        with pytest.raises(ValueError, match="give one of them"):  # two prompts: which one?
+            a.reset([{"role": "system", "text": "x"}], system="y")
+        a.ask("Hello.", max_tokens=2)
+        kept = a.history()
+        a.reset(kept).get(timeout=60)  # history()'s own shape: the same conversation again
+        assert [(r["role"], r["text"]) for r in a.history() if r["role"] != "system"] == [
+            (r["role"], r["text"]) for r in kept if r["role"] != "system"]
+        a.reset([{"role": "system", "text": "You are new."}]).get(timeout=60)
+        assert [(r["role"], r["text"]) for r in a.history()] == [("system", "You are new.")]
         with pytest.raises(ValueError):
             a.note("")
 

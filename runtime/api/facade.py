@@ -589,8 +589,9 @@ class AgentRef:
         """Start the conversation over from `records`; return a future that resolves (to None) once durable.
 
         `records` are {"role": "user" | "assistant", "text": str, "sender": str | None}
-        dicts, oldest first (the shape `history()` returns; its system records are skipped:
-        `system` replaces the system prompt, None keeps it). Queued after the agent's pending
+        dicts, oldest first (the shape `history()` returns). `system` replaces the system
+        prompt; None keeps it, unless `records` hold a system record (as `history()` does):
+        then the last one's text is the prompt (ValueError if `system` says another). Queued after the agent's pending
         work. The journal keeps the old conversation; `history()` shows only the new one. The
         cache is kept and the next turn reuses the prefix of it that the new conversation still
         renders to, where that prefix is most of the cached text (`runtime.prefix`: 80%; else
@@ -599,10 +600,15 @@ class AgentRef:
         """
         if not isinstance(records, (list, tuple)) or not all(isinstance(r, dict) for r in records):
             raise TypeError(f"records must be a list of dicts (the shape history() returns), got {records!r:.100}")
-        clean = []
+        clean, prompts = [], [r.get("text") for r in records if r.get("role") == "system"]
+        if prompts:  # history()'s shape: its system record says the prompt
+            if not isinstance(prompts[-1], str) or system not in (None, prompts[-1]):
+                raise ValueError(f"records say the system prompt is {prompts[-1]!r:.100} and system= says {system!r:.100}; "
+                                 "give one of them")
+            system = prompts[-1]
         for r in records:
             if r.get("role") == "system":
-                continue  # as history() holds it: `system` says the prompt
+                continue
             if r.get("role") not in ("user", "assistant") or not isinstance(r.get("text"), str):
                 raise ValueError(f"a record needs role 'user' or 'assistant' and a str text, got {r!r:.200}")
             sender = r.get("sender")
