@@ -70,12 +70,13 @@ class Turn:
     `on_token`, if given, is called with each new piece of detokenized text, and
     `on_progress` with (tokens prefilled, tokens to prefill) after each prefill
     chunk, both on the engine's thread: keep them short and never block in them.
-    An exception in either (or in `cancel`) fails this turn only, with `CallbackFailed`. `cancel`, if given, is asked after
-    each generated token; once it returns True the turn finishes with what it has,
-    finish reason "cancelled". `abandoned`, if given, says the caller is gone (it
-    already got an error): it is asked before each prefill chunk and after each token,
-    and once True the turn is dropped with no result (`TurnAbandoned`), freeing its place (its share of the
-    memory budget once the batch filters it out, see `Engine._drop_finished`).
+    An exception in either (or in `cancel`) fails this turn only, with `CallbackFailed`.
+    `cancel`, if given, is asked after each generated token; once it returns True the
+    turn finishes with what it has, finish reason "cancelled". `abandoned`, if given,
+    says the caller is gone (it already got an error): it is asked before each prefill
+    chunk and after each token, and once True the turn is dropped with no result
+    (`TurnAbandoned`), freeing its place (and its share of the memory budget once the
+    batch filters it out, see `Engine._drop_finished`).
     """
 
     turn_id: str
@@ -204,7 +205,7 @@ class _Row:
     first_token: float = 0.0
     prefill_s: float = 0.0
     key: object = None
-    finished: bool = False  # ended (its cache handed over, or it failed); still a row of the batch until Engine._drop_finished
+    finished: bool = False  # ended (cache handed over, or failed); a row of the batch until Engine._drop_finished
 
 
 def device_memory() -> int:
