@@ -40,13 +40,12 @@ import logging
 import threading
 import time
 import uuid
-from pathlib import Path
 
 from actors.agent import AgentCrashed, Ask, Lookup, Note, Reset, UnknownAgent
 from runtime import store
 from runtime.api import rayhost
-from runtime.api.facade import (DEFAULT_CACHE_DIR, AgentInfo, AgentRef, DeadLetter, Runtime, RuntimeClosed, _check_options,
-                                _choice)
+from runtime.api.facade import (AgentInfo, AgentRef, DeadLetter, Runtime, RuntimeClosed, _check_options, _choice,
+                                cache_folder)
 from runtime.engine import CallbackFailed
 from runtime.errors import KvactorsError
 from runtime.kvscheme import from_options as scheme_from_options
@@ -110,9 +109,7 @@ class ClusterRuntime:
                            if k not in ("self", "model", "cache_dir", "cluster", "address")}
         scheme_from_options(runtime_options["kv_bits"], runtime_options["kv_group_size"], runtime_options["kv_scheme"])
         _check_options(**{k: runtime_options[k] for k in inspect.signature(_check_options).parameters})
-        if isinstance(cache_dir, str) and not cache_dir.strip():
-            raise ValueError("cache_dir is empty: give a folder, or None for the default (~/.cache/kvactors/agents)")
-        self.cache_dir = Path(cache_dir or DEFAULT_CACHE_DIR).expanduser()
+        self.cache_dir = cache_folder(cache_dir)
         self._ray, self._owns_ray, self._closed = ray, False, False
         self._lock = threading.RLock()  # placement: held while agents move
         self._names: list[str] = []

@@ -591,8 +591,8 @@ class AgentRef:
         `records` are {"role": "user" | "assistant", "text": str, "sender": str | None}
         dicts, oldest first (the shape `history()` returns). `system` replaces the system
         prompt; None keeps it, unless `records` hold a system record (as `history()` does):
-        then the last one's text is the prompt (ValueError if `system` says another). Queued after the agent's pending
-        work. The journal keeps the old conversation; `history()` shows only the new one. The
+        then the last one's text is the prompt (ValueError if `system` says another).
+        Queued after the agent's pending work. The journal keeps the old conversation; `history()` shows only the new one. The
         cache is kept and the next turn reuses the prefix of it that the new conversation still
         renders to, where that prefix is most of the cached text (`runtime.prefix`: 80%; else
         the turn re-prefills). Raises ValueError for a malformed record, TypeError for records
@@ -682,9 +682,7 @@ class Runtime:
         self._escalation: tuple | None = None
         self._on_escalate = on_escalate
         self._names: list[str] = []
-        if isinstance(cache_dir, str) and not cache_dir.strip():
-            raise ValueError("cache_dir is empty: give a folder, or None for the default (~/.cache/kvactors/agents)")
-        self.cache_dir = Path(cache_dir or DEFAULT_CACHE_DIR).expanduser()
+        self.cache_dir = cache_folder(cache_dir)
         self.model, self.tokenizer, self.spec = load_model(model, scheme)
         context = getattr(getattr(self.model, "args", None), "max_position_embeddings", None)
         self.max_context = context if isinstance(context, int) else None  # the model's positions, when it says
@@ -1057,6 +1055,13 @@ def _at_least(name: str, value, least, kind=(int, float)) -> None:
     _number(name, value, kind)
     if not value >= least:
         raise ValueError(f"{name} must be >= {least}, got {value}")
+
+
+def cache_folder(cache_dir) -> Path:
+    """The folder `cache_dir` names (None: DEFAULT_CACHE_DIR), `~` expanded; ValueError for an empty string."""
+    if isinstance(cache_dir, str) and not cache_dir.strip():
+        raise ValueError(f"cache_dir is empty: give a folder, or None for the default ({DEFAULT_CACHE_DIR})")
+    return Path(cache_dir or DEFAULT_CACHE_DIR).expanduser()
 
 
 def _positive(name: str, value) -> None:

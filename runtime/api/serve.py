@@ -33,7 +33,6 @@ import hashlib
 import hmac
 import json
 import logging
-import math
 import os
 import secrets
 import threading
@@ -50,6 +49,7 @@ from starlette.routing import Route
 
 from runtime import (AgentCrashed, JournalError, Reply, Runtime, RuntimeClosed, RuntimeEscalated, SystemPromptChanged,
                      TurnNotSaved, TurnTimeout, TurnTooLarge, TurnTooLong, UnknownAgent, WaitTimeout)
+from runtime.api.facade import _number as _check_number, _positive
 from runtime.errors import KvactorsError
 from runtime.store import InvalidAgentId, check_agent_id, conversation_prompt
 
@@ -277,14 +277,14 @@ def plan_turn(history: list[dict], req: ChatRequest, named: bool) -> Plan:
 
 
 def check_server_options(max_agents, default_max_tokens, turn_timeout) -> None:
-    """Raise ValueError unless `max_agents` and `default_max_tokens` are ints >= 1 and `turn_timeout` a finite
-    number > 0: a server with another would refuse every request, blaming its clients."""
+    """Raise TypeError or ValueError unless `max_agents` and `default_max_tokens` are ints >= 1 and `turn_timeout`
+    a finite number > 0 (the Runtime's own checks): a server with another would refuse every request, blaming
+    its clients."""
     for name, value in (("max_agents", max_agents), ("max_tokens", default_max_tokens)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        _check_number(name, value, int)
+        if value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    if isinstance(turn_timeout, bool) or not isinstance(turn_timeout, (int, float)) or not (
-            math.isfinite(turn_timeout) and turn_timeout > 0):
-        raise ValueError(f"turn_timeout must be a finite number of seconds > 0, got {turn_timeout!r}")
+    _positive("turn_timeout", turn_timeout)
 
 
 class Server:
