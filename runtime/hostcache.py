@@ -13,6 +13,7 @@ later token): prefix matching only cuts where it is >= 0.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -142,15 +143,20 @@ def cache_to_host(cache, start: int = 0) -> HostCache:
 def _to_numpy(arrays: dict) -> dict:
     """Evaluated copies of MLX `arrays` as numpy arrays, moved off the device in pieces of about PIECE_BYTES.
 
-    One evaluation for all of them: each evaluation on the writer's thread waits for
-    the device's queue (a decode step is usually in flight). Few transfers: each has
-    its own fixed cost, so a 32-layer cache copied tensor by tensor (192 of each) took
-    tens of milliseconds longer per write on an H100. The transfer itself is an
-    operation on MLX's CPU stream, which reads each piece into host memory inside
-    the evaluation, without the GIL; numpy then views the result. Asked for the
-    buffer of a device array, MLX-CUDA would make that transfer inside numpy's
-    request, with the GIL held, stopping every other Python thread (the engine's
-    included) for as long. Pieces bound the extra device memory the copy takes.
+    Each piece is gathered into one buffer on a stream of the copying thread's own
+    (`_copy_stream`), so it does not wait behind the engine's queued steps, and read
+    into host memory by an operation on MLX's CPU stream, inside the evaluation and
+    without the GIL; numpy then views the result. Asked for the buffer of a device
+    array, MLX-CUDA would make that transfer inside numpy's request with the GIL held,
+    stopping every other Python thread (the engine's included) for as long.
+
+    The pieces are evaluated one at a time. Evaluated together, the copy of a whole
+    cache held back the engine's work until it ended: on an H100 a hot turn asked right
+    after a 16K-token cold turn took 0.29 s (its cache of 740 MB being copied) against
+    0.03 s one piece at a time, which costs the copy about half its rate
+    (`benchmarks/copy_interference.py`). Few pieces: each has its own fixed cost, so a
+    32-layer cache copied tensor by tensor (192 of each) took tens of milliseconds
+    longer per write on an H100. Pieces also bound the extra device memory a copy takes.
     """
     import mlx.core as mx
 
@@ -161,12 +167,14 @@ def _to_numpy(arrays: dict) -> dict:
             size = 0
         groups[-1].append(name)
         size += x.nbytes
-    zero = mx.array(0, mx.uint8)
-    blobs = [mx.add(mx.concatenate([arrays[n].reshape(-1).view(mx.uint8) for n in group]), zero, stream=mx.cpu)
-             for group in groups if group]
-    mx.eval(blobs)
+    zero, stream = mx.array(0, mx.uint8), _copy_stream()
     out = {}
-    for group, blob in zip(groups, blobs):
+    for group in groups:
+        if not group:
+            continue
+        gathered = mx.concatenate([arrays[n].reshape(-1).view(mx.uint8) for n in group], stream=stream)
+        blob = mx.add(gathered, zero, stream=mx.cpu)
+        mx.eval(blob)
         data = np.asarray(blob)
         at = 0
         for name in group:
@@ -174,6 +182,18 @@ def _to_numpy(arrays: dict) -> dict:
             out[name] = data[at: at + x.nbytes].view(np.dtype(str(x.dtype).removeprefix("mlx.core."))).reshape(x.shape)
             at += x.nbytes
     return out
+
+
+_streams = threading.local()
+
+
+def _copy_stream():
+    """The calling thread's own stream on the default device, made at its first copy (MLX streams are per thread)."""
+    import mlx.core as mx
+
+    if getattr(_streams, "stream", None) is None:
+        _streams.stream = mx.new_stream(mx.default_device())
+    return _streams.stream
 
 
 def _layers(cache) -> tuple[int, KVScheme, list[int]]:

@@ -1,0 +1,112 @@
+"""Decode steps while another thread copies a cache to the host, as the cache writer does for each finished turn.
+
+An engine decodes --rows rows at --context tokens of context. In phase "copy" a second
+thread copies a per-agent cache of --copy-tokens tokens to the host in a loop
+(`hostcache.cache_to_host`, the cache writer's work before it writes a file); in phase
+"idle" it does nothing. Phases alternate --rounds times, --steps decode steps each. For
+each phase: the steps' p50, p99 and max, the mean time a step waited for the device and
+spent queueing its graph (`DecodeStep`), and the copies made per second. A step that gets
+slower only while the copy runs is the copy's doing, whichever way it interferes (the
+device's queue, the allocator, the driver, the GIL).
+
+    python -m benchmarks.copy_interference                                              # CPU, tiny model
+    python -m benchmarks.copy_interference --model llama-8b-shape --context 4096 --copy-tokens 2300   # GPU
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+
+import mlx.core as mx
+
+from benchmarks.batching import agent_turns
+from benchmarks.common import bench_parser, environment, load_bench_model, write_results
+from runtime.engine import Engine, Turn
+from runtime.hostcache import cache_to_host
+
+COLUMNS = ["phase", "steps", "p50_ms", "p99_ms", "max_ms", "wait_ms", "queue_ms", "copies_per_s", "copy_MB"]
+
+
+def copier(cache, stop: threading.Event, done: list):
+    """Copy `cache` to the host until `stop` is set; append each copy's seconds to `done`."""
+    while not stop.is_set():
+        t0 = time.perf_counter()
+        cache_to_host(cache)
+        done.append(time.perf_counter() - t0)
+
+
+def phase(engine, steps: int, cache=None) -> tuple[list, list]:
+    """(DecodeSteps, copy seconds) of `steps` engine steps, with `cache` copied meanwhile unless None."""
+    stop, done = threading.Event(), []
+    thread = None if cache is None else threading.Thread(target=copier, args=(cache, stop, done), daemon=True)
+    if thread:
+        thread.start()
+        time.sleep(0.05)  # the copier is under way
+    first = len(engine.stats.decode_steps)
+    for _ in range(steps):
+        engine.step()
+    if thread:
+        stop.set()
+        thread.join()
+    return list(engine.stats.decode_steps)[first:], done
+
+
+def summary(name: str, steps: list, copies: list, seconds: float, copy_mb: float) -> dict:
+    totals = sorted(s.total_s * 1e3 for s in steps)
+    return dict(
+        phase=name, steps=len(totals), p50_ms=round(statistics.median(totals), 2),
+        p99_ms=round(totals[min(len(totals) - 1, int(0.99 * len(totals)))], 2), max_ms=round(totals[-1], 2),
+        wait_ms=round(statistics.mean(s.wait_s for s in steps) * 1e3, 2),
+        queue_ms=round(statistics.mean(s.queue_s for s in steps) * 1e3, 2),
+        copies_per_s=round(len(copies) / seconds, 1), copy_MB=round(copy_mb, 1),
+    )
+
+
+def main(argv=None):
+    p = bench_parser(__doc__)
+    p.add_argument("--rows", type=int, default=5)
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--copy-tokens", type=int, default=512)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args(argv)
+    env = environment()
+    print(env)
+    model, tokenizer, spec = load_bench_model(args.model)
+    vocab = model.args.vocab_size
+    engine = Engine(model, tokenizer, spec, max_batch=args.rows)
+    engine.warmup()
+    engine.submit(Turn("copied", "copied", None, agent_turns(1, args.copy_tokens, 1, vocab, seed=7)[0].tokens,
+                       max_tokens=1))
+    cache = None
+    while engine.has_work():
+        for r in engine.step():
+            cache = r.cache
+    copy_mb = sum(x.nbytes for x in cache_to_host(cache).tensors.values()) / 1e6
+    rows = agent_turns(args.rows, args.context, 2 * args.rounds * args.steps + 64, vocab)
+    for t in rows:
+        engine.submit(t)
+    while len(engine.decoding) < args.rows:
+        engine.step()
+    for _ in range(10):
+        engine.step()
+    mx.synchronize()
+    results = {"idle": ([], [], 0.0), "copy": ([], [], 0.0)}
+    for _ in range(args.rounds):
+        for name in ("idle", "copy"):
+            t0 = time.perf_counter()
+            steps, copies = phase(engine, args.steps, cache if name == "copy" else None)
+            s, c, secs = results[name]
+            results[name] = (s + steps, c + copies, secs + time.perf_counter() - t0)
+    out = [summary(name, s, c, secs, copy_mb) for name, (s, c, secs) in results.items()]
+    for row in out:
+        print(row)
+    notes = (f"model {args.model}; {args.rows} rows decoding at {args.context} tokens of context; the copied cache "
+             f"holds {args.copy_tokens} tokens; {args.rounds} rounds of {args.steps} steps a phase, alternating.")
+    write_results(args.name or f"copy_interference-{args.model}", env, out, COLUMNS, args.out, notes)
+
+
+if __name__ == "__main__":
+    main()
