@@ -143,6 +143,37 @@ def test_a_cache_leaves_the_device_in_pieces_bit_exactly(tmp_path, monkeypatch, 
     assert_same_cache(cache, store.host_to_cache(store.load_cache(tmp_path, SPEC, "agent-1")[0]))
 
 
+def test_caches_copied_from_several_threads_each_use_their_own_stream(monkeypatch):
+    """The pieces are gathered on a stream of the copying thread's own (MLX streams belong to the thread that made
+    them: another thread's stream raises there); copies from a pool of threads, each at once and again, are the
+    same as one from this thread, and each piece is evaluated on its own, after the one before is on the host."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from runtime import hostcache
+
+    cache = q4_cache(100, dtype=mx.bfloat16, seed=5)
+    monkeypatch.setattr(hostcache, "PIECE_BYTES", 900)  # 8 pieces
+    evaluated, to_numpy, evaluate = [], hostcache.np.asarray, mx.eval
+    monkeypatch.setattr(hostcache.np, "asarray", lambda a, *args, **kw: evaluated.append("host") or to_numpy(a, *args, **kw))
+    monkeypatch.setattr(mx, "eval", lambda *a: evaluated.append("eval") or evaluate(*a))
+    here = store.cache_to_host(cache)
+    assert evaluated == ["eval", "host"] * 8
+    with ThreadPoolExecutor(3) as pool:
+        copies = list(pool.map(lambda _: store.cache_to_host(cache), range(9)))
+        together = threading.Barrier(3)  # three threads at once: three streams
+
+        def stream(_):
+            together.wait()
+            return str(hostcache._copy_stream())
+
+        streams = set(pool.map(stream, range(3)))
+    assert len(streams) == 3 and str(hostcache._copy_stream()) not in streams
+    for host in copies:
+        assert host.tensors.keys() == here.tensors.keys()
+        assert all(np.array_equal(host.tensors[k], here.tensors[k]) for k in here.tensors)
+
+
 def test_special_scale_values_survive_in_bfloat16(tmp_path):
     cache = q4_cache(3, dtype=mx.bfloat16)
     special = mx.array([float("nan"), -0.0, float("inf"), 1e-40], dtype=mx.bfloat16)  # 1e-40: subnormal
