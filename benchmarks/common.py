@@ -190,6 +190,11 @@ def _fmt(v):
     return str(v)
 
 
+def ranked(values: list, q: float):
+    """The value at rank `q` (0..1) of `values`, sorted ascending: the decode-step percentiles' one rule."""
+    return values[min(len(values) - 1, int(len(values) * q))]
+
+
 def timed(fn, *args):
     """(seconds, result) of fn(*args), with everything it returns evaluated."""
     mx.synchronize()

@@ -22,7 +22,7 @@ import time
 import mlx.core as mx
 
 from benchmarks.batching import agent_turns
-from benchmarks.common import bench_parser, environment, load_bench_model, write_results
+from benchmarks.common import bench_parser, environment, load_bench_model, ranked, write_results
 from runtime.engine import Engine, Turn
 from runtime.hostcache import cache_to_host
 
@@ -57,7 +57,7 @@ def summary(name: str, steps: list, copies: list, seconds: float, copy_mb: float
     totals = sorted(s.total_s * 1e3 for s in steps)
     return dict(
         phase=name, steps=len(totals), p50_ms=round(statistics.median(totals), 2),
-        p99_ms=round(totals[min(len(totals) - 1, int(0.99 * len(totals)))], 2), max_ms=round(totals[-1], 2),
+        p99_ms=round(ranked(totals, 0.99), 2), max_ms=round(totals[-1], 2),
         wait_ms=round(statistics.mean(s.wait_s for s in steps) * 1e3, 2),
         queue_ms=round(statistics.mean(s.queue_s for s in steps) * 1e3, 2),
         copies_per_s=round(len(copies) / seconds, 1), copy_MB=round(copy_mb, 1),

@@ -30,7 +30,7 @@ import mlx_lm
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
-from benchmarks.common import bench_parser, bench_model_folder, environment, plot_lines, write_results
+from benchmarks.common import bench_parser, bench_model_folder, environment, plot_lines, ranked, write_results
 from benchmarks.cuda_calls import CudaCalls
 from benchmarks.sampler import StackSampler
 from benchmarks.ttft import long_text
@@ -99,7 +99,7 @@ def engine_profile(stats_list, seen=()) -> dict:
     hot = [c for c in chunks if c[1] > 0]
     return dict(
         decode_steps=len(steps), decode_s=sum(totals), mean_batch=statistics.mean(s.rows for s in steps) if steps else 0,
-        step_p50_ms=totals[len(totals) // 2] * 1e3, step_p99_ms=totals[min(len(totals) - 1, int(len(totals) * 0.99))] * 1e3,
+        step_p50_ms=ranked(totals, 0.5) * 1e3, step_p99_ms=ranked(totals, 0.99) * 1e3,
         build_p50_ms=statistics.median(s.build_s for s in steps) * 1e3 if steps else 0,
         # steps by what changed in the batch before them (EngineStats): count, p50 and max ms
         steps_by_change={k: [len(v), round(statistics.median(s.total_s for s in v) * 1e3, 2),
