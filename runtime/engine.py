@@ -707,9 +707,9 @@ class Engine:
             self._drop_finished()
         return results
 
-    def _drop_finished(self, queue: bool = True) -> bool:
-        """Filter the finished rows out of the batch (and queue that for the device unless `queue` is off: the
-        caller changes the batch again and queues both); return whether there were any.
+    def _drop_finished(self, queue: bool = True) -> None:
+        """Filter the finished rows out of the batch, if any (and queue that for the device unless `queue` is off:
+        the caller changes the batch again and queues both).
 
         A finished row stays in the batch (each step computes it and ignores its token)
         until the batch changes shape anyway (a join), until finished rows outnumber
@@ -719,18 +719,17 @@ class Engine:
         """
         keep = [i for i, r in enumerate(self._rows) if not r.finished]
         if len(keep) == len(self._rows):
-            return False
+            return
         self._rows = [self._rows[i] for i in keep]
         self._changes.add("leave")
         if not keep:
             self.batch = self._next = None
-            return True
+            return
         filter_cache(self.batch, keep)
         if self._next is not None:
             self._next = self._next[mx.array(keep)]
         if queue:
             self._queue_surgery()
-        return True
 
     def _add_token(self, row, token) -> str | None:
         turn = row.turn
