@@ -24,6 +24,10 @@ a model loaded elsewhere in the process is untouched) to subclasses that:
   float16 and bfloat16 inputs of the weights' scale type go there
   (`qgemv.INPUT_DTYPES`); others take MLX's kernel.
 
+Float mixture-of-experts projections (mlx-lm's `SwitchLinear`) get inputs with the
+standard strides that MLX-CUDA's expert-sorted `gather_mm` needs to read them right
+(`RowStridedSwitchLinear`).
+
 It also gives decoder layers a compiled decode path, so that MLX replays a
 recorded graph instead of Python building its ops every step: mlx-lm's llama
 blocks whole except the cache update and attention (`compile_blocks`), other
@@ -55,6 +59,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models import llama
 from mlx_lm.models.base import scaled_dot_product_attention
+from mlx_lm.models.switch_layers import SwitchLinear
 
 from runtime import qgemm, qgemv
 from runtime.attention import RowRange
@@ -176,22 +181,55 @@ class FlatQuantizedEmbedding(nn.QuantizedEmbedding):
 _SWAPS = {nn.QuantizedLinear: FlatQuantizedLinear, nn.QuantizedEmbedding: FlatQuantizedEmbedding}
 
 
+class RowStridedSwitchLinear(SwitchLinear):
+    """A mixture-of-experts `SwitchLinear` (16- or 32-bit experts) whose `gather_mm` input has standard strides.
+
+    MLX-CUDA's `gather_mm` for expert-sorted rows (mlx 0.32.4; mlx-lm's `SwitchGLU` sorts
+    rows once a call has 64 or more) steps from row to row by the stride of the input's
+    singleton axis (..., 1, K). An `expand_dims` view leaves that stride at 1, and an
+    elementwise op that reuses such a view's buffer hands it on: mlx-lm's bias add
+    (`x + expand_dims(bias[indices], -2)`) does so whenever MLX's buffer cache gave the
+    other operand a larger buffer. Then every row of an expert's group after the first
+    is read from the wrong place, and a float MoE model's prefill goes wrong, depending
+    on what ran earlier in the process. Reshaping through (-1, K) gives the axis the
+    stride K, with no copy; the product is the same.
+    """
+
+    def __call__(self, x, indices, sorted_indices=False):
+        return super().__call__(x.reshape(-1, x.shape[-1]).reshape(x.shape), indices, sorted_indices)
+
+
+def mend_switch_linears(model) -> int:
+    """Make `model`'s own `SwitchLinear` instances `RowStridedSwitchLinear`; return how many. Idempotent.
+
+    Exact on every backend; `prepare_model` does it on CUDA, where MLX needs it.
+    """
+    changed = 0
+    for module in model.modules():
+        if type(module) is SwitchLinear:
+            module.__class__ = RowStridedSwitchLinear
+        if type(module) is RowStridedSwitchLinear:
+            changed += 1
+    return changed
+
+
 def prepare_model(model, force: bool = False, gemv: bool | None = None, dense: bool | None = None,
                   compile_decode: bool | None = None) -> int:
-    """Prepare `model`'s quantized layers for batched decoding; return how many were changed.
+    """Prepare `model`'s quantized (and float expert) layers for batched decoding; return how many were changed.
 
     Does nothing off CUDA unless `force`. `gemv` (default: on CUDA) routes 1..16-row
     inputs of 4-bit layers through `qgemv` and larger ones below DENSE_ROWS through `qgemm`; `dense` (default: on CUDA) multiplies inputs
     of DENSE_ROWS rows or more by the dequantized weight; `compile_decode` (default: on
     CUDA) gives the decoder layers a compiled decode path: llama blocks whole, around
     the cache (`compile_blocks`), other layers their MLP (`compile_mlps`). Idempotent.
+    Float mixture-of-experts layers get inputs MLX-CUDA reads right (`mend_switch_linears`).
     Other layer types are left as they are.
     """
     cuda = qgemv.available()
     if not (cuda or force):
         return 0
     gemv = cuda if gemv is None else gemv
-    changed = 0
+    changed = mend_switch_linears(model)
     for module in model.modules():
         flat = _SWAPS.get(type(module))
         if flat is None and type(module) not in _SWAPS.values():

@@ -52,17 +52,23 @@ def tiny_model_path(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def load_tiny(tiny_model_path):
-    """``load_tiny(arch="llama") -> (model, tokenizer)`` via ``mlx_lm.load``, cached.
+    """``load_tiny(arch="llama") -> (model, tokenizer)`` via ``mlx_lm.load``, cached; on CUDA with
+    float expert layers mended as `load_model` does there (MLX-CUDA misreads gpt_oss's otherwise).
 
     The objects are shared across tests: do not mutate the model.
     """
     import mlx_lm
+
+    from runtime import qgemv
+    from runtime.prepare import mend_switch_linears
 
     loaded = {}
 
     def get(arch="llama"):
         if arch not in loaded:
             loaded[arch] = mlx_lm.load(str(tiny_model_path(arch)))
+            if qgemv.available():
+                mend_switch_linears(loaded[arch][0])
         return loaded[arch]
 
     return get

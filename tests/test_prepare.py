@@ -355,3 +355,37 @@ def test_a_compiled_block_runs_a_short_chunks_qkv_and_gate_up_as_one_launch_each
     got = model(tokens, cache=merge_caches(spec, [None, None], "q4kernel")).astype(mx.float32)
     assert calls.count(3) == calls.count(2) == len(model.layers)
     assert (mx.abs(got - want).max() / mx.abs(want).max()).item() < 2e-2
+
+
+def test_float_expert_layers_are_mended_and_compute_the_same(tiny_model_path):
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    from runtime.prepare import RowStridedSwitchLinear
+
+    model, _ = mlx_lm.load(str(tiny_model_path("gpt_oss")))  # its own copy: it gets changed
+    tokens = mx.random.randint(3, 500, (1, 40), key=mx.random.key(2))  # 80 expert rows: the sorted path
+    before = model(tokens)
+    experts = [m for m in model.modules() if type(m) is SwitchLinear]
+    assert prepare_model(model, force=True, gemv=False, compile_decode=False) == len(experts) > 0
+    assert all(type(m) is RowStridedSwitchLinear for m in experts)
+    assert prepare_model(model, force=True, gemv=False, compile_decode=False) == len(experts)  # idempotent
+    if not qgemv.available():  # on CUDA `before` went through MLX's misread (see the test below)
+        assert mx.array_equal(model(tokens), before).item()
+
+
+@pytest.mark.skipif(not qgemv.available(), reason="CUDA only")
+def test_a_mended_expert_layer_reads_an_expand_dims_view_right():
+    # MLX-CUDA 0.32.4's sorted gather_mm steps between rows by the singleton axis's stride, 1 for this view
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    from runtime.prepare import RowStridedSwitchLinear
+
+    mx.random.seed(3)
+    layer = SwitchLinear(64, 96, num_experts=4, bias=True)
+    y = mx.random.normal((200, 64))
+    idx = mx.sort(mx.random.randint(0, 4, (200,)).astype(mx.uint32))
+    layer.__class__ = RowStridedSwitchLinear
+    got = layer(mx.expand_dims(y, -2), idx, sorted_indices=True)[:, 0]
+    w, b = layer["weight"], layer["bias"]
+    want = mx.stack([y[i] @ w[e].T + b[e] for i, e in enumerate(idx.tolist())])
+    assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item()
