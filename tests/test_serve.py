@@ -183,6 +183,41 @@ def test_malformed_bodies_and_unknown_routes_are_4xx_json(served):
     assert served.request("GET", "/health")[0] == 200
 
 
+def test_a_body_larger_than_any_request_the_model_can_hold_is_a_413_before_it_is_read(served):
+    import http.client
+
+    from runtime.api.serve import body_limit
+
+    limit = served.server.body_limit
+    assert limit == body_limit(served.rt) and limit > 12 * served.rt.max_context  # a full context's text fits
+
+    def post(headers, parts=()):
+        conn = http.client.HTTPConnection(served.url.removeprefix("http://"), timeout=60)
+        conn.putrequest("POST", "/v1/chat/completions")
+        for k, v in {"Content-Type": "application/json", **headers}.items():
+            conn.putheader(k, v)
+        conn.endheaders()
+        try:
+            for part in parts:
+                conn.send(b"%x\r\n%s\r\n" % (len(part), part))
+            conn.send(b"0\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the server answered and closed before the last bytes: it did not read them
+        r = conn.getresponse()
+        status, reply = r.status, json.loads(r.read())
+        conn.close()
+        return status, reply
+
+    status, reply = post({"Content-Length": str(limit + 1)})  # declared: refused without waiting for a byte
+    assert status == 413 and reply["error"]["code"] == "request_too_large" and str(limit) in reply["error"]["message"]
+    piece = b" " * (1 << 20)  # chunked, no length given: refused once the bytes read pass the limit
+    status, reply = post({"Transfer-Encoding": "chunked"}, [piece] * (limit // len(piece)) + [b" " * (limit % len(piece) + 1)])
+    assert status == 413 and reply["error"]["code"] == "request_too_large"
+    status, reply = post({"Transfer-Encoding": "chunked"}, [b'{"model": "kvactors-tiny", "messages": []}'])
+    assert status == 400  # a small chunked body is read and checked as before
+    assert served.request("GET", "/health")[0] == 200
+
+
 def test_native_agent_routes_spawn_send_to_history_and_forget(served):
     status, alice, _ = served.request("POST", "/v1/agents", {"name": "alice", "system": "You are Alice."})
     assert status == 200 and alice["system"] == "You are Alice." and alice["messages"] == []

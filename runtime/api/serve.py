@@ -24,6 +24,9 @@ to append: a stateful client sends only what is new.
 The response says which cache state served it: the headers `X-KV-Cache` (non-streaming)
 and `X-Agent-Id`, a top-level `kvactors` object {agent, cache, ttft_s, prefill_tokens},
 and `usage.prompt_tokens_details.cached_tokens`.
+
+A request body larger than any request the model's positions can hold is refused (413,
+`body_limit`) as it arrives, before it is read whole.
 """
 
 from __future__ import annotations
@@ -79,6 +82,23 @@ class ApiError(KvactorsError):
         """The JSON response: {"error": {"message", "type", "param", "code"}} with the status."""
         return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param,
                                        "code": self.code}}, status_code=self.status)
+
+
+BODY_SLACK = 1 << 20  # bytes a request body may hold beyond its text: field names, roles, the options
+
+
+def body_limit(rt: Runtime) -> int | None:
+    """The most bytes a request body may hold: 12 per character of the longest text the model can take
+    (a character escaped as JSON, a surrogate pair, is 12 bytes) plus BODY_SLACK; None (no limit) where the
+    tokenizer does not bound a text's characters by its positions (`Runtime.longest_token_chars`).
+
+    Any request whose messages fit the model's positions fits under it; a bigger body is refused
+    (413) before it is read whole.
+    """
+    longest, positions = rt.longest_token_chars, rt.max_context
+    if not (longest and positions):
+        return None
+    return 12 * positions * longest + BODY_SLACK
 
 
 def bad(message: str, param: str | None = None, code: str | None = "invalid_value") -> ApiError:
@@ -301,6 +321,7 @@ class Server:
         self._spawning = asyncio.Lock()
         self._tasks: set = set()
         self.cancelled = 0  # streamed turns cut short because their client hung up
+        self.body_limit = body_limit(rt)
 
     # -- agents ------------------------------------------------------------------
 
@@ -454,11 +475,27 @@ def error_for(e: BaseException) -> ApiError:
     return ApiError(500, f"internal error: {type(e).__name__}: {e}", None, "internal_error", "server_error")
 
 
-async def _json(request: Request):
+async def _json(request: Request, limit: int | None):
+    """The request's JSON body, read as it arrives and refused (413) once it passes `limit` bytes."""
+    declared = request.headers.get("content-length", "")
+    if limit is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if limit is not None and size > limit:
+            raise _too_large(size, limit)
+        parts.append(part)
     try:
-        return json.loads(await request.body())
+        return json.loads(b"".join(parts))
     except (ValueError, UnicodeDecodeError) as e:
         raise bad(f"the request body is not valid JSON: {e}", None, "invalid_json") from None
+
+
+def _too_large(size: int, limit: int) -> ApiError:
+    return ApiError(413, f"the request body has {size} bytes or more, over the {limit} that any request the "
+                         f"model's positions can hold needs; send less (only the new messages, to a named agent)",
+                    None, "request_too_large")
 
 
 def _agent_name(request: Request) -> str:
@@ -481,7 +518,7 @@ def routes(server: Server) -> list[Route]:
             {"id": server.model_id, "object": "model", "created": server.started, "owned_by": "kvactors"}]})
 
     async def chat(request):
-        req = parse_chat(await _json(request), request.headers.get("x-agent-id"))
+        req = parse_chat(await _json(request, server.body_limit), request.headers.get("x-agent-id"))
         limit, wanted = rt.max_context, req.max_tokens or server.default_max_tokens
         if limit is not None and wanted > limit:  # refused before a stream begins
             raise bad(f"max_tokens {wanted} is more than the model's {limit} positions", "max_tokens",
@@ -531,7 +568,7 @@ def routes(server: Server) -> list[Route]:
         return {"id": name, "object": "agent", "system": system, "messages": messages}
 
     async def spawn(request):
-        body = await _json(request)
+        body = await _json(request, server.body_limit)
         if not isinstance(body, dict) or not isinstance(body.get("name"), str):
             raise bad("give the agent a name: {\"name\": \"alice\", \"system\": \"...\"}", "name", "invalid_type")
         system = body.get("system", "")
@@ -557,7 +594,7 @@ def routes(server: Server) -> list[Route]:
 
     async def send_to(request):
         name = _agent_name(request)
-        body = await _json(request)
+        body = await _json(request, server.body_limit)
         if not isinstance(body, dict):
             raise bad("the request body must be a JSON object", None, "invalid_type")
         try:
