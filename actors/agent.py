@@ -82,6 +82,16 @@ class TurnTimeout(AgentCrashed):
     """
 
 
+class AgentStopped(AgentCrashed):
+    """The agent was stopped (`AgentRef.stop`, the Runtime's shutdown) before turn `turn_id` finished, or
+    before it started.
+
+    Nothing crashed, and the agent does not restart: the turn was not acknowledged and
+    is not in the history. Spawn the agent again and retry with the same turn id (if
+    the turn committed after all, the retry returns its reply).
+    """
+
+
 class TurnNotSaved(AgentCrashed):
     """Turn `turn_id` ran, but writing it to the journal failed (a full disk, an I/O error).
 
@@ -360,15 +370,15 @@ class AgentActor(SupervisedActor):
     def on_stop(self):
         # A stop can come while a turn is in flight or queued in `work`: answer them too.
         if self.current is not None:
-            self._abandon(self.current, AgentCrashed(self.current.turn_id, "the agent stopped before the turn finished"),
+            self._abandon(self.current, AgentStopped(self.current.turn_id, "the agent stopped before the turn finished"),
                           "the agent stopped while recording this note")
-        self._drop_work("the agent stopped before this message; retry it")
-        self._drain_inbox("the agent stopped")
+        self._drop_work("the agent stopped before this message; spawn it again and retry", AgentStopped)
+        self._drain_inbox("the agent stopped", AgentStopped)
 
-    def _drop_work(self, why):
-        # Items taken from the inbox but not started: fail the turns, dead-letter the notes.
+    def _drop_work(self, why, error=AgentCrashed):
+        # Items taken from the inbox but not started: fail the turns (with `error`), dead-letter the notes.
         for item in self.work:
-            self._abandon(item, AgentCrashed(item.turn_id, why), why)
+            self._abandon(item, error(item.turn_id, why), why)
         self.work.clear()
 
     def _abandon(self, item: _Item, error: AgentError, why: str):
@@ -382,15 +392,15 @@ class AgentActor(SupervisedActor):
         elif not answered:
             _fail(item.future, error)
 
-    def _drain_inbox(self, why):
+    def _drain_inbox(self, why, error=AgentCrashed):
         for msg in self.take_leftover(Ask, Note, Reset, Lookup):
             if isinstance(msg, Ask):
                 turn_id = msgpack.unpackb(msg.payload).get("turn_id")
-                _fail(msg.future, AgentCrashed(turn_id, f"{why} before this message; retry it"))
+                _fail(msg.future, error(turn_id, f"{why} before this message; retry it"))
             elif isinstance(msg, Lookup):
-                _fail(msg.future, AgentCrashed(msg.turn_id, f"{why} before this lookup; ask again"))
+                _fail(msg.future, error(msg.turn_id, f"{why} before this lookup; ask again"))
             elif isinstance(msg, Reset):
-                _fail(msg.future, AgentCrashed(None, f"{why} before this message; retry it"))
+                _fail(msg.future, error(None, f"{why} before this message; retry it"))
             elif isinstance(msg, Note):
                 _dead_letter(self.env, self.name, msg, why)
 

@@ -25,7 +25,7 @@ from runtime.errors import KvactorsError
 _EXPORTS = {
     "runtime.api.facade": ("Runtime", "AgentRef", "ReplyFuture", "DeadLetter", "AgentInfo",
                            "RuntimeEscalated", "RuntimeClosed", "SystemPromptChanged", "WaitTimeout"),
-    "actors.agent": ("Reply", "AgentError", "AgentCrashed", "TurnTimeout", "TurnNotSaved", "TurnTooLong",
+    "actors.agent": ("Reply", "AgentError", "AgentCrashed", "AgentStopped", "TurnTimeout", "TurnNotSaved", "TurnTooLong",
                      "UnknownAgent"),
     "actors.batcher": ("BatcherStopped", "BatcherCrashed"),
     "actors.supervisor": ("UnknownChild",),

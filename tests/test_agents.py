@@ -33,7 +33,7 @@ from actors import pykka_compat
 from actors.agent import Ask, AgentActor, Note, encode_message
 from actors.batcher import Submit
 from actors.supervisor import Backoff
-from runtime import (AgentCrashed, CallbackFailed, Reply, Runtime, RuntimeEscalated, TurnTimeout, TurnTooLong,
+from runtime import (AgentCrashed, AgentStopped, CallbackFailed, Reply, Runtime, RuntimeEscalated, TurnTimeout, TurnTooLong,
                      UnknownAgent, WaitTimeout, chat, store)
 from runtime.engine import Turn
 from runtime.api.facade import AgentRef
@@ -526,8 +526,9 @@ def test_stopping_an_agent_answers_its_pending_turns_and_dead_letters_its_pendin
         rt._env.notify("stop-alice", encode_message("A note.", sender="bob"))  # as bob's reply would
         alice.stop()
         for future in (running, queued):
-            with pytest.raises(AgentCrashed):
-                future.get(timeout=5)  # not left hanging
+            with pytest.raises(AgentStopped) as stopped:
+                future.get(timeout=5)  # not left hanging, and not reported as a crash
+            assert stopped.value.turn_id == future.turn_id and isinstance(stopped.value, AgentCrashed)
     notes = [note_of(d) for d in rt.dead_letters[n:] if d.recipient == "stop-alice"]
     assert [(m["sender"], m["text"]) for m in notes if m] == [("bob", "A note.")]
 

@@ -623,7 +623,12 @@ class AgentRef:
         return future
 
     def stop(self) -> None:
-        """Stop the agent for good (no restart); its durable state stays on disk."""
+        """Stop the agent for good (no restart); its durable state stays on disk.
+
+        Returns once it has stopped. A turn of its still running or waiting then fails with
+        `AgentStopped` (not acknowledged, not in the history), and its waiting notes go
+        to the dead letters.
+        """
         self.runtime._stop_agent(self.name)
 
 
