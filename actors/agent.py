@@ -83,8 +83,8 @@ class TurnTimeout(AgentCrashed):
 
 
 class AgentStopped(AgentCrashed):
-    """The agent was stopped (`AgentRef.stop`, the Runtime's shutdown) before turn `turn_id` finished, or
-    before it started.
+    """The agent was stopped by its user (`AgentRef.stop`, `Runtime.forget`, the Runtime's shutdown) before turn
+    `turn_id` finished, or before it started.
 
     Nothing crashed, and the agent does not restart: the turn was not acknowledged and
     is not in the history. Spawn the agent again and retry with the same turn id (if
@@ -368,12 +368,17 @@ class AgentActor(SupervisedActor):
         self._drain_inbox(why)
 
     def on_stop(self):
-        # A stop can come while a turn is in flight or queued in `work`: answer them too.
+        # A stop can come while a turn is in flight or queued in `work`: answer them too. The user's stop is for
+        # good (AgentStopped); the supervisor's (a sibling crashed, or supervision gave up) is a crash to the caller.
+        if self.env.stopped_by_user(self.name):
+            error, why, retry = AgentStopped, "the agent was stopped", "spawn it again and retry"
+        else:
+            error, why, retry = AgentCrashed, "the agent was stopped by its supervisor", "retry"
         if self.current is not None:
-            self._abandon(self.current, AgentStopped(self.current.turn_id, "the agent stopped before the turn finished"),
-                          "the agent stopped while recording this note")
-        self._drop_work("the agent stopped before this message; spawn it again and retry", AgentStopped)
-        self._drain_inbox("the agent stopped", AgentStopped)
+            self._abandon(self.current, error(self.current.turn_id, f"{why} before the turn finished; {retry}"),
+                          f"{why} while recording this note")
+        self._drop_work(f"{why} before this message; {retry}", error)
+        self._drain_inbox(why, error, retry)
 
     def _drop_work(self, why, error=AgentCrashed):
         # Items taken from the inbox but not started: fail the turns (with `error`), dead-letter the notes.
@@ -392,15 +397,15 @@ class AgentActor(SupervisedActor):
         elif not answered:
             _fail(item.future, error)
 
-    def _drain_inbox(self, why, error=AgentCrashed):
+    def _drain_inbox(self, why, error=AgentCrashed, retry="retry it"):
         for msg in self.take_leftover(Ask, Note, Reset, Lookup):
             if isinstance(msg, Ask):
                 turn_id = msgpack.unpackb(msg.payload).get("turn_id")
-                _fail(msg.future, error(turn_id, f"{why} before this message; retry it"))
+                _fail(msg.future, error(turn_id, f"{why} before this message; {retry}"))
             elif isinstance(msg, Lookup):
                 _fail(msg.future, error(msg.turn_id, f"{why} before this lookup; ask again"))
             elif isinstance(msg, Reset):
-                _fail(msg.future, error(None, f"{why} before this message; retry it"))
+                _fail(msg.future, error(None, f"{why} before this message; {retry}"))
             elif isinstance(msg, Note):
                 _dead_letter(self.env, self.name, msg, why)
 

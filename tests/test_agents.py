@@ -533,6 +533,25 @@ def test_stopping_an_agent_answers_its_pending_turns_and_dead_letters_its_pendin
     assert [(m["sender"], m["text"]) for m in notes if m] == [("bob", "A note.")]
 
 
+def test_an_agent_its_supervisor_restarts_with_a_crashed_sibling_fails_its_turn_as_a_crash(tmp_path):
+    """one_for_all: a's crash stops b to restart it; b's turn in flight fails with AgentCrashed, not AgentStopped
+    (b comes back by itself, and spawning it again would be refused), and b answers again."""
+    with Runtime(model=None, cache_dir=tmp_path, strategy="one_for_all", backoff=FAST) as r:
+        a, b = r.spawn("sib-a", system="You are A."), r.spawn("sib-b", system="You are B.")
+        inject_crash(a)
+        with stalled_batcher(r):
+            long = b.send("Tell me a long story.", max_tokens=400)
+            crash = a.send("Hi.", max_tokens=1)  # ends first: a crashes, and its supervisor stops b
+        with pytest.raises(AgentCrashed) as crashed:
+            crash.get(timeout=60)
+        with pytest.raises(AgentCrashed) as stopped:
+            long.get(timeout=60)
+        assert not isinstance(crashed.value, AgentStopped) and not isinstance(stopped.value, AgentStopped)
+        assert "supervisor" in str(stopped.value)
+        wait_for(lambda: set(r.running()) == {"sib-a", "sib-b"}, timeout=30, what="both agents back")
+        assert b.ask("Are you back?", max_tokens=2, timeout=60).text is not None
+
+
 def test_a_note_queued_behind_a_timed_out_turn_is_not_silently_dropped(rt):
     alice = rt.spawn("crash-note-alice", system="You are Alice.")
     n = len(rt.dead_letters)

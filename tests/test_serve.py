@@ -189,7 +189,7 @@ def test_a_body_larger_than_any_request_the_model_can_hold_is_a_413_before_it_is
     from runtime.api.serve import body_limit
 
     limit = served.server.body_limit
-    assert limit == body_limit(served.rt) and limit > 12 * served.rt.max_context  # a full context's text fits
+    assert limit == body_limit(served.rt)
 
     def post(headers, parts=()):
         conn = http.client.HTTPConnection(served.url.removeprefix("http://"), timeout=60)
@@ -215,6 +215,9 @@ def test_a_body_larger_than_any_request_the_model_can_hold_is_a_413_before_it_is
     assert status == 413 and reply["error"]["code"] == "request_too_large"
     status, reply = post({"Transfer-Encoding": "chunked"}, [b'{"model": "kvactors-tiny", "messages": []}'])
     assert status == 400  # a small chunked body is read and checked as before
+    body = b'{"model": "kvactors-tiny", "messages": []}'
+    status, reply = post({"Transfer-Encoding": "chunked"}, [body + b" " * (limit - len(body))])
+    assert status == 400 and reply["error"]["code"] != "request_too_large"  # exactly the limit: read whole
     assert served.request("GET", "/health")[0] == 200
 
 
@@ -442,12 +445,13 @@ def test_request_defaults_follow_openai():
 def test_runtime_errors_are_answered_with_their_own_status_and_code():
     """An unreadable journal or a failed journal write is the server's state, not a crash of the agent: each
     gets a 503 with a code of its own and a message that says what to do."""
-    from runtime import AgentCrashed, JournalError, TurnNotSaved
+    from runtime import AgentCrashed, AgentStopped, JournalError, TurnNotSaved
     from runtime.api.serve import error_for
 
     cases = {JournalError("agent a: not a kvactors journal"): (503, "journal_unreadable", "move aside"),
              TurnNotSaved("t1", "the journal write failed: disk full"): (503, "turn_not_saved", "retry once"),
-             AgentCrashed("t2", "the turn failed"): (503, "agent_crashed", "restarts from its durable state")}
+             AgentCrashed("t2", "the turn failed"): (503, "agent_crashed", "restarts from its durable state"),
+             AgentStopped("t3", "the agent was stopped"): (503, "agent_stopped", "retry the request")}
     for error, (status, code, advice) in cases.items():
         answer = error_for(error)
         assert (answer.status, answer.code) == (status, code) and advice in answer.message

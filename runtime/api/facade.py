@@ -146,6 +146,7 @@ class Env:
         self._changed = threading.Condition(self._lock)  # notified when a ref is registered
         self._held: list = []  # (Submit, agent ref) told while the batcher was down
         self._closed = False
+        self._stopping: set[str] = set()  # agents the user is stopping (AgentRef.stop, forget); "*": all (shutdown)
         self.forward: Callable | None = None  # forward(name, payload, future, reply): a note to an agent hosted elsewhere
 
     def register(self, name: str, ref: pykka.ActorRef) -> None:
@@ -157,6 +158,16 @@ class Env:
         for submit, agent in held:
             if agent.is_alive():
                 self.submit_turn(submit, agent)
+
+    def stopping(self, name: str, on: bool = True) -> None:
+        """Mark agent `name` ("*": every agent) as being stopped by the user (`on`), or no longer (`on` off)."""
+        with self._lock:
+            (self._stopping.add if on else self._stopping.discard)(name)
+
+    def stopped_by_user(self, name: str) -> bool:
+        """Whether agent `name` is being stopped by the user: for good, not by its supervisor to restart it."""
+        with self._lock:
+            return name in self._stopping or "*" in self._stopping
 
     def wait_changed(self, timeout: float) -> None:
         """Wait until a ref is registered, at most `timeout` seconds."""
@@ -627,7 +638,8 @@ class AgentRef:
 
         Returns once it has stopped. A turn of its still running or waiting then fails with
         `AgentStopped` (not acknowledged, not in the history), and its waiting notes go
-        to the dead letters.
+        to the dead letters. (An agent its supervisor stops to restart it with a crashed
+        sibling fails such turns with `AgentCrashed`: it comes back by itself.)
         """
         self.runtime._stop_agent(self.name)
 
@@ -880,6 +892,8 @@ class Runtime:
         Python waits for the actors' threads, so a forgotten Runtime never hangs the exit.
         """
         self._closed = True
+        if self._env is not None:
+            self._env.stopping("*")
         engine_thread = self._engine_thread()
         for ref in (self._supervisor, self._services):
             if ref is None:
@@ -989,7 +1003,11 @@ class Runtime:
         if name not in self._names:
             raise UnknownAgent(f"no running agent named {name!r}")
         self._names.remove(name)
-        self._supervisor.proxy().stop_child(name).get(timeout=60)
+        self._env.stopping(name)
+        try:
+            self._supervisor.proxy().stop_child(name).get(timeout=60)
+        finally:
+            self._env.stopping(name, on=False)
         self._env.refs.pop(name, None)
         self._env.hot.discard(name)
 

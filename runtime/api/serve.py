@@ -50,8 +50,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from runtime import (AgentCrashed, JournalError, Reply, Runtime, RuntimeClosed, RuntimeEscalated, SystemPromptChanged,
-                     TurnNotSaved, TurnTimeout, TurnTooLarge, TurnTooLong, UnknownAgent, WaitTimeout)
+from runtime import (AgentCrashed, AgentStopped, JournalError, Reply, Runtime, RuntimeClosed, RuntimeEscalated,
+                     SystemPromptChanged, TurnNotSaved, TurnTimeout, TurnTooLarge, TurnTooLong, UnknownAgent,
+                     WaitTimeout)
 from runtime.api.facade import _number as _check_number, _positive
 from runtime.errors import KvactorsError
 from runtime.store import InvalidAgentId, check_agent_id, conversation_prompt
@@ -92,8 +93,8 @@ def body_limit(rt: Runtime) -> int | None:
     (a character escaped as JSON, a surrogate pair, is 12 bytes) plus BODY_SLACK; None (no limit) where the
     tokenizer does not bound a text's characters by its positions (`Runtime.longest_token_chars`).
 
-    Any request whose messages fit the model's positions fits under it; a bigger body is refused
-    (413) before it is read whole.
+    Any request whose text fits the model's positions, sent as plain JSON, fits under it; a bigger body
+    is refused (413) before it is read whole.
     """
     longest, positions = rt.longest_token_chars, rt.max_context
     if not (longest and positions):
@@ -457,6 +458,8 @@ def error_for(e: BaseException) -> ApiError:
     if isinstance(e, TurnNotSaved):
         return ApiError(503, f"{e}; the server could not write the turn (a full disk?): retry once it can", None,
                         "turn_not_saved", "server_error")
+    if isinstance(e, AgentStopped):  # the agent was stopped (the server shutting down, forget): a retry spawns it
+        return ApiError(503, f"{e}; retry the request", None, "agent_stopped", "server_error")
     if isinstance(e, AgentCrashed):
         return ApiError(503, f"{e}; the agent restarts from its durable state, retry the request", None,
                         "agent_crashed", "server_error")
@@ -478,7 +481,7 @@ def error_for(e: BaseException) -> ApiError:
 async def _json(request: Request, limit: int | None):
     """The request's JSON body, read as it arrives and refused (413) once it passes `limit` bytes."""
     declared = request.headers.get("content-length", "")
-    if limit is not None and declared.isdigit() and int(declared) > limit:
+    if limit is not None and declared.isascii() and declared.isdigit() and int(declared) > limit:
         raise _too_large(int(declared), limit)
     parts, size = [], 0
     async for part in request.stream():
