@@ -85,8 +85,10 @@ def main(argv=None) -> int:
     tokenizer.eos_token_ids = set()  # random weights: never stop early, every agent makes --new tokens
     vocab = model.args.vocab_size
     counts = [int(n) for n in args.agents.split(",")]
-    # warm-up: MLX-CUDA compiles kernels per shape; let every batch size decode at least once
+    # warm-up: MLX-CUDA compiles kernels per shape; let every batch size decode at least once (turns of one
+    # length end together, so batch 1 gets a run of its own, as the sequential mode decodes)
     serve(Engine(model, tokenizer, spec, max_batch=max(counts)), agent_turns(max(counts), args.prompt, 2 * max(counts), vocab, seed=99))
+    serve(Engine(model, tokenizer, spec, max_batch=1), agent_turns(2, args.prompt, args.new, vocab, seed=98))
 
     rows = []
     for n in counts:
