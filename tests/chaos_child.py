@@ -152,7 +152,7 @@ def step(rt, refs, rng: random.Random, seed: int, n: int, kind: str) -> None:
 
 def main(cache_dir: str, seed: int, steps: int | None) -> None:
     """Run the agents over `cache_dir` until killed, or for `steps` steps then shut down."""
-    from runtime import Runtime
+    from runtime import JournalError, Runtime
 
     rng = random.Random(seed)
     if os.environ.get("KVACTORS_CHAOS_ENOSPC") == "1":
@@ -160,7 +160,12 @@ def main(cache_dir: str, seed: int, steps: int | None) -> None:
     rt = Runtime(model=None, cache_dir=cache_dir)
     refs = {name: spawn(rt, name) for name in AGENTS}
     for name, ref in refs.items():
-        history = [[r["seq"], r["turn_id"], r["role"], r.get("sender"), r["text"]] for r in ref.history()]
+        try:
+            records = ref.history()
+        except JournalError as e:  # its journal was made unreadable (a permission attack): the parent checks it
+            out("unreadable", name, json.dumps(str(e)[:300]))
+            records = []
+        history = [[r["seq"], r["turn_id"], r["role"], r.get("sender"), r["text"]] for r in records]
         out("history", name, json.dumps(history))
     out("ready")
     n = 0
