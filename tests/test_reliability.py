@@ -555,3 +555,25 @@ def test_sigkill_with_full_disks_damaged_journals_and_denied_files_loses_no_ackn
     assert all(ran[name] > 0 for name in ("kill", "disk-full", "damage")), ran
     assert ran["permission"] > 0 or any("permission: not run" in n for n in report.notes), ran
     assert report.tallies["damage"].destroyed > 0 and sum(t.acks for t in report.tallies.values()) > kills
+
+
+def test_an_agent_whose_journal_is_unreadable_at_start_is_reported_and_the_others_go_on(tmp_path, monkeypatch):
+    """Permission rounds that always deny the attacked agent's journal itself (the random run meets them only
+    sometimes): the child starts anyway, says which agent it cannot read, serves the others, and loses nothing."""
+    monkeypatch.setattr(chaos, "DENIALS", (("journal", 0o000),))
+    monkeypatch.setattr(chaos, "schedule", lambda kills, rng: ["kill"] + ["permission"] * (kills - 1))
+    starts = []
+    play = chaos.Child.wait_for
+
+    def watched(self, predicate, timeout):
+        done = play(self, predicate, timeout)
+        starts.append([line for _, line in self.lines if line.startswith("unreadable ")])
+        return done
+
+    monkeypatch.setattr(chaos.Child, "wait_for", watched)
+    report = chaos.run(tmp_path, 3, seed=1)
+    assert report.kills == 3 and report.lost == 0
+    if report.tallies["permission"].rounds:  # else the child here reads any file (see the notes)
+        assert any(starts), "no round met an unreadable journal"
+    else:
+        assert any("permission: not run" in n for n in report.notes)
