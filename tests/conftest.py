@@ -59,16 +59,15 @@ def load_tiny(tiny_model_path):
     """
     import mlx_lm
 
-    from runtime import qgemv
-    from runtime.prepare import mend_switch_linears
+    from runtime.prepare import prepare_model
 
     loaded = {}
 
     def get(arch="llama"):
         if arch not in loaded:
             loaded[arch] = mlx_lm.load(str(tiny_model_path(arch)))
-            if qgemv.available():
-                mend_switch_linears(loaded[arch][0])
+            # only what every model needs there (none of the GEMV, dense or compiled paths): nothing off CUDA
+            prepare_model(loaded[arch][0], gemv=False, dense=False, compile_decode=False)
         return loaded[arch]
 
     return get
