@@ -257,3 +257,15 @@ def test_runtime_internals_are_private_and_faults_live_in_a_testing_helper(tmp_p
         with pytest.raises(AgentCrashed):
             alice.ask("Hello?", max_tokens=2, timeout=60)
         assert alice.ask("Hello again?", max_tokens=2, timeout=60).text is not None  # restarted
+
+
+def test_an_io_timeout_beyond_what_a_wait_can_take_serves_as_the_longest_wait(tmp_path):
+    """Any finite positive io_timeout is valid; one past threading.TIMEOUT_MAX (which overflowed every agent's
+    first wait and escalated) waits as long as a wait can."""
+    import threading
+
+    from runtime import Runtime
+
+    with Runtime(model="tiny", cache_dir=tmp_path, io_timeout=17179833343.0) as rt:
+        assert rt.spawn("probe", system="Be brief.").ask("Hello.", max_tokens=2, timeout=60).agent == "probe"
+        assert rt._env.io_timeout == threading.TIMEOUT_MAX

@@ -136,7 +136,9 @@ class Env:
     """What all agents of one runtime share. Thread-safe; agents read it, never block on it."""
 
     def __init__(self, tokenizer, spec, durability, hot_budget, io_timeout, max_context=None):
-        self.tokenizer, self.spec, self.durability, self.io_timeout = tokenizer, spec, durability, io_timeout
+        self.tokenizer, self.spec, self.durability = tokenizer, spec, durability
+        # a wait longer than threading.TIMEOUT_MAX (about 292 years) overflows: any longer timeout means as much
+        self.io_timeout = min(io_timeout, threading.TIMEOUT_MAX)
         self.max_context = max_context  # the model's positions (None: unknown): a longer turn is refused
         self.hot = store.HotCaches(hot_budget)
         self.refs: dict[str, pykka.ActorRef] = {}  # name -> current actor (agents and services)
