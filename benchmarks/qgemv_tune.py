@@ -14,18 +14,23 @@ the median device time of 40 launches queued together, rotating over four copies
 weights so that no launch finds its weight in L2.
 
     python -m benchmarks.qgemv_tune --rows 1,8 --tn 1,2 --split 4,8,16 --unroll 1,2,4 --kl 16,32
+
+`--modules a.py,b.py` also times other versions of runtime/qgemv.py (copies of the file, each at its own
+chosen setting) beside it, row for row, in the same process.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import statistics
+from pathlib import Path
 
 import mlx.core as mx
 
 from benchmarks.common import bench_parser, environment, traced_kernels, write_results
 from runtime import qgemv
 
-COLUMNS = ["launch", "rows", "tn", "split", "unroll", "kl", "us", "weight_gb_s", "note"]
+COLUMNS = ["kernel", "launch", "rows", "tn", "split", "unroll", "kl", "us", "weight_gb_s", "note"]
 K, HIDDEN = 4096, 14336
 LAUNCHES = {"qkv": [(K, K), (1024, K), (1024, K)], "o": [(K, K)], "gate_up": [(HIDDEN, K), (HIDDEN, K)],
             "down": [(K, HIDDEN)]}
@@ -45,10 +50,20 @@ def device_us(make) -> float:
     return statistics.median(sum(e - s for _, s, e in records[i * per:(i + 1) * per]) / 1e3 for i in range(CALLS))
 
 
-def _call(name, x, parts):
+def _call(name, x, parts, module=qgemv):
     if name == "gate_up":
-        return [qgemv.qgemv_swiglu(x, *parts, 64)]
-    return qgemv.qgemv_parts(x, parts, 64)
+        return [module.qgemv_swiglu(x, *parts, 64)]
+    return module.qgemv_parts(x, parts, 64)
+
+
+def load_module(path: str, tag: str):
+    """Another version of runtime/qgemv.py from file `path`, its kernels renamed with `tag` (MLX keys its
+    compiled kernels by name, so two versions in one process must not share names)."""
+    source = Path(path).read_text().replace("kvactors_qgemv4", f"kvactors_{tag}_qgemv4")
+    spec = importlib.util.spec_from_loader(f"qgemv_{tag}", loader=None)
+    module = importlib.util.module_from_spec(spec)
+    exec(compile(source, path, "exec"), module.__dict__)
+    return module
 
 
 def main(argv=None) -> int:
@@ -58,7 +73,9 @@ def main(argv=None) -> int:
     ap.add_argument("--split", default="4,8,16", help="warps along K (default: %(default)s)")
     ap.add_argument("--unroll", default="1,2,4", help="K steps a warp's loop unrolls (default: %(default)s)")
     ap.add_argument("--kl", default="16,32", help="elements of K a lane reads per step (default: %(default)s)")
+    ap.add_argument("--modules", default="", help="other versions of runtime/qgemv.py to time beside it")
     args = ap.parse_args(argv)
+    others = [(path, load_module(path, f"m{i}")) for i, path in enumerate(args.modules.split(",")) if path]
     env = environment()
     print(env, flush=True)
     if not qgemv.available():
@@ -105,15 +122,22 @@ def main(argv=None) -> int:
                             qgemv._launch.clear()
                         note = {True: "", False: "ROW 0 DIFFERS FROM ITS LAUNCH ALONE", None: "does not launch"}[same]
                         note += " chosen" if (tn, split, unroll, kl) == chosen else ""
-                        add(launch=name, rows=m, tn=tn, split=split, unroll=unroll, kl=kl, us=round(us, 2),
+                        add(kernel="runtime.qgemv", launch=name, rows=m, tn=tn, split=split, unroll=unroll, kl=kl, us=round(us, 2),
                             weight_gb_s=round(gb / us * 1e6), note=note.strip())
+            for path, module in others:
+                mx.eval(_call(name, x, copies[0], module))
+                us = device_us(lambda i, mod=module: _call(name, x, copies[i % COPIES], mod))
+                same = all(mx.array_equal(a[:1], b).item() for a, b in
+                           zip(_call(name, x, copies[0], module), _call(name, x[:1], copies[0], module)))
+                add(kernel=path, launch=name, rows=m, tn="", split="", unroll="", kl="", us=round(us, 2),
+                    weight_gb_s=round(gb / us * 1e6), note="" if same else "ROW 0 DIFFERS FROM ITS LAUNCH ALONE")
             if name == "o":
                 res = mx.random.normal((m, 1, K), key=mx.random.key(7)).astype(mx.bfloat16)
                 mx.eval(res)
                 fused = device_us(lambda i: qgemv.qgemv(x, *copies[i % COPIES][0], 64, add=res))
                 alone = device_us(lambda i: qgemv.qgemv(x, *copies[i % COPIES][0], 64))
                 separate = device_us(lambda i: res + x)
-                add(launch="o + residual", rows=m, tn=chosen[0], split=chosen[1], unroll=chosen[2], kl=chosen[3],
+                add(kernel="runtime.qgemv", launch="o + residual", rows=m, tn=chosen[0], split=chosen[1], unroll=chosen[2], kl=chosen[3],
                     us=round(fused, 2),
                     weight_gb_s=round(gb / fused * 1e6),
                     note=f"GEMV alone {alone:.2f} us, a separate add {separate:.2f} us")

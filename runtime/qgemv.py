@@ -422,4 +422,14 @@ def _kernel(bf: int, parts: int, swiglu: bool, extra: str):
               .replace("RESIDUAL", "+ add[(size_t)m * N + n]" if extra == "add" else ""))
     name = f"kvactors_qgemv4_tc{bf}_{'swiglu' if swiglu else f'p{parts}'}{extra}"
     return mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs, source=source,
-                               header=f"#define BF {bf}\n" + DEVICE_HELPERS, ensure_row_contiguous=True)
+                               header=f"#define BF {bf}\n" + _TWO_BLOCKS + DEVICE_HELPERS,
+                               ensure_row_contiguous=True)
+
+
+# Launch bounds: two blocks of MAX_SPLIT warps a multiprocessor, so at most 64 registers a thread (the 9-16-row
+# kernels would take 82-100, the float16 ones 65, and run one block). MLX writes the kernel's signature after
+# this header as `__global__ void name(...)`, so CUDA's `__global__` is redefined here to carry the bounds.
+_TWO_BLOCKS = f"""
+#undef __global__
+#define __global__ __location__(global) __launch_bounds__({MAX_SPLIT * 32}, 2)
+"""
