@@ -38,6 +38,7 @@ import pykka
 from pykka import ActorDeadError, ActorRef
 
 from actors import pykka_compat
+from runtime.deadlines import wait_seconds
 from runtime.errors import KvactorsError
 
 __all__ = [
@@ -284,7 +285,7 @@ def _restart_after(
     deadline = time.monotonic() + delay
     for stop in stops:  # never two live actors for one name: wait out the old ones' on_stop
         stop.get()
-    if cancelled.wait(max(0.0, deadline - time.monotonic())):
+    if cancelled.wait(wait_seconds(max(0.0, deadline - time.monotonic()))):
         return
     try:
         supervisor.tell(_Restart(token))

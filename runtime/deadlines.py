@@ -18,6 +18,12 @@ from runtime.errors import KvactorsError
 log = logging.getLogger(__name__)
 
 
+def wait_seconds(seconds: float | None) -> float | None:
+    """`seconds` as a wait `threading` can make: None (no limit) stays None, and anything longer than
+    `threading.TIMEOUT_MAX` (about 292 years; a longer wait raises OverflowError) becomes that: as long."""
+    return None if seconds is None else min(seconds, threading.TIMEOUT_MAX)
+
+
 class DeadlinesClosed(KvactorsError, RuntimeError):
     """The Deadlines were closed: nothing can be scheduled any more."""
 
@@ -87,7 +93,7 @@ class Deadlines:
                 due = self._due()
                 while due is None and not self._closed:
                     wait = self._heap[0][0] - self._clock() if self._heap else None
-                    self._cond.wait(wait)
+                    self._cond.wait(wait_seconds(wait))
                     due = self._due()
                 if due is None:
                     return

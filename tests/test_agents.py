@@ -785,6 +785,23 @@ def test_the_watchdog_answers_a_hung_turn_and_cancels_it_without_a_restart(tmp_p
         assert "Hang." not in [x["text"] for x in h]
 
 
+def test_timeouts_longer_than_any_wait_mean_no_limit_and_leave_the_watchdog_running(tmp_path):
+    """A turn sent with timeout=1e10 (valid: finite and > 0) put a deadline past threading.TIMEOUT_MAX on the
+    shared watchdog thread, whose wait overflowed and killed it: no turn of any agent timed out after that.
+    Waits the caller makes with such timeouts (a reply, a result, a flush, the engine's stats) overflowed too."""
+    with Runtime(model=None, cache_dir=tmp_path, backoff=FAST) as rt:
+        alice = rt.spawn("alice", system="You are Alice.", timeout=1e10)
+        first = alice.send("One.", max_tokens=4, timeout=1e10)
+        assert first.get(timeout=1e10).text is not None
+        assert alice.result(first.turn_id, timeout=1e10) is not None
+        rt.flush(timeout=1e10)
+        rt.engine_stats(timeout=1e10)
+        with stalled_batcher(rt):
+            with pytest.raises(TurnTimeout):
+                alice.ask("Hang.", max_tokens=4, timeout=0.2)  # the watchdog still answers
+        assert rt.forget("alice", timeout=1e300)
+
+
 def test_a_queued_turn_whose_deadline_passed_before_it_started_never_runs(tmp_path):
     """The timeout counts from send: a turn stuck behind its agent's earlier work times out
     there, and is dropped when its turn comes, not run for a caller who stopped waiting."""

@@ -38,7 +38,7 @@ from actors.batcher import STATS as _STATS, BatcherActor, BatcherStopped, Warmup
 from actors.persistence import PersistenceActor
 from actors.supervisor import RESTART_TYPES, STRATEGIES, Backoff, ChildSpec, Supervisor, UnknownChild
 from runtime import chat, store
-from runtime.deadlines import Deadlines
+from runtime.deadlines import Deadlines, wait_seconds
 from runtime.engine import MAX_TOKENS, Sampling, default_hot_budget
 from runtime.errors import KvactorsError
 from runtime.kvscheme import from_options as scheme_from_options
@@ -137,8 +137,7 @@ class Env:
 
     def __init__(self, tokenizer, spec, durability, hot_budget, io_timeout, max_context=None):
         self.tokenizer, self.spec, self.durability = tokenizer, spec, durability
-        # a wait longer than threading.TIMEOUT_MAX (about 292 years) overflows: any longer timeout means as much
-        self.io_timeout = min(io_timeout, threading.TIMEOUT_MAX)
+        self.io_timeout = wait_seconds(io_timeout)
         self.max_context = max_context  # the model's positions (None: unknown): a longer turn is refused
         self.hot = store.HotCaches(hot_budget)
         self.refs: dict[str, pykka.ActorRef] = {}  # name -> current actor (agents and services)
@@ -263,7 +262,7 @@ class ReplyFuture(pykka.ThreadingFuture):
             if not (math.isfinite(timeout) and timeout >= 0):
                 raise ValueError(f"timeout must be None or a finite number >= 0, got {timeout}")
         try:
-            return super().get(timeout=timeout)
+            return super().get(timeout=wait_seconds(timeout))
         except pykka.Timeout:
             raise TurnTimeout(getattr(self, "turn_id", None), f"no reply within {timeout}s; the turn may still "
                               "finish: wait again, or retry with the same turn_id") from None
@@ -573,7 +572,7 @@ class AgentRef:
             future.turn_id = turn_id
             self.runtime._deliver(self.name, Lookup(turn_id, future), future)
             try:
-                return future.get(timeout=timeout)
+                return future.get(timeout=wait_seconds(timeout))
             except TurnTimeout:
                 raise AgentError(f"agent {self.name!r} did not say within {timeout}s whether turn {turn_id} "
                                  "committed; it is busy: ask again") from None
@@ -819,7 +818,7 @@ class Runtime:
         > 0), else WaitTimeout saying `what` did not finish."""
         _positive("timeout", timeout)
         try:
-            return call(self._env.persistence().proxy()).get(timeout=timeout)
+            return call(self._env.persistence().proxy()).get(timeout=wait_seconds(timeout))
         except pykka.Timeout:
             raise WaitTimeout(f"{what} did not finish within {timeout} s; it goes on: call again to wait longer") from None
 
@@ -875,7 +874,7 @@ class Runtime:
         The batcher answers between steps: WaitTimeout if it has not within `timeout` seconds."""
         _positive("timeout", timeout)
         try:
-            return self._env.batcher().ask(_STATS, timeout=timeout)
+            return self._env.batcher().ask(_STATS, timeout=wait_seconds(timeout))
         except pykka.Timeout:
             raise WaitTimeout(f"the batcher did not answer within {timeout} s (busy with a long step?); "
                               "call again") from None
