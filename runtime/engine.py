@@ -825,7 +825,11 @@ def _own_error(row, error: Exception, what: str) -> TurnError:
 
 
 def _sample_top_p(logits, temperature, top_p, key):
-    logits = logits.astype(mx.float32) / temperature
+    # shifted so that the largest logit is 0, and divided by at least float32's smallest normal number: a
+    # temperature too small for float32 (1e-300, which it rounds to 0) then keeps that logit at 0 and sends the
+    # others to -inf, which is greedy, where they became +-inf and NaN
+    logits = logits.astype(mx.float32)
+    logits = (logits - logits.max()) / max(temperature, 2.0 ** -126)
     if top_p < 1.0:
         order = mx.argsort(-logits)
         probs = mx.softmax(logits[order])

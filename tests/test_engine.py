@@ -337,6 +337,18 @@ def test_seeded_sampling_is_reproducible_alone_and_batched(llama):
     assert batched["d"].tokens != a
 
 
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324, 1e-45])
+@pytest.mark.parametrize("top_p", [1.0, 0.5])
+def test_a_temperature_too_small_for_float32_samples_greedily(llama, temperature, top_p):
+    """A valid temperature below float32's range (> 0, finite) became 0 in the division: every logit turned
+    +-inf or NaN and the turn ended at once with token 1 ("stop") instead of the greedy tokens."""
+    model, tokenizer, spec, opts = llama
+    prompt = encode(tokenizer, "sample me something")
+    greedy = solo(llama, Turn("g", "g", None, prompt, max_tokens=12)).tokens
+    cold = Turn("t", "t", None, prompt, Sampling(temperature=temperature, top_p=top_p, seed=3), max_tokens=12)
+    assert solo(llama, cold).tokens == greedy
+
+
 def test_returned_cache_continues_like_one_longer_turn(llama):
     model, tokenizer, spec, opts = llama
     p, q = encode(tokenizer, "first part of the talk"), encode(tokenizer, " and the second part")
