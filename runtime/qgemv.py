@@ -29,6 +29,12 @@ order. TN, SPLIT and KL follow from the matrix's shape alone (`setting`). So row
 from row m's input and the weights whatever the other rows hold and however many
 there are: bitwise the same at batch 1 and batch 16.
 
+Speed (Nsight Compute on an H100, `benchmarks/results/h100/qgemv-*`): the kernels are
+compiled for two 512-thread blocks a multiprocessor (64 registers a thread; the 9-16-row
+ones took up to 100 and ran one), and rows past the matrix or the batch read the last valid
+row instead of zeros behind a branch (their columns are never stored), so a step's loads
+issue together; the 9-16-row gated MLP keeps the branches, which it needs to fit.
+
 Layout (MLX's affine quantization): `w` (N, K * bits / 32) uint32, element j of
 a word in bits [4j, 4j + 4); `scales`, `biases` (N, K / group_size); the weight
 is `q * scale + bias`. K must be a multiple of 64 (`supports_weights`).
@@ -69,6 +75,9 @@ _BODY = r"""
     int M = 1;
     for (int i = 0; i < x_ndim - 1; ++i) {
         M *= x_shape[i];
+    }
+    if (M == 0) {
+        return;  // nothing to write, and no row M - 1 to read in place of the missing ones
     }
     const int wpr = K / 8, gpr = K / G, steps = K / (4 * KL);  // a warp's step: 4 lanes of KL elements of K
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;

@@ -50,6 +50,16 @@ def test_qgemv_matches_float32_and_each_row_is_batch_invariant(n, k, group, dtyp
 
 
 
+def test_qgemv_of_no_rows_is_empty_and_reads_nothing():
+    """Rows past the batch read its last row (no branch); with no rows there is none, so the kernel stops first."""
+    packed = weights(1000, 640, 32)
+    x = mx.zeros((0, 1, 640), mx.bfloat16)
+    assert qgemv.qgemv(x, *packed, 32).shape == (0, 1, 1000)
+    assert [y.shape for y in qgemv.qgemv_parts(x, [packed, packed], 32)] == [(0, 1, 1000)] * 2
+    assert qgemv.qgemv_swiglu(x, packed, packed, 32).shape == (0, 1, 1000)
+    mx.synchronize()
+
+
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 @pytest.mark.parametrize("n,k,group", [(4096, 4096, 64), (1000, 640, 32), (14336, 4096, 128), (4096, 14336, 64),
                                        (100, 192, 64), (1024, 4096, 64)])
