@@ -269,3 +269,25 @@ def test_an_io_timeout_beyond_what_a_wait_can_take_serves_as_the_longest_wait(tm
     with Runtime(model="tiny", cache_dir=tmp_path, io_timeout=17179833343.0) as rt:
         assert rt.spawn("probe", system="Be brief.").ask("Hello.", max_tokens=2, timeout=60).agent == "probe"
         assert rt._env.io_timeout == threading.TIMEOUT_MAX
+
+
+def test_text_with_a_lone_surrogate_is_refused_in_the_caller_with_what_to_do(tmp_path):
+    """A str holding half a surrogate pair can be neither tokenized nor journaled: every text the facade takes
+    refuses it with a ValueError naming the field, and the agent goes on."""
+    from runtime import Runtime
+
+    bad = "hi \ud800 there"
+    with Runtime(model="tiny", cache_dir=tmp_path) as rt:
+        with pytest.raises(ValueError, match="^system is not valid Unicode.*lone surrogate"):
+            rt.spawn("probe", system="Be brief. \udfff")
+        a = rt.spawn("probe", system="Be brief.")
+        with pytest.raises(ValueError, match="^text is not valid Unicode.*character 3"):
+            a.ask(bad, max_tokens=2, timeout=60)
+        with pytest.raises(ValueError, match="stop string is not valid Unicode"):
+            a.ask("Hello.", max_tokens=2, stop=["\ud800"], timeout=60)
+        with pytest.raises(ValueError, match="note's text is not valid Unicode"):
+            a.note(bad)
+        with pytest.raises(ValueError, match="record's text is not valid Unicode"):
+            a.reset([{"role": "user", "text": bad}])
+        assert a.ask("Hello.", max_tokens=2, timeout=60).text is not None
+        assert [r["role"] for r in a.history()] == ["system", "user", "assistant"]

@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -181,6 +182,21 @@ def test_malformed_bodies_and_unknown_routes_are_4xx_json(served):
     status, reply, _ = served.request("GET", "/v1/chat/completions")
     assert status == 405 and "error" in reply
     assert served.request("GET", "/health")[0] == 200
+
+
+def test_a_lone_surrogate_escape_in_any_string_is_a_400_not_a_server_error(served, caplog):
+    """JSON can escape half a surrogate pair ("\\ud800"); such a string is not text. It failed deep in the
+    handler (a 400 carrying a codec's message, logged as "Exception in ASGI application")."""
+    for body in ('{"model": "kvactors-tiny", "messages": [{"role": "user", "content": "hi \\ud800"}]}',
+                 '{"model": "kvactors-tiny", "user": "\\udc00", "messages": [{"role": "user", "content": "hi"}]}',
+                 '{"model": "kvactors-tiny", "stream": true, "messages": [{"role": "system", "content": "\\ud800"}, '
+                 '{"role": "user", "content": "hi"}]}'):
+        status, reply, _ = served.request("POST", "/v1/chat/completions", body.encode())
+        assert status == 400 and reply["error"]["code"] == "invalid_json", reply
+        assert "lone surrogate" in reply["error"]["message"]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    fine = '{"model": "kvactors-tiny", "messages": [{"role": "user", "content": "a pair \\ud83d\\ude00 is fine"}]}'
+    assert served.request("POST", "/v1/chat/completions", fine.encode())[0] == 200
 
 
 def test_a_body_larger_than_any_request_the_model_can_hold_is_a_413_before_it_is_read(served):

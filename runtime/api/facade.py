@@ -595,6 +595,9 @@ class AgentRef:
             raise ValueError("a note needs a non-empty text")
         if sender is not None and not isinstance(sender, str):
             raise TypeError(f"sender must be a str or None, got {type(sender).__name__}")
+        check_unicode("a note's text", text)
+        if sender is not None:
+            check_unicode("sender", sender)
         self.runtime._deliver(self.name, Note(agent_mod.encode_message(text, sender)), None)
 
     def reset(self, records: list[dict], system: str | None = None) -> ReplyFuture:
@@ -626,9 +629,14 @@ class AgentRef:
             sender = r.get("sender")
             if sender is not None and not isinstance(sender, str):
                 raise ValueError(f"a record's sender is a str or None, got {sender!r:.100}")
+            check_unicode("a record's text", r["text"])
+            if sender is not None:
+                check_unicode("a record's sender", sender)
             clean.append({"role": r["role"], "text": r["text"], "sender": sender})
         if system is not None and not isinstance(system, str):
             raise ValueError(f"system must be a str or None, got {type(system).__name__}")
+        if system is not None:
+            check_unicode("system", system)
         future = ReplyFuture()
         payload = msgpack.packb({"system": system, "records": clean})
         self.runtime._deliver(self.name, Reset(payload, future), future)
@@ -750,6 +758,7 @@ class Runtime:
         store.check_agent_id(name)
         if not isinstance(system, str):
             raise TypeError(f"system must be a str, got {type(system).__name__}")
+        check_unicode("system", system)
         _choice("restart", restart, RESTART_TYPES)
         if not isinstance(reset, bool):
             raise TypeError(f"reset must be True or False, got {type(reset).__name__}")
@@ -1088,6 +1097,16 @@ def cache_folder(cache_dir) -> Path:
     return Path(cache_dir or DEFAULT_CACHE_DIR).expanduser()
 
 
+def check_unicode(name: str, text: str) -> None:
+    """Raise ValueError unless str `text` encodes as UTF-8: a lone surrogate (from `"\\ud800"` in JSON, or from
+    bytes decoded with errors="surrogateescape") can be neither tokenized nor written to the journal."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name} is not valid Unicode text: it holds a lone surrogate {text[e.start]!r} at "
+                         f"character {e.start}; send text that encodes as UTF-8") from None
+
+
 def _positive(name: str, value) -> None:
     _number(name, value)
     if not (math.isfinite(value) and value > 0):
@@ -1135,6 +1154,7 @@ def check_turn_options(text, max_tokens, temperature, top_p, seed, stop, timeout
         raise TypeError(f"text must be a str, got {type(text).__name__} (decode bytes first)")
     if not text:
         raise ValueError("an empty message gives the model nothing to answer")
+    check_unicode("text", text)
     _number("max_tokens", max_tokens, int)
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -1159,6 +1179,7 @@ def check_turn_options(text, max_tokens, temperature, top_p, seed, stop, timeout
             raise TypeError(f"stop strings must be str, got {type(s).__name__}")
         if not s:
             raise ValueError("an empty stop string would stop every turn at once")
+        check_unicode("a stop string", s)
     if timeout is not None:
         _number("timeout", timeout)
         if not (math.isfinite(timeout) and timeout > 0):

@@ -53,7 +53,7 @@ from starlette.routing import Route
 from runtime import (AgentCrashed, AgentStopped, JournalError, Reply, Runtime, RuntimeClosed, RuntimeEscalated,
                      SystemPromptChanged, TurnNotSaved, TurnTimeout, TurnTooLarge, TurnTooLong, UnknownAgent,
                      WaitTimeout)
-from runtime.api.facade import _number as _check_number, _positive
+from runtime.api.facade import _number as _check_number, _positive, check_unicode
 from runtime.errors import KvactorsError
 from runtime.store import InvalidAgentId, check_agent_id, conversation_prompt
 
@@ -490,9 +490,15 @@ async def _json(request: Request, limit: int | None):
             raise _too_large(size, limit)
         parts.append(part)
     try:
-        return json.loads(b"".join(parts))
+        body = json.loads(b"".join(parts))
     except (ValueError, UnicodeDecodeError) as e:
         raise bad(f"the request body is not valid JSON: {e}", None, "invalid_json") from None
+    try:  # JSON may escape a lone surrogate ("\\ud800"), which no text field can hold
+        check_unicode("the request body", json.dumps(body, ensure_ascii=False))
+    except ValueError:
+        raise bad("a string in the request body holds a lone surrogate (a \\ud800-\\udfff escape without its "
+                  "pair), which is not text; send text that encodes as UTF-8", None, "invalid_json") from None
+    return body
 
 
 def _too_large(size: int, limit: int) -> ApiError:
