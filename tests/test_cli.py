@@ -48,6 +48,9 @@ def test_bad_values_argparse_cannot_check_get_one_line_and_exit_2(tmp_path):
                        (("inspect", Path(__file__)), "is a file, not a cache folder")):
         out = kvactors(*args)
         assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr, out.stderr
+    # the demo's max_tokens was checked at its first turn, after the model loaded and the demo began printing
+    out = kvactors("demo", "--model", "tiny", "--max-tokens", "0", "--cache-dir", tmp_path / "e")
+    assert out.returncode == 2 and "max_tokens must be >= 1" in out.stderr and out.stdout == "", out.stdout
 
 
 def test_inspect_shows_stored_agents_and_their_health(tmp_path):
