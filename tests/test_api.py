@@ -285,6 +285,8 @@ def test_text_with_a_lone_surrogate_is_refused_in_the_caller_with_what_to_do(tmp
             a.ask(bad, max_tokens=2, timeout=60)
         with pytest.raises(ValueError, match="stop string is not valid Unicode"):
             a.ask("Hello.", max_tokens=2, stop=["\ud800"], timeout=60)
+        with pytest.raises(ValueError, match="conversation_id is not valid Unicode"):
+            a.ask("Hello.", max_tokens=2, conversation_id="c\udc00", timeout=60)
         with pytest.raises(ValueError, match="note's text is not valid Unicode"):
             a.note(bad)
         with pytest.raises(ValueError, match="record's text is not valid Unicode"):

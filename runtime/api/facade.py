@@ -423,6 +423,8 @@ class AgentRef:
                 raise TypeError(f"{name} must be a callable or None, got {type(fn).__name__}")
         if conversation_id is not None and not isinstance(conversation_id, str):
             raise TypeError(f"conversation_id must be a str or None, got {type(conversation_id).__name__}")
+        if conversation_id is not None:
+            check_unicode("conversation_id", conversation_id)
         payload = agent_mod.encode_message(
             text, sender, max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p), seed=seed,
             stop=list(stop), timeout=timeout, conversation_id=conversation_id, reply_to_agent=reply_to_agent,
