@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import math
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
@@ -805,8 +806,19 @@ def _report_progress(row):
         _call(row.turn, "on_progress", total - len(row.pending), total)
 
 
+_callbacks = threading.local()  # .name: the turn callback running on this thread (see running_callback)
+
+
+def running_callback() -> str | None:
+    """The name of the turn's callback (`on_token`, `on_progress` or `cancel`) this thread is running, else None.
+
+    Callbacks run on the engine's thread: a call that waits for the engine would wait for itself there."""
+    return getattr(_callbacks, "name", None)
+
+
 def _call(turn, name: str, *args):
     """`turn.<name>(*args)` (a caller's callback); whatever it raises becomes CallbackFailed."""
+    outer, _callbacks.name = running_callback(), name
     try:
         return getattr(turn, name)(*args)
     except CallbackFailed as e:
@@ -815,6 +827,8 @@ def _call(turn, name: str, *args):
         raise CallbackFailed(turn.turn_id, f"its {name} callback raised CallbackFailed: {e}") from e
     except Exception as e:
         raise CallbackFailed(turn.turn_id, f"its {name} callback raised {type(e).__name__}: {e}") from e
+    finally:
+        _callbacks.name = outer
 
 
 def _own_error(row, error: Exception, what: str) -> TurnError:

@@ -802,6 +802,35 @@ def test_timeouts_longer_than_any_wait_mean_no_limit_and_leave_the_watchdog_runn
         assert rt.forget("alice", timeout=1e300)
 
 
+def test_calls_that_wait_for_the_engine_refuse_inside_a_turns_callback_and_send_works_there(tmp_path):
+    """Callbacks run on the engine's thread: an ask (or shutdown, engine_stats, stop) there waited for the engine
+    it was blocking, every agent with it, until a timeout. It now raises WaitsInCallback at once; send returns."""
+    from runtime import WaitsInCallback
+
+    with Runtime(model=None, cache_dir=tmp_path, backoff=FAST) as rt:
+        alice, bob = rt.spawn("alice", system="You are Alice."), rt.spawn("bob", system="You are Bob.")
+        seen, sent = [], []
+
+        def on_token(piece):
+            if seen:
+                return
+            for call in (lambda: bob.ask("Hi.", max_tokens=2, timeout=5), rt.engine_stats, rt.shutdown, bob.stop,
+                         lambda: rt.forget("bob")):
+                try:
+                    call()
+                    seen.append(None)
+                except WaitsInCallback as e:
+                    seen.append(str(e))
+            sent.append(bob.send("Hello from a callback.", max_tokens=2))
+
+        t0 = time.monotonic()
+        reply = alice.ask("Talk.", max_tokens=4, on_token=on_token, timeout=60)
+        assert time.monotonic() - t0 < 30 and reply.text is not None
+        assert len(seen) == 5 and all(s and "callback" in s for s in seen), seen
+        assert sent[0].get(timeout=60).agent == "bob"  # read outside the callback
+        assert rt.running() == ["alice", "bob"] and bob.ask("Still there?", max_tokens=2).text is not None
+
+
 def test_a_queued_turn_whose_deadline_passed_before_it_started_never_runs(tmp_path):
     """The timeout counts from send: a turn stuck behind its agent's earlier work times out
     there, and is dropped when its turn comes, not run for a caller who stopped waiting."""

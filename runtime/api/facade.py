@@ -39,7 +39,7 @@ from actors.persistence import PersistenceActor
 from actors.supervisor import RESTART_TYPES, STRATEGIES, Backoff, ChildSpec, Supervisor, UnknownChild
 from runtime import chat, store
 from runtime.deadlines import Deadlines, wait_seconds
-from runtime.engine import MAX_TOKENS, Sampling, default_hot_budget
+from runtime.engine import MAX_TOKENS, Sampling, default_hot_budget, running_callback
 from runtime.errors import KvactorsError
 from runtime.kvscheme import from_options as scheme_from_options
 from runtime.model import load_model
@@ -79,6 +79,20 @@ class RuntimeEscalated(KvactorsError, RuntimeError):
 
 class RuntimeClosed(KvactorsError, RuntimeError):
     """The Runtime was shut down; start a new one to talk to its agents again."""
+
+
+class WaitsInCallback(KvactorsError, RuntimeError):
+    """A call that waits for the engine was made inside a turn's callback (`on_token`, `on_progress`, `cancel`),
+    which runs on the engine's thread: it would wait for itself, and every agent with it."""
+
+
+def _not_in_callback(what: str) -> None:
+    """Raise WaitsInCallback if this thread is running a turn's callback (see `engine.running_callback`)."""
+    name = running_callback()
+    if name is not None:
+        raise WaitsInCallback(f"{what} waits for the engine, and this is the engine's thread, running a turn's {name} "
+                              "callback: it would wait for itself. Inside a callback use send() or note(), which "
+                              "return at once, and wait for their futures from another thread")
 
 
 class WaitTimeout(KvactorsError, TimeoutError):
@@ -261,6 +275,11 @@ class ReplyFuture(pykka.ThreadingFuture):
             _number("timeout", timeout)
             if not (math.isfinite(timeout) and timeout >= 0):
                 raise ValueError(f"timeout must be None or a finite number >= 0, got {timeout}")
+        if running_callback() is not None:
+            try:
+                return super().get(timeout=0)  # a reply already here is fine to read
+            except pykka.Timeout:
+                _not_in_callback("waiting for a reply")
         try:
             return super().get(timeout=wait_seconds(timeout))
         except pykka.Timeout:
@@ -651,7 +670,9 @@ class AgentRef:
         `AgentStopped` (not acknowledged, not in the history), and its waiting notes go
         to the dead letters. (An agent its supervisor stops to restart it with a crashed
         sibling fails such turns with `AgentCrashed`: it comes back by itself.)
+        Raises WaitsInCallback inside a turn's callback.
         """
+        _not_in_callback(f"stopping agent {self.name!r}")
         self.runtime._stop_agent(self.name)
 
 
@@ -840,12 +861,13 @@ class Runtime:
     def forget(self, name: str, timeout: float = 60.0) -> bool:
         """Stop agent `name` if it runs and delete its cache and journal; return whether any were stored.
 
-        Its queued writes land first, then its folder goes. Raises InvalidAgentId for a bad name, and
-        WaitTimeout if that takes more than `timeout` seconds.
+        Its queued writes land first, then its folder goes. Raises InvalidAgentId for a bad name,
+        WaitTimeout if that takes more than `timeout` seconds, and WaitsInCallback inside a turn's callback.
         """
         self._check_running()
         store.check_agent_id(name)
         _positive("timeout", timeout)
+        _not_in_callback(f"forgetting agent {name!r}")
         if name in self._names:
             self._stop_agent(name)
         return self._on_files(f"deleting agent {name!r}", timeout, lambda p: p.delete(name))
@@ -882,8 +904,10 @@ class Runtime:
     def engine_stats(self, timeout: float = 10.0):
         """A snapshot of the engine's `EngineStats` (decode step and prefill chunk times), for profiles.
 
-        The batcher answers between steps: WaitTimeout if it has not within `timeout` seconds."""
+        The batcher answers between steps: WaitTimeout if it has not within `timeout` seconds (WaitsInCallback
+        inside a turn's callback, which runs in the step)."""
         _positive("timeout", timeout)
+        _not_in_callback("engine_stats()")
         try:
             return self._env.batcher().ask(_STATS, timeout=wait_seconds(timeout))
         except pykka.Timeout:
@@ -902,7 +926,9 @@ class Runtime:
 
         Also runs at interpreter exit for a Runtime that was never shut down, before
         Python waits for the actors' threads, so a forgotten Runtime never hangs the exit.
+        Raises WaitsInCallback inside a turn's callback (it waits for the engine to stop).
         """
+        _not_in_callback("shutdown()")
         self._closed = True
         if self._env is not None:
             self._env.stopping("*")
