@@ -161,7 +161,8 @@ class Env:
         self._changed = threading.Condition(self._lock)  # notified when a ref is registered
         self._held: list = []  # (Submit, agent ref) told while the batcher was down
         self._closed = False
-        self._stopping: set[str] = set()  # agents the user is stopping (AgentRef.stop, forget); "*": all (shutdown)
+        self._stopping: set[str] = set()  # agents the user is stopping (AgentRef.stop, forget)
+        self._shutting_down = False  # the user is stopping every agent (Runtime.shutdown)
         self.forward: Callable | None = None  # forward(name, payload, future, reply): a note to an agent hosted elsewhere
 
     def register(self, name: str, ref: pykka.ActorRef) -> None:
@@ -175,14 +176,19 @@ class Env:
                 self.submit_turn(submit, agent)
 
     def stopping(self, name: str, on: bool = True) -> None:
-        """Mark agent `name` ("*": every agent) as being stopped by the user (`on`), or no longer (`on` off)."""
+        """Mark agent `name` as being stopped by the user (`on`), or no longer (`on` off)."""
         with self._lock:
             (self._stopping.add if on else self._stopping.discard)(name)
+
+    def shutting_down(self) -> None:
+        """Mark every agent as being stopped by the user, for good: the Runtime is shutting down."""
+        with self._lock:
+            self._shutting_down = True
 
     def stopped_by_user(self, name: str) -> bool:
         """Whether agent `name` is being stopped by the user: for good, not by its supervisor to restart it."""
         with self._lock:
-            return name in self._stopping or "*" in self._stopping
+            return self._shutting_down or name in self._stopping
 
     def wait_changed(self, timeout: float) -> None:
         """Wait until a ref is registered, at most `timeout` seconds."""
@@ -931,7 +937,7 @@ class Runtime:
         _not_in_callback("shutdown()")
         self._closed = True
         if self._env is not None:
-            self._env.stopping("*")
+            self._env.shutting_down()
         engine_thread = self._engine_thread()
         for ref in (self._supervisor, self._services):
             if ref is None:
