@@ -794,6 +794,7 @@ def test_timeouts_longer_than_any_wait_mean_no_limit_and_leave_the_watchdog_runn
         first = alice.send("One.", max_tokens=4, timeout=1e10)
         assert first.get(timeout=1e10).text is not None
         assert alice.result(first.turn_id, timeout=1e10) is not None
+        assert list(alice.stream("Two.", max_tokens=2, timeout=1e10))[-1].cache == "hot"
         rt.flush(timeout=1e10)
         rt.engine_stats(timeout=1e10)
         with stalled_batcher(rt):
@@ -803,8 +804,9 @@ def test_timeouts_longer_than_any_wait_mean_no_limit_and_leave_the_watchdog_runn
 
 
 def test_calls_that_wait_for_the_engine_refuse_inside_a_turns_callback_and_send_works_there(tmp_path):
-    """Callbacks run on the engine's thread: an ask (or shutdown, engine_stats, stop) there waited for the engine
-    it was blocking, every agent with it, until a timeout. It now raises WaitsInCallback at once; send returns."""
+    """Callbacks run on the engine's thread: an ask (or shutdown, engine_stats, stop, a stream) there waited for the
+    engine it was blocking, every agent with it, until a timeout. It now raises WaitsInCallback at once; send
+    returns."""
     from runtime import WaitsInCallback
 
     with Runtime(model=None, cache_dir=tmp_path, backoff=FAST) as rt:
@@ -815,7 +817,7 @@ def test_calls_that_wait_for_the_engine_refuse_inside_a_turns_callback_and_send_
             if seen:
                 return
             for call in (lambda: bob.ask("Hi.", max_tokens=2, timeout=5), rt.engine_stats, rt.shutdown, bob.stop,
-                         lambda: rt.forget("bob")):
+                         lambda: rt.forget("bob"), lambda: list(bob.stream("Hi.", max_tokens=2, timeout=5))):
                 try:
                     call()
                     seen.append(None)
@@ -826,7 +828,7 @@ def test_calls_that_wait_for_the_engine_refuse_inside_a_turns_callback_and_send_
         t0 = time.monotonic()
         reply = alice.ask("Talk.", max_tokens=4, on_token=on_token, timeout=60)
         assert time.monotonic() - t0 < 30 and reply.text is not None
-        assert len(seen) == 5 and all(s and "callback" in s for s in seen), seen
+        assert len(seen) == 6 and all(s and "callback" in s for s in seen), seen
         assert sent[0].get(timeout=60).agent == "bob"  # read outside the callback
         assert rt.running() == ["alice", "bob"] and bob.ask("Still there?", max_tokens=2).text is not None
 

@@ -511,9 +511,10 @@ class AgentRef:
         return self._stream(future, pieces, _Pieces(future.stop), timeout)
 
     def _stream(self, future, pieces, held, timeout):
+        _not_in_callback("iterating a stream")
         while True:
             try:
-                item = pieces.get(timeout=None if timeout is None else timeout + 5)
+                item = pieces.get(timeout=wait_seconds(None if timeout is None else timeout + 5))
             except queue.Empty:
                 raise TurnTimeout(future.turn_id, f"{self.name} did not answer within {timeout}s") from None
             outs, done = _emit(item, held, future)
