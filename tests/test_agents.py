@@ -283,6 +283,22 @@ def test_send_to_is_a_turn_of_bob_attributed_to_alice_and_a_note_to_alice(rt):
     assert len(bob.history()) == len(before_bob) + 2
 
 
+def test_send_to_refuses_itself_another_runtimes_agent_and_a_name(rt, tmp_path):
+    """send_to(self) appended the reply to the sender as a message from itself; an agent of another Runtime got
+    the turn while the copy went to that Runtime's dead letters; a name gave an AttributeError."""
+    alice = rt.spawn("sx-alice", system="You are Alice.")
+    with pytest.raises(ValueError, match="cannot send to itself"):
+        alice.send_to(alice, "Me?", max_tokens=2)
+    with pytest.raises(TypeError, match="AgentRef"):
+        alice.send_to("sx-bob", "You?", max_tokens=2)
+    with Runtime(model=None, cache_dir=tmp_path / "other") as other:
+        bob = other.spawn("sx-bob", system="You are Bob.")
+        with pytest.raises(ValueError, match="another Runtime"):
+            alice.send_to(bob, "Over there?", max_tokens=2)
+        assert len(bob.history()) == 1 and not other.dead_letters
+    assert [r["role"] for r in alice.history()] == ["system"]
+
+
 def test_mutual_send_to_never_deadlocks(rt):
     alice = rt.spawn("dl-alice", system="You are Alice.")
     bob = rt.spawn("dl-bob", system="You are Bob.")

@@ -575,7 +575,17 @@ class AgentRef:
         if any. If this agent is not running, crashes or cannot record the copy, the
         copy goes to `Runtime.dead_letters` and the future still resolves with the reply
         (`other`'s turn happened). It fails as `send` does when `other`'s turn fails.
+        Raises TypeError unless `other` is an AgentRef, and ValueError if it is this agent or
+        belongs to another Runtime.
         """
+        if not isinstance(other, AgentRef):
+            raise TypeError(f"send_to takes the receiving agent's AgentRef (rt.agent(name)), got "
+                            f"{type(other).__name__}")
+        if other.runtime is not self.runtime:
+            raise ValueError(f"agent {other.name!r} belongs to another Runtime, where the reply's copy could not reach "
+                             f"{self.name!r}: send_to joins two agents of one Runtime")
+        if other.name == self.name:
+            raise ValueError(f"agent {self.name!r} cannot send to itself: use send() or ask() for a turn of its own")
         return other._send(text, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
                            timeout=timeout, sender=self.name, conversation_id=conversation_id, turn_id=turn_id,
                            on_token=on_token, on_progress=on_progress, cancel=cancel, reply_to_agent=self.name)
