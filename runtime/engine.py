@@ -806,6 +806,7 @@ def _report_progress(row):
         _call(row.turn, "on_progress", total - len(row.pending), total)
 
 
+FLOAT32_MAX = 3.4028234663852886e38
 _callbacks = threading.local()  # .name: the turn callback running on this thread (see running_callback)
 
 
@@ -842,7 +843,8 @@ def _sample_top_p(logits, temperature, top_p, key):
     # shifted so that the largest logit is 0, and divided by at least float32's smallest normal number: a
     # temperature too small for float32 (1e-300, which it rounds to 0) then keeps that logit at 0 and sends the
     # others to -inf, which is greedy, where they became +-inf and NaN
-    logits = logits.astype(mx.float32)
+    # (a NaN logit, as from a broken model, is never drawn, and +inf counts as the largest finite float32)
+    logits = mx.nan_to_num(logits.astype(mx.float32), nan=-math.inf, posinf=FLOAT32_MAX, neginf=-math.inf)
     logits = (logits - logits.max()) / max(temperature, 2.0 ** -126)
     if top_p < 1.0:
         order = mx.argsort(-logits)

@@ -827,25 +827,34 @@ def test_calls_that_wait_for_the_engine_refuse_inside_a_turns_callback_and_send_
 
     with Runtime(model=None, cache_dir=tmp_path, backoff=FAST) as rt:
         alice, bob = rt.spawn("alice", system="You are Alice."), rt.spawn("bob", system="You are Bob.")
-        seen, sent = [], []
+        seen, sent, polled = [], [], []
 
         def on_token(piece):
             if seen:
                 return
-            for call in (lambda: bob.ask("Hi.", max_tokens=2, timeout=5), rt.engine_stats, rt.shutdown, bob.stop,
-                         lambda: rt.forget("bob"), lambda: list(bob.stream("Hi.", max_tokens=2, timeout=5))):
+            for call in (lambda: bob.ask("Asked in a callback.", max_tokens=2, timeout=5), rt.engine_stats,
+                         rt.shutdown, bob.stop, lambda: rt.forget("bob"),
+                         lambda: list(bob.stream("Streamed in a callback.", max_tokens=2, timeout=5)),
+                         lambda: bob.result("bob-000000000000")):
                 try:
                     call()
                     seen.append(None)
                 except WaitsInCallback as e:
                     seen.append(str(e))
             sent.append(bob.send("Hello from a callback.", max_tokens=2))
+            try:
+                sent[0].get(timeout=0)  # a poll is not a wait: the reply is not there yet
+            except TurnTimeout:
+                polled.append(True)
 
         t0 = time.monotonic()
         reply = alice.ask("Talk.", max_tokens=4, on_token=on_token, timeout=60)
         assert time.monotonic() - t0 < 30 and reply.text is not None
-        assert len(seen) == 6 and all(s and "callback" in s for s in seen), seen
+        assert len(seen) == 7 and all(s and "callback" in s for s in seen), seen
+        assert polled == [True]
         assert sent[0].get(timeout=60).agent == "bob"  # read outside the callback
+        # the refused calls sent nothing: only the send's turn reached bob
+        assert [r["text"] for r in bob.history() if r["role"] == "user"] == ["Hello from a callback."]
         assert rt.running() == ["alice", "bob"] and bob.ask("Still there?", max_tokens=2).text is not None
 
 

@@ -349,6 +349,24 @@ def test_a_temperature_too_small_for_float32_samples_greedily(llama, temperature
     assert solo(llama, cold).tokens == greedy
 
 
+def test_sampling_never_draws_a_nan_logit_and_takes_an_infinite_one_as_the_largest():
+    """Logits from a float16 model can overflow to +inf, or a broken one give NaN: shifting by the maximum made
+    every logit NaN then (inf - inf), and the draw returned token 0 whatever the logits said."""
+    import mlx.core as mx
+
+    from runtime.engine import _sample_top_p
+
+    def draws(values, temperature, top_p):
+        x = mx.array(values, dtype=mx.float16)
+        return {_sample_top_p(x, temperature, top_p, mx.random.key(s)).item() for s in range(16)}
+
+    inf, nan = float("inf"), float("nan")
+    for temperature, top_p in ((1e-300, 1.0), (1.0, 1.0), (1.0, 0.5)):
+        assert draws([1, 2, inf, 3], temperature, top_p) == {2}
+        assert 2 not in draws([1, 2, nan, 3], temperature, top_p)
+        assert draws([-inf, 2, -inf, 3], temperature, top_p) <= {1, 3}
+
+
 def test_returned_cache_continues_like_one_longer_turn(llama):
     model, tokenizer, spec, opts = llama
     p, q = encode(tokenizer, "first part of the talk"), encode(tokenizer, " and the second part")

@@ -281,7 +281,7 @@ class ReplyFuture(pykka.ThreadingFuture):
             _number("timeout", timeout)
             if not (math.isfinite(timeout) and timeout >= 0):
                 raise ValueError(f"timeout must be None or a finite number >= 0, got {timeout}")
-        if running_callback() is not None:
+        if running_callback() is not None and timeout != 0:  # get(timeout=0) polls: fine anywhere
             try:
                 return super().get(timeout=0)  # a reply already here is fine to read
             except pykka.Timeout:
@@ -465,7 +465,10 @@ class AgentRef:
             timeout: float | None = TURN_TIMEOUT, sender: str | None = None, conversation_id: str | None = None,
             turn_id: str | None = None, on_token: Callable[[str], None] | None = None,
             on_progress: Callable[[int, int], None] | None = None, cancel: Callable[[], bool] | None = None) -> Reply:
-        """Take a turn on `text` and wait for its `Reply`; the options and errors are `send`'s."""
+        """Take a turn on `text` and wait for its `Reply`; the options and errors are `send`'s.
+
+        Raises WaitsInCallback inside a turn's callback, before anything is sent."""
+        _not_in_callback("ask()")
         future = self.send(text, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
                            timeout=timeout, sender=sender, conversation_id=conversation_id, turn_id=turn_id,
                            on_token=on_token, on_progress=on_progress, cancel=cancel)
@@ -503,6 +506,7 @@ class AgentRef:
         (except `on_token`); bad options raise here, before anything is sent. Iterating
         raises what `ask` raises, after the pieces that came before the failure.
         """
+        _not_in_callback("stream()")  # before anything is sent: the turn would run for no one
         pieces: queue.SimpleQueue = queue.SimpleQueue()
         future = self.send(text, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
                            timeout=timeout, sender=sender, conversation_id=conversation_id, turn_id=turn_id,
@@ -511,7 +515,6 @@ class AgentRef:
         return self._stream(future, pieces, _Pieces(future.stop), timeout)
 
     def _stream(self, future, pieces, held, timeout):
-        _not_in_callback("iterating a stream")
         while True:
             try:
                 item = pieces.get(timeout=wait_seconds(None if timeout is None else timeout + 5))
@@ -605,6 +608,7 @@ class AgentRef:
         if not isinstance(turn_id, str) or not TURN_ID.fullmatch(turn_id):
             raise ValueError(f"turn_id must match {TURN_ID.pattern}, got {turn_id!r}")
         _positive("timeout", timeout)
+        _not_in_callback("result()")
         for _ in range(3):
             future = ReplyFuture()
             future.turn_id = turn_id
