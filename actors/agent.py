@@ -509,8 +509,8 @@ class AgentActor(SupervisedActor):
         if limit is not None and need > limit:
             self.seq = user["seq"] - 1  # the user record was never written
             error = TurnTooLong(turn_id, f"it needs {need} positions ({len(keep_ids)} cached + {len(tokens)} new tokens "
-                                         f"+ max_tokens {max_tokens}) but the model has {limit}; shorten the message, "
-                                         "lower max_tokens, or start the agent afresh (ref.reset())")
+                                         f"+ max_tokens {max_tokens}) but the model has {limit}; "
+                                         + self._too_long_advice(msg, max_tokens, limit))
             self._abandon(item, error, str(error))
             return
         turn = Turn(
@@ -559,6 +559,19 @@ class AgentActor(SupervisedActor):
                  else "it is cancelled at the batcher's next step unless it finished meanwhile")
         _fail(item.future, TurnTimeout(item.turn_id, f"the turn did not finish within its timeout; {where}: "
                                                      "ref.result(turn_id) says whether it committed"))
+
+    def _too_long_advice(self, msg: dict, max_tokens: int, limit: int) -> str:
+        """What to do about a turn that does not fit: a reset only helps if the system prompt and the message do."""
+        tokenizer = self.env.tokenizer
+        fresh = render_chat(tokenizer, self.system, [{"role": "user", "text": msg["text"], "sender": msg.get("sender")}])
+        alone = len(chat.encode(tokenizer, fresh)) + max_tokens
+        if alone <= limit:
+            return "shorten the message, lower max_tokens, or start the agent afresh (ref.reset())"
+        system = len(chat.encode_text(tokenizer, self.system))
+        if system + max_tokens >= limit:
+            return (f"the system prompt alone is {system} tokens: forget the agent (rt.forget(name)) and spawn it "
+                    "with a shorter one")
+        return f"even in a fresh conversation it would need {alone}: shorten the message or lower max_tokens"
 
     def _reuse(self, rendered: chat.Rendered):
         """(cache, tokens to feed, cache label, kept ids, kept ends, kept text) for `rendered`.

@@ -668,6 +668,26 @@ def test_a_message_that_could_never_fit_is_refused_before_it_is_tokenized(rt):
     assert a.ask("Short.", max_tokens=4).agent == "huge"
 
 
+def test_a_turn_too_long_says_whether_a_reset_would_help(rt):
+    """The advice was always "start the agent afresh (ref.reset())", which keeps the system prompt: no help for an
+    agent whose system prompt alone fills the model, nor for a message that fills it alone."""
+    words = rt.max_context + 10
+    stuck = rt.spawn("long-system", system="word " * words)
+    with pytest.raises(TurnTooLong, match="the system prompt alone is .* spawn it with a shorter one"):
+        stuck.ask("Hello.", max_tokens=4)
+    talker = rt.spawn("long-talk", system="You are brief.")
+    with pytest.raises(TurnTooLong, match="even in a fresh conversation"):
+        talker.ask("word " * words, max_tokens=4)
+    for _ in range(6):  # a long history: here a reset helps
+        try:
+            talker.ask("word " * (rt.max_context // 5), max_tokens=2)
+        except TurnTooLong as e:
+            assert "ref.reset()" in str(e) and "fresh conversation" not in str(e)
+            break
+    else:
+        pytest.fail("the history never outgrew the model")
+
+
 def test_waits_on_the_files_check_their_timeout_and_run_out_with_wait_timeout(tmp_path, monkeypatch):
     with Runtime(model=None, cache_dir=tmp_path) as rt:
         for bad in (0, -1, float("nan")):
