@@ -32,7 +32,7 @@ _EXPORTS = {
     "runtime.engine": ("TurnError", "TurnAbandoned", "TurnTooLarge", "CallbackFailed"),
     "runtime.q4cache": ("Q4CacheError",),
     "runtime.kvscheme": ("KVSchemeError",),
-    "runtime.store": ("CacheDirInUse", "AgentInUse", "InvalidAgentId", "JournalError", "UnsafePath", "CacheError", "CacheMissing",
+    "runtime.store": ("CacheDirInUse", "AgentInUse", "InvalidAgentId", "JournalError", "UnsafePath", "NotAFolder", "CacheError", "CacheMissing",
                       "CorruptCache", "TruncatedCache", "UnsupportedVersion", "ChecksumMismatch", "ForeignModel",
                       "QuantizationMismatch", "ShapeMismatch", "UnreadableCache"),
     "runtime.model": ("ModelLoadError", "DefaultModelMissing"),

@@ -42,6 +42,10 @@ class UnsafePath(KvactorsError, OSError):
     """A symlink inside the store: kvactors never follows one there. Remove the link."""
 
 
+class NotAFolder(KvactorsError, NotADirectoryError):
+    """A cache_dir names a file (or a path under one), where a folder should be."""
+
+
 class CacheDirInUse(KvactorsError, RuntimeError):
     """Another Runtime (in this or another process) is using the cache folder."""
 

@@ -30,7 +30,7 @@ from runtime.cachechain import (MAX_DELTAS, Segment, cache_seq, load_cache, load
 from runtime.cacheformat import (FORMAT, FORMAT_VERSION, MAX_HEADER, CacheError, CacheMissing, ChecksumMismatch,
                                  CorruptCache, ForeignModel, QuantizationMismatch, ShapeMismatch, TruncatedCache,
                                  UnreadableCache, UnsupportedVersion, decode_cache, encode_cache)
-from runtime.files import (AGENT_ID, CACHE_FILE, DELTA_FILE, HIGH_FILE, JOURNAL_FILE, MODEL_FILE, CacheDirInUse,
+from runtime.files import (AGENT_ID, CACHE_FILE, DELTA_FILE, HIGH_FILE, JOURNAL_FILE, MODEL_FILE, CacheDirInUse, NotAFolder,
                            AgentInUse, InvalidAgentId, UnsafePath, agent_dir, check_agent_id, fsync_dir, lock_agent, lock_cache_dir, make_dirs, map_file,
                            open_private, read_file, refuse_links, remove_temps, temp_path, write_atomic)
 from runtime.hostcache import (CacheMeta, DeviceCache, HostCache, cache_to_host, check_cache, host_to_cache, on_device,
@@ -297,16 +297,25 @@ def _table(rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def check_cache_folder(root: Path) -> Path:
+    """`root`, unless it (or the nearest of its parents that exists) is a file: NotAFolder then."""
+    for path in (root, *root.parents):
+        if path.exists():
+            if not path.is_dir():
+                raise NotAFolder(f"{path} is a file, not a cache folder" + ("" if path == root else
+                                         f" (it would hold {root})") + ": give a folder, made if missing")
+            return root
+    return root
+
+
 def inspect_table(cache_dir) -> str:
     """A text table per model folder of `cache_dir`: agent, tokens, bytes on disk, last turn, health.
 
     Each table is titled `model <model id> (<fingerprint>)`, or just the fingerprint when
     the folder has no `model.json` (made before kvactors recorded it). Reads every file
-    (checksums included); changes nothing. Raises NotADirectoryError for a path that is a file.
+    (checksums included); changes nothing. Raises NotAFolder (a NotADirectoryError) for a path that is a file.
     """
-    root = Path(cache_dir).expanduser()
-    if root.exists() and not root.is_dir():
-        raise NotADirectoryError(f"{root} is a file, not a cache folder")
+    root = check_cache_folder(Path(cache_dir).expanduser())
     if not root.is_dir():
         return f"{root}: no such folder (no agents stored yet)"
     models: dict[str, list[Path]] = {}

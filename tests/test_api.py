@@ -293,3 +293,15 @@ def test_text_with_a_lone_surrogate_is_refused_in_the_caller_with_what_to_do(tmp
             a.reset([{"role": "user", "text": bad}])
         assert a.ask("Hello.", max_tokens=2, timeout=60).text is not None
         assert [r["role"] for r in a.history()] == ["system", "user", "assistant"]
+
+
+def test_a_cache_dir_that_is_a_file_is_refused_before_the_model_loads(tmp_path):
+    """It failed with a bare FileExistsError ("[Errno 17] File exists") from deep in the start-up."""
+    from runtime import KvactorsError, NotAFolder, Runtime
+
+    afile = tmp_path / "notes.txt"
+    afile.write_text("not a folder")
+    for path in (afile, afile / "agents"):
+        with pytest.raises(NotAFolder, match="is a file, not a cache folder") as e:
+            Runtime(model="no-such-model-is-loaded", cache_dir=path)
+        assert isinstance(e.value, (KvactorsError, NotADirectoryError))

@@ -1140,10 +1140,11 @@ def _at_least(name: str, value, least, kind=(int, float)) -> None:
 
 
 def cache_folder(cache_dir) -> Path:
-    """The folder `cache_dir` names (None: DEFAULT_CACHE_DIR), `~` expanded; ValueError for an empty string."""
+    """The folder `cache_dir` names (None: DEFAULT_CACHE_DIR), `~` expanded; ValueError for an empty string,
+    store.NotAFolder (a NotADirectoryError) for a file (or a path under one)."""
     if isinstance(cache_dir, str) and not cache_dir.strip():
         raise ValueError(f"cache_dir is empty: give a folder, or None for the default ({DEFAULT_CACHE_DIR})")
-    return Path(cache_dir or DEFAULT_CACHE_DIR).expanduser()
+    return store.check_cache_folder(Path(cache_dir or DEFAULT_CACHE_DIR).expanduser())
 
 
 def check_unicode(name: str, text: str) -> None:
