@@ -299,13 +299,13 @@ def test_a_failure_late_in_init_releases_everything(tmp_path, monkeypatch):
 
 def test_use_after_shutdown_fails_at_once_with_runtime_closed(tmp_path):
     rt = Runtime(model=None, cache_dir=tmp_path)
-    alice = rt.spawn("alice")
+    alice, bob = rt.spawn("alice"), rt.spawn("bob")
     rt.shutdown()
     with pytest.raises(RuntimeClosed):
         alice.ask("Anyone?", max_tokens=2)
     with pytest.raises(RuntimeClosed):
-        rt.spawn("bob")
-    for call in (alice.history, alice.stop, lambda: inject_crash(alice), lambda: alice.send_to(alice, "x")):
+        rt.spawn("carol")
+    for call in (alice.history, alice.stop, lambda: inject_crash(alice), lambda: alice.send_to(bob, "x")):
         with pytest.raises(RuntimeClosed):
             call()
 
