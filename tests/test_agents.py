@@ -355,6 +355,23 @@ def test_converse_and_broadcast_attribute_every_message(rt):
     assert a.history()[-2]["text"] == b.history()[-2]["text"] == "Vote now."
 
 
+def test_converse_and_broadcast_check_their_agents_and_rounds_before_any_turn(rt):
+    """A name in place of an AgentRef failed with AttributeError after the turns before it had run, rounds=-1
+    returned no replies silently, and a generator of agents ran one round of any number asked for."""
+    a = rt.spawn("cc-a", system="You are A.")
+    b = rt.spawn("cc-b", system="You are B.")
+    for call in (lambda: rt.converse([a, "cc-b"], "Plan.", 1), lambda: rt.broadcast([a, "cc-b"], "Vote.")):
+        with pytest.raises(TypeError, match="AgentRef"):
+            call()
+    with pytest.raises(ValueError, match="rounds must be >= 0"):
+        rt.converse([a, b], "Plan.", -1)
+    with pytest.raises(TypeError, match="rounds must be int"):
+        rt.converse([a, b], "Plan.", 1.5)
+    assert [r["role"] for r in a.history()] == ["system"]  # nothing ran
+    replies = rt.converse((x for x in (a, b)), "Plan.", 2, max_tokens=2)
+    assert [r.agent for r in replies] == ["cc-a", "cc-b", "cc-a", "cc-b"]
+
+
 # -- streaming and asyncio -------------------------------------------------------------
 
 

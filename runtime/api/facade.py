@@ -904,8 +904,13 @@ class Runtime:
         """Round-robin: the first agent answers `opening`, each next one answers the previous reply.
 
         Every message is attributed to the agent that wrote it. Every turn takes the
-        options given (see `AgentRef.send`). Returns all replies in order.
+        options given (see `AgentRef.send`). Returns all replies in order. Raises TypeError or
+        ValueError, before any turn, unless `agents` are AgentRefs of this Runtime and `rounds` an int >= 0.
         """
+        agents = _agent_refs(self, agents, "converse")
+        _number("rounds", rounds, int)
+        if rounds < 0:
+            raise ValueError(f"rounds must be >= 0, got {rounds}")
         replies, text, previous = [], opening, None
         for _ in range(rounds):
             for a in agents:
@@ -918,7 +923,10 @@ class Runtime:
     def broadcast(self, group, text: str, *, max_tokens: int = MAX_TOKENS, temperature: float = Sampling.temperature,
                   top_p: float = Sampling.top_p, seed: int = Sampling.seed, stop: str | Iterable[str] = (),
                   timeout: float | None = TURN_TIMEOUT) -> list[ReplyFuture]:
-        """Send `text` to every agent in `group` (each takes a turn with the options given); return their futures."""
+        """Send `text` to every agent in `group` (each takes a turn with the options given); return their futures.
+
+        Raises TypeError or ValueError, before any turn, unless `group` holds AgentRefs of this Runtime."""
+        group = _agent_refs(self, group, "broadcast")
         return [a.send(text, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
                        timeout=timeout) for a in group]
 
@@ -1137,6 +1145,20 @@ def _at_least(name: str, value, least, kind=(int, float)) -> None:
     _number(name, value, kind)
     if not value >= least:
         raise ValueError(f"{name} must be >= {least}, got {value}")
+
+
+def _agent_refs(runtime, agents, what: str) -> list:
+    """`agents` as a list, checked: each an AgentRef of `runtime` (TypeError, ValueError otherwise)."""
+    try:
+        refs = list(agents)
+    except TypeError:
+        raise TypeError(f"{what} takes an iterable of AgentRefs, got {type(agents).__name__}") from None
+    for ref in refs:
+        if not isinstance(ref, AgentRef):
+            raise TypeError(f"{what} takes AgentRefs (rt.agent(name)), got {type(ref).__name__}")
+        if ref.runtime is not runtime:
+            raise ValueError(f"{what}: agent {ref.name!r} belongs to another Runtime")
+    return refs
 
 
 def cache_folder(cache_dir) -> Path:
