@@ -581,12 +581,7 @@ class AgentRef:
         Raises TypeError unless `other` is an AgentRef, and ValueError if it is this agent or
         belongs to another Runtime.
         """
-        if not isinstance(other, AgentRef):
-            raise TypeError(f"send_to takes the receiving agent's AgentRef (rt.agent(name)), got "
-                            f"{type(other).__name__}")
-        if other.runtime is not self.runtime:
-            raise ValueError(f"agent {other.name!r} belongs to another Runtime, where the reply's copy could not reach "
-                             f"{self.name!r}: send_to joins two agents of one Runtime")
+        _agent_refs(self.runtime, [other], "send_to")  # the reply's copy could not reach this agent from another
         if other.name == self.name:
             raise ValueError(f"agent {self.name!r} cannot send to itself: use send() or ask() for a turn of its own")
         return other._send(text, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
