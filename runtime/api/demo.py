@@ -5,7 +5,7 @@ from __future__ import annotations
 import tempfile
 import time
 
-from runtime.api.facade import Runtime, _number
+from runtime.api.facade import Runtime, _at_least
 from runtime.tiny import is_tiny_model
 
 AGENTS = {"alice": "You are Alice, a careful planner. Answer in one short sentence.",
@@ -27,9 +27,7 @@ def run_demo(model=None, cache_dir=None, max_tokens: int = 16, kv_bits: int | No
     (4 or 8: the plain scheme of that many bits) or `kv_scheme` (a scheme name) says
     otherwise, as `Runtime` takes them.
     """
-    _number("max_tokens", max_tokens, int)  # checked before the model loads, not at the first turn
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    _at_least("max_tokens", max_tokens, 1, int)  # checked before the model loads, not at the first turn
     cache_dir = cache_dir or tempfile.mkdtemp(prefix="kvactors-demo-")
     ttfts: dict[str, list[float]] = {}
     opts = dict(max_tokens=max_tokens, timeout=120)

@@ -903,9 +903,7 @@ class Runtime:
         ValueError, before any turn, unless `agents` are AgentRefs of this Runtime and `rounds` an int >= 0.
         """
         agents = _agent_refs(self, agents, "converse")
-        _number("rounds", rounds, int)
-        if rounds < 0:
-            raise ValueError(f"rounds must be >= 0, got {rounds}")
+        _at_least("rounds", rounds, 0, int)
         replies, text, previous = [], opening, None
         for _ in range(rounds):
             for a in agents:
