@@ -806,7 +806,6 @@ def _report_progress(row):
         _call(row.turn, "on_progress", total - len(row.pending), total)
 
 
-FLOAT32_MAX = 3.4028234663852886e38
 _callbacks = threading.local()  # .name: the turn callback running on this thread (see running_callback)
 
 
@@ -844,8 +843,9 @@ def _sample_top_p(logits, temperature, top_p, key):
     # temperature too small for float32 (1e-300, which it rounds to 0) then keeps that logit at 0 and sends the
     # others to -inf, which is greedy, where they became +-inf and NaN
     # (a NaN logit, as from a broken model, is never drawn, and +inf counts as the largest finite float32)
-    logits = mx.nan_to_num(logits.astype(mx.float32), nan=-math.inf, posinf=FLOAT32_MAX, neginf=-math.inf)
-    logits = (logits - logits.max()) / max(temperature, 2.0 ** -126)
+    f32 = mx.finfo(mx.float32)
+    logits = mx.nan_to_num(logits.astype(mx.float32), nan=-math.inf, posinf=f32.max, neginf=-math.inf)
+    logits = (logits - logits.max()) / max(temperature, f32.smallest_normal)
     if top_p < 1.0:
         order = mx.argsort(-logits)
         probs = mx.softmax(logits[order])

@@ -299,12 +299,10 @@ def _table(rows: list[list[str]]) -> str:
 
 def check_cache_folder(root: Path) -> Path:
     """`root`, unless it (or the nearest of its parents that exists) is a file: NotAFolder then."""
-    for path in (root, *root.parents):
-        if path.exists():
-            if not path.is_dir():
-                raise NotAFolder(f"{path} is a file, not a cache folder" + ("" if path == root else
-                                         f" (it would hold {root})") + ": give a folder, made if missing")
-            return root
+    path = next((p for p in (root, *root.parents) if p.exists()), None)
+    if path is not None and not path.is_dir():
+        raise NotAFolder(f"{path} is a file, not a cache folder" + ("" if path == root else f" (it would hold {root})")
+                         + ": give a folder, made if missing")
     return root
 
 
