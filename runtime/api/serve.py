@@ -37,6 +37,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import secrets
 import threading
 import time
@@ -489,16 +490,22 @@ async def _json(request: Request, limit: int | None):
         if limit is not None and size > limit:
             raise _too_large(size, limit)
         parts.append(part)
+    raw = b"".join(parts)
     try:
-        body = json.loads(b"".join(parts))
+        body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise bad(f"the request body is not valid JSON: {e}", None, "invalid_json") from None
-    try:  # JSON may escape a lone surrogate ("\\ud800"), which no text field can hold
+    if not _SURROGATE_ESCAPE.search(raw):
+        return body
+    try:  # JSON may escape a lone surrogate ("\\ud800"), which no text field can hold; a pair is fine
         check_unicode("the request body", json.dumps(body, ensure_ascii=False))
     except ValueError:
         raise bad("a string in the request body holds a lone surrogate (a \\ud800-\\udfff escape without its "
                   "pair), which is not text; send text that encodes as UTF-8", None, "invalid_json") from None
     return body
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # in a body without one, no string can hold a surrogate
 
 
 def _too_large(size: int, limit: int) -> ApiError:
