@@ -97,9 +97,23 @@ def _load_old(path):
     return module
 
 
+SETTINGS = ("CHUNKS", "MIN_CHUNK", "WARPS")  # runtime.q4sdpa's launch settings, in this order
+
+
 def _settings(text: str):
     """'64/256/4,...' -> [(CHUNKS, MIN_CHUNK, WARPS), ...]."""
     return [tuple(int(x) for x in s.split("/")) for s in text.split(",")]
+
+
+def use_setting(setting) -> None:
+    """Set runtime.q4sdpa's launch settings (a tuple in SETTINGS' order) for the calls that follow."""
+    for name, value in zip(SETTINGS, setting):
+        setattr(q4sdpa, name, value)
+
+
+def setting_name(setting) -> str:
+    """A setting as '--settings' writes it."""
+    return "/".join(str(x) for x in setting)
 
 
 def main(argv=None) -> int:
@@ -109,16 +123,17 @@ def main(argv=None) -> int:
     parser.add_argument("--settings", default="32/256/4,64/256/4,128/256/4,64/512/4,64/256/2",
                         help="settings CHUNKS/MIN_CHUNK/WARPS of runtime.q4sdpa to time, comma-separated")
     parser.add_argument("--key-bits", type=int, default=4, help="bits of the keys (4 or 6; values are 4-bit)")
+    parser.add_argument("--rotated", action="store_true", help="time calls on a Hadamard-rotated cache (as the default "
+                        "scheme's); errors are measured unrotated")
+    parser.add_argument("--rope", action="store_true", help="time calls that apply RoPE to the queries in the kernel")
     parser.add_argument("--old", default="", help="files holding older q4sdpa modules to time beside, comma-separated")
     args = parser.parse_args(argv)
     env = environment()
     rows = []
     settings = _settings(args.settings)
     olds = [(path, _load_old(path)) for path in args.old.split(",") if path]
-    default = (q4sdpa.CHUNKS, q4sdpa.MIN_CHUNK, q4sdpa.WARPS)
-
-    def use(setting):
-        q4sdpa.CHUNKS, q4sdpa.MIN_CHUNK, q4sdpa.WARPS = setting
+    default = tuple(getattr(q4sdpa, name) for name in SETTINGS)
+    use = use_setting
 
     errors = {}
     for setting in settings:
@@ -134,6 +149,9 @@ def main(argv=None) -> int:
             sets = [(kq, vq)] + [tuple(tuple(x + 0 for x in p) for p in (kq, vq)) for _ in range(copies - 1)]
             q = mx.random.normal((b, HQ, 1, D), key=mx.random.key(1)).astype(mx.bfloat16)
             start = mx.zeros((b,), dtype=mx.int32)
+            inv_freq = (500000.0 ** (-mx.arange(0, D, 2, dtype=mx.float32) / D)).astype(mx.float32)
+            extra = dict(rotated=args.rotated, rope=(mx.full((b,), context - 1, dtype=mx.int32), inv_freq)
+                         if args.rope else None)
             mx.eval(sets, q)
             k16 = mx.dequantize(*kq, group_size=GROUP, bits=args.key_bits)
             v16 = mx.dequantize(*vq, group_size=GROUP, bits=4)
@@ -152,19 +170,21 @@ def main(argv=None) -> int:
             for name, setting, module, err in timed:
                 use(setting)
                 try:
-                    us = chained_us(lambda x, k, v, m=module: m.q4_decode_sdpa(x, k, v, start, context, D ** -0.5, GROUP),
-                                    sets, q)
+                    us = chained_us(lambda x, k, v, m=module: m.q4_decode_sdpa(x, k, v, start, context, D ** -0.5, GROUP,
+                                                                               **extra), sets, q)
                 except Exception as e:  # a launch setting the device refuses is reported, not fatal
-                    rows.append(dict(base, kernel=name, setting="/".join(map(str, setting)), us=f"failed: {e}"[:80]))
+                    rows.append(dict(base, kernel=name, setting=setting_name(setting), us=f"failed: {e}"[:80]))
                     continue
-                rows.append(dict(base, kernel=name, setting="/".join(map(str, setting)) if module is q4sdpa else "-",
+                rows.append(dict(base, kernel=name, setting=setting_name(setting) if module is q4sdpa else "-",
                                  us=us, x_fp16=us / fp16_us, GB_per_s=q4_bytes / us / 1e3, max_err=err))
             use(default)
             del sets
             print(f"context {context} rows {b} done", file=sys.stderr, flush=True)
     notes = (f"8B shape: {HQ} query heads, {HKV} kv heads, head dim {D}, group {GROUP}, {args.key_bits}-bit keys, "
              "4-bit values; one query per row; "
-             "setting = blocks per row and kv head / fewest keys per block / warps per block; x_fp16 = time over the fused bf16 "
+             + ("cache rotated (Hadamard in the kernels); " if args.rotated else "")
+             + ("RoPE applied to the queries in the kernel; " if args.rope else "")
+             + "setting = blocks per row and kv head / fewest keys per block / warps per block; x_fp16 = time over the fused bf16 "
              "kernel's; GB_per_s = the packed (or bf16) K/V bytes over the time; max_err against float32 on "
              "4 ragged rows at 3,000 columns; us: 40 calls chained (each call's queries are the previous call's output, so "
              "they run one after another), "

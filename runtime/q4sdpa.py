@@ -114,10 +114,24 @@ _PARTIAL = r"""
 
     // A fragments of the queries (rows g and g + 8), made once per block into shared memory
     __shared__ uint4 s_qa[NS][32];
+    __shared__ float s_rope[ROPE ? D : 1];  // cos, then sin, of the D/2 angles: the block's threads make them
+    if constexpr (ROPE) {
+        for (int i = threadIdx.x; i < D / 2; i += blockDim.x) {
+            const float theta = static_cast<float>(pos[b]) * inv_freq[i];
+            s_rope[i] = cos(theta);
+            s_rope[D / 2 + i] = sin(theta);
+        }
+        __syncthreads();
+    }
     if (warp == 0) {
       unsigned int qa[NS][4];
       #pragma unroll
       for (int i = 0; i < 2; ++i) {
+        if (i == 1 && NRV <= 8) {  // no tile row from 8 on holds a query
+            #pragma unroll
+            for (int ks = 0; ks < NS; ++ks) qa[ks][1] = qa[ks][3] = 0u;
+            break;
+        }
         const int row = g + 8 * i, ql = ql0 + row / RB, hq = h * REP + r0 + row % RB;
         float x[D / 4];
         #pragma unroll
@@ -133,12 +147,11 @@ _PARTIAL = r"""
             }
         }
         if constexpr (ROPE) {  // RoPE at the row's position, as mx.fast.rope: dim i with i + D/2 (lane t ^ 2)
-            const float p = static_cast<float>(pos[b]);
             #pragma unroll
             for (int e = 0; e < D / 4; ++e) {
                 const float other = __shfl_xor_sync(0xffffffffu, x[e], 2);
-                const float theta = p * inv_freq[((D / 4) * t + e) % (D / 2)];
-                const float c = cos(theta), s = sin(theta);
+                const int f = ((D / 4) * t + e) % (D / 2);
+                const float c = s_rope[f], s = s_rope[D / 2 + f];
                 x[e] = static_cast<float>(static_cast<T>(t < 2 ? x[e] * c - other * s : other * s + x[e] * c));
             }
         }
