@@ -38,6 +38,22 @@ def test_demo_takes_kv_bits_or_a_kv_scheme_not_both():
     assert "--kv-scheme" in out.stdout and "default KV scheme" in out.stdout
 
 
+def test_serve_on_an_address_in_use_fails_before_the_model_loads(tmp_path):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        # the model folder does not exist either: the address is checked first, so the address is what it says
+        out = kvactors("serve", "--model", tmp_path / "no-model", "--cache-dir", tmp_path / "c", "--port", port)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in out.stderr
+    out = kvactors("serve", "--model", tmp_path / "no-model", "--host", "no-such-host.invalid")
+    assert out.returncode == 2 and "cannot listen on no-such-host.invalid:8000: the host name does not resolve" \
+        in out.stderr, out.stderr
+
+
 def test_bad_values_argparse_cannot_check_get_one_line_and_exit_2(tmp_path):
     """Refused before a server starts (it would blame every client) or a model loads; no traceback."""
     for args, says in ((("serve", "--model", "tiny", "--max-tokens", "0"), "max_tokens must be an int >= 1"),

@@ -39,6 +39,7 @@ import logging
 import os
 import re
 import secrets
+import socket
 import threading
 import time
 import uuid
@@ -692,15 +693,36 @@ def serve(model=None, cache_dir=None, host: str = "127.0.0.1", port: int = 8000,
     import uvicorn
 
     check_server_options(max_agents, default_max_tokens, turn_timeout)  # before the model loads
-    if not 0 <= port <= 65535:
-        raise ValueError(f"port must be 0 to 65535, got {port}")
+    sock = bind_socket(host, port)
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         log.warning("serving on %s without --api-key: anyone who can reach it can use and forget your agents", host)
-    with Runtime(model=model, cache_dir=cache_dir, **runtime_options) as rt:
+    with sock, Runtime(model=model, cache_dir=cache_dir, **runtime_options) as rt:
         server = Server(rt, model_id(model), api_key=api_key, max_agents=max_agents,
                         default_max_tokens=default_max_tokens, turn_timeout=turn_timeout)
-        uvicorn.run(build_app(server), host=host, port=port, log_level=log_level)
+        config = uvicorn.Config(build_app(server), log_level=log_level)  # sets up uvicorn's loggers
+        bound, bound_port = sock.getsockname()[:2]
+        logging.getLogger("uvicorn.error").info("kvactors serving %s on http://%s:%d (press CTRL+C to quit)",
+                                                server.model_id, f"[{bound}]" if ":" in bound else bound, bound_port)
+        uvicorn.Server(config).run(sockets=[sock])
     return 0
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port), made before the model loads so that an address that cannot be served
+    fails at once: ValueError for a port outside 0-65535, OSError (saying which address and why) for a host
+    that does not resolve or an address in use or not allowed. IPv6 where `host` holds a colon. The server
+    listens on it once it starts, so a client that connects while the model loads is refused, not kept waiting."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port must be 0 to 65535, got {port}")
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        return sock
+    except OSError as e:
+        sock.close()
+        reason = os.strerror(e.errno) if (e.errno or 0) > 0 else "the host name does not resolve"
+        raise OSError(e.errno, f"cannot listen on {host}:{port}: {reason}; pick another --host or --port") from None
 
 
 def model_id(model) -> str:
