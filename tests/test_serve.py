@@ -25,10 +25,11 @@ SYSTEM = {"role": "system", "content": "You answer briefly."}
 
 
 class Served:
-    """A Runtime over `cache_dir` behind a uvicorn server on a free loopback port, in a thread."""
+    """A Runtime over `cache_dir` (on `model`, default the tests' model) behind a uvicorn server on a free loopback
+    port, in a thread."""
 
-    def __init__(self, cache_dir, api_key=None):
-        self.rt = Runtime(cache_dir=cache_dir)
+    def __init__(self, cache_dir, api_key=None, model=None):
+        self.rt = Runtime(model=model, cache_dir=cache_dir)
         self.server = Server(self.rt, "kvactors-tiny", api_key=api_key, default_max_tokens=4)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
@@ -235,6 +236,38 @@ def test_a_body_larger_than_any_request_the_model_can_hold_is_a_413_before_it_is
     status, reply = post({"Transfer-Encoding": "chunked"}, [body + b" " * (limit - len(body))])
     assert status == 400 and reply["error"]["code"] != "request_too_large"  # exactly the limit: read whole
     assert served.request("GET", "/health")[0] == 200
+
+
+def test_a_model_that_does_not_say_its_positions_still_bounds_the_body(tmp_path):
+    """Without max_position_embeddings no body size follows from the model: a fixed limit keeps one request
+    from filling the server's memory."""
+    import http.client
+    import shutil
+
+    from runtime.api.serve import UNBOUNDED_BODY_LIMIT
+    from runtime.tiny import tiny_llama_path
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_llama_path(), folder)
+    config = json.loads((folder / "config.json").read_text())
+    del config["max_position_embeddings"]
+    (folder / "config.json").write_text(json.dumps(config))
+    s = Served(tmp_path / "c", model=str(folder))
+    try:
+        assert s.rt.max_context is None and s.server.body_limit == UNBOUNDED_BODY_LIMIT
+        conn = http.client.HTTPConnection(s.url.removeprefix("http://"), timeout=60)
+        conn.putrequest("POST", "/v1/chat/completions")
+        conn.putheader("Content-Type", "application/json")
+        conn.putheader("Content-Length", str(UNBOUNDED_BODY_LIMIT + 1))
+        conn.endheaders()
+        r = conn.getresponse()
+        assert r.status == 413 and json.loads(r.read())["error"]["code"] == "request_too_large"
+        conn.close()
+        status, reply, _ = s.request("POST", "/v1/chat/completions", {"model": "m", "messages": [
+            {"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert status == 200 and reply["kvactors"]["cache"] == "cold"
+    finally:
+        s.close()
 
 
 def test_native_agent_routes_spawn_send_to_history_and_forget(served):

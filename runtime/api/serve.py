@@ -88,19 +88,21 @@ class ApiError(KvactorsError):
 
 
 BODY_SLACK = 1 << 20  # bytes a request body may hold beyond its text: field names, roles, the options
+UNBOUNDED_BODY_LIMIT = 256 << 20  # the limit where the model does not bound it (64M characters escaped)
 
 
-def body_limit(rt: Runtime) -> int | None:
+def body_limit(rt: Runtime) -> int:
     """The most bytes a request body may hold: 12 per character of the longest text the model can take
-    (a character escaped as JSON, a surrogate pair, is 12 bytes) plus BODY_SLACK; None (no limit) where the
-    tokenizer does not bound a text's characters by its positions (`Runtime.longest_token_chars`).
+    (a character escaped as JSON, a surrogate pair, is 12 bytes) plus BODY_SLACK; UNBOUNDED_BODY_LIMIT where
+    the model does not say its positions (`Runtime.max_context`) or the tokenizer does not bound a text's
+    characters by them (`Runtime.longest_token_chars`), so that no body can fill the server's memory.
 
     Any request whose text fits the model's positions, sent as plain JSON, fits under it; a bigger body
     is refused (413) before it is read whole.
     """
     longest, positions = rt.longest_token_chars, rt.max_context
     if not (longest and positions):
-        return None
+        return UNBOUNDED_BODY_LIMIT
     return 12 * positions * longest + BODY_SLACK
 
 
@@ -480,15 +482,15 @@ def error_for(e: BaseException) -> ApiError:
     return ApiError(500, f"internal error: {type(e).__name__}: {e}", None, "internal_error", "server_error")
 
 
-async def _json(request: Request, limit: int | None):
+async def _json(request: Request, limit: int):
     """The request's JSON body, read as it arrives and refused (413) once it passes `limit` bytes."""
     declared = request.headers.get("content-length", "")
-    if limit is not None and declared.isascii() and declared.isdigit() and int(declared) > limit:
+    if declared.isascii() and declared.isdigit() and int(declared) > limit:
         raise _too_large(int(declared), limit)
     parts, size = [], 0
     async for part in request.stream():
         size += len(part)
-        if limit is not None and size > limit:
+        if size > limit:
             raise _too_large(size, limit)
         parts.append(part)
     raw = b"".join(parts)
@@ -510,8 +512,9 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # in a body without one, 
 
 
 def _too_large(size: int, limit: int) -> ApiError:
-    return ApiError(413, f"the request body has {size} bytes or more, over the {limit} that any request the "
-                         f"model's positions can hold needs; send less (only the new messages, to a named agent)",
+    return ApiError(413, f"the request body has {size} bytes or more, over this server's limit of {limit} (room "
+                         f"for the longest request the model takes); send less (only the new messages, to a named "
+                         f"agent)",
                     None, "request_too_large")
 
 
