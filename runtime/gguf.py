@@ -258,10 +258,10 @@ def _read_with_gguf(path: Path) -> tuple[dict, dict]:
         from gguf import GGUFReader
     except ImportError as e:  # a declared dependency; only a broken install gets here
         raise GGUFError("reading this GGUF file needs the gguf package: pip install gguf") from e
-    try:
+    try:  # the reader fails on a damaged or truncated file with whatever its parsing meets (IndexError, ...)
         reader = GGUFReader(str(path))
-    except (ValueError, OSError) as e:
-        raise GGUFError(f"{path} is not a readable GGUF file: {e}") from e
+    except Exception as e:  # noqa: BLE001
+        raise GGUFError(f"{path} is not a readable GGUF file (damaged or cut short?): {type(e).__name__}: {e}") from e
     meta = {}
     for key, field in reader.fields.items():
         try:
@@ -270,7 +270,11 @@ def _read_with_gguf(path: Path) -> tuple[dict, dict]:
             continue
     tensors = {}
     for t in reader.tensors:
-        tensors[t.name] = ("dequant", _dequantize(t, t.tensor_type.name), None, t.tensor_type.name)
+        try:
+            tensors[t.name] = ("dequant", _dequantize(t, t.tensor_type.name), None, t.tensor_type.name)
+        except (ValueError, IndexError) as e:  # its data shorter than its shape: the file was cut short
+            raise GGUFError(f"{path} is not a readable GGUF file (damaged or cut short?): tensor {t.name}: "
+                            f"{e}") from e
     return meta, tensors
 
 

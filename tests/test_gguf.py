@@ -226,6 +226,17 @@ def test_unsupported_architecture_and_non_gguf_files_are_clear_errors(tmp_path, 
         gguf_model_path(tmp_path / "missing.gguf")
 
 
+@pytest.mark.parametrize("qtype", [Q.F32, Q.Q4_0, Q.Q8_0])
+def test_a_truncated_gguf_file_is_a_clear_error_wherever_it_ends(tmp_path, tiny, qtype):
+    write_gguf(tmp_path / "m.gguf", tiny["llama"], qtype)
+    data = (tmp_path / "m.gguf").read_bytes()
+    for cut in (8, 24, 64, 200, 1000, len(data) // 2, len(data) - 10):
+        (tmp_path / "cut.gguf").write_bytes(data[:cut])
+        with pytest.raises(GGUFError, match="not a readable GGUF file"):
+            import_gguf(tmp_path / "cut.gguf", tmp_path / f"out{cut}", "float32")
+        assert not (tmp_path / f"out{cut}").exists()
+
+
 def test_model_cache_converts_each_file_once_keyed_by_its_hash(tmp_path, tiny):
     write_gguf(tmp_path / "a.gguf", tiny["llama"], Q.Q8_0)
     first = gguf_model_path(tmp_path / "a.gguf", "float32")
