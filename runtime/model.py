@@ -161,6 +161,8 @@ def resolve_model_path(model: str | Path | None) -> Path:
     """
     if model is None:
         model = os.environ.get("KVACTORS_MODEL") or default_model_file()
+    if not isinstance(model, (str, os.PathLike)):
+        raise TypeError(f"model must be a str, a path or None, got {type(model).__name__}")
     path = Path(model).expanduser()
     if str(model) == TINY and not path.exists():
         from runtime.tiny import tiny_llama_path
@@ -223,7 +225,14 @@ def load_model(model: str | Path | None = None, kv_scheme: KVScheme | None = Non
     path = resolve_model_path(model)
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path} has no config.json: it is not a model folder")
-    net, tokenizer = mlx_lm.load(str(path))
+    try:
+        net, tokenizer = mlx_lm.load(str(path))
+    except MemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a broken folder fails inside mlx-lm in many ways (JSON, files, types)
+        raise ModelLoadError(f"mlx-lm cannot load the model folder {path}: {type(e).__name__}: {e}; it needs a "
+                             "valid config.json of an architecture mlx-lm supports, complete weight files and "
+                             "the tokenizer's files (a download cut short? fetch it again)") from e
     spec = ModelCacheSpec.from_model(net, path, kv_scheme)
     prepare_model(net)
     return net, tokenizer, spec

@@ -109,6 +109,27 @@ def test_load_model_default_and_errors(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelLoadError, match="not a model folder"):
         load_model(tmp_path / "empty")
+    with pytest.raises(TypeError, match="model must be a str, a path or None, got int"):
+        load_model(5)
+
+
+def test_a_broken_model_folder_is_a_model_load_error_naming_the_folder(tmp_path):
+    """Whatever fails inside mlx-lm (a config that is not JSON, missing or cut weights, no tokenizer, an unknown
+    architecture), the caller gets ModelLoadError with the folder and the cause."""
+    def broken(name, edit):
+        folder = tmp_path / name
+        shutil.copytree(tiny_llama_path(), folder)
+        edit(folder)
+        return folder
+
+    config = json.loads((tiny_llama_path() / "config.json").read_text())
+    for folder in (broken("json", lambda f: (f / "config.json").write_text("{nope")),
+                   broken("noweights", lambda f: [p.unlink() for p in f.glob("*.safetensors")]),
+                   broken("cut", lambda f: [p.write_bytes(p.read_bytes()[:1000]) for p in f.glob("*.safetensors")]),
+                   broken("notokenizer", lambda f: [p.unlink() for p in f.glob("tokenizer*")]),
+                   broken("arch", lambda f: (f / "config.json").write_text(json.dumps({**config, "model_type": "nosuch"})))):
+        with pytest.raises(ModelLoadError, match=f"cannot load the model folder {folder}"):
+            load_model(folder)
 
 
 def test_group_size_must_divide_head_dim(load_tiny, tiny_model_path):
