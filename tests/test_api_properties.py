@@ -17,11 +17,11 @@ import threading
 import uuid
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from actors.supervisor import Backoff
-from runtime import Runtime, TurnTimeout, TurnTooLarge, qgemv
+from runtime import Runtime, SystemPromptChanged, TurnTimeout, TurnTooLarge, qgemv
 
 FAST = Backoff(min=0.001, max=0.02, reset=10.0)
 SETTINGS = dict(deadline=None, suppress_health_check=list(HealthCheck))
@@ -171,6 +171,9 @@ def spawn_valid(o, running) -> bool:
             and is_real(o.get("timeout", 60.0)) and o.get("timeout", 60.0) > 0)
 
 
+SPAWNED_WITH = {}  # name -> the system prompt it is stored with, for the agents this test stored (names recur)
+
+
 @settings(max_examples=60, **SETTINGS)
 @given(options=SPAWN_OPTIONS)
 def test_spawn_refuses_bad_options_in_the_caller_and_valid_agents_serve(rt, options):
@@ -184,8 +187,17 @@ def test_spawn_refuses_bad_options_in_the_caller_and_valid_agents_serve(rt, opti
         assert rt.running() == running and actors_now(rt) == before  # nothing started
         no_crash(rt, before)
         return
+    name, system, reset = options["name"], options.get("system", ""), options.get("reset", False)
+    assume(name in SPAWNED_WITH or name not in {a.name for a in rt.agents()})  # stored by another test: unknown
+    if not reset and name in SPAWNED_WITH and system not in ("", SPAWNED_WITH[name]):
+        with pytest.raises(SystemPromptChanged):  # an earlier example stored it under another prompt
+            rt.spawn(**options)
+        assert rt.running() == running and actors_now(rt) == before
+        return
     ref = rt.spawn(**options)
-    assert ref.ask("Hello.", max_tokens=2).agent == options["name"]
+    assert ref.ask("Hello.", max_tokens=2).agent == name
+    if reset or name not in SPAWNED_WITH:
+        SPAWNED_WITH[name] = system
     no_crash(rt, before)
     ref.stop()
 
