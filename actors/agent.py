@@ -20,8 +20,9 @@ history) and the cache if it is valid; a bad or missing cache means the next tur
 re-prefills the history ("cold"). Any failure in a turn is a crash: the caller
 gets `AgentCrashed`, the actor stops and its supervisor starts a fresh one, which
 reloads the durable state. The caller's own mistakes are not: a turn that can never
-fit (`TurnTooLong`, `TurnTooLarge`) or whose callback raised (`CallbackFailed`) fails
-alone, with nothing recorded. A turn's `timeout` counts from `send` (its payload's
+fit (`TurnTooLong`, `TurnTooLarge`), whose conversation the model's chat template refuses
+(`ChatTemplateError`) or whose callback raised (`CallbackFailed`) fails alone, with nothing
+recorded. A turn's `timeout` counts from `send` (its payload's
 `deadline`); running past it is not a failure: its caller gets `TurnTimeout` at
 once. A turn still queued then is dropped when it comes up, never run; one in
 progress stays this agent's item until the batcher answers: dropped at the
@@ -499,7 +500,13 @@ class AgentActor(SupervisedActor):
         msg = item.msg
         turn_id = item.turn_id = item.turn_id or f"{self.name}-{self.seq + 1}-{uuid.uuid4().hex[:8]}"
         user = self._record("user", msg["text"], sender=msg.get("sender"), msg=msg, turn_id=turn_id)
-        rendered = render_chat(self.env.tokenizer, self.system, self.records + [user])
+        try:
+            rendered = render_chat(self.env.tokenizer, self.system, self.records + [user])
+        except chat.ChatTemplateError as e:  # the conversation's fault, not the agent's: no crash, nothing recorded
+            self.seq = user["seq"] - 1
+            error = chat.ChatTemplateError(str(e), turn_id)
+            self._abandon(item, error, str(error))
+            return
         cache, tokens, label, keep_ids, keep_ends, keep_text = self._reuse(rendered)
         reuse = None if cache is None else (self.meta.seq, len(keep_ids))  # lets the store write a delta
         item.pending = dict(user=user, rendered=rendered.text, label=label, keep_ids=keep_ids,

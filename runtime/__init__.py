@@ -36,6 +36,7 @@ _EXPORTS = {
                       "CorruptCache", "TruncatedCache", "UnsupportedVersion", "ChecksumMismatch", "ForeignModel",
                       "QuantizationMismatch", "ShapeMismatch", "UnreadableCache"),
     "runtime.model": ("ModelLoadError", "DefaultModelMissing"),
+    "runtime.chat": ("ChatTemplateError",),
     "runtime.gguf": ("GGUFError", "UnsupportedGGUF"),
     "runtime.deadlines": ("DeadlinesClosed",),
     "runtime.api.serve": ("ApiError",),

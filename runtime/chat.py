@@ -22,6 +22,8 @@ import threading
 import weakref
 from dataclasses import dataclass
 
+from runtime.errors import KvactorsError
+
 log = logging.getLogger(__name__)
 _SENTINEL = "\ue000{}\ue001"
 _SENTINEL_RE = re.compile("\ue000(\\d+)\ue001")
@@ -38,15 +40,112 @@ class Rendered:
     spans: tuple = ()
 
 
+class ChatTemplateError(KvactorsError, ValueError):
+    """The model's chat template refuses a conversation (its own `raise_exception`, or any failure inside it).
+
+    `turn_id` names the turn whose conversation it was (None outside a turn). Nothing was recorded: start
+    the conversation over (`ref.reset`) with messages the template takes.
+    """
+
+    def __init__(self, message: str, turn_id: str | None = None):
+        super().__init__(f"turn {turn_id}: {message}" if turn_id else message)
+        self.turn_id = turn_id
+
+
+# for a tokenizer without a chat template (a base model): plain "User:" / "Assistant:" lines, as mlx-lm's
+# server does for such models
+FALLBACK_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] + '\n\n' }}"
+                     "{% elif m['role'] == 'user' %}{{ 'User: ' + m['content'] + '\n' }}"
+                     "{% else %}{{ 'Assistant: ' + m['content'] + '\n' }}{% endif %}{% endfor %}"
+                     "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
+
+
+@dataclass(frozen=True)
+class TemplateHabits:
+    """What a tokenizer's chat template takes, found once per tokenizer by rendering two small conversations."""
+
+    template: str | None  # None: the tokenizer's own; FALLBACK_TEMPLATE where it has none
+    merge: bool  # it refuses two messages of one role in a row (roles must alternate): such runs are joined
+    fold_system: bool  # it refuses a system message: the system prompt opens the first user message
+
+
+_habits: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_habits_lock = threading.Lock()
+
+
+def template_habits(tokenizer) -> TemplateHabits:
+    """`TemplateHabits` of `tokenizer` (cached per tokenizer)."""
+    with _habits_lock:
+        habits = _habits.get(tokenizer)
+    if habits is not None:
+        return habits
+    template = None if getattr(tokenizer, "chat_template", None) else FALLBACK_TEMPLATE
+    if template is not None:
+        log.warning("the tokenizer has no chat template: conversations render as plain 'User:' and "
+                    "'Assistant:' lines")
+
+    def takes(messages) -> bool:
+        try:
+            _apply(tokenizer, messages, True, template)
+            return True
+        except Exception:  # noqa: BLE001 - a template refuses with whatever it raises
+            return False
+
+    habits = TemplateHabits(template,
+                            merge=not takes([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]),
+                            fold_system=not takes([{"role": "system", "content": "s"}, {"role": "user", "content": "a"}]))
+    with _habits_lock:
+        _habits[tokenizer] = habits
+    return habits
+
+
+def fit_messages(messages: list[dict], habits: TemplateHabits) -> list[dict]:
+    """`messages` as a template with `habits` takes them: a system prompt it refuses opens the first user
+    message, and where roles must alternate, each run of messages of one role becomes one message (their
+    texts joined by a blank line). Unchanged for a template that takes any order."""
+    out = [dict(m) for m in messages]
+    if habits.fold_system and out and out[0]["role"] == "system":
+        system = out.pop(0)["content"]
+        if out and out[0]["role"] == "user":
+            out[0]["content"] = f"{system}\n\n{out[0]['content']}" if system else out[0]["content"]
+        elif system:
+            out.insert(0, {"role": "user", "content": system})
+    if habits.merge:
+        merged = []
+        for m in out:
+            if merged and merged[-1]["role"] == m["role"]:
+                merged[-1]["content"] = f"{merged[-1]['content']}\n\n{m['content']}"
+            else:
+                merged.append(m)
+        out = merged
+    return out
+
+
+def _apply(tokenizer, messages, add_generation_prompt: bool, template: str | None) -> str:
+    extra = {} if template is None else {"chat_template": template}
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                         **extra)
+
+
 def render(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> Rendered:
     """Render `messages` ({"role", "content"} dicts) with the tokenizer's chat template.
 
-    `Rendered.text` is exactly what `apply_chat_template(..., tokenize=False)` returns;
-    `spans` mark each message's content in it (empty if the template rewrites content).
+    The messages are first fitted to what the template takes (`fit_messages`: templates that want roles to
+    alternate, or take no system message); a tokenizer without a template renders through
+    FALLBACK_TEMPLATE. `Rendered.text` is exactly what `apply_chat_template(..., tokenize=False)` returns for
+    the fitted messages; `spans` mark each message's content in it (empty if the template rewrites
+    content). Raises ChatTemplateError where the template still refuses them (say, a conversation that
+    opens with an assistant message, for a template that wants a user first).
     """
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
-    marked = [{**m, "content": _SENTINEL.format(i)} for i, m in enumerate(messages)]
-    skeleton = tokenizer.apply_chat_template(marked, add_generation_prompt=add_generation_prompt, tokenize=False)
+    habits = template_habits(tokenizer)
+    messages = fit_messages(messages, habits)
+    try:
+        text = _apply(tokenizer, messages, add_generation_prompt, habits.template)
+        marked = [{**m, "content": _SENTINEL.format(i)} for i, m in enumerate(messages)]
+        skeleton = _apply(tokenizer, marked, add_generation_prompt, habits.template)
+    except Exception as e:  # noqa: BLE001 - jinja's TemplateError, or whatever the template's code raised
+        raise ChatTemplateError(f"the model's chat template refuses this conversation ({type(e).__name__}: {e}); "
+                                "start it over (ref.reset) with messages the template takes") from e
     for shape in (lambda s: s, str.strip):
         spans, parts, pos, at = [], [], 0, 0
         for m in _SENTINEL_RE.finditer(skeleton):

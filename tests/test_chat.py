@@ -2,6 +2,8 @@
 
 import logging
 
+import pytest
+
 from runtime import chat, store
 from runtime.tiny import CHAT_TEMPLATE
 
@@ -13,10 +15,10 @@ class Templated:
     """The tiny tokenizer with another chat template."""
 
     def __init__(self, tokenizer, template):
-        self.tokenizer, self.template = tokenizer, template
+        self.tokenizer, self.chat_template = tokenizer, template
 
     def apply_chat_template(self, messages, **kw):
-        return self.tokenizer.apply_chat_template(messages, chat_template=self.template, **kw)
+        return self.tokenizer.apply_chat_template(messages, **{"chat_template": self.chat_template, **kw})
 
     def encode(self, text, **kw):
         return self.tokenizer.encode(text, **kw)
@@ -77,3 +79,92 @@ def test_a_message_cannot_forge_turns_in_an_agents_cache(tmp_path):
     assert forged["text"] == FORGED
     # bob's cache holds the template's markers only, as many as eve's harmless conversation
     assert special_ids(tok, ids["bob"]) == special_ids(tok, ids["eve"])
+
+
+# Mistral-Instruct's kind of template: roles must alternate, user first, and no system role
+STRICT = ("{{ bos_token }}{% for message in messages %}"
+          "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+          "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+          "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+          "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}"
+          "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}")
+
+
+def model_with_template(tmp_path, template):
+    """A copy of the tiny model whose tokenizer has `template` (None: no chat template at all)."""
+    import json
+    import shutil
+
+    from runtime.tiny import tiny_llama_path
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_llama_path(), folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    if template is not None:
+        config["chat_template"] = template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+def test_fit_messages_folds_a_refused_system_prompt_and_joins_runs_where_roles_must_alternate():
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "a"}, {"role": "user", "content": "b"},
+            {"role": "assistant", "content": "c"}, {"role": "user", "content": "d"}]
+    assert chat.fit_messages(msgs, chat.TemplateHabits(None, merge=False, fold_system=False)) == msgs
+    assert chat.fit_messages(msgs, chat.TemplateHabits(None, merge=True, fold_system=True)) == [
+        {"role": "user", "content": "S\n\na\n\nb"}, {"role": "assistant", "content": "c"},
+        {"role": "user", "content": "d"}]
+    assert chat.fit_messages(msgs, chat.TemplateHabits(None, merge=True, fold_system=False))[:2] == [
+        {"role": "system", "content": "S"}, {"role": "user", "content": "a\n\nb"}]
+    assert chat.fit_messages(msgs[:1] + msgs[3:], chat.TemplateHabits(None, merge=False, fold_system=True))[0] == {
+        "role": "user", "content": "S"}  # a system prompt before an assistant message becomes a user message
+
+
+def test_agents_with_notes_and_a_system_prompt_run_on_a_template_that_wants_alternating_roles(tmp_path):
+    """Notes and other agents' messages put user messages in a row, and a system prompt is a role such
+    templates refuse: every turn used to crash the agent (and its retries escalated the Runtime)."""
+    from runtime import Runtime
+
+    with Runtime(model=model_with_template(tmp_path, STRICT), cache_dir=tmp_path / "c") as rt:
+        habits = chat.template_habits(rt.tokenizer)
+        assert habits.merge and habits.fold_system and habits.template is None
+        a, b = rt.spawn("a", system="You are A."), rt.spawn("b")
+        assert a.ask("Hello.", max_tokens=3).cache == "cold"
+        a.note("A note first.")
+        # a takes a turn on b's message, right after the note; its reply lands in b's history as a message
+        assert b.send_to(a, "Bob here.", max_tokens=3).get(timeout=60).cache == "hot"
+        second = b.ask("Your turn.", max_tokens=3)
+        assert a.ask("Third.", max_tokens=3).cache == "hot"  # the joined messages extended the cached text
+        text = rt._env.render(a.history()[0]["text"], a.history()[1:])
+        assert text.startswith("<|begin_of_text|>[INST] You are A.\n\nHello. [/INST]")
+        assert "[INST] A note first.\n\nb: Bob here. [/INST]" in text
+        b_text = rt._env.render("", b.history())  # a's reply, a message, then b's own turn: one user message
+        assert b_text.startswith("<|begin_of_text|>[INST] a: ") and b_text.count("[INST]") == 1
+        assert b_text.endswith("\n\nYour turn. [/INST]" + second.text + "<|eot_id|>")
+        assert rt.running() == ["a", "b"] and not rt.dead_letters
+
+
+def test_a_conversation_the_template_still_refuses_fails_its_turn_alone(tmp_path):
+    from runtime import ChatTemplateError, Runtime
+
+    with Runtime(model=model_with_template(tmp_path, STRICT), cache_dir=tmp_path / "c") as rt:
+        a = rt.spawn("a")
+        a.reset([{"role": "assistant", "text": "I speak first."}]).get(timeout=60)
+        history = a.history()
+        with pytest.raises(ChatTemplateError, match="chat template refuses this conversation.*must alternate") as e:
+            a.ask("Hi.", max_tokens=3)
+        assert e.value.turn_id and e.value.turn_id.startswith("a-")
+        assert a.history() == history  # nothing recorded
+        a.reset([{"role": "user", "text": "Hi."}, {"role": "assistant", "text": "Hello."}]).get(timeout=60)
+        assert a.ask("Again.", max_tokens=3).agent == "a"  # the same actor goes on: no crash, no restart
+
+
+def test_a_model_without_a_chat_template_renders_plain_lines(tmp_path):
+    from runtime import Runtime
+
+    with Runtime(model=model_with_template(tmp_path, None), cache_dir=tmp_path / "c", max_restarts=1) as rt:
+        assert chat.template_habits(rt.tokenizer).template == chat.FALLBACK_TEMPLATE
+        a = rt.spawn("a", system="Be brief.")
+        for text in ("Hi.", "Again.", "Once more."):  # each used to crash the agent; the third escalated
+            a.ask(text, max_tokens=3)
+        assert rt._env.render("Be brief.", a.history()[1:3]).startswith("Be brief.\n\nUser: Hi.\nAssistant: ")
