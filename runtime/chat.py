@@ -52,9 +52,9 @@ class ChatTemplateError(KvactorsError, ValueError):
         self.turn_id = turn_id
 
 
-# for a tokenizer without a chat template (a base model): plain "User:" / "Assistant:" lines, as mlx-lm's
-# server does for such models
-FALLBACK_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] + '\n\n' }}"
+# for a tokenizer without a chat template (a base model): its BOS token, then plain "User:" / "Assistant:"
+# lines, as mlx-lm's server does for such models
+FALLBACK_TEMPLATE = ("{{ bos_token or '' }}{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] + '\n\n' }}"
                      "{% elif m['role'] == 'user' %}{{ 'User: ' + m['content'] + '\n' }}"
                      "{% else %}{{ 'Assistant: ' + m['content'] + '\n' }}{% endif %}{% endfor %}"
                      "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")

@@ -167,4 +167,7 @@ def test_a_model_without_a_chat_template_renders_plain_lines(tmp_path):
         a = rt.spawn("a", system="Be brief.")
         for text in ("Hi.", "Again.", "Once more."):  # each used to crash the agent; the third escalated
             a.ask(text, max_tokens=3)
-        assert rt._env.render("Be brief.", a.history()[1:3]).startswith("Be brief.\n\nUser: Hi.\nAssistant: ")
+        assert rt._env.render("Be brief.", a.history()[1:3]).startswith(
+            "<|begin_of_text|>Be brief.\n\nUser: Hi.\nAssistant: ")
+        rendered = chat.render(rt.tokenizer, [{"role": "user", "content": "Hi."}])
+        assert chat.encode(rt.tokenizer, rendered)[0] == rt.tokenizer.bos_token_id  # BOS as the special token
