@@ -12,6 +12,11 @@ by a sentinel; the template's pieces around the sentinels, joined with the texts
 (as they are, or stripped, for templates that `trim` them), must give back the
 real rendering exactly. Where no such reading exists (a template that rewrites
 message text), the whole string is tokenized as before and a warning is logged.
+
+Before rendering, the messages are fitted to what the template takes (`template_habits`,
+`fit_messages`): templates that want roles to alternate get each run of one role as one
+message, templates without a system role get the system prompt in the first user message,
+and a tokenizer without a template renders plain lines (`FALLBACK_TEMPLATE`).
 """
 
 from __future__ import annotations
@@ -54,7 +59,8 @@ class ChatTemplateError(KvactorsError, ValueError):
 
 # for a tokenizer without a chat template (a base model): its BOS token, then plain "User:" / "Assistant:"
 # lines, as mlx-lm's server does for such models
-FALLBACK_TEMPLATE = ("{{ bos_token or '' }}{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] + '\n\n' }}"
+FALLBACK_TEMPLATE = ("{{ bos_token or '' }}{% for m in messages %}"
+                     "{% if m['role'] == 'system' %}{{ m['content'] + '\n\n' }}"
                      "{% elif m['role'] == 'user' %}{{ 'User: ' + m['content'] + '\n' }}"
                      "{% else %}{{ 'Assistant: ' + m['content'] + '\n' }}{% endif %}{% endfor %}"
                      "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
@@ -91,9 +97,8 @@ def template_habits(tokenizer) -> TemplateHabits:
         except Exception:  # noqa: BLE001 - a template refuses with whatever it raises
             return False
 
-    habits = TemplateHabits(template,
-                            merge=not takes([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]),
-                            fold_system=not takes([{"role": "system", "content": "s"}, {"role": "user", "content": "a"}]))
+    user, system = {"role": "user", "content": "a"}, {"role": "system", "content": "s"}
+    habits = TemplateHabits(template, merge=not takes([user, user]), fold_system=not takes([system, user]))
     with _habits_lock:
         _habits[tokenizer] = habits
     return habits
