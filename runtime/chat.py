@@ -150,7 +150,8 @@ def render(tokenizer, messages: list[dict], add_generation_prompt: bool = True) 
         skeleton = _apply(tokenizer, marked, add_generation_prompt, habits.template)
     except Exception as e:  # noqa: BLE001 - jinja's TemplateError, or whatever the template's code raised
         raise ChatTemplateError(f"the model's chat template refuses this conversation ({type(e).__name__}: {e}); "
-                                "start it over (ref.reset) with messages the template takes") from e
+                                "start the conversation over with messages it takes (ref.reset, or a new "
+                                "conversation)") from e
     for shape in (lambda s: s, str.strip):
         spans, parts, pos, at = [], [], 0, 0
         for m in _SENTINEL_RE.finditer(skeleton):
