@@ -270,6 +270,21 @@ def test_a_model_that_does_not_say_its_positions_still_bounds_the_body(tmp_path)
         s.close()
 
 
+def test_a_conversation_the_chat_template_refuses_is_a_400_and_the_server_goes_on(tmp_path):
+    from test_chat import STRICT, model_with_template
+
+    s = Served(tmp_path / "c", model=model_with_template(tmp_path, STRICT))
+    try:
+        status, reply, _ = s.request("POST", "/v1/chat/completions", {"model": "m", "max_tokens": 2, "messages": [
+            {"role": "assistant", "content": "I speak first."}, {"role": "user", "content": "hi"}]})
+        assert status == 400 and "chat template refuses this conversation" in reply["error"]["message"]
+        status, reply, _ = s.request("POST", "/v1/chat/completions", {"model": "m", "max_tokens": 2, "messages": [
+            {"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]})
+        assert status == 200 and reply["kvactors"]["cache"] == "cold"  # a system prompt the template has no role for
+    finally:
+        s.close()
+
+
 def test_native_agent_routes_spawn_send_to_history_and_forget(served):
     status, alice, _ = served.request("POST", "/v1/agents", {"name": "alice", "system": "You are Alice."})
     assert status == 200 and alice["system"] == "You are Alice." and alice["messages"] == []
