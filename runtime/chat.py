@@ -32,8 +32,8 @@ from runtime.errors import KvactorsError
 log = logging.getLogger(__name__)
 _SENTINEL = "\ue000{}\ue001"
 _SENTINEL_RE = re.compile("\ue000(\\d+)\ue001")
-_plain_encoders: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_plain_lock = threading.Lock()
+_made: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # tokenizer -> {what: made once for it}
+_made_lock = threading.RLock()
 _warned: set = set()
 
 
@@ -75,16 +75,21 @@ class TemplateHabits:
     fold_system: bool  # it refuses a system message: the system prompt opens the first user message
 
 
-_habits: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_habits_lock = threading.Lock()
+def _once(tokenizer, make):
+    """`make(tokenizer)`, made once per tokenizer (under a lock, so never twice) and kept while it lives."""
+    with _made_lock:
+        made = _made.setdefault(tokenizer, {})
+        if make not in made:
+            made[make] = make(tokenizer)
+        return made[make]
 
 
 def template_habits(tokenizer) -> TemplateHabits:
-    """`TemplateHabits` of `tokenizer` (cached per tokenizer)."""
-    with _habits_lock:
-        habits = _habits.get(tokenizer)
-    if habits is not None:
-        return habits
+    """`TemplateHabits` of `tokenizer` (found once per tokenizer)."""
+    return _once(tokenizer, _find_habits)
+
+
+def _find_habits(tokenizer) -> TemplateHabits:
     template = None if getattr(tokenizer, "chat_template", None) else FALLBACK_TEMPLATE
     if template is not None:
         log.warning("the tokenizer has no chat template: conversations render as plain 'User:' and "
@@ -98,10 +103,7 @@ def template_habits(tokenizer) -> TemplateHabits:
             return False
 
     user, system = {"role": "user", "content": "a"}, {"role": "system", "content": "s"}
-    habits = TemplateHabits(template, merge=not takes([user, user]), fold_system=not takes([system, user]))
-    with _habits_lock:
-        _habits[tokenizer] = habits
-    return habits
+    return TemplateHabits(template, merge=not takes([user, user]), fold_system=not takes([system, user]))
 
 
 def fit_messages(messages: list[dict], habits: TemplateHabits) -> list[dict]:
@@ -111,8 +113,8 @@ def fit_messages(messages: list[dict], habits: TemplateHabits) -> list[dict]:
     out = [dict(m) for m in messages]
     if habits.fold_system and out and out[0]["role"] == "system":
         system = out.pop(0)["content"]
-        if out and out[0]["role"] == "user":
-            out[0]["content"] = f"{system}\n\n{out[0]['content']}" if system else out[0]["content"]
+        if system and out and out[0]["role"] == "user":
+            out[0]["content"] = f"{system}\n\n{out[0]['content']}"
         elif system:
             out.insert(0, {"role": "user", "content": system})
     if habits.merge:
@@ -219,11 +221,7 @@ def _plain_encoder(tokenizer):
     shared tokenizer's own flag is never toggled under other threads, and it encodes
     without holding the GIL.
     """
-    with _plain_lock:
-        encoder = _plain_encoders.get(tokenizer)
-        if encoder is None:
-            encoder = _plain_encoders[tokenizer] = _make_plain_encoder(tokenizer)
-        return encoder
+    return _once(tokenizer, _make_plain_encoder)
 
 
 def _make_plain_encoder(tokenizer):

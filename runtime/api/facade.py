@@ -609,7 +609,7 @@ class AgentRef:
             future.turn_id = turn_id
             self.runtime._deliver(self.name, Lookup(turn_id, future), future)
             try:
-                return future.get(timeout=wait_seconds(timeout))
+                return future.get(timeout=timeout)  # ReplyFuture.get caps the wait itself
             except TurnTimeout:
                 raise AgentError(f"agent {self.name!r} did not say within {timeout}s whether turn {turn_id} "
                                  "committed; it is busy: ask again") from None
