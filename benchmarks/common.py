@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import csv
 import importlib.util
+import io
 import json
 import os
 import platform
@@ -160,6 +162,19 @@ def traced_kernels(run) -> list[tuple[str, int, int]]:
     finally:
         cupti.activity_disable(cupti.ActivityKind.CONCURRENT_KERNEL)
     return sorted(records, key=lambda r: r[1])
+
+
+# Nsight Compute's units, to microseconds (times) and megabytes (sizes)
+_NCU_SCALE = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3,
+              "byte": 1e-6, "Kbyte": 1e-3, "Mbyte": 1.0, "Gbyte": 1e3}
+
+
+def ncu_records(stdout: str) -> list[tuple[dict, float]]:
+    """The rows of Nsight Compute's `--csv` table in `stdout` (what it printed before the table skipped), each
+    with its metric's value as a float: times in microseconds, sizes in megabytes, other units as printed,
+    NaN where the value is empty."""
+    return [(rec, float(rec["Metric Value"].replace(",", "") or "nan") * _NCU_SCALE.get(rec["Metric Unit"], 1.0))
+            for rec in csv.DictReader(io.StringIO(stdout[stdout.index('"ID"'):]))]
 
 
 def write_results(name: str, env: dict, rows: list[dict], columns: list[str], out_dir: Path, notes: str = "") -> None:

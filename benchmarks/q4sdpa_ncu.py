@@ -16,15 +16,13 @@ The table gives the partial and the reduce kernel apart as well as their sum.
 from __future__ import annotations
 
 import argparse
-import csv
-import io
 import shutil
 import subprocess
 import sys
 
 import mlx.core as mx
 
-from benchmarks.common import environment, write_results
+from benchmarks.common import environment, ncu_records, write_results
 from benchmarks.q4sdpa_tune import D, GROUP, HQ, _packed, _settings, use_setting
 from runtime import q4sdpa
 
@@ -63,12 +61,8 @@ def device_us(context: int, rows: int, setting: str, ncu: str, flags=()) -> dict
          sys.executable, "-m", "benchmarks.q4sdpa_ncu", "--run", "--contexts", str(context), "--rows", str(rows),
          "--settings", setting, *flags],
         capture_output=True, text=True, check=True).stdout
-    table = out[out.index('"ID"'):]
     times = dict(total=0.0, partial=0.0, reduce=0.0)
-    for row in csv.DictReader(io.StringIO(table)):
-        value = float(row["Metric Value"].replace(",", ""))
-        unit = row["Metric Unit"]
-        us = value * {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}[unit]
+    for row, us in ncu_records(out):
         times["total"] += us / 3
         for part in ("partial", "reduce"):
             if f"q4_decode_{part}" in row["Kernel Name"]:

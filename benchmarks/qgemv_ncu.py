@@ -12,8 +12,6 @@ them and writes a table:
 from __future__ import annotations
 
 import argparse
-import csv
-import io
 import shutil
 import subprocess
 import sys
@@ -21,7 +19,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from benchmarks.common import RESULTS, environment, write_results
+from benchmarks.common import RESULTS, environment, ncu_records, write_results
 from benchmarks.qgemv_tune import LAUNCHES, _call, load_module
 from runtime import qgemv
 
@@ -79,15 +77,7 @@ def main(argv=None) -> int:
     if out.returncode:
         raise SystemExit(f"ncu failed:\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}")
     launches = {}
-    for rec in csv.DictReader(io.StringIO(out.stdout[out.stdout.index('"ID"'):])):
-        value = float(rec["Metric Value"].replace(",", "") or "nan")
-        unit = rec["Metric Unit"]
-        if unit in ("nsecond", "ns"):
-            value /= 1e3
-        elif unit in ("msecond", "ms"):
-            value *= 1e3
-        elif unit in ("byte", "Kbyte", "Mbyte", "Gbyte"):  # to MB
-            value *= {"byte": 1e-6, "Kbyte": 1e-3, "Mbyte": 1.0, "Gbyte": 1e3}[unit]
+    for rec, value in ncu_records(out.stdout):  # times in us, sizes in MB
         launches.setdefault(int(rec["ID"]), {})[METRICS[rec["Metric Name"]]] = value
     names = [(name, m) for name in LAUNCHES for m in rows]
     table = []
