@@ -144,11 +144,14 @@ def _to_numpy(arrays: dict) -> dict:
     """Evaluated copies of MLX `arrays` as numpy arrays, moved off the device in pieces of about PIECE_BYTES.
 
     Each piece is gathered into one buffer on a stream of the copying thread's own
-    (`_copy_stream`), so it does not wait behind the engine's queued steps, and read
-    into host memory by an operation on MLX's CPU stream, inside the evaluation and
-    without the GIL; numpy then views the result. Asked for the buffer of a device
-    array, MLX-CUDA would make that transfer inside numpy's request with the GIL held,
-    stopping every other Python thread (the engine's included) for as long.
+    (`_copy_stream`), so it does not wait behind the engine's queued steps, and moved
+    to the host without the GIL: on CUDA by the copy engine (`cudacopy.to_host`), else
+    by an operation on MLX's CPU stream inside the evaluation; numpy then views the
+    result. Asked for the buffer of a device array, MLX-CUDA would make that transfer
+    inside numpy's request with the GIL held, stopping every other Python thread (the
+    engine's included) for as long; its CPU stream reads a device buffer by moving it
+    into fresh managed memory, about half the copy engine's rate here and with slower
+    outliers in the engine's steps meanwhile (`benchmarks/copy_interference.py`).
 
     The pieces are evaluated one at a time. Evaluated together, the copy of a whole
     cache held back the engine's work until it ended: on an H100 a hot turn asked right
@@ -159,6 +162,8 @@ def _to_numpy(arrays: dict) -> dict:
     longer per write on an H100. Pieces also bound the extra device memory a copy takes.
     """
     import mlx.core as mx
+
+    from runtime import cudacopy
 
     groups, size = [[]], 0
     for name, x in arrays.items():
@@ -173,9 +178,12 @@ def _to_numpy(arrays: dict) -> dict:
         if not group:
             continue
         gathered = mx.concatenate([arrays[n].reshape(-1).view(mx.uint8) for n in group], stream=stream)
-        blob = mx.add(gathered, zero, stream=mx.cpu)
-        mx.eval(blob)
-        data = np.asarray(blob)
+        if cudacopy.available():
+            data = cudacopy.to_host(gathered, stream)
+        else:
+            blob = mx.add(gathered, zero, stream=mx.cpu)
+            mx.eval(blob)
+            data = np.asarray(blob)
         at = 0
         for name in group:
             x = arrays[name]

@@ -1,5 +1,5 @@
-"""The CUDA kernels (runtime.qgemv, runtime.qgemm, runtime.q4sdpa, runtime.q4pack) against float32 or MLX
-references, and their batch invariance: a row's result is bitwise the same whatever else is
+"""The CUDA kernels (runtime.qgemv, runtime.qgemm, runtime.q4sdpa, runtime.q4pack, runtime.cudacopy) against
+float32 or MLX references, and their batch invariance: a row's result is bitwise the same whatever else is
 in the batch.
 
 Skipped off CUDA (the kernels exist only there). On the GPU:
@@ -10,9 +10,10 @@ import math
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 import pytest
 
-from runtime import q4pack, q4sdpa, qgemm, qgemv
+from runtime import cudacopy, q4pack, q4sdpa, qgemm, qgemv
 from runtime.kvscheme import KVScheme, rotate
 
 pytestmark = pytest.mark.skipif(not qgemv.available(), reason="CUDA-only kernels")
@@ -611,3 +612,20 @@ def test_float32_inputs_take_mlxs_own_kernel(tiny_model_path):
     x = mx.random.normal((2, 1, 128), key=mx.random.key(4))
     ref = mx.quantized_matmul(x, q["weight"], q["scales"], q["biases"], transpose=True, group_size=64, bits=4)
     assert mx.allclose(q(x), ref, atol=1e-4, rtol=1e-4).item()
+
+
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 4099, cudacopy.STAGING_BYTES, 2 * cudacopy.STAGING_BYTES + 5])
+@pytest.mark.parametrize("offset", [0, 3])
+def test_to_host_gives_a_device_arrays_bytes_through_the_copy_engine(n, offset):
+    """Sizes around the 16-byte lanes and the staging buffer; a view at an odd offset takes the byte-wise path."""
+    assert cudacopy.available()  # on CUDA this path is the one cache copies take
+    whole = mx.random.randint(0, 256, (n + offset,), key=mx.random.key(n)).astype(mx.uint8)
+    x = whole[offset:]
+    got = cudacopy.to_host(x, mx.new_stream(mx.gpu))
+    assert got.dtype == np.uint8 and got.shape == (n,)
+    assert np.array_equal(got, np.array(whole)[offset:])
+
+
+def test_to_host_refuses_what_is_not_a_byte_vector():
+    with pytest.raises(ValueError, match="1-D uint8"):
+        cudacopy.to_host(mx.zeros((4, 4), mx.uint8))

@@ -1,0 +1,143 @@
+"""Device-to-host copies by the GPU's copy engine on MLX-CUDA.
+
+Asked for the bytes of a device array, MLX-CUDA moves its buffer into managed memory:
+a fresh `cudaMallocManaged`, a synchronous `cudaMemcpy`, then the CPU reads the pages
+(`mlx/backend/cuda/allocator.cpp`, `move_to_unified_memory`). While a cache was copied
+that way, about 1 GB/s, the engine's decode steps on other threads took up to twice as
+long (`benchmarks/copy_interference.py`). Here a kernel copies the device bytes into a
+buffer of its own output and reports that buffer's device address; the bytes then cross
+by `cuMemcpyDtoHAsync` on a stream of our own into page-locked host memory, and on into
+numpy. The calls go to the CUDA driver (MLX links its runtime in statically) in the
+device's primary context, the one MLX's runtime uses; `available()` is False off CUDA
+and callers keep MLX's own way.
+
+This is the one place that calls CUDA directly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import threading
+
+import mlx.core as mx
+import numpy as np
+
+STAGING_BYTES = 8 << 20  # page-locked bytes per copying thread; larger arrays cross in several copies
+_NON_BLOCKING = 1  # CU_STREAM_NON_BLOCKING: no implicit order with MLX's streams
+_DEVICE_ORDINAL = 9  # CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+
+_SOURCE = """
+    const size_t n = src_shape[0];
+    const size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x, step = (size_t)gridDim.x * blockDim.x;
+    size_t wide = 0;
+    if ((reinterpret_cast<size_t>(src) & 15) == 0) {  // outputs are aligned; an input may be a view
+        wide = n / 16;
+        const uint4* s = reinterpret_cast<const uint4*>(src);
+        uint4* d = reinterpret_cast<uint4*>(blob);
+        for (size_t j = i; j < wide; j += step) d[j] = s[j];
+    }
+    for (size_t j = wide * 16 + i; j < n; j += step) blob[j] = src[j];
+    if (i == 0) addr[0] = reinterpret_cast<unsigned long long>(blob);
+"""
+THREADS, BLOCKS = 256, 512
+
+
+@functools.cache
+def _driver():
+    """The CUDA driver library as a ctypes handle, or None off CUDA."""
+    if not (mx.default_device() == mx.gpu and mx.cuda.is_available()):
+        return None
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    lib.cuMemcpyDtoHAsync_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
+    lib.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
+    lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
+    lib.cuPointerGetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
+    return lib if lib.cuInit(0) == 0 else None
+
+
+def available() -> bool:
+    """Whether `to_host` can copy here: MLX runs on a CUDA GPU and the CUDA driver library loads."""
+    return _driver() is not None
+
+
+def _check(code: int, what: str) -> None:
+    if code:
+        text = ctypes.c_char_p()
+        _driver().cuGetErrorString(code, ctypes.byref(text))
+        raise RuntimeError(f"{what} failed: {(text.value or b'unknown error').decode()} (CUDA error {code})")
+
+
+@functools.cache
+def _context(ordinal: int) -> ctypes.c_void_p:
+    """Device `ordinal`'s primary context: the one MLX's CUDA runtime uses."""
+    lib, device, ctx = _driver(), ctypes.c_int(), ctypes.c_void_p()
+    _check(lib.cuDeviceGet(ctypes.byref(device), ordinal), "cuDeviceGet")
+    _check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), device), "cuDevicePrimaryCtxRetain")
+    return ctx
+
+
+@functools.cache
+def _kernel():
+    return mx.fast.cuda_kernel(name="kvactors_blob_address", input_names=["src"], output_names=["blob", "addr"],
+                               source=_SOURCE, ensure_row_contiguous=True)
+
+
+class _Slot:
+    """A stream of our own and a page-locked staging buffer, in one context: what one copy at a time uses."""
+
+    def __init__(self, ctx):
+        lib = _driver()
+        self.ctx, self.stream, self.staging = ctx, ctypes.c_void_p(), ctypes.c_void_p()
+        _check(lib.cuStreamCreate(ctypes.byref(self.stream), _NON_BLOCKING), "cuStreamCreate")
+        _check(lib.cuMemAllocHost_v2(ctypes.byref(self.staging), ctypes.c_size_t(STAGING_BYTES)), "cuMemAllocHost")
+        self.view = np.ctypeslib.as_array((ctypes.c_uint8 * STAGING_BYTES).from_address(self.staging.value))
+
+
+_slots: list[_Slot] = []  # idle ones; at most as many as threads ever copied at once
+_lock = threading.Lock()
+
+
+def to_host(x: mx.array, stream=None) -> np.ndarray:
+    """The bytes of 1-D uint8 array `x` (lazy or evaluated, on the GPU) as a new numpy uint8 array.
+
+    `x` and its copy into a buffer of this module's kernel are evaluated on `stream`
+    (default: the default stream), so the copy waits only for work queued there; the
+    bytes then cross to the host by the copy engine while the GIL is released. Raises
+    RuntimeError if CUDA reports an error, ValueError for an array that is not 1-D uint8;
+    call only where `available()`.
+    """
+    if x.ndim != 1 or x.dtype != mx.uint8:
+        raise ValueError(f"to_host copies 1-D uint8 arrays; got {x.dtype} of shape {tuple(x.shape)}")
+    n = x.size
+    out = np.empty(n, np.uint8)
+    if n == 0:
+        return out
+    blocks = max(1, min(BLOCKS, -(-n // (16 * THREADS))))
+    blob, addr = _kernel()(inputs=[x], grid=(blocks * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
+                           output_shapes=[(n,), (1,)], output_dtypes=[mx.uint8, mx.uint64], stream=stream)
+    mx.eval(blob, addr)
+    device_ptr, lib, ordinal = addr.item(), _driver(), ctypes.c_int()
+    _check(lib.cuPointerGetAttribute(ctypes.byref(ordinal), _DEVICE_ORDINAL, device_ptr), "cuPointerGetAttribute")
+    ctx = _context(ordinal.value)
+    _check(lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    with _lock:
+        slot = next((s for s in _slots if s.ctx.value == ctx.value), None)
+        if slot is not None:
+            _slots.remove(slot)
+    if slot is None:
+        slot = _Slot(ctx)
+    try:
+        for at in range(0, n, STAGING_BYTES):
+            size = min(STAGING_BYTES, n - at)
+            _check(lib.cuMemcpyDtoHAsync_v2(slot.staging, device_ptr + at, size, slot.stream), "cuMemcpyDtoHAsync")
+            _check(lib.cuStreamSynchronize(slot.stream), "cuStreamSynchronize")
+            out[at: at + size] = slot.view[:size]
+    finally:
+        with _lock:
+            _slots.append(slot)
+    del blob  # held until the bytes crossed
+    return out
