@@ -41,10 +41,10 @@ from runtime.q4cache import (
     STEP,
     cache_tokens,
     extend_cache,
-    extract_cache,
     filter_cache,
     history_tokens,
     merge_caches,
+    queue_rows,
     reserve_cache,
     route_for,
 )
@@ -677,7 +677,7 @@ class Engine:
 
         `fed`: a step already queued feeds these tokens to the cache (see `_decode_step`).
         """
-        finished, results = [], []
+        finished, results, ending = [], [], []
         for i, token in row_tokens:
             row = self._rows[i]
             if row.finished:
@@ -694,11 +694,12 @@ class Engine:
                 continue
             if reason:
                 finished.append(row)
-                outcome = self._finish(row, i, reason, fed)
-                if isinstance(outcome, TurnResult):  # its cache copy is queued: see step
-                    self._handing.append((self._steps, outcome))
+                error = self._last_text(row, reason)
+                if error is None:
+                    ending.append((i, row, reason))
                 else:
-                    results.append(outcome)
+                    results.append(error)
+        results += self._finish(ending, fed)
         for row in finished:
             row.finished = True
         live = len(self.decoding)
@@ -753,7 +754,9 @@ class Engine:
             return "cancelled"
         return None
 
-    def _finish(self, row, i, reason, fed):
+    def _last_text(self, row, reason) -> CallbackFailed | None:
+        """Flush a turn's last text where it did not end on a stop (its detokenizer may hold a
+        character's first bytes); a failing callback fails its own turn, as in _accept."""
         if reason in ("length", "cancelled"):
             row.detok.finalize()
             tail = row.detok.last_segment
@@ -761,31 +764,42 @@ class Engine:
             if tail and row.turn.on_token:
                 try:
                     _call(row.turn, "on_token", tail)
-                except CallbackFailed as e:  # fails its own turn, as in _accept
+                except CallbackFailed as e:
                     return e
+        return None
+
+    def _finish(self, ending, fed) -> list:
+        """Hand over the turns of `ending` ((index, row, reason) of each row whose turn ends): their
+        caches queued for the device together, the results waiting in `_handing` for the next step
+        (see step); returns the turns that failed."""
+        if not ending:
+            return []
         try:
-            cache = extract_cache(self.batch, i, drop=int(fed), wait=False)  # evaluated in _hand_over
+            caches = queue_rows(self.batch, [i for i, _, _ in ending], drop=int(fed))  # evaluated in _hand_over
         except Exception as e:
-            return TurnError(row.turn.turn_id, f"extracting the cache failed: {type(e).__name__}: {e}")
+            return [TurnError(row.turn.turn_id, f"extracting the cache failed: {type(e).__name__}: {e}")
+                    for _, row, _ in ending]
         now = time.perf_counter()
-        timings = Timings(
-            queue_s=row.admitted - row.submitted,
-            ttft_s=row.first_token - row.submitted,
-            prefill_tokens=len(row.turn.tokens),
-            prefill_s=row.prefill_s,
-            decode_tokens=len(row.generated),
-            decode_s=now - row.first_token,
-        )
-        return TurnResult(
-            turn_id=row.turn.turn_id,
-            agent_id=row.turn.agent_id,
-            tokens=row.generated,
-            text=row.text,
-            cache=cache,
-            cached_tokens=cache_tokens(cache),
-            finish_reason=reason,
-            timings=timings,
-        )
+        for (_, row, reason), cache in zip(ending, caches):
+            timings = Timings(
+                queue_s=row.admitted - row.submitted,
+                ttft_s=row.first_token - row.submitted,
+                prefill_tokens=len(row.turn.tokens),
+                prefill_s=row.prefill_s,
+                decode_tokens=len(row.generated),
+                decode_s=now - row.first_token,
+            )
+            self._handing.append((self._steps, TurnResult(
+                turn_id=row.turn.turn_id,
+                agent_id=row.turn.agent_id,
+                tokens=row.generated,
+                text=row.text,
+                cache=cache,
+                cached_tokens=cache_tokens(cache),
+                finish_reason=reason,
+                timings=timings,
+            )))
+        return []
 
 
 def _width(cache) -> int:

@@ -886,17 +886,24 @@ def merge_caches(spec, agent_caches, route: str | None = None, lead=None, room: 
     ]
 
 
-def extract_cache(batch, i: int, drop: int = 0, wait: bool = True):
-    """Row `i` of a per-layer batch as a per-layer list of `QuantizedKVCache`, evaluated (but see `wait`).
+def extract_cache(batch, i: int, drop: int = 0) -> list:
+    """Row `i` of a per-layer batch as a per-layer list of `QuantizedKVCache`, evaluated.
 
     `drop`: leave out the row's last `drop` columns (tokens fed after the turn ended).
-    `wait=False` queues the copies for the device (`mx.async_eval`) and returns at once,
-    without waiting for the work queued before them: evaluate the list (`mx.eval`) on
-    this thread before anything else reads it.
+    """
+    out = queue_rows(batch, [i], drop)[0]
+    mx.eval([(c.keys, c.values) for c in out if c.keys is not None])
+    return out
+
+
+def queue_rows(batch, rows, drop: int = 0) -> list:
+    """Rows `rows` of a per-layer batch, each as `extract_cache` gives it, queued for the device
+    together (one `mx.async_eval`) and returned at once, without waiting for the work queued
+    before them: evaluate each list (`mx.eval`) on this thread before anything else reads it.
     """
     # each layer's own padding: a bounded sliding layer stores fewer columns than a full one
-    out = [layer._extract(i, drop, *layer.row_place(i)) for layer in batch]
-    (mx.eval if wait else mx.async_eval)([(c.keys, c.values) for c in out if c.keys is not None])
+    out = [[layer._extract(i, drop, *layer.row_place(i)) for layer in batch] for i in rows]
+    mx.async_eval([(c.keys, c.values) for caches in out for c in caches if c.keys is not None])
     return out
 
 

@@ -268,6 +268,45 @@ def test_an_on_token_that_raises_on_the_flushed_last_piece_fails_its_own_turn_on
     assert engine.reserved == 0 and not engine.has_work()
 
 
+def test_rows_that_end_in_one_step_hand_over_together_and_continue_as_solo(llama, monkeypatch):
+    """Agents whose next messages share a chunk decode in step and end in one step: their caches are taken
+    in one hand-over (`queue_rows`), one whose flushed last piece fails its callback fails alone, and each
+    other's cache continues exactly as its solo cache does."""
+    import runtime.engine as engine_module
+
+    model, tokenizer, spec, opts = llama
+    opts = {**opts, "query_bucket": opts.get("query_bucket", 16)}
+    llama = (model, tokenizer, spec, opts)  # solo with the same bucket
+    engine = Engine(model, HeldBack(tokenizer), spec, **opts)
+    turns = [with_history(engine, tokenizer, f"e{i}", w) for i, w in enumerate((20, 35, 50))]
+    turns = [Turn(t.turn_id, t.agent_id, t.cache, t.tokens[:1] + encode(tokenizer, m), max_tokens=5)
+             for t, m in zip(turns, (" and then?", " why so?", " tell me more"))]
+
+    def boom(piece):
+        raise RuntimeError("display gone")
+
+    turns[1] = Turn(turns[1].turn_id, turns[1].agent_id, turns[1].cache, turns[1].tokens, max_tokens=5,
+                    on_token=boom)
+    handed, real = [], engine_module.queue_rows
+
+    def recording(batch, rows, drop=0):
+        handed.append(list(rows))
+        return real(batch, rows, drop)
+
+    monkeypatch.setattr(engine_module, "queue_rows", recording)
+    together = run(engine, turns)
+    assert handed == [[0, 2]]  # the two that did not fail, in one hand-over
+    assert isinstance(together["e1"], TurnError) and "display gone" in str(together["e1"])
+    for t in (turns[0], turns[2]):
+        alone = solo(llama, Turn(t.turn_id, t.agent_id, t.cache, t.tokens, max_tokens=5))
+        got = together[t.turn_id]
+        assert got.tokens == alone.tokens and got.cached_tokens == alone.cached_tokens
+        follow = encode(tokenizer, " go on")
+        after = [solo(llama, Turn("n", t.agent_id, r.cache, [r.tokens[-1]] + follow, max_tokens=6)).tokens
+                 for r in (got, alone)]
+        assert after[0] == after[1]
+
+
 def test_one_long_turn_does_not_make_every_row_allocate_its_length(llama):
     """Rows of a batch share their columns, the budget reserves each turn its own length: a join allocates
     room only as far as the rows' reservations cover it (a block a row at most past them)."""

@@ -27,6 +27,7 @@ from runtime.q4cache import (
     filter_cache,
     make_batch_cache,
     merge_caches,
+    queue_rows,
     route_for,
 )
 
@@ -520,3 +521,22 @@ def test_extracting_a_row_reads_each_layers_own_padding():
         for whole, alone in zip(extract_cache(batch, i), (layer.extract(i) for layer in batch)):
             assert_same_packed(whole, alone)
     assert_same_packed(extract_cache(batch, 1)[1], random_q4(100, seed=4))
+
+
+@pytest.mark.parametrize("drop", [0, 1])
+def test_rows_queued_together_are_each_the_row_taken_alone(drop):
+    """`queue_rows` (the engine's hand-over of rows that end in one step) gives, per row and in the order
+    asked, bit for bit what `extract_cache` gives that row alone, every layer its own padding."""
+    sliding = random_q4(320, seed=2)
+    sliding.offset = 420
+    batch = [BatchQuantizedKVCache.merge([random_q4(420, seed=1), random_q4(100, seed=3), random_q4(250, seed=5)],
+                                         route="dequant"),
+             BatchQuantizedKVCache.merge([sliding, random_q4(100, seed=4), random_q4(250, seed=6)], route="dequant",
+                                         keep=320)]
+    together = queue_rows(batch, [2, 0], drop)
+    mx.eval([(c.keys, c.values) for caches in together for c in caches])
+    for i, caches in zip([2, 0], together):
+        for got, alone in zip(caches, extract_cache(batch, i, drop)):
+            assert_same_packed(got, alone)
+            assert got.offset == alone.offset
+    assert together[0][0].offset == 250 - drop and together[1][1].offset == 420 - drop
