@@ -145,8 +145,8 @@ def _to_numpy(arrays: dict) -> dict:
 
     Each piece is gathered into one buffer on a stream of the copying thread's own
     (`_copy_stream`), so it does not wait behind the engine's queued steps, and moved
-    to the host without the GIL: on CUDA by the copy engine (`cudacopy.to_host`), else
-    by an operation on MLX's CPU stream inside the evaluation; numpy then views the
+    to the host without the GIL (`_piece_to_host`: on CUDA by the copy engine, else by
+    an operation on MLX's CPU stream inside the evaluation); numpy then views the
     result. Asked for the buffer of a device array, MLX-CUDA would make that transfer
     inside numpy's request with the GIL held, stopping every other Python thread (the
     engine's included) for as long; its CPU stream reads a device buffer by moving it
@@ -163,8 +163,6 @@ def _to_numpy(arrays: dict) -> dict:
     """
     import mlx.core as mx
 
-    from runtime import cudacopy
-
     groups, size = [[]], 0
     for name, x in arrays.items():
         if groups[-1] and size + x.nbytes > PIECE_BYTES:
@@ -172,24 +170,33 @@ def _to_numpy(arrays: dict) -> dict:
             size = 0
         groups[-1].append(name)
         size += x.nbytes
-    zero, stream = mx.array(0, mx.uint8), _copy_stream()
+    stream = _copy_stream()
     out = {}
     for group in groups:
         if not group:
             continue
         gathered = mx.concatenate([arrays[n].reshape(-1).view(mx.uint8) for n in group], stream=stream)
-        if cudacopy.available():
-            data = cudacopy.to_host(gathered, stream)
-        else:
-            blob = mx.add(gathered, zero, stream=mx.cpu)
-            mx.eval(blob)
-            data = np.asarray(blob)
+        data = _piece_to_host(gathered, stream)
         at = 0
         for name in group:
             x = arrays[name]
             out[name] = data[at: at + x.nbytes].view(np.dtype(str(x.dtype).removeprefix("mlx.core."))).reshape(x.shape)
             at += x.nbytes
     return out
+
+
+def _piece_to_host(gathered, stream) -> np.ndarray:
+    """The bytes of 1-D uint8 array `gathered` (built on `stream`) on the host, moved without the GIL:
+    on CUDA by the copy engine, elsewhere by an operation on MLX's CPU stream."""
+    import mlx.core as mx
+
+    from runtime import cudacopy
+
+    if cudacopy.available():
+        return cudacopy.to_host(gathered, stream)
+    blob = mx.add(gathered, mx.array(0, mx.uint8), stream=mx.cpu)
+    mx.eval(blob)
+    return np.asarray(blob)
 
 
 _streams = threading.local()

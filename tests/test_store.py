@@ -131,10 +131,9 @@ def test_a_cache_leaves_the_device_in_pieces_bit_exactly(tmp_path, monkeypatch, 
     from runtime import hostcache
 
     cache = q4_cache(100, dtype=mx.bfloat16, seed=3)
-    transfers = []
-    to_numpy = hostcache.np.asarray
+    transfers, to_host = [], hostcache._piece_to_host
     monkeypatch.setattr(hostcache, "PIECE_BYTES", piece)
-    monkeypatch.setattr(hostcache.np, "asarray", lambda a, *args, **kw: transfers.append(a.nbytes) or to_numpy(a, *args, **kw))
+    monkeypatch.setattr(hostcache, "_piece_to_host", lambda a, stream: transfers.append(a.nbytes) or to_host(a, stream))
     host = store.cache_to_host(cache)
     assert len(transfers) == pieces  # 2 layers of 6 tensors: packed 6400 bytes, scales and biases 400 each
     live = np.asarray(cache[0].keys[0])  # a copy, not a view of the cache: later updates must not reach it
@@ -154,8 +153,14 @@ def test_caches_copied_from_several_threads_each_use_their_own_stream(monkeypatc
 
     cache = q4_cache(100, dtype=mx.bfloat16, seed=5)
     monkeypatch.setattr(hostcache, "PIECE_BYTES", 900)  # 8 pieces
-    evaluated, to_numpy, evaluate = [], hostcache.np.asarray, mx.eval
-    monkeypatch.setattr(hostcache.np, "asarray", lambda a, *args, **kw: evaluated.append("host") or to_numpy(a, *args, **kw))
+    evaluated, to_host, evaluate = [], hostcache._piece_to_host, mx.eval
+
+    def moved(a, stream):
+        data = to_host(a, stream)
+        evaluated.append("host")
+        return data
+
+    monkeypatch.setattr(hostcache, "_piece_to_host", moved)
     monkeypatch.setattr(mx, "eval", lambda *a: evaluated.append("eval") or evaluate(*a))
     here = store.cache_to_host(cache)
     assert evaluated == ["eval", "host"] * 8
