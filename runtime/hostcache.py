@@ -150,8 +150,8 @@ def _to_numpy(arrays: dict) -> dict:
     result. Asked for the buffer of a device array, MLX-CUDA would make that transfer
     inside numpy's request with the GIL held, stopping every other Python thread (the
     engine's included) for as long; its CPU stream reads a device buffer by moving it
-    into fresh managed memory, about half the copy engine's rate here and with slower
-    outliers in the engine's steps meanwhile (`benchmarks/copy_interference.py`).
+    into fresh managed memory, at 0.55-0.7x the copy engine's rate on an H100
+    (`benchmarks/copy_interference.py`).
 
     The pieces are evaluated one at a time. Evaluated together, the copy of a whole
     cache held back the engine's work until it ended: on an H100 a hot turn asked right
