@@ -192,7 +192,7 @@ def _piece_to_host(gathered, stream) -> np.ndarray:
 
     from runtime import cudacopy
 
-    if cudacopy.available():
+    if stream.device == mx.gpu and cudacopy.available():
         return cudacopy.to_host(gathered, stream)
     blob = mx.add(gathered, mx.array(0, mx.uint8), stream=mx.cpu)
     mx.eval(blob)
