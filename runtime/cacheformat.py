@@ -140,8 +140,8 @@ def encode_file(host: HostCache, meta: CacheMeta, fingerprint: str, delta: dict 
             "seq": int(meta.seq),
             "turn_id": meta.turn_id,
             "text": meta.text,
-            "token_ids": [int(t) for t in meta.token_ids],
-            "token_ends": [int(e) for e in meta.token_ends],
+            "token_ids": _ints(meta.token_ids),
+            "token_ends": _ints(meta.token_ends),
             "created": meta.created or time.time(),
             **({"delta": delta} if delta is not None else {}),
         },
@@ -152,6 +152,11 @@ def encode_file(host: HostCache, meta: CacheMeta, fingerprint: str, delta: dict 
     checksum = _checksum(meta_json, tensors, dtypes)
     info = {"format": FORMAT, "format_version": str(FORMAT_VERSION), "meta": meta_json, "checksum": checksum}
     return _safetensors_parts(tensors, dtypes, info), checksum
+
+
+def _ints(values) -> list[int]:
+    """`values` (ints of any kind) as a list of Python ints, converted in numpy: a conversation's worth each write."""
+    return np.asarray(values, dtype=np.int64).tolist()
 
 
 def parts_size(parts: list) -> int:

@@ -388,12 +388,16 @@ def _check_host(host: HostCache) -> None:
 
 
 def _check_meta(meta: CacheMeta, n_tokens: int) -> None:
+    """Raise ValueError unless `meta` has `n_tokens` ids and ends, its ends (those >= 0) in order and within its text.
+
+    In numpy: every cache write checks the whole conversation's ends, and a Python loop
+    over them held the GIL (which the engine's thread waits for) a millisecond per 3K tokens.
+    """
     ids, ends = meta.token_ids, meta.token_ends
     if len(ids) != n_tokens or len(ends) != n_tokens:
         raise ValueError(f"{len(ids)} token ids and {len(ends)} token ends for {n_tokens} cached tokens")
-    last = 0
-    for e in ends:
-        if e >= 0:
-            if e < last or e > len(meta.text):
-                raise ValueError(f"token end {e} out of order or past the text ({len(meta.text)} chars)")
-            last = e
+    valid = np.asarray(ends, dtype=np.int64)
+    valid = valid[valid >= 0]
+    bad = np.flatnonzero((np.diff(valid, prepend=0) < 0) | (valid > len(meta.text)))
+    if bad.size:
+        raise ValueError(f"token end {int(valid[bad[0]])} out of order or past the text ({len(meta.text)} chars)")
