@@ -1,0 +1,105 @@
+"""How long a cache write holds the GIL, against the length of the conversation.
+
+A decode step on a GPU is host-bound, and the engine's thread gives up the GIL inside
+`mx.async_eval`: Python that another thread runs then delays the step by up to the switch
+interval (5 ms), and one C call that holds the GIL (a `json.dumps`) for as long as it takes
+(`benchmarks/results/h100/dma-copy-2026-11-27/`). After every turn the persistence actor
+copies the turn's new rows of the agent's cache to the host and writes them as a delta file
+with the conversation's metadata (its token ids, token ends and text, all of them). This
+benchmark does that work for conversations of --contexts tokens (the 8B shape's cache layout,
+--new rows), while a second thread sleeps 0.2 ms at a time and records how much longer each
+sleep took: its waits for the GIL. Per context: milliseconds a write and by part (the copy,
+the checks, the encoding), and the longest and the 99th-percentile wait.
+
+    python -m benchmarks.write_gil                                   # any machine
+    python -m benchmarks.write_gil --contexts 4096,32768 --new 264
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+
+import mlx.core as mx
+from mlx_lm.models.cache import QuantizedKVCache
+
+from benchmarks.common import bench_parser, environment, ranked, write_results
+from runtime.cacheformat import encode_file
+from runtime.hostcache import CacheMeta, HostCache, cache_to_host, check_cache
+
+COLUMNS = ["context", "new", "write_ms", "copy_ms", "check_ms", "encode_ms", "longest_wait_ms", "p99_wait_ms"]
+TICK = 0.0002  # the waiting thread's sleep
+
+
+def new_rows(n: int, layers: int = 32, heads: int = 8, dim: int = 128, bits: int = 4, group: int = 64) -> list:
+    """A per-layer cache of `n` tokens in the 8B shape's layout (bf16 scales), evaluated: a turn's new rows."""
+    out, key = [], mx.random.key(0)
+    for _ in range(layers):
+        c = QuantizedKVCache(group_size=group, bits=bits)
+        key, k1, k2 = mx.random.split(key, 3)
+        c.keys = mx.quantize(mx.random.normal((1, heads, n, dim), key=k1).astype(mx.bfloat16), group, bits)
+        c.values = mx.quantize(mx.random.normal((1, heads, n, dim), key=k2).astype(mx.bfloat16), group, bits)
+        c.offset = n
+        mx.eval(c.keys, c.values)
+        out.append(c)
+    return out
+
+
+def write(rows, context: int, meta: CacheMeta) -> tuple[float, float, float]:
+    """(copy, check, encode) seconds of one delta write of `rows` at the end of a `context`-token conversation."""
+    t0 = time.perf_counter()
+    host = cache_to_host(rows)
+    t1 = time.perf_counter()
+    delta = HostCache(host.tensors, host.dtype, host.bits, host.group_size, host.n_layers, context,
+                      (host.n_tokens,) * host.n_layers, host.value_bits, host.rotation)
+    check_cache(delta, meta)  # the persistence actor's, when the write is asked for
+    t2 = time.perf_counter()
+    encode_file(delta, meta, "0" * 16, {"parent": "crc32:00000000", "start": context - host.n_tokens,
+                                        "lengths": [context] * host.n_layers})
+    return t1 - t0, t2 - t1, time.perf_counter() - t2
+
+
+def measure(rows, context: int, writes: int) -> dict:
+    """One row of the table: `writes` writes at `context` tokens, timed, with a second thread's GIL waits."""
+    meta = CacheMeta(seq=2, token_ids=list(range(context)), token_ends=list(range(1, context + 1)),
+                     text="x" * context, turn_id="t2")
+    write(rows, context, meta)  # warm
+    stop, waits = threading.Event(), []
+
+    def waiter():
+        while not stop.is_set():
+            t = time.perf_counter()
+            time.sleep(TICK)
+            waits.append(time.perf_counter() - t - TICK)
+
+    thread = threading.Thread(target=waiter, daemon=True)
+    thread.start()
+    parts = [write(rows, context, meta) for _ in range(writes)]
+    stop.set()
+    thread.join()
+    ms = [statistics.median(p[k] for p in parts) * 1e3 for k in range(3)]
+    waits.sort()
+    return dict(context=context, new=rows[0].offset, write_ms=round(sum(ms), 2), copy_ms=round(ms[0], 2),
+                check_ms=round(ms[1], 2), encode_ms=round(ms[2], 2), longest_wait_ms=round(waits[-1] * 1e3, 2),
+                p99_wait_ms=round(ranked(waits, 0.99) * 1e3, 2))
+
+
+def main(argv=None):
+    p = bench_parser(__doc__)
+    p.add_argument("--contexts", default="1024,4096,16384,32768", help="conversation lengths in tokens")
+    p.add_argument("--new", type=int, default=264, help="rows a turn adds (the delta)")
+    p.add_argument("--writes", type=int, default=10, help="writes timed per context")
+    args = p.parse_args(argv)
+    env = environment()
+    print(env)
+    rows = new_rows(args.new)
+    out = [measure(rows, int(c), args.writes) for c in args.contexts.split(",")]
+    notes = (f"a delta of {args.new} rows (32 layers, 8 kv heads, head dim 128, 4-bit keys and values, bf16 scales) "
+             f"written after conversations of each context; medians of {args.writes} writes; waits: a second thread's "
+             f"sleeps of {TICK * 1e3} ms, less the sleep. --model is not used.")
+    write_results(args.name or "write_gil", env, out, COLUMNS, args.out, notes)
+
+
+if __name__ == "__main__":
+    main()
