@@ -6,8 +6,8 @@ interval (5 ms), and one C call that holds the GIL (a `json.dumps`) for as long 
 (`benchmarks/results/h100/dma-copy-2026-11-27/`). After every turn the persistence actor
 copies the turn's new rows of the agent's cache to the host and writes them as a delta file
 with the conversation's metadata (its token ids, token ends and text, all of them). This
-benchmark does that work for conversations of --contexts tokens (the 8B shape's cache layout,
---new rows), while a second thread sleeps 0.2 ms at a time and records how much longer each
+benchmark does that work for a conversation that grows by --new rows a write from --contexts
+tokens on (the 8B shape's cache layout), while a second thread sleeps 0.2 ms at a time and records how much longer each
 sleep took: its waits for the GIL. Per context: milliseconds a write and by part (the copy,
 the checks, the encoding), and the longest and the 99th-percentile wait.
 
@@ -60,11 +60,18 @@ def write(rows, context: int, meta: CacheMeta) -> tuple[float, float, float]:
     return t1 - t0, t2 - t1, time.perf_counter() - t2
 
 
+def conversation(tokens: int, seq: int) -> CacheMeta:
+    """The metadata of a conversation of `tokens` tokens (one character each), as turn `seq` writes it."""
+    return CacheMeta(seq=seq, token_ids=[7 * i % 50000 for i in range(tokens)],
+                     token_ends=list(range(1, tokens + 1)), text="x" * tokens, turn_id=f"t{seq}")
+
+
 def measure(rows, context: int, writes: int) -> dict:
-    """One row of the table: `writes` writes at `context` tokens, timed, with a second thread's GIL waits."""
-    meta = CacheMeta(seq=2, token_ids=list(range(context)), token_ends=list(range(1, context + 1)),
-                     text="x" * context, turn_id="t2")
-    write(rows, context, meta)  # warm
+    """One row of the table: `writes` writes of a conversation that grows by a turn's rows from `context`
+    tokens on, timed, with a second thread's GIL waits."""
+    new = rows[0].offset
+    metas = [conversation(context + i * new, i + 1) for i in range(writes + 1)]
+    write(rows, context, metas[0])  # warm
     stop, waits = threading.Event(), []
 
     def waiter():
@@ -75,7 +82,7 @@ def measure(rows, context: int, writes: int) -> dict:
 
     thread = threading.Thread(target=waiter, daemon=True)
     thread.start()
-    parts = [write(rows, context, meta) for _ in range(writes)]
+    parts = [write(rows, len(meta.token_ids), meta) for meta in metas[1:]]
     stop.set()
     thread.join()
     ms = [statistics.median(p[k] for p in parts) * 1e3 for k in range(3)]
@@ -96,7 +103,7 @@ def main(argv=None):
     rows = new_rows(args.new)
     out = [measure(rows, int(c), args.writes) for c in args.contexts.split(",")]
     notes = (f"a delta of {args.new} rows (32 layers, 8 kv heads, head dim 128, 4-bit keys and values, bf16 scales) "
-             f"written after conversations of each context; medians of {args.writes} writes; waits: a second thread's "
+             f"written after each of {args.writes} turns of a conversation from each context on; medians; waits: a second thread's "
              f"sleeps of {TICK * 1e3} ms, less the sleep. --model is not used.")
     write_results(args.name or "write_gil", env, out, COLUMNS, args.out, notes)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -126,27 +127,24 @@ def encode_file(host: HostCache, meta: CacheMeta, fingerprint: str, delta: dict 
     `encode_cache` does.
     """
     check_cache(host, meta)
-    meta_json = json.dumps(
-        {
-            "fingerprint": fingerprint,
-            "kv_bits": host.scheme.key_bits,
-            "kv_value_bits": host.scheme.value_bits,
-            "kv_group_size": host.group_size,
-            "kv_rotation": host.rotation,
-            "dtype": host.dtype,
-            "n_layers": host.n_layers,
-            "n_tokens": host.n_tokens,
-            "lengths": list(host.lengths),
-            "seq": int(meta.seq),
-            "turn_id": meta.turn_id,
-            "text": meta.text,
-            "token_ids": _ints(meta.token_ids),
-            "token_ends": _ints(meta.token_ends),
-            "created": meta.created or time.time(),
-            **({"delta": delta} if delta is not None else {}),
-        },
-        separators=(",", ":"),
-    )
+    head = _json({
+        "fingerprint": fingerprint,
+        "kv_bits": host.scheme.key_bits,
+        "kv_value_bits": host.scheme.value_bits,
+        "kv_group_size": host.group_size,
+        "kv_rotation": host.rotation,
+        "dtype": host.dtype,
+        "n_layers": host.n_layers,
+        "n_tokens": host.n_tokens,
+        "lengths": list(host.lengths),
+        "seq": int(meta.seq),
+        "turn_id": meta.turn_id,
+        "text": meta.text,
+    })
+    tail = _json({"created": meta.created or time.time(), **({"delta": delta} if delta is not None else {})})
+    # json.dumps of the whole dict, its two long lists of ints encoded apart (`_ints_json`)
+    meta_json = (f'{head[:-1]},"token_ids":{_ints_json(meta.token_ids)},"token_ends":{_ints_json(meta.token_ends)},'
+                 f'{tail[1:]}')
     tensors = {k: np.ascontiguousarray(v) for k, v in host.tensors.items()}
     dtypes = {k: _header_dtype(k, host) for k in tensors}
     checksum = _checksum(meta_json, tensors, dtypes)
@@ -154,9 +152,49 @@ def encode_file(host: HostCache, meta: CacheMeta, fingerprint: str, delta: dict 
     return _safetensors_parts(tensors, dtypes, info), checksum
 
 
+def _json(value) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
 def _ints(values) -> list[int]:
-    """`values` (ints of any kind) as a list of Python ints, converted in numpy: a conversation's worth each write."""
+    """`values` (ints of any kind) as a list of Python ints, converted in numpy."""
     return np.asarray(values, dtype=np.int64).tolist()
+
+
+_RECENT_LISTS = 16  # lists of ints whose JSON `_ints_json` may extend: two per agent, for the last 8 that wrote
+_recent: list[tuple[tuple, str]] = []  # (values, their JSON), the newest first
+_recent_lock = threading.Lock()
+
+
+def _ints_json(values) -> str:
+    """`values` (ints of any kind) as `json.dumps` writes a list of ints (no spaces), extending the text of
+    a recent list that is a prefix of it.
+
+    Every cache file carries the whole conversation's token ids and ends, and each turn adds a
+    few hundred to thousands of them: encoding all of them at every write held the GIL (which
+    the engine's thread waits for) for milliseconds, 3.9 ms a list at 32K tokens on CI's CPU
+    (`benchmarks/write_gil.py`). The text is the same either way. The lists kept cost their
+    length in references (and keep their ints alive): at most _RECENT_LISTS of them.
+    """
+    values = tuple(values)
+    with _recent_lock:
+        longest_first = sorted(_recent, key=lambda kt: -len(kt[0]))
+    known, text = next(((k, t) for k, t in longest_first if _starts_with(values, k)), ((), "[]"))
+    rest = values[len(known):]
+    if rest:
+        more = _json(_ints(rest))
+        text = more if not known else f"{text[:-1]},{more[1:]}"
+    with _recent_lock:
+        others = [(k, t) for k, t in _recent if len(k) != len(values) or k != values]
+        _recent[:] = [(values, text)] + others[: _RECENT_LISTS - 1]
+    return text
+
+
+def _starts_with(values: tuple, known: tuple) -> bool:
+    """Whether `known` is a prefix of `values` (its ends compared first: most that are not differ there)."""
+    n = len(known)
+    return n <= len(values) and (n == 0 or (values[n - 1] == known[-1] and values[0] == known[0])) \
+        and values[:n] == known
 
 
 def parts_size(parts: list) -> int:

@@ -883,3 +883,43 @@ def test_the_store_parts_import_one_way_and_never_the_actors():
 def test_load_agent_counts_a_cache_of_seq_0_without_a_journal(tmp_path):
     store.save_cache(tmp_path, SPEC, "a", store.cache_to_host(q4_cache(8)), meta_for(8, seq=0))
     assert store.load_agent(tmp_path, SPEC, "a").last_seq == 0  # new records must go above the cache's seq
+
+
+def test_the_json_of_token_lists_is_json_dumps_whatever_was_encoded_before():
+    """`cacheformat._ints_json` extends the text of a recent list that is a prefix of the one asked for (a
+    conversation's ids grow by a turn a write): for lists that grow, diverge, shrink, repeat, hold numpy ints or
+    are empty, interleaved as several agents' writes are, the text is json.dumps's, bit for bit."""
+    from runtime import cacheformat
+
+    rng = random.Random(5)
+    agents = [[rng.randrange(-1, 50000) for _ in range(rng.randrange(0, 40))] for _ in range(20)]
+    for _ in range(400):
+        a = rng.randrange(len(agents))
+        values, move = agents[a], rng.random()
+        if move < 0.6:
+            values = values + [rng.randrange(-1, 50000) for _ in range(rng.randrange(0, 30))]  # a turn
+        elif move < 0.75 and values:
+            values = values[: rng.randrange(len(values))] + [rng.randrange(50000)]  # diverged, then new
+        elif move < 0.85:
+            values = values[: rng.randrange(len(values) + 1)]  # trimmed
+        agents[a] = values
+        asked = [np.int32(v) for v in values] if rng.random() < 0.2 else values
+        assert cacheformat._ints_json(asked) == json.dumps(values, separators=(",", ":"))
+    base = list(range(100))
+    cacheformat._ints_json(base)
+    middle = base[:50] + [7] + base[51:] + [1, 2]  # base's first and 100th value, not its prefix
+    assert cacheformat._ints_json(middle) == json.dumps(middle, separators=(",", ":"))
+
+
+def test_a_cache_file_is_the_same_whether_its_token_lists_were_encoded_before_or_not(tmp_path):
+    """The same write twice, and after the memo of recent lists is emptied: the same bytes and checksum."""
+    from runtime import cacheformat
+
+    host = store.cache_to_host(q4_cache(40, dtype=mx.bfloat16, seed=2))
+    meta = dataclasses.replace(meta_for(40), created=1.0)
+    first = cacheformat.encode_file(host, meta, "f" * 16)
+    again = cacheformat.encode_file(host, meta, "f" * 16)
+    cacheformat._recent.clear()
+    fresh = cacheformat.encode_file(host, meta, "f" * 16)
+    assert first[1] == again[1] == fresh[1]
+    assert b"".join(bytes(memoryview(p)) for p in first[0]) == b"".join(bytes(memoryview(p)) for p in fresh[0])
