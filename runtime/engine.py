@@ -776,11 +776,13 @@ class Engine:
             return []
         try:
             caches = queue_rows(self.batch, [i for i, _, _ in ending], drop=int(fed))  # evaluated in _hand_over
-        except Exception as e:
-            return [TurnError(row.turn.turn_id, f"extracting the cache failed: {type(e).__name__}: {e}")
-                    for _, row, _ in ending]
-        now = time.perf_counter()
+        except Exception:
+            caches = [self._queue_row(i, row, fed) for i, row, _ in ending]  # a row's failure fails its turn alone
+        now, failed = time.perf_counter(), []
         for (_, row, reason), cache in zip(ending, caches):
+            if isinstance(cache, TurnError):
+                failed.append(cache)
+                continue
             timings = Timings(
                 queue_s=row.admitted - row.submitted,
                 ttft_s=row.first_token - row.submitted,
@@ -799,7 +801,14 @@ class Engine:
                 finish_reason=reason,
                 timings=timings,
             )))
-        return []
+        return failed
+
+    def _queue_row(self, i, row, fed):
+        """Row `i`'s cache queued alone (`queue_rows`), or the TurnError its failure makes."""
+        try:
+            return queue_rows(self.batch, [i], drop=int(fed))[0]
+        except Exception as e:
+            return TurnError(row.turn.turn_id, f"extracting the cache failed: {type(e).__name__}: {e}")
 
 
 def _width(cache) -> int:

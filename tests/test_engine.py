@@ -307,6 +307,33 @@ def test_rows_that_end_in_one_step_hand_over_together_and_continue_as_solo(llama
         assert after[0] == after[1]
 
 
+def test_a_row_whose_cache_cannot_be_taken_fails_alone_when_rows_end_together(llama, monkeypatch):
+    """Rows that end in one step are handed over together; if that fails, each is taken alone, so only the turn
+    whose cache cannot be taken fails, and the others are returned as solo."""
+    import runtime.engine as engine_module
+
+    model, tokenizer, spec, opts = llama
+    opts = {**opts, "query_bucket": opts.get("query_bucket", 16)}
+    llama = (model, tokenizer, spec, opts)
+    engine = Engine(model, tokenizer, spec, **opts)
+    turns = [with_history(engine, tokenizer, f"f{i}", w) for i, w in enumerate((20, 35, 50))]
+    turns = [Turn(t.turn_id, t.agent_id, t.cache, t.tokens[:1] + encode(tokenizer, m), max_tokens=5)
+             for t, m in zip(turns, (" and then?", " why so?", " tell me more"))]
+    real = engine_module.queue_rows
+
+    def failing(batch, rows, drop=0):
+        if 1 in rows:
+            raise RuntimeError("device lost row 1")
+        return real(batch, rows, drop)
+
+    monkeypatch.setattr(engine_module, "queue_rows", failing)
+    out = run(engine, turns)
+    assert isinstance(out["f1"], TurnError) and "device lost row 1" in str(out["f1"])
+    for t in (turns[0], turns[2]):
+        assert out[t.turn_id].tokens == solo(llama, t).tokens
+    assert engine.reserved == 0 and not engine.has_work()
+
+
 def test_one_long_turn_does_not_make_every_row_allocate_its_length(llama):
     """Rows of a batch share their columns, the budget reserves each turn its own length: a join allocates
     room only as far as the rows' reservations cover it (a block a row at most past them)."""
