@@ -21,6 +21,7 @@ import os
 import threading
 import time
 import zlib
+from array import array
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -156,13 +157,8 @@ def _json(value) -> str:
     return json.dumps(value, separators=(",", ":"))
 
 
-def _ints(values) -> list[int]:
-    """`values` (ints of any kind) as a list of Python ints, converted in numpy."""
-    return np.asarray(values, dtype=np.int64).tolist()
-
-
 _RECENT_LISTS = 16  # lists of ints whose JSON `_ints_json` may extend: two per agent, for the last 8 that wrote
-_recent: list[tuple[tuple, str]] = []  # (values, their JSON), the newest first
+_recent: list[tuple[array, str]] = []  # (values, their JSON), the newest first
 _recent_lock = threading.Lock()
 
 
@@ -173,16 +169,16 @@ def _ints_json(values) -> str:
     Every cache file carries the whole conversation's token ids and ends, and each turn adds a
     few hundred to thousands of them: encoding all of them at every write held the GIL (which
     the engine's thread waits for) for milliseconds, 3.9 ms a list at 32K tokens on CI's CPU
-    (`benchmarks/write_gil.py`). The text is the same either way. The lists kept cost their
-    length in references (and keep their ints alive): at most _RECENT_LISTS of them.
+    (`benchmarks/write_gil.py`). The text is the same either way. The lists are kept as 8-byte
+    ints, at most _RECENT_LISTS of them. Raises OverflowError for a value outside int64.
     """
-    values = tuple(values)
+    values = array("q", values)
     with _recent_lock:
         longest_first = sorted(_recent, key=lambda kt: -len(kt[0]))
     known, text = next(((k, t) for k, t in longest_first if _starts_with(values, k)), ((), "[]"))
     rest = values[len(known):]
     if rest:
-        more = _json(_ints(rest))
+        more = _json(rest.tolist())
         text = more if not known else f"{text[:-1]},{more[1:]}"
     with _recent_lock:
         others = [(k, t) for k, t in _recent if len(k) != len(values) or k != values]
@@ -190,7 +186,7 @@ def _ints_json(values) -> str:
     return text
 
 
-def _starts_with(values: tuple, known: tuple) -> bool:
+def _starts_with(values: array, known: array) -> bool:
     """Whether `known` is a prefix of `values` (its ends compared first: most that are not differ there)."""
     n = len(known)
     return n <= len(values) and (n == 0 or (values[n - 1] == known[-1] and values[0] == known[0])) \
