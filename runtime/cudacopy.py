@@ -117,6 +117,7 @@ def to_host(x: mx.array, stream=None) -> np.ndarray:
     if n == 0:
         return out
     blocks = max(1, min(BLOCKS, -(-n // (16 * THREADS))))
+    # `blob` (a local, so held until this returns) is the buffer whose address the copies read
     blob, addr = _kernel()(inputs=[x], grid=(blocks * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
                            output_shapes=[(n,), (1,)], output_dtypes=[mx.uint8, mx.uint64], stream=stream)
     mx.eval(blob, addr)
@@ -139,5 +140,4 @@ def to_host(x: mx.array, stream=None) -> np.ndarray:
     finally:
         with _lock:
             _slots.append(slot)
-    del blob  # held until the bytes crossed
     return out

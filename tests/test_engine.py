@@ -268,19 +268,26 @@ def test_an_on_token_that_raises_on_the_flushed_last_piece_fails_its_own_turn_on
     assert engine.reserved == 0 and not engine.has_work()
 
 
+def ending_together(llama, name: str, held_back: bool = False):
+    """(llama with the bucket used, an engine, three turns): agents whose next messages share one chunk, so they
+    decode in step and end in one step (5 tokens each). `held_back`: the engine's tokenizer is `HeldBack`."""
+    model, tokenizer, spec, opts = llama
+    opts = {**opts, "query_bucket": opts.get("query_bucket", 16)}
+    engine = Engine(model, HeldBack(tokenizer) if held_back else tokenizer, spec, **opts)
+    turns = [with_history(engine, tokenizer, f"{name}{i}", w) for i, w in enumerate((20, 35, 50))]
+    turns = [Turn(t.turn_id, t.agent_id, t.cache, t.tokens[:1] + encode(tokenizer, m), max_tokens=5)
+             for t, m in zip(turns, (" and then?", " why so?", " tell me more"))]
+    return (model, tokenizer, spec, opts), engine, turns
+
+
 def test_rows_that_end_in_one_step_hand_over_together_and_continue_as_solo(llama, monkeypatch):
     """Agents whose next messages share a chunk decode in step and end in one step: their caches are taken
     in one hand-over (`queue_rows`), one whose flushed last piece fails its callback fails alone, and each
     other's cache continues exactly as its solo cache does."""
     import runtime.engine as engine_module
 
-    model, tokenizer, spec, opts = llama
-    opts = {**opts, "query_bucket": opts.get("query_bucket", 16)}
-    llama = (model, tokenizer, spec, opts)  # solo with the same bucket
-    engine = Engine(model, HeldBack(tokenizer), spec, **opts)
-    turns = [with_history(engine, tokenizer, f"e{i}", w) for i, w in enumerate((20, 35, 50))]
-    turns = [Turn(t.turn_id, t.agent_id, t.cache, t.tokens[:1] + encode(tokenizer, m), max_tokens=5)
-             for t, m in zip(turns, (" and then?", " why so?", " tell me more"))]
+    llama, engine, turns = ending_together(llama, "e", held_back=True)
+    tokenizer = llama[1]
 
     def boom(piece):
         raise RuntimeError("display gone")
@@ -312,13 +319,7 @@ def test_a_row_whose_cache_cannot_be_taken_fails_alone_when_rows_end_together(ll
     whose cache cannot be taken fails, and the others are returned as solo."""
     import runtime.engine as engine_module
 
-    model, tokenizer, spec, opts = llama
-    opts = {**opts, "query_bucket": opts.get("query_bucket", 16)}
-    llama = (model, tokenizer, spec, opts)
-    engine = Engine(model, tokenizer, spec, **opts)
-    turns = [with_history(engine, tokenizer, f"f{i}", w) for i, w in enumerate((20, 35, 50))]
-    turns = [Turn(t.turn_id, t.agent_id, t.cache, t.tokens[:1] + encode(tokenizer, m), max_tokens=5)
-             for t, m in zip(turns, (" and then?", " why so?", " tell me more"))]
+    llama, engine, turns = ending_together(llama, "f")
     real = engine_module.queue_rows
 
     def failing(batch, rows, drop=0):
