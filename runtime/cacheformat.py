@@ -144,12 +144,17 @@ def encode_file(host: HostCache, meta: CacheMeta, fingerprint: str, delta: dict 
     })
     tail = _json({"created": meta.created or time.time(), **({"delta": delta} if delta is not None else {})})
     # json.dumps of the whole dict, its two long lists of ints encoded apart (`_ints_json`)
-    meta_json = (f'{head[:-1]},"token_ids":{_ints_json(meta.token_ids)},"token_ends":{_ints_json(meta.token_ends)},'
-                 f'{tail[1:]}')
+    pieces = (f'{head[:-1]},"token_ids":', _ints_json(meta.token_ids), ',"token_ends":',
+              _ints_json(meta.token_ends), f',{tail[1:]}')
+    meta_json = "".join(pieces)
     tensors = {k: np.ascontiguousarray(v) for k, v in host.tensors.items()}
     dtypes = {k: _header_dtype(k, host) for k in tensors}
     checksum = _checksum(meta_json, tensors, dtypes)
-    info = {"format": FORMAT, "format_version": str(FORMAT_VERSION), "meta": meta_json, "checksum": checksum}
+    # the header holds the meta as a JSON string: escaped piece by piece, the lists of ints as they are (digits,
+    # commas, brackets and minus signs escape to themselves), instead of scanning the whole text again
+    meta_string = '"' + "".join(p if i % 2 else _json(p)[1:-1] for i, p in enumerate(pieces)) + '"'
+    info = (f'{{"format":{_json(FORMAT)},"format_version":{_json(str(FORMAT_VERSION))},"meta":{meta_string},'
+            f'"checksum":{_json(checksum)}}}')
     return _safetensors_parts(tensors, dtypes, info), checksum
 
 
@@ -198,16 +203,17 @@ def parts_size(parts: list) -> int:
     return sum(memoryview(p).nbytes for p in parts)
 
 
-def _safetensors_parts(tensors: dict, dtypes: dict, info: dict) -> list:
+def _safetensors_parts(tensors: dict, dtypes: dict, info_json: str) -> list:
     """A safetensors file as parts: header length (8 bytes, little-endian) and JSON header
-    (`info` as `__metadata__`, padded with spaces to a multiple of 8), then each tensor's
-    bytes in name order."""
-    names, header, at = sorted(tensors), {"__metadata__": info}, 0
+    (`info_json`, a JSON object's text, as `__metadata__`, padded with spaces to a multiple of 8),
+    then each tensor's bytes in name order."""
+    names, header, at = sorted(tensors), {}, 0
     for name in names:
         a = tensors[name]
         header[name] = {"dtype": dtypes[name], "shape": list(a.shape), "data_offsets": [at, at + a.nbytes]}
         at += a.nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
+    rest = _json(header)[1:]  # "}" alone when there are no tensors
+    text = f'{{"__metadata__":{info_json}{"," if header else ""}{rest}'.encode()
     text += b" " * (-len(text) % 8)
     return [len(text).to_bytes(8, "little") + text] + [tensors[n].reshape(-1).view(np.uint8) for n in names]
 

@@ -13,6 +13,7 @@ later token): prefix matching only cuts where it is >= 0.
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass, field, replace
 
@@ -358,33 +359,44 @@ def check_cache(cache: HostCache | DeviceCache, meta: CacheMeta) -> None:
 
 
 def _check_host(host: HostCache) -> None:
-    """Raise ValueError unless `host` is internally consistent (shapes, dtypes, names)."""
+    """Raise ValueError unless `host` is internally consistent (shapes, dtypes, names).
+
+    Every cache write checks its host cache (`cacheformat.encode_file`), on a thread that
+    shares the GIL with the engine's: the names come from a table made once per layer count.
+    """
     if host.dtype not in SCALE_DTYPES:
         raise ValueError(f"unsupported scales dtype {host.dtype!r}")
     try:
         scheme = host.scheme
     except ValueError as e:
         raise ValueError(f"unsupported quantization: {e}") from e
-    names = {name for i in range(host.n_layers) for name in layer_names(i)}
-    if host.n_tokens == 0:
-        names = set()
-    if set(host.tensors) != names:
+    table, names = _name_table(host.n_layers if host.n_tokens else 0)
+    if host.tensors.keys() != names:
         raise ValueError(f"tensors {sorted(set(host.tensors) ^ names)[:4]} missing or unexpected")
     if host.lengths and (len(host.lengths) != host.n_layers
                          or not all(0 < n <= host.n_tokens for n in host.lengths)):
         raise ValueError(f"stored lengths {list(host.lengths)[:4]} do not fit {host.n_layers} layers of {host.n_tokens} tokens")
-    scale_np = SCALE_DTYPES[host.dtype]
-    for name, a in host.tensors.items():
-        want = np.uint32 if name.endswith("packed") else scale_np
-        n = host.length(int(name.split(".")[1]))
-        if a.dtype != want or a.ndim != 4 or a.shape[0] != 1 or a.shape[2] != n:
-            raise ValueError(f"{name}: {a.dtype}{a.shape}, expected {np.dtype(want)} (1, H, {n}, D)")
-    for i in range(host.n_layers if host.n_tokens else 0):
-        for kind, bits in (("keys", scheme.key_bits), ("values", scheme.value_bits)):
-            p, s, b = (host.tensors[tensor_name(i, kind, part)] for part in _PARTS)
+    scale_np = np.dtype(SCALE_DTYPES[host.dtype])
+    for i, layer in enumerate(table):
+        n = host.length(i)
+        for kind, bits, tensor_names in (("keys", scheme.key_bits, layer[:3]), ("values", scheme.value_bits, layer[3:])):
+            p, s, b = (host.tensors[name] for name in tensor_names)
+            for name, a, want in zip(tensor_names, (p, s, b), (_UINT32, scale_np, scale_np)):
+                if a.dtype != want or a.ndim != 4 or a.shape[0] != 1 or a.shape[2] != n:
+                    raise ValueError(f"{name}: {a.dtype}{a.shape}, expected {want} (1, H, {n}, D)")
             dim = p.shape[-1] * 32 // bits
             if s.shape != b.shape or s.shape[:3] != p.shape[:3] or s.shape[-1] * host.group_size != dim:
                 raise ValueError(f"layer {i} {kind}: packed {p.shape}, scales {s.shape}, biases {b.shape} disagree")
+
+
+_UINT32 = np.dtype(np.uint32)
+
+
+@functools.lru_cache(maxsize=8)
+def _name_table(n_layers: int) -> tuple[tuple[tuple[str, ...], ...], frozenset]:
+    """(each layer's six tensor names, all of them as a set) for `n_layers` layers."""
+    table = tuple(tuple(layer_names(i)) for i in range(n_layers))
+    return table, frozenset(name for layer in table for name in layer)
 
 
 def _check_meta(meta: CacheMeta, n_tokens: int) -> None:
@@ -396,8 +408,8 @@ def _check_meta(meta: CacheMeta, n_tokens: int) -> None:
     ids, ends = meta.token_ids, meta.token_ends
     if len(ids) != n_tokens or len(ends) != n_tokens:
         raise ValueError(f"{len(ids)} token ids and {len(ends)} token ends for {n_tokens} cached tokens")
-    valid = np.asarray(ends, dtype=np.int64)
+    valid = np.fromiter(ends, dtype=np.int64, count=len(ends))
     valid = valid[valid >= 0]
-    bad = np.flatnonzero((np.diff(valid, prepend=0) < 0) | (valid > len(meta.text)))
-    if bad.size:
+    if valid.size and (valid[-1] > len(meta.text) or (valid[1:] < valid[:-1]).any()):  # in order: the last is the most
+        bad = np.flatnonzero((np.diff(valid, prepend=0) < 0) | (valid > len(meta.text)))
         raise ValueError(f"token end {int(valid[bad[0]])} out of order or past the text ({len(meta.text)} chars)")

@@ -911,6 +911,30 @@ def test_the_json_of_token_lists_is_json_dumps_whatever_was_encoded_before():
     assert cacheformat._ints_json(middle) == json.dumps(middle, separators=(",", ":"))
 
 
+def test_a_cache_files_header_is_json_dumps_of_it_whatever_its_text_holds():
+    """The header's meta string is escaped piece by piece (the lists of ints as they are): for texts and turn ids
+    with quotes, backslashes, control characters, non-ASCII and astral characters, and for delta and full files,
+    the header is json.dumps of the whole header, bit for bit."""
+    from runtime import cacheformat
+
+    rng = random.Random(7)
+    host = store.cache_to_host(q4_cache(12, dtype=mx.bfloat16, seed=3))
+    alphabet = 'ab "\\\n\t/\x00\x1f\u2028é€😀<>&\''
+    for trial in range(30):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 80)))
+        ends = sorted(rng.randrange(len(text) + 1) for _ in range(12))
+        meta = CacheMeta(seq=trial, token_ids=[rng.randrange(-1, 2**31) for _ in range(12)], token_ends=ends,
+                         text=text, turn_id=rng.choice(["t", 'q"\\é', "😀"]), created=2.5)
+        delta = {"parent": "crc32:00000000", "start": 4, "lengths": [12] * host.n_layers} if trial % 2 else None
+        parts, checksum = cacheformat.encode_file(host, meta, 'f"p', delta)
+        n = int.from_bytes(parts[0][:8], "little")
+        header = json.loads(parts[0][8 : 8 + n])
+        assert parts[0][8 : 8 + n].rstrip(b" ") == json.dumps(header, separators=(",", ":")).encode()
+        got = json.loads(header["__metadata__"]["meta"])
+        assert (got["text"], got["turn_id"], got["token_ends"], got.get("delta")) == (text, meta.turn_id, ends, delta)
+        assert header["__metadata__"]["checksum"] == checksum
+
+
 def test_a_cache_file_is_the_same_whether_its_token_lists_were_encoded_before_or_not(tmp_path):
     """The same write twice, and after the memo of recent lists is emptied: the same bytes and checksum."""
     from runtime import cacheformat
