@@ -424,7 +424,7 @@ class Engine:
                 mx.eval([(c.keys, c.values) for c in r.cache if c.keys is not None])
                 out.append(r)
             except Exception as e:
-                out.append(TurnError(r.turn_id, f"extracting the cache failed: {type(e).__name__}: {e}"))
+                out.append(_own_error(r.turn_id, e, "extracting the cache failed"))
         return out
 
     # -- admission -------------------------------------------------------------------
@@ -489,7 +489,7 @@ class Engine:
             _report_progress(row)
         except Exception as e:
             self.prefilling.pop(0)
-            return [_own_error(row, e, "prefill failed")]
+            return [_own_error(row.turn.turn_id, e, "prefill failed")]
         self.prefilling.pop(0)
         cache, row.cache = row.cache, None
         return self._join([row], cache, [token])
@@ -544,7 +544,7 @@ class Engine:
                 _report_progress(row)
                 kept.append(i)
             except Exception as e:
-                failed.append(_own_error(row, e, "prefill failed"))
+                failed.append(_own_error(row.turn.turn_id, e, "prefill failed"))
         if len(kept) < len(rows):
             if not kept:
                 return failed
@@ -690,7 +690,7 @@ class Engine:
                 reason = self._add_token(row, token)
             except Exception as e:  # a failing callback (or detokenizer) fails its own turn
                 finished.append(row)
-                results.append(_own_error(row, e, "taking its token failed"))
+                results.append(_own_error(row.turn.turn_id, e, "taking its token failed"))
                 continue
             if reason:
                 finished.append(row)
@@ -808,7 +808,7 @@ class Engine:
         try:
             return queue_rows(self.batch, [i], drop=int(fed))[0]
         except Exception as e:
-            return TurnError(row.turn.turn_id, f"extracting the cache failed: {type(e).__name__}: {e}")
+            return _own_error(row.turn.turn_id, e, "extracting the cache failed")
 
 
 def _width(cache) -> int:
@@ -854,11 +854,12 @@ def _call(turn, name: str, *args):
         _callbacks.name = outer
 
 
-def _own_error(row, error: Exception, what: str) -> TurnError:
-    """The error that ends `row`'s turn alone: a CallbackFailed as it is, anything else as a TurnError."""
+def _own_error(turn_id: str, error: Exception, what: str) -> TurnError:
+    """The error that ends turn `turn_id` alone: a CallbackFailed as it is, anything else as a TurnError
+    saying `what` failed and why."""
     if isinstance(error, CallbackFailed):
         return error
-    return TurnError(row.turn.turn_id, f"{what}: {type(error).__name__}: {error}")
+    return TurnError(turn_id, f"{what}: {type(error).__name__}: {error}")
 
 
 def _sample_top_p(logits, temperature, top_p, key):
