@@ -1,5 +1,6 @@
 #!/bin/bash
-# Same-machine A/B of the multi-agent workload's variant (c): runs of this tree and of an older one, alternating.
+# Same-machine A/B of the multi-agent workload's variant (c): runs of this tree and of an older one, alternating
+# (this tree first in odd pairs, the older one first in even pairs).
 #
 #   git archive <commit> runtime benchmarks actors | (mkdir -p OLD && tar x -C OLD)
 #   benchmarks/workload_ab.sh OLD OUT [runs] [workload options...]
@@ -12,7 +13,8 @@ old=$(cd "$1" && pwd); out=$(mkdir -p "$2" && cd "$2" && pwd); runs=${3:-2}; shi
 opts=("$@")
 [ ${#opts[@]} -eq 0 ] && opts=(--model llama-8b-shape --system-tokens 2000 --turn-tokens 200 --new 64 --variants c)
 base=$PYTHONPATH
-for i in $(seq "$runs"); do
-  PYTHONPATH=$base:$PWD python3 -m benchmarks.workload "${opts[@]}" --out "$out" --name "workload-new-$i"
-  (cd "$old" && PYTHONPATH=$base:$old python3 -m benchmarks.workload "${opts[@]}" --out "$out" --name "workload-old-$i")
+run_new() { PYTHONPATH=$base:$PWD python3 -m benchmarks.workload "${opts[@]}" --out "$out" --name "workload-new-$1"; }
+run_old() { (cd "$old" && PYTHONPATH=$base:$old python3 -m benchmarks.workload "${opts[@]}" --out "$out" --name "workload-old-$1"); }
+for i in $(seq "$runs"); do  # the order flips every pair: a call's first and later runs differ by more than changes do
+  if [ $((i % 2)) -eq 1 ]; then run_new "$i"; run_old "$i"; else run_old "$i"; run_new "$i"; fi
 done
