@@ -122,17 +122,15 @@ def cache_to_host(cache, start: int = 0) -> HostCache:
     if start and not 0 < start < n_tokens:
         raise ValueError(f"cannot copy from position {start} of {n_tokens} cached tokens")
     arrays, dtype, lengths = {}, "float32", []
+    table = _name_table(len(cache) if n_tokens else 0)[0]
     for i, layer in enumerate(cache if n_tokens else ()):
         rows = min(n_tokens - start, stored[i])
         lengths.append(rows)
-        for kind, packed in (("keys", layer.keys), ("values", layer.values)):
-            dtype = str(packed[1].dtype).removeprefix("mlx.core.")
-            for part, x in zip(_PARTS, packed):
-                if (stored[i] - rows, stored[i]) != (0, x.shape[-2]):
-                    x = mx.contiguous(x[..., stored[i] - rows: stored[i], :])
-                if x.dtype == mx.bfloat16:
-                    x = x.view(mx.uint16)
-                arrays[tensor_name(i, kind, part)] = x
+        dtype = str(layer.keys[1].dtype).removeprefix("mlx.core.")
+        for name, x in zip(table[i], (*layer.keys, *layer.values)):
+            if (stored[i] - rows, stored[i]) != (0, x.shape[-2]):
+                x = mx.contiguous(x[..., stored[i] - rows: stored[i], :])
+            arrays[name] = x
     tensors = _to_numpy(arrays)
     lengths = () if all(n == n_tokens for n in lengths) else tuple(lengths)
     host = HostCache(tensors, dtype, scheme.key_bits, scheme.group_size, len(cache), n_tokens, lengths,
@@ -181,9 +179,21 @@ def _to_numpy(arrays: dict) -> dict:
         at = 0
         for name in group:
             x = arrays[name]
-            out[name] = data[at: at + x.nbytes].view(np.dtype(str(x.dtype).removeprefix("mlx.core."))).reshape(x.shape)
+            out[name] = data[at: at + x.nbytes].view(_numpy_dtype(x.dtype)).reshape(x.shape)
             at += x.nbytes
     return out
+
+
+_NUMPY_DTYPES = {}  # MLX dtype -> the numpy dtype its bytes are viewed as (bfloat16: uint16, numpy has none)
+
+
+def _numpy_dtype(dtype) -> np.dtype:
+    """The numpy dtype that views an MLX array's bytes of `dtype`."""
+    found = _NUMPY_DTYPES.get(dtype)
+    if found is None:
+        name = str(dtype).removeprefix("mlx.core.")
+        found = _NUMPY_DTYPES[dtype] = np.dtype(np.uint16 if name == "bfloat16" else name)
+    return found
 
 
 def _piece_to_host(gathered, stream) -> np.ndarray:
