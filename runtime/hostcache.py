@@ -111,8 +111,8 @@ def cache_to_host(cache, start: int = 0) -> HostCache:
 
     Copies the positions from `start` on (0: all): per layer the last
     min(n_tokens - start, stored) rows, so the result is the delta `next_segment`
-    writes. Reads only evaluated arrays (building one `view` per bfloat16 array on the
-    calling thread, evaluated there), so any thread may call it. Tokens beyond `offset`
+    writes. Reads only evaluated arrays (the slices, views and copies it builds are
+    evaluated on the calling thread), so any thread may call it. Tokens beyond `offset`
     are dropped. Raises ValueError for layers that disagree in scheme, length or
     dtype, or a `start` outside [0, n_tokens).
     """
