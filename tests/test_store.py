@@ -218,6 +218,40 @@ def test_inconsistent_cache_or_metadata_is_refused_on_save(tmp_path):
     assert not (tmp_path / SPEC.fingerprint / "a" / store.CACHE_FILE).exists()
 
 
+
+@pytest.mark.parametrize("ends,text,bad", [
+    ([1, 2, 3, 4, 4], "xxxx", None), ([-1, 0, -1, 4, -1], "xxxx", None), ([], "", None),  # ends may repeat; -1 skipped
+    ([1, 3, 2, 4, 4], "xxxxxxxx", 2),  # out of order within the text
+    ([1, 2, 3, 4, 9], "xxxx", 9),  # in order, the last past the text
+    ([5, -1, 2, -1, 3], "xxxxxx", 2),  # out of order across skipped ends
+])
+def test_the_metas_token_ends_are_checked_in_order_and_within_the_text(ends, text, bad):
+    from runtime.hostcache import _check_meta
+
+    meta = CacheMeta(1, [0] * len(ends), ends, text)
+    if bad is None:
+        _check_meta(meta, len(ends))
+    else:
+        with pytest.raises(ValueError, match=f"token end {bad} out of order or past the text"):
+            _check_meta(meta, len(ends))
+
+
+def test_a_host_cache_with_a_missing_renamed_mistyped_or_short_tensor_is_refused():
+    """`_check_host` (every write runs it) names what is wrong: a tensor missing or unexpected, a dtype, a length."""
+    host = store.cache_to_host(q4_cache(6, dtype=mx.bfloat16))
+    hostcache._check_host(host)
+    name = sorted(host.tensors)[0]
+    cases = [
+        ({k: v for k, v in host.tensors.items() if k != name}, "missing or unexpected"),
+        ({**{k: v for k, v in host.tensors.items() if k != name}, name + "x": host.tensors[name]}, "missing or unexpected"),
+        ({**host.tensors, name: host.tensors[name].astype(np.float32)}, f"{name}: float32"),
+        ({**host.tensors, name: host.tensors[name][:, :, :5]}, r"\(1, H, 6, D\)"),
+    ]
+    for tensors, match in cases:
+        with pytest.raises(ValueError, match=match):
+            hostcache._check_host(dataclasses.replace(host, tensors=tensors))
+
+
 # ---------------------------------------------------------------- corruption
 
 
