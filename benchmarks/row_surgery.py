@@ -6,7 +6,8 @@ when rows join, it merges their caches (`merge_caches`) and extends the batch
 the batch fills its allocation, it grows it (`reserve_cache`). Each builds kernels per layer
 and allocates buffers of sizes the process may not have freed before, which MLX's buffer cache
 then misses (on CUDA: a `cudaMallocAsync` each). The engine's thread does all of it between
-two decode steps, so what it costs lands in one step's time.
+two decode steps, so what it costs lands in one step's time ("end most rows": a step where
+more than half the rows end, their caches taken and the batch filtered, as `Engine._accept` does).
 
 For each operation, on --rows rows of about --context tokens, this times the host's share
 (building the graph and `mx.async_eval`) and the wait for the device after it, as medians of
@@ -61,6 +62,11 @@ def operations(spec, route, agents, room: int) -> dict:
         "filter 1 row out": (lambda: batch(agents),
                              lambda b: (filter_cache(b, [i for i in range(rows) if i != rows // 2]), states(b))[1]),
         "grow": (lambda: batch(agents, 1), lambda b: (reserve_cache(b, 512), states(b))[1]),  # past its width
+        # a step where most rows end, as the engine's `_accept` does it: their caches taken, then the batch filtered
+        # once finished rows outnumber the decoding ones
+        "end most rows": (lambda: batch(agents), lambda b: [queue_rows(b, list(range(rows // 2 + 1)), drop=1),
+                                                           filter_cache(b, list(range(rows // 2 + 1, rows))),
+                                                           states(b)]),
     }
 
 
