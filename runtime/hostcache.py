@@ -122,7 +122,7 @@ def cache_to_host(cache, start: int = 0) -> HostCache:
     if start and not 0 < start < n_tokens:
         raise ValueError(f"cannot copy from position {start} of {n_tokens} cached tokens")
     arrays, dtype, lengths = {}, "float32", []
-    table = _name_table(len(cache) if n_tokens else 0)[0]
+    table = _name_table(len(cache))[0]
     for i, layer in enumerate(cache if n_tokens else ()):
         rows = min(n_tokens - start, stored[i])
         lengths.append(rows)

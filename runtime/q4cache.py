@@ -781,21 +781,21 @@ class BatchQuantizedKVCache(_BaseCache):
             self._rows_from_host()
             return
         longest = max(self._idx, other._idx)
-        template = self if self.keys is not None else other
         width = _allocation(longest, room)  # new buffers either way: the width this batch needs, wider or not
-
-        def aligned(c, part):
-            src = getattr(c, part)
-            if src is None:
-                return _zero_rows(getattr(template, part), c.left_padding.shape[0], width)
-            return _placed(src, c._idx, longest, width)
-
         if self.route == "q4kernel":  # one launch a layer (see runtime.q4columns)
             sources = [c for c in (self, other) if c.keys is not None]
             plan = [(sources.index(c), i, 0, c._idx, longest - c._idx) if c.keys is not None else (0, 0, 0, 0, 0)
                     for c in (self, other) for i in range(len(c._pads))]  # an empty batch's rows: zeros
             keys, values = _gathered(sources, plan, width)
-        else:
+        else:  # MLX's own ops: each batch's rows placed to end at the longest, then concatenated
+            template = self if self.keys is not None else other
+
+            def aligned(c, part):
+                src = getattr(c, part)
+                if src is None:
+                    return _zero_rows(getattr(template, part), c.left_padding.shape[0], width)
+                return _placed(src, c._idx, longest, width)
+
             keys, values = (tuple(mx.concatenate([a, b], axis=0) for a, b in zip(aligned(self, part), aligned(other, part)))
                             for part in ("keys", "values"))
         self._pads = [p + longest - self._idx for p in self._pads] + [p + longest - other._idx for p in other._pads]
