@@ -25,7 +25,7 @@ import mlx.core as mx
 from benchmarks.common import DEVICE_TIMED, bench_parser, environment, traced_kernels, write_results
 from runtime import q4sdpa
 
-COLUMNS = ["context", "rows", "kernel", "setting", "us", "x_fp16", "busy_us", "busy_x_fp16", "GB_per_s", "max_err"]
+COLUMNS = ["context", "rows", "kernel", "setting", "us", "x_fp16", "busy_us", "busy_x_fp16", "kernels_us", "GB_per_s", "max_err"]
 HQ, HKV, D, GROUP = 32, 8, 128, 64
 ROTATE_BYTES = 256 << 20  # inputs per timed call set: well over an H100's 50 MB L2
 
@@ -64,14 +64,15 @@ def _error(fn, key_bits=4) -> float:
     return mx.abs(out - _reference(q, kq, vq, start, end, D ** -0.5)).max().item()
 
 
-def chained_us(fn, sets, q, reps: int = 40) -> tuple[float, float]:
-    """(span, busy): microseconds per call of `fn(q, keys, values)` when each call's queries are the previous
+def chained_us(fn, sets, q, reps: int = 40) -> tuple[float, float, str]:
+    """(span, busy, kernels): microseconds per call of `fn(q, keys, values)` when each call's queries are the previous
     call's output (cycling through `sets` of (keys, values)): calls run one after another, as a model's layers do.
 
     span: the device's span (first kernel's start to last kernel's end, CUPTI) over the calls where the
     cupti-python package is installed, else the wall time; it includes the gaps where the device waited
     for the host's launches. busy: the kernels' own durations added up (CUPTI; NaN without it), what the
-    calls cost the device where the host runs ahead of it, as in a model's step. Independent calls would
+    calls cost the device where the host runs ahead of it, as in a model's step; kernels: busy by kernel
+    ('partial 20.1 + reduce 5.2'; empty without CUPTI). Independent calls would
     let MLX-CUDA run their kernels side by side, and adding up those kernels' durations then counts more
     time than either one call's latency or the calls' throughput.
     """
@@ -85,10 +86,15 @@ def chained_us(fn, sets, q, reps: int = 40) -> tuple[float, float]:
     run()
     if DEVICE_TIMED:
         records = traced_kernels(run)
-        return ((records[-1][2] - records[0][1]) / reps / 1e3, sum(e - s for _, s, e in records) / reps / 1e3)
+        parts = {}
+        for name, s, e in records:
+            part = next((p for p in ("partial", "reduce") if f"q4_decode_{p}" in name), name.split("<")[0][:24])
+            parts[part] = parts.get(part, 0.0) + (e - s) / reps / 1e3
+        return ((records[-1][2] - records[0][1]) / reps / 1e3, sum(parts.values()),
+                " + ".join(f"{p} {us:.1f}" for p, us in parts.items()))
     t0 = time.perf_counter()
     run()
-    return (time.perf_counter() - t0) / reps * 1e6, math.nan
+    return (time.perf_counter() - t0) / reps * 1e6, math.nan, ""
 
 
 def _load_old(path):
@@ -161,24 +167,24 @@ def main(argv=None) -> int:
             copies16 = max(1, min(8, -(-ROTATE_BYTES // fp16_bytes)))
             dense = [(k16, v16)] + [(k16 + 0, v16 + 0) for _ in range(copies16 - 1)]
             mx.eval(dense)
-            fp16_us, fp16_busy = chained_us(lambda x, k, v: mx.fast.scaled_dot_product_attention(x, k, v, scale=D ** -0.5),
+            fp16_us, fp16_busy, fp16_parts = chained_us(lambda x, k, v: mx.fast.scaled_dot_product_attention(x, k, v, scale=D ** -0.5),
                                  dense, q)
             base = dict(context=context, rows=b)
             rows.append(dict(base, kernel="mlx fused sdpa (bf16 K/V)", setting="-", us=fp16_us, x_fp16=1.0,
-                             busy_us=fp16_busy, busy_x_fp16=1.0, GB_per_s=fp16_bytes / fp16_us / 1e3, max_err=""))
+                             busy_us=fp16_busy, busy_x_fp16=1.0, kernels_us=fp16_parts, GB_per_s=fp16_bytes / fp16_us / 1e3, max_err=""))
             del dense, k16, v16
             timed = [("q4sdpa", s, q4sdpa, errors[s]) for s in settings]
             timed += [(f"q4sdpa of {path}", default, module, old_errors[path]) for path, module in olds]
             for name, setting, module, err in timed:
                 use(setting)
                 try:
-                    us, busy = chained_us(lambda x, k, v, m=module: m.q4_decode_sdpa(x, k, v, start, context, D ** -0.5, GROUP,
+                    us, busy, parts = chained_us(lambda x, k, v, m=module: m.q4_decode_sdpa(x, k, v, start, context, D ** -0.5, GROUP,
                                                                                **extra), sets, q)
                 except Exception as e:  # a launch setting the device refuses is reported, not fatal
                     rows.append(dict(base, kernel=name, setting=setting_name(setting), us=f"failed: {e}"[:80]))
                     continue
                 rows.append(dict(base, kernel=name, setting=setting_name(setting) if module is q4sdpa else "-",
-                                 us=us, x_fp16=us / fp16_us, busy_us=busy, busy_x_fp16=busy / fp16_busy, GB_per_s=q4_bytes / us / 1e3, max_err=err))
+                                 us=us, x_fp16=us / fp16_us, busy_us=busy, busy_x_fp16=busy / fp16_busy, kernels_us=parts, GB_per_s=q4_bytes / us / 1e3, max_err=err))
             use(default)
             del sets
             print(f"context {context} rows {b} done", file=sys.stderr, flush=True)
