@@ -700,20 +700,35 @@ class BatchQuantizedKVCache(_BaseCache):
 
     def _extract(self, i: int, drop: int, pad: int, offset: int) -> AgentKVCache:
         """`extract` with the row's padding and offset given, unevaluated."""
+        return self._extract_rows([(i, pad, offset)], drop)[0]
+
+    def _extract_rows(self, rows, drop: int) -> list:
+        """`_extract` of each (index, padding, offset) of `rows`: on the kernel route one launch for all of them
+        (`q4columns.take_rows`, up to its MAX_ROWS at a time), each into buffers of its own length."""
         self._unled("take a row out of")
-        out = layer_cache(self.scheme)
         self._settle()
         end = self._idx - drop
-        if self.keys is None or pad >= end:
-            return out
-        if self.keep is not None:
-            pad = max(pad, end - self.keep)
-        if self.route == "q4kernel":  # one launch a layer instead of six copies
-            out.keys, out.values = _gathered([self], [(0, i, pad, end, 0)], end - pad)
-        else:
-            out.keys = _map(lambda x: mx.contiguous(x[i : i + 1, :, pad:end, :]), self.keys)
-            out.values = _map(lambda x: mx.contiguous(x[i : i + 1, :, pad:end, :]), self.values)
-        out.offset = offset - drop
+        out, spans = [], []
+        for i, pad, offset in rows:
+            c = layer_cache(self.scheme)
+            out.append(c)
+            if self.keys is None or pad >= end:
+                continue
+            if self.keep is not None:
+                pad = max(pad, end - self.keep)
+            c.offset = offset - drop
+            if self.route == "q4kernel":
+                spans.append((c, (i, pad, end)))
+            else:
+                c.keys = _map(lambda x: mx.contiguous(x[i : i + 1, :, pad:end, :]), self.keys)
+                c.values = _map(lambda x: mx.contiguous(x[i : i + 1, :, pad:end, :]), self.values)
+        for k in range(0, len(spans), q4columns.MAX_ROWS):  # one launch a layer for the rows instead of six copies each
+            part = tuple(span for _, span in spans[k : k + q4columns.MAX_ROWS])
+            layout = q4columns.layout([(self.keys, self.values)])
+            taken = q4columns.take_rows(self.keys, self.values, part,
+                                        _shared("take_rows", (), (part, layout), lambda: q4columns.rows_params(layout, part)))
+            for (c, _), (keys, values) in zip(spans[k : k + q4columns.MAX_ROWS], taken):
+                c.keys, c.values = keys, values
         return out
 
     def filter(self, keep) -> None:
@@ -921,7 +936,8 @@ def queue_rows(batch, rows, drop: int = 0) -> list:
     before them: evaluate each list (`mx.eval`) on this thread before anything else reads it.
     """
     # each layer's own padding: a bounded sliding layer stores fewer columns than a full one
-    out = [[layer._extract(i, drop, *layer.row_place(i)) for layer in batch] for i in rows]
+    per_layer = [layer._extract_rows([(i, *layer.row_place(i)) for i in rows], drop) for layer in batch]
+    out = [list(caches) for caches in zip(*per_layer)] if per_layer else [[] for _ in rows]
     mx.async_eval([(c.keys, c.values) for caches in out for c in caches if c.keys is not None])
     return out
 

@@ -10,7 +10,9 @@ longest row's last column), a filter (the rows kept, less the padding they all s
 and a growth (every row, with more room). With MLX's own ops each is a slice, a pad or
 a concatenation per tensor (6 to 18 launches a layer, and as many host-side ops), and
 the engine's thread, which builds them between two decode steps, was bound by building
-and launching them, not by the copies.
+and launching them, not by the copies. `take_rows(keys, values, spans)` takes several
+rows' column ranges of one batch, each into buffers of its own length, in one launch: the
+caches of the turns that end in one decode step.
 """
 
 from __future__ import annotations
@@ -40,13 +42,8 @@ _SOURCE = r"""
     }
     const char* src = in + (((size_t)p[1] * H + h) * W + p[2]) * cb;
     char* dst = out + ((size_t)r * H + h) * width * cb;
-    const long long lo = (long long)p[4] * cb, hi = lo + (long long)(p[3] - p[2]) * cb, total = (long long)width * cb;
-    // every offset is a multiple of a column's bytes: move the widest unit that divides them
-    if (cb % 16 == 0) copy_units<uint4>(src, dst, lo, hi, total);
-    else if (cb % 8 == 0) copy_units<uint2>(src, dst, lo, hi, total);
-    else if (cb % 4 == 0) copy_units<unsigned int>(src, dst, lo, hi, total);
-    else if (cb % 2 == 0) copy_units<unsigned short>(src, dst, lo, hi, total);
-    else copy_units<unsigned char>(src, dst, lo, hi, total);
+    const long long lo = (long long)p[4] * cb;
+    copy_columns(src, dst, lo, lo + (long long)(p[3] - p[2]) * cb, (long long)width * cb, cb);
 """
 
 _HEADER = r"""
@@ -60,6 +57,42 @@ __device__ __forceinline__ void copy_units(const char* src, char* dst, long long
         d[j] = j >= l && j < e ? s[j - l] : U{};
     }
 }
+
+// Bytes [0, total) of dst: src's bytes [0, hi - lo) at [lo, hi), zeros elsewhere, where every offset is a multiple
+// of cb (a column's bytes): moved in the widest unit that divides cb.
+__device__ __forceinline__ void copy_columns(const char* src, char* dst, long long lo, long long hi, long long total,
+                                             int cb) {
+    if (cb % 16 == 0) copy_units<uint4>(src, dst, lo, hi, total);
+    else if (cb % 8 == 0) copy_units<uint2>(src, dst, lo, hi, total);
+    else if (cb % 4 == 0) copy_units<unsigned int>(src, dst, lo, hi, total);
+    else if (cb % 2 == 0) copy_units<unsigned short>(src, dst, lo, hi, total);
+    else copy_units<unsigned char>(src, dst, lo, hi, total);
+}
+"""
+
+_ROWS_SOURCE = r"""
+    // Block (x, y, z): tensor y / H (kw, ks, kb, vw, vs, vb), head y % H, span z: columns [start, stop) of the
+    // span's row into that span's own outputs. params: H, W, bytes a column of each tensor, then (row, start,
+    // stop) per span.
+    const int H = params[0], W = params[1];
+    const int t = blockIdx.y / H, h = blockIdx.y % H, r = blockIdx.z;
+    const int cb = params[2 + t];
+    const int* p = params + 8 + 3 * r;
+    const char* in;
+    switch (t) {
+    case 0: in = reinterpret_cast<const char*>(kw); break;
+    case 1: in = reinterpret_cast<const char*>(ks); break;
+    case 2: in = reinterpret_cast<const char*>(kb); break;
+    case 3: in = reinterpret_cast<const char*>(vw); break;
+    case 4: in = reinterpret_cast<const char*>(vs); break;
+    default: in = reinterpret_cast<const char*>(vb); break;
+    }
+    char* out = nullptr;
+    switch (r * 6 + t) {
+OUTPUT_CASES
+    }
+    const long long n = (long long)(p[2] - p[1]) * cb;
+    copy_columns(in + (((size_t)p[0] * H + h) * W + p[1]) * cb, out + (size_t)h * n, 0, n, n, cb);
 """
 
 THREADS = 256  # threads a block
@@ -78,6 +111,59 @@ def _get(sources: int):
             output_names=[f"o{p}" for p in PARTS], source=aliases + _SOURCE, header=_HEADER,
             ensure_row_contiguous=True)
     return _kernels[sources]
+
+
+MAX_ROWS = 16  # spans `take_rows` takes in one launch (the engine's batch is at most 16 rows)
+
+
+def _get_rows(n: int):
+    """The kernel that takes `n` spans, each into outputs of its own."""
+    key = ("rows", n)
+    if key not in _kernels:
+        outputs = [f"o{p}{r}" for r in range(n) for p in PARTS]
+        cases = "\n".join(f"    case {6 * r + t}: out = reinterpret_cast<char*>(o{p}{r}); break;"
+                          for r in range(n) for t, p in enumerate(PARTS))
+        _kernels[key] = mx.fast.cuda_kernel(
+            name=f"kvactors_take_rows{n}", input_names=[*PARTS, "params"], output_names=outputs,
+            source=_ROWS_SOURCE.replace("OUTPUT_CASES", cases), header=_HEADER, ensure_row_contiguous=True)
+    return _kernels[key]
+
+
+def rows_params(layout_: tuple, spans) -> mx.array:
+    """`take_rows`'s int32 parameters as one device array: H, W, each tensor's bytes a column (`layout` of the
+    one source, less its second W), then the spans."""
+    H, W, _, *columns = layout_
+    return mx.array([H, W, *columns] + [int(v) for span in spans for v in span], dtype=mx.int32)
+
+
+def take_rows(keys, values, spans, params_array=None) -> list:
+    """Columns [start, stop) of row `row` of packed `keys` and `values`, for each (row, start, stop) of `spans`,
+    each into buffers of its own, all in one launch: a list with one (keys, values) per span, every tensor
+    (1, H, stop - start, C) in its input's dtype, bit for bit `gather`'s one-row result. keys and values:
+    (words, scales, biases) each, every tensor (B, H, W, ...) with one B, H and W. 1 to MAX_ROWS spans, each
+    with 0 <= row < B and 0 <= start < stop <= W; else ValueError. `params_array`: `rows_params(layout(...),
+    spans)`, made here if not given. CUDA only.
+    """
+    tensors = (*keys, *values)
+    shapes = [x.shape for x in tensors]
+    if len(tensors) != 6 or any(len(s) != 4 or s[:3] != shapes[0][:3] for s in shapes):
+        raise ValueError("take_rows reads (words, scales, biases) of keys and of values, each (B, H, W, ...) with "
+                         f"one B, H and W; got shapes {[tuple(s) for s in shapes]}")
+    B, H, W = shapes[0][:3]
+    if not 1 <= len(spans) <= MAX_ROWS:
+        raise ValueError(f"take_rows takes 1 to {MAX_ROWS} spans in one launch; got {len(spans)}")
+    for row, start, stop in spans:
+        if not (0 <= row < B and 0 <= start < stop <= W):
+            raise ValueError(f"take_rows needs 0 <= row < {B} and 0 <= start < stop <= {W}; got {(row, start, stop)}")
+    if params_array is None:
+        params_array = rows_params(layout([(keys, values)]), spans)
+    widest = max(stop - start for _, start, stop in spans) * max(s[3] * x.itemsize for s, x in zip(shapes, tensors))
+    blocks = max(1, min(BLOCKS, -(-widest // 16 // THREADS)))
+    out = _get_rows(len(spans))(
+        inputs=[*tensors, params_array], grid=(blocks * THREADS, 6 * H, len(spans)), threadgroup=(THREADS, 1, 1),
+        output_shapes=[(1, H, stop - start, s[3]) for _, start, stop in spans for s in shapes],
+        output_dtypes=[x.dtype for _ in spans for x in tensors])
+    return [(tuple(out[6 * r : 6 * r + 3]), tuple(out[6 * r + 3 : 6 * r + 6])) for r in range(len(spans))]
 
 
 def layout(sources) -> tuple:

@@ -519,6 +519,23 @@ def test_gather_columns_places_rows_columns_among_zeros_bit_for_bit(name, dtype,
         assert mx.array_equal(got, want).item()  # every element written: a fresh buffer holds whatever it held
 
 
+@pytest.mark.parametrize("spans", [[(0, 0, 300)], [(2, 17, 300), (0, 0, 512), (1, 5, 6)],
+                                   [(i % 3, i, 100 + 20 * i) for i in range(16)]])
+def test_take_rows_gives_each_span_its_own_buffers_bit_for_bit(spans):
+    from runtime import q4columns
+    from runtime.kvscheme import parse
+
+    for name, dtype in (("k6v4-g64-hadamard", mx.bfloat16), ("k4v4-g128", mx.float32)):
+        kb, vb = cache_buffers(3, 8, 512, 128, parse(name), dtype, seed=21)
+        got = q4columns.take_rows(kb, vb, spans)
+        assert len(got) == len(spans)
+        for (gk, gv), (row, start, stop) in zip(got, spans):
+            wk, wv = q4columns.gather([(kb, vb)], [(0, row, start, stop, 0)], stop - start)
+            for x, y in zip((*gk, *gv), (*wk, *wv)):
+                assert x.dtype == y.dtype and x.shape == y.shape
+                assert mx.array_equal(x, y).item()
+
+
 def test_batch_surgery_through_gather_matches_mlx_ops_bit_for_bit():
     """Merges, joins, filters (rows apart, dropping shared padding) and growth on the "q4kernel" route (one gather
     launch a layer) leave the same buffers, padding and positions as on the "dequant" route (MLX's own ops)."""
@@ -550,6 +567,8 @@ def test_batch_surgery_through_gather_matches_mlx_ops_bit_for_bit():
         seen(batch)
         batch.filter([3, 0, 2])  # rows apart, in another order
         seen(batch)
+        for c in batch._extract_rows([(i, *batch.row_place(i)) for i in (2, 0, 1)], 3):  # three at once, less 3
+            states.append((c.keys, c.values, [], [c.offset], 0))  # columns; row 0 has none: an empty cache
         batch.filter([0, 1])  # the empty row and the 300-token one share 400 columns of padding: 256 dropped
         assert batch.size() == 700 - 256
         seen(batch)
@@ -561,6 +580,9 @@ def test_batch_surgery_through_gather_matches_mlx_ops_bit_for_bit():
 
     for (kk, kv, kp, ko, ks), (dk, dv, dp, do, ds) in zip(run("q4kernel"), run("dequant"), strict=True):
         assert (kp, ko, ks) == (dp, do, ds)
+        if kk is None or dk is None:  # an empty row's cache, on both routes
+            assert kk is None and dk is None and kv is None and dv is None
+            continue
         for x, y in zip((*kk, *kv), (*dk, *dv)):
             assert x.shape == y.shape and x.dtype == y.dtype
             assert mx.array_equal(x, y).item()

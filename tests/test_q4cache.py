@@ -503,6 +503,24 @@ def test_gather_columns_refuses_plans_outside_the_tensors():
         q4columns.gather([src, wide], [(1, 1, 0, 1, 0)], 1)
 
 
+def test_take_rows_refuses_spans_outside_the_tensors():
+    """`q4columns.take_rows` checks its arguments before it launches anything (so this runs anywhere)."""
+    from runtime import q4columns
+
+    def part(words):
+        return (mx.zeros((2, 4, 64, words), mx.uint32), mx.zeros((2, 4, 64, 2), mx.bfloat16),
+                mx.zeros((2, 4, 64, 2), mx.bfloat16))
+
+    kb, vb = part(16), part(16)
+    for span in ((2, 0, 1), (-1, 0, 1), (0, 5, 5), (0, 10, 9), (0, 0, 65)):
+        with pytest.raises(ValueError, match="take_rows needs"):
+            q4columns.take_rows(kb, vb, [span])
+    with pytest.raises(ValueError, match="1 to 16 spans"):
+        q4columns.take_rows(kb, vb, [(0, 0, 1)] * 17)
+    with pytest.raises(ValueError, match="one B, H and W"):
+        q4columns.take_rows(kb, (vb[0][:, :, :10], *vb[1:]), [(0, 0, 1)])
+
+
 def test_reserving_room_ahead_grows_once_and_changes_no_update():
     """`reserve` grows the buffers before an update (so a caller can evaluate the copy on its own); the
     update then writes exactly as it would have after growing the buffers itself."""
