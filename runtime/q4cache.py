@@ -32,8 +32,8 @@ variable KVACTORS_Q4_ROUTE):
   output does not depend on the batch; longer chunks dequantize transiently. New
   keys and values are rotated and quantized in one launch (`runtime.q4pack`),
   which for those steps and chunks writes them into the buffers in place; a
-  single row's merge, a row's extraction, a join, a filter and a growth are
-  one launch a layer too (`runtime.q4columns`). The default on CUDA.
+  single row's merge and a row's extraction are one launch a layer too
+  (`runtime.q4columns`). The default on CUDA.
 
 Sliding-window layers use the same cache: the model passes the window to
 `make_mask`, which masks keys older than it, and `extract` keeps only their
@@ -236,15 +236,6 @@ def _shared(op: str, inputs: tuple, param, make):
 def _row_array(values) -> mx.array:
     """An int32 array of `values` (a list of ints), one per distinct list among the layers that ask in a row."""
     return _shared("rows", (), tuple(values), lambda: mx.array(values, dtype=mx.int32))
-
-
-def _gathered(caches, plan, width: int):
-    """`q4columns.gather` of `plan`'s rows from `caches` (one or two caches with keys): (keys, values) of `width`
-    columns; its parameters one array for every layer that asks with the same plan in a row (`_shared`)."""
-    plan, sources = tuple(plan), [(c.keys, c.values) for c in caches]
-    layout = q4columns.layout(sources)
-    return q4columns.gather(sources, plan, width,
-                            _shared("gather", (), (plan, width, layout), lambda: q4columns.params(layout, plan, width)))
 
 
 def _copied(x):
@@ -467,11 +458,6 @@ class BatchQuantizedKVCache(_BaseCache):
         if self.keys is not None and width == self.keys[0].shape[2]:
             return
         self._settle()
-        self._owned = True  # new buffers either way
-        if self.keys is not None and self.route == "q4kernel":  # one launch a layer (see runtime.q4columns)
-            used = self._used()
-            self.keys, self.values = _gathered([self], [(0, i, 0, used, 0) for i in range(B)], width)
-            return
         grow = width - self._used()
         g = self.scheme.group_size
 
@@ -484,6 +470,7 @@ class BatchQuantizedKVCache(_BaseCache):
             )
 
         keys, values = empty(Dk, self.scheme.key_bits), empty(Dv, self.scheme.value_bits)
+        self._owned = True  # new buffers either way
         if self.keys is None:
             self.keys, self.values = keys, values
         else:
@@ -670,7 +657,8 @@ class BatchQuantizedKVCache(_BaseCache):
         width = _allocation(base + max(lead), room)
 
         if len(caches) == 1 and cache.route == "q4kernel":  # one launch a layer (see runtime.q4columns)
-            cache.keys, cache.values = _gathered([caches[0]], [(0, 0, 0, lengths[0], 0)], width)
+            n, c = lengths[0], caches[0]
+            cache.keys, cache.values = q4columns.take(c.keys, c.values, 0, 0, n, width, _row_array([0, 0, n, width]))
             return cache
 
         def rows(part):
@@ -700,35 +688,21 @@ class BatchQuantizedKVCache(_BaseCache):
 
     def _extract(self, i: int, drop: int, pad: int, offset: int) -> AgentKVCache:
         """`extract` with the row's padding and offset given, unevaluated."""
-        return self._extract_rows([(i, pad, offset)], drop)[0]
-
-    def _extract_rows(self, rows, drop: int) -> list:
-        """`_extract` of each (index, padding, offset) of `rows`: on the kernel route one launch for all of them
-        (`q4columns.take_rows`, up to its MAX_ROWS at a time), each into buffers of its own length."""
         self._unled("take a row out of")
+        out = layer_cache(self.scheme)
         self._settle()
         end = self._idx - drop
-        out, spans = [], []
-        for i, pad, offset in rows:
-            c = layer_cache(self.scheme)
-            out.append(c)
-            if self.keys is None or pad >= end:
-                continue
-            if self.keep is not None:
-                pad = max(pad, end - self.keep)
-            c.offset = offset - drop
-            if self.route == "q4kernel":
-                spans.append((c, (i, pad, end)))
-            else:
-                c.keys = _map(lambda x: mx.contiguous(x[i : i + 1, :, pad:end, :]), self.keys)
-                c.values = _map(lambda x: mx.contiguous(x[i : i + 1, :, pad:end, :]), self.values)
-        for k in range(0, len(spans), q4columns.MAX_ROWS):  # one launch a layer for the rows instead of six copies each
-            part = tuple(span for _, span in spans[k : k + q4columns.MAX_ROWS])
-            layout = q4columns.layout([(self.keys, self.values)])
-            taken = q4columns.take_rows(self.keys, self.values, part,
-                                        _shared("take_rows", (), (part, layout), lambda: q4columns.rows_params(layout, part)))
-            for (c, _), (keys, values) in zip(spans[k : k + q4columns.MAX_ROWS], taken):
-                c.keys, c.values = keys, values
+        if self.keys is None or pad >= end:
+            return out
+        if self.keep is not None:
+            pad = max(pad, end - self.keep)
+        if self.route == "q4kernel":  # one launch a layer instead of six copies
+            out.keys, out.values = q4columns.take(self.keys, self.values, i, pad, end, end - pad,
+                                                  _row_array([i, pad, end, end - pad]))
+        else:
+            out.keys = _map(lambda x: mx.contiguous(x[i : i + 1, :, pad:end, :]), self.keys)
+            out.values = _map(lambda x: mx.contiguous(x[i : i + 1, :, pad:end, :]), self.values)
+        out.offset = offset - drop
         return out
 
     def filter(self, keep) -> None:
@@ -740,29 +714,24 @@ class BatchQuantizedKVCache(_BaseCache):
         keep = list(keep)
         self._unled("filter")
         self._settle()
-        run = bool(keep) and keep == list(range(keep[0], keep[-1] + 1))
-        idx = slice(keep[0], keep[-1] + 1) if run else mx.array(keep, dtype=mx.int32)  # a run of rows: views
-        self._pads, self._bases = [self._pads[k] for k in keep], [self._bases[k] for k in keep]
-        drop = min(self._pads, default=0) // STEP * STEP  # whole blocks only: a copy of every buffer
-        # one launch a layer for the rows and the dropped columns together, where a copy is made at all
-        gathered = self.keys is not None and self.route == "q4kernel" and bool(keep) and (drop or not run)
-        if gathered:
-            width = self.keys[0].shape[2]
-            self.keys, self.values = _gathered([self], [(0, k, drop, width, 0) for k in keep], width - drop)
-            self._owned = True
-        elif self.keys is not None:
+        if keep and keep == list(range(keep[0], keep[-1] + 1)):
+            idx = slice(keep[0], keep[-1] + 1)  # a run of rows: views, no copy
+        else:
+            idx = mx.array(keep, dtype=mx.int32)
+        if self.keys is not None:
             self.keys = _map(lambda x: x[idx], self.keys)
             self.values = _map(lambda x: x[idx], self.values)
         if self._dense is not None:
             self._dense = tuple(x[idx] for x in self._dense)
+        self._pads, self._bases = [self._pads[k] for k in keep], [self._bases[k] for k in keep]
+        drop = min(self._pads, default=0) // STEP * STEP  # whole blocks only: a copy of every buffer
         if drop:
-            self._drop_front(drop, copied=gathered)
+            self._drop_front(drop)
         else:
             self._rows_from_host()
 
-    def _drop_front(self, n, copied: bool = False):
-        """Forget the first `n` columns of every row (`copied`: the buffers already start past them)."""
-        if self.keys is not None and not copied:  # contiguous: the decode kernel reads whole buffers
+    def _drop_front(self, n):
+        if self.keys is not None:  # contiguous: the decode kernel reads whole buffers
             self.keys = _map(lambda x: mx.contiguous(x[..., n:, :]), self.keys)
             self.values = _map(lambda x: mx.contiguous(x[..., n:, :]), self.values)
         if self._dense is not None:
@@ -796,26 +765,23 @@ class BatchQuantizedKVCache(_BaseCache):
             self._rows_from_host()
             return
         longest = max(self._idx, other._idx)
+        template = self if self.keys is not None else other
         width = _allocation(longest, room)  # new buffers either way: the width this batch needs, wider or not
-        if self.route == "q4kernel":  # one launch a layer (see runtime.q4columns)
-            sources = [c for c in (self, other) if c.keys is not None]
-            plan = [(sources.index(c), i, 0, c._idx, longest - c._idx) if c.keys is not None else (0, 0, 0, 0, 0)
-                    for c in (self, other) for i in range(len(c._pads))]  # an empty batch's rows: zeros
-            keys, values = _gathered(sources, plan, width)
-        else:  # MLX's own ops: each batch's rows placed to end at the longest, then concatenated
-            template = self if self.keys is not None else other
 
-            def aligned(c, part):
-                src = getattr(c, part)
-                if src is None:
-                    return _zero_rows(getattr(template, part), c.left_padding.shape[0], width)
-                return _placed(src, c._idx, longest, width)
+        def aligned(c, part):
+            src = getattr(c, part)
+            if src is None:
+                return _zero_rows(getattr(template, part), c.left_padding.shape[0], width)
+            return _placed(src, c._idx, longest, width)
 
-            keys, values = (tuple(mx.concatenate([a, b], axis=0) for a, b in zip(aligned(self, part), aligned(other, part)))
-                            for part in ("keys", "values"))
+        parts = {}
+        for part in ("keys", "values"):
+            parts[part] = tuple(
+                mx.concatenate([a, b], axis=0) for a, b in zip(aligned(self, part), aligned(other, part))
+            )
         self._pads = [p + longest - self._idx for p in self._pads] + [p + longest - other._idx for p in other._pads]
         self._bases = [b + self._idx - longest for b in self._bases] + [b + other._idx - longest for b in other._bases]
-        self.keys, self.values = keys, values
+        self.keys, self.values = parts["keys"], parts["values"]
         self._owned = True  # concatenated: new buffers
         self._idx = longest
         self._dense = None
@@ -936,8 +902,7 @@ def queue_rows(batch, rows, drop: int = 0) -> list:
     before them: evaluate each list (`mx.eval`) on this thread before anything else reads it.
     """
     # each layer's own padding: a bounded sliding layer stores fewer columns than a full one
-    per_layer = [layer._extract_rows([(i, *layer.row_place(i)) for i in rows], drop) for layer in batch]
-    out = [list(caches) for caches in zip(*per_layer)] if per_layer else [[] for _ in rows]
+    out = [[layer._extract(i, drop, *layer.row_place(i)) for layer in batch] for i in rows]
     mx.async_eval([(c.keys, c.values) for caches in out for c in caches if c.keys is not None])
     return out
 
