@@ -7,8 +7,9 @@ kernel if `--old` names its file, and through `mx.fast.scaled_dot_product_attent
 over the same tokens in bf16. Calls are chained (each call's queries are the previous
 call's output), so they run one after another, as a model's layers do. Inputs rotate among enough copies that together exceed
 the GPU's L2 cache, so every call reads its keys and values from device memory. Also
-reports each setting's largest error against a float32 reference (ragged rows), the
-bytes each call must read, and the bandwidth that implies.
+reports each call's busy device time (its kernels' own durations, without the gaps where
+the device waited for the host) split by kernel, each setting's largest error against a
+float32 reference (ragged rows), the bytes each call must read, and the bandwidth that implies.
 
     python -m benchmarks.q4sdpa_tune --contexts 4096,16384,32768,65536 --batches 1,8
 """
@@ -25,7 +26,8 @@ import mlx.core as mx
 from benchmarks.common import DEVICE_TIMED, bench_parser, environment, traced_kernels, write_results
 from runtime import q4sdpa
 
-COLUMNS = ["context", "rows", "kernel", "setting", "us", "x_fp16", "busy_us", "busy_x_fp16", "kernels_us", "GB_per_s", "max_err"]
+COLUMNS = ["context", "rows", "kernel", "setting", "us", "x_fp16", "busy_us", "busy_x_fp16", "kernels_us", "GB_per_s",
+           "max_err"]
 HQ, HKV, D, GROUP = 32, 8, 128, 64
 ROTATE_BYTES = 256 << 20  # inputs per timed call set: well over an H100's 50 MB L2
 
@@ -167,24 +169,27 @@ def main(argv=None) -> int:
             copies16 = max(1, min(8, -(-ROTATE_BYTES // fp16_bytes)))
             dense = [(k16, v16)] + [(k16 + 0, v16 + 0) for _ in range(copies16 - 1)]
             mx.eval(dense)
-            fp16_us, fp16_busy, fp16_parts = chained_us(lambda x, k, v: mx.fast.scaled_dot_product_attention(x, k, v, scale=D ** -0.5),
-                                 dense, q)
+            fp16_us, fp16_busy, fp16_parts = chained_us(
+                lambda x, k, v: mx.fast.scaled_dot_product_attention(x, k, v, scale=D ** -0.5), dense, q)
             base = dict(context=context, rows=b)
             rows.append(dict(base, kernel="mlx fused sdpa (bf16 K/V)", setting="-", us=fp16_us, x_fp16=1.0,
-                             busy_us=fp16_busy, busy_x_fp16=1.0, kernels_us=fp16_parts, GB_per_s=fp16_bytes / fp16_us / 1e3, max_err=""))
+                             busy_us=fp16_busy, busy_x_fp16=1.0, kernels_us=fp16_parts,
+                             GB_per_s=fp16_bytes / fp16_us / 1e3, max_err=""))
             del dense, k16, v16
             timed = [("q4sdpa", s, q4sdpa, errors[s]) for s in settings]
             timed += [(f"q4sdpa of {path}", default, module, old_errors[path]) for path, module in olds]
             for name, setting, module, err in timed:
                 use(setting)
                 try:
-                    us, busy, parts = chained_us(lambda x, k, v, m=module: m.q4_decode_sdpa(x, k, v, start, context, D ** -0.5, GROUP,
-                                                                               **extra), sets, q)
+                    us, busy, parts = chained_us(
+                        lambda x, k, v, m=module: m.q4_decode_sdpa(x, k, v, start, context, D ** -0.5, GROUP, **extra),
+                        sets, q)
                 except Exception as e:  # a launch setting the device refuses is reported, not fatal
                     rows.append(dict(base, kernel=name, setting=setting_name(setting), us=f"failed: {e}"[:80]))
                     continue
                 rows.append(dict(base, kernel=name, setting=setting_name(setting) if module is q4sdpa else "-",
-                                 us=us, x_fp16=us / fp16_us, busy_us=busy, busy_x_fp16=busy / fp16_busy, kernels_us=parts, GB_per_s=q4_bytes / us / 1e3, max_err=err))
+                                 us=us, x_fp16=us / fp16_us, busy_us=busy, busy_x_fp16=busy / fp16_busy,
+                                 kernels_us=parts, GB_per_s=q4_bytes / us / 1e3, max_err=err))
             use(default)
             del sets
             print(f"context {context} rows {b} done", file=sys.stderr, flush=True)
@@ -197,7 +202,8 @@ def main(argv=None) -> int:
              "4 ragged rows at 3,000 columns; us: 40 calls chained (each call's queries are the previous call's output, so "
              "they run one after another), "
              + ("the device's span per call, CUPTI; busy_us: the kernels' own durations per call (CUPTI), without "
-                "the gaps where the device waited for the host." if DEVICE_TIMED else "wall time per call (host included)."))
+                "the gaps where the device waited for the host." if DEVICE_TIMED
+                else "wall time per call (host included)."))
     write_results(args.name or "q4sdpa_tune", env, rows, COLUMNS, args.out, notes)
     return 0
 
