@@ -862,13 +862,8 @@ class Runtime:
         self._on_files("writing every acknowledged turn's cache", timeout, lambda p: p.settle())
 
     def _on_files(self, what: str, timeout, call):
-        """The persistence actor's answer to `call(its proxy)` within `timeout` seconds (checked: a finite number
-        > 0), else WaitTimeout saying `what` did not finish."""
-        _positive("timeout", timeout)
-        try:
-            return call(self._env.persistence().proxy()).get(timeout=wait_seconds(timeout))
-        except pykka.Timeout:
-            raise WaitTimeout(f"{what} did not finish within {timeout} s; it goes on: call again to wait longer") from None
+        """The persistence actor's answer to `call(its proxy)` within `timeout` seconds (`_within`)."""
+        return _within(what, timeout, lambda seconds: call(self._env.persistence().proxy()).get(timeout=seconds))
 
     def running(self) -> list[str]:
         """Names of the running agents, in spawn order (no disk access; see `agents` for the stored ones)."""
@@ -928,13 +923,9 @@ class Runtime:
 
         The batcher answers between steps: WaitTimeout if it has not within `timeout` seconds (WaitsInCallback
         inside a turn's callback, which runs in the step)."""
-        _positive("timeout", timeout)
         _not_in_callback("engine_stats()")
-        try:
-            return self._env.batcher().ask(_STATS, timeout=wait_seconds(timeout))
-        except pykka.Timeout:
-            raise WaitTimeout(f"the batcher did not answer within {timeout} s (busy with a long step?); "
-                              "call again") from None
+        return _within("the batcher's answer (it answers between steps)", timeout,
+                       lambda seconds: self._env.batcher().ask(_STATS, timeout=seconds))
 
     @property
     def dead_letters(self) -> list[DeadLetter]:
@@ -1170,6 +1161,16 @@ def check_unicode(name: str, text: str) -> None:
     except UnicodeEncodeError as e:
         raise ValueError(f"{name} is not valid Unicode text: it holds a lone surrogate {text[e.start]!r} at "
                          f"character {e.start}; send text that encodes as UTF-8") from None
+
+
+def _within(what: str, timeout, wait):
+    """`wait(seconds)`, a pykka wait of `timeout` seconds (checked: a finite number > 0); WaitTimeout saying `what`
+    did not finish if it ran out."""
+    _positive("timeout", timeout)
+    try:
+        return wait(wait_seconds(timeout))
+    except pykka.Timeout:
+        raise WaitTimeout(f"{what} did not finish within {timeout} s; it goes on: call again to wait longer") from None
 
 
 def _positive(name: str, value) -> None:
