@@ -261,7 +261,7 @@ def _read_with_gguf(path: Path) -> tuple[dict, dict]:
     try:  # the reader fails on a damaged or truncated file with whatever its parsing meets (IndexError, ...)
         reader = GGUFReader(str(path))
     except Exception as e:  # noqa: BLE001
-        raise GGUFError(f"{path} is not a readable GGUF file (damaged or cut short?): {type(e).__name__}: {e}") from e
+        raise _unreadable(path, f"{type(e).__name__}: {e}") from e
     meta = {}
     for key, field in reader.fields.items():
         try:
@@ -273,9 +273,13 @@ def _read_with_gguf(path: Path) -> tuple[dict, dict]:
         try:
             tensors[t.name] = ("dequant", _dequantize(t, t.tensor_type.name), None, t.tensor_type.name)
         except (ValueError, IndexError) as e:  # its data shorter than its shape: the file was cut short
-            raise GGUFError(f"{path} is not a readable GGUF file (damaged or cut short?): tensor {t.name}: "
-                            f"{e}") from e
+            raise _unreadable(path, f"tensor {t.name}: {e}") from e
     return meta, tensors
+
+
+def _unreadable(path: Path, why: str) -> GGUFError:
+    """The error for a file the gguf package cannot read, saying `why`."""
+    return GGUFError(f"{path} is not a readable GGUF file (damaged or cut short?): {why}")
 
 
 def _dequantize(tensor, qtype: str):
