@@ -129,7 +129,7 @@ def cache_to_host(cache, start: int = 0) -> HostCache:
         dtype = str(layer.keys[1].dtype).removeprefix("mlx.core.")
         for name, x in zip(table[i], (*layer.keys, *layer.values)):
             if (stored[i] - rows, stored[i]) != (0, x.shape[-2]):
-                x = mx.contiguous(x[..., stored[i] - rows: stored[i], :])
+                x = x[..., stored[i] - rows: stored[i], :]  # a view: `_to_numpy` copies it when it flattens it
             arrays[name] = x
     tensors = _to_numpy(arrays)
     lengths = () if all(n == n_tokens for n in lengths) else tuple(lengths)
