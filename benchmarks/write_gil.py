@@ -7,7 +7,8 @@ interval (5 ms), and one C call that holds the GIL (a `json.dumps`) for as long 
 copies the turn's new rows of the agent's cache to the host and writes them as a delta file
 with the conversation's metadata (its token ids, token ends and text, all of them). This
 benchmark does that work for a conversation that grows by --new rows a write from --contexts
-tokens on (the 8B shape's cache layout), while a second thread sleeps 0.2 ms at a time and records how much longer each
+tokens on (the 8B shape's cache layout; the rows copied out of a cache that holds the turn
+before them too, as an agent's cache does), while a second thread sleeps 0.2 ms at a time and records how much longer each
 sleep took: its waits for the GIL. Per context: milliseconds a write and by part (the copy,
 the checks, the encoding), and the longest and the 99th-percentile wait.
 
@@ -47,12 +48,15 @@ def new_rows(n: int, layers: int = 32, heads: int = 8, dim: int = 128, bits: int
 
 
 def write(rows, context: int, meta: CacheMeta) -> tuple[float, float, float]:
-    """(copy, check, encode) seconds of one delta write of `rows` at the end of a `context`-token conversation."""
+    """(copy, check, encode) seconds of one delta write at the end of a `context`-token conversation: the second
+    half of `rows` (a cache holding the turn before it too), copied as a turn's delta is (`cache_to_host` from
+    a start, as `DeviceCache.rows` asks)."""
+    new = rows[0].offset // 2
     t0 = time.perf_counter()
-    host = cache_to_host(rows)
+    host = cache_to_host(rows, rows[0].offset - new)
     t1 = time.perf_counter()
     delta = HostCache(host.tensors, host.dtype, host.bits, host.group_size, host.n_layers, context,
-                      (host.n_tokens,) * host.n_layers, host.value_bits, host.rotation)
+                      (new,) * host.n_layers, host.value_bits, host.rotation)
     check_cache(delta, meta)  # the persistence actor's, when the write is asked for
     t2 = time.perf_counter()
     encode_file(delta, meta, "0" * 16, {"parent": "crc32:00000000", "start": context - host.n_tokens,
@@ -69,7 +73,7 @@ def conversation(tokens: int, seq: int) -> CacheMeta:
 def measure(rows, context: int, writes: int) -> dict:
     """One row of the table: `writes` writes of a conversation that grows by a turn's rows from `context`
     tokens on, timed, with a second thread's GIL waits."""
-    new = rows[0].offset
+    new = rows[0].offset // 2
     metas = [conversation(context + i * new, i + 1) for i in range(writes + 1)]
     write(rows, context, metas[0])  # warm
     stop, waits = threading.Event(), []
@@ -87,7 +91,7 @@ def measure(rows, context: int, writes: int) -> dict:
     thread.join()
     ms = [statistics.median(p[k] for p in parts) * 1e3 for k in range(3)]
     waits.sort()
-    return dict(context=context, new=rows[0].offset, write_ms=round(sum(ms), 2), copy_ms=round(ms[0], 2),
+    return dict(context=context, new=new, write_ms=round(sum(ms), 2), copy_ms=round(ms[0], 2),
                 check_ms=round(ms[1], 2), encode_ms=round(ms[2], 2), longest_wait_ms=round(waits[-1] * 1e3, 2),
                 p99_wait_ms=round(ranked(waits, 0.99) * 1e3, 2))
 
@@ -100,7 +104,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     env = environment()
     print(env)
-    rows = new_rows(args.new)
+    rows = new_rows(2 * args.new)  # the turn before and this one: a delta copies the second half
     out = [measure(rows, int(c), args.writes) for c in args.contexts.split(",")]
     notes = (f"a delta of {args.new} rows (32 layers, 8 kv heads, head dim 128, 4-bit keys and values, bf16 scales) "
              f"written after each of {args.writes} turns of a conversation from each context on; medians; waits: a second thread's "
