@@ -184,15 +184,16 @@ def _to_numpy(arrays: dict) -> dict:
     return out
 
 
-_NUMPY_DTYPES = {}  # MLX dtype -> the numpy dtype its bytes are viewed as (bfloat16: uint16, numpy has none)
+_NUMPY_DTYPES = {}  # MLX dtype -> the numpy dtype its bytes are viewed as
 
 
 def _numpy_dtype(dtype) -> np.dtype:
-    """The numpy dtype that views an MLX array's bytes of `dtype`."""
+    """The numpy dtype that views an MLX array's bytes of `dtype`: a scale dtype as SCALE_DTYPES stores it
+    (bfloat16 as uint16: numpy has none), any other by its name."""
     found = _NUMPY_DTYPES.get(dtype)
     if found is None:
         name = str(dtype).removeprefix("mlx.core.")
-        found = _NUMPY_DTYPES[dtype] = np.dtype(np.uint16 if name == "bfloat16" else name)
+        found = _NUMPY_DTYPES[dtype] = np.dtype(SCALE_DTYPES.get(name, name))
     return found
 
 
