@@ -218,7 +218,6 @@ def test_inconsistent_cache_or_metadata_is_refused_on_save(tmp_path):
     assert not (tmp_path / SPEC.fingerprint / "a" / store.CACHE_FILE).exists()
 
 
-
 @pytest.mark.parametrize("ends,text,bad", [
     ([1, 2, 3, 4, 4], "xxxx", None), ([-1, 0, -1, 4, -1], "xxxx", None), ([], "", None),  # ends may repeat; -1 skipped
     ([1, 3, 2, 4, 4], "xxxxxxxx", 2),  # out of order within the text
