@@ -1,11 +1,13 @@
 """The CUDA runtime and driver calls the host makes, traced by CUPTI, on the `time.perf_counter` clock.
 
 `CudaCalls` records every call (start, end, thread kind, function name) between
-`start` and `stop`, and when the device ran CUDA graphs and copies;
+`start` and `stop`, and when the device ran copies and fills;
 `during(t0, t1)` sums the calls over a window given in `time.perf_counter`
-seconds, and `device_busy(t0, t1)` the device's work, so a benchmark can ask
-what the host called, and whether the device was busy, while a step it timed
-itself was running. Thread kinds are thread names without their
+seconds, and `device_busy(t0, t1)` those copies and fills, so a benchmark can ask
+what the host called, and whether the device was copying, while a step it timed
+itself was running. The device's CUDA graphs are not traced: CUPTI 13's graph
+activity (`GRAPH_TRACE`) crashed inside libcupti in the workload once cache
+copies went through `runtime.cudacopy` (H100, 2026-11-27); without it the trace ran. Thread kinds are thread names without their
 serial numbers, as `benchmarks.sampler` names them. CUDA and the `cupti-python`
 package only.
 
@@ -36,7 +38,7 @@ class CudaCalls:
 
         self._cupti = cupti
         self._kinds = (cupti.ActivityKind.RUNTIME, cupti.ActivityKind.DRIVER)
-        self._device_kinds = (cupti.ActivityKind.GRAPH_TRACE, cupti.ActivityKind.MEMCPY, cupti.ActivityKind.MEMSET)
+        self._device_kinds = (cupti.ActivityKind.MEMCPY, cupti.ActivityKind.MEMSET)
         self._domains = {cupti.ActivityKind.RUNTIME: cupti.CallbackDomain.RUNTIME_API,
                          cupti.ActivityKind.DRIVER: cupti.CallbackDomain.DRIVER_API}
         self._raw = []  # (kind, cbid, start ns, end ns, thread id), CUPTI's clock
@@ -49,7 +51,7 @@ class CudaCalls:
         self._offset_ns = 0  # CUPTI's clock minus perf_counter's
         self.records: list[tuple[float, float, str, str]] = []  # (start s, end s, thread kind, function)
         self._starts: list[float] = []
-        self.device: list[tuple[float, float]] = []  # (start s, end s) of each graph, copy or fill the device ran
+        self.device: list[tuple[float, float]] = []  # (start s, end s) of each copy or fill the device ran
 
     def start(self) -> "CudaCalls":
         """Start tracing (and naming threads every 50 ms)."""
@@ -104,6 +106,8 @@ class CudaCalls:
     def _poll_once(self):
         now = time.perf_counter()
         for t in threading.enumerate():
+            if t.ident is None:  # not started yet
+                continue
             # CUPTI gives the thread's pthread id cut to 32 bits; Python's ident is the whole pthread id
             seen = self._names[t.ident & 0xFFFFFFFF]
             if not seen or seen[-1][1] != t.name:
@@ -138,7 +142,7 @@ class CudaCalls:
         return [[thread, name, n, round(ms, 3)] for (thread, name), (n, ms) in ranked]
 
     def device_busy(self, start: float, end: float) -> float:
-        """Milliseconds between `start` and `end` in which the device ran a graph, a copy or a fill."""
+        """Milliseconds between `start` and `end` in which the device ran a copy or a fill."""
         busy, reach = 0.0, start
         for s, e in self.device[max(0, bisect.bisect_left(self.device, (start,)) - 64):]:
             if s >= end:

@@ -215,7 +215,7 @@ def calls_by_change(trace, steps, top: int = 10) -> dict:
         ranked = sorted(summed.items(), key=lambda kv: -kv[1][1])[:top]
         out[change] = dict(steps=len(steps), step_ms=round(statistics.mean(st.total_s for st in steps) * 1e3, 2),
                            queue_ms=round(statistics.mean(st.queue_s for st in steps) * 1e3, 2),
-                           device_ms=round(statistics.mean(trace.device_busy(st.start, st.start + st.total_s)
+                           copy_ms=round(statistics.mean(trace.device_busy(st.start, st.start + st.total_s)
                                                            for st in steps), 2),
                            calls=[[thread, fn, round(n / len(steps), 1), round(ms / len(steps), 3)]
                                   for (thread, fn), (n, ms) in ranked])
@@ -300,7 +300,7 @@ def main(argv=None) -> int:
             parts["cuda_calls_by_change"] = calls_by_change(trace, steps)
             for change, entry in parts["cuda_calls_by_change"].items():
                 print(f"\nafter '{change}': {entry['steps']} steps, mean {entry['step_ms']} ms (in async_eval "
-                      f"{entry['queue_ms']} ms, device busy {entry['device_ms']} ms); CUDA calls per step:", flush=True)
+                      f"{entry['queue_ms']} ms, device copying {entry['copy_ms']} ms); CUDA calls per step:", flush=True)
                 for thread, fn, n, ms in entry["calls"]:
                     print(f"  {ms:8.3f} ms  {n:7.1f}x  {thread}: {fn}", flush=True)
         if sampler or trace:
@@ -314,7 +314,7 @@ def main(argv=None) -> int:
             for st, (_, places, calls, busy) in zip(slowest, parts["slowest_steps"]):
                 print(f"\nstep: rows {st.rows}, build {st.build_s * 1e3:.1f} ms (async_eval {st.queue_s * 1e3:.1f}), "
                       f"wait {st.wait_s * 1e3:.1f} ms, total {st.total_s * 1e3:.1f} ms, after '{st.changes}'"
-                      + (f", device busy {busy:.1f} ms" if busy is not None else ""), flush=True)
+                      + (f", device copying {busy:.1f} ms" if busy is not None else ""), flush=True)
                 for kind, where, n in places or ():
                     print(f"  {n:3d}  {kind}: {where}", flush=True)
                 for thread, fn, n, ms in calls or ():

@@ -32,8 +32,8 @@ variable KVACTORS_Q4_ROUTE):
   output does not depend on the batch; longer chunks dequantize transiently. New
   keys and values are rotated and quantized in one launch (`runtime.q4pack`),
   which for those steps and chunks writes them into the buffers in place; a
-  single row's merge and a row's extraction are one launch a layer too
-  (`runtime.q4columns`). The default on CUDA.
+  single row's merge, a row's extraction and a growth are one launch a layer
+  too (`runtime.q4columns`). The default on CUDA.
 
 Sliding-window layers use the same cache: the model passes the window to
 `make_mask`, which masks keys older than it, and `extract` keeps only their
@@ -236,6 +236,15 @@ def _shared(op: str, inputs: tuple, param, make):
 def _row_array(values) -> mx.array:
     """An int32 array of `values` (a list of ints), one per distinct list among the layers that ask in a row."""
     return _shared("rows", (), tuple(values), lambda: mx.array(values, dtype=mx.int32))
+
+
+def _gathered(caches, plan, width: int):
+    """`q4columns.gather` of `plan`'s rows from `caches` (one or two caches with keys): (keys, values) of `width`
+    columns; its parameters one array for every layer that asks with the same plan in a row (`_shared`)."""
+    plan, sources = tuple(plan), [(c.keys, c.values) for c in caches]
+    layout = q4columns.layout(sources)
+    return q4columns.gather(sources, plan, width,
+                            _shared("gather", (), (plan, width, layout), lambda: q4columns.params(layout, plan, width)))
 
 
 def _copied(x):
@@ -458,6 +467,11 @@ class BatchQuantizedKVCache(_BaseCache):
         if self.keys is not None and width == self.keys[0].shape[2]:
             return
         self._settle()
+        self._owned = True  # new buffers either way
+        if self.keys is not None and self.route == "q4kernel":  # one launch a layer (see runtime.q4columns)
+            used = self._used()
+            self.keys, self.values = _gathered([self], [(0, i, 0, used, 0) for i in range(B)], width)
+            return
         grow = width - self._used()
         g = self.scheme.group_size
 
@@ -470,7 +484,6 @@ class BatchQuantizedKVCache(_BaseCache):
             )
 
         keys, values = empty(Dk, self.scheme.key_bits), empty(Dv, self.scheme.value_bits)
-        self._owned = True  # new buffers either way
         if self.keys is None:
             self.keys, self.values = keys, values
         else:
@@ -657,8 +670,7 @@ class BatchQuantizedKVCache(_BaseCache):
         width = _allocation(base + max(lead), room)
 
         if len(caches) == 1 and cache.route == "q4kernel":  # one launch a layer (see runtime.q4columns)
-            n, c = lengths[0], caches[0]
-            cache.keys, cache.values = q4columns.take(c.keys, c.values, 0, 0, n, width, _row_array([0, 0, n, width]))
+            cache.keys, cache.values = _gathered([caches[0]], [(0, 0, 0, lengths[0], 0)], width)
             return cache
 
         def rows(part):
@@ -697,8 +709,7 @@ class BatchQuantizedKVCache(_BaseCache):
         if self.keep is not None:
             pad = max(pad, end - self.keep)
         if self.route == "q4kernel":  # one launch a layer instead of six copies
-            out.keys, out.values = q4columns.take(self.keys, self.values, i, pad, end, end - pad,
-                                                  _row_array([i, pad, end, end - pad]))
+            out.keys, out.values = _gathered([self], [(0, i, pad, end, 0)], end - pad)
         else:
             out.keys = _map(lambda x: mx.contiguous(x[i : i + 1, :, pad:end, :]), self.keys)
             out.values = _map(lambda x: mx.contiguous(x[i : i + 1, :, pad:end, :]), self.values)

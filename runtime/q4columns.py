@@ -1,100 +1,141 @@
-"""Copy one row's column range of a packed cache's six tensors in one launch, on CUDA.
+"""Copy rows' column ranges of packed caches into new buffers, all six tensors in one launch, on CUDA.
 
-`take(keys, values, row, start, stop, width)` gives, for each of the six tensors of
-packed keys and values ((words, scales, biases) each, shaped (B, H, W, ...)), columns
-[start, stop) of row `row` followed by zero columns up to `width`: a (1, H, width, ...)
-array of its own. A hot turn's merge (its row's columns, then room for the new tokens)
-and a row's extraction (exactly its columns) are both this. With MLX's own ops each
-is a copy or two per tensor (a concatenation, or a contiguous slice): 12 and 6
-launches a layer, and a hot turn's chunk was bound by launching its kernels, not by
-running them.
+`gather(sources, plan, width)` builds, for each of the six tensors of packed keys and
+values ((words, scales, biases) each, shaped (B, H, W, ...)), a new (len(plan), H,
+width, ...) array whose row r holds columns [start, stop) of one source row, placed from
+column `at`, and zeros everywhere else. What a batch cache does to its rows is this:
+a row's extraction (its columns alone), a merge of one agent (its columns, then room for
+the new tokens), a join (the batch's rows and the new ones, each shifted to end at the
+longest row's last column), a filter (the rows kept, less the padding they all share),
+and a growth (every row, with more room). With MLX's own ops each is a slice, a pad or
+a concatenation per tensor (6 to 18 launches a layer, and as many host-side ops), and
+the engine's thread, which builds them between two decode steps, was bound by building
+and launching them, not by the copies.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
+PARTS = ("kw", "ks", "kb", "vw", "vs", "vb")  # keys' words, scales, biases, then the values'
+
 _SOURCE = r"""
-    // Block (x, y): tensor y / H (kw, ks, kb, vw, vs, vb) and head y % H; its threads walk that head's
-    // width x C output elements: the first (stop - start) x C from the input's row, the rest zero.
-    const int H = kw_shape[1];
-    const int t = blockIdx.y / H, h = blockIdx.y % H;
-    const int row = params[0], start = params[1], n = params[2] - params[1], width = params[3];
+    // Block (x, y, z): tensor y / H (kw, ks, kb, vw, vs, vb), head y % H, output row z; its threads walk that
+    // head's bytes: zeros, except the plan's columns of its source row. params: width, H, W of each source,
+    // bytes a column of each tensor, then (source, row, start, stop, at) per output row.
+    const int width = params[0], H = params[1];
+    const int t = blockIdx.y / H, h = blockIdx.y % H, r = blockIdx.z;
+    const int* p = params + 10 + 5 * r;
+    const bool b = p[0] != 0;
+    const int W = params[2 + b], cb = params[4 + t];
+    const char* in;
+    char* out;
     switch (t) {
-    case 0: copy_span(kw, okw, kw_shape[2], kw_shape[3], H, row, h, start, n, width); break;
-    case 1: copy_span(ks, oks, ks_shape[2], ks_shape[3], H, row, h, start, n, width); break;
-    case 2: copy_span(kb, okb, kb_shape[2], kb_shape[3], H, row, h, start, n, width); break;
-    case 3: copy_span(vw, ovw, vw_shape[2], vw_shape[3], H, row, h, start, n, width); break;
-    case 4: copy_span(vs, ovs, vs_shape[2], vs_shape[3], H, row, h, start, n, width); break;
-    default: copy_span(vb, ovb, vb_shape[2], vb_shape[3], H, row, h, start, n, width); break;
+    case 0: in = reinterpret_cast<const char*>(b ? b_kw : a_kw); out = reinterpret_cast<char*>(okw); break;
+    case 1: in = reinterpret_cast<const char*>(b ? b_ks : a_ks); out = reinterpret_cast<char*>(oks); break;
+    case 2: in = reinterpret_cast<const char*>(b ? b_kb : a_kb); out = reinterpret_cast<char*>(okb); break;
+    case 3: in = reinterpret_cast<const char*>(b ? b_vw : a_vw); out = reinterpret_cast<char*>(ovw); break;
+    case 4: in = reinterpret_cast<const char*>(b ? b_vs : a_vs); out = reinterpret_cast<char*>(ovs); break;
+    default: in = reinterpret_cast<const char*>(b ? b_vb : a_vb); out = reinterpret_cast<char*>(ovb); break;
     }
+    const char* src = in + (((size_t)p[1] * H + h) * W + p[2]) * cb;
+    char* dst = out + ((size_t)r * H + h) * width * cb;
+    const long long lo = (long long)p[4] * cb, hi = lo + (long long)(p[3] - p[2]) * cb, total = (long long)width * cb;
+    // every offset is a multiple of a column's bytes: move the widest unit that divides them
+    if (cb % 16 == 0) copy_units<uint4>(src, dst, lo, hi, total);
+    else if (cb % 8 == 0) copy_units<uint2>(src, dst, lo, hi, total);
+    else if (cb % 4 == 0) copy_units<unsigned int>(src, dst, lo, hi, total);
+    else if (cb % 2 == 0) copy_units<unsigned short>(src, dst, lo, hi, total);
+    else copy_units<unsigned char>(src, dst, lo, hi, total);
 """
 
 _HEADER = r"""
-template <int S> struct Raw;  // an element of S bytes, moved as its bits
-template <> struct Raw<4> { using type = unsigned int; };
-template <> struct Raw<2> { using type = unsigned short; };
-template <> struct Raw<1> { using type = unsigned char; };
-
-// Head h of row `row`: n columns of C elements from column `start` of a (B, H, W, C) row-major input,
-// then zeros, into a (1, H, width, C) output.
-template <typename E>
-__device__ __forceinline__ void copy_span(const E* in, E* out, int W, int C, int H, int row, int h, int start,
-                                          int n, int width) {
-    using U = typename Raw<sizeof(E)>::type;
-    const U* src = reinterpret_cast<const U*>(in) + (((size_t)row * H + h) * W + start) * C;
-    U* dst = reinterpret_cast<U*>(out) + (size_t)h * width * C;
-    const long long used = (long long)n * C, total = (long long)width * C;
-    for (long long j = blockIdx.x * (long long)blockDim.x + threadIdx.x; j < total; j += (long long)gridDim.x * blockDim.x) {
-        dst[j] = j < used ? src[j] : U(0);
+// Bytes [0, total) of dst: src's bytes [0, hi - lo) at [lo, hi), zeros elsewhere; offsets multiples of sizeof(U).
+template <typename U>
+__device__ __forceinline__ void copy_units(const char* src, char* dst, long long lo, long long hi, long long total) {
+    const U* s = reinterpret_cast<const U*>(src);
+    U* d = reinterpret_cast<U*>(dst);
+    const long long l = lo / (long long)sizeof(U), e = hi / (long long)sizeof(U), n = total / (long long)sizeof(U);
+    for (long long j = blockIdx.x * (long long)blockDim.x + threadIdx.x; j < n; j += (long long)gridDim.x * blockDim.x) {
+        d[j] = j >= l && j < e ? s[j - l] : U{};
     }
 }
 """
 
 THREADS = 256  # threads a block
-BLOCKS = 16  # blocks per (tensor, head) at most; a head of a long row is a few hundred KB
-_kernel = []
+BLOCKS = 16  # blocks per (tensor, head, row) at most; a head of a long row is a few hundred KB
+_kernels = {}  # sources -> the kernel
 
 
-def _get():
-    if not _kernel:
-        _kernel.append(mx.fast.cuda_kernel(
-            name="kvactors_take_columns", input_names=["kw", "ks", "kb", "vw", "vs", "vb", "params"],
-            output_names=["okw", "oks", "okb", "ovw", "ovs", "ovb"], source=_SOURCE,
-            header=_HEADER,
-            ensure_row_contiguous=True))
-    return _kernel[0]
+def _get(sources: int):
+    """The kernel for one or two sources. One source takes six arrays fewer: MLX's host work per launch grows
+    with the inputs (about 2 us each on an H100's host), and most surgery reads one batch."""
+    if sources not in _kernels:
+        names = "ab"[:sources]
+        aliases = "".join(f"#define b_{p} a_{p}\n" for p in PARTS) if sources == 1 else ""  # never read
+        _kernels[sources] = mx.fast.cuda_kernel(
+            name=f"kvactors_gather_columns{sources}", input_names=[f"{s}_{p}" for s in names for p in PARTS] + ["params"],
+            output_names=[f"o{p}" for p in PARTS], source=aliases + _SOURCE, header=_HEADER,
+            ensure_row_contiguous=True)
+    return _kernels[sources]
 
 
-def params(row: int, start: int, stop: int, width: int) -> mx.array:
-    """`take`'s int32 parameters as one device array (a caller that asks per layer may make it once)."""
-    return mx.array([row, start, stop, width], dtype=mx.int32)
+def layout(sources) -> tuple:
+    """What `gather`'s kernel needs to know of `sources` besides the plan: (H, each source's W (the first's twice
+    for one source), each tensor's bytes a column)."""
+    a, b = sources[0], sources[-1]
+    return (a[0][0].shape[1], a[0][0].shape[2], b[0][0].shape[2], *(x.shape[3] * x.itemsize for x in (*a[0], *a[1])))
 
 
-def take(keys, values, row: int, start: int, stop: int, width: int, params_array=None):
-    """Columns [start, stop) of row `row` of packed `keys` and `values`, then zeros up to `width` columns.
+def params(layout_: tuple, plan, width: int) -> mx.array:
+    """`gather`'s int32 parameters as one device array (a caller that asks per layer may make it once): width,
+    `layout(sources)`, then the plan's spans."""
+    return mx.array([width, *layout_] + [int(v) for span in plan for v in span], dtype=mx.int32)
 
-    keys and values: (words, scales, biases) each, every tensor (B, H, W, ...) with one
-    B, H and W; 0 <= row < B, 0 <= start <= stop <= W, width >= stop - start. Returns
-    ((words, scales, biases) of the keys, the same of the values), each (1, H, width, ...)
-    in its input's dtype, bit for bit the input's columns: what
-    `mx.concatenate([x[row:row+1, :, start:stop], zeros], axis=2)` gives per tensor, in
-    one launch. `params_array`: `params(row, start, stop, width)`, made here if not given.
-    Raises ValueError for arguments out of range. CUDA only.
+
+def gather(sources, plan, width: int, params_array=None):
+    """Rows of packed caches copied into new buffers of `width` columns, in one launch.
+
+    sources: one or two packed caches, each a (keys, values) pair of (words, scales,
+    biases) tuples, every tensor (B_s, H, W_s, C) with one B_s and W_s within a source, one
+    H in both, and at each of the six places one C and dtype in both. plan: one
+    (source, row, start, stop, at) per output row r: columns [start, stop) of row `row` of
+    sources[source] placed at columns [at, at + stop - start) of row r, every other column
+    of row r zero (a span with start == stop reads nothing). Returns ((words, scales,
+    biases) of the keys, the same of the values), each (len(plan), H, width, C) in its
+    input's dtype, bit for bit the input's columns. `params_array`: `params(layout(sources), plan, width)`,
+    made here if not given. Raises ValueError for arguments out of range. CUDA only.
     """
-    tensors = (*keys, *values)
-    B, H, W = tensors[0].shape[:3]
-    if len(tensors) != 6 or any(x.ndim != 4 or x.shape[:3] != (B, H, W) for x in tensors):
-        raise ValueError("take reads (words, scales, biases) of keys and of values, each (B, H, W, ...) with one "
-                         f"B, H and W; got shapes {[tuple(x.shape) for x in tensors]}")
-    if not (0 <= row < B and 0 <= start <= stop <= W and width >= stop - start):
-        raise ValueError(f"take needs 0 <= row < {B}, 0 <= start <= stop <= {W} and width >= stop - start; "
-                         f"got row {row}, columns [{start}, {stop}), width {width}")
+    tensors = [(*keys, *values) for keys, values in sources]
+    if not 1 <= len(tensors) <= 2 or any(len(t) != 6 for t in tensors):
+        raise ValueError(f"gather reads one or two sources of six tensors each; got {[len(t) for t in tensors]}")
+    shapes = [[x.shape for x in t] for t in tensors]
+    H = shapes[0][0][1]
+    for t, sh in zip(tensors, shapes):
+        if any(len(s) != 4 or s[:3] != sh[0][:3] or s[1] != H for s in sh):
+            raise ValueError("gather reads (words, scales, biases) of keys and of values, each (B, H, W, ...) with "
+                             f"one B, H and W; got shapes {[tuple(s) for s in sh]}")
+    if len(tensors) == 2 and any(x[3] != y[3] or a.dtype != b.dtype
+                                 for x, y, a, b in zip(*shapes, *tensors)):
+        raise ValueError("gather's two sources must match in each tensor's last dim and dtype; got "
+                         f"{[(s[3], x.dtype) for s, x in zip(shapes[0], tensors[0])]} and "
+                         f"{[(s[3], x.dtype) for s, x in zip(shapes[1], tensors[1])]}")
+    if not plan:
+        raise ValueError("gather needs at least one row in its plan")
+    for source, row, start, stop, at in plan:
+        if not 0 <= source < len(tensors):
+            raise ValueError(f"gather has {len(tensors)} source(s); a span asks for source {source}")
+        B, _, W = shapes[source][0][:3]
+        if not (0 <= row < B and 0 <= start <= stop <= W and 0 <= at and at + stop - start <= width):
+            raise ValueError(f"gather needs 0 <= row < {B}, 0 <= start <= stop <= {W} and 0 <= at, "
+                             f"at + stop - start <= width {width}; got {(source, row, start, stop, at)}")
     if params_array is None:
-        params_array = params(row, start, stop, width)
-    per_head = width * max(x.shape[3] for x in tensors)
+        params_array = params(layout(sources), plan, width)
+    a = tensors[0]
+    per_head = width * max(s[3] * x.itemsize for s, x in zip(shapes[0], a)) // 16  # 16-byte units at most
     blocks = max(1, min(BLOCKS, -(-per_head // THREADS)))
-    out = _get()(inputs=[*tensors, params_array], grid=(blocks * THREADS, 6 * H, 1), threadgroup=(THREADS, 1, 1),
-                 output_shapes=[(1, H, width, x.shape[3]) for x in tensors],
-                 output_dtypes=[x.dtype for x in tensors])
+    out = _get(len(tensors))(inputs=[*(x for t in tensors for x in t), params_array],
+                             grid=(blocks * THREADS, 6 * H, len(plan)), threadgroup=(THREADS, 1, 1),
+                             output_shapes=[(len(plan), H, width, s[3]) for s in shapes[0]],
+                             output_dtypes=[x.dtype for x in a])
     return tuple(out[:3]), tuple(out[3:])

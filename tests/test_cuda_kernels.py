@@ -493,26 +493,36 @@ def test_pack_kv_into_writes_through_a_view_of_rows_and_attention_reads_it_in_th
 
 @pytest.mark.parametrize("name,dtype", [("k6v4-g64-hadamard", mx.bfloat16), ("k8v8-g32", mx.float16),
                                         ("k4v4-g128", mx.float32)])
-@pytest.mark.parametrize("row,start,stop,width", [(0, 0, 300, 512), (2, 17, 300, 283), (1, 0, 0, 256), (1, 5, 6, 1),
-                                                  (2, 0, 512, 768)])
-def test_take_columns_gives_a_rows_columns_then_zeros_bit_for_bit(name, dtype, row, start, stop, width):
+@pytest.mark.parametrize("plan,width", [
+    ([(0, 0, 0, 300, 0)], 512), ([(0, 2, 17, 300, 0)], 283), ([(0, 1, 0, 0, 0)], 256), ([(0, 1, 5, 6, 0)], 1),
+    ([(0, 2, 0, 512, 0)], 768),  # one row: an extraction, a merge
+    ([(0, 2, 0, 300, 12), (1, 0, 0, 200, 112), (0, 0, 0, 0, 0), (1, 1, 50, 60, 302)], 512),  # a join, an empty row
+    ([(0, 2, 256, 512, 0), (0, 0, 256, 512, 0)], 256),  # a filter that drops shared padding
+    ([(1, 1, 0, 200, 0), (1, 0, 0, 200, 0)], 1024),  # a growth
+])
+def test_gather_columns_places_rows_columns_among_zeros_bit_for_bit(name, dtype, plan, width):
     from runtime import q4columns
     from runtime.kvscheme import parse
 
     scheme = parse(name)
-    kb, vb = cache_buffers(3, 8, 512, 128, scheme, dtype, seed=20)
-    got_k, got_v = q4columns.take(kb, vb, row, start, stop, width)
-    for got, x in zip((*got_k, *got_v), (*kb, *vb)):
-        want = mx.concatenate([x[row : row + 1, :, start:stop],
-                               mx.zeros((1, 8, width - (stop - start), x.shape[3]), x.dtype)], axis=2)
-        assert got.dtype == x.dtype and got.shape == want.shape
+    sources = [cache_buffers(3, 8, 512, 128, scheme, dtype, seed=20), cache_buffers(2, 8, 200, 128, scheme, dtype, seed=40)]
+    got_k, got_v = q4columns.gather(sources, plan, width)
+    for j, got in enumerate((*got_k, *got_v)):
+        rows = []
+        for src, row, start, stop, at in plan:
+            x = [*sources[src][0], *sources[src][1]][j]
+            zeros = mx.zeros((1, 8, width, x.shape[3]), x.dtype)
+            rows.append(mx.concatenate([zeros[:, :, :at], x[row : row + 1, :, start:stop],
+                                        zeros[:, :, at + stop - start:]], axis=2))
+        want = mx.concatenate(rows, axis=0)
+        assert got.dtype == want.dtype and got.shape == want.shape
         assert mx.array_equal(got, want).item()  # every element written: a fresh buffer holds whatever it held
 
 
 def test_batch_surgery_on_the_kernel_route_matches_mlx_ops_bit_for_bit():
-    """Merges and extractions on the "q4kernel" route (one `q4columns.take` launch a layer), and the joins, filters
-    (rows apart, dropping shared padding) and growth between them, leave the same buffers, padding and positions
-    as on the "dequant" route (MLX's own ops)."""
+    """Merges, extractions and growth on the "q4kernel" route (one `q4columns.gather` launch a layer), and the
+    joins and filters (rows apart, dropping shared padding) between them, leave the same buffers, padding and
+    positions as on the "dequant" route (MLX's own ops)."""
     from runtime import attention
     from runtime.kvscheme import parse
     from runtime.q4cache import AgentKVCache, BatchQuantizedKVCache

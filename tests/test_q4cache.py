@@ -477,20 +477,30 @@ def test_kernel_parameters_are_shared_per_step_and_per_thread():
 
 
 
-def test_take_columns_refuses_ranges_outside_the_tensors():
-    """`q4columns.take` checks its arguments before it launches anything (so this runs anywhere)."""
+def test_gather_columns_refuses_plans_outside_the_tensors():
+    """`q4columns.gather` checks its arguments before it launches anything (so this runs anywhere)."""
     from runtime import q4columns
 
-    def part(words):
-        return (mx.zeros((2, 4, 64, words), mx.uint32), mx.zeros((2, 4, 64, 2), mx.bfloat16),
-                mx.zeros((2, 4, 64, 2), mx.bfloat16))
+    def part(words, rows=2, width=64, dtype=mx.bfloat16):
+        return (mx.zeros((rows, 4, width, words), mx.uint32), mx.zeros((rows, 4, width, 2), dtype),
+                mx.zeros((rows, 4, width, 2), dtype))
 
-    kb, vb = part(16), part(16)
-    for row, start, stop, width in ((2, 0, 1, 1), (0, 10, 9, 5), (0, 0, 65, 65), (0, 0, 10, 9), (-1, 0, 1, 1)):
-        with pytest.raises(ValueError, match="take needs"):
-            q4columns.take(kb, vb, row, start, stop, width)
+    src = (part(16), part(16))
+    for span, width in (((0, 2, 0, 1, 0), 1), ((0, 0, 10, 9, 0), 5), ((0, 0, 0, 65, 0), 65), ((0, 0, 0, 10, 0), 9),
+                        ((0, -1, 0, 1, 0), 1), ((0, 0, 0, 10, 5), 14), ((0, 0, 0, 1, -1), 1), ((1, 0, 0, 1, 0), 1)):
+        with pytest.raises(ValueError, match="gather (needs|has)"):
+            q4columns.gather([src], [span], width)
     with pytest.raises(ValueError, match="one B, H and W"):
-        q4columns.take(kb, (vb[0][:, :, :10], *vb[1:]), 0, 0, 1, 1)
+        q4columns.gather([(src[0], (src[1][0][:, :, :10], *src[1][1:]))], [(0, 0, 0, 1, 0)], 1)
+    with pytest.raises(ValueError, match="must match"):
+        q4columns.gather([src, (part(16), part(16, dtype=mx.float16))], [(0, 0, 0, 1, 0)], 1)
+    with pytest.raises(ValueError, match="one or two sources"):
+        q4columns.gather([src] * 3, [(0, 0, 0, 1, 0)], 1)
+    with pytest.raises(ValueError, match="at least one row"):
+        q4columns.gather([src], [], 1)
+    wide = (part(16, rows=1, width=300), part(16, rows=1, width=300))  # a second source may be wider and shorter
+    with pytest.raises(ValueError, match="row < 1"):
+        q4columns.gather([src, wide], [(1, 1, 0, 1, 0)], 1)
 
 
 def test_reserving_room_ahead_grows_once_and_changes_no_update():
