@@ -33,6 +33,7 @@ from mlx_lm.sample_utils import make_sampler
 from benchmarks.common import bench_parser, bench_model_folder, environment, plot_lines, ranked, write_results
 from benchmarks.cuda_calls import CudaCalls
 from benchmarks.sampler import StackSampler
+from benchmarks.threadstat import ThreadStats
 from benchmarks.ttft import long_text
 from actors.agent import render
 from runtime import Runtime
@@ -124,6 +125,16 @@ def by_change(steps) -> dict:
     for s in steps:
         groups[s.changes or "none"].append(s)
     return dict(sorted(groups.items()))
+
+
+def print_os(seen: dict | None) -> None:
+    """Print `ThreadStats.during`'s view of a step: each busy thread, then the machine."""
+    if not seen:
+        return
+    print(f"  OS, over {seen['window_ms']} ms of polls: machine {seen['machine']}", flush=True)
+    for kind, run, wait, minflt, majflt, kernel in seen["threads"]:
+        print(f"  {run:8.2f} ms on a CPU, {wait:6.2f} ms waiting for one, {minflt:6d} minor / {majflt} major faults, "
+              f"{kernel:5.1f} ms in the kernel  {kind}", flush=True)
 
 
 def step_raw(s) -> list:
@@ -246,6 +257,9 @@ def main(argv=None) -> int:
                          "default: Python's, 0.005): how long a thread that wants the GIL may wait for a busy one")
     ap.add_argument("--trace-cuda", action="store_true",
                     help="trace the host's CUDA calls during (c) with CUPTI and sum them per decode step (CUDA only)")
+    ap.add_argument("--thread-stats", action="store_true",
+                    help="poll every thread's CPU time, run-queue wait and page faults from /proc during (c) and "
+                         "give them for the slowest decode steps and for typical ones (Linux only)")
     args = ap.parse_args(argv)
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
@@ -277,7 +291,8 @@ def main(argv=None) -> int:
         *_, warm = actors(model_path, Path(tmp) / "warm-up", systems, [m[:2] for m in messages], 8, warmup=True)
         sampler = StackSampler(timeline=True) if args.sample else None
         trace = CudaCalls() if args.trace_cuda else None
-        for tool in (sampler, trace):
+        stats = ThreadStats() if args.thread_stats else None
+        for tool in (sampler, trace, stats):
             if tool:
                 tool.start()
         pauses = GcPauses()
@@ -287,7 +302,7 @@ def main(argv=None) -> int:
                                                           messages, args.new, warm["shapes"])
         finally:
             gc.callbacks.remove(pauses)
-            for tool in (sampler, trace):
+            for tool in (sampler, trace, stats):
                 if tool:
                     tool.stop()
         parts.pop("shapes")
@@ -303,15 +318,16 @@ def main(argv=None) -> int:
                       f"{entry['queue_ms']} ms, device copying {entry['copy_ms']} ms); CUDA calls per step:", flush=True)
                 for thread, fn, n, ms in entry["calls"]:
                     print(f"  {ms:8.3f} ms  {n:7.1f}x  {thread}: {fn}", flush=True)
-        if sampler or trace:
-            # the slowest decode steps: where every thread was sampled, and what the host called, while each ran
+        if sampler or trace or stats:
+            # the slowest decode steps: where every thread was sampled, what the host called, and what the OS saw
             slowest = sorted(steps, key=lambda st: -st.total_s)[:12]
             spans = [(st.start, st.start + st.total_s) for st in slowest]
             parts["slowest_steps"] = [[step_raw(st), sampler.during(*span, top=14) if sampler else None,
                                        trace.during(*span, top=10) if trace else None,
-                                       trace.device_busy(*span) if trace else None]
+                                       trace.device_busy(*span) if trace else None,
+                                       stats.during(*span) if stats else None]
                                       for st, span in zip(slowest, spans)]
-            for st, (_, places, calls, busy) in zip(slowest, parts["slowest_steps"]):
+            for st, (_, places, calls, busy, seen) in zip(slowest, parts["slowest_steps"]):
                 print(f"\nstep: rows {st.rows}, build {st.build_s * 1e3:.1f} ms (async_eval {st.queue_s * 1e3:.1f}), "
                       f"wait {st.wait_s * 1e3:.1f} ms, total {st.total_s * 1e3:.1f} ms, after '{st.changes}'"
                       + (f", device copying {busy:.1f} ms" if busy is not None else ""), flush=True)
@@ -319,6 +335,15 @@ def main(argv=None) -> int:
                     print(f"  {n:3d}  {kind}: {where}", flush=True)
                 for thread, fn, n, ms in calls or ():
                     print(f"  {ms:8.3f} ms  {n:5d}x  {thread}: {fn}", flush=True)
+                print_os(seen)
+        if stats:
+            # typical plain steps, for comparison: the 12 nearest the median
+            plain = sorted((st for st in steps if not st.changes), key=lambda st: st.total_s)
+            typical = plain[max(0, len(plain) // 2 - 6) :][:12]
+            parts["typical_steps"] = [[step_raw(st), stats.during(st.start, st.start + st.total_s)] for st in typical]
+            for st, (_, seen) in zip(typical, parts["typical_steps"]):
+                print(f"\ntypical step: rows {st.rows}, total {st.total_s * 1e3:.1f} ms", flush=True)
+                print_os(seen)
         message_tokens = [len(tokenizer.encode(m, add_special_tokens=False)) for t in range(args.turns) for m in
                           [messages[a][t] for a in range(args.agents)]]
         rows.append(dict(variant="c: kvactors (restart halfway)", total_s=total, ttft_mean_s=statistics.mean(ttfts),
