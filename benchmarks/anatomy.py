@@ -36,7 +36,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from benchmarks.common import bench_parser, environment, load_bench_model, traced_kernels, write_results
+from benchmarks.common import bench_parser, environment, load_bench_model, profile_text, traced_kernels, write_results
 from benchmarks.profile import prefilled
 from runtime import qgemv
 from runtime.q4cache import merge_caches, route_for
@@ -99,8 +99,6 @@ def pipelined(model, spec, cache, route, b, steps=40):
 def host_profile(model, spec, cache, route, b, path, steps=20, top=30) -> None:
     """Write to `path` cProfile's functions with the most own time over `steps` decode steps built and launched."""
     import cProfile
-    import io
-    import pstats
 
     batch = merge_caches(spec, [cache] * b, route)
     tokens = mx.zeros((b, 1), dtype=mx.int32)
@@ -112,10 +110,8 @@ def host_profile(model, spec, cache, route, b, path, steps=20, top=30) -> None:
         mx.async_eval(picks, state)
         prof.disable()
         mx.eval(picks)
-    text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
     Path(path).write_text(f"{steps} decode steps at batch {b}, built and launched (mx.async_eval: the launch)\n"
-                          + text.getvalue())
+                          + profile_text(prof, top))
 
 
 def _kernel_name(raw: str) -> str:

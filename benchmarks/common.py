@@ -9,6 +9,7 @@ import io
 import json
 import os
 import platform
+import pstats
 import tempfile
 import time
 from importlib.metadata import version
@@ -175,6 +176,15 @@ def ncu_records(stdout: str) -> list[tuple[dict, float]]:
     NaN where the value is empty."""
     return [(rec, float(rec["Metric Value"].replace(",", "") or "nan") * _NCU_SCALE.get(rec["Metric Unit"], 1.0))
             for rec in csv.DictReader(io.StringIO(stdout[stdout.index('"ID"'):]))]
+
+
+def profile_text(prof, top: int, orders=("tottime",)) -> str:
+    """cProfile profile `prof` as text: its `top` functions in each of `orders` (pstats' sort keys)."""
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    for key in orders:
+        stats.sort_stats(key).print_stats(top)
+    return text.getvalue()
 
 
 def write_results(name: str, env: dict, rows: list[dict], columns: list[str], out_dir: Path, notes: str = "") -> None:

@@ -38,7 +38,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from benchmarks.anatomy import kernel_table
-from benchmarks.common import bench_parser, environment, load_bench_model, traced_kernels, write_results
+from benchmarks.common import bench_parser, environment, load_bench_model, profile_text, traced_kernels, write_results
 from benchmarks.profile import prefilled
 from runtime import prepare
 from runtime.prepare import last_logits
@@ -152,18 +152,15 @@ def main(argv=None) -> int:
     name = args.name or f"hot_chunk-{args.model}"
     if args.host_profile:
         import cProfile
-        import io
-        import pstats
 
-        prof, text = cProfile.Profile(), io.StringIO()
+        prof = cProfile.Profile()
         run = chunk_runner(model, spec, route, agent, tokens, profile=prof)
         for _ in range(5):
             run()
-        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"{name}-host-profile.txt").write_text(
             f"5 chunks of {args.tokens} tokens after {args.context}, built and queued (mx.async_eval: the launch)\n"
-            + text.getvalue())
+            + profile_text(prof, 30))
     if args.device_profile:  # the chunks as the engine runs them, before the variants below change the model
         texts = []
         for turns, run in ((1, chunk_runner(model, spec, route, agent, tokens)),

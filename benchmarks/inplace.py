@@ -12,15 +12,13 @@ engine's stats.
 from __future__ import annotations
 
 import cProfile
-import io
-import pstats
 import sys
 import tempfile
 from pathlib import Path
 
 import mlx_lm
 
-from benchmarks.common import bench_model_folder, bench_parser, environment
+from benchmarks.common import bench_model_folder, bench_parser, environment, profile_text
 from benchmarks.workload import engine_profile, script
 from runtime import Runtime
 from runtime.engine import Engine
@@ -59,10 +57,7 @@ def main(argv=None) -> int:
                 print([f.get(timeout=900).cache for f in futures], flush=True)
             Engine.step = step
             print(engine_profile([rt.engine_stats()]), flush=True)
-    for key in ("tottime", "cumulative"):
-        out = io.StringIO()
-        pstats.Stats(profiler, stream=out).sort_stats(key).print_stats(args.top)
-        print(out.getvalue(), flush=True)
+    print(profile_text(profiler, args.top, ("tottime", "cumulative")), flush=True)
     return 0
 
 

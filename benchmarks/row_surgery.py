@@ -23,15 +23,13 @@ Python's profile of the fresh extractions.
 from __future__ import annotations
 
 import cProfile
-import io
-import pstats
 import statistics
 import time
 from pathlib import Path
 
 import mlx.core as mx
 
-from benchmarks.common import bench_parser, environment, load_bench_model, write_results
+from benchmarks.common import bench_parser, environment, load_bench_model, profile_text, write_results
 from benchmarks.profile import prefilled
 from runtime.q4cache import extend_cache, filter_cache, merge_caches, queue_rows, reserve_cache, route_for
 
@@ -105,11 +103,7 @@ def profile(setup, run, reps: int, path: Path, top: int = 30) -> None:
         mx.async_eval(out)
         prof.disable()
         mx.eval(out)
-    text = io.StringIO()
-    stats = pstats.Stats(prof, stream=text)
-    stats.sort_stats("tottime").print_stats(top)
-    stats.sort_stats("cumulative").print_stats(top)
-    path.write_text(text.getvalue())
+    path.write_text(profile_text(prof, top, ("tottime", "cumulative")))
 
 
 def main(argv=None) -> int:
