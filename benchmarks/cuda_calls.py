@@ -23,13 +23,16 @@ import collections
 import threading
 import time
 
-from benchmarks.sampler import thread_kind
+from benchmarks.sampler import Poller, thread_kind
 
 
-class CudaCalls:
+class CudaCalls(Poller):
     """Every CUDA runtime and driver call made between `start` and `stop`, by CUPTI's activity API."""
 
+    thread_name = "cuda-calls"
+
     def __init__(self):
+        super().__init__()
         try:
             from cupti import cupti
         except ImportError as e:
@@ -46,8 +49,6 @@ class CudaCalls:
         # thread id -> [(perf_counter s, name)] as polled: threads end before the trace is read, and a later
         # thread may get an ended one's id
         self._names: dict[int, list] = collections.defaultdict(list)
-        self._stop = threading.Event()
-        self._poller = None
         self._offset_ns = 0  # CUPTI's clock minus perf_counter's
         self.records: list[tuple[float, float, str, str]] = []  # (start s, end s, thread kind, function)
         self._starts: list[float] = []
@@ -70,9 +71,7 @@ class CudaCalls:
         self._offset_ns = stamp - (before + time.perf_counter_ns()) // 2
         for kind in self._kinds + self._device_kinds:
             cupti.activity_enable(kind)
-        self._poller = threading.Thread(target=self._poll, name="cuda-calls", daemon=True)
-        self._poller.start()
-        return self
+        return super().start()
 
     def stop(self) -> None:
         """Stop tracing and turn the raw records into `records`."""
@@ -80,8 +79,7 @@ class CudaCalls:
         cupti.activity_flush_all(1)
         for kind in self._kinds + self._device_kinds:
             cupti.activity_disable(kind)
-        self._stop.set()
-        self._poller.join()
+        super().stop()
         self._poll_once()
         names = {}
         for kind, cbid, start, end, thread in self._raw:
@@ -96,12 +94,6 @@ class CudaCalls:
         self.device = sorted(((start - self._offset_ns) / 1e9, (end - self._offset_ns) / 1e9)
                              for _, start, end in self._raw_device)
         self._raw_device.clear()
-
-    def __enter__(self):
-        return self.start()
-
-    def __exit__(self, *exc):
-        self.stop()
 
     def _poll_once(self):
         now = time.perf_counter()
@@ -121,7 +113,7 @@ class CudaCalls:
         at = max(0, bisect.bisect_right(seen, (when, "\uffff")) - 1)
         return thread_kind(seen[at][1])
 
-    def _poll(self):
+    def _run(self):
         while not self._stop.wait(0.05):
             self._poll_once()
 

@@ -38,28 +38,24 @@ def _ours(frame):
     return None
 
 
-class StackSampler:
-    """Counts where each thread is, sampled every `interval` seconds, between `start` and `stop`.
+class Poller:
+    """A daemon thread named `thread_name` that runs `_run` from `start` to `stop` (`_stop` tells it to end);
+    a context manager too. Subclasses poll something in `_run`."""
 
-    `timeline` also keeps every sample as (time.perf_counter(), thread kind, place), for `during`.
-    """
+    thread_name = "poller"
 
-    def __init__(self, interval: float = 0.005, timeline: bool = False):
-        self.interval = interval
-        self.samples = 0
-        self.counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-        self.timeline: list | None = [] if timeline else None
+    def __init__(self):
         self._stop = threading.Event()
         self._thread = None
 
-    def start(self) -> "StackSampler":
-        """Start sampling on a daemon thread."""
-        self._thread = threading.Thread(target=self._run, name="stack-sampler", daemon=True)
+    def start(self):
+        """Start the polling thread; returns self."""
+        self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
         self._thread.start()
         return self
 
     def stop(self) -> None:
-        """Stop sampling and wait for the sampling thread."""
+        """Tell the polling thread to end and wait for it."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
@@ -69,6 +65,25 @@ class StackSampler:
 
     def __exit__(self, *exc):
         self.stop()
+
+    def _run(self):
+        raise NotImplementedError
+
+
+class StackSampler(Poller):
+    """Counts where each thread is, sampled every `interval` seconds, between `start` and `stop`.
+
+    `timeline` also keeps every sample as (time.perf_counter(), thread kind, place), for `during`.
+    """
+
+    thread_name = "stack-sampler"
+
+    def __init__(self, interval: float = 0.005, timeline: bool = False):
+        self.interval = interval
+        self.samples = 0
+        self.counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        self.timeline: list | None = [] if timeline else None
+        super().__init__()
 
     def _run(self):
         me = threading.get_ident()

@@ -21,7 +21,7 @@ import os
 import threading
 import time
 
-from benchmarks.sampler import thread_kind
+from benchmarks.sampler import Poller, thread_kind
 
 _TICK_MS = 1000 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 10.0
 _RECLAIM = ("allocstall", "pgscan_direct")  # /proc/vmstat counters that start with these: direct reclaim
@@ -70,8 +70,10 @@ def _machine(files: _Files) -> tuple:
     return sum(cpu[:8]) - idle - iowait, iowait, reclaim
 
 
-class ThreadStats:
+class ThreadStats(Poller):
     """Every task's CPU time, run-queue wait and faults, and the machine's load, polled between `start` and `stop`."""
+
+    thread_name = "thread-stats"
 
     def __init__(self, interval: float = 0.01):
         self.interval = interval
@@ -79,28 +81,13 @@ class ThreadStats:
         self._tasks: list[dict[str, tuple]] = []  # per poll: tid -> _task(tid)
         self._machine: list[tuple] = []
         self._names: dict[str, str] = {}  # native thread id -> the Python thread's name last seen
-        self._stop = threading.Event()
-        self._thread = None
+        super().__init__()
 
     def start(self) -> "ThreadStats":
         """Start polling on a daemon thread; raises RuntimeError off Linux (no /proc/self/task)."""
         if not os.path.isdir("/proc/self/task"):
             raise RuntimeError("ThreadStats reads /proc/self/task: Linux only")
-        self._thread = threading.Thread(target=self._run, name="thread-stats", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        """Stop polling and wait for the polling thread."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-
-    def __enter__(self):
-        return self.start()
-
-    def __exit__(self, *exc):
-        self.stop()
+        return super().start()
 
     def _run(self):
         files = _Files()
