@@ -114,16 +114,17 @@ def engine_profile(stats_list, seen=()) -> dict:
         first_shapes_raw=[[list(shape), round(sec, 5)] for shape, sec in new],
         # raw, for a closer look in the JSON: every chunk, and every decode step
         chunks_raw=[[n, ctx, round(sec, 5), rows] for n, ctx, sec, rows in chunks],
-        # (rows, build, wait, total seconds, changes, start, of build: in mx.async_eval)
+        # (rows, build, wait, total seconds, changes, start, of build: in mx.async_eval, rows ended)
         steps_raw=[step_raw(s) for s in steps],
     )
 
 
 def by_change(steps) -> dict:
-    """`DecodeStep`s grouped by what changed in the batch before them ("none" for nothing), sorted by that."""
+    """`DecodeStep`s grouped by what changed in the batch before them ("none" for nothing), and "+end" where
+    rows ended at the step (their caches queued within it), sorted by that."""
     groups = collections.defaultdict(list)
     for s in steps:
-        groups[s.changes or "none"].append(s)
+        groups[(s.changes or "none") + ("+end" if s.ended else "")].append(s)
     return dict(sorted(groups.items()))
 
 
@@ -138,9 +139,9 @@ def print_os(seen: dict | None) -> None:
 
 
 def step_raw(s) -> list:
-    """A `DecodeStep` as the JSON's `steps_raw` stores it: rows, build, wait, total, changes, start, queue."""
+    """A `DecodeStep` as the JSON's `steps_raw` stores it: rows, build, wait, total, changes, start, queue, ended."""
     return [s.rows, round(s.build_s, 5), round(s.wait_s, 5), round(s.total_s, 5), s.changes, round(s.start, 4),
-            round(s.queue_s, 5)]
+            round(s.queue_s, 5), s.ended]
 
 
 def actors(model_path, cache_dir, systems, messages, new, seen=(), warmup=False):
@@ -362,7 +363,7 @@ def main(argv=None) -> int:
                         f"(cache copies, writes, acks) {parts['after_s']:.1f} s. Inside the engine: "
                         f"{parts['decode_steps']} decode steps (mean batch {parts['mean_batch']:.1f}) {parts['decode_s']:.1f} s, "
                         f"p50 {parts['step_p50_ms']:.1f} ms, p99 {parts['step_p99_ms']:.1f} ms, of which building the graph "
-                        f"{parts['build_p50_ms']:.1f} ms (p50); steps by what changed in the batch before them "
+                        f"{parts['build_p50_ms']:.1f} ms (p50); steps by what changed in the batch before them (+end: rows ended at the step) "
                         f"(count, p50 ms, max ms): {parts['steps_by_change']}; Python's garbage collections in every thread "
                         f"(generation: count, total ms, longest ms): {parts['gc_pauses']}; {parts['cold_chunks']} cold prefill chunks "
                         f"({parts['cold_tokens']} tokens) {parts['cold_chunk_s']:.1f} s; {parts['hot_chunks']} prefill chunks "

@@ -158,6 +158,7 @@ class DecodeStep(NamedTuple):
     total_s: float  # all of it, taking the tokens included: where rows end, the batch changes
     changes: str  # what happened to the batch since the step before (see EngineStats)
     start: float  # when the step began
+    ended: int = 0  # rows whose turns ended at this step's tokens (their caches queued within total_s)
 
 
 @dataclass
@@ -170,7 +171,7 @@ class EngineStats:
     `Engine._drop_finished`), "chunk" (a prefill chunk ran), "grow" (the buffers widened
     for this step); "" for none (a batch whose last row ends is dropped, and no step
     records that). `rows` counts the batch's rows, finished ones not yet filtered out
-    included;
+    included; `ended` the rows whose turns ended at the step;
     `prefill_chunks`: (tokens fed, tokens of context before (the longest row's),
     seconds, rows) per chunk.
 
@@ -624,10 +625,11 @@ class Engine:
         except Exception as e:
             rows, self._rows, self.batch, self._next = self.decoding, [], None, None
             return [TurnError(r.turn.turn_id, f"decode step failed: {type(e).__name__}: {e}") for r in rows]
+        live = len(self.decoding)
         done = self._accept(list(enumerate(tokens)), fed=True)
         seconds = time.perf_counter() - t0  # taking the tokens too: where rows end, the batch changes
         self.stats.decode_steps.append(DecodeStep(len(tokens), built - t0, self._queued, waited, seconds,
-                                                   changes, t0))
+                                                   changes, t0, live - len(self.decoding)))
         self.stats.count_shape(shape, seconds)
         return done
 

@@ -150,6 +150,7 @@ def test_finished_rows_stay_in_the_batch_until_they_outnumber_the_decoding_ones(
     after = rows[rows.index(4):]  # from the step with all four (they join together or one by one)
     assert after == [4] * after.count(4) + [1] * after.count(1) and after.count(1) >= 30 - 12
     assert [s.changes for s in engine.stats.decode_steps].count("leave") == 1
+    assert [s.ended for s in engine.stats.decode_steps if s.ended] == [1, 1, 1, 1]  # each row's last step
     for t in turns:
         alone = solo(llama, t)
         assert out[t.turn_id].tokens == alone.tokens
