@@ -6,6 +6,8 @@ columns) and took 2-4x a repeated one. This splits that cost:
 
 - chunk: a hot chunk of --tokens after each of --contexts (new widths, in
   order), then the same chunk again at that width (repeated: nothing new);
+- decode: a decode step of --rows rows merged at each of --contexts (a new
+  batch width each), then more steps at that width;
 - allocation: an elementwise op whose output is a new size (about a
   chunk's attention scores) against the same size again (MLX's buffer cache
   reuses a freed buffer only of about the same size);
@@ -29,10 +31,11 @@ import time
 
 import mlx.core as mx
 
+from benchmarks.anatomy import step
 from benchmarks.common import bench_parser, environment, load_bench_model, write_results
 from benchmarks.hot_chunk import chunk_runner
 from benchmarks.profile import prefilled
-from runtime.q4cache import route_for
+from runtime.q4cache import merge_caches, route_for
 
 COLUMNS = ["piece", "first_ms", "repeated_ms", "extra_ms", "note"]
 
@@ -63,6 +66,7 @@ def main(argv=None) -> int:
     ap.add_argument("--contexts", default="2304,2560,2816,3072,3328",
                     help="agent cache lengths, each a new width (default: %(default)s)")
     ap.add_argument("--tokens", type=int, default=256, help="tokens in the chunk (default: %(default)s)")
+    ap.add_argument("--rows", type=int, default=5, help="rows of the decode batches (default: %(default)s)")
     ap.add_argument("--pool", action="store_true", help="allocate from CUDA's memory pool, not MLX's cache (CUDA)")
     args = ap.parse_args(argv)
     if args.pool:
@@ -90,6 +94,14 @@ def main(argv=None) -> int:
         print(rows[-1], flush=True)
 
     add("chunk", first, again, f"{args.tokens} tokens after {args.contexts}")
+    first, again = [], []
+    for c in contexts:
+        batch = merge_caches(spec, [agents[c]] * args.rows, route)
+        feed = mx.zeros((args.rows, 1), dtype=mx.int32)
+        mx.eval([c.state for c in batch])  # the merge's copies before the first step, not in it
+        first.append(seconds(lambda: step(model, batch, feed)))
+        again.append(statistics.median(seconds(lambda: step(model, batch, feed)) for _ in range(3)))
+    add("decode", first, again, f"{args.rows} rows after {args.contexts}, a batch merged at each")
     heads, group = 32, 4  # the 8B shape: 32 query heads over 8 kv heads
     first, again = [], []
     for c in contexts:
