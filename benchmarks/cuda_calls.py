@@ -3,7 +3,7 @@
 `CudaCalls` records every call (start, end, thread kind, function name) between
 `start` and `stop`, and when the device ran copies and fills;
 `during(t0, t1)` sums the calls over a window given in `time.perf_counter`
-seconds, and `device_busy(t0, t1)` those copies and fills, so a benchmark can ask
+seconds, and `copy_busy(t0, t1)` those copies and fills, so a benchmark can ask
 what the host called, and whether the device was copying, while a step it timed
 itself was running. The device's CUDA graphs are not traced: CUPTI 13's graph
 activity (`GRAPH_TRACE`) crashed inside libcupti in the workload once cache
@@ -133,7 +133,7 @@ class CudaCalls(Poller):
         ranked = sorted(self.totals(start, end).items(), key=lambda kv: -kv[1][1])[:top]
         return [[thread, name, n, round(ms, 3)] for (thread, name), (n, ms) in ranked]
 
-    def device_busy(self, start: float, end: float) -> float:
+    def copy_busy(self, start: float, end: float) -> float:
         """Milliseconds between `start` and `end` in which the device ran a copy or a fill."""
         busy, reach = 0.0, start
         for s, e in self.device[max(0, bisect.bisect_left(self.device, (start,)) - 64):]:

@@ -98,7 +98,7 @@ def main(argv=None) -> int:
     for c in contexts:
         batch = merge_caches(spec, [agents[c]] * args.rows, route)
         feed = mx.zeros((args.rows, 1), dtype=mx.int32)
-        mx.eval([c.state for c in batch])  # the merge's copies before the first step, not in it
+        mx.eval([layer.state for layer in batch])  # the merge's copies before the first step, not in it
         first.append(seconds(lambda: step(model, batch, feed)))
         again.append(statistics.median(seconds(lambda: step(model, batch, feed)) for _ in range(3)))
     add("decode", first, again, f"{args.rows} rows after {args.contexts}, a batch merged at each")

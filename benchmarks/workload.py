@@ -227,7 +227,7 @@ def calls_by_change(trace, steps, top: int = 10) -> dict:
         ranked = sorted(summed.items(), key=lambda kv: -kv[1][1])[:top]
         out[change] = dict(steps=len(steps), step_ms=round(statistics.mean(st.total_s for st in steps) * 1e3, 2),
                            queue_ms=round(statistics.mean(st.queue_s for st in steps) * 1e3, 2),
-                           copy_ms=round(statistics.mean(trace.device_busy(st.start, st.start + st.total_s)
+                           copy_ms=round(statistics.mean(trace.copy_busy(st.start, st.start + st.total_s)
                                                            for st in steps), 2),
                            calls=[[thread, fn, round(n / len(steps), 1), round(ms / len(steps), 3)]
                                   for (thread, fn), (n, ms) in ranked])
@@ -325,7 +325,7 @@ def main(argv=None) -> int:
             spans = [(st.start, st.start + st.total_s) for st in slowest]
             parts["slowest_steps"] = [[step_raw(st), sampler.during(*span, top=14) if sampler else None,
                                        trace.during(*span, top=10) if trace else None,
-                                       trace.device_busy(*span) if trace else None,
+                                       trace.copy_busy(*span) if trace else None,
                                        stats.during(*span) if stats else None]
                                       for st, span in zip(slowest, spans)]
             for st, (_, places, calls, busy, seen) in zip(slowest, parts["slowest_steps"]):
