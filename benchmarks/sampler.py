@@ -46,19 +46,19 @@ class Poller:
 
     def __init__(self):
         self._stop = threading.Event()
-        self._thread = None
+        self._poller = None
 
     def start(self):
         """Start the polling thread; returns self."""
-        self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
-        self._thread.start()
+        self._poller = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
+        self._poller.start()
         return self
 
     def stop(self) -> None:
         """Tell the polling thread to end and wait for it."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+        if self._poller is not None:
+            self._poller.join()
 
     def __enter__(self):
         return self.start()

@@ -102,6 +102,8 @@ def engine_profile(stats_list, seen=()) -> dict:
         decode_steps=len(steps), decode_s=sum(totals), mean_batch=statistics.mean(s.rows for s in steps) if steps else 0,
         step_p50_ms=ranked(totals, 0.5) * 1e3, step_p99_ms=ranked(totals, 0.99) * 1e3,
         build_p50_ms=statistics.median(s.build_s for s in steps) * 1e3 if steps else 0,
+        # steps where rows ended: the hand-over (`DecodeStep.finish_s`), and the rest of taking the tokens
+        end_split_ms=end_split(steps),
         # steps by what changed in the batch before them (EngineStats): count, p50 and max ms
         steps_by_change={k: [len(v), round(statistics.median(s.total_s for s in v) * 1e3, 2),
                              round(max(s.total_s for s in v) * 1e3, 2)] for k, v in by_change(steps).items()},
@@ -114,9 +116,22 @@ def engine_profile(stats_list, seen=()) -> dict:
         first_shapes_raw=[[list(shape), round(sec, 5)] for shape, sec in new],
         # raw, for a closer look in the JSON: every chunk, and every decode step
         chunks_raw=[[n, ctx, round(sec, 5), rows] for n, ctx, sec, rows in chunks],
-        # (rows, build, wait, total seconds, changes, start, of build: in mx.async_eval, rows ended)
+        # (rows, build, wait, total seconds, changes, start, of build: in mx.async_eval, rows ended,
+        # of total: handing their turns over)
         steps_raw=[step_raw(s) for s in steps],
     )
+
+
+def end_split(steps) -> dict:
+    """Per number of rows ended at a step: [steps, p50 ms handing their turns over, p50 ms of the rest of taking
+    the tokens (after the build and the wait)]."""
+    groups = collections.defaultdict(list)
+    for s in steps:
+        if s.ended:
+            groups[s.ended].append(s)
+    return {n: [len(v), round(statistics.median(s.finish_s for s in v) * 1e3, 2),
+                round(statistics.median(s.total_s - s.build_s - s.wait_s - s.finish_s for s in v) * 1e3, 2)]
+            for n, v in sorted(groups.items())}
 
 
 def by_change(steps) -> dict:
@@ -139,9 +154,10 @@ def print_os(seen: dict | None) -> None:
 
 
 def step_raw(s) -> list:
-    """A `DecodeStep` as the JSON's `steps_raw` stores it: rows, build, wait, total, changes, start, queue, ended."""
+    """A `DecodeStep` as the JSON's `steps_raw` stores it: rows, build, wait, total, changes, start, queue, ended,
+    finish."""
     return [s.rows, round(s.build_s, 5), round(s.wait_s, 5), round(s.total_s, 5), s.changes, round(s.start, 4),
-            round(s.queue_s, 5), s.ended]
+            round(s.queue_s, 5), s.ended, round(s.finish_s, 5)]
 
 
 def actors(model_path, cache_dir, systems, messages, new, seen=(), warmup=False):
@@ -364,7 +380,8 @@ def main(argv=None) -> int:
                         f"{parts['decode_steps']} decode steps (mean batch {parts['mean_batch']:.1f}) {parts['decode_s']:.1f} s, "
                         f"p50 {parts['step_p50_ms']:.1f} ms, p99 {parts['step_p99_ms']:.1f} ms, of which building the graph "
                         f"{parts['build_p50_ms']:.1f} ms (p50); steps by what changed in the batch before them (+end: rows ended at the step) "
-                        f"(count, p50 ms, max ms): {parts['steps_by_change']}; Python's garbage collections in every thread "
+                        f"(count, p50 ms, max ms): {parts['steps_by_change']}; where rows ended, by how many (steps, p50 ms handing "
+                        f"their turns over, p50 ms of the rest of taking the tokens): {parts['end_split_ms']}; Python's garbage collections in every thread "
                         f"(generation: count, total ms, longest ms): {parts['gc_pauses']}; {parts['cold_chunks']} cold prefill chunks "
                         f"({parts['cold_tokens']} tokens) {parts['cold_chunk_s']:.1f} s; {parts['hot_chunks']} prefill chunks "
                         f"after a cache ({parts['hot_rows']} turns' chunks, {parts['hot_tokens']} tokens) "

@@ -159,6 +159,7 @@ class DecodeStep(NamedTuple):
     changes: str  # what happened to the batch since the step before (see EngineStats)
     start: float  # when the step began
     ended: int = 0  # rows whose turns ended at this step's tokens (their caches queued within total_s)
+    finish_s: float = 0.0  # of total_s, handing those turns over (`_finish`: their caches' extraction queued)
 
 
 @dataclass
@@ -285,6 +286,7 @@ class Engine:
         self._steps = 0  # calls of step()
         self._changes: set = set()  # what happened to the batch since the last decode step (EngineStats)
         self._queued = 0.0  # seconds in mx.async_eval since the decode step began (DecodeStep.queue_s)
+        self._finishing = 0.0  # seconds in the last `_accept`'s `_finish` (DecodeStep.finish_s)
         self.peak_admitted = 0
         self.stats = EngineStats()
         per_token = spec.q4_bytes_per_token()
@@ -629,7 +631,7 @@ class Engine:
         done = self._accept(list(enumerate(tokens)), fed=True)
         seconds = time.perf_counter() - t0  # taking the tokens too: where rows end, the batch changes
         self.stats.decode_steps.append(DecodeStep(len(tokens), built - t0, self._queued, waited, seconds,
-                                                   changes, t0, live - len(self.decoding)))
+                                                   changes, t0, live - len(self.decoding), self._finishing))
         self.stats.count_shape(shape, seconds)
         return done
 
@@ -701,7 +703,9 @@ class Engine:
                     ending.append((i, row, reason))
                 else:
                     results.append(error)
+        t0 = time.perf_counter()
         results += self._finish(ending, fed)
+        self._finishing = time.perf_counter() - t0
         for row in finished:
             row.finished = True
         live = len(self.decoding)
