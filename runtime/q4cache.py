@@ -700,21 +700,33 @@ class BatchQuantizedKVCache(_BaseCache):
 
     def _extract(self, i: int, drop: int, pad: int, offset: int) -> AgentKVCache:
         """`extract` with the row's padding and offset given, unevaluated."""
+        return self._filled(i, *self._extracted(i, drop, pad, offset))
+
+    def _filled(self, i: int, out: AgentKVCache, span) -> AgentKVCache:
+        """`out` (from `_extracted`) given row `i`'s columns `span` of this layer's buffers, unevaluated."""
+        if span is None:
+            return out
+        start, stop = span
+        if self.route == "q4kernel":  # one launch a layer instead of six copies
+            out.keys, out.values = _gathered([self], [(0, i, start, stop, 0)], stop - start)
+        else:
+            out.keys = _map(lambda x: mx.contiguous(x[i : i + 1, :, start:stop, :]), self.keys)
+            out.values = _map(lambda x: mx.contiguous(x[i : i + 1, :, start:stop, :]), self.values)
+        return out
+
+    def _extracted(self, i: int, drop: int, pad: int, offset: int):
+        """Row `i`'s extraction without its buffers: (an empty `AgentKVCache` at the row's offset less `drop`,
+        the columns [start, stop) its buffers take, or None where it has none)."""
         self._unled("take a row out of")
         out = layer_cache(self.scheme)
         self._settle()
         end = self._idx - drop
         if self.keys is None or pad >= end:
-            return out
+            return out, None
         if self.keep is not None:
             pad = max(pad, end - self.keep)
-        if self.route == "q4kernel":  # one launch a layer instead of six copies
-            out.keys, out.values = _gathered([self], [(0, i, pad, end, 0)], end - pad)
-        else:
-            out.keys = _map(lambda x: mx.contiguous(x[i : i + 1, :, pad:end, :]), self.keys)
-            out.values = _map(lambda x: mx.contiguous(x[i : i + 1, :, pad:end, :]), self.values)
         out.offset = offset - drop
-        return out
+        return out, (pad, end)
 
     def filter(self, keep) -> None:
         """Keep only rows `keep` (a list of row indices), in that order; trim shared padding.
@@ -912,10 +924,38 @@ def queue_rows(batch, rows, drop: int = 0) -> list:
     together (one `mx.async_eval`) and returned at once, without waiting for the work queued
     before them: evaluate each list (`mx.eval`) on this thread before anything else reads it.
     """
-    # each layer's own padding: a bounded sliding layer stores fewer columns than a full one
-    out = [[layer._extract(i, drop, *layer.row_place(i)) for layer in batch] for i in rows]
+    out = [_row_out(batch, i, drop) for i in rows]
     mx.async_eval([(c.keys, c.values) for caches in out for c in caches if c.keys is not None])
     return out
+
+
+def _row_out(batch, i: int, drop: int) -> list:
+    """Row `i` of every layer of `batch`, unevaluated. On the kernel route, where every layer holds the row in as
+    many columns (no bounded sliding layer cuts it shorter), in one `q4columns.gather` launch for all the layers,
+    each layer's buffers a view of one buffer a tensor: a launch and six allocations where a launch a layer made
+    six allocations each, and the allocations, of a size new to MLX's buffer cache at every turn's end, were
+    most of a finishing step's hand-over on an H100."""
+    # each layer's own padding: a bounded sliding layer stores fewer columns than a full one
+    parts = [layer._extracted(i, drop, *layer.row_place(i)) for layer in batch]
+    spans = {span for _, span in parts}
+    if len(spans) != 1 or None in spans or not _one_launch(batch):
+        return [layer._filled(i, out, span) for layer, (out, span) in zip(batch, parts)]
+    (start, stop), = spans
+    plan = tuple((n, i, start, stop, 0) for n in range(len(batch)))
+    keys, values = q4columns.gather([(layer.keys, layer.values) for layer in batch], plan, stop - start)
+    tensors = [mx.split(x, len(batch), axis=0) for x in (*keys, *values)]
+    for n, (out, _) in enumerate(parts):
+        out.keys, out.values = tuple(x[n] for x in tensors[:3]), tuple(x[n] for x in tensors[3:])
+    return [out for out, _ in parts]
+
+
+def _one_launch(batch) -> bool:
+    """Whether `q4columns.gather` can read every layer of `batch` at once: two layers or more, all on the kernel
+    route, with one head count, and at each of the six tensors one last dim and dtype."""
+    if len(batch) < 2 or any(layer.route != "q4kernel" or layer.keys is None for layer in batch):
+        return False
+    kinds = {tuple((x.shape[1], x.shape[3], x.dtype) for x in (*layer.keys, *layer.values)) for layer in batch}
+    return len(kinds) == 1
 
 
 def filter_cache(batch, keep) -> None:

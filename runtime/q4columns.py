@@ -7,7 +7,8 @@ column `at`, and zeros everywhere else. What a batch cache does to its rows is t
 a row's extraction (its columns alone), a merge of one agent (its columns, then room for
 the new tokens), a join (the batch's rows and the new ones, each shifted to end at the
 longest row's last column), a filter (the rows kept, less the padding they all share),
-and a growth (every row, with more room). With MLX's own ops each is a slice, a pad or
+and a growth (every row, with more room); and, with one source a layer, a row's
+extraction from every layer at once. With MLX's own ops each is a slice, a pad or
 a concatenation per tensor (6 to 18 launches a layer, and as many host-side ops), and
 the engine's thread, which builds them between two decode steps, was bound by building
 and launching them, not by the copies.
@@ -21,22 +22,25 @@ PARTS = ("kw", "ks", "kb", "vw", "vs", "vb")  # keys' words, scales, biases, the
 
 _SOURCE = r"""
     // Block (x, y, z): tensor y / H (kw, ks, kb, vw, vs, vb), head y % H, output row z; its threads walk that
-    // head's bytes: zeros, except the plan's columns of its source row. params: width, H, W of each source,
-    // bytes a column of each tensor, then (source, row, start, stop, at) per output row.
+    // head's bytes: zeros, except the plan's columns of its source row. params: width, H, W of each of NW
+    // sources, bytes a column of each tensor, then (source, row, start, stop, at) per output row.
     const int width = params[0], H = params[1];
     const int t = blockIdx.y / H, h = blockIdx.y % H, r = blockIdx.z;
-    const int* p = params + 10 + 5 * r;
-    const bool b = p[0] != 0;
-    const int W = params[2 + b], cb = params[4 + t];
-    const char* in;
-    char* out;
-    switch (t) {
-    case 0: in = reinterpret_cast<const char*>(b ? b_kw : a_kw); out = reinterpret_cast<char*>(okw); break;
-    case 1: in = reinterpret_cast<const char*>(b ? b_ks : a_ks); out = reinterpret_cast<char*>(oks); break;
-    case 2: in = reinterpret_cast<const char*>(b ? b_kb : a_kb); out = reinterpret_cast<char*>(okb); break;
-    case 3: in = reinterpret_cast<const char*>(b ? b_vw : a_vw); out = reinterpret_cast<char*>(ovw); break;
-    case 4: in = reinterpret_cast<const char*>(b ? b_vs : a_vs); out = reinterpret_cast<char*>(ovs); break;
-    default: in = reinterpret_cast<const char*>(b ? b_vb : a_vb); out = reinterpret_cast<char*>(ovb); break;
+    const int* p = params + 2 + NW + 6 + 5 * r;
+    const int s = p[0];
+    const int W = params[2 + s], cb = params[2 + NW + t];
+    const char* in = nullptr;
+    char* out = nullptr;
+    switch (t) {  // the output
+    case 0: out = reinterpret_cast<char*>(okw); break;
+    case 1: out = reinterpret_cast<char*>(oks); break;
+    case 2: out = reinterpret_cast<char*>(okb); break;
+    case 3: out = reinterpret_cast<char*>(ovw); break;
+    case 4: out = reinterpret_cast<char*>(ovs); break;
+    default: out = reinterpret_cast<char*>(ovb); break;
+    }
+    switch (6 * s + t) {  // the input: tensor t of source s
+    INPUT_CASES
     }
     const char* src = in + (((size_t)p[1] * H + h) * W + p[2]) * cb;
     char* dst = out + ((size_t)r * H + h) * width * cb;
@@ -67,15 +71,24 @@ BLOCKS = 16  # blocks per (tensor, head, row) at most; a head of a long row is a
 _kernels = {}  # sources -> the kernel
 
 
+def _widths(sources: int) -> int:
+    """How many source widths `params` lists: one a source, two at least (one source's twice)."""
+    return max(2, sources)
+
+
 def _get(sources: int):
-    """The kernel for one or two sources. One source takes six arrays fewer: MLX's host work per launch grows
-    with the inputs (about 2 us each on an H100's host), and most surgery reads one batch."""
+    """The kernel for `sources` sources, compiled on first use (a second or so): six inputs a source, each
+    named in a case of its own. One kernel a count, since MLX's host work per launch grows with the inputs
+    (about 2 us each on an H100's host): most surgery reads one batch, a join two, a row's extraction from
+    every layer at once (`q4cache.queue_rows`) one source a layer."""
     if sources not in _kernels:
-        names = "ab"[:sources]
-        aliases = "".join(f"#define b_{p} a_{p}\n" for p in PARTS) if sources == 1 else ""  # never read
+        cases = "\n    ".join(f"case {6 * s + t}: in = reinterpret_cast<const char*>(s{s}_{part}); break;"
+                               for s in range(sources) for t, part in enumerate(PARTS))
         _kernels[sources] = mx.fast.cuda_kernel(
-            name=f"kvactors_gather_columns{sources}", input_names=[f"{s}_{p}" for s in names for p in PARTS] + ["params"],
-            output_names=[f"o{p}" for p in PARTS], source=aliases + _SOURCE, header=_HEADER,
+            name=f"kvactors_gather_columns{sources}",
+            input_names=[f"s{s}_{p}" for s in range(sources) for p in PARTS] + ["params"],
+            output_names=[f"o{p}" for p in PARTS],
+            source=f"#define NW {_widths(sources)}\n" + _SOURCE.replace("INPUT_CASES", cases), header=_HEADER,
             ensure_row_contiguous=True)
     return _kernels[sources]
 
@@ -83,8 +96,10 @@ def _get(sources: int):
 def layout(sources) -> tuple:
     """What `gather`'s kernel needs to know of `sources` besides the plan: (H, each source's W (the first's twice
     for one source), each tensor's bytes a column)."""
-    a, b = sources[0], sources[-1]
-    return (a[0][0].shape[1], a[0][0].shape[2], b[0][0].shape[2], *(x.shape[3] * x.itemsize for x in (*a[0], *a[1])))
+    a = sources[0]
+    widths = [keys[0].shape[2] for keys, _ in sources]
+    widths += widths[:1] * (_widths(len(sources)) - len(widths))
+    return (a[0][0].shape[1], *widths, *(x.shape[3] * x.itemsize for x in (*a[0], *a[1])))
 
 
 def params(layout_: tuple, plan, width: int) -> mx.array:
@@ -96,9 +111,9 @@ def params(layout_: tuple, plan, width: int) -> mx.array:
 def gather(sources, plan, width: int, params_array=None):
     """Rows of packed caches copied into new buffers of `width` columns, in one launch.
 
-    sources: one or two packed caches, each a (keys, values) pair of (words, scales,
+    sources: one or more packed caches, each a (keys, values) pair of (words, scales,
     biases) tuples, every tensor (B_s, H, W_s, C) with one B_s and W_s within a source, one
-    H in both, and at each of the six places one C and dtype in both. plan: one
+    H in all, and at each of the six places one C and dtype in all. plan: one
     (source, row, start, stop, at) per output row r: columns [start, stop) of row `row` of
     sources[source] placed at columns [at, at + stop - start) of row r, every other column
     of row r zero (a span with start == stop reads nothing). Returns ((words, scales,
@@ -107,19 +122,19 @@ def gather(sources, plan, width: int, params_array=None):
     made here if not given. Raises ValueError for arguments out of range. CUDA only.
     """
     tensors = [(*keys, *values) for keys, values in sources]
-    if not 1 <= len(tensors) <= 2 or any(len(t) != 6 for t in tensors):
-        raise ValueError(f"gather reads one or two sources of six tensors each; got {[len(t) for t in tensors]}")
+    if not tensors or any(len(t) != 6 for t in tensors):
+        raise ValueError(f"gather reads one or more sources of six tensors each; got {[len(t) for t in tensors]}")
     shapes = [[x.shape for x in t] for t in tensors]
     H = shapes[0][0][1]
     for t, sh in zip(tensors, shapes):
         if any(len(s) != 4 or s[:3] != sh[0][:3] or s[1] != H for s in sh):
             raise ValueError("gather reads (words, scales, biases) of keys and of values, each (B, H, W, ...) with "
-                             f"one B, H and W; got shapes {[tuple(s) for s in sh]}")
-    if len(tensors) == 2 and any(x[3] != y[3] or a.dtype != b.dtype
-                                 for x, y, a, b in zip(*shapes, *tensors)):
-        raise ValueError("gather's two sources must match in each tensor's last dim and dtype; got "
-                         f"{[(s[3], x.dtype) for s, x in zip(shapes[0], tensors[0])]} and "
-                         f"{[(s[3], x.dtype) for s, x in zip(shapes[1], tensors[1])]}")
+                             f"one B and W a source and one H in all; got shapes {[tuple(s) for s in sh]}")
+    for t, sh in zip(tensors[1:], shapes[1:]):
+        if any(x[3] != y[3] or a.dtype != b.dtype for x, y, a, b in zip(shapes[0], sh, tensors[0], t)):
+            raise ValueError("gather's sources must match in each tensor's last dim and dtype; got "
+                             f"{[(s[3], x.dtype) for s, x in zip(shapes[0], tensors[0])]} and "
+                             f"{[(s[3], x.dtype) for s, x in zip(sh, t)]}")
     if not plan:
         raise ValueError("gather needs at least one row in its plan")
     for source, row, start, stop, at in plan:

@@ -506,17 +506,75 @@ def test_gather_columns_places_rows_columns_among_zeros_bit_for_bit(name, dtype,
 
     scheme = parse(name)
     sources = [cache_buffers(3, 8, 512, 128, scheme, dtype, seed=20), cache_buffers(2, 8, 200, 128, scheme, dtype, seed=40)]
-    got_k, got_v = q4columns.gather(sources, plan, width)
+    assert_gathered(q4columns.gather(sources, plan, width), sources, plan, width)
+
+
+def assert_gathered(got, sources, plan, width):
+    """`got` (gather's keys, values) holds the plan's columns among zeros, bit for bit (MLX's slices as reference)."""
+    got_k, got_v = got
     for j, got in enumerate((*got_k, *got_v)):
         rows = []
         for src, row, start, stop, at in plan:
             x = [*sources[src][0], *sources[src][1]][j]
-            zeros = mx.zeros((1, 8, width, x.shape[3]), x.dtype)
+            zeros = mx.zeros((1, x.shape[1], width, x.shape[3]), x.dtype)
             rows.append(mx.concatenate([zeros[:, :, :at], x[row : row + 1, :, start:stop],
                                         zeros[:, :, at + stop - start:]], axis=2))
         want = mx.concatenate(rows, axis=0)
         assert got.dtype == want.dtype and got.shape == want.shape
         assert mx.array_equal(got, want).item()  # every element written: a fresh buffer holds whatever it held
+
+
+@pytest.mark.parametrize("count", [3, 32])
+def test_gather_reads_a_row_of_each_of_many_sources_as_an_extraction_from_every_layer_does(count):
+    """One source a layer, each of its own width, one output row each, and a plan that reads them out of order."""
+    from runtime import q4columns
+    from runtime.kvscheme import parse
+
+    scheme = parse("k6v4-g64-hadamard")
+    sources = [cache_buffers(3, 8, 260 + 16 * s, 128, scheme, mx.bfloat16, seed=200 + 7 * s) for s in range(count)]
+    plan = [((s * 5) % count, 1, 3 + s % 4, 250, 0) for s in range(count)] + [(count - 1, 2, 0, 0, 0)]
+    assert_gathered(q4columns.gather(sources, plan, 247), sources, plan, 247)
+
+
+def test_rows_taken_from_every_layer_at_once_match_mlx_ops_and_merge_back(monkeypatch):
+    """`queue_rows` on the "q4kernel" route takes a row from all the layers in one gather (its buffers views of one
+    buffer a tensor): the same arrays and offsets as the "dequant" route's slices, and merged back into a batch,
+    the same buffers as well."""
+    from runtime import attention, q4cache, q4columns
+    from runtime.kvscheme import parse
+    from runtime.q4cache import AgentKVCache, BatchQuantizedKVCache
+
+    attention.install()
+    scheme = parse("k6v4-g64-hadamard")
+    launches = []
+    real = q4columns.gather
+    monkeypatch.setattr(q4columns, "gather", lambda sources, *a, **k: launches.append(len(sources)) or
+                        real(sources, *a, **k))
+
+    def agent(tokens, seed):
+        a = AgentKVCache(64, 6, 4, "hadamard")
+        kb, vb = cache_buffers(1, 8, tokens, 128, scheme, mx.bfloat16, seed=seed)
+        a.keys, a.values, a.offset = kb, vb, tokens
+        return a
+
+    def run(route):
+        batch = [BatchQuantizedKVCache.merge([agent(300, 10 * n), agent(120, 10 * n + 5)], scheme, route, room=9)
+                 for n in range(4)]
+        taken = q4cache.queue_rows(batch, [1, 0], drop=2)
+        for caches in taken:
+            mx.eval([(c.keys, c.values) for c in caches])
+        again = [BatchQuantizedKVCache.merge([taken[0][n], taken[1][n]], scheme, route, room=3) for n in range(4)]
+        return [[(c.keys, c.values, c.offset) for c in caches] for caches in taken], \
+            [(c.keys, c.values, c._pads) for c in again]
+
+    (kernel_rows, kernel_again), (ops_rows, ops_again) = run("q4kernel"), run("dequant")
+    assert launches.count(4) == 2  # one launch a row for the four layers
+    for (kk, kv, ko), (dk, dv, do) in zip(sum(kernel_rows, []), sum(ops_rows, []), strict=True):
+        assert ko == do
+        assert all(x.shape == y.shape and mx.array_equal(x, y).item() for x, y in zip((*kk, *kv), (*dk, *dv)))
+    for (kk, kv, kp), (dk, dv, dp) in zip(kernel_again, ops_again, strict=True):
+        assert kp == dp
+        assert all(x.shape == y.shape and mx.array_equal(x, y).item() for x, y in zip((*kk, *kv), (*dk, *dv)))
 
 
 def test_batch_surgery_on_the_kernel_route_matches_mlx_ops_bit_for_bit():

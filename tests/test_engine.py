@@ -480,6 +480,9 @@ def test_warmup_leaves_the_engine_idle_and_output_unchanged(llama):
     changes = {c for step in engine.stats.decode_steps for c in step.changes.split("+")}
     assert {"join", "leave", "chunk", ""} <= changes  # the step profile names what changed before a step
     assert any(context > 0 for _, context, _, _ in engine.stats.prefill_chunks)  # a chunk after a cache (hot)
+    if engine.route == "q4kernel":  # a turn ended in a decode step: the all-layers extraction compiled now
+        from runtime import q4columns
+        assert spec.n_layers in q4columns._kernels
     assert run(engine, [turn])["t"].tokens == solo(llama, turn).tokens
 
 

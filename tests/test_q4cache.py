@@ -490,12 +490,14 @@ def test_gather_columns_refuses_plans_outside_the_tensors():
                         ((0, -1, 0, 1, 0), 1), ((0, 0, 0, 10, 5), 14), ((0, 0, 0, 1, -1), 1), ((1, 0, 0, 1, 0), 1)):
         with pytest.raises(ValueError, match="gather (needs|has)"):
             q4columns.gather([src], [span], width)
-    with pytest.raises(ValueError, match="one B, H and W"):
+    with pytest.raises(ValueError, match="one B and W a source and one H in all"):
         q4columns.gather([(src[0], (src[1][0][:, :, :10], *src[1][1:]))], [(0, 0, 0, 1, 0)], 1)
+    with pytest.raises(ValueError, match="one B and W a source and one H in all"):  # a third source, other heads
+        q4columns.gather([src, src, (part(16)[:1] + (mx.zeros((2, 2, 64, 2)),) * 2, part(16))], [(0, 0, 0, 1, 0)], 1)
     with pytest.raises(ValueError, match="must match"):
         q4columns.gather([src, (part(16), part(16, dtype=mx.float16))], [(0, 0, 0, 1, 0)], 1)
-    with pytest.raises(ValueError, match="one or two sources"):
-        q4columns.gather([src] * 3, [(0, 0, 0, 1, 0)], 1)
+    with pytest.raises(ValueError, match="one or more sources"):
+        q4columns.gather([], [(0, 0, 0, 1, 0)], 1)
     with pytest.raises(ValueError, match="at least one row"):
         q4columns.gather([src], [], 1)
     wide = (part(16, rows=1, width=300), part(16, rows=1, width=300))  # a second source may be wider and shorter
