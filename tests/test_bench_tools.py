@@ -1,0 +1,55 @@
+"""The profiling tools of `benchmarks/` that the GPU runs depend on, checked where they can run: here CUPTI
+cannot exist, so `CudaCalls` reads a stand-in `cupti` module that hands it records as CUPTI's activity API does."""
+
+import sys
+import threading
+import time
+import types
+
+from benchmarks.cuda_calls import CudaCalls
+from benchmarks.sampler import StackSampler
+
+
+def stand_in_cupti(thread_id):
+    """A `cupti` package whose activity API reports one runtime call on `thread_id` and one copy at each flush."""
+    kinds = types.SimpleNamespace(RUNTIME=1, DRIVER=2, MEMCPY=3, MEMSET=4)
+    state = {}
+
+    def flush(_):
+        now = time.perf_counter_ns()
+        state["done"]([types.SimpleNamespace(kind=1, cbid=7, start=now - 2000, end=now, thread_id=thread_id),
+                       types.SimpleNamespace(kind=3, start=now - 1000, end=now)])
+
+    api = types.SimpleNamespace(
+        ActivityKind=kinds, CallbackDomain=types.SimpleNamespace(RUNTIME_API=10, DRIVER_API=11),
+        activity_register_callbacks=lambda request, done: state.update(done=done),
+        get_timestamp=time.perf_counter_ns, activity_enable=lambda kind: None, activity_disable=lambda kind: None,
+        activity_flush_all=flush, get_callback_name=lambda domain, cbid: f"cudaCall{cbid}")
+    package = types.ModuleType("cupti")
+    package.cupti = api
+    return package
+
+
+def test_cuda_calls_names_each_call_by_the_thread_that_made_it_and_sums_a_window(monkeypatch):
+    worker = threading.Thread(target=time.sleep, args=(0.3,), name="BatcherActor-3")
+    worker.start()
+    monkeypatch.setitem(sys.modules, "cupti", stand_in_cupti(worker.ident & 0xFFFFFFFF))
+    with CudaCalls() as calls:
+        time.sleep(0.1)  # the poller names the threads every 50 ms
+    worker.join()
+    (start, end, thread, name), = calls.records
+    assert (thread, name) == ("BatcherActor", "cudaCall7") and start < end
+    assert calls.during(start - 1, end + 1) == [["BatcherActor", "cudaCall7", 1, round((end - start) * 1e3, 3)]]
+    assert calls.during(end + 1, end + 2) == []
+    assert 0 < calls.copy_busy(start - 1, end + 1) <= (end - start) * 1e3
+
+
+def test_stack_sampler_counts_where_a_thread_waits():
+    stop = threading.Event()
+    worker = threading.Thread(target=stop.wait, args=(5,), name="AgentActor-1")
+    worker.start()
+    with StackSampler(interval=0.005) as sampler:
+        time.sleep(0.1)
+    stop.set()
+    worker.join()
+    assert "AgentActor" in sampler.table()
