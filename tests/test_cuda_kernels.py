@@ -509,6 +509,16 @@ def test_gather_columns_places_rows_columns_among_zeros_bit_for_bit(name, dtype,
     assert_gathered(q4columns.gather(sources, plan, width), sources, plan, width)
 
 
+def agent(scheme, tokens, seed):
+    """A k6v4-g64-hadamard agent's layer cache of `tokens` random (poisoned) columns."""
+    from runtime.q4cache import AgentKVCache
+
+    a = AgentKVCache(64, 6, 4, "hadamard")
+    kb, vb = cache_buffers(1, 8, tokens, 128, scheme, mx.bfloat16, seed=seed)
+    a.keys, a.values, a.offset = kb, vb, tokens
+    return a
+
+
 def assert_gathered(got, sources, plan, width):
     """`got` (gather's keys, values) holds the plan's columns among zeros, bit for bit (MLX's slices as reference)."""
     got_k, got_v = got
@@ -542,7 +552,7 @@ def test_rows_taken_from_every_layer_at_once_match_mlx_ops_and_merge_back(monkey
     the same buffers as well."""
     from runtime import attention, q4cache, q4columns
     from runtime.kvscheme import parse
-    from runtime.q4cache import AgentKVCache, BatchQuantizedKVCache
+    from runtime.q4cache import BatchQuantizedKVCache
 
     attention.install()
     scheme = parse("k6v4-g64-hadamard")
@@ -551,15 +561,9 @@ def test_rows_taken_from_every_layer_at_once_match_mlx_ops_and_merge_back(monkey
     monkeypatch.setattr(q4columns, "gather", lambda sources, *a, **k: launches.append(len(sources)) or
                         real(sources, *a, **k))
 
-    def agent(tokens, seed):
-        a = AgentKVCache(64, 6, 4, "hadamard")
-        kb, vb = cache_buffers(1, 8, tokens, 128, scheme, mx.bfloat16, seed=seed)
-        a.keys, a.values, a.offset = kb, vb, tokens
-        return a
-
     def run(route):
-        batch = [BatchQuantizedKVCache.merge([agent(300, 10 * n), agent(120, 10 * n + 5)], scheme, route, room=9)
-                 for n in range(4)]
+        batch = [BatchQuantizedKVCache.merge([agent(scheme, 300, 10 * n), agent(scheme, 120, 10 * n + 5)], scheme,
+                                             route, room=9) for n in range(4)]
         taken = q4cache.queue_rows(batch, [1, 0], drop=2)
         for caches in taken:
             mx.eval([(c.keys, c.values) for c in caches])
@@ -583,16 +587,10 @@ def test_batch_surgery_on_the_kernel_route_matches_mlx_ops_bit_for_bit():
     positions as on the "dequant" route (MLX's own ops)."""
     from runtime import attention
     from runtime.kvscheme import parse
-    from runtime.q4cache import AgentKVCache, BatchQuantizedKVCache
+    from runtime.q4cache import BatchQuantizedKVCache
 
     attention.install()
     scheme = parse("k6v4-g64-hadamard")
-
-    def agent(tokens, seed):
-        a = AgentKVCache(64, 6, 4, "hadamard")
-        kb, vb = cache_buffers(1, 8, tokens, 128, scheme, mx.bfloat16, seed=seed)
-        a.keys, a.values, a.offset = kb, vb, tokens
-        return a
 
     def run(route):
         states = []
@@ -600,9 +598,9 @@ def test_batch_surgery_on_the_kernel_route_matches_mlx_ops_bit_for_bit():
         def seen(c):
             states.append((c.keys, c.values, c._pads, c.offset.tolist(), c.size()))
 
-        one = BatchQuantizedKVCache.merge([agent(700, 1)], scheme, route, room=40)  # a hot turn's merge
+        one = BatchQuantizedKVCache.merge([agent(scheme, 700, 1)], scheme, route, room=40)  # a hot turn's merge
         seen(one)
-        batch = BatchQuantizedKVCache.merge([agent(300, 2), agent(20, 3)], scheme, route, room=5)
+        batch = BatchQuantizedKVCache.merge([agent(scheme, 300, 2), agent(scheme, 20, 3)], scheme, route, room=5)
         batch.extend(one, room=64)  # a join: every row shifted to end at the longest
         seen(batch)
         batch.extend(BatchQuantizedKVCache.merge([None], scheme, route), room=1)  # a row with no history
