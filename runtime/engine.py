@@ -810,9 +810,9 @@ class Engine:
         return failed
 
     def _queue_row(self, i, row, fed):
-        """Row `i`'s cache queued alone (`queue_rows`), or the TurnError its failure makes."""
+        """Row `i`'s cache queued alone, a layer at a time (`queue_rows`), or the TurnError its failure makes."""
         try:
-            return queue_rows(self.batch, [i], drop=int(fed))[0]
+            return queue_rows(self.batch, [i], drop=int(fed), together=False)[0]
         except Exception as e:
             return _own_error(row.turn.turn_id, e, "extracting the cache failed")
 

@@ -919,34 +919,38 @@ def extract_cache(batch, i: int, drop: int = 0) -> list:
     return out
 
 
-def queue_rows(batch, rows, drop: int = 0) -> list:
+def queue_rows(batch, rows, drop: int = 0, together: bool = True) -> list:
     """Rows `rows` of a per-layer batch, each as `extract_cache` gives it, queued for the device
     together (one `mx.async_eval`) and returned at once, without waiting for the work queued
     before them: evaluate each list (`mx.eval`) on this thread before anything else reads it.
+    `together`: on the kernel route, take each row from all the layers in one launch where they allow it
+    (`_all_layers`); False takes it a layer at a time (a retry after a failure).
     """
-    out = [_row_out(batch, i, drop) for i in rows]
+    out = []
+    for i in rows:
+        # each layer's own padding: a bounded sliding layer stores fewer columns than a full one
+        parts = [layer._extracted(i, drop, *layer.row_place(i)) for layer in batch]
+        spans = {span for _, span in parts}
+        if together and len(spans) == 1 and None not in spans and _one_launch(batch):
+            out.append(_all_layers(batch, i, *spans, [c for c, _ in parts]))
+        else:
+            out.append([layer._filled(i, c, span) for layer, (c, span) in zip(batch, parts)])
     mx.async_eval([(c.keys, c.values) for caches in out for c in caches if c.keys is not None])
     return out
 
 
-def _row_out(batch, i: int, drop: int) -> list:
-    """Row `i` of every layer of `batch`, unevaluated. On the kernel route, where every layer holds the row in as
-    many columns (no bounded sliding layer cuts it shorter), in one `q4columns.gather` launch for all the layers,
-    each layer's buffers a view of one buffer a tensor: a launch and six allocations where a launch a layer made
-    six allocations each, and the allocations, of a size new to MLX's buffer cache at every turn's end, were
-    most of a finishing step's hand-over on an H100."""
-    # each layer's own padding: a bounded sliding layer stores fewer columns than a full one
-    parts = [layer._extracted(i, drop, *layer.row_place(i)) for layer in batch]
-    spans = {span for _, span in parts}
-    if len(spans) != 1 or None in spans or not _one_launch(batch):
-        return [layer._filled(i, out, span) for layer, (out, span) in zip(batch, parts)]
-    (start, stop), = spans
+def _all_layers(batch, i: int, span, caches) -> list:
+    """`caches` (from each layer's `_extracted`) given row `i`'s columns `span` of every layer in one
+    `q4columns.gather` launch, each layer's arrays a view of one buffer a tensor: a launch and six allocations
+    where a launch a layer made six allocations each, and the allocations, of a size new to MLX's buffer cache
+    at every turn's end, were most of a finishing step's hand-over on an H100."""
+    start, stop = span
     plan = tuple((n, i, start, stop, 0) for n in range(len(batch)))
     keys, values = q4columns.gather([(layer.keys, layer.values) for layer in batch], plan, stop - start)
     tensors = [mx.split(x, len(batch), axis=0) for x in (*keys, *values)]
-    for n, (out, _) in enumerate(parts):
-        out.keys, out.values = tuple(x[n] for x in tensors[:3]), tuple(x[n] for x in tensors[3:])
-    return [out for out, _ in parts]
+    for n, cache in enumerate(caches):
+        cache.keys, cache.values = tuple(x[n] for x in tensors[:3]), tuple(x[n] for x in tensors[3:])
+    return caches
 
 
 def _one_launch(batch) -> bool:

@@ -297,9 +297,9 @@ def test_rows_that_end_in_one_step_hand_over_together_and_continue_as_solo(llama
                     on_token=boom)
     handed, real = [], engine_module.queue_rows
 
-    def recording(batch, rows, drop=0):
+    def recording(batch, rows, drop=0, together=True):
         handed.append(list(rows))
-        return real(batch, rows, drop)
+        return real(batch, rows, drop, together)
 
     monkeypatch.setattr(engine_module, "queue_rows", recording)
     together = run(engine, turns)
@@ -323,10 +323,10 @@ def test_a_row_whose_cache_cannot_be_taken_fails_alone_when_rows_end_together(ll
     llama, engine, turns = ending_together(llama, "f")
     real = engine_module.queue_rows
 
-    def failing(batch, rows, drop=0):
+    def failing(batch, rows, drop=0, together=True):
         if 1 in rows:
             raise RuntimeError("device lost row 1")
-        return real(batch, rows, drop)
+        return real(batch, rows, drop, together)
 
     monkeypatch.setattr(engine_module, "queue_rows", failing)
     out = run(engine, turns)
@@ -334,6 +334,27 @@ def test_a_row_whose_cache_cannot_be_taken_fails_alone_when_rows_end_together(ll
     for t in (turns[0], turns[2]):
         assert out[t.turn_id].tokens == solo(llama, t).tokens
     assert engine.reserved == 0 and not engine.has_work()
+
+
+def test_rows_whose_all_layers_extraction_fails_are_taken_a_layer_at_a_time(llama, monkeypatch):
+    """Where taking a row from every layer at once fails (a kernel that does not compile, a buffer too large), the
+    retry takes each row a layer at a time: no turn fails."""
+    import runtime.engine as engine_module
+
+    llama, engine, turns = ending_together(llama, "g")
+    real, retried = engine_module.queue_rows, []
+
+    def failing_together(batch, rows, drop=0, together=True):
+        if together:
+            raise RuntimeError("the all-layers kernel did not compile")
+        retried.append(list(rows))
+        return real(batch, rows, drop, together)
+
+    monkeypatch.setattr(engine_module, "queue_rows", failing_together)
+    out = run(engine, turns)
+    assert sorted(retried) == [[0], [1], [2]]
+    for t in turns:
+        assert out[t.turn_id].tokens == solo(llama, t).tokens
 
 
 def test_one_long_turn_does_not_make_every_row_allocate_its_length(llama):
@@ -469,11 +490,14 @@ def test_streamed_pieces_add_up_to_the_text(llama):
     assert "".join(pieces) == r.text
 
 
-def test_warmup_leaves_the_engine_idle_and_output_unchanged(llama):
+def test_warmup_leaves_the_engine_idle_and_output_unchanged(llama, monkeypatch):
+    from runtime import q4cache
+
     model, tokenizer, spec, opts = llama
     turn = Turn("t", "t", None, encode(tokenizer, "after a warm up"), max_tokens=8)
     engine = Engine(model, tokenizer, spec, **opts, max_batch=3, max_prefill_chunk=256)
-    seen = []
+    seen, at_once, real = [], [], q4cache._all_layers
+    monkeypatch.setattr(q4cache, "_all_layers", lambda *a: at_once.append(a[1]) or real(*a))
     assert engine.warmup(lambda done, total, what: seen.append((done, total))) > 0
     assert seen[-1][0] == seen[-1][1] and not engine.has_work() and engine.peak_admitted == 3
     assert {rows for rows, *_ in engine.stats.decode_steps} == {1, 2, 3}  # every batch size decoded
@@ -481,8 +505,7 @@ def test_warmup_leaves_the_engine_idle_and_output_unchanged(llama):
     assert {"join", "leave", "chunk", ""} <= changes  # the step profile names what changed before a step
     assert any(context > 0 for _, context, _, _ in engine.stats.prefill_chunks)  # a chunk after a cache (hot)
     if engine.route == "q4kernel":  # a turn ended in a decode step: the all-layers extraction compiled now
-        from runtime import q4columns
-        assert spec.n_layers in q4columns._kernels
+        assert at_once
     assert run(engine, [turn])["t"].tokens == solo(llama, turn).tokens
 
 
