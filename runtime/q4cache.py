@@ -958,8 +958,7 @@ def _one_launch(batch) -> bool:
     route, with one head count, and at each of the six tensors one last dim and dtype."""
     if len(batch) < 2 or any(layer.route != "q4kernel" or layer.keys is None for layer in batch):
         return False
-    kinds = {tuple((x.shape[1], x.shape[3], x.dtype) for x in (*layer.keys, *layer.values)) for layer in batch}
-    return len(kinds) == 1
+    return q4columns.mismatch([(layer.keys, layer.values) for layer in batch]) is None
 
 
 def filter_cache(batch, keep) -> None:

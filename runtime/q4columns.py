@@ -108,6 +108,28 @@ def params(layout_: tuple, plan, width: int) -> mx.array:
     return mx.array([width, *layout_] + [int(v) for span in plan for v in span], dtype=mx.int32)
 
 
+def mismatch(sources) -> str | None:
+    """Why `gather` cannot read `sources` in one launch (what its ValueError says), or None where it can: one or
+    more sources of six tensors, each (B, H, W, C) with one B and W a source and one H in all, and at each of the
+    six places one C and dtype in all."""
+    tensors = [(*keys, *values) for keys, values in sources]
+    if not tensors or any(len(t) != 6 for t in tensors):
+        return f"gather reads one or more sources of six tensors each; got {[len(t) for t in tensors]}"
+    first = None
+    for t in tensors:
+        shapes = [x.shape for x in t]
+        if any(len(s) != 4 or s[:3] != shapes[0][:3] for s in shapes):
+            return ("gather reads (words, scales, biases) of keys and of values, each (B, H, W, ...) with one B and W "
+                    f"a source and one H in all; got shapes {[tuple(s) for s in shapes]}")
+        kinds = [(s[1], s[3], x.dtype) for s, x in zip(shapes, t)] if len(tensors) > 1 else None
+        if first is None:
+            first = kinds
+        elif kinds != first:
+            return ("gather's sources must match in each tensor's head count, last dim and dtype; got "
+                    f"{first} and {kinds}")
+    return None
+
+
 def gather(sources, plan, width: int, params_array=None):
     """Rows of packed caches copied into new buffers of `width` columns, in one launch.
 
@@ -121,20 +143,12 @@ def gather(sources, plan, width: int, params_array=None):
     input's dtype, bit for bit the input's columns. `params_array`: `params(layout(sources), plan, width)`,
     made here if not given. Raises ValueError for arguments out of range. CUDA only.
     """
+    reason = mismatch(sources)
+    if reason:
+        raise ValueError(reason)
     tensors = [(*keys, *values) for keys, values in sources]
-    if not tensors or any(len(t) != 6 for t in tensors):
-        raise ValueError(f"gather reads one or more sources of six tensors each; got {[len(t) for t in tensors]}")
     shapes = [[x.shape for x in t] for t in tensors]
     H = shapes[0][0][1]
-    for t, sh in zip(tensors, shapes):
-        if any(len(s) != 4 or s[:3] != sh[0][:3] or s[1] != H for s in sh):
-            raise ValueError("gather reads (words, scales, biases) of keys and of values, each (B, H, W, ...) with "
-                             f"one B and W a source and one H in all; got shapes {[tuple(s) for s in sh]}")
-    for t, sh in zip(tensors[1:], shapes[1:]):
-        if any(x[3] != y[3] or a.dtype != b.dtype for x, y, a, b in zip(shapes[0], sh, tensors[0], t)):
-            raise ValueError("gather's sources must match in each tensor's last dim and dtype; got "
-                             f"{[(s[3], x.dtype) for s, x in zip(shapes[0], tensors[0])]} and "
-                             f"{[(s[3], x.dtype) for s, x in zip(sh, t)]}")
     if not plan:
         raise ValueError("gather needs at least one row in its plan")
     for source, row, start, stop, at in plan:
