@@ -104,6 +104,8 @@ def engine_profile(stats_list, seen=()) -> dict:
         build_p50_ms=statistics.median(s.build_s for s in steps) * 1e3 if steps else 0,
         # steps where rows ended: the hand-over (`DecodeStep.finish_s`), and the rest of taking the tokens
         end_split_ms=end_split(steps),
+        # what a decoding row waits between two tokens (`DecodeStep.gap_s`): p50, p99, max ms, and by change
+        token_gaps_ms=token_gaps(steps),
         # steps by what changed in the batch before them (EngineStats): count, p50 and max ms
         steps_by_change={k: [len(v), round(statistics.median(s.total_s for s in v) * 1e3, 2),
                              round(max(s.total_s for s in v) * 1e3, 2)] for k, v in by_change(steps).items()},
@@ -117,7 +119,7 @@ def engine_profile(stats_list, seen=()) -> dict:
         # raw, for a closer look in the JSON: every chunk, and every decode step
         chunks_raw=[[n, ctx, round(sec, 5), rows] for n, ctx, sec, rows in chunks],
         # (rows, build, wait, total seconds, changes, start, of build: in mx.async_eval, rows ended,
-        # of total: handing their turns over)
+        # of total: handing their turns over, since the batch's step before began)
         steps_raw=[step_raw(s) for s in steps],
     )
 
@@ -132,6 +134,17 @@ def end_split(steps) -> dict:
     return {n: [len(v), round(statistics.median(s.finish_s for s in v) * 1e3, 2),
                 round(statistics.median(s.total_s - s.build_s - s.wait_s - s.finish_s for s in v) * 1e3, 2)]
             for n, v in sorted(groups.items())}
+
+
+def token_gaps(steps) -> dict:
+    """The gaps between a batch's decode steps (`DecodeStep.gap_s`, its first steps left out): count, p50, p99
+    and max ms, and per kind of change before the step (as `by_change`) [count, p50 ms, max ms]."""
+    gaps = [s for s in steps if s.gap_s > 0]
+    ranked_ms = sorted(s.gap_s * 1e3 for s in gaps) or [0.0]
+    return dict(count=len(gaps), p50=round(ranked(ranked_ms, 0.5), 2), p99=round(ranked(ranked_ms, 0.99), 2),
+                max=round(ranked_ms[-1], 2),
+                by_change={k: [len(v), round(statistics.median(s.gap_s for s in v) * 1e3, 2),
+                               round(max(s.gap_s for s in v) * 1e3, 2)] for k, v in by_change(gaps).items()})
 
 
 def by_change(steps) -> dict:
@@ -155,9 +168,9 @@ def print_os(seen: dict | None) -> None:
 
 def step_raw(s) -> list:
     """A `DecodeStep` as the JSON's `steps_raw` stores it: rows, build, wait, total, changes, start, queue, ended,
-    finish."""
+    finish, gap."""
     return [s.rows, round(s.build_s, 5), round(s.wait_s, 5), round(s.total_s, 5), s.changes, round(s.start, 4),
-            round(s.queue_s, 5), s.ended, round(s.finish_s, 5)]
+            round(s.queue_s, 5), s.ended, round(s.finish_s, 5), round(s.gap_s, 5)]
 
 
 def actors(model_path, cache_dir, systems, messages, new, seen=(), warmup=False):
@@ -381,7 +394,9 @@ def main(argv=None) -> int:
                         f"p50 {parts['step_p50_ms']:.1f} ms, p99 {parts['step_p99_ms']:.1f} ms, of which building the graph "
                         f"{parts['build_p50_ms']:.1f} ms (p50); steps by what changed in the batch before them (+end: rows ended at the step) "
                         f"(count, p50 ms, max ms): {parts['steps_by_change']}; where rows ended, by how many (steps, p50 ms handing "
-                        f"their turns over, p50 ms of the rest of taking the tokens): {parts['end_split_ms']}; Python's garbage collections in every thread "
+                        f"their turns over, p50 ms of the rest of taking the tokens): {parts['end_split_ms']}; what a decoding row "
+                        f"waits between two tokens (the gaps between a batch's steps, prefill chunks between them "
+                        f"included): {parts['token_gaps_ms']}; Python's garbage collections in every thread "
                         f"(generation: count, total ms, longest ms): {parts['gc_pauses']}; {parts['cold_chunks']} cold prefill chunks "
                         f"({parts['cold_tokens']} tokens) {parts['cold_chunk_s']:.1f} s; {parts['hot_chunks']} prefill chunks "
                         f"after a cache ({parts['hot_rows']} turns' chunks, {parts['hot_tokens']} tokens) "

@@ -160,6 +160,8 @@ class DecodeStep(NamedTuple):
     start: float  # when the step began
     ended: int = 0  # rows whose turns ended at this step's tokens (their caches queued within total_s)
     finish_s: float = 0.0  # of total_s, handing those turns over (`_finish`: their caches' extraction queued)
+    gap_s: float = 0.0  # since the batch's step before began (what a decoding row waits between two tokens, the
+    # prefill chunks and hand-overs between the steps included); 0 for a batch's first step
 
 
 @dataclass
@@ -172,7 +174,9 @@ class EngineStats:
     `Engine._drop_finished`), "chunk" (a prefill chunk ran), "grow" (the buffers widened
     for this step); "" for none (a batch whose last row ends is dropped, and no step
     records that). `rows` counts the batch's rows, finished ones not yet filtered out
-    included; `ended` the rows whose turns ended at the step;
+    included; `ended` the rows whose turns ended at the step; `gap_s` the time since the batch's
+    step before began, which is what a row decoding through both waits between its tokens
+    (the prefill chunks run between the steps included);
     `prefill_chunks`: (tokens fed, tokens of context before (the longest row's),
     seconds, rows) per chunk.
 
@@ -287,6 +291,7 @@ class Engine:
         self._changes: set = set()  # what happened to the batch since the last decode step (EngineStats)
         self._queued = 0.0  # seconds in mx.async_eval since the decode step began (DecodeStep.queue_s)
         self._finishing = 0.0  # seconds in the last `_accept`'s `_finish` (DecodeStep.finish_s)
+        self._last_step = None  # when the batch's last recorded decode step began (DecodeStep.gap_s)
         self.peak_admitted = 0
         self.stats = EngineStats()
         per_token = spec.q4_bytes_per_token()
@@ -615,6 +620,7 @@ class Engine:
             if self._next is None:
                 self._drop_finished()  # rows that ended at their first token (none was fed), in a new shape anyway
                 self._next = self._forward(mx.array([[r.generated[-1]] for r in self._rows]))
+                self._last_step = None  # a new batch: its rows' first tokens came from their prefill
                 return []
             current = self._next
             self._next = self._forward(current[:, None])
@@ -630,8 +636,10 @@ class Engine:
         live = len(self.decoding)
         done = self._accept(list(enumerate(tokens)), fed=True)
         seconds = time.perf_counter() - t0  # taking the tokens too: where rows end, the batch changes
+        gap = 0.0 if self._last_step is None else t0 - self._last_step
+        self._last_step = t0
         self.stats.decode_steps.append(DecodeStep(len(tokens), built - t0, self._queued, waited, seconds,
-                                                   changes, t0, live - len(self.decoding), self._finishing))
+                                                   changes, t0, live - len(self.decoding), self._finishing, gap))
         self.stats.count_shape(shape, seconds)
         return done
 

@@ -509,6 +509,30 @@ def test_warmup_leaves_the_engine_idle_and_output_unchanged(llama, monkeypatch):
     assert run(engine, [turn])["t"].tokens == solo(llama, turn).tokens
 
 
+def test_decode_steps_record_the_gap_a_decoding_row_waits_prefill_chunks_included(llama):
+    """`DecodeStep.gap_s`: the time since the batch's step before began (so a chunk prefilled between two steps
+    counts in it), 0 for a batch's first step."""
+    model, tokenizer, spec, opts = llama
+    engine = Engine(model, tokenizer, spec, **opts, max_prefill_chunk=16)
+    engine.submit(Turn("a", "a", None, encode(tokenizer, "count to ten"), max_tokens=30))
+    while not engine.decoding:
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    chunks_before = len(engine.stats.prefill_chunks)
+    out = run(engine, [Turn("b", "b", None, encode(tokenizer, "a prompt of several chunks " * 5), max_tokens=4)])
+    assert set(out) == {"a", "b"}
+    steps = list(engine.stats.decode_steps)
+    assert steps[0].gap_s == 0
+    for before, step in zip(steps, steps[1:]):
+        assert step.gap_s in (0, step.start - before.start)
+    chunk = min(c[2] for c in list(engine.stats.prefill_chunks)[chunks_before:])
+    after_chunks = [(before, step) for before, step in zip(steps, steps[1:]) if "chunk" in step.changes and step.gap_s]
+    assert after_chunks  # "a" decoded while "b" prefilled
+    assert all(step.gap_s >= before.total_s + chunk for before, step in after_chunks)
+    assert sum(1 for s in steps if s.gap_s == 0) == 1  # one batch throughout
+
+
 def test_prefill_reports_progress_after_every_chunk_and_a_failing_report_fails_only_its_turn(llama):
     model, tokenizer, spec, opts = llama
     engine = Engine(model, tokenizer, spec, **opts, max_prefill_chunk=16)
