@@ -119,7 +119,7 @@ def engine_profile(stats_list, seen=()) -> dict:
         # raw, for a closer look in the JSON: every chunk, and every decode step
         chunks_raw=[[n, ctx, round(sec, 5), rows] for n, ctx, sec, rows in chunks],
         # (rows, build, wait, total seconds, changes, start, of build: in mx.async_eval, rows ended,
-        # of total: handing their turns over, since the batch's step before began)
+        # of total: handing their turns over, since the batch's step before began, of that: prefill chunks)
         steps_raw=[step_raw(s) for s in steps],
     )
 
@@ -138,13 +138,22 @@ def end_split(steps) -> dict:
 
 def token_gaps(steps) -> dict:
     """The gaps between a batch's decode steps (`DecodeStep.gap_s`, its first steps left out): count, p50, p99
-    and max ms, and per kind of change before the step (as `by_change`) [count, p50 ms, max ms]."""
-    gaps = [s for s in steps if s.gap_s > 0]
-    ranked_ms = sorted(s.gap_s * 1e3 for s in gaps) or [0.0]
-    return dict(count=len(gaps), p50=round(ranked(ranked_ms, 0.5), 2), p99=round(ranked(ranked_ms, 0.99), 2),
+    and max ms, and per kind of change before the step (as `by_change`) [count, p50 ms, max ms, p50 ms of prefill
+    chunks in it, p50 ms of the rest after the step before (admissions, merges, hand-overs, the actors' messages)]."""
+    pairs = [(before, s) for before, s in zip(steps, steps[1:]) if s.gap_s > 0]
+    ranked_ms = sorted(s.gap_s * 1e3 for _, s in pairs) or [0.0]
+    groups = collections.defaultdict(list)
+    for before, s in pairs:
+        groups[(s.changes or "none") + ("+end" if s.ended else "")].append((before, s))
+
+    def ms(values):
+        return round(statistics.median(values) * 1e3, 2)
+
+    return dict(count=len(pairs), p50=round(ranked(ranked_ms, 0.5), 2), p99=round(ranked(ranked_ms, 0.99), 2),
                 max=round(ranked_ms[-1], 2),
-                by_change={k: [len(v), round(statistics.median(s.gap_s for s in v) * 1e3, 2),
-                               round(max(s.gap_s for s in v) * 1e3, 2)] for k, v in by_change(gaps).items()})
+                by_change={k: [len(v), ms(s.gap_s for _, s in v), round(max(s.gap_s for _, s in v) * 1e3, 2),
+                               ms(s.chunks_s for _, s in v), ms(s.gap_s - s.chunks_s - b.total_s for b, s in v)]
+                           for k, v in sorted(groups.items())})
 
 
 def by_change(steps) -> dict:
@@ -168,9 +177,9 @@ def print_os(seen: dict | None) -> None:
 
 def step_raw(s) -> list:
     """A `DecodeStep` as the JSON's `steps_raw` stores it: rows, build, wait, total, changes, start, queue, ended,
-    finish, gap."""
+    finish, gap, chunks."""
     return [s.rows, round(s.build_s, 5), round(s.wait_s, 5), round(s.total_s, 5), s.changes, round(s.start, 4),
-            round(s.queue_s, 5), s.ended, round(s.finish_s, 5), round(s.gap_s, 5)]
+            round(s.queue_s, 5), s.ended, round(s.finish_s, 5), round(s.gap_s, 5), round(s.chunks_s, 5)]
 
 
 def actors(model_path, cache_dir, systems, messages, new, seen=(), warmup=False):

@@ -162,6 +162,7 @@ class DecodeStep(NamedTuple):
     finish_s: float = 0.0  # of total_s, handing those turns over (`_finish`: their caches' extraction queued)
     gap_s: float = 0.0  # since the batch's step before began (what a decoding row waits between two tokens, the
     # prefill chunks and hand-overs between the steps included); 0 for a batch's first step
+    chunks_s: float = 0.0  # of gap_s, prefill chunks run since the step before
 
 
 @dataclass
@@ -176,7 +177,7 @@ class EngineStats:
     records that). `rows` counts the batch's rows, finished ones not yet filtered out
     included; `ended` the rows whose turns ended at the step; `gap_s` the time since the batch's
     step before began, which is what a row decoding through both waits between its tokens
-    (the prefill chunks run between the steps included);
+    (the prefill chunks run between the steps included, `chunks_s` of it);
     `prefill_chunks`: (tokens fed, tokens of context before (the longest row's),
     seconds, rows) per chunk.
 
@@ -292,6 +293,7 @@ class Engine:
         self._queued = 0.0  # seconds in mx.async_eval since the decode step began (DecodeStep.queue_s)
         self._finishing = 0.0  # seconds in the last `_accept`'s `_finish` (DecodeStep.finish_s)
         self._last_step = None  # when the batch's last recorded decode step began (DecodeStep.gap_s)
+        self._chunked = 0.0  # seconds of prefill chunks since then (DecodeStep.chunks_s)
         self.peak_admitted = 0
         self.stats = EngineStats()
         per_token = spec.q4_bytes_per_token()
@@ -636,10 +638,11 @@ class Engine:
         live = len(self.decoding)
         done = self._accept(list(enumerate(tokens)), fed=True)
         seconds = time.perf_counter() - t0  # taking the tokens too: where rows end, the batch changes
-        gap = 0.0 if self._last_step is None else t0 - self._last_step
-        self._last_step = t0
+        gap, chunked = (0.0, 0.0) if self._last_step is None else (t0 - self._last_step, self._chunked)
+        self._last_step, self._chunked = t0, 0.0
         self.stats.decode_steps.append(DecodeStep(len(tokens), built - t0, self._queued, waited, seconds,
-                                                   changes, t0, live - len(self.decoding), self._finishing, gap))
+                                                   changes, t0, live - len(self.decoding), self._finishing, gap,
+                                                   chunked))
         self.stats.count_shape(shape, seconds)
         return done
 
@@ -664,6 +667,7 @@ class Engine:
 
     def _chunk_done(self, t0, tokens, context, shape, rows):
         seconds = time.perf_counter() - t0
+        self._chunked += seconds
         self.stats.prefill_chunks.append((tokens, context, seconds, rows))
         self.stats.count_shape(shape, seconds)
         return seconds

@@ -511,7 +511,7 @@ def test_warmup_leaves_the_engine_idle_and_output_unchanged(llama, monkeypatch):
 
 def test_decode_steps_record_the_gap_a_decoding_row_waits_prefill_chunks_included(llama):
     """`DecodeStep.gap_s`: the time since the batch's step before began (so a chunk prefilled between two steps
-    counts in it), 0 for a batch's first step."""
+    counts in it, `chunks_s` of it), 0 for a batch's first step."""
     model, tokenizer, spec, opts = llama
     engine = Engine(model, tokenizer, spec, **opts, max_prefill_chunk=16)
     engine.submit(Turn("a", "a", None, encode(tokenizer, "count to ten"), max_tokens=30))
@@ -526,10 +526,11 @@ def test_decode_steps_record_the_gap_a_decoding_row_waits_prefill_chunks_include
     assert steps[0].gap_s == 0
     for before, step in zip(steps, steps[1:]):
         assert step.gap_s in (0, step.start - before.start)
-    chunk = min(c[2] for c in list(engine.stats.prefill_chunks)[chunks_before:])
+    chunks = [c[2] for c in list(engine.stats.prefill_chunks)[chunks_before:]]
     after_chunks = [(before, step) for before, step in zip(steps, steps[1:]) if "chunk" in step.changes and step.gap_s]
     assert after_chunks  # "a" decoded while "b" prefilled
-    assert all(step.gap_s >= before.total_s + chunk for before, step in after_chunks)
+    assert all(step.chunks_s in chunks and step.gap_s >= before.total_s + step.chunks_s for before, step in after_chunks)
+    assert all(step.chunks_s == 0 for step in steps if "chunk" not in step.changes)
     assert sum(1 for s in steps if s.gap_s == 0) == 1  # one batch throughout
 
 
