@@ -9,7 +9,10 @@ system + turns x (turn + new). The same conversation is served by:
       token-prefix matched, one agent at a time;
   (c) kvactors: agents as actors, the agents of a round batched, Q4 caches on
       disk, with a full Runtime restart halfway (caches reload from disk).
-Total wall time, TTFT per turn, and peak MLX memory for each.
+Total wall time, TTFT per turn, and peak MLX memory for each; for (c), the engine's
+profile in place: decode steps by what changed before them, the hand-over where rows
+ended, and what a decoding row waits between two tokens (the gaps between a batch's
+steps, the prefill chunks run between them apart).
 
     python -m benchmarks.workload                                    # CPU, tiny model, small
     python -m benchmarks.workload --model llama-8b-shape --system-tokens 2000 --turn-tokens 200 --new 64   # GPU
