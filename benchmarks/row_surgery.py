@@ -52,8 +52,11 @@ def operations(spec, route, agents, room: int) -> dict:
     whole = batch(agents)
     rows = len(agents)
     return {
-        "extract 1 row": (lambda: whole, lambda b: queue_rows(b, [0], drop=1)),
-        "extract 2 rows": (lambda: whole, lambda b: queue_rows(b, [0, 1], drop=1)),
+        "extract 1 row": (lambda: whole, lambda b: taken(queue_rows(b, [0], drop=1))),
+        # on the kernel route a row leaves all the layers in one launch; the way before it, for comparison
+        "extract 1 row, a layer at a time": (lambda: whole,
+                                             lambda b: taken(queue_rows(b, [0], drop=1, together=False))),
+        "extract 2 rows": (lambda: whole, lambda b: taken(queue_rows(b, [0, 1], drop=1))),
         "merge 1 row": (lambda: agents[-1], lambda a: states(merge_caches(spec, [a], route, room=room))),
         "join 1 row": (lambda: (batch(agents[:-1]), batch(agents[-1:])),
                        lambda p: (extend_cache(p[0], p[1], room), states(p[0]))[1]),
@@ -62,10 +65,22 @@ def operations(spec, route, agents, room: int) -> dict:
         "grow": (lambda: batch(agents, 1), lambda b: (reserve_cache(b, 512), states(b))[1]),  # past its width
         # a step where most rows end, as the engine's `_accept` does it: their caches taken, then the batch filtered
         # once finished rows outnumber the decoding ones
-        "end most rows": (lambda: batch(agents), lambda b: [queue_rows(b, list(range(rows // 2 + 1)), drop=1),
-                                                           filter_cache(b, list(range(rows // 2 + 1, rows))),
-                                                           states(b)]),
+        "end most rows": (lambda: batch(agents), lambda b: end_most(b, rows, True)),
+        "end most rows, a layer at a time": (lambda: batch(agents), lambda b: end_most(b, rows, False)),
     }
+
+
+def end_most(b, rows: int, together: bool) -> list:
+    """A step where most of the `rows` rows of batch `b` end: their caches taken (`queue_rows`, `together`), then
+    the batch filtered; the arrays to evaluate."""
+    caches = taken(queue_rows(b, list(range(rows // 2 + 1)), drop=1, together=together))
+    filter_cache(b, list(range(rows // 2 + 1, rows)))
+    return [caches, states(b)]
+
+
+def taken(rows) -> list:
+    """The arrays of `queue_rows`'s per-agent caches (the caches themselves are not arrays MLX evaluates)."""
+    return [(c.keys, c.values) for caches in rows for c in caches if c.keys is not None]
 
 
 def measure(setup, run, fresh: bool, reps: int) -> dict:
