@@ -926,12 +926,12 @@ def queue_rows(batch, rows, drop: int = 0, together: bool = True) -> list:
     `together`: on the kernel route, take each row from all the layers in one launch where they allow it
     (`_all_layers`); False takes it a layer at a time (a retry after a failure).
     """
-    out = []
+    out, at_once = [], together and _one_launch(batch)  # the same for every row of one batch
     for i in rows:
         # each layer's own padding: a bounded sliding layer stores fewer columns than a full one
         parts = [layer._extracted(i, drop, *layer.row_place(i)) for layer in batch]
         spans = {span for _, span in parts}
-        if together and len(spans) == 1 and None not in spans and _one_launch(batch):
+        if at_once and len(spans) == 1 and None not in spans:
             out.append(_all_layers(batch, i, *spans, [c for c, _ in parts]))
         else:
             out.append([layer._filled(i, c, span) for layer, (c, span) in zip(batch, parts)])
