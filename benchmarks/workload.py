@@ -110,8 +110,8 @@ def engine_profile(stats_list, seen=()) -> dict:
         # what a decoding row waits between two tokens (`DecodeStep.gap_s`): p50, p99, max ms, and by change
         token_gaps_ms=token_gaps(steps),
         # steps by what changed in the batch before them (EngineStats): count, p50 and max ms
-        steps_by_change={k: [len(v), round(statistics.median(s.total_s for s in v) * 1e3, 2),
-                             round(max(s.total_s for s in v) * 1e3, 2)] for k, v in by_change(steps).items()},
+        steps_by_change={k: [len(v), median_ms(s.total_s for s in v), round(max(s.total_s for s in v) * 1e3, 2)]
+                         for k, v in by_change(steps).items()},
         cold_chunks=len(cold), cold_chunk_s=sum(c[2] for c in cold), cold_tokens=sum(c[0] for c in cold),
         hot_chunks=len(hot), hot_chunk_s=sum(c[2] for c in hot), hot_tokens=sum(c[0] for c in hot),
         hot_rows=sum(c[3] for c in hot),
@@ -134,8 +134,8 @@ def end_split(steps) -> dict:
     for s in steps:
         if s.ended:
             groups[s.ended].append(s)
-    return {n: [len(v), round(statistics.median(s.finish_s for s in v) * 1e3, 2),
-                round(statistics.median(s.total_s - s.build_s - s.wait_s - s.finish_s for s in v) * 1e3, 2)]
+    return {n: [len(v), median_ms(s.finish_s for s in v),
+                median_ms(s.total_s - s.build_s - s.wait_s - s.finish_s for s in v)]
             for n, v in sorted(groups.items())}
 
 
@@ -147,16 +147,23 @@ def token_gaps(steps) -> dict:
     ranked_ms = sorted(s.gap_s * 1e3 for _, s in pairs) or [0.0]
     groups = collections.defaultdict(list)
     for before, s in pairs:
-        groups[(s.changes or "none") + ("+end" if s.ended else "")].append((before, s))
-
-    def ms(values):
-        return round(statistics.median(values) * 1e3, 2)
-
+        groups[change_kind(s)].append((before, s))
     return dict(count=len(pairs), p50=round(ranked(ranked_ms, 0.5), 2), p99=round(ranked(ranked_ms, 0.99), 2),
                 max=round(ranked_ms[-1], 2),
-                by_change={k: [len(v), ms(s.gap_s for _, s in v), round(max(s.gap_s for _, s in v) * 1e3, 2),
-                               ms(s.chunks_s for _, s in v), ms(s.gap_s - s.chunks_s - b.total_s for b, s in v)]
+                by_change={k: [len(v), median_ms(s.gap_s for _, s in v), round(max(s.gap_s for _, s in v) * 1e3, 2),
+                               median_ms(s.chunks_s for _, s in v),
+                               median_ms(s.gap_s - s.chunks_s - b.total_s for b, s in v)]
                            for k, v in sorted(groups.items())})
+
+
+def median_ms(seconds) -> float:
+    """The median of `seconds`, in milliseconds to two places."""
+    return round(statistics.median(seconds) * 1e3, 2)
+
+
+def change_kind(step) -> str:
+    """What changed in the batch before a `DecodeStep` ("none" for nothing), "+end" where rows ended at it."""
+    return (step.changes or "none") + ("+end" if step.ended else "")
 
 
 def by_change(steps) -> dict:
@@ -164,7 +171,7 @@ def by_change(steps) -> dict:
     rows ended at the step (their caches queued within it), sorted by that."""
     groups = collections.defaultdict(list)
     for s in steps:
-        groups[(s.changes or "none") + ("+end" if s.ended else "")].append(s)
+        groups[change_kind(s)].append(s)
     return dict(sorted(groups.items()))
 
 
