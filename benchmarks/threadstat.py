@@ -1,23 +1,33 @@
 """What the OS saw each thread of this process do, polled from /proc while a benchmark runs (Linux only).
 
-`ThreadStats` reads, every `interval` seconds, each task's time on a CPU and time
-waiting in the run queue (`/proc/self/task/<tid>/schedstat`, nanoseconds), its
-minor and major page faults and its kernel-mode ticks (`.../stat`), and the
+`ThreadStats` reads, every `interval` seconds from a child process (which neither
+waits for this process's GIL nor takes it), each task's time on a CPU and time
+waiting in the run queue (`/proc/<pid>/task/<tid>/schedstat`, nanoseconds), its
+minor and major page faults and its kernel-mode ticks (`.../stat`), what it is
+doing at the poll (`.../syscall`: running, or the system call it is blocked in, a
+futex with its address, which names the lock or condition it waits for), and the
 machine's busy and iowait CPU time (`/proc/stat`) and direct-reclaim stalls
 (`/proc/vmstat`). `during(t0, t1)` gives each thread's share of a window on the
 `time.perf_counter` clock, so a benchmark can ask of a slow step it timed itself:
-was its thread running, waiting for a CPU, or faulting pages; which other threads
-ran meanwhile; was the machine busy or reclaiming memory.
+was its thread running, waiting for a CPU, for a lock (and which: `futexes` says
+which threads were ever seen waiting on each address; Python's GIL is the one
+every Python thread waits on), or faulting pages; which other threads ran
+meanwhile; was the machine busy or reclaiming memory.
 
     with ThreadStats() as stats:
         run()
-    print(stats.during(t0, t1))
+    print(stats.during(t0, t1))  # once stopped: the polls are read at `stop`
 """
 
 from __future__ import annotations
 
 import bisect
+import collections
 import os
+import signal
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 
@@ -25,6 +35,9 @@ from benchmarks.sampler import Poller, thread_kind
 
 _TICK_MS = 1000 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 10.0
 _RECLAIM = ("allocstall", "pgscan_direct")  # /proc/vmstat counters that start with these: direct reclaim
+_SYSCALLS = {"0": "read", "1": "write", "7": "poll", "16": "ioctl", "17": "pread64", "23": "select", "24": "sched_yield",
+             "35": "nanosleep", "74": "fsync", "75": "fdatasync", "202": "futex", "230": "clock_nanosleep",
+             "232": "epoll_wait", "270": "pselect6", "271": "ppoll", "281": "epoll_pwait"}  # x86-64 numbers
 
 
 class _Files:
@@ -51,14 +64,54 @@ class _Files:
         self._fds.clear()
 
 
-def _task(files: _Files, tid: str) -> tuple | None:
+def _task(files: _Files, tid: str, root: str = "/proc/self/task") -> tuple | None:
     """(on-CPU ns, run-queue ns, minor faults, major faults, kernel ticks) of task `tid`, or None if it ended."""
-    sched, stat = files.read(f"/proc/self/task/{tid}/schedstat"), files.read(f"/proc/self/task/{tid}/stat")
+    sched, stat = files.read(f"{root}/{tid}/schedstat"), files.read(f"{root}/{tid}/stat")
     if sched is None or stat is None:
         return None
     run_ns, wait_ns = (int(x) for x in sched.split()[:2])
     fields = stat[stat.rindex(")") + 2 :].split()  # after the command name, which may hold spaces
     return run_ns, wait_ns, int(fields[7]), int(fields[9]), int(fields[12])
+
+
+def _state(files: _Files, tid: str, root: str = "/proc/self/task") -> str | None:
+    """What task `tid` is doing now: "running", the system call it is blocked in ("futex@<address>" for a
+    futex: the lock or condition variable), "syscall <n>" for one not named, or None if unreadable."""
+    text = files.read(f"{root}/{tid}/syscall")
+    if not text:
+        return None
+    fields = text.split()
+    if fields[0] == "running" or fields[0] == "-1":
+        return "running"
+    name = _SYSCALLS.get(fields[0], f"syscall {fields[0]}")
+    return f"futex@{fields[1]}" if name == "futex" and len(fields) > 1 else name
+
+
+def poll(pid: int, interval: float, out) -> None:
+    """Write a line to `out` every `interval` seconds for the tasks of process `pid` until SIGTERM:
+    "<perf_counter> <busy ticks> <iowait ticks> <reclaims>|<tid>,<run ns>,<wait ns>,<minflt>,<majflt>,<ticks>,<state>;..."."""
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    files, root, written = _Files(), f"/proc/{pid}/task", False
+    try:
+        while not stopping:
+            now = time.perf_counter()
+            entries = []
+            for tid in os.listdir(root):
+                row = _task(files, tid, root)
+                if row is not None:
+                    entries.append(",".join([tid, *map(str, row), _state(files, tid, root) or ""]))
+            busy, iowait, reclaim = _machine(files)
+            out.write(f"{now:.6f} {busy} {iowait} {reclaim}|{';'.join(entries)}\n")
+            if not written:
+                out.flush()  # the parent's start waits for it
+                written = True
+            time.sleep(max(0.0, interval - (time.perf_counter() - now)))
+    except FileNotFoundError:
+        pass  # the process ended
+    finally:
+        out.flush()
+        files.close()
 
 
 def _machine(files: _Files) -> tuple:
@@ -71,51 +124,86 @@ def _machine(files: _Files) -> tuple:
 
 
 class ThreadStats(Poller):
-    """Every task's CPU time, run-queue wait and faults, and the machine's load, polled between `start` and `stop`."""
+    """Every task's CPU time, run-queue wait, faults and wait state, and the machine's load, polled between
+    `start` and `stop` by a child process (`poll`), so that the polls neither wait for this process's GIL
+    nor take it from the threads they watch; a thread of this process names the tasks meanwhile."""
 
     thread_name = "thread-stats"
 
-    def __init__(self, interval: float = 0.01):
+    def __init__(self, interval: float = 0.005):
         self.interval = interval
-        self._times: list[float] = []  # perf_counter of each poll
+        self._times: list[float] = []  # perf_counter of each poll (CLOCK_MONOTONIC: one clock for both processes)
         self._tasks: list[dict[str, tuple]] = []  # per poll: tid -> _task(tid)
         self._machine: list[tuple] = []
+        self._states: list[dict[str, str]] = []  # per poll: tid -> _state(tid), for the tids of `_tasks`
         self._names: dict[str, str] = {}  # native thread id -> the Python thread's name last seen
+        self._child = self._out = None
         super().__init__()
 
     def start(self) -> "ThreadStats":
-        """Start polling on a daemon thread; raises RuntimeError off Linux (no /proc/self/task)."""
+        """Start the polling process and the naming thread, and return once the first poll is written; raises
+        RuntimeError off Linux (no /proc/self/task) or if the process ends first."""
         if not os.path.isdir("/proc/self/task"):
             raise RuntimeError("ThreadStats reads /proc/self/task: Linux only")
+        self._out = tempfile.TemporaryFile("w+")
+        paths = os.pathsep.join(p or os.getcwd() for p in sys.path)
+        self._child = subprocess.Popen([sys.executable, "-m", "benchmarks.threadstat", str(os.getpid()),
+                                        str(self.interval)], stdout=self._out, env=dict(os.environ, PYTHONPATH=paths))
+        while not os.fstat(self._out.fileno()).st_size:
+            if self._child.poll() is not None:
+                raise RuntimeError(f"the polling process ended before its first poll (exit {self._child.returncode})")
+            time.sleep(0.001)
         return super().start()
 
+    def stop(self) -> None:
+        """Stop polling and read the polls (a SIGTERM ends the child after its poll in progress)."""
+        super().stop()
+        if self._child is None:
+            return
+        self._child.terminate()
+        self._child.wait()
+        self._child = None
+        self._out.seek(0)
+        for line in self._out:
+            self._read_poll(line)
+        self._out.close()
+
     def _run(self):
-        files = _Files()
-        try:
-            while True:
-                for t in threading.enumerate():
-                    if t.native_id is not None:
-                        self._names[str(t.native_id)] = t.name
-                now = time.perf_counter()
-                tasks = {tid: row for tid in os.listdir("/proc/self/task") if (row := _task(files, tid)) is not None}
-                self._times.append(now)
-                self._tasks.append(tasks)
-                self._machine.append(_machine(files))
-                if self._stop.wait(self.interval):
-                    return
-        finally:
-            files.close()
+        while True:
+            for t in threading.enumerate():
+                if t.native_id is not None:
+                    self._names[str(t.native_id)] = t.name
+            if self._stop.wait(0.05):
+                return
+
+    def _read_poll(self, line: str) -> None:
+        head, _, body = line.rstrip("\n").partition("|")
+        if not body:
+            return  # a poll cut short by the stop
+        now, busy, iowait, reclaim = head.split()
+        tasks, states = {}, {}
+        for entry in body.split(";"):
+            tid, *counts, state = entry.split(",")
+            tasks[tid] = tuple(int(x) for x in counts)
+            if state:
+                states[tid] = state
+        self._times.append(float(now))
+        self._machine.append((int(busy), int(iowait), int(reclaim)))
+        self._tasks.append(tasks)
+        self._states.append(states)
 
     def _kind(self, tid: str) -> str:
         name = self._names.get(tid)
         return thread_kind(name) if name else f"native {tid}"
 
     def during(self, start: float, end: float, top: int = 6) -> dict | None:
-        """What happened between the last poll at or before `start` and the first at or after `end`.
+        """What happened between the last poll at or before `start` and the first at or after `end` (after `stop`).
 
         `window_ms` is that span; `threads` the `top` tasks by CPU time as [kind, on-CPU ms,
-        run-queue ms, minor faults, major faults, kernel ms]; `machine` the busy and iowait CPUs
-        (averaged over the window) and the direct-reclaim events. None if the polls do not span it.
+        run-queue ms, minor faults, major faults, kernel ms]; `states`, in the same order, what each
+        was doing at the polls between `start` and `end` ({state: polls}, see `_state`); `machine` the busy and
+        iowait CPUs (averaged over the window) and the direct-reclaim events. None if the polls do
+        not span it.
         """
         a = bisect.bisect_right(self._times, start) - 1
         b = bisect.bisect_left(self._times, end)
@@ -129,10 +217,30 @@ class ThreadStats(Poller):
             run, wait, minflt, majflt, kernel = (x - y for x, y in zip(after, before))
             if run or wait:
                 rows.append([self._kind(tid), round(run / 1e6, 2), round(wait / 1e6, 2), minflt, majflt,
-                             round(kernel * _TICK_MS, 1)])
+                             round(kernel * _TICK_MS, 1), tid])
         rows.sort(key=lambda r: -r[1])
+        rows = rows[:top]
+        states = []
+        for row in rows:
+            tid = row.pop()
+            seen = collections.Counter(polled[tid] for polled in self._states[a + 1 : b] if tid in polled)
+            states.append(dict(seen.most_common()))
         (busy0, io0, rec0), (busy1, io1, rec1) = self._machine[a], self._machine[b]
         cpus = window * 1e3 / _TICK_MS
-        return dict(window_ms=round(window * 1e3, 2), threads=rows[:top],
+        return dict(window_ms=round(window * 1e3, 2), threads=rows, states=states,
                     machine=dict(busy_cpus=round((busy1 - busy0) / cpus, 2), iowait_cpus=round((io1 - io0) / cpus, 2),
                                  reclaim=rec1 - rec0))
+
+    def futexes(self) -> dict[str, list[str]]:
+        """Each futex address any task was seen blocked on, and the kinds of the threads seen there (sorted):
+        an address every Python thread waits on at some time is the GIL's."""
+        seen = collections.defaultdict(set)
+        for polled in self._states:
+            for tid, state in polled.items():
+                if state.startswith("futex@"):
+                    seen[state].add(self._kind(tid))
+        return {addr: sorted(kinds) for addr, kinds in sorted(seen.items(), key=lambda kv: -len(kv[1]))}
+
+
+if __name__ == "__main__":
+    poll(int(sys.argv[1]), float(sys.argv[2]), sys.stdout)

@@ -176,13 +176,14 @@ def by_change(steps) -> dict:
 
 
 def print_os(seen: dict | None) -> None:
-    """Print `ThreadStats.during`'s view of a step: each busy thread, then the machine."""
+    """Print `ThreadStats.during`'s view of a step: each busy thread (and what it was doing at the polls),
+    then the machine."""
     if not seen:
         return
     print(f"  OS, over {seen['window_ms']} ms of polls: machine {seen['machine']}", flush=True)
-    for kind, run, wait, minflt, majflt, kernel in seen["threads"]:
+    for (kind, run, wait, minflt, majflt, kernel), states in zip(seen["threads"], seen["states"]):
         print(f"  {run:8.2f} ms on a CPU, {wait:6.2f} ms waiting for one, {minflt:6d} minor / {majflt} major faults, "
-              f"{kernel:5.1f} ms in the kernel  {kind}", flush=True)
+              f"{kernel:5.1f} ms in the kernel  {kind}  {states}", flush=True)
 
 
 def step_raw(s) -> list:
@@ -307,8 +308,9 @@ def main(argv=None) -> int:
     ap.add_argument("--trace-cuda", action="store_true",
                     help="trace the host's CUDA calls during (c) with CUPTI and sum them per decode step (CUDA only)")
     ap.add_argument("--thread-stats", action="store_true",
-                    help="poll every thread's CPU time, run-queue wait and page faults from /proc during (c) and "
-                         "give them for the slowest decode steps and for typical ones (Linux only)")
+                    help="poll every thread's CPU time, run-queue wait, page faults and wait state (running, or the "
+                         "system call it is blocked in: a futex names its lock) from /proc during (c), from a child "
+                         "process, and give them for the slowest decode steps and for typical ones (Linux only)")
     args = ap.parse_args(argv)
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
@@ -369,7 +371,7 @@ def main(argv=None) -> int:
                     print(f"  {ms:8.3f} ms  {n:7.1f}x  {thread}: {fn}", flush=True)
         if sampler or trace or stats:
             # the slowest decode steps: where every thread was sampled, what the host called, and what the OS saw
-            slowest = sorted(steps, key=lambda st: -st.total_s)[:12]
+            slowest = sorted(steps, key=lambda st: -st.total_s)[:20]
             spans = [(st.start, st.start + st.total_s) for st in slowest]
             parts["slowest_steps"] = [[step_raw(st), sampler.during(*span, top=14) if sampler else None,
                                        trace.during(*span, top=10) if trace else None,
@@ -393,6 +395,10 @@ def main(argv=None) -> int:
             for st, (_, seen) in zip(typical, parts["typical_steps"]):
                 print(f"\ntypical step: rows {st.rows}, total {st.total_s * 1e3:.1f} ms", flush=True)
                 print_os(seen)
+            parts["futexes"] = stats.futexes()
+            print("\nfutex addresses waited on by most kinds of thread (the GIL's among them):", flush=True)
+            for addr, kinds in list(parts["futexes"].items())[:8]:
+                print(f"  {addr}: {', '.join(kinds)}", flush=True)
         message_tokens = [len(tokenizer.encode(m, add_special_tokens=False)) for t in range(args.turns) for m in
                           [messages[a][t] for a in range(args.agents)]]
         rows.append(dict(variant="c: kvactors (restart halfway)", total_s=total, ttft_mean_s=statistics.mean(ttfts),

@@ -1,6 +1,7 @@
 """The profiling tools of `benchmarks/` that the GPU runs depend on, checked where they can run: here CUPTI
 cannot exist, so `CudaCalls` reads a stand-in `cupti` module that hands it records as CUPTI's activity API does."""
 
+import os
 import sys
 import threading
 import time
@@ -8,6 +9,9 @@ import types
 
 from benchmarks.cuda_calls import CudaCalls
 from benchmarks.sampler import StackSampler
+from benchmarks.threadstat import ThreadStats
+
+import pytest
 
 
 def stand_in_cupti(thread_id):
@@ -53,3 +57,27 @@ def test_stack_sampler_counts_where_a_thread_waits():
     stop.set()
     worker.join()
     assert "AgentActor" in sampler.table()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="ThreadStats reads /proc (Linux)")
+def test_thread_stats_say_which_lock_a_thread_waits_on_and_who_else_waited_there():
+    gate, spin_until = threading.Semaphore(0), time.perf_counter() + 0.3
+    waiters = [threading.Thread(target=gate.acquire, name=f"AgentActor-{i}") for i in (1, 2)]
+    spinner = threading.Thread(target=lambda: [None for _ in iter(lambda: time.perf_counter() > spin_until, True)],
+                               name="BatcherActor-1")
+    with ThreadStats(interval=0.005) as stats:
+        for t in waiters + [spinner]:
+            t.start()
+        t0 = time.perf_counter()
+        time.sleep(0.2)
+        t1 = time.perf_counter()
+        gate.release(2)
+        for t in waiters + [spinner]:
+            t.join()
+    seen = stats.during(t0, t1)  # polled by another process: 5 ms apart even while a thread here keeps the GIL
+    states = {kind: s for (kind, *_), s in zip(seen["threads"], seen["states"]) if kind != "AgentActor"}
+    waiting = [s for (kind, *_), s in zip(seen["threads"], seen["states"]) if kind == "AgentActor"]
+    assert states["BatcherActor"].get("running", 0) >= 20
+    assert len(waiting) == 2 and all(len(s) == 1 and next(iter(s)).startswith("futex@0x") for s in waiting)
+    blocked = {next(iter(s)) for s in waiting}  # each waiter sleeps on a lock of its own (Condition.wait's)
+    assert all(stats.futexes()[addr] == ["AgentActor"] for addr in blocked)
