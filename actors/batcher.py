@@ -63,6 +63,7 @@ class BatcherActor(SupervisedActor):
 
     def on_start(self):
         self.thread = threading.current_thread()  # see runtime.api.facade: waited for at shutdown
+        self.engine.record_graphs()  # on this thread, whose stream the graphs are for
 
     def on_receive(self, message):
         if message is _STEP:

@@ -35,7 +35,7 @@ import mlx.core as mx
 from runtime import attention
 from runtime.detok import AnchoredDetokenizer
 from runtime.errors import KvactorsError
-from runtime.prepare import last_logits
+from runtime.prepare import last_logits, record_decode
 from runtime.qgemv import available as on_cuda
 from runtime.q4cache import (
     STEP,
@@ -360,6 +360,13 @@ class Engine:
             done += self._prefill_chunk()
             self._changes.add("chunk")
         return done + self._hand_over(everything=self._next is None)
+
+    def record_graphs(self) -> int:
+        """Record the model's compiled decode graphs for every batch size up to `max_batch` now
+        (`prepare.record_decode`: Python's tracing only), so that no decode step pays it when a batch
+        first reaches a size. Call it on the engine's thread before its first step; returns the graphs
+        recorded (0 where no block is compiled, as on CPU)."""
+        return record_decode(self.model, range(1, self.max_batch + 1))
 
     def warmup(self, progress: Callable[[int, int, str], None] | None = None) -> float:
         """Serve synthetic turns so one-time setup happens now, not in users' turns; returns seconds.

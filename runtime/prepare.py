@@ -320,10 +320,7 @@ class CompiledBlock(llama.TransformerBlock):
     def __call__(self, x, mask=None, cache=None):
         if x.shape[0] * x.shape[1] >= DENSE_ROWS or cache is None or not isinstance(cache.offset, mx.array):
             return super().__call__(x, mask, cache)
-        graphs = self.__dict__.get("_kvactors_graphs")
-        if graphs is None:
-            graphs = (mx.compile(self._before_cache), mx.compile(self._after_cache), mx.compile(self._projected))
-            object.__setattr__(self, "_kvactors_graphs", graphs)
+        graphs = self._graphs()
         attn = self.self_attn
         if (FUSE_ROPE and x.shape[1] == 1 and isinstance(mask, RowRange) and cache.fuses_rope(x.dtype, attn.head_dim)
                 and (inv_freq := rope_frequencies(attn.rope, attn.head_dim)) is not None):
@@ -336,6 +333,33 @@ class CompiledBlock(llama.TransformerBlock):
             keys, values = cache.update_and_fetch(keys, values)
         out = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=attn.scale, mask=mask)
         return graphs[1](out, x)
+
+    def record(self, rows: int) -> None:
+        """Record the graphs a decode step of `rows` rows runs, on this thread, without running them.
+
+        `mx.compile` records a graph at a call with new input shapes (Python runs the
+        block's steps once), for the calling thread's stream; a step that meets a batch
+        size for the first time in a model's life would otherwise pay that for every
+        layer. The inputs here are what a decode step passes: the block's input
+        (rows, 1, hidden), the rows' positions (int32), and attention's output
+        (rows, heads, 1, head_dim), in the norm's dtype.
+        """
+        norm = self.input_layernorm.weight
+        attn = self.self_attn
+        x = mx.zeros((rows, 1, norm.shape[0]), norm.dtype)
+        graphs = self._graphs()
+        if FUSE_ROPE:  # the step rotates inside the kernels where the cache can (see __call__)
+            graphs[2](x)
+        graphs[0](x, mx.zeros((rows,), mx.int32))
+        graphs[1](mx.zeros((rows, attn.n_heads, 1, attn.head_dim), norm.dtype), x)
+
+    def _graphs(self) -> tuple:
+        """The compiled `_before_cache`, `_after_cache` and `_projected`, made once per block."""
+        graphs = self.__dict__.get("_kvactors_graphs")
+        if graphs is None:
+            graphs = (mx.compile(self._before_cache), mx.compile(self._after_cache), mx.compile(self._projected))
+            object.__setattr__(self, "_kvactors_graphs", graphs)
+        return graphs
 
     def _before_cache(self, x, offset):
         """Rows' queries, keys and values, rotated by RoPE at `offset`: mlx-lm's steps."""
@@ -389,6 +413,18 @@ class CompiledBlock(llama.TransformerBlock):
             gate, up = qgemm.qgemm_parts(h_norm, [_packed(mlp.gate_proj), _packed(mlp.up_proj)], mlp.gate_proj.group_size)
             return h + mlp.down_proj(llama.swiglu(gate, up))
         return h + mlp(h_norm)
+
+
+def record_decode(model, batch_sizes) -> int:
+    """Record the compiled blocks' decode graphs for each of `batch_sizes` rows now (`CompiledBlock.record`:
+    Python traces them, nothing runs on the device), on the calling thread, which must be the one that will
+    decode (MLX keeps a thread's graphs for its own stream). Returns the graphs recorded: 0 where no block is
+    compiled (`prepare_model` compiles them on CUDA)."""
+    blocks = [layer for layer in _layers(model) if isinstance(layer, CompiledBlock)]
+    for rows in batch_sizes:
+        for block in blocks:
+            block.record(rows)
+    return len(blocks) * len(batch_sizes)
 
 
 def rope_frequencies(rope, head_dim: int):

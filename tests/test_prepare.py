@@ -389,3 +389,43 @@ def test_a_mended_expert_layer_reads_an_expand_dims_view_right():
     w, b = layer["weight"], layer["bias"]
     want = mx.stack([y[i] @ w[e].T + b[e] for i, e in enumerate(idx.tolist())])
     assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item()
+
+
+def test_decode_graphs_recorded_ahead_serve_the_steps_of_those_batch_sizes(tiny_model_path, monkeypatch):
+    """`record_decode` traces each compiled block's decode graphs for the given batch sizes without running
+    them, with the inputs a decode step passes: a step at a recorded size then runs no Python of the block
+    (`mx.compile` found its graph), and one at another size records its own (the spy sees it)."""
+    from runtime import attention
+    from runtime.model import ModelCacheSpec
+    from runtime.prepare import CompiledBlock, compile_blocks, record_decode
+    from runtime.q4cache import extract_cache, merge_caches
+
+    calls = []
+    for name in ("_before_cache", "_after_cache"):
+        original = getattr(CompiledBlock, name)
+        monkeypatch.setattr(CompiledBlock, name,
+                            lambda self, *a, _f=original, _n=name: calls.append(_n) or _f(self, *a))
+    model = bf16_llama(tiny_model_path, 32)
+    prepare_model(model, force=True, gemv=qgemv.available(), compile_decode=False)
+    compile_blocks(model)
+    spec = ModelCacheSpec.from_model(model, tiny_model_path("llama"))
+    attention.install()
+    layers = len(model.layers)
+    assert record_decode(model, [1, 2]) == 2 * layers
+    assert len(calls) == 2 * 2 * layers  # each block's two graphs, once per batch size
+    assert record_decode(model, [2]) == layers and len(calls) == 4 * layers  # recorded already: no new trace
+
+    def decode(rows):
+        prompts = [mx.arange(5 + 2 * i)[None] % 13 + 2 for i in range(rows)]
+        caches = []
+        for p in prompts:
+            cache = merge_caches(spec, [None])
+            mx.eval(model(p, cache=cache))
+            caches.append(extract_cache(cache, 0))
+        batch = merge_caches(spec, caches)
+        before = len(calls)
+        mx.eval(model(mx.arange(rows)[:, None] + 3, cache=batch))
+        return len(calls) - before
+
+    assert decode(2) == 0  # the recorded graphs served the step
+    assert decode(3) == 2 * layers  # a size not recorded is traced at its first step

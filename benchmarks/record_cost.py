@@ -1,0 +1,71 @@
+"""What recording the compiled decode graphs ahead costs (`Engine.record_graphs`, `prepare.record_decode`),
+and what a decode step at a batch size met for the first time costs with and without it.
+
+    python -m benchmarks.record_cost --model llama-8b-shape
+
+Three freshly loaded models in turn: the first pays the kernels' first use in this process (MLX-CUDA
+compiles them per shape, once per process); on the second, the first and second decode steps at batch
+sizes 3, 5 and 8 (each first step records its graphs); on the third, the seconds `record_decode` takes
+for batch sizes 2 to --max-batch, then the same steps.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx_lm
+
+from benchmarks.common import bench_model_folder, bench_parser, environment
+from runtime import attention
+from runtime.model import ModelCacheSpec
+from runtime.prepare import prepare_model, record_decode
+from runtime.q4cache import extract_cache, merge_caches
+
+
+def first_steps(model, spec, context: int, sizes) -> dict:
+    """Seconds of a first and a second decode step (build and wait) at each batch size of `sizes`, in order."""
+    row = merge_caches(spec, [None])
+    mx.eval(model(mx.arange(context)[None] % 1000 + 3, cache=row))
+    row = extract_cache(row, 0)
+    out = {}
+    for rows in sizes:
+        batch = merge_caches(spec, [row] * rows)
+        times = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            mx.eval(model(mx.arange(rows)[:, None] + 3, cache=batch))
+            times.append(round(time.perf_counter() - t0, 4))
+        out[rows] = times
+    return out
+
+
+def main(argv=None) -> int:
+    ap = bench_parser(__doc__)
+    ap.add_argument("--max-batch", type=int, default=16)
+    ap.add_argument("--context", type=int, default=1024)
+    args = ap.parse_args(argv)
+    print(environment(), flush=True)
+    attention.install()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = bench_model_folder(args.model, Path(tmp))
+        for label in ("kernels' first use", "not recorded", "recorded"):
+            model, _ = mlx_lm.load(str(path))
+            prepare_model(model)
+            spec = ModelCacheSpec.from_model(model, path)
+            first_steps(model, spec, args.context, [1])
+            sizes = range(2, args.max_batch + 1)
+            if label == "recorded":
+                t0 = time.perf_counter()
+                n = record_decode(model, sizes)
+                print(f"record_decode: {n} graphs for batch sizes 2..{args.max_batch} in "
+                      f"{time.perf_counter() - t0:.3f} s", flush=True)
+            steps = first_steps(model, spec, args.context, [3, 5, 8])
+            print(f"{label}: first and second decode step (s) at batch sizes 3, 5, 8: {steps}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
