@@ -12,7 +12,11 @@ to record where each cached token ends.
 
 from __future__ import annotations
 
+import weakref
+
 REPLACEMENT = "\ufffd"
+
+_alone: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {token id: decode([token id])}
 
 
 class AnchoredDetokenizer:
@@ -28,7 +32,8 @@ class AnchoredDetokenizer:
     """
 
     def __init__(self, tokenizer, anchor: int | None = None):
-        self._tokenizer = tokenizer
+        self._decode = tokenizer.decode  # looked up once: a wrapper's attribute lookup costs each call
+        self._alone = _spellings(tokenizer)
         self._first = None if anchor is None else int(anchor)
         self.reset()
 
@@ -42,14 +47,20 @@ class AnchoredDetokenizer:
 
     def _set_anchor(self, token: int | None):
         self._anchor = [] if token is None else [token]
-        self._base = self._tokenizer.decode(self._anchor) if self._anchor else ""
+        if token is None:
+            self._base = ""
+            return
+        base = self._alone.get(token)
+        if base is None:
+            base = self._alone[token] = self._decode(self._anchor)
+        self._base = base
 
     def add_token(self, token) -> bool:
         """Add one token id; True when its text (and any held back before it) was added to `text`."""
         token = int(token)
         self.tokens.append(token)
         self._pending.append(token)
-        spelled = self._tokenizer.decode(self._anchor + self._pending)
+        spelled = self._decode(self._anchor + self._pending)
         if not spelled.startswith(self._base) or spelled.endswith(REPLACEMENT):
             return False
         self.text += spelled[len(self._base):]
@@ -68,10 +79,19 @@ class AnchoredDetokenizer:
         """Add the text of the tokens held back, as `tokenizer.decode` spells them."""
         if not self._pending:
             return
-        spelled = self._tokenizer.decode(self._anchor + self._pending)
+        spelled = self._decode(self._anchor + self._pending)
         if spelled.startswith(self._base):
             self.text += spelled[len(self._base):]
         else:
-            self.text += self._tokenizer.decode(self._pending)
+            self.text += self._decode(self._pending)
         self._set_anchor(self._pending[-1])
         self._pending = []
+
+
+def _spellings(tokenizer) -> dict:
+    """The text of each token decoded alone, remembered per tokenizer (an anchor's, asked once a token: a
+    conversation's cached tokens are spelled one by one, two decodes each, on a thread that holds the GIL)."""
+    try:
+        return _alone.setdefault(tokenizer, {})
+    except TypeError:  # a tokenizer that takes no weak reference: remembered for this detokenizer only
+        return {}

@@ -246,3 +246,32 @@ def test_held_back_bytes_are_flushed_by_finalize(load_tiny):
     assert [stream.add_token(t) for t in ids[:-1]][-1] is False  # the emoji is unfinished
     stream.finalize()
     assert stream.text == tokenizer.decode(ids[:-1]) and stream.text.endswith("\ufffd")
+
+
+def test_token_ends_decode_each_anchor_once_per_tokenizer_and_come_out_as_before(load_tiny):
+    """A token's text alone (an anchor's) is decoded once per tokenizer, not once per position: the ends
+    are those of decoding every anchor again (the rule written out below), with half the decodes."""
+    _, tokenizer = load_tiny("llama")
+    ids = encode(tokenizer, "héllo 🙂 wörld, careful the the the plan 🙂 héllo" * 8)
+
+    def reference(ids, previous=None):  # the rule, decoding the anchor every time
+        anchor, pending, text, ends = ([] if previous is None else [previous]), [], "", []
+        for t in ids:
+            pending.append(t)
+            base = tokenizer.decode(anchor) if anchor else ""
+            spelled = tokenizer.decode(anchor + pending)
+            if not spelled.startswith(base) or spelled.endswith("\ufffd"):
+                ends.append(-1)
+                continue
+            text += spelled[len(base):]
+            ends.append(len(text))
+            anchor, pending = [t], []
+        return ends
+
+    calls = []
+    counting = types.SimpleNamespace(decode=lambda ids: calls.append(ids) or tokenizer.decode(ids))
+    assert token_ends(counting, ids, previous=ids[0]) == reference(ids, ids[0])
+    assert len(calls) < 1.2 * len(ids)  # about one decode a token (anchors met before are remembered)
+    before = len(calls)
+    assert token_ends(counting, ids) == reference(ids)
+    assert len(calls) - before < 1.1 * len(ids)  # the anchors' texts are mostly known by now
