@@ -83,7 +83,7 @@ def main(argv=None) -> int:
             if label == "recorded":
                 t0 = time.perf_counter()
                 n = record_decode(model, sizes)
-                print(f"record_decode: {n} graphs for batch sizes 2..{args.max_batch} in "
+                print(f"record_decode: {n} blocks x sizes (two graphs each) for batch sizes 2..{args.max_batch} in "
                       f"{time.perf_counter() - t0:.3f} s", flush=True)
             steps = first_steps(model, spec, args.context, [3, 5, 8])
             print(f"{label}: first and second decode step (s) at batch sizes 3, 5, 8: {steps}", flush=True)

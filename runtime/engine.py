@@ -364,8 +364,8 @@ class Engine:
     def record_graphs(self) -> int:
         """Record the model's compiled decode graphs for every batch size up to `max_batch` now
         (`prepare.record_decode`: Python's tracing only), so that no decode step pays it when a batch
-        first reaches a size. Call it on the engine's thread before its first step; returns the graphs
-        recorded (0 where no block is compiled, as on CPU)."""
+        first reaches a size. Call it on the engine's thread before its first step; returns the (block, batch
+        size) pairs recorded (0 where no block is compiled, as on CPU)."""
         return record_decode(self.model, range(1, self.max_batch + 1))
 
     def warmup(self, progress: Callable[[int, int, str], None] | None = None) -> float:

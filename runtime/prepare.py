@@ -418,8 +418,8 @@ class CompiledBlock(llama.TransformerBlock):
 def record_decode(model, batch_sizes) -> int:
     """Record the compiled blocks' decode graphs for each of `batch_sizes` rows now (`CompiledBlock.record`:
     Python traces them, nothing runs on the device), on the calling thread, which must be the one that will
-    decode (MLX keeps a thread's graphs for its own stream). Returns the graphs recorded: 0 where no block is
-    compiled (`prepare_model` compiles them on CUDA)."""
+    decode (MLX keeps a thread's graphs for its own stream). Returns how many (block, batch size) pairs were
+    recorded, two graphs each: 0 where no block is compiled (`prepare_model` compiles them on CUDA)."""
     blocks = [layer for layer in _layers(model) if isinstance(layer, CompiledBlock)]
     for rows in batch_sizes:
         for block in blocks:
