@@ -418,13 +418,16 @@ class CompiledBlock(llama.TransformerBlock):
 def record_decode(model, batch_sizes) -> int:
     """Record the compiled blocks' decode graphs for each of `batch_sizes` rows now (`CompiledBlock.record`:
     Python traces them, nothing runs on the device), on the calling thread, which must be the one that will
-    decode (MLX keeps a thread's graphs for its own stream). Returns how many (block, batch size) pairs were
-    recorded, two graphs each: 0 where no block is compiled (`prepare_model` compiles them on CUDA)."""
+    decode (MLX keeps a thread's graphs for its own stream). Sizes of DENSE_ROWS rows or more are left out:
+    their steps take the block's own path, whose dense products launch inside and cannot be recorded.
+    Returns how many (block, batch size) pairs were recorded, two graphs each: 0 where no block is compiled
+    (`prepare_model` compiles them on CUDA)."""
     blocks = [layer for layer in _layers(model) if isinstance(layer, CompiledBlock)]
-    for rows in batch_sizes:
+    sizes = [rows for rows in batch_sizes if rows < DENSE_ROWS]
+    for rows in sizes:
         for block in blocks:
             block.record(rows)
-    return len(blocks) * len(batch_sizes)
+    return len(blocks) * len(sizes)
 
 
 def rope_frequencies(rope, head_dim: int):

@@ -429,3 +429,15 @@ def test_decode_graphs_recorded_ahead_serve_the_steps_of_those_batch_sizes(tiny_
 
     assert decode(2) == 0  # the recorded graphs served the step
     assert decode(3) == 2 * layers  # a size not recorded is traced at its first step
+
+
+def test_decode_graphs_are_not_recorded_for_batches_the_block_runs_uncompiled(tiny_model_path):
+    """A decode step of DENSE_ROWS rows or more runs the block's own path, whose dense products launch inside
+    (`mx.async_eval`, refused inside a trace): `record_decode` leaves such sizes out instead of failing the
+    batcher's start (a Runtime with max_batch >= 256)."""
+    from runtime.prepare import DENSE_ROWS, compile_blocks, record_decode
+
+    model = bf16_llama(tiny_model_path, 32)
+    prepare_model(model, force=True, gemv=False, dense=True, compile_decode=False)
+    compile_blocks(model)
+    assert record_decode(model, [1, DENSE_ROWS - 1, DENSE_ROWS, DENSE_ROWS + 1]) == 2 * len(model.layers)
