@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import bisect
 import collections
+import ctypes
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -35,9 +37,15 @@ from benchmarks.sampler import Poller, thread_kind
 
 _TICK_MS = 1000 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 10.0
 _RECLAIM = ("allocstall", "pgscan_direct")  # /proc/vmstat counters that start with these: direct reclaim
-_SYSCALLS = {"0": "read", "1": "write", "7": "poll", "16": "ioctl", "17": "pread64", "23": "select", "24": "sched_yield",
-             "35": "nanosleep", "74": "fsync", "75": "fdatasync", "202": "futex", "230": "clock_nanosleep",
-             "232": "epoll_wait", "270": "pselect6", "271": "ppoll", "281": "epoll_pwait"}  # x86-64 numbers
+_SYSCALLS = {  # system call numbers by machine: the ones a waiting thread sits in
+    "x86_64": {"0": "read", "1": "write", "7": "poll", "16": "ioctl", "17": "pread64", "23": "select",
+               "24": "sched_yield", "35": "nanosleep", "74": "fsync", "75": "fdatasync", "202": "futex",
+               "230": "clock_nanosleep", "232": "epoll_wait", "270": "pselect6", "271": "ppoll", "281": "epoll_pwait"},
+    "aarch64": {"63": "read", "64": "write", "29": "ioctl", "67": "pread64", "124": "sched_yield", "101": "nanosleep",
+                "82": "fsync", "83": "fdatasync", "98": "futex", "115": "clock_nanosleep", "72": "pselect6",
+                "73": "ppoll", "22": "epoll_pwait"},
+}.get(platform.machine(), {})
+_PR_SET_PTRACER = 0x59616D61  # prctl: let this process read us as a debugger would (Yama's ptrace_scope 1)
 
 
 class _Files:
@@ -76,25 +84,30 @@ def _task(files: _Files, tid: str, root: str = "/proc/self/task") -> tuple | Non
 
 def _state(files: _Files, tid: str, root: str = "/proc/self/task") -> str | None:
     """What task `tid` is doing now: "running", the system call it is blocked in ("futex@<address>" for a
-    futex: the lock or condition variable), "syscall <n>" for one not named, or None if unreadable."""
+    futex: the lock or condition variable), "syscall <n>" for one not named, "fault" when blocked in the
+    kernel outside a system call (a page fault), or None if unreadable."""
     text = files.read(f"{root}/{tid}/syscall")
     if not text:
         return None
     fields = text.split()
-    if fields[0] == "running" or fields[0] == "-1":
+    if fields[0] == "running":
         return "running"
+    if fields[0] == "-1":
+        return "fault"
     name = _SYSCALLS.get(fields[0], f"syscall {fields[0]}")
     return f"futex@{fields[1]}" if name == "futex" and len(fields) > 1 else name
 
 
 def poll(pid: int, interval: float, out) -> None:
-    """Write a line to `out` every `interval` seconds for the tasks of process `pid` until SIGTERM:
+    """Write a line to `out` every `interval` seconds for the tasks of process `pid`, our parent, until SIGTERM
+    or until the parent is gone:
     "<perf_counter> <busy ticks> <iowait ticks> <reclaims>|<tid>,<run ns>,<wait ns>,<minflt>,<majflt>,<ticks>,<state>;..."."""
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the parent's to handle; it stops us
     files, root, written = _Files(), f"/proc/{pid}/task", False
     try:
-        while not stopping:
+        while not stopping and os.getppid() == pid:
             now = time.perf_counter()
             entries = []
             for tid in os.listdir(root):
@@ -149,9 +162,15 @@ class ThreadStats(Poller):
         paths = os.pathsep.join(p or os.getcwd() for p in sys.path)
         self._child = subprocess.Popen([sys.executable, "-m", "benchmarks.threadstat", str(os.getpid()),
                                         str(self.interval)], stdout=self._out, env=dict(os.environ, PYTHONPATH=paths))
+        try:  # where Yama limits reading another process's /proc/<pid>/task/*/syscall to its debugger
+            ctypes.CDLL(None).prctl(_PR_SET_PTRACER, self._child.pid, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass  # no prctl: the states stay unread where Yama is on
+        deadline = time.monotonic() + 30
         while not os.fstat(self._out.fileno()).st_size:
-            if self._child.poll() is not None:
-                raise RuntimeError(f"the polling process ended before its first poll (exit {self._child.returncode})")
+            if self._child.poll() is not None or time.monotonic() > deadline:
+                self._child.kill()
+                raise RuntimeError(f"the polling process wrote no poll (exit {self._child.wait()})")
             time.sleep(0.001)
         return super().start()
 
@@ -161,7 +180,11 @@ class ThreadStats(Poller):
         if self._child is None:
             return
         self._child.terminate()
-        self._child.wait()
+        try:
+            self._child.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._child.kill()
+            self._child.wait()
         self._child = None
         self._out.seek(0)
         for line in self._out:
@@ -178,15 +201,18 @@ class ThreadStats(Poller):
 
     def _read_poll(self, line: str) -> None:
         head, _, body = line.rstrip("\n").partition("|")
-        if not body:
-            return  # a poll cut short by the stop
-        now, busy, iowait, reclaim = head.split()
         tasks, states = {}, {}
-        for entry in body.split(";"):
-            tid, *counts, state = entry.split(",")
-            tasks[tid] = tuple(int(x) for x in counts)
-            if state:
-                states[tid] = state
+        try:
+            now, busy, iowait, reclaim = head.split()
+            for entry in body.split(";"):
+                tid, *counts, state = entry.split(",")
+                tasks[tid] = tuple(int(x) for x in counts)
+                if len(counts) != 5:
+                    raise ValueError(entry)
+                if state:
+                    states[tid] = state
+        except ValueError:
+            return  # a line cut short (the child killed, a full disk): the polls before it stand
         self._times.append(float(now))
         self._machine.append((int(busy), int(iowait), int(reclaim)))
         self._tasks.append(tasks)
