@@ -30,11 +30,23 @@ from runtime.prepare import prepare_model, record_decode
 from runtime.q4cache import extract_cache, merge_caches
 
 
-def first_steps(model, spec, context: int, sizes) -> dict:
-    """Seconds of a first and a second decode step (build and wait) at each batch size of `sizes`, in order."""
+def loaded(path: Path):
+    """A freshly loaded, prepared model of the folder `path` (no graph recorded yet), and its cache spec."""
+    model, _ = mlx_lm.load(str(path))
+    prepare_model(model)
+    return model, ModelCacheSpec.from_model(model, path)
+
+
+def prefilled(model, spec, context: int):
+    """One agent's cache after a prompt of `context` tokens, to batch copies of."""
     row = merge_caches(spec, [None])
     mx.eval(model(mx.arange(context)[None] % 1000 + 3, cache=row))
-    row = extract_cache(row, 0)
+    return extract_cache(row, 0)
+
+
+def first_steps(model, spec, context: int, sizes) -> dict:
+    """Seconds of a first and a second decode step (build and wait) at each batch size of `sizes`, in order."""
+    row = prefilled(model, spec, context)
     out = {}
     for rows in sizes:
         batch = merge_caches(spec, [row] * rows)
@@ -49,10 +61,7 @@ def first_steps(model, spec, context: int, sizes) -> dict:
 
 def steady(model, spec, context: int, rows: int, steps: int) -> float:
     """Median ms to build and queue a decode step of `rows` rows (the step's evaluation waited for after)."""
-    row = merge_caches(spec, [None])
-    mx.eval(model(mx.arange(context)[None] % 1000 + 3, cache=row))
-    row = extract_cache(row, 0)
-    batch = merge_caches(spec, [row] * rows)
+    batch = merge_caches(spec, [prefilled(model, spec, context)] * rows)
     tokens = mx.arange(rows)[:, None] + 3
     times = []
     for _ in range(steps + 1):
@@ -75,9 +84,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = bench_model_folder(args.model, Path(tmp))
         for label in ("kernels' first use", "not recorded", "recorded"):
-            model, _ = mlx_lm.load(str(path))
-            prepare_model(model)
-            spec = ModelCacheSpec.from_model(model, path)
+            model, spec = loaded(path)
             first_steps(model, spec, args.context, [1])
             sizes = range(2, args.max_batch + 1)
             if label == "recorded":
@@ -91,9 +98,7 @@ def main(argv=None) -> int:
         for trial in range(2):
             for label, sizes in (("at first use", ()), (f"ahead, 1..{args.max_batch}", range(1, args.max_batch + 1)),
                                  ("ahead, 1..5", range(1, 6))):
-                model, _ = mlx_lm.load(str(path))
-                prepare_model(model)
-                spec = ModelCacheSpec.from_model(model, path)
+                model, spec = loaded(path)
                 record_decode(model, sizes)
                 ms = steady(model, spec, args.context, 5, args.steps)
                 print(f"steady, graphs recorded {label}: {ms:.3f} ms a step (host), 5 rows", flush=True)

@@ -72,8 +72,9 @@ class _Files:
         self._fds.clear()
 
 
-def _task(files: _Files, tid: str, root: str = "/proc/self/task") -> tuple | None:
-    """(on-CPU ns, run-queue ns, minor faults, major faults, kernel ticks) of task `tid`, or None if it ended."""
+def _task(files: _Files, tid: str, root: str) -> tuple | None:
+    """(on-CPU ns, run-queue ns, minor faults, major faults, kernel ticks) of task `tid` in the task folder `root`
+    (/proc/<pid>/task), or None if it ended."""
     sched, stat = files.read(f"{root}/{tid}/schedstat"), files.read(f"{root}/{tid}/stat")
     if sched is None or stat is None:
         return None
@@ -82,7 +83,7 @@ def _task(files: _Files, tid: str, root: str = "/proc/self/task") -> tuple | Non
     return run_ns, wait_ns, int(fields[7]), int(fields[9]), int(fields[12])
 
 
-def _state(files: _Files, tid: str, root: str = "/proc/self/task") -> str | None:
+def _state(files: _Files, tid: str, root: str) -> str | None:
     """What task `tid` is doing now: "running", the system call it is blocked in ("futex@<address>" for a
     futex: the lock or condition variable), "syscall <n>" for one not named, "fault" when blocked in the
     kernel outside a system call (a page fault), or None if unreadable."""
