@@ -176,10 +176,16 @@ class ThreadStats(Poller):
         return super().start()
 
     def stop(self) -> None:
-        """Stop polling and read the polls (a SIGTERM ends the child after its poll in progress)."""
+        """Stop polling and read the polls, once a poll begun after this call is written (within a deadline: a
+        loaded machine's poller falls behind); a SIGTERM ends the child after its poll in progress."""
         super().stop()
         if self._child is None:
             return
+        size, grown, deadline = os.fstat(self._out.fileno()).st_size, 0, time.monotonic() + 5
+        while grown < 2 and self._child.poll() is None and time.monotonic() < deadline:  # the second began after
+            time.sleep(self.interval / 4)
+            now = os.fstat(self._out.fileno()).st_size
+            grown, size = grown + (now > size), now
         self._child.terminate()
         try:
             self._child.wait(timeout=10)
