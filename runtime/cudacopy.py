@@ -1,4 +1,4 @@
-"""Device-to-host copies by the GPU's copy engine on MLX-CUDA.
+"""Copies between host and device by the GPU's copy engine on MLX-CUDA.
 
 Asked for the bytes of a device array, MLX-CUDA moves its buffer into managed memory:
 a fresh `cudaMallocManaged`, a synchronous `cudaMemcpy`, then the CPU reads the pages
@@ -10,6 +10,12 @@ by `cuMemcpyDtoHAsync` on a stream of our own into page-locked host memory, and 
 numpy. The calls go to the CUDA driver (MLX links its runtime in statically) in the
 device's primary context, the one MLX's runtime uses; `available()` is False off CUDA
 and callers keep MLX's own way.
+
+The other way (`to_device`), MLX-CUDA makes an array from host bytes inside `mx.array`
+with the GIL held: a fresh `cudaMallocManaged` and a copy that faults the managed pages
+in one by one, then the GPU's first read migrates them. Here a kernel allocates one
+device buffer and reports its address, numpy copies the bytes into page-locked memory
+and `cuMemcpyHtoDAsync` moves them, both without the GIL.
 
 This is the one place that calls CUDA directly.
 """
@@ -41,6 +47,8 @@ _SOURCE = """
     if (i == 0) addr[0] = reinterpret_cast<unsigned long long>(blob);
 """
 THREADS, BLOCKS = 256, 512
+ALIGN = 256  # byte offset every array of `to_device` starts at a multiple of (the kernels' vector loads need 16)
+_ADDRESS = "if (blockIdx.x == 0 && threadIdx.x == 0) addr[0] = reinterpret_cast<unsigned long long>(blob);"
 
 
 @functools.cache
@@ -53,6 +61,7 @@ def _driver():
     except OSError:
         return None
     lib.cuMemcpyDtoHAsync_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
+    lib.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
     lib.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
     lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
     lib.cuPointerGetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
@@ -84,6 +93,12 @@ def _context(ordinal: int) -> ctypes.c_void_p:
 def _kernel():
     return mx.fast.cuda_kernel(name="kvactors_blob_address", input_names=["src"], output_names=["blob", "addr"],
                                source=_SOURCE, ensure_row_contiguous=True)
+
+
+@functools.cache
+def _allocator():
+    return mx.fast.cuda_kernel(name="kvactors_device_blob", input_names=["unused"], output_names=["blob", "addr"],
+                               source=_ADDRESS)
 
 
 class _Slot:
@@ -121,16 +136,8 @@ def to_host(x: mx.array, stream=None) -> np.ndarray:
     blob, addr = _kernel()(inputs=[x], grid=(blocks * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
                            output_shapes=[(n,), (1,)], output_dtypes=[mx.uint8, mx.uint64], stream=stream)
     mx.eval(blob, addr)
-    device_ptr, lib, ordinal = addr.item(), _driver(), ctypes.c_int()
-    _check(lib.cuPointerGetAttribute(ctypes.byref(ordinal), _DEVICE_ORDINAL, device_ptr), "cuPointerGetAttribute")
-    ctx = _context(ordinal.value)
-    _check(lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-    with _lock:
-        slot = next((s for s in _slots if s.ctx.value == ctx.value), None)
-        if slot is not None:
-            _slots.remove(slot)
-    if slot is None:
-        slot = _Slot(ctx)
+    device_ptr, lib = addr.item(), _driver()
+    slot = _take_slot(device_ptr)
     try:
         for at in range(0, n, STAGING_BYTES):
             size = min(STAGING_BYTES, n - at)
@@ -141,3 +148,66 @@ def to_host(x: mx.array, stream=None) -> np.ndarray:
         with _lock:
             _slots.append(slot)
     return out
+
+
+def _take_slot(device_ptr: int) -> _Slot:
+    """An idle `_Slot` in the context of the device that holds `device_ptr` (made if none), that context made
+    current on this thread; give it back to `_slots` when done."""
+    lib, ordinal = _driver(), ctypes.c_int()
+    _check(lib.cuPointerGetAttribute(ctypes.byref(ordinal), _DEVICE_ORDINAL, device_ptr), "cuPointerGetAttribute")
+    ctx = _context(ordinal.value)
+    _check(lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    with _lock:
+        slot = next((s for s in _slots if s.ctx.value == ctx.value), None)
+        if slot is not None:
+            _slots.remove(slot)
+    return slot if slot is not None else _Slot(ctx)
+
+
+def to_device(arrays: list, stream=None) -> tuple[mx.array, list[int]]:
+    """The bytes of numpy arrays `arrays` in one new 1-D uint8 device array, evaluated, and where each begins.
+
+    Array i's bytes (in C order) start at offset i, a multiple of ALIGN, so a view of them
+    (`blob[o : o + n].view(dtype).reshape(shape)`) is aligned for any kernel. The buffer
+    is allocated by a kernel on `stream` (default: the default stream), so it waits only
+    for work queued there; the bytes cross through page-locked memory by the copy
+    engine, and both copies run without the GIL. Raises RuntimeError if CUDA reports an
+    error; call only where `available()`.
+    """
+    offsets, total = [], 0
+    for a in arrays:
+        total = -(-total // ALIGN) * ALIGN
+        offsets.append(total)
+        total += a.nbytes
+    blob, addr = _allocator()(inputs=[mx.array(0, mx.uint8)], grid=(1, 1, 1), threadgroup=(1, 1, 1),
+                              output_shapes=[(max(total, 1),), (1,)], output_dtypes=[mx.uint8, mx.uint64],
+                              stream=stream)
+    mx.eval(blob, addr)
+    device_ptr = addr.item()
+    slot = _take_slot(device_ptr)
+    try:
+        start, end = 0, 0  # the blob offset the staging buffer's first byte goes to; the bytes filled
+        for a, at in zip(arrays, offsets):
+            data = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+            done = 0
+            while done < data.size:
+                pos = at + done - start  # (the padding between arrays goes along, unused)
+                if pos >= STAGING_BYTES:
+                    _to_blob(slot, device_ptr + start, end)
+                    start, end, pos = at + done, 0, 0
+                n = min(data.size - done, STAGING_BYTES - pos)
+                slot.view[pos: pos + n] = data[done: done + n]  # numpy copies without the GIL
+                end, done = pos + n, done + n
+        if end:
+            _to_blob(slot, device_ptr + start, end)
+    finally:
+        with _lock:
+            _slots.append(slot)
+    return blob, offsets
+
+
+def _to_blob(slot: _Slot, device_ptr: int, n: int) -> None:
+    """Copy the first `n` staging bytes of `slot` to `device_ptr` and wait for it (ctypes drops the GIL)."""
+    lib = _driver()
+    _check(lib.cuMemcpyHtoDAsync_v2(device_ptr, slot.staging, n, slot.stream), "cuMemcpyHtoDAsync")
+    _check(lib.cuStreamSynchronize(slot.stream), "cuStreamSynchronize")

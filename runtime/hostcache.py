@@ -116,7 +116,6 @@ def cache_to_host(cache, start: int = 0) -> HostCache:
     are dropped. Raises ValueError for layers that disagree in scheme, length or
     dtype, or a `start` outside [0, n_tokens).
     """
-    import mlx.core as mx
 
     n_tokens, scheme, stored = _layers(cache)
     if start and not 0 < start < n_tokens:
@@ -290,7 +289,8 @@ def host_to_cache(host: HostCache) -> list:
     """Build a per-layer list of `QuantizedKVCache` from `host`, evaluated on this thread.
 
     Arrays are exactly `n_tokens` long and `offset == n_tokens`; with no tokens each
-    layer is an empty cache (`keys is None`).
+    layer is an empty cache (`keys is None`). On CUDA the bytes cross in one copy-engine
+    transfer into device memory without the GIL (`_to_device`); elsewhere through `mx.array`.
     """
     import mlx.core as mx
 
@@ -299,18 +299,41 @@ def host_to_cache(host: HostCache) -> list:
     caches = [layer_cache(host.scheme) for _ in range(host.n_layers)]
     if host.n_tokens == 0:
         return caches
-    for i, c in enumerate(caches):
+    names = [tensor_name(i, kind, part) for i in range(host.n_layers) for kind in ("keys", "values") for part in _PARTS]
+    arrays = iter(_to_device(host, names))
+    for c in caches:
         for kind in ("keys", "values"):
-            arrays = []
-            for part in _PARTS:
-                a = mx.array(host.tensors[tensor_name(i, kind, part)])
-                if part != "packed" and host.dtype == "bfloat16":
-                    a = a.view(mx.bfloat16)
-                arrays.append(a)
-            setattr(c, kind, tuple(arrays))
+            setattr(c, kind, tuple(next(arrays) for _ in _PARTS))
         c.offset = host.n_tokens
     mx.eval([(c.keys, c.values) for c in caches])
     return caches
+
+
+def _to_device(host: HostCache, names: list) -> list:
+    """MLX arrays of `host.tensors[name]` for `names` (scales and biases in `host.dtype`), not yet evaluated.
+
+    On CUDA one copy-engine transfer fills one device buffer on this thread's copy stream,
+    and each array is a view of it: `mx.array` from numpy would copy into fresh managed
+    memory a tensor at a time with the GIL held (an agent reloading a 16K-token cache
+    held it for tens of milliseconds, stopping the engine's thread) and the GPU's first
+    read would then migrate the pages.
+    """
+    import mlx.core as mx
+
+    from runtime import cudacopy
+
+    def dtype(name, a):
+        return mx.bfloat16 if host.dtype == "bfloat16" and not name.endswith(".packed") else getattr(mx, a.dtype.name)
+
+    tensors = [host.tensors[n] for n in names]
+    stream = _copy_stream()
+    if stream.device == mx.gpu and cudacopy.available():
+        blob, offsets = cudacopy.to_device(tensors, stream)
+        with mx.stream(stream):  # views, no copies: their evaluation waits for nothing the engine queued
+            return [blob[o: o + a.nbytes].view(dtype(n, a)).reshape(a.shape)
+                    for n, a, o in zip(names, tensors, offsets)]
+    out = [mx.array(a) for a in tensors]
+    return [x if x.dtype == dtype(n, a) else x.view(dtype(n, a)) for n, a, x in zip(names, tensors, out)]
 
 
 def trim_host(host: HostCache, meta: CacheMeta, keep: int) -> tuple[HostCache, CacheMeta]:

@@ -749,3 +749,46 @@ def test_to_host_gives_a_device_arrays_bytes_through_the_copy_engine(n, offset):
 def test_to_host_refuses_what_is_not_a_byte_vector():
     with pytest.raises(ValueError, match="1-D uint8"):
         cudacopy.to_host(mx.zeros((4, 4), mx.uint8))
+
+
+def test_to_device_puts_every_arrays_bytes_in_one_aligned_device_buffer():
+    """Arrays that cross the staging buffer's edges, one larger than it, an empty one and a non-contiguous view:
+    each array's bytes land at its offset, every offset a multiple of ALIGN."""
+    rng = np.random.default_rng(0)
+    big = cudacopy.STAGING_BYTES
+    arrays = [rng.integers(0, 2**32, (1, 8, 5, 24), dtype=np.uint32), np.zeros((0, 3), np.float16),
+              rng.integers(0, 256, big - 100, dtype=np.uint8), rng.standard_normal((3, 7)).astype(np.float32),
+              rng.integers(0, 2**16, (2, big // 2 + 9), dtype=np.uint16),
+              rng.integers(0, 2**32, (1, 8, 40, 24), dtype=np.uint32)[:, :, 10:30]]
+    blob, offsets = cudacopy.to_device(arrays, mx.new_stream(mx.gpu))
+    assert blob.dtype == mx.uint8 and all(o % cudacopy.ALIGN == 0 for o in offsets)
+    assert offsets == sorted(offsets) and blob.size >= offsets[-1] + arrays[-1].nbytes
+    host = np.array(blob)
+    for a, o in zip(arrays, offsets):
+        want = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+        assert np.array_equal(host[o: o + a.nbytes], want)
+
+
+def test_a_cache_loaded_on_cuda_is_bit_for_bit_the_one_written():
+    """`host_to_cache` on CUDA (views of one copy-engine transfer) gives back the cache `cache_to_host` copied,
+    bfloat16 scales included, and its arrays take part in device work like any others."""
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    from runtime import hostcache
+
+    layers = []
+    for i in range(3):
+        c = QuantizedKVCache(group_size=64, bits=4)
+        k1, k2 = mx.random.split(mx.random.key(i))
+        c.keys = mx.quantize(mx.random.normal((1, 8, 300, 128), key=k1).astype(mx.bfloat16), 64, 4)
+        c.values = mx.quantize(mx.random.normal((1, 8, 300, 128), key=k2).astype(mx.bfloat16), 64, 4)
+        c.offset = 300
+        layers.append(c)
+    mx.eval([(c.keys, c.values) for c in layers])
+    loaded = hostcache.host_to_cache(hostcache.cache_to_host(layers))
+    for got, want in zip(loaded, layers):
+        assert got.offset == 300
+        for g, w in zip((*got.keys, *got.values), (*want.keys, *want.values)):
+            assert g.dtype == w.dtype and g.shape == w.shape
+            assert mx.array_equal(g, w).item()
+            assert mx.array_equal(mx.dequantize(*got.keys, 64, 4), mx.dequantize(*want.keys, 64, 4)).item()
