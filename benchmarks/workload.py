@@ -21,7 +21,9 @@ steps, the prefill chunks run between them apart).
 from __future__ import annotations
 
 import collections
+import cProfile
 import gc
+import pstats
 import statistics
 import sys
 import tempfile
@@ -262,6 +264,44 @@ class GcPauses:
         return out
 
 
+class FinishProfile:
+    """A deterministic profile (cProfile) of every `Engine._finish` call while installed: where a finishing
+    step's hand-over spends the engine thread's time in place (Python functions; the C calls a function makes,
+    MLX's among them, count as its own time). Installed on the class, so every Runtime's engine is profiled."""
+
+    def __init__(self):
+        from runtime.engine import Engine
+
+        self._engine, self._orig, self.calls = Engine, Engine._finish, 0
+        self.profile = cProfile.Profile()
+
+    def start(self):
+        orig, profile = self._orig, self.profile
+
+        def finish(engine, ending, fed):
+            if not ending:
+                return orig(engine, ending, fed)
+            self.calls += 1
+            profile.enable()
+            try:
+                return orig(engine, ending, fed)
+            finally:
+                profile.disable()
+
+        self._engine._finish = finish
+
+    def stop(self):
+        self._engine._finish = self._orig
+
+    def top(self, n: int = 25) -> list:
+        """The `n` functions with the most own time: [calls, own ms, cumulative ms, where], per `_finish` call."""
+        st = pstats.Stats(self.profile).stats
+        k = max(self.calls, 1)
+        rows = sorted(st.items(), key=lambda kv: -kv[1][2])[:n]
+        return [[round(nc / k, 1), round(tt * 1e3 / k, 3), round(ct * 1e3 / k, 3), f"{f.split('/')[-1]}:{line} {fn}"]
+                for (f, line, fn), (_, nc, tt, ct, _) in rows]
+
+
 def calls_by_change(trace, steps, top: int = 10) -> dict:
     """Per kind of change before a decode step (`DecodeStep`s, grouped as `steps_by_change`): the mean step,
     its mean time in mx.async_eval, the mean time the device was busy while it ran, and the `top` [thread
@@ -311,6 +351,9 @@ def main(argv=None) -> int:
                     help="poll every thread's CPU time, run-queue wait, page faults and wait state (running, or the "
                          "system call it is blocked in: a futex names its lock) from /proc during (c), from a child "
                          "process, and give them for the slowest decode steps and for typical ones (Linux only)")
+    ap.add_argument("--profile-finish", action="store_true",
+                    help="profile every hand-over of ending rows (Engine._finish) during (c) with cProfile and give "
+                         "the functions with the most own time per hand-over (Python's profiler slows that code)")
     args = ap.parse_args(argv)
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
@@ -343,7 +386,8 @@ def main(argv=None) -> int:
         sampler = StackSampler(timeline=True) if args.sample else None
         trace = CudaCalls() if args.trace_cuda else None
         stats = ThreadStats() if args.thread_stats else None
-        for tool in (sampler, trace, stats):
+        finish = FinishProfile() if args.profile_finish else None
+        for tool in (sampler, trace, stats, finish):
             if tool:
                 tool.start()
         pauses = GcPauses()
@@ -353,12 +397,18 @@ def main(argv=None) -> int:
                                                           messages, args.new, warm["shapes"])
         finally:
             gc.callbacks.remove(pauses)
-            for tool in (sampler, trace, stats):
+            for tool in (sampler, trace, stats, finish):
                 if tool:
                     tool.stop()
         parts.pop("shapes")
         steps = parts.pop("steps")
         parts["gc_pauses"] = pauses.summary()
+        if finish:
+            parts["finish_profile"] = dict(calls=finish.calls, top=finish.top())
+            print(f"\nhand-overs profiled: {finish.calls}; per hand-over: calls, own ms, cumulative ms, function",
+                  flush=True)
+            for n, own, cum, where in parts["finish_profile"]["top"]:
+                print(f"  {n:7.1f} {own:8.3f} {cum:8.3f}  {where}", flush=True)
         if sampler:
             parts["where_threads_were"] = sampler.as_dict()
             print(sampler.table(), flush=True)
