@@ -353,7 +353,8 @@ def main(argv=None) -> int:
                          "process, and give them for the slowest decode steps and for typical ones (Linux only)")
     ap.add_argument("--profile-finish", action="store_true",
                     help="profile every hand-over of ending rows (Engine._finish) during (c) with cProfile and give "
-                         "the functions with the most own time per hand-over (Python's profiler slows that code)")
+                         "the functions with the most own time per hand-over (Python's profiler slows that code; from "
+                         "Python 3.12 on it sees every thread's calls while it is on)")
     args = ap.parse_args(argv)
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
