@@ -47,6 +47,7 @@ from runtime.q4cache import (
     queue_rows,
     reserve_cache,
     route_for,
+    settle,
 )
 
 BLOCK = STEP  # the memory budget's unit is the cache buffers' growth step: a reserved block is a real one
@@ -484,6 +485,8 @@ class Engine:
         try:
             if row.cache is None:
                 row.cache = merge_caches(self.spec, [row.turn.cache], self.route, room=self._room([row]))
+            else:
+                settle(row.cache)  # its last chunk's writes, queued in one call rather than one a layer
             context = row.cache[0].size()
             n = prefill_chunk_size(context, self.max_prefill_chunk)
             chunk, row.pending = row.pending[:n], row.pending[n:]

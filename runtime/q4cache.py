@@ -425,10 +425,13 @@ class BatchQuantizedKVCache(_BaseCache):
 
         MLX-CUDA orders the kernels of one evaluation by the arrays they list, and the
         write lists the buffers as inputs only; a later evaluation runs after it. The
-        engine queues every step before it touches the cache again, so this is then free.
+        engine queues every step before it touches the cache again, so the evaluation then
+        has nothing to do, but the call still gives up the GIL and must win it back: once
+        queued, the write is forgotten, and a batch settles all its layers in one call (`settle`).
         """
         if self._pending is not None:
             mx.async_eval(self._pending)
+            self._pending = None
 
     def _own(self) -> None:
         """Copy the buffers once if they are arrays from outside (a merged agent's own): before the first write."""
@@ -926,6 +929,7 @@ def queue_rows(batch, rows, drop: int = 0, together: bool = True) -> list:
     `together`: on the kernel route, take each row from all the layers in one launch where they allow it
     (`_all_layers`); False takes it a layer at a time (a retry after a failure).
     """
+    settle(batch)
     out, at_once = [], together and _one_launch(batch)  # the same for every row of one batch
     for i in rows:
         # each layer's own padding: a bounded sliding layer stores fewer columns than a full one
@@ -961,14 +965,27 @@ def _one_launch(batch) -> bool:
     return q4columns.mismatch([(layer.keys, layer.values) for layer in batch]) is None
 
 
+def settle(batch) -> None:
+    """Queue every layer's last in-place write of per-layer batch `batch` (`BatchQuantizedKVCache._settle`) in one
+    `mx.async_eval`: a call a layer gave up the GIL and won it back 32 times on the 8B shape, and each time another
+    thread running Python could keep the caller waiting up to the switch interval (5 ms)."""
+    layers = [layer for layer in batch if getattr(layer, "_pending", None) is not None]
+    if layers:
+        mx.async_eval([layer._pending for layer in layers])
+        for layer in layers:
+            layer._pending = None
+
+
 def filter_cache(batch, keep) -> None:
     """Keep rows `keep` in every layer of `batch`."""
+    settle(batch)
     for layer in batch:
         layer.filter(keep)
 
 
 def extend_cache(batch, other, room: int = 1) -> None:
     """Append the rows of per-layer batch `other` to every layer of `batch` (`room`: as `extend` takes it)."""
+    settle([*batch, *other])
     for mine, theirs in zip(batch, other):
         mine.extend(theirs, room)
 
@@ -976,6 +993,7 @@ def extend_cache(batch, other, room: int = 1) -> None:
 def reserve_cache(batch, n: int) -> bool:
     """Make room for `n` more columns in every layer of `batch` now (`BatchQuantizedKVCache.reserve`);
     return whether any layer grew."""
+    settle(batch)
     grew = [layer.reserve(n) for layer in batch]
     return any(grew)
 

@@ -28,6 +28,7 @@ from runtime.q4cache import (
     make_batch_cache,
     merge_caches,
     queue_rows,
+    reserve_cache,
     route_for,
 )
 
@@ -109,6 +110,39 @@ def test_filter_and_extend_keep_rows_bit_exact():
     assert_same_packed(batch.extract(0), rows[2])
     assert_same_packed(batch.extract(2), random_q4(500, seed=9))
     assert batch.extract(3).empty()
+
+
+def test_a_batch_op_queues_every_layers_pending_write_in_one_call(monkeypatch):
+    """Each `mx.async_eval` gives up the GIL, and winning it back can wait behind another thread's Python:
+    filtering, joining, growing and extracting a per-layer batch queue the layers' last in-place writes (CUDA
+    decode steps leave one a layer) together, once, and forget them."""
+    from mlx.utils import tree_flatten
+
+    from runtime import q4cache
+
+    calls = []
+    monkeypatch.setattr(q4cache.mx, "async_eval", lambda *a: calls.append(a))
+
+    def layers(n, seed):
+        return [BatchQuantizedKVCache.merge([random_q4(T, seed=seed + i) for i, T in enumerate((5, 40))],
+                                            route="dequant") for _ in range(n)]
+
+    def pend(batch):
+        for layer in batch:
+            layer._pending = mx.zeros((1,))
+        return [layer._pending for layer in batch]
+
+    batch, other = layers(4, 0), layers(4, 10)
+    ops = [(lambda: filter_cache(batch, [1, 0]), False), (lambda: reserve_cache(batch, 3 * STEP), False),
+           (lambda: queue_rows(batch, [0]), False), (lambda: extend_cache(batch, other), True)]
+    for op, both in ops:
+        calls.clear()
+        pending = pend(batch) + (pend(other) if both else [])
+        op()
+        assert [id(x) for x in calls[0][0]] == [id(x) for x in pending]  # all of them, in one call
+        queued_later = [id(x) for call in calls[1:] for _, x in tree_flatten(call)]
+        assert not set(queued_later) & {id(x) for x in pending}  # none again, layer by layer
+        assert all(layer._pending is None for layer in batch + other)
 
 
 def test_writes_to_a_batch_leave_a_merged_agents_arrays_alone():
