@@ -102,7 +102,7 @@ def _state(files: _Files, tid: str, root: str) -> str | None:
 def poll(pid: int, interval: float, out) -> None:
     """Write a line to `out` every `interval` seconds for the tasks of process `pid`, our parent, until SIGTERM
     or until the parent is gone:
-    "<perf_counter> <busy ticks> <iowait ticks> <reclaims>|<tid>,<run ns>,<wait ns>,<minflt>,<majflt>,<ticks>,<state>;..."."""
+    "<perf_counter> <busy ticks> <iowait ticks> <reclaims> <steal ticks>|<tid>,<run ns>,<wait ns>,<minflt>,<majflt>,<ticks>,<state>;..."."""
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the parent's to handle; it stops us
@@ -115,8 +115,8 @@ def poll(pid: int, interval: float, out) -> None:
                 row = _task(files, tid, root)
                 if row is not None:
                     entries.append(",".join([tid, *map(str, row), _state(files, tid, root) or ""]))
-            busy, iowait, reclaim = _machine(files)
-            out.write(f"{now:.6f} {busy} {iowait} {reclaim}|{';'.join(entries)}\n")
+            busy, iowait, reclaim, steal = _machine(files)
+            out.write(f"{now:.6f} {busy} {iowait} {reclaim} {steal}|{';'.join(entries)}\n")
             if not written:
                 out.flush()  # the parent's start waits for it
                 written = True
@@ -129,12 +129,13 @@ def poll(pid: int, interval: float, out) -> None:
 
 
 def _machine(files: _Files) -> tuple:
-    """(busy ticks, iowait ticks, direct-reclaim events) of the whole machine."""
+    """(busy ticks, iowait ticks, direct-reclaim events, steal ticks) of the whole machine: steal is the time a
+    virtual machine's CPUs were runnable but the hypervisor ran something else (counted in busy too)."""
     cpu = [int(x) for x in files.read("/proc/stat").split("\n", 1)[0].split()[1:]]
     idle, iowait = cpu[3], cpu[4]
     reclaim = sum(int(line.split()[1]) for line in files.read("/proc/vmstat").splitlines()
                   if line.startswith(_RECLAIM))
-    return sum(cpu[:8]) - idle - iowait, iowait, reclaim
+    return sum(cpu[:8]) - idle - iowait, iowait, reclaim, cpu[7] if len(cpu) > 7 else 0
 
 
 class ThreadStats(Poller):
@@ -210,7 +211,7 @@ class ThreadStats(Poller):
         head, _, body = line.rstrip("\n").partition("|")
         tasks, states = {}, {}
         try:
-            now, busy, iowait, reclaim = head.split()
+            now, busy, iowait, reclaim, steal = head.split()
             for entry in body.split(";"):
                 tid, *counts, state = entry.split(",")
                 tasks[tid] = tuple(int(x) for x in counts)
@@ -221,7 +222,7 @@ class ThreadStats(Poller):
         except ValueError:
             return  # a line cut short (the child killed, a full disk): the polls before it stand
         self._times.append(float(now))
-        self._machine.append((int(busy), int(iowait), int(reclaim)))
+        self._machine.append((int(busy), int(iowait), int(reclaim), int(steal)))
         self._tasks.append(tasks)
         self._states.append(states)
 
@@ -234,8 +235,8 @@ class ThreadStats(Poller):
 
         `window_ms` is that span; `threads` the `top` tasks by CPU time as [kind, on-CPU ms,
         run-queue ms, minor faults, major faults, kernel ms]; `states`, in the same order, what each
-        was doing at the polls between `start` and `end` ({state: polls}, see `_state`); `machine` the busy and
-        iowait CPUs (averaged over the window) and the direct-reclaim events. None if the polls do
+        was doing at the polls between `start` and `end` ({state: polls}, see `_state`); `machine` the busy,
+        iowait and stolen CPUs (averaged over the window) and the direct-reclaim events. None if the polls do
         not span it.
         """
         a = bisect.bisect_right(self._times, start) - 1
@@ -258,11 +259,11 @@ class ThreadStats(Poller):
             tid = row.pop()
             seen = collections.Counter(polled[tid] for polled in self._states[a + 1 : b] if tid in polled)
             states.append(dict(seen.most_common()))
-        (busy0, io0, rec0), (busy1, io1, rec1) = self._machine[a], self._machine[b]
+        (busy0, io0, rec0, steal0), (busy1, io1, rec1, steal1) = self._machine[a], self._machine[b]
         cpus = window * 1e3 / _TICK_MS
         return dict(window_ms=round(window * 1e3, 2), threads=rows, states=states,
                     machine=dict(busy_cpus=round((busy1 - busy0) / cpus, 2), iowait_cpus=round((io1 - io0) / cpus, 2),
-                                 reclaim=rec1 - rec0))
+                                 reclaim=rec1 - rec0, steal_cpus=round((steal1 - steal0) / cpus, 2)))
 
     def futexes(self) -> dict[str, list[str]]:
         """Each futex address any task was seen blocked on, and the kinds of the threads seen there (sorted):

@@ -85,7 +85,7 @@ def test_thread_stats_say_which_lock_a_thread_waits_on_and_who_else_waited_there
 
 def test_thread_stats_keep_the_polls_before_a_line_cut_short():
     stats = ThreadStats()
-    stats._read_poll("1.0 10 0 0|11,5,0,1,0,0,running;12,7,0,0,0,0,futex@0x10\n")
-    stats._read_poll("2.0 20 0 0|11,9,0,1,0,0,running;12,7,0\n")  # the child killed mid-line
+    stats._read_poll("1.0 10 0 0 0|11,5,0,1,0,0,running;12,7,0,0,0,0,futex@0x10\n")
+    stats._read_poll("2.0 20 0 0 0|11,9,0,1,0,0,running;12,7,0\n")  # the child killed mid-line
     assert stats._times == [1.0] and stats._states == [{"11": "running", "12": "futex@0x10"}]
     assert stats._tasks == [{"11": (5, 0, 1, 0, 0), "12": (7, 0, 0, 0, 0)}]
