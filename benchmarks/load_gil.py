@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import statistics
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import mlx.core as mx
 
 from benchmarks.common import bench_parser, environment, ranked, write_results
-from benchmarks.write_gil import TICK, conversation, new_rows
+from benchmarks.write_gil import TICK, GilWaits, conversation, new_rows
 from runtime.cacheformat import decode_file, encode_file
 from runtime.files import map_file, write_atomic
 from runtime.hostcache import cache_to_host, host_to_cache, layer_names
@@ -57,23 +56,12 @@ WAYS = {"runtime": runtime_arrays, "mx.array": mlx_arrays}
 
 def load_once(host, way: str) -> tuple[float, float, list]:
     """(load seconds, first-read seconds, GIL waits) of one load of `host` the way `way`."""
-    stop, waits = threading.Event(), []
-
-    def waiter():
-        while not stop.is_set():
-            t = time.perf_counter()
-            time.sleep(TICK)
-            waits.append(time.perf_counter() - t - TICK)
-
-    thread = threading.Thread(target=waiter, daemon=True)
-    thread.start()
-    t0 = time.perf_counter()
-    arrays = WAYS[way](host)
-    t1 = time.perf_counter()
-    stop.set()
-    thread.join()
+    with GilWaits() as gil:
+        t0 = time.perf_counter()
+        arrays = WAYS[way](host)
+        t1 = time.perf_counter()
     mx.eval([x.astype(mx.float32).sum() for x in arrays])
-    return t1 - t0, time.perf_counter() - t1, waits
+    return t1 - t0, time.perf_counter() - t1, gil.waits
 
 
 def measure(context: int, loads: int, folder: Path) -> list[dict]:

@@ -33,6 +33,29 @@ COLUMNS = ["context", "new", "write_ms", "copy_ms", "check_ms", "encode_ms", "lo
 TICK = 0.0002  # the waiting thread's sleep
 
 
+class GilWaits:
+    """While entered, a second thread sleeps TICK at a time and `waits` collects how much longer each sleep
+    took, in seconds: its waits for the GIL."""
+
+    def __init__(self):
+        self.waits, self._stop = [], threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            t = time.perf_counter()
+            time.sleep(TICK)
+            self.waits.append(time.perf_counter() - t - TICK)
+
+    def __enter__(self) -> "GilWaits":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def new_rows(n: int, layers: int = 32, heads: int = 8, dim: int = 128, bits: int = 4, group: int = 64) -> list:
     """A per-layer cache of `n` tokens in the 8B shape's layout (bf16 scales), evaluated: a turn's new rows."""
     out, key = [], mx.random.key(0)
@@ -76,21 +99,10 @@ def measure(rows, context: int, writes: int) -> dict:
     new = rows[0].offset // 2
     metas = [conversation(context + i * new, i + 1) for i in range(writes + 1)]
     write(rows, context, metas[0])  # warm
-    stop, waits = threading.Event(), []
-
-    def waiter():
-        while not stop.is_set():
-            t = time.perf_counter()
-            time.sleep(TICK)
-            waits.append(time.perf_counter() - t - TICK)
-
-    thread = threading.Thread(target=waiter, daemon=True)
-    thread.start()
-    parts = [write(rows, len(meta.token_ids), meta) for meta in metas[1:]]
-    stop.set()
-    thread.join()
+    with GilWaits() as gil:
+        parts = [write(rows, len(meta.token_ids), meta) for meta in metas[1:]]
     ms = [statistics.median(p[k] for p in parts) * 1e3 for k in range(3)]
-    waits.sort()
+    waits = sorted(gil.waits)
     return dict(context=context, new=new, write_ms=round(sum(ms), 2), copy_ms=round(ms[0], 2),
                 check_ms=round(ms[1], 2), encode_ms=round(ms[2], 2), longest_wait_ms=round(waits[-1] * 1e3, 2),
                 p99_wait_ms=round(ranked(waits, 0.99) * 1e3, 2))
