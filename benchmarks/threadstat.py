@@ -106,7 +106,7 @@ def poll(pid: int, interval: float, out) -> None:
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the parent's to handle; it stops us
-    files, root, written = _Files(), f"/proc/{pid}/task", False
+    files, root = _Files(), f"/proc/{pid}/task"
     try:
         while not stopping and os.getppid() == pid:
             now = time.perf_counter()
@@ -117,9 +117,7 @@ def poll(pid: int, interval: float, out) -> None:
                     entries.append(",".join([tid, *map(str, row), _state(files, tid, root) or ""]))
             busy, iowait, reclaim, steal = _machine(files)
             out.write(f"{now:.6f} {busy} {iowait} {reclaim} {steal}|{';'.join(entries)}\n")
-            if not written:
-                out.flush()  # the parent's start waits for it
-                written = True
+            out.flush()  # the parent's start waits for the first poll, its stop for two more
             time.sleep(max(0.0, interval - (time.perf_counter() - now)))
     except FileNotFoundError:
         pass  # the process ended

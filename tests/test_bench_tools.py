@@ -61,25 +61,29 @@ def test_stack_sampler_counts_where_a_thread_waits():
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="ThreadStats reads /proc (Linux)")
 def test_thread_stats_say_which_lock_a_thread_waits_on_and_who_else_waited_there():
-    gate, spin_until = threading.Semaphore(0), time.perf_counter() + 0.3
-    waiters = [threading.Thread(target=gate.acquire, name=f"AgentActor-{i}") for i in (1, 2)]
-    spinner = threading.Thread(target=lambda: [None for _ in iter(lambda: time.perf_counter() > spin_until, True)],
-                               name="BatcherActor-1")
+    gate, done = threading.Semaphore(0), threading.Event()
+    # names no other thread has: threads left by earlier tests (actors among them) may still be there
+    waiters = [threading.Thread(target=gate.acquire, name=f"WaiterUnderTest-{i}") for i in (1, 2)]
+    spinner = threading.Thread(target=lambda: [None for _ in iter(done.is_set, True)], name="SpinnerUnderTest-1")
     with ThreadStats(interval=0.005) as stats:
         for t in waiters + [spinner]:
             t.start()
         t0 = time.perf_counter()
         time.sleep(0.2)
         t1 = time.perf_counter()
+        time.sleep(0.05)  # the spinner outlives the first poll after t1 (it would vanish from /proc with its CPU)
         gate.release(2)
+        done.set()
         for t in waiters + [spinner]:
             t.join()
-    seen = stats.during(t0, t1)  # polled by another process: 5 ms apart even while a thread here keeps the GIL
+    # polled by another process: 5 ms apart even while a thread here keeps the GIL; every thread, not the
+    # busiest few (threads left by earlier tests may be busier than the spinner)
+    seen = stats.during(t0, t1, top=10_000)
     states = dict(zip([kind for kind, *_ in seen["threads"]], seen["states"]))
-    spinning = states["BatcherActor"]
+    spinning = states["SpinnerUnderTest"]
     assert spinning.get("running", 0) >= 10 and max(spinning, key=spinning.get) == "running"
     # each waiter sleeps on a lock of its own (Condition.wait's), on which no other thread is seen
-    assert sum(kinds == ["AgentActor"] for kinds in stats.futexes().values()) >= 2
+    assert sum(kinds == ["WaiterUnderTest"] for kinds in stats.futexes().values()) >= 2
     assert all(addr.startswith("futex@0x") for addr in stats.futexes())
 
 
