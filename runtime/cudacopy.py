@@ -48,6 +48,7 @@ _SOURCE = """
 """
 THREADS, BLOCKS = 256, 512
 ALIGN = 256  # byte offset every array of `to_device` starts at a multiple of (the kernels' vector loads need 16)
+MAX_BYTES = 1 << 30  # largest buffer `to_device` makes (MLX's shapes are int32: a 1-D buffer stays under 2 GiB)
 _ADDRESS = "if (blockIdx.x == 0 && threadIdx.x == 0) addr[0] = reinterpret_cast<unsigned long long>(blob);"
 
 
@@ -69,7 +70,7 @@ def _driver():
 
 
 def available() -> bool:
-    """Whether `to_host` can copy here: MLX runs on a CUDA GPU and the CUDA driver library loads."""
+    """Whether `to_host` and `to_device` can copy here: MLX runs on a CUDA GPU and the CUDA driver library loads."""
     return _driver() is not None
 
 
@@ -167,18 +168,23 @@ def _take_slot(device_ptr: int) -> _Slot:
 def to_device(arrays: list, stream=None) -> tuple[mx.array, list[int]]:
     """The bytes of numpy arrays `arrays` in one new 1-D uint8 device array, evaluated, and where each begins.
 
-    Array i's bytes (in C order) start at offset i, a multiple of ALIGN, so a view of them
+    Array i's bytes (in C order) start at `offsets[i]`, a multiple of ALIGN, so a view of them
     (`blob[o : o + n].view(dtype).reshape(shape)`) is aligned for any kernel. The buffer
     is allocated by a kernel on `stream` (default: the default stream), so it waits only
-    for work queued there; the bytes cross through page-locked memory by the copy
-    engine, and both copies run without the GIL. Raises RuntimeError if CUDA reports an
-    error; call only where `available()`.
+    for work queued there; the bytes cross through page-locked memory by the copy engine
+    (a transfer per STAGING_BYTES, on a stream of this module's own, waited for before
+    this returns), and both copies run without the GIL. Raises ValueError if the arrays
+    need more than MAX_BYTES together (`groups` splits them), RuntimeError if CUDA
+    reports an error; call only where `available()`.
     """
     offsets, total = [], 0
     for a in arrays:
         total = -(-total // ALIGN) * ALIGN
         offsets.append(total)
         total += a.nbytes
+    if total > MAX_BYTES:
+        raise ValueError(f"to_device makes buffers of at most {MAX_BYTES} bytes; these arrays need {total}: "
+                         "split them with cudacopy.groups")
     blob, addr = _allocator()(inputs=[mx.array(0, mx.uint8)], grid=(1, 1, 1), threadgroup=(1, 1, 1),
                               output_shapes=[(max(total, 1),), (1,)], output_dtypes=[mx.uint8, mx.uint64],
                               stream=stream)
@@ -204,6 +210,22 @@ def to_device(arrays: list, stream=None) -> tuple[mx.array, list[int]]:
         with _lock:
             _slots.append(slot)
     return blob, offsets
+
+
+def groups(sizes: list[int]) -> list[list[int]]:
+    """The indices of arrays of `sizes` bytes, in order, cut into runs that each fit one `to_device` buffer
+    (MAX_BYTES with every array at a multiple of ALIGN). Raises ValueError for an array larger than MAX_BYTES."""
+    out, total = [[]], 0
+    for i, n in enumerate(sizes):
+        if n > MAX_BYTES:
+            raise ValueError(f"an array of {n} bytes is larger than the {MAX_BYTES} bytes a buffer holds")
+        start = -(-total // ALIGN) * ALIGN
+        if out[-1] and start + n > MAX_BYTES:
+            out.append([])
+            start = 0
+        out[-1].append(i)
+        total = start + n
+    return out if out[-1] else []
 
 
 def _to_blob(slot: _Slot, device_ptr: int, n: int) -> None:

@@ -289,8 +289,8 @@ def host_to_cache(host: HostCache) -> list:
     """Build a per-layer list of `QuantizedKVCache` from `host`, evaluated on this thread.
 
     Arrays are exactly `n_tokens` long and `offset == n_tokens`; with no tokens each
-    layer is an empty cache (`keys is None`). On CUDA the bytes cross in one copy-engine
-    transfer into device memory without the GIL (`_to_device`); elsewhere through `mx.array`.
+    layer is an empty cache (`keys is None`). On CUDA the bytes cross by the copy engine into
+    device memory without the GIL (`_to_device`); elsewhere through `mx.array`.
     """
     import mlx.core as mx
 
@@ -312,11 +312,11 @@ def host_to_cache(host: HostCache) -> list:
 def _to_device(host: HostCache, names: list) -> list:
     """MLX arrays of `host.tensors[name]` for `names` (scales and biases in `host.dtype`), not yet evaluated.
 
-    On CUDA one copy-engine transfer fills one device buffer on this thread's copy stream,
-    and each array is a view of it: `mx.array` from numpy would copy into fresh managed
-    memory a tensor at a time with the GIL held (an agent reloading a 16K-token cache
-    held it for tens of milliseconds, stopping the engine's thread) and the GPU's first
-    read would then migrate the pages.
+    On CUDA the copy engine fills device buffers (`cudacopy.to_device`, allocated on this
+    thread's copy stream; one per `cudacopy.MAX_BYTES`), and each array is a view of one:
+    `mx.array` from numpy would copy into fresh managed memory a tensor at a time with the
+    GIL held (an agent reloading a 16K-token cache held it for tens of milliseconds,
+    stopping the engine's thread) and the GPU's first read would then migrate the pages.
     """
     import mlx.core as mx
 
@@ -328,10 +328,14 @@ def _to_device(host: HostCache, names: list) -> list:
     tensors = [host.tensors[n] for n in names]
     stream = _copy_stream()
     if stream.device == mx.gpu and cudacopy.available():
-        blob, offsets = cudacopy.to_device(tensors, stream)
-        with mx.stream(stream):  # views, no copies: their evaluation waits for nothing the engine queued
-            return [blob[o: o + a.nbytes].view(dtype(n, a)).reshape(a.shape)
-                    for n, a, o in zip(names, tensors, offsets)]
+        out = [None] * len(tensors)
+        for group in cudacopy.groups([a.nbytes for a in tensors]):
+            blob, offsets = cudacopy.to_device([tensors[i] for i in group], stream)
+            with mx.stream(stream):  # views, no copies: their evaluation waits for nothing the engine queued
+                for i, o in zip(group, offsets):
+                    a = tensors[i]
+                    out[i] = blob[o: o + a.nbytes].view(dtype(names[i], a)).reshape(a.shape)
+        return out
     out = [mx.array(a) for a in tensors]
     return [x if x.dtype == dtype(n, a) else x.view(dtype(n, a)) for n, a, x in zip(names, tensors, out)]
 

@@ -769,9 +769,9 @@ def test_to_device_puts_every_arrays_bytes_in_one_aligned_device_buffer():
         assert np.array_equal(host[o: o + a.nbytes], want)
 
 
-def test_a_cache_loaded_on_cuda_is_bit_for_bit_the_one_written():
-    """`host_to_cache` on CUDA (views of one copy-engine transfer) gives back the cache `cache_to_host` copied,
-    bfloat16 scales included, and its arrays take part in device work like any others."""
+def test_a_cache_loaded_on_cuda_is_bit_for_bit_the_one_written(monkeypatch):
+    """`host_to_cache` on CUDA (views of copy-engine buffers, cut in two here by a lower buffer limit) gives back
+    the cache `cache_to_host` copied, bfloat16 scales included, and its arrays take part in device work."""
     from mlx_lm.models.cache import QuantizedKVCache
 
     from runtime import hostcache
@@ -785,10 +785,17 @@ def test_a_cache_loaded_on_cuda_is_bit_for_bit_the_one_written():
         c.offset = 300
         layers.append(c)
     mx.eval([(c.keys, c.values) for c in layers])
-    loaded = hostcache.host_to_cache(hostcache.cache_to_host(layers))
+    host = hostcache.cache_to_host(layers)
+    buffers, to_device = [], cudacopy.to_device
+    monkeypatch.setattr(cudacopy, "to_device", lambda *a: buffers.append(to_device(*a)) or buffers[-1])
+    monkeypatch.setattr(cudacopy, "MAX_BYTES", host.nbytes // 2 + cudacopy.ALIGN * 18)
+    loaded = hostcache.host_to_cache(host)
+    assert len(buffers) == 2  # the copy engine's path, in two buffers
     for got, want in zip(loaded, layers):
         assert got.offset == 300
         for g, w in zip((*got.keys, *got.values), (*want.keys, *want.values)):
             assert g.dtype == w.dtype and g.shape == w.shape
             assert mx.array_equal(g, w).item()
-            assert mx.array_equal(mx.dequantize(*got.keys, 64, 4), mx.dequantize(*want.keys, 64, 4)).item()
+        for part in ("keys", "values"):
+            assert mx.array_equal(mx.dequantize(*getattr(got, part), 64, 4),
+                                  mx.dequantize(*getattr(want, part), 64, 4)).item()

@@ -980,3 +980,22 @@ def test_a_cache_file_is_the_same_whether_its_token_lists_were_encoded_before_or
     fresh = cacheformat.encode_file(host, meta, "f" * 16)
     assert first[1] == again[1] == fresh[1]
     assert b"".join(bytes(memoryview(p)) for p in first[0]) == b"".join(bytes(memoryview(p)) for p in fresh[0])
+
+
+def test_a_caches_tensors_are_cut_into_device_buffers_under_the_size_limit(monkeypatch):
+    """`cudacopy.groups`: runs in order, each fitting one buffer with every array at a multiple of ALIGN."""
+    from runtime import cudacopy
+
+    monkeypatch.setattr(cudacopy, "MAX_BYTES", 1000)
+    sizes = [300, 300, 300, 10, 0, 1000, 1, 700, 250]
+    runs = cudacopy.groups(sizes)
+    assert [i for run in runs for i in run] == list(range(len(sizes)))
+    for run in runs:
+        end = 0
+        for i in run:
+            end = -(-end // cudacopy.ALIGN) * cudacopy.ALIGN + sizes[i]
+        assert end <= 1000
+    assert runs == [[0, 1], [2, 3, 4], [5], [6, 7], [8]]
+    assert cudacopy.groups([]) == []
+    with pytest.raises(ValueError, match="larger than"):
+        cudacopy.groups([1001])
