@@ -407,8 +407,8 @@ class BatchQuantizedKVCache(_BaseCache):
         as an input. Other updates (long chunks, which attention reads dequantized with
         MLX's own ops, a lead's update, which keeps some columns, and layouts the kernels
         do not serve) write through slice updates, which MLX orders itself.
-        Whatever else reads the buffers later (`_settle`) or evaluates the cache (`state`)
-        sees the write.
+        Whatever reads the buffers later first queues the write if it is not yet (`_settle`,
+        `settle`, or evaluating `state`), then reads on the same stream, after it.
         """
         return self.keys[1].dtype == keys.dtype and q4pack.serves(self.scheme, keys, values)
 
@@ -839,7 +839,9 @@ class BatchQuantizedKVCache(_BaseCache):
     @property
     def state(self):
         """(keys, values, offset, left_padding, pending): the arrays to evaluate after a step. `pending` is
-        the last in-place write's result (evaluating it runs the write) or an empty tuple."""
+        the last in-place write's result while it is not yet queued (evaluating it runs the write), else an
+        empty tuple: a queued write is ordered before what this thread's stream runs later, and a reader
+        on another stream or the host must wait for that stream first."""
         return self.keys, self.values, self.offset, self.left_padding, () if self._pending is None else self._pending
 
     @property
