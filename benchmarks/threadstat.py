@@ -180,11 +180,12 @@ class ThreadStats(Poller):
         super().stop()
         if self._child is None:
             return
-        size, grown, deadline = os.fstat(self._out.fileno()).st_size, 0, time.monotonic() + 5
-        while grown < 2 and self._child.poll() is None and time.monotonic() < deadline:  # the second began after
+        fd = self._out.fileno()
+        at, lines, deadline = os.fstat(fd).st_size, 0, time.monotonic() + 5
+        while lines < 2 and self._child.poll() is None and time.monotonic() < deadline:  # the second began after
             time.sleep(self.interval / 4)
-            now = os.fstat(self._out.fileno()).st_size
-            grown, size = grown + (now > size), now
+            new = os.pread(fd, max(0, os.fstat(fd).st_size - at), at)
+            lines, at = lines + new.count(b"\n"), at + len(new)
         self._child.terminate()
         try:
             self._child.wait(timeout=10)

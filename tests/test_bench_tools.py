@@ -71,11 +71,11 @@ def test_thread_stats_say_which_lock_a_thread_waits_on_and_who_else_waited_there
         t0 = time.perf_counter()
         time.sleep(0.2)
         t1 = time.perf_counter()
-        time.sleep(0.05)  # the spinner outlives the first poll after t1 (it would vanish from /proc with its CPU)
-        gate.release(2)
-        done.set()
-        for t in waiters + [spinner]:
-            t.join()
+    # the threads outlive `stop`, which waits for polls begun after t1 (a thread gone from /proc takes its CPU)
+    gate.release(2)
+    done.set()
+    for t in waiters + [spinner]:
+        t.join()
     # polled by another process: 5 ms apart even while a thread here keeps the GIL; every thread, not the
     # busiest few (threads left by earlier tests may be busier than the spinner)
     seen = stats.during(t0, t1, top=10_000)
