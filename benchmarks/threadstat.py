@@ -73,14 +73,14 @@ class _Files:
 
 
 def _task(files: _Files, tid: str, root: str) -> tuple | None:
-    """(on-CPU ns, run-queue ns, minor faults, major faults, kernel ticks) of task `tid` in the task folder `root`
-    (/proc/<pid>/task), or None if it ended."""
+    """(on-CPU ns, run-queue ns, minor faults, major faults, kernel ticks, the CPU it last ran on) of task `tid`
+    in the task folder `root` (/proc/<pid>/task), or None if it ended."""
     sched, stat = files.read(f"{root}/{tid}/schedstat"), files.read(f"{root}/{tid}/stat")
     if sched is None or stat is None:
         return None
     run_ns, wait_ns = (int(x) for x in sched.split()[:2])
     fields = stat[stat.rindex(")") + 2 :].split()  # after the command name, which may hold spaces
-    return run_ns, wait_ns, int(fields[7]), int(fields[9]), int(fields[12])
+    return run_ns, wait_ns, int(fields[7]), int(fields[9]), int(fields[12]), int(fields[36])
 
 
 def _state(files: _Files, tid: str, root: str) -> str | None:
@@ -102,7 +102,7 @@ def _state(files: _Files, tid: str, root: str) -> str | None:
 def poll(pid: int, interval: float, out) -> None:
     """Write a line to `out` every `interval` seconds for the tasks of process `pid`, our parent, until SIGTERM
     or until the parent is gone:
-    "<perf_counter> <busy ticks> <iowait ticks> <reclaims> <steal ticks>|<tid>,<run ns>,<wait ns>,<minflt>,<majflt>,<ticks>,<state>;..."."""
+    "<perf_counter> <busy ticks> <iowait ticks> <reclaims> <steal ticks>|<tid>,<run ns>,<wait ns>,<minflt>,<majflt>,<ticks>,<cpu>,<state>;..."."""
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the parent's to handle; it stops us
@@ -149,6 +149,7 @@ class ThreadStats(Poller):
         self._tasks: list[dict[str, tuple]] = []  # per poll: tid -> _task(tid)
         self._machine: list[tuple] = []
         self._states: list[dict[str, str]] = []  # per poll: tid -> _state(tid), for the tids of `_tasks`
+        self._cpus: list[dict[str, int]] = []  # per poll: tid -> the CPU it last ran on
         self._names: dict[str, str] = {}  # native thread id -> the Python thread's name last seen
         self._child = self._out = None
         super().__init__()
@@ -208,12 +209,13 @@ class ThreadStats(Poller):
 
     def _read_poll(self, line: str) -> None:
         head, _, body = line.rstrip("\n").partition("|")
-        tasks, states = {}, {}
+        tasks, states, cpus = {}, {}, {}
         try:
             now, busy, iowait, reclaim, steal = head.split()
             for entry in body.split(";"):
-                tid, *counts, state = entry.split(",")
+                tid, *counts, cpu, state = entry.split(",")
                 tasks[tid] = tuple(int(x) for x in counts)
+                cpus[tid] = int(cpu)
                 if len(counts) != 5:
                     raise ValueError(entry)
                 if state:
@@ -224,6 +226,7 @@ class ThreadStats(Poller):
         self._machine.append((int(busy), int(iowait), int(reclaim), int(steal)))
         self._tasks.append(tasks)
         self._states.append(states)
+        self._cpus.append(cpus)
 
     def _kind(self, tid: str) -> str:
         name = self._names.get(tid)
@@ -234,9 +237,9 @@ class ThreadStats(Poller):
 
         `window_ms` is that span; `threads` the `top` tasks by CPU time as [kind, on-CPU ms,
         run-queue ms, minor faults, major faults, kernel ms]; `states`, in the same order, what each
-        was doing at the polls between `start` and `end` ({state: polls}, see `_state`); `machine` the busy,
-        iowait and stolen CPUs (averaged over the window) and the direct-reclaim events. None if the polls do
-        not span it.
+        was doing at the polls between `start` and `end` ({state: polls}, see `_state`), `cpus` the CPUs it was
+        last seen on at them ({cpu: polls}); `machine` the busy, iowait and stolen CPUs (averaged over the
+        window) and the direct-reclaim events. None if the polls do not span it.
         """
         a = bisect.bisect_right(self._times, start) - 1
         b = bisect.bisect_left(self._times, end)
@@ -253,14 +256,16 @@ class ThreadStats(Poller):
                              round(kernel * _TICK_MS, 1), tid])
         rows.sort(key=lambda r: -r[1])
         rows = rows[:top]
-        states = []
+        states, ran_on = [], []
         for row in rows:
             tid = row.pop()
             seen = collections.Counter(polled[tid] for polled in self._states[a + 1 : b] if tid in polled)
             states.append(dict(seen.most_common()))
+            ran = collections.Counter(polled[tid] for polled in self._cpus[a + 1 : b] if tid in polled)
+            ran_on.append(dict(ran.most_common()))
         (busy0, io0, rec0, steal0), (busy1, io1, rec1, steal1) = self._machine[a], self._machine[b]
         cpus = window * 1e3 / _TICK_MS
-        return dict(window_ms=round(window * 1e3, 2), threads=rows, states=states,
+        return dict(window_ms=round(window * 1e3, 2), threads=rows, states=states, cpus=ran_on,
                     machine=dict(busy_cpus=round((busy1 - busy0) / cpus, 2), iowait_cpus=round((io1 - io0) / cpus, 2),
                                  reclaim=rec1 - rec0, steal_cpus=round((steal1 - steal0) / cpus, 2)))
 

@@ -183,9 +183,10 @@ def print_os(seen: dict | None) -> None:
     if not seen:
         return
     print(f"  OS, over {seen['window_ms']} ms of polls: machine {seen['machine']}", flush=True)
-    for (kind, run, wait, minflt, majflt, kernel), states in zip(seen["threads"], seen["states"]):
+    for (kind, run, wait, minflt, majflt, kernel), states, cpus in zip(seen["threads"], seen["states"],
+                                                                      seen.get("cpus", [{}] * len(seen["threads"]))):
         print(f"  {run:8.2f} ms on a CPU, {wait:6.2f} ms waiting for one, {minflt:6d} minor / {majflt} major faults, "
-              f"{kernel:5.1f} ms in the kernel  {kind}  {states}", flush=True)
+              f"{kernel:5.1f} ms in the kernel  {kind}  {states}  on CPUs {cpus}", flush=True)
 
 
 def step_raw(s) -> list:

@@ -81,6 +81,8 @@ def test_thread_stats_say_which_lock_a_thread_waits_on_and_who_else_waited_there
     seen = stats.during(t0, t1, top=10_000)
     states = dict(zip([kind for kind, *_ in seen["threads"]], seen["states"]))
     spinning = states["SpinnerUnderTest"]
+    ran_on = dict(zip([kind for kind, *_ in seen["threads"]], seen["cpus"]))["SpinnerUnderTest"]
+    assert sum(ran_on.values()) >= sum(spinning.values()) and all(0 <= cpu < os.cpu_count() for cpu in ran_on)
     assert spinning.get("running", 0) >= 10 and max(spinning, key=spinning.get) == "running"
     # each waiter sleeps on a lock of its own (Condition.wait's), on which no other thread is seen
     assert sum(kinds == ["WaiterUnderTest"] for kinds in stats.futexes().values()) >= 2
@@ -89,7 +91,7 @@ def test_thread_stats_say_which_lock_a_thread_waits_on_and_who_else_waited_there
 
 def test_thread_stats_keep_the_polls_before_a_line_cut_short():
     stats = ThreadStats()
-    stats._read_poll("1.0 10 0 0 0|11,5,0,1,0,0,running;12,7,0,0,0,0,futex@0x10\n")
-    stats._read_poll("2.0 20 0 0 0|11,9,0,1,0,0,running;12,7,0\n")  # the child killed mid-line
+    stats._read_poll("1.0 10 0 0 0|11,5,0,1,0,0,3,running;12,7,0,0,0,0,1,futex@0x10\n")
+    stats._read_poll("2.0 20 0 0 0|11,9,0,1,0,0,3,running;12,7,0\n")  # the child killed mid-line
     assert stats._times == [1.0] and stats._states == [{"11": "running", "12": "futex@0x10"}]
-    assert stats._tasks == [{"11": (5, 0, 1, 0, 0), "12": (7, 0, 0, 0, 0)}]
+    assert stats._tasks == [{"11": (5, 0, 1, 0, 0), "12": (7, 0, 0, 0, 0)}] and stats._cpus == [{"11": 3, "12": 1}]
