@@ -839,9 +839,9 @@ class BatchQuantizedKVCache(_BaseCache):
     @property
     def state(self):
         """(keys, values, offset, left_padding, pending): the arrays to evaluate after a step. `pending` is
-        the last in-place write's result while it is not yet queued (evaluating it runs the write), else an
-        empty tuple: a queued write is ordered before what this thread's stream runs later, and a reader
-        on another stream or the host must wait for that stream first."""
+        the last in-place write's result (evaluating it runs the write) until `settle` queues and forgets it,
+        then an empty tuple: a queued write is ordered before what this thread's stream runs later, and a
+        reader on another stream or the host must wait for that stream first."""
         return self.keys, self.values, self.offset, self.left_padding, () if self._pending is None else self._pending
 
     @property
