@@ -999,3 +999,40 @@ def test_a_caches_tensors_are_cut_into_device_buffers_under_the_size_limit(monke
     assert cudacopy.groups([]) == []
     with pytest.raises(ValueError, match="larger than"):
         cudacopy.groups([1001])
+
+
+@pytest.mark.parametrize("align", [16, 256])
+def test_to_device_stages_every_arrays_bytes_to_its_offset(monkeypatch, align):
+    """`cudacopy.to_device`'s staging loop, with the CUDA calls replaced by a host "device": arrays that cross
+    the (here 64-byte) staging buffer's edges, one larger than it, an empty one and a non-contiguous view each
+    land at their offsets, with the padding between arrays inside the buffer or past it."""
+    import numpy as np
+
+    from runtime import cudacopy
+
+    base, device, sent = 1 << 20, np.zeros(4096, np.uint8), []
+
+    def allocate(**kw):
+        (n,), _ = kw["output_shapes"]
+        return mx.zeros((n,), mx.uint8), mx.array([base], mx.uint64)
+
+    def to_blob(slot, ptr, n):
+        assert 0 < n <= len(slot.view)
+        device[ptr - base: ptr - base + n] = slot.view[:n]
+        sent.append(n)
+
+    monkeypatch.setattr(cudacopy, "STAGING_BYTES", 64)
+    monkeypatch.setattr(cudacopy, "ALIGN", align)
+    monkeypatch.setattr(cudacopy, "_allocator", lambda: allocate)
+    monkeypatch.setattr(cudacopy, "_take_slot", lambda ptr: types.SimpleNamespace(view=np.zeros(64, np.uint8)))
+    monkeypatch.setattr(cudacopy, "_to_blob", to_blob)
+    monkeypatch.setattr(cudacopy, "_slots", [])
+    rng = np.random.default_rng(1)
+    arrays = [rng.integers(0, 2**32, (3, 5), dtype=np.uint32), np.zeros((0, 4), np.float16),
+              rng.integers(0, 256, 200, dtype=np.uint8), rng.integers(0, 2**16, (4, 9), dtype=np.uint16)[:, 2:7],
+              np.ones(1, np.float16), rng.integers(0, 256, 64, dtype=np.uint8)]
+    blob, offsets = cudacopy.to_device(arrays)
+    assert all(o % align == 0 for o in offsets) and blob.size == offsets[-1] + arrays[-1].nbytes
+    for a, o in zip(arrays, offsets):
+        assert np.array_equal(device[o: o + a.nbytes], np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+    assert sum(sent) <= blob.size and sum(sent) >= sum(a.nbytes for a in arrays)
