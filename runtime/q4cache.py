@@ -429,9 +429,7 @@ class BatchQuantizedKVCache(_BaseCache):
         has nothing to do, but the call still gives up the GIL and must win it back: once
         queued, the write is forgotten, and a batch settles all its layers in one call (`settle`).
         """
-        if self._pending is not None:
-            mx.async_eval(self._pending)
-            self._pending = None
+        settle((self,))
 
     def _own(self) -> None:
         """Copy the buffers once if they are arrays from outside (a merged agent's own): before the first write."""
@@ -450,6 +448,10 @@ class BatchQuantizedKVCache(_BaseCache):
         return (_quantize(rotate(keys, sch), sch.group_size, sch.key_bits),
                 _quantize(rotate(values, sch), sch.group_size, sch.value_bits))
 
+    def fits(self, n: int) -> bool:
+        """Whether `n` more columns fit in the buffers as they are (or there are none yet): `reserve` grows nothing."""
+        return self.keys is None or self._idx + n <= self.keys[0].shape[2]
+
     def reserve(self, n: int) -> bool:
         """Grow the buffers now if `n` more columns would not fit; return whether they grew.
 
@@ -457,7 +459,7 @@ class BatchQuantizedKVCache(_BaseCache):
         graph; growing ahead lets the caller evaluate the copy on its own (see Engine).
         """
         self._unled("reserve room in")
-        if self.keys is None or self._idx + n <= self.keys[0].shape[2]:
+        if self.fits(n):
             return False
         (words_k, scales, _), words_v = self.keys, self.values[0]
         B, H, _, w = words_k.shape
@@ -994,7 +996,10 @@ def extend_cache(batch, other, room: int = 1) -> None:
 
 def reserve_cache(batch, n: int) -> bool:
     """Make room for `n` more columns in every layer of `batch` now (`BatchQuantizedKVCache.reserve`);
-    return whether any layer grew."""
+    return whether any layer grew. Called before every decode step: where every layer has the room it
+    does nothing, not even queue the layers' pending writes (`settle`, which gives up the GIL)."""
+    if all(layer.fits(n) for layer in batch):
+        return False
     settle(batch)
     grew = [layer.reserve(n) for layer in batch]
     return any(grew)

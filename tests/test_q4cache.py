@@ -115,7 +115,8 @@ def test_filter_and_extend_keep_rows_bit_exact():
 def test_a_batch_op_queues_every_layers_pending_write_in_one_call(monkeypatch):
     """Each `mx.async_eval` gives up the GIL, and winning it back can wait behind another thread's Python:
     filtering, joining, growing and extracting a per-layer batch queue the layers' last in-place writes (CUDA
-    decode steps leave one a layer) together, once, and forget them."""
+    decode steps leave one a layer) together, once, and forget them; making room before a decode step that
+    has it already does neither."""
     from mlx.utils import tree_flatten
 
     from runtime import q4cache
@@ -143,6 +144,10 @@ def test_a_batch_op_queues_every_layers_pending_write_in_one_call(monkeypatch):
         queued_later = [id(x) for call in calls[1:] for _, x in tree_flatten(call)]
         assert not set(queued_later) & {id(x) for x in pending}  # none again, layer by layer
         assert all(layer._pending is None for layer in batch + other)
+    calls.clear()
+    pending = pend(batch)
+    assert not reserve_cache(batch, 1) and not calls  # room for the step: nothing queued, nothing forgotten
+    assert [id(layer._pending) for layer in batch] == [id(x) for x in pending]
 
 
 def test_writes_to_a_batch_leave_a_merged_agents_arrays_alone():
