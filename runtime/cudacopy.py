@@ -179,9 +179,8 @@ def to_device(arrays: list, stream=None) -> tuple[mx.array, list[int]]:
     """
     offsets, total = [], 0
     for a in arrays:
-        total = -(-total // ALIGN) * ALIGN
-        offsets.append(total)
-        total += a.nbytes
+        offsets.append(_aligned(total))
+        total = offsets[-1] + a.nbytes
     if total > MAX_BYTES:
         raise ValueError(f"to_device makes buffers of at most {MAX_BYTES} bytes; these arrays need {total}: "
                          "split them with cudacopy.groups")
@@ -219,13 +218,18 @@ def groups(sizes: list[int]) -> list[list[int]]:
     for i, n in enumerate(sizes):
         if n > MAX_BYTES:
             raise ValueError(f"an array of {n} bytes is larger than the {MAX_BYTES} bytes a buffer holds")
-        start = -(-total // ALIGN) * ALIGN
+        start = _aligned(total)
         if out[-1] and start + n > MAX_BYTES:
             out.append([])
             start = 0
         out[-1].append(i)
         total = start + n
     return out if out[-1] else []
+
+
+def _aligned(offset: int) -> int:
+    """`offset` rounded up to a multiple of ALIGN: where `to_device` puts the array that follows it."""
+    return -(-offset // ALIGN) * ALIGN
 
 
 def _to_blob(slot: _Slot, device_ptr: int, n: int) -> None:
