@@ -1,13 +1,16 @@
-"""Decode steps while another thread copies a cache to the host, as the cache writer does for each finished turn.
+"""Decode steps while another thread copies a cache to the host and writes it, as the cache writer does for each
+finished turn.
 
 An engine decodes --rows rows at --context tokens of context. In phase "copy" a second
 thread copies a per-agent cache of --copy-tokens tokens to the host in a loop
 (`hostcache.cache_to_host`, the cache writer's work before it writes a file); in phase
-"idle" it does nothing. Phases alternate --rounds times, --steps decode steps each. For
+"write" it also writes each copy to a file as the cache writer does (`cacheformat.encode_file`,
+which checksums it, then `files.write_atomic`: a temp file, fsync, rename, fsync of the folder);
+in phase "idle" it does nothing. Phases alternate --rounds times, --steps decode steps each. For
 each phase: the steps' p50, p99 and max, the mean time a step waited for the device and
 spent queueing its graph (`DecodeStep`), and the copies made per second. A step that gets
-slower only while the copy runs is the copy's doing, whichever way it interferes (the
-device's queue, the allocator, the driver, the GIL).
+slower only while the copy or the write runs is their doing, whichever way it interferes (the
+device's queue, the allocator, the driver, the GIL, the kernel's page cache and disk).
 
     python -m benchmarks.copy_interference                                              # CPU, tiny model
     python -m benchmarks.copy_interference --model llama-8b-shape --context 4096 --copy-tokens 2300   # GPU
@@ -16,31 +19,45 @@ device's queue, the allocator, the driver, the GIL).
 from __future__ import annotations
 
 import statistics
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import mlx.core as mx
 
 from benchmarks.batching import agent_turns
 from benchmarks.common import bench_parser, environment, load_bench_model, ranked, write_results
 from runtime.engine import Engine, Turn
-from runtime.hostcache import cache_to_host
+from runtime.cacheformat import encode_file
+from runtime.files import write_atomic
+from runtime.hostcache import CacheMeta, cache_to_host
 
+PHASES = ("idle", "copy", "write")
 COLUMNS = ["phase", "steps", "p50_ms", "p99_ms", "max_ms", "wait_ms", "queue_ms", "copies_per_s", "copy_MB"]
 
 
-def copier(cache, stop: threading.Event, done: list):
-    """Copy `cache` to the host until `stop` is set; append each copy's seconds to `done`."""
-    while not stop.is_set():
-        t0 = time.perf_counter()
-        cache_to_host(cache)
-        done.append(time.perf_counter() - t0)
+def copier(cache, stop: threading.Event, done: list, path: Path | None = None):
+    """Copy `cache` to the host until `stop` is set, and write each copy to `path` unless None (as the cache
+    writer writes a turn's cache); append each round's seconds to `done`."""
+    try:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            host = cache_to_host(cache)
+            if path is not None:
+                n = host.n_tokens
+                meta = CacheMeta(seq=1, token_ids=[0] * n, token_ends=[-1] * n, text="")
+                write_atomic(path, encode_file(host, meta, "copy-interference")[0])
+            done.append(time.perf_counter() - t0)
+    except BaseException as e:  # the phase raises it
+        done.append(e)
 
 
-def phase(engine, steps: int, cache=None) -> tuple[list, list]:
-    """(DecodeSteps, copy seconds) of `steps` engine steps, with `cache` copied meanwhile unless None."""
+def phase(engine, steps: int, cache=None, path: Path | None = None) -> tuple[list, list]:
+    """(DecodeSteps, copy seconds) of `steps` engine steps, with `cache` copied meanwhile unless None (and
+    written to `path` unless None)."""
     stop, done = threading.Event(), []
-    thread = None if cache is None else threading.Thread(target=copier, args=(cache, stop, done), daemon=True)
+    thread = None if cache is None else threading.Thread(target=copier, args=(cache, stop, done, path), daemon=True)
     if thread:
         thread.start()
         time.sleep(0.05)  # the copier is under way
@@ -50,6 +67,9 @@ def phase(engine, steps: int, cache=None) -> tuple[list, list]:
     if thread:
         stop.set()
         thread.join()
+    for e in done:
+        if isinstance(e, BaseException):
+            raise RuntimeError("the copying thread failed") from e
     return list(engine.stats.decode_steps)[first:], done
 
 
@@ -85,7 +105,7 @@ def main(argv=None):
         for r in engine.step():
             cache = r.cache
     copy_mb = sum(x.nbytes for x in cache_to_host(cache).tensors.values()) / 1e6
-    rows = agent_turns(args.rows, args.context, 2 * args.rounds * args.steps + 64, vocab)
+    rows = agent_turns(args.rows, args.context, len(PHASES) * args.rounds * args.steps + 64, vocab)
     for t in rows:
         engine.submit(t)
     while len(engine.decoding) < args.rows:
@@ -93,13 +113,15 @@ def main(argv=None):
     for _ in range(10):
         engine.step()
     mx.synchronize()
-    results = {"idle": ([], [], 0.0), "copy": ([], [], 0.0)}
-    for _ in range(args.rounds):
-        for name in ("idle", "copy"):
-            t0 = time.perf_counter()
-            steps, copies = phase(engine, args.steps, cache if name == "copy" else None)
-            s, c, secs = results[name]
-            results[name] = (s + steps, c + copies, secs + time.perf_counter() - t0)
+    results = {name: ([], [], 0.0) for name in PHASES}
+    with tempfile.TemporaryDirectory(prefix="kvactors-copy-") as folder:
+        for _ in range(args.rounds):
+            for name in results:
+                t0 = time.perf_counter()
+                steps, copies = phase(engine, args.steps, None if name == "idle" else cache,
+                                      Path(folder) / "cache.kvc" if name == "write" else None)
+                s, c, secs = results[name]
+                results[name] = (s + steps, c + copies, secs + time.perf_counter() - t0)
     out = [summary(name, s, c, secs, copy_mb) for name, (s, c, secs) in results.items()]
     for row in out:
         print(row)
