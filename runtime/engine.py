@@ -47,6 +47,7 @@ from runtime.q4cache import (
     queue_rows,
     reserve_cache,
     route_for,
+    row_arrays,
     settle,
 )
 
@@ -439,7 +440,7 @@ class Engine:
         out = []
         for r in ready:
             try:
-                mx.eval([(c.keys, c.values) for c in r.cache if c.keys is not None])
+                mx.eval(row_arrays(r.cache))
                 out.append(r)
             except Exception as e:
                 out.append(_own_error(r.turn_id, e, "extracting the cache failed"))

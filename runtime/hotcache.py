@@ -11,8 +11,8 @@ from collections import OrderedDict
 
 
 def cache_nbytes(cache) -> int:
-    """Bytes held by a per-layer list of QuantizedKVCache."""
-    return sum(sum(x.nbytes for x in (*c.keys, *c.values)) for c in cache if c.keys is not None)
+    """Bytes held by a per-layer list of QuantizedKVCache (each layer's `nbytes`)."""
+    return sum(c.nbytes for c in cache if not c.empty())
 
 
 class HotCaches:

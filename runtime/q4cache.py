@@ -121,6 +121,7 @@ class AgentKVCache(QuantizedKVCache):
     """
 
     def __init__(self, group_size: int = 64, bits: int = 4, value_bits: int | None = None, rotation: str = "none"):
+        self._held = None  # (HeldRow, layer) until this layer's views are first read: see `hold`
         super().__init__(group_size=group_size, bits=bits)
         self.value_bits = bits if value_bits is None else value_bits
         self.rotation = rotation
@@ -129,6 +130,92 @@ class AgentKVCache(QuantizedKVCache):
     def scheme(self) -> KVScheme:
         """The layer's `KVScheme`."""
         return KVScheme(self.bits, self.value_bits, self.group_size, self.rotation)
+
+    def hold(self, row: HeldRow, layer: int) -> None:
+        """Take layer `layer` of `row` as this layer's keys and values, made into views of its arrays only when
+        first read (`HeldRow.views`)."""
+        self._held = (row, layer)
+
+    def _take(self) -> None:
+        held = self._held
+        if held is not None:
+            row, n = held
+            views = row.views()
+            self._keys, self._values = tuple(x[n] for x in views[:3]), tuple(x[n] for x in views[3:])
+            self._held = None  # after the views are in place: a thread that sees None reads them
+
+    @property
+    def keys(self):
+        self._take()
+        return self._keys
+
+    @keys.setter
+    def keys(self, value):
+        self._take()
+        self._keys = value
+
+    @property
+    def values(self):
+        self._take()
+        return self._values
+
+    @values.setter
+    def values(self, value):
+        self._take()
+        self._values = value
+
+    def empty(self) -> bool:
+        """Whether the layer holds no rows (without making a held row's views)."""
+        return self._held is None and self._keys is None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the layer's keys and values (a held row's share without making its views)."""
+        if self._held is not None:
+            return sum(x.nbytes // x.shape[0] for x in self._held[0].arrays)
+        return 0 if self._keys is None else sum(x.nbytes for x in (*self._keys, *self._values))
+
+
+class HeldRow:
+    """One row's cache of every layer in six arrays (keys' then values' words, scales and biases, each of
+    shape (layers, heads, columns, ...)), as `queue_rows` takes a row out of a batch in one launch.
+
+    Each layer's tensors are views of these arrays, made the first time any layer's are read, all at
+    once, by the thread that reads them, which also queues them for evaluation (a view is evaluated by
+    the thread that made it; queued, not waited for, since on the engine's thread a wait would wait for
+    the decode step queued before): the engine's thread, which hands the row over, queues six arrays,
+    not a view a tensor of every layer (192 on the 8B shape, each an array MLX's evaluation handles on
+    its own).
+    """
+
+    def __init__(self, arrays):
+        self.arrays = tuple(arrays)
+        self._views = None
+        self._lock = threading.Lock()
+
+    def views(self) -> list:
+        """Per array, its views of each layer (shape (1, heads, columns, ...)), queued for evaluation."""
+        with self._lock:
+            if self._views is None:
+                views = [mx.split(x, x.shape[0], axis=0) for x in self.arrays]
+                mx.async_eval(views)
+                self._views = views
+            return self._views
+
+
+def row_arrays(cache) -> list:
+    """The arrays to evaluate for per-agent `cache`'s buffers to be ready: a held row's six arrays (once),
+    else each layer's keys and values. Makes no views."""
+    out, seen = [], set()
+    for layer in cache:
+        held = getattr(layer, "_held", None)
+        if held is not None:
+            if id(held[0]) not in seen:
+                seen.add(id(held[0]))
+                out.extend(held[0].arrays)
+        elif layer.keys is not None:
+            out.append((layer.keys, layer.values))
+    return out
 
 
 def layer_cache(scheme: KVScheme) -> AgentKVCache:
@@ -943,21 +1030,21 @@ def queue_rows(batch, rows, drop: int = 0, together: bool = True) -> list:
             out.append(_all_layers(batch, i, *spans, [c for c, _ in parts]))
         else:
             out.append([layer._filled(i, c, span) for layer, (c, span) in zip(batch, parts)])
-    mx.async_eval([(c.keys, c.values) for caches in out for c in caches if c.keys is not None])
+    mx.async_eval([row_arrays(caches) for caches in out])
     return out
 
 
 def _all_layers(batch, i: int, span, caches) -> list:
     """`caches` (from each layer's `_extracted`) given row `i`'s columns `span` of every layer in one
-    `q4columns.gather` launch, each layer's arrays a view of one buffer a tensor: a launch and six allocations
-    where a launch a layer made six allocations each, and the allocations, of a size new to MLX's buffer cache
-    at every turn's end, were most of a finishing step's hand-over on an H100."""
+    `q4columns.gather` launch, each layer's arrays a view of one buffer a tensor (a `HeldRow`): a launch and six
+    allocations where a launch a layer made six allocations each, and the allocations, of a size new to MLX's
+    buffer cache at every turn's end, were most of a finishing step's hand-over on an H100."""
     start, stop = span
     plan = tuple((n, i, start, stop, 0) for n in range(len(batch)))
     keys, values = q4columns.gather([(layer.keys, layer.values) for layer in batch], plan, stop - start)
-    tensors = [mx.split(x, len(batch), axis=0) for x in (*keys, *values)]
+    row = HeldRow((*keys, *values))
     for n, cache in enumerate(caches):
-        cache.keys, cache.values = tuple(x[n] for x in tensors[:3]), tuple(x[n] for x in tensors[3:])
+        cache.hold(row, n)
     return caches
 
 

@@ -548,7 +548,7 @@ def test_gather_reads_a_row_of_each_of_many_sources_as_an_extraction_from_every_
 
 def test_rows_taken_from_every_layer_at_once_match_mlx_ops_and_merge_back(monkeypatch):
     """`queue_rows` on the "q4kernel" route takes a row from all the layers in one gather (its buffers views of one
-    buffer a tensor): the same arrays and offsets as the "dequant" route's slices, and merged back into a batch,
+    buffer a tensor, made when first read): the same arrays and offsets as the "dequant" route's slices, and merged back into a batch,
     the same buffers as well."""
     from runtime import attention, q4cache, q4columns
     from runtime.kvscheme import parse
@@ -565,6 +565,8 @@ def test_rows_taken_from_every_layer_at_once_match_mlx_ops_and_merge_back(monkey
         batch = [BatchQuantizedKVCache.merge([agent(scheme, 300, 10 * n), agent(scheme, 120, 10 * n + 5)], scheme,
                                              route, room=9) for n in range(4)]
         taken = q4cache.queue_rows(batch, [1, 0], drop=2)
+        # held (`HeldRow`): the hand-over made no layer's views
+        assert all((c._held is not None) == (route == "q4kernel") for caches in taken for c in caches)
         for caches in taken:
             mx.eval([(c.keys, c.values) for c in caches])
         again = [BatchQuantizedKVCache.merge([taken[0][n], taken[1][n]], scheme, route, room=3) for n in range(4)]

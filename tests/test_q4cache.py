@@ -6,6 +6,8 @@ so the math is the same and only the order of float reductions could differ.
 Greedy tokens must be identical.
 """
 
+import threading
+
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
@@ -19,6 +21,7 @@ from runtime.q4cache import (
     SLIDING_SLACK,
     STEP,
     BatchQuantizedKVCache,
+    HeldRow,
     Q4CacheError,
     can_trim,
     default_route,
@@ -30,6 +33,7 @@ from runtime.q4cache import (
     queue_rows,
     reserve_cache,
     route_for,
+    row_arrays,
 )
 
 ARCHS = ["llama", "qwen2", "gemma3_text", "gpt_oss"]
@@ -591,3 +595,51 @@ def test_rows_queued_together_are_each_the_row_taken_alone(drop):
             assert_same_packed(got, alone)
             assert got.offset == alone.offset
     assert together[0][0].offset == 250 - drop and together[1][1].offset == 420 - drop
+
+
+def test_a_held_row_makes_every_layers_views_once_when_first_read_and_not_before(monkeypatch):
+    """A row taken out of a batch in one launch (`HeldRow`): its layers hold six arrays of every layer; what
+    the engine evaluates (`row_arrays`) is those six, once, and makes no view; the first read of any layer's
+    keys or values makes every layer's views at once, evaluated, each the layer's slice of the arrays bit for
+    bit, and later reads (from any thread) share them; a layer whose keys are replaced keeps its values."""
+    from runtime import q4cache
+    from runtime.hotcache import cache_nbytes
+    from runtime.q4cache import layer_cache
+
+    layers, scheme = 3, KVScheme(6, 4, 64, "none")
+    arrays = [mx.random.randint(0, 1 << 30, (layers, 2, 40, c)).astype(t)
+              for c, t in ((12, mx.uint32), (2, mx.bfloat16), (2, mx.bfloat16),
+                           (8, mx.uint32), (2, mx.bfloat16), (2, mx.bfloat16))]
+    mx.eval(arrays)
+    splits, real = [], mx.split
+    monkeypatch.setattr(q4cache.mx, "split", lambda x, *a, **k: splits.append(x.shape) or real(x, *a, **k))
+    row = HeldRow(arrays)
+    caches = [layer_cache(scheme) for _ in range(layers)]
+    for n, c in enumerate(caches):
+        c.hold(row, n)
+        c.offset = 40
+    plain_layer = layer_cache(scheme)
+    plain_layer.keys, plain_layer.values = tuple(arrays[:3]), tuple(arrays[3:])
+
+    got = row_arrays([*caches, plain_layer])
+    assert got[:6] == list(row.arrays) and len(got) == 7 and got[6][0] is plain_layer.keys
+    assert cache_nbytes(caches) == sum(x.nbytes for x in arrays) and caches[0].nbytes * layers == plain_layer.nbytes
+    assert not splits and all(c._held is not None for c in caches) and not caches[0].empty()
+
+    seen = []
+    threads = [threading.Thread(target=lambda: seen.append(caches[1].values)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(splits) == 6 and all(x is y for v in seen for x, y in zip(v, seen[0], strict=True))  # one split an array
+    for n, c in enumerate(caches):
+        for x, y in zip((*c.keys, *c.values), arrays, strict=True):
+            assert x.shape == (1, *y.shape[1:]) and mx.array_equal(x, y[n : n + 1]).item()
+    assert len(splits) == 6 and all(c._held is None for c in caches)
+
+    other = HeldRow(arrays)
+    c = layer_cache(scheme)
+    c.hold(other, 2)
+    c.keys = tuple(arrays[:3])
+    assert c.keys[0] is arrays[0] and mx.array_equal(c.values[0], arrays[3][2:3]).item()
