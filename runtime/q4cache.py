@@ -112,6 +112,20 @@ def _dequantize_kv(packed_kv, scheme: KVScheme):
     return _dequantize(keys, scheme.group_size, scheme.key_bits), _dequantize(values, scheme.group_size, scheme.value_bits)
 
 
+def _held_field(name: str) -> property:
+    """`AgentKVCache`'s keys or values (stored as `name`): a held row's views made first (`AgentKVCache._take`)."""
+
+    def get(self):
+        self._take()
+        return getattr(self, name)
+
+    def put(self, value):
+        self._take()
+        setattr(self, name, value)
+
+    return property(get, put)
+
+
 class AgentKVCache(QuantizedKVCache):
     """One layer of one agent's cache: mlx-lm's `QuantizedKVCache` plus the scheme its rows are stored under.
 
@@ -144,25 +158,8 @@ class AgentKVCache(QuantizedKVCache):
             self._keys, self._values = tuple(x[n] for x in views[:3]), tuple(x[n] for x in views[3:])
             self._held = None  # after the views are in place: a thread that sees None reads them
 
-    @property
-    def keys(self):
-        self._take()
-        return self._keys
-
-    @keys.setter
-    def keys(self, value):
-        self._take()
-        self._keys = value
-
-    @property
-    def values(self):
-        self._take()
-        return self._values
-
-    @values.setter
-    def values(self, value):
-        self._take()
-        self._values = value
+    keys = _held_field("_keys")
+    values = _held_field("_values")
 
     def empty(self) -> bool:
         """Whether the layer holds no rows (without making a held row's views)."""
