@@ -33,9 +33,26 @@ class AnchoredDetokenizer:
 
     def __init__(self, tokenizer, anchor: int | None = None):
         self._decode = tokenizer.decode  # looked up once: a wrapper's attribute lookup costs each call
+        self._decode_many = _batch_decoder(tokenizer)
         self._alone = _spellings(tokenizer)
+        self._known: dict = {}  # (anchor, token) -> decode([anchor, token]), from `expect`
         self._first = None if anchor is None else int(anchor)
         self.reset()
+
+    def expect(self, tokens) -> None:
+        """Spell ahead, in one call to the tokenizer where it allows (`_batch_decoder`), what adding `tokens` in
+        order will decode when each completes its character: each token after the one before it (the first after
+        the anchor), and each of those anchors alone. `add_token` then looks them up; a token held back (inside a
+        character) decodes as before. Changes no result, only how many calls the tokenizer gets."""
+        if self._decode_many is None:
+            return
+        tokens = [int(t) for t in tokens]
+        before = [self._first if not self.tokens else self.tokens[-1], *tokens[:-1]]
+        pairs = list(dict.fromkeys(zip(before, tokens)))
+        alone = list(dict.fromkeys(a for a, _ in pairs if a is not None and a not in self._alone))
+        texts = self._decode_many([[t] for t in alone] + [[t] if a is None else [a, t] for a, t in pairs])
+        self._alone.update(zip(alone, texts))
+        self._known.update(zip(pairs, texts[len(alone):]))
 
     def reset(self):
         """Forget every token added; the anchor is the one given at construction."""
@@ -60,7 +77,11 @@ class AnchoredDetokenizer:
         token = int(token)
         self.tokens.append(token)
         self._pending.append(token)
-        spelled = self._decode(self._anchor + self._pending)
+        spelled = None
+        if len(self._pending) == 1:
+            spelled = self._known.get((self._anchor[0] if self._anchor else None, token))
+        if spelled is None:
+            spelled = self._decode(self._anchor + self._pending)
         if not spelled.startswith(self._base) or spelled.endswith(REPLACEMENT):
             return False
         self.text += spelled[len(self._base):]
@@ -86,6 +107,19 @@ class AnchoredDetokenizer:
             self.text += self._decode(self._pending)
         self._set_anchor(self._pending[-1])
         self._pending = []
+
+
+def _batch_decoder(tokenizer):
+    """A function that decodes many id lists in one call, each exactly as `tokenizer.decode` spells it, or None
+    where that cannot be promised. A Hugging Face fast tokenizer (mlx-lm's wrapper forwards to it) decodes
+    through its `backend_tokenizer` (the `tokenizers` library) and, with `clean_up_tokenization_spaces` off,
+    changes nothing after it; `backend_tokenizer.decode_batch` then gives the same texts in one call (tested
+    against `decode` on the package's tokenizers)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not hasattr(backend, "decode_batch") or getattr(tokenizer, "clean_up_tokenization_spaces",
+                                                                           True):
+        return None
+    return lambda lists: backend.decode_batch(lists, skip_special_tokens=False) if lists else []
 
 
 def _spellings(tokenizer) -> dict:

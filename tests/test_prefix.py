@@ -282,3 +282,43 @@ def test_token_ends_decode_each_anchor_once_per_tokenizer_and_come_out_as_before
     assert token_ends(counting, ids) == reference(ids)
     assert len(calls) - before == len(ids)  # one decode a token: every anchor's text alone is known by now
     assert token_ends(Counting(), ids) == reference(ids)  # another tokenizer: its own texts
+
+
+def batch_spells_as_decode(tokenizer, seed: int = 0) -> bool:
+    """Whether `detok._batch_decoder(tokenizer)` spells random id lists (pairs and singles over the whole
+    vocabulary, special tokens included) exactly as `tokenizer.decode` does; False where it offers none."""
+    import random
+
+    from runtime.detok import _batch_decoder
+
+    many = _batch_decoder(tokenizer)
+    if many is None:
+        return False
+    rng, size = random.Random(seed), len(tokenizer.vocab)
+    lists = [[rng.randrange(size) for _ in range(rng.choice((1, 2, 2, 3)))] for _ in range(3000)]
+    lists += [[t] for t in tokenizer.all_special_ids] + [[t, 42] for t in tokenizer.all_special_ids]
+    return many(lists) == [tokenizer.decode(x) for x in lists]
+
+
+def test_token_ends_spell_every_token_in_one_batch_and_come_out_as_one_by_one(load_tiny):
+    """Where the tokenizer decodes many lists in one call exactly as `decode` (a fast tokenizer without
+    clean-up, checked over its whole vocabulary), `token_ends` spells its tokens ahead in one batch: the
+    same ends as adding them one by one, and `decode` is called only for tokens that end inside a character."""
+    _, tokenizer = load_tiny("llama")
+    assert batch_spells_as_decode(tokenizer)
+    ids = encode(tokenizer, "héllo 🙂 wörld, careful the the the plan 🙂 héllo " * 8)
+    calls = []
+
+    class Counting:  # the tokenizer, its decodes counted
+        def decode(self, x):
+            calls.append(x)
+            return tokenizer.decode(x)
+
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+    stream = AnchoredDetokenizer(tokenizer, ids[0])
+    one_by_one = [len(stream.text) if stream.add_token(t) else -1 for t in ids[1:]]
+    assert token_ends(Counting(), ids[1:], previous=ids[0]) == one_by_one
+    held = sum(1 for e in one_by_one if e < 0)
+    assert 0 < held and len(calls) <= 2 * held  # only around the tokens held back

@@ -54,6 +54,14 @@ def test_converted_config_and_tokenizer(smol):
     assert chat.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
 
 
+def test_the_tokenizer_spells_a_batch_of_ids_as_decode_does(smol):
+    """SmolLM2's tokenizer takes `token_ends`' one-call spelling (`detok._batch_decoder`), and it spells every
+    id list as `decode` does, special tokens included."""
+    from test_prefix import batch_spells_as_decode
+
+    assert batch_spells_as_decode(smol[1])
+
+
 def expected_suffix(tok, system, records_before, reply, records_after):
     """The text a hot turn must prefill: the new render minus what the cache holds.
 
