@@ -382,9 +382,11 @@ _PARTIAL = r"""
 """
 
 _REDUCE = r"""
-    // One block per (row, query head and query), a thread per output dim. Chunk weights are made D at a
-    // time into shared memory, then every thread sums its dim over them; every sum runs in a
-    // fixed order.
+    // One block per (row, query head and query), a thread per output dim, and a thread per chunk
+    // (CHUNKS <= D): every load is issued at the start, the partial sums (one a chunk) among them,
+    // so the block waits for memory once; the chunk weights go through shared memory, then every
+    // thread sums its dim over them; every sum runs in a fixed order.
+    static_assert(CHUNKS <= D, "a thread per chunk");
     const int d = threadIdx.x, hq = blockIdx.y, b = blockIdx.z;
     const int lane = d & 31, warp = d >> 5;
     const int Hq = pm_shape[1], nc = pm_shape[2];  // Hq: query heads times QL
@@ -393,10 +395,13 @@ _REDUCE = r"""
     const int chunk = keys_per_chunk(end - first, CHUNKS, MIN_CHUNK);
     const int mine = min(nc, (end - first + chunk - 1) / chunk);
     const size_t base = ((size_t)(b * Hq + hq)) * nc;
-    __shared__ float s_f[D];
+    float a[CHUNKS];
+    #pragma unroll
+    for (int i = 0; i < CHUNKS; ++i) a[i] = i < mine ? pacc[(base + i) * D + d] : 0.0f;
+    const float m = d < mine ? pm[base + d] : -INFINITY, l = d < mine ? pl[base + d] : 0.0f;
+    __shared__ float s_f[CHUNKS];
     __shared__ float s_red[D / 32];
-    float M = -INFINITY;
-    for (int c = d; c < mine; c += D) M = fmaxf(M, pm[base + c]);
+    float M = m;
     #pragma unroll
     for (int off = 16; off > 0; off >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, off));
     if (lane == 0) s_red[warp] = M;
@@ -405,20 +410,15 @@ _REDUCE = r"""
     #pragma unroll
     for (int w = 1; w < D / 32; ++w) M = fmaxf(M, s_red[w]);
     float L = 0.0f, A = 0.0f;
-    for (int c0 = 0; c0 < mine; c0 += D) {
-        const int c = c0 + d;
-        float f = 0.0f;
-        if (c < mine && pm[base + c] != -INFINITY) {
-            f = exp2f(pm[base + c] - M);
-            L = fmaf(pl[base + c], f, L);
-        }
-        __syncthreads();
+    if (d < mine) {
+        const float f = m != -INFINITY ? exp2f(m - M) : 0.0f;
+        if (m != -INFINITY) L = fmaf(l, f, L);
         s_f[d] = f;
-        __syncthreads();
-        const int n = min(D, mine - c0);
-        const float* pa = pacc + (base + c0) * D + d;
-        #pragma unroll 8
-        for (int i = 0; i < n; ++i) A = fmaf(pa[(size_t)i * D], s_f[i], A);
+    }
+    __syncthreads();
+    #pragma unroll
+    for (int i = 0; i < CHUNKS; ++i) {
+        if (i < mine) A = fmaf(a[i], s_f[i], A);
     }
     #pragma unroll
     for (int off = 16; off > 0; off >>= 1) L += __shfl_xor_sync(0xffffffffu, L, off);
