@@ -9,7 +9,8 @@ call's output), so they run one after another, as a model's layers do. Inputs ro
 the GPU's L2 cache, so every call reads its keys and values from device memory. Also
 reports each call's busy device time (its kernels' own durations, without the gaps where
 the device waited for the host) split by kernel, each setting's largest error against a
-float32 reference (ragged rows), the bytes each call must read, and the bandwidth that implies.
+float32 reference (ragged rows), the bytes each call must read, and the bandwidth that implies; for each
+older module, whether its output on those ragged rows is bitwise the current module's at its default setting.
 
     python -m benchmarks.q4sdpa_tune --contexts 4096,16384,32768,65536 --batches 1,8
 """
@@ -27,7 +28,7 @@ from benchmarks.common import DEVICE_TIMED, bench_parser, environment, traced_ke
 from runtime import q4sdpa
 
 COLUMNS = ["context", "rows", "kernel", "setting", "us", "x_fp16", "busy_us", "busy_x_fp16", "kernels_us", "GB_per_s",
-           "max_err"]
+           "max_err", "bitwise_current"]
 HQ, HKV, D, GROUP = 32, 8, 128, 64
 ROTATE_BYTES = 256 << 20  # inputs per timed call set: well over an H100's 50 MB L2
 
@@ -56,14 +57,14 @@ def _reference(q, kq, vq, start, end, scale):
     return mx.softmax(s, axis=-1) @ v
 
 
-def _error(fn, key_bits=4) -> float:
-    """Largest |out - ref| of `fn(q, kq, vq, start, end, scale)` on ragged rows against float32."""
+def _ragged(fn, key_bits=4) -> tuple:
+    """(output, largest |output - ref| against float32) of `fn(q, kq, vq, start, end, scale)` on ragged rows."""
     end = 3000
     kq, vq = _packed(4, end + 40, 11, key_bits)
     q = mx.random.normal((4, HQ, 1, D), key=mx.random.key(12)).astype(mx.bfloat16)
     start = mx.array([0, 1000, end - 1, 7], dtype=mx.int32)
-    out = fn(q, kq, vq, start, end, D ** -0.5).astype(mx.float32)
-    return mx.abs(out - _reference(q, kq, vq, start, end, D ** -0.5)).max().item()
+    out = fn(q, kq, vq, start, end, D ** -0.5)
+    return out, mx.abs(out.astype(mx.float32) - _reference(q, kq, vq, start, end, D ** -0.5)).max().item()
 
 
 def chained_us(fn, sets, q, reps: int = 40) -> tuple[float, float, str]:
@@ -148,9 +149,13 @@ def main(argv=None) -> int:
     errors = {}
     for setting in settings:
         use(setting)
-        errors[setting] = _error(lambda *a: q4sdpa.q4_decode_sdpa(*a, GROUP), args.key_bits)
+        errors[setting] = _ragged(lambda *a: q4sdpa.q4_decode_sdpa(*a, GROUP), args.key_bits)[1]
     use(default)
-    old_errors = {path: _error(lambda *a, m=module: m.q4_decode_sdpa(*a, GROUP)) for path, module in olds}
+    mine = _ragged(lambda *a: q4sdpa.q4_decode_sdpa(*a, GROUP), args.key_bits)[0]
+    old_errors, same = {}, {}
+    for path, module in olds:
+        out, old_errors[path] = _ragged(lambda *a, m=module: m.q4_decode_sdpa(*a, GROUP), args.key_bits)
+        same[path] = mx.array_equal(out, mine).item()
     for context in [int(c) for c in args.contexts.split(",")]:
         for b in [int(x) for x in args.batches.split(",")]:
             kq, vq = _packed(b, context, context + b, args.key_bits)
@@ -189,7 +194,8 @@ def main(argv=None) -> int:
                     continue
                 rows.append(dict(base, kernel=name, setting=setting_name(setting) if module is q4sdpa else "-",
                                  us=us, x_fp16=us / fp16_us, busy_us=busy, busy_x_fp16=busy / fp16_busy,
-                                 kernels_us=parts, GB_per_s=q4_bytes / us / 1e3, max_err=err))
+                                 kernels_us=parts, GB_per_s=q4_bytes / us / 1e3, max_err=err,
+                                 bitwise_current="" if module is q4sdpa else same[name.removeprefix("q4sdpa of ")]))
             use(default)
             del sets
             print(f"context {context} rows {b} done", file=sys.stderr, flush=True)
