@@ -116,8 +116,8 @@ def _batch_decoder(tokenizer):
     changes nothing after it; `backend_tokenizer.decode_batch` then gives the same texts in one call (tested
     against `decode` on the package's tokenizers)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or not hasattr(backend, "decode_batch") or getattr(tokenizer, "clean_up_tokenization_spaces",
-                                                                           True):
+    cleans_up = getattr(tokenizer, "clean_up_tokenization_spaces", True)
+    if backend is None or not hasattr(backend, "decode_batch") or cleans_up:
         return None
     return lambda lists: backend.decode_batch(lists, skip_special_tokens=False) if lists else []
 

@@ -116,7 +116,6 @@ def cache_to_host(cache, start: int = 0) -> HostCache:
     are dropped. Raises ValueError for layers that disagree in scheme, length or
     dtype, or a `start` outside [0, n_tokens).
     """
-
     n_tokens, scheme, stored = _layers(cache)
     if start and not 0 < start < n_tokens:
         raise ValueError(f"cannot copy from position {start} of {n_tokens} cached tokens")

@@ -1033,9 +1033,10 @@ def queue_rows(batch, rows, drop: int = 0, together: bool = True) -> list:
 
 def _all_layers(batch, i: int, span, caches) -> list:
     """`caches` (from each layer's `_extracted`) given row `i`'s columns `span` of every layer of `batch` (one
-    that `_one_launch` accepts) in one `q4columns.gather` launch, each layer's arrays a view of one buffer a tensor (a `HeldRow`): a launch and six
-    allocations where a launch a layer made six allocations each, and the allocations, of a size new to MLX's
-    buffer cache at every turn's end, were most of a finishing step's hand-over on an H100."""
+    that `_one_launch` accepts) in one `q4columns.gather` launch, each layer's arrays a view of one buffer a
+    tensor (a `HeldRow`): a launch and six allocations where a launch a layer made six allocations each, and
+    the allocations, of a size new to MLX's buffer cache at every turn's end, were most of a finishing step's
+    hand-over on an H100."""
     start, stop = span
     plan = tuple((n, i, start, stop, 0) for n in range(len(batch)))
     keys, values = q4columns.gather([(layer.keys, layer.values) for layer in batch], plan, stop - start,

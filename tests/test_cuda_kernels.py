@@ -548,8 +548,8 @@ def test_gather_reads_a_row_of_each_of_many_sources_as_an_extraction_from_every_
 
 def test_rows_taken_from_every_layer_at_once_match_mlx_ops_and_merge_back(monkeypatch):
     """`queue_rows` on the "q4kernel" route takes a row from all the layers in one gather (its buffers views of one
-    buffer a tensor, made when first read): the same arrays and offsets as the "dequant" route's slices, and merged back into a batch,
-    the same buffers as well."""
+    buffer a tensor, made when first read): the same arrays and offsets as the "dequant" route's slices, and
+    merged back into a batch, the same buffers as well."""
     from runtime import attention, q4cache, q4columns
     from runtime.kvscheme import parse
     from runtime.q4cache import BatchQuantizedKVCache
