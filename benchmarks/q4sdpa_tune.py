@@ -108,18 +108,25 @@ def _load_old(path):
     return module
 
 
-SETTINGS = ("CHUNKS", "MIN_CHUNK", "WARPS")  # runtime.q4sdpa's launch settings, in this order
+SETTINGS = ("CHUNKS", "MIN_CHUNK", "WARPS", "STAGES")  # runtime.q4sdpa's launch settings, in this order
 
 
 def _settings(text: str):
-    """'64/256/4,...' -> [(CHUNKS, MIN_CHUNK, WARPS), ...]."""
-    return [tuple(int(x) for x in s.split("/")) for s in text.split(",")]
+    """'64/256/4,...' -> [(CHUNKS, MIN_CHUNK, WARPS, STAGES), ...], settings left out at runtime.q4sdpa's defaults."""
+    default = [getattr(q4sdpa, name) for name in SETTINGS]
+    out = []
+    for s in text.split(","):
+        given = [int(x) for x in s.split("/")]
+        out.append(tuple(given + default[len(given):]))
+    return out
 
 
 def use_setting(setting) -> None:
-    """Set runtime.q4sdpa's launch settings (a tuple in SETTINGS' order) for the calls that follow."""
+    """Set runtime.q4sdpa's launch settings (a tuple in SETTINGS' order) for the calls that follow (the launches
+    q4sdpa keeps per shape are made again)."""
     for name, value in zip(SETTINGS, setting):
         setattr(q4sdpa, name, value)
+    q4sdpa._launches.clear()
 
 
 def setting_name(setting) -> str:
@@ -132,7 +139,7 @@ def main(argv=None) -> int:
     parser.add_argument("--contexts", default="4096,16384,32768,65536")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--settings", default="32/256/4,64/256/4,128/256/4,64/512/4,64/256/2",
-                        help="settings CHUNKS/MIN_CHUNK/WARPS of runtime.q4sdpa to time, comma-separated")
+                        help="settings CHUNKS/MIN_CHUNK/WARPS[/STAGES] of runtime.q4sdpa to time, comma-separated")
     parser.add_argument("--key-bits", type=int, default=4, help="bits of the keys (4 or 6; values are 4-bit)")
     parser.add_argument("--rotated", action="store_true", help="time calls on a Hadamard-rotated cache (as the default "
                         "scheme's); errors are measured unrotated")

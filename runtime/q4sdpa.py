@@ -38,6 +38,7 @@ PREFILL_CHUNKS = 4  # the same for a prefill chunk, whose query tiles make many 
 MAX_QUERIES = 512  # queries per row the kernel takes at most (longer prefill chunks have faster routes)
 MIN_CHUNK = 256  # fewest keys a block takes (short rows use fewer blocks)
 WARPS = 4  # warps per block
+STAGES = 3  # tiles of 16 keys a warp has in flight (asynchronous copies into shared memory)
 HEADS = 16  # query heads per block: the rows of one tensor-core product
 KEY_BITS = (4, 6)  # key widths the kernel reads (values are 4-bit)
 
@@ -70,6 +71,25 @@ __device__ __forceinline__ unsigned int dequant2(unsigned int x, unsigned int ma
     asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(y), "r"(scale), "r"(bias));
     return r;
 }
+
+// Asynchronous copies global -> shared (cp.async): N bytes, N in 4, 8, 16, both addresses N-aligned;
+// 16-byte ones bypass L1. A warp's copies are waited for by group (commit, then wait until at most
+// `pending` of its latest groups are in flight) and made visible to its other lanes by __syncwarp.
+template <int N>
+__device__ __forceinline__ void copy_async(void* dst, const void* src) {
+    unsigned int s;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(dst));
+    if constexpr (N == 16) {
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(s), "l"(src) : "memory");
+    } else {
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" :: "r"(s), "l"(src), "n"(N) : "memory");
+    }
+}
+
+__device__ __forceinline__ void copies_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int pending>
+__device__ __forceinline__ void copies_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(pending) : "memory"); }
 
 """ + "#define BF 0\n" + MMA16816  # f16 products
 
@@ -111,6 +131,53 @@ _PARTIAL = r"""
     const float scale = meta_f[0];
     const size_t row_base = ((size_t)(b * Hkv + h)) * W;
     const int kgrp = ((D / 4) * t) / G, vgrp = ((D / 8) * g) / G;
+
+    // Each warp stages its tiles (16 keys: their key and value words and, where a row's groups
+    // fill whole 4-byte words, their scales and biases) in shared memory by asynchronous copies,
+    // STAGES tiles in flight; its first ones are asked for before the queries are made. A row
+    // past hi is staged as row hi - 1 (read, not used). Value rows lie VWR + 4 words apart, so
+    // the lanes that read four rows at once meet no bank twice.
+    constexpr bool SC = (GPR * 2) % 4 == 0;  // scales and biases staged too (else read in the loop)
+    constexpr int KSW = 16 * KWR, VRS = VWR + 4, VSW = 16 * VRS, SSW = SC ? 8 * GPR : 0;
+    constexpr int STAGE = KSW + VSW + 4 * SSW;  // words a stage (a multiple of 4)
+    constexpr int SUMS = WARPS * NRV * D;  // the warps' sums, which use the stages' memory after the loop
+    constexpr int BUF = WARPS * STAGES * STAGE > SUMS ? WARPS * STAGES * STAGE : SUMS;
+    __shared__ __align__(16) unsigned int s_buf[BUF];
+    unsigned int* const stages = s_buf + warp * STAGES * STAGE;
+    const int step = WARPS * 16, base0 = lo + warp * 16;
+    const int tiles = base0 < hi ? (hi - base0 + step - 1) / step : 0;
+    auto stage_tile = [&](int i) {  // the warp's tile i into stage i % STAGES
+        unsigned int* st = stages + (i % STAGES) * STAGE;
+        const int base = base0 + i * step;
+        constexpr int KP = KWR / 4, VP = VWR / 4;  // 16-byte pieces a row
+        #pragma unroll
+        for (int n = 0; n < (16 * KP + 31) / 32; ++n) {
+            const int j = lane + 32 * n, r = j / KP, p = j % KP;
+            if (j < 16 * KP)
+                copy_async<16>(st + r * KWR + 4 * p, kw + (row_base + min(base + r, hi - 1)) * KWR + 4 * p);
+        }
+        #pragma unroll
+        for (int n = 0; n < (16 * VP + 31) / 32; ++n) {
+            const int j = lane + 32 * n, r = j / VP, p = j % VP;
+            if (j < 16 * VP)
+                copy_async<16>(st + KSW + r * VRS + 4 * p, vw + (row_base + min(base + r, hi - 1)) * VWR + 4 * p);
+        }
+        if constexpr (SC) {
+            #pragma unroll
+            for (int n = 0; n < 2; ++n) {  // 16 rows of each of ks, kb, vs, vb
+                const int a = lane / 16 + 2 * n, r = lane % 16;
+                const size_t e = (row_base + min(base + r, hi - 1)) * GPR;
+                const void* src = a == 0 ? static_cast<const void*>(ks + e) : a == 1 ? static_cast<const void*>(kb + e)
+                                : a == 2 ? static_cast<const void*>(vs + e) : static_cast<const void*>(vb + e);
+                copy_async<GPR * 2>(st + KSW + VSW + a * SSW + r * (GPR / 2), src);
+            }
+        }
+    };
+    #pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i) {
+        if (i < tiles) stage_tile(i);
+        copies_commit();
+    }
 
     // A fragments of the queries (rows g and g + 8), made once per block into shared memory
     __shared__ uint4 s_qa[NS][32];
@@ -197,60 +264,57 @@ _PARTIAL = r"""
         #pragma unroll
         for (int i = 0; i < 4; ++i) o[dt][i] = 0.0f;
     }
-    // A tile's words and scales, loaded whole before use (loading straight into the arrays the
-    // loop uses instead measured 13-33% slower at 16K-32K x 8 rows, 6-bit keys)
-    struct Tile {
-        unsigned int k[2][KW], v[4][VW];
-        float ks[2], kb[2], vs[4], vb[4];
-    };
-    auto load = [&](Tile& x, int base) {  // K rows base + 8 nt + g; V rows base + 2t + {0, 1, 8, 9}
-        #pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-            const size_t kr = row_base + min(base + 8 * nt + g, hi - 1);  // a row past hi is read, not used
-            if constexpr (KB == 4 && KW == 4) {
-                const uint4 w = *reinterpret_cast<const uint4*>(kw + kr * KWR + KW * t);
-                x.k[nt][0] = w.x; x.k[nt][1] = w.y; x.k[nt][2] = w.z; x.k[nt][3] = w.w;
-            } else if constexpr (KB == 4) {
-                const uint2 w = *reinterpret_cast<const uint2*>(kw + kr * KWR + KW * t);
-                x.k[nt][0] = w.x; x.k[nt][1] = w.y;
-            } else {
-                #pragma unroll
-                for (int w = 0; w < KW; ++w) x.k[nt][w] = kw[kr * KWR + KW * t + w];
-            }
-            x.ks[nt] = static_cast<float>(ks[kr * GPR + kgrp]);
-            x.kb[nt] = static_cast<float>(kb[kr * GPR + kgrp]);
-        }
-        #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const size_t vr = row_base + min(base + 2 * t + (k & 1) + 8 * (k >> 1), hi - 1);
-            if constexpr (VW == 2) {
-                const uint2 w = *reinterpret_cast<const uint2*>(vw + vr * VWR + VW * g);
-                x.v[k][0] = w.x; x.v[k][1] = w.y;
-            } else {
-                x.v[k][0] = vw[vr * VWR + VW * g];
-            }
-            x.vs[k] = static_cast<float>(vs[vr * GPR + vgrp]);
-            x.vb[k] = static_cast<float>(vb[vr * GPR + vgrp]);
-        }
-    };
-    Tile cur;
-    for (int base = lo + warp * 16; base < hi; base += WARPS * 16) {
-        load(cur, base);
+    for (int i = 0; i < tiles; ++i) {
+        const int base = base0 + i * step;
+        if (i + STAGES - 1 < tiles) stage_tile(i + STAGES - 1);
+        copies_commit();
+        copies_wait<STAGES - 1>();  // tile i is in
+        __syncwarp();
+        const unsigned int* st = stages + (i % STAGES) * STAGE;
+        const auto* sks = reinterpret_cast<decltype(ks)>(st + KSW + VSW);
+        const auto* skb = reinterpret_cast<decltype(kb)>(st + KSW + VSW + SSW);
+        const auto* svs = reinterpret_cast<decltype(vs)>(st + KSW + VSW + 2 * SSW);
+        const auto* svb = reinterpret_cast<decltype(vb)>(st + KSW + VSW + 3 * SSW);
         unsigned int kwd[2][KW], vwd[4][VW], ksc[2], kbi[2];
         float vs_[4], vb_[4];
         #pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-            #pragma unroll
-            for (int w = 0; w < KW; ++w) kwd[nt][w] = cur.k[nt][w];
-            ksc[nt] = pack_half2(cur.ks[nt], KB == 4 ? cur.ks[nt] * 0.0625f : cur.ks[nt]);
-            kbi[nt] = pack_half2(cur.kb[nt], cur.kb[nt]);
+        for (int nt = 0; nt < 2; ++nt) {  // K rows base + 8 nt + g
+            const int r = 8 * nt + g;
+            const unsigned int* kr = st + r * KWR + KW * t;
+            if constexpr (KW % 4 == 0) {
+                #pragma unroll
+                for (int v = 0; v < KW / 4; ++v) {
+                    const uint4 w = reinterpret_cast<const uint4*>(kr)[v];
+                    kwd[nt][4 * v] = w.x; kwd[nt][4 * v + 1] = w.y; kwd[nt][4 * v + 2] = w.z; kwd[nt][4 * v + 3] = w.w;
+                }
+            } else if constexpr (KW % 2 == 0) {
+                #pragma unroll
+                for (int v = 0; v < KW / 2; ++v) {
+                    const uint2 w = reinterpret_cast<const uint2*>(kr)[v];
+                    kwd[nt][2 * v] = w.x; kwd[nt][2 * v + 1] = w.y;
+                }
+            } else {
+                #pragma unroll
+                for (int w = 0; w < KW; ++w) kwd[nt][w] = kr[w];
+            }
+            const size_t e = SC ? r * GPR + kgrp : (row_base + min(base + r, hi - 1)) * GPR + kgrp;
+            const float s = static_cast<float>(SC ? sks[e] : ks[e]), z = static_cast<float>(SC ? skb[e] : kb[e]);
+            ksc[nt] = pack_half2(s, KB == 4 ? s * 0.0625f : s);
+            kbi[nt] = pack_half2(z, z);
         }
         #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            #pragma unroll
-            for (int w = 0; w < VW; ++w) vwd[k][w] = cur.v[k][w];
-            vs_[k] = cur.vs[k];
-            vb_[k] = cur.vb[k];
+        for (int k = 0; k < 4; ++k) {  // V rows base + 2t + {0, 1, 8, 9}
+            const int r = 2 * t + (k & 1) + 8 * (k >> 1);
+            const unsigned int* vr = st + KSW + r * VRS + VW * g;
+            if constexpr (VW == 2) {
+                const uint2 w = *reinterpret_cast<const uint2*>(vr);
+                vwd[k][0] = w.x; vwd[k][1] = w.y;
+            } else {
+                vwd[k][0] = vr[0];
+            }
+            const size_t e = SC ? r * GPR + vgrp : (row_base + min(base + r, hi - 1)) * GPR + vgrp;
+            vs_[k] = static_cast<float>(SC ? svs[e] : vs[e]);
+            vb_[k] = static_cast<float>(SC ? svb[e] : vb[e]);
         }
         // scores: sc[nt] is the C fragment of keys base + 8 nt + 2t + {0, 1}, rows g and g + 8
         float sc[2][4];
@@ -334,7 +398,10 @@ _PARTIAL = r"""
             const unsigned int b1 = dequant2(__byte_perm(vwd[2][w], vwd[3][w], sel), mask, vsc[1][odd], vbi[1]);
             mma16816(o[dt], pa, b0, b1);
         }
+        __syncwarp();  // the stage read: tile i + STAGES may take it
     }
+    copies_wait<0>();
+    __syncthreads();  // every warp done with its stages: their memory now takes the warps' sums
     #pragma unroll
     for (int r = 0; r < 2; ++r) {
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
@@ -342,7 +409,7 @@ _PARTIAL = r"""
     }
     __shared__ float s_m[WARPS][16];
     __shared__ float s_l[WARPS][16];
-    __shared__ float s_acc[WARPS][NRV][D];
+    auto s_acc = reinterpret_cast<float (*)[NRV][D]>(s_buf);
     #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int row = g + 8 * r;
@@ -575,7 +642,7 @@ def _launch(B, Hq, L, Hkv, D, key_words, value_words, dtype, group_size, scale, 
     rb, tiles, chunks = min(rep, HEADS), _query_tiles(L, rep), PREFILL_CHUNKS if L > 1 else CHUNKS
     partial = dict(
         template=[("T", dtype), ("D", D), ("G", group_size), ("REP", rep), ("RB", rb), ("KB", key_bits), ("CHUNKS", chunks),
-                  ("MIN_CHUNK", MIN_CHUNK), ("WARPS", WARPS), ("ROT", rotated), ("ROPE", rope), ("PREFILL", L > 1)],
+                  ("MIN_CHUNK", MIN_CHUNK), ("WARPS", WARPS), ("STAGES", STAGES), ("ROT", rotated), ("ROPE", rope), ("PREFILL", L > 1)],
         grid=(chunks * WARPS * 32, Hkv * -(-rep // HEADS) * tiles, B),
         threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(B, Hq * L, chunks), (B, Hq * L, chunks), (B, Hq * L, chunks, D)],
