@@ -55,6 +55,17 @@ __device__ __forceinline__ float fast_exp2(float x) {  // 2^x in one instruction
     return y;
 }
 
+// A word's two 16-bit floats (the first in its low half) as floats, exactly
+__device__ __forceinline__ void unpack2(unsigned int w, float& lo, float& hi, __nv_bfloat16) {
+    lo = __uint_as_float(w << 16);
+    hi = __uint_as_float(w & 0xFFFF0000u);
+}
+
+__device__ __forceinline__ void unpack2(unsigned int w, float& lo, float& hi, __half) {
+    lo = __half2float(__ushort_as_half(static_cast<unsigned short>(w & 0xFFFFu)));
+    hi = __half2float(__ushort_as_half(static_cast<unsigned short>(w >> 16)));
+}
+
 __device__ __forceinline__ unsigned int pack_half2(float lo, float hi) {  // (lo, hi) as f16x2, lo in the low half
     unsigned int r;
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
@@ -132,6 +143,24 @@ _PARTIAL = r"""
     const size_t row_base = ((size_t)(b * Hkv + h)) * W;
     const int kgrp = ((D / 4) * t) / G, vgrp = ((D / 8) * g) / G;
 
+    // The prologue's other reads from global memory, asked for before anything waits on one (the
+    // asynchronous copies below are fences to the compiler): the RoPE angles' inputs and warp 0's
+    // query words (rows g and g + 8 of the tile; zero where a row holds no query)
+    static_assert(!ROPE || D / 2 <= WARPS * 32, "a thread per RoPE angle");
+    const int pos_b = ROPE ? pos[b] : 0;
+    const float freq = ROPE && threadIdx.x < D / 2 ? inv_freq[threadIdx.x] : 0.0f;
+    uint4 qw[2][D / 32];
+    if (warp == 0) {
+        #pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int row = g + 8 * i, ql = ql0 + row / RB, hq = h * REP + r0 + row % RB;
+            const bool has = (i == 0 || NRV > 8) && row < NRV && ql < QL && r0 + row % RB < REP;
+            const uint4* qr = reinterpret_cast<const uint4*>(q + ((size_t)(b * Hq + hq) * QL + ql) * D + (D / 4) * t);
+            #pragma unroll
+            for (int v = 0; v < D / 32; ++v) qw[i][v] = has ? qr[v] : make_uint4(0u, 0u, 0u, 0u);
+        }
+    }
+
     // Each warp stages its tiles (16 keys: their key and value words and, where a row's groups
     // fill whole 4-byte words, their scales and biases) in shared memory by asynchronous copies,
     // STAGES tiles in flight; its first ones are asked for before the queries are made. A row
@@ -183,10 +212,10 @@ _PARTIAL = r"""
     __shared__ uint4 s_qa[NS][32];
     __shared__ float s_rope[ROPE ? D : 1];  // cos, then sin, of the D/2 angles: the block's threads make them
     if constexpr (ROPE) {
-        for (int i = threadIdx.x; i < D / 2; i += blockDim.x) {
-            const float theta = static_cast<float>(pos[b]) * inv_freq[i];
-            s_rope[i] = cos(theta);
-            s_rope[D / 2 + i] = sin(theta);
+        if (threadIdx.x < D / 2) {
+            const float theta = static_cast<float>(pos_b) * freq;
+            s_rope[threadIdx.x] = cos(theta);
+            s_rope[D / 2 + threadIdx.x] = sin(theta);
         }
         __syncthreads();
     }
@@ -199,19 +228,13 @@ _PARTIAL = r"""
             for (int ks = 0; ks < NS; ++ks) qa[ks][1] = qa[ks][3] = 0u;
             break;
         }
-        const int row = g + 8 * i, ql = ql0 + row / RB, hq = h * REP + r0 + row % RB;
         float x[D / 4];
         #pragma unroll
-        for (int e = 0; e < D / 4; ++e) x[e] = 0.0f;
-        if (row < NRV && ql < QL && r0 + row % RB < REP) {
-            const uint4* qr = reinterpret_cast<const uint4*>(q + ((size_t)(b * Hq + hq) * QL + ql) * D + (D / 4) * t);
-            #pragma unroll
-            for (int v = 0; v < D / 32; ++v) {
-                const uint4 w = qr[v];
-                const auto* e8 = reinterpret_cast<decltype(q)>(&w);
-                #pragma unroll
-                for (int j = 0; j < 8; ++j) x[8 * v + j] = static_cast<float>(e8[j]);
-            }
+        for (int v = 0; v < D / 32; ++v) {
+            unpack2(qw[i][v].x, x[8 * v], x[8 * v + 1], T());
+            unpack2(qw[i][v].y, x[8 * v + 2], x[8 * v + 3], T());
+            unpack2(qw[i][v].z, x[8 * v + 4], x[8 * v + 5], T());
+            unpack2(qw[i][v].w, x[8 * v + 6], x[8 * v + 7], T());
         }
         if constexpr (ROPE) {  // RoPE at the row's position, as mx.fast.rope: dim i with i + D/2 (lane t ^ 2)
             #pragma unroll
