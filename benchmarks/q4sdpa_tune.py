@@ -5,7 +5,8 @@ For each context and batch size: the time of one decode-attention call of the 8B
 (blocks per row, fewest keys per block, warps per block), through an older version of the
 kernel if `--old` names its file, and through `mx.fast.scaled_dot_product_attention`
 over the same tokens in bf16. Calls are chained (each call's queries are the previous
-call's output), so they run one after another, as a model's layers do. Inputs rotate among enough copies that together exceed
+call's output), so they run one after another, as a model's layers do; each timed chain
+follows WARM_S seconds of the same calls, so the GPU runs at its working clock. Inputs rotate among enough copies that together exceed
 the GPU's L2 cache, so every call reads its keys and values from device memory. Also
 reports each call's busy device time (its kernels' own durations, without the gaps where
 the device waited for the host) split by kernel, each setting's largest error against a
@@ -31,6 +32,8 @@ COLUMNS = ["context", "rows", "kernel", "setting", "us", "x_fp16", "busy_us", "b
            "max_err", "bitwise_current"]
 HQ, HKV, D, GROUP = 32, 8, 128, 64
 ROTATE_BYTES = 256 << 20  # inputs per timed call set: well over an H100's 50 MB L2
+WARM_S = 0.3  # seconds of the same calls before each timed chain: an idle H100's SM clock (345 MHz) ramps up
+# within them; timed from idle, one-row chains ran at either clock (the reduce kernel 3.6 or 7.5 us)
 
 
 def _packed(b, w, seed, key_bits=4):
@@ -86,7 +89,9 @@ def chained_us(fn, sets, q, reps: int = 40) -> tuple[float, float, str]:
         mx.eval(x)
         mx.synchronize()
 
-    run()
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < WARM_S:  # the GPU's clocks up first (a one-row chain lasts ~1 ms)
+        run()
     if DEVICE_TIMED:
         records = traced_kernels(run)
         parts = {}
