@@ -11,7 +11,9 @@ Two kernels (flash-decoding): the first gives every (row, kv head, tile of its
 queries, chunk of its keys) a block that computes, for the tile's (query, query
 head) pairs (16 at most: the rows of one tensor-core product), the chunk's running
 max, sum of exponentials and weighted sum of values (online softmax in float32);
-the second combines a query's chunks in order. A row's chunks
+the second combines a query's chunks in order. Each warp of the first copies its tiles
+of 16 keys whole into shared memory by asynchronous copies, STAGES of them in flight, and
+reads its fragments from there. A row's chunks
 start at its own first column and their size follows from its own length (CHUNKS
 of them, at least MIN_CHUNK keys each), keys within a chunk are visited in a
 fixed order, and the combination order is fixed, so a row's output is bitwise
