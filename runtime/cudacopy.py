@@ -17,6 +17,12 @@ in one by one, then the GPU's first read migrates them. Here a kernel allocates 
 device buffer and reports its address, numpy copies the bytes into page-locked memory
 and `cuMemcpyHtoDAsync` moves them, both without the GIL.
 
+`reserve_pool` has the device's default memory pool, which MLX-CUDA's buffers come from, keep
+the memory it holds and a spare beyond what is in use: MLX caches freed buffers itself and asks
+the pool only for sizes its cache has not seen (within 32 KB), and a pool with nothing spare maps
+new memory for each (`cudaMallocAsync` 75-316 us a call on an H100: six at every hand-over of a
+finished row, whose length is new each time, 160 at a growth of the batch's buffers).
+
 This is the one place that calls CUDA directly.
 """
 
@@ -30,6 +36,8 @@ import mlx.core as mx
 import numpy as np
 
 STAGING_BYTES = 8 << 20  # page-locked bytes per copying thread; larger arrays cross in several copies
+POOL_SPARE = 2 << 30  # device bytes `reserve_pool` has the memory pool hold beyond those in use, by default
+_RELEASE_THRESHOLD = 4  # CU_MEMPOOL_ATTR_RELEASE_THRESHOLD
 _NON_BLOCKING = 1  # CU_STREAM_NON_BLOCKING: no implicit order with MLX's streams
 _DEVICE_ORDINAL = 9  # CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
 
@@ -66,6 +74,11 @@ def _driver():
     lib.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
     lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
     lib.cuPointerGetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
+    lib.cuMemPoolSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+    lib.cuMemPoolGetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+    lib.cuMemAllocFromPoolAsync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p]
+    lib.cuMemFreeAsync.argtypes = [ctypes.c_uint64, ctypes.c_void_p]
+    lib.cuStreamDestroy_v2.argtypes = [ctypes.c_void_p]
     return lib if lib.cuInit(0) == 0 else None
 
 
@@ -115,6 +128,64 @@ class _Slot:
 
 _slots: list[_Slot] = []  # idle ones; at most as many as threads ever copied at once
 _lock = threading.Lock()
+
+
+def reserve_pool(spare: int = POOL_SPARE) -> bool:
+    """Have the default memory pool of the device MLX runs on keep every byte it holds (none given back to the OS
+    at synchronizations) and hold at least `spare` bytes beyond those in use, mapped now: allocations of sizes new
+    to MLX's buffer cache are then carved from memory the pool holds instead of each mapping memory.
+
+    A pool's release threshold counts the bytes it holds in use too, so only "keep everything" keeps a spare while
+    MLX's cache holds the model and the caches. The pool then holds the process's peak until it ends: MLX releases
+    its own cache on every new allocation once the pool holds 95% of the device, so an engine's use must stay below
+    that (the default budgets, half the device for the batch's caches and an eighth for idle agents', leave room
+    for the model and the activations). Returns False (and does nothing)
+    where `available()` is not; raises RuntimeError if CUDA reports an error. Idempotent."""
+    if not available():
+        return False
+    lib, pool = _mlx_pool()
+    keep = ctypes.c_uint64(2 ** 64 - 1)
+    _check(lib.cuMemPoolSetAttribute(pool, _RELEASE_THRESHOLD, ctypes.byref(keep)), "cuMemPoolSetAttribute")
+    reserved, used = pool_bytes()
+    if reserved - used >= spare:
+        return True
+    stream, ptr = ctypes.c_void_p(), ctypes.c_uint64()
+    _check(lib.cuStreamCreate(ctypes.byref(stream), _NON_BLOCKING), "cuStreamCreate")
+    try:
+        _check(lib.cuMemAllocFromPoolAsync(ctypes.byref(ptr), ctypes.c_size_t(spare), pool, stream),
+               "cuMemAllocFromPoolAsync")
+        _check(lib.cuMemFreeAsync(ptr, stream), "cuMemFreeAsync")
+        _check(lib.cuStreamSynchronize(stream), "cuStreamSynchronize")
+    finally:
+        lib.cuStreamDestroy_v2(stream)
+    return True
+
+
+def pool_bytes() -> tuple[int, int]:
+    """(reserved, used) bytes of the default memory pool of the device MLX runs on; (0, 0) where `available()`
+    is not."""
+    if not available():
+        return 0, 0
+    lib, pool = _mlx_pool()
+    out = []
+    for attr in (5, 7):  # CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, CU_MEMPOOL_ATTR_USED_MEM_CURRENT
+        value = ctypes.c_uint64()
+        _check(lib.cuMemPoolGetAttribute(pool, attr, ctypes.byref(value)), "cuMemPoolGetAttribute")
+        out.append(value.value)
+    return out[0], out[1]
+
+
+def _mlx_pool() -> tuple:
+    """(the driver, the default memory pool of the device MLX's default stream runs on), that device's context
+    made current on this thread."""
+    lib, ordinal, device, pool = _driver(), ctypes.c_int(), ctypes.c_int(), ctypes.c_void_p()
+    _, addr = _allocator()(inputs=[mx.array(0, mx.uint8)], grid=(1, 1, 1), threadgroup=(1, 1, 1),
+                           output_shapes=[(1,), (1,)], output_dtypes=[mx.uint8, mx.uint64])
+    _check(lib.cuPointerGetAttribute(ctypes.byref(ordinal), _DEVICE_ORDINAL, addr.item()), "cuPointerGetAttribute")
+    _check(lib.cuCtxSetCurrent(_context(ordinal.value)), "cuCtxSetCurrent")
+    _check(lib.cuDeviceGet(ctypes.byref(device), ordinal), "cuDeviceGet")
+    _check(lib.cuDeviceGetDefaultMemPool(ctypes.byref(pool), device), "cuDeviceGetDefaultMemPool")
+    return lib, pool
 
 
 def to_host(x: mx.array, stream=None) -> np.ndarray:

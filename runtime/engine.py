@@ -32,7 +32,7 @@ from typing import Callable, NamedTuple
 
 import mlx.core as mx
 
-from runtime import attention
+from runtime import attention, cudacopy
 from runtime.detok import AnchoredDetokenizer
 from runtime.errors import KvactorsError
 from runtime.prepare import last_logits, record_decode
@@ -276,6 +276,7 @@ class Engine:
         query_bucket: int | None = None,
     ):
         attention.install()  # the model's attention over batch caches: see runtime.attention
+        cudacopy.reserve_pool()  # new buffer sizes carved from spare pool memory, not mapped each (CUDA only)
         self.model = model
         self.tokenizer = tokenizer
         self.spec = spec

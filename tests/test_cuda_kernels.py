@@ -748,6 +748,27 @@ def test_to_host_gives_a_device_arrays_bytes_through_the_copy_engine(n, offset):
     assert np.array_equal(got, np.array(whole)[offset:])
 
 
+def test_the_memory_pool_keeps_spare_memory_that_mlx_allocations_then_use():
+    """`reserve_pool`: the default pool MLX allocates from holds the spare beyond what is in use, through
+    synchronizations and whatever MLX already holds, and a buffer of a size MLX's cache has not seen comes out of it
+    (the pool reserves no more)."""
+    held = mx.zeros((77_000_123,), mx.uint8)  # memory in use before: the spare is counted beyond it
+    mx.eval(held)
+    assert cudacopy.reserve_pool(1 << 30)
+    mx.synchronize()
+    reserved, used = cudacopy.pool_bytes()
+    assert reserved - used >= 1 << 30
+    x = mx.zeros((123_457_000,), mx.uint8)  # a size new to MLX's buffer cache
+    mx.eval(x)
+    mx.synchronize()
+    after, used_after = cudacopy.pool_bytes()
+    assert after == reserved and used_after >= used + x.nbytes
+    assert cudacopy.reserve_pool(1 << 30)  # tops the spare up again
+    mx.synchronize()
+    reserved, used = cudacopy.pool_bytes()
+    assert reserved - used >= 1 << 30
+
+
 def test_to_host_refuses_what_is_not_a_byte_vector():
     with pytest.raises(ValueError, match="1-D uint8"):
         cudacopy.to_host(mx.zeros((4, 4), mx.uint8))

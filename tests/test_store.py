@@ -1036,3 +1036,12 @@ def test_to_device_stages_every_arrays_bytes_to_its_offset(monkeypatch, align):
     for a, o in zip(arrays, offsets):
         assert np.array_equal(device[o: o + a.nbytes], np.ascontiguousarray(a).reshape(-1).view(np.uint8))
     assert sum(sent) <= blob.size and sum(sent) >= sum(a.nbytes for a in arrays)
+
+
+def test_reserving_the_memory_pool_does_nothing_off_cuda():
+    """`cudacopy.reserve_pool` (every Engine calls it) is a no-op where MLX does not run on CUDA."""
+    from runtime import cudacopy
+
+    if cudacopy.available():
+        pytest.skip("this machine has CUDA: tests/test_cuda_kernels.py covers it")
+    assert cudacopy.reserve_pool() is False and cudacopy.pool_bytes() == (0, 0)
