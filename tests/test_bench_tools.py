@@ -95,3 +95,20 @@ def test_thread_stats_keep_the_polls_before_a_line_cut_short():
     stats._read_poll("2.0 20 0 0 0|11,9,0,1,0,0,3,running;12,7,0\n")  # the child killed mid-line
     assert stats._times == [1.0] and stats._states == [{"11": "running", "12": "futex@0x10"}]
     assert stats._tasks == [{"11": (5, 0, 1, 0, 0), "12": (7, 0, 0, 0, 0)}] and stats._cpus == [{"11": 3, "12": 1}]
+
+
+def test_q4sdpa_tune_settings_fill_left_out_parts_and_each_setting_makes_new_launches(monkeypatch):
+    """A setting with fewer parts takes the module's defaults for the rest, and choosing a setting forgets the
+    launches q4sdpa keeps per shape (they hold the setting they were made with: the tune had timed the first
+    setting under every name)."""
+    from benchmarks import q4sdpa_tune
+    from runtime import q4sdpa
+
+    for name in q4sdpa_tune.SETTINGS:
+        monkeypatch.setattr(q4sdpa, name, getattr(q4sdpa, name))  # restored after the test
+    monkeypatch.setattr(q4sdpa, "_launches", {"a shape": "a launch made under another setting"})
+    default = tuple(getattr(q4sdpa, name) for name in q4sdpa_tune.SETTINGS)
+    assert q4sdpa_tune._settings("64/512/2,16/128/4/2") == [(64, 512, 2, *default[3:]), (16, 128, 4, 2)]
+    q4sdpa_tune.use_setting((16, 128, 4, 2))
+    assert (q4sdpa.CHUNKS, q4sdpa.MIN_CHUNK, q4sdpa.WARPS, q4sdpa.STAGES) == (16, 128, 4, 2)
+    assert q4sdpa._launches == {}
