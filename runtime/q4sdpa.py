@@ -646,6 +646,11 @@ def q4_decode_sdpa(queries, keys, values, start, end: int, scale: float, group_s
     return reduce(inputs=[pm, pl, pacc, start, meta_array], **reduce_args)[0]
 
 
+def _chunks(prefill: bool) -> int:
+    """Blocks a row's keys are split among (per kv head and tile of queries)."""
+    return PREFILL_CHUNKS if prefill else CHUNKS
+
+
 def _query_tiles(queries: int, rep: int) -> int:
     """Tiles of (query, head) pairs per kv head and head group: HEADS pairs each, of one query's heads when
     `rep` (query heads per kv head) is HEADS or more, else of HEADS // rep queries."""
@@ -664,23 +669,38 @@ def _launch(B, Hq, L, Hkv, D, key_words, value_words, dtype, group_size, scale, 
     # scores in base 2; a rotation's 1/sqrt(D), as H holds it, joins the scale
     h = mx.array(1 / math.sqrt(D), dtype=dtype).item() if rotated else 1.0
     meta_f = mx.array([scale * math.log2(math.e) * h], dtype=mx.float32)
-    rb, tiles, chunks = min(rep, HEADS), _query_tiles(L, rep), PREFILL_CHUNKS if L > 1 else CHUNKS
+    chunks, tiles = _chunks(L > 1), _query_tiles(L, rep)
+    partial_template, reduce_template = templates(dtype, D, group_size, rep, key_bits, L > 1, rotated, rope)
     partial = dict(
-        template=[("T", dtype), ("D", D), ("G", group_size), ("REP", rep), ("RB", rb), ("KB", key_bits), ("CHUNKS", chunks),
-                  ("MIN_CHUNK", MIN_CHUNK), ("WARPS", WARPS), ("STAGES", STAGES), ("ROT", rotated), ("ROPE", rope), ("PREFILL", L > 1)],
+        template=partial_template,
         grid=(chunks * WARPS * 32, Hkv * -(-rep // HEADS) * tiles, B),
         threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(B, Hq * L, chunks), (B, Hq * L, chunks), (B, Hq * L, chunks, D)],
         output_dtypes=[mx.float32, mx.float32, mx.float32],
     )
     reduce = dict(
-        template=[("T", dtype), ("D", D), ("CHUNKS", chunks), ("MIN_CHUNK", MIN_CHUNK), ("ROT", rotated), ("PREFILL", L > 1)],
+        template=reduce_template,
         grid=(D, Hq * L, B),
         threadgroup=(D, 1, 1),
         output_shapes=[(B, Hq, L, D)],
         output_dtypes=[dtype],
     )
-    return (meta_f, _get("kvactors_q4_decode_partial", ["q", "kw", "ks", "kb", "vw", "vs", "vb", "start", "meta", "meta_f",
-                                                         "after", "pos", "inv_freq"],
-                         ["pm", "pl", "pacc"], _PARTIAL), partial,
-            _get("kvactors_q4_decode_reduce", ["pm", "pl", "pacc", "start", "meta"], ["out"], _REDUCE), reduce)
+    return (meta_f, _get("kvactors_q4_decode_partial", *PARTIAL_NAMES, _PARTIAL), partial,
+            _get("kvactors_q4_decode_reduce", *REDUCE_NAMES, _REDUCE), reduce)
+
+
+PARTIAL_NAMES = (["q", "kw", "ks", "kb", "vw", "vs", "vb", "start", "meta", "meta_f", "after", "pos", "inv_freq"],
+                 ["pm", "pl", "pacc"])  # the partial kernel's inputs and outputs
+REDUCE_NAMES = (["pm", "pl", "pacc", "start", "meta"], ["out"])  # the reduce kernel's
+
+
+def templates(dtype, D: int, group_size: int, rep: int, key_bits: int, prefill: bool, rotated: bool, rope: bool):
+    """(the partial kernel's template arguments, the reduce kernel's) for queries of `dtype` and head dim `D` over a
+    cache of `group_size` groups and `key_bits`-bit keys with `rep` query heads a kv head; `prefill`: more than one
+    query a row. At the module's launch settings (CHUNKS, MIN_CHUNK, WARPS, STAGES) as they are when called."""
+    chunks = _chunks(prefill)
+    partial = [("T", dtype), ("D", D), ("G", group_size), ("REP", rep), ("RB", min(rep, HEADS)), ("KB", key_bits),
+               ("CHUNKS", chunks), ("MIN_CHUNK", MIN_CHUNK), ("WARPS", WARPS), ("STAGES", STAGES), ("ROT", rotated),
+               ("ROPE", rope), ("PREFILL", prefill)]
+    reduce = [("T", dtype), ("D", D), ("CHUNKS", chunks), ("MIN_CHUNK", MIN_CHUNK), ("ROT", rotated), ("PREFILL", prefill)]
+    return partial, reduce

@@ -112,3 +112,24 @@ def test_q4sdpa_tune_settings_fill_left_out_parts_and_each_setting_makes_new_lau
     q4sdpa_tune.use_setting((16, 128, 4, 2))
     assert (q4sdpa.CHUNKS, q4sdpa.MIN_CHUNK, q4sdpa.WARPS, q4sdpa.STAGES) == (16, 128, 4, 2)
     assert q4sdpa._launches == {}
+
+
+def test_kernel_resources_writes_a_kernels_source_as_mlx_does():
+    """The compile-only check's source: the signature in the kernel's input order with a shape parameter where the
+    body reads one, the outputs, then a constant per template argument, then the body."""
+    import mlx.core as mx
+
+    from benchmarks.kernel_resources import parse_case, source
+    from runtime import q4sdpa
+
+    case = parse_case("128/64/6/4/rp")
+    assert (case["D"], case["key_bits"], case["rotated"], case["rope"], case["prefill"]) == (128, 6, True, True, False)
+    partial, _ = q4sdpa.templates(**case)
+    text = source("k", q4sdpa.PARTIAL_NAMES, q4sdpa._PARTIAL, partial, mx.bfloat16)
+    at = text.index("__global__ void k(")
+    signature = text[at:text.index(") {", at)]
+    assert signature.index("const __nv_bfloat16* q,") < signature.index("const uint32_t* kw,") < signature.index(
+        "const __grid_constant__ Shape kw_shape,") < signature.index("const __nv_bfloat16* ks,")
+    assert "q_shape" not in signature and signature.rstrip().endswith("float* pacc")
+    assert "  constexpr int KB = 6;\n" in text and "  constexpr bool ROPE = true;\n" in text
+    assert "  using T = __nv_bfloat16;\n" in text and text.index("constexpr bool PREFILL") < text.index(q4sdpa._PARTIAL)
