@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import statistics
 import sys
 import time
 
@@ -70,7 +71,7 @@ def _ragged(fn, key_bits=4) -> tuple:
     return out, mx.abs(out.astype(mx.float32) - _reference(q, kq, vq, start, end, D ** -0.5)).max().item()
 
 
-def chained_us(fn, sets, q, reps: int = 40) -> tuple[float, float, str]:
+def chained_us(fn, sets, q, reps: int = 40) -> tuple[float, float, dict]:
     """(span, busy, kernels): microseconds per call of `fn(q, keys, values)` when each call's queries are the previous
     call's output (cycling through `sets` of (keys, values)): calls run one after another, as a model's layers do.
 
@@ -78,7 +79,7 @@ def chained_us(fn, sets, q, reps: int = 40) -> tuple[float, float, str]:
     cupti-python package is installed, else the wall time; it includes the gaps where the device waited
     for the host's launches. busy: the kernels' own durations added up (CUPTI; NaN without it), what the
     calls cost the device where the host runs ahead of it, as in a model's step; kernels: busy by kernel
-    ('partial 20.1 + reduce 5.2'; empty without CUPTI). Independent calls would
+    ({'partial': 20.1, 'reduce': 5.2}; empty without CUPTI). Independent calls would
     let MLX-CUDA run their kernels side by side, and adding up those kernels' durations then counts more
     time than either one call's latency or the calls' throughput.
     """
@@ -98,11 +99,18 @@ def chained_us(fn, sets, q, reps: int = 40) -> tuple[float, float, str]:
         for name, s, e in records:
             part = next((p for p in ("partial", "reduce") if f"q4_decode_{p}" in name), name.split("<")[0][:24])
             parts[part] = parts.get(part, 0.0) + (e - s) / reps / 1e3
-        return ((records[-1][2] - records[0][1]) / reps / 1e3, sum(parts.values()),
-                " + ".join(f"{p} {us:.1f}" for p, us in parts.items()))
+        return (records[-1][2] - records[0][1]) / reps / 1e3, sum(parts.values()), parts
     t0 = time.perf_counter()
     run()
-    return (time.perf_counter() - t0) / reps * 1e6, math.nan, ""
+    return (time.perf_counter() - t0) / reps * 1e6, math.nan, {}
+
+
+def median_timing(timings) -> tuple[float, float, str]:
+    """The median of each of `chained_us`'s results over repeated chains: (span, busy, kernels as
+    'partial 20.1 + reduce 5.2', each kernel's median)."""
+    parts = {name: statistics.median(t[2][name] for t in timings) for name in timings[0][2]}
+    return (statistics.median(t[0] for t in timings), statistics.median(t[1] for t in timings),
+            " + ".join(f"{p} {us:.1f}" for p, us in parts.items()))
 
 
 def _load_old(path):
@@ -150,6 +158,8 @@ def main(argv=None) -> int:
                         "scheme's); errors are measured unrotated")
     parser.add_argument("--rope", action="store_true", help="time calls that apply RoPE to the queries in the kernel")
     parser.add_argument("--old", default="", help="files holding older q4sdpa modules to time beside, comma-separated")
+    parser.add_argument("--repeat", type=int, default=1, help="chains timed per kernel, in rounds of every kernel once; "
+                        "the table gives each figure's median (one-row calls vary between chains)")
     args = parser.parse_args(argv)
     env = environment()
     rows = []
@@ -186,24 +196,33 @@ def main(argv=None) -> int:
             copies16 = max(1, min(8, -(-ROTATE_BYTES // fp16_bytes)))
             dense = [(k16, v16)] + [(k16 + 0, v16 + 0) for _ in range(copies16 - 1)]
             mx.eval(dense)
-            fp16_us, fp16_busy, fp16_parts = chained_us(
-                lambda x, k, v: mx.fast.scaled_dot_product_attention(x, k, v, scale=D ** -0.5), dense, q)
+            sdpa = lambda x, k, v: mx.fast.scaled_dot_product_attention(x, k, v, scale=D ** -0.5)  # noqa: E731
+            timed = [("q4sdpa", s, q4sdpa, errors[s]) for s in settings]
+            timed += [(f"q4sdpa of {path}", default, module, old_errors[path]) for path, module in olds]
+            fp16_runs, runs, failed = [], {i: [] for i in range(len(timed))}, {}
+            for _ in range(args.repeat):  # every kernel once a round, so that a slow spell falls on all alike
+                fp16_runs.append(chained_us(sdpa, dense, q))
+                for i, (name, setting, module, err) in enumerate(timed):
+                    if i in failed:
+                        continue
+                    use(setting)
+                    try:
+                        runs[i].append(chained_us(
+                            lambda x, k, v, m=module: m.q4_decode_sdpa(x, k, v, start, context, D ** -0.5, GROUP,
+                                                                       **extra), sets, q))
+                    except Exception as e:  # a launch setting the device refuses is reported, not fatal
+                        failed[i] = e
+            del dense, k16, v16
+            fp16_us, fp16_busy, fp16_parts = median_timing(fp16_runs)
             base = dict(context=context, rows=b)
             rows.append(dict(base, kernel="mlx fused sdpa (bf16 K/V)", setting="-", us=fp16_us, x_fp16=1.0,
                              busy_us=fp16_busy, busy_x_fp16=1.0, kernels_us=fp16_parts,
                              GB_per_s=fp16_bytes / fp16_us / 1e3, max_err=""))
-            del dense, k16, v16
-            timed = [("q4sdpa", s, q4sdpa, errors[s]) for s in settings]
-            timed += [(f"q4sdpa of {path}", default, module, old_errors[path]) for path, module in olds]
-            for name, setting, module, err in timed:
-                use(setting)
-                try:
-                    us, busy, parts = chained_us(
-                        lambda x, k, v, m=module: m.q4_decode_sdpa(x, k, v, start, context, D ** -0.5, GROUP, **extra),
-                        sets, q)
-                except Exception as e:  # a launch setting the device refuses is reported, not fatal
-                    rows.append(dict(base, kernel=name, setting=setting_name(setting), us=f"failed: {e}"[:80]))
+            for i, (name, setting, module, err) in enumerate(timed):
+                if i in failed:
+                    rows.append(dict(base, kernel=name, setting=setting_name(setting), us=f"failed: {failed[i]}"[:80]))
                     continue
+                us, busy, parts = median_timing(runs[i])
                 rows.append(dict(base, kernel=name, setting=setting_name(setting) if module is q4sdpa else "-",
                                  us=us, x_fp16=us / fp16_us, busy_us=busy, busy_x_fp16=busy / fp16_busy,
                                  kernels_us=parts, GB_per_s=q4_bytes / us / 1e3, max_err=err,
@@ -218,7 +237,7 @@ def main(argv=None) -> int:
              + "setting = blocks per row and kv head / fewest keys per block / warps per block; x_fp16 = time over the fused bf16 "
              "kernel's; GB_per_s = the packed (or bf16) K/V bytes over the time; max_err against float32 on "
              "4 ragged rows at 3,000 columns; us: 40 calls chained (each call's queries are the previous call's output, so "
-             "they run one after another), "
+             f"they run one after another; the median of {args.repeat} such chains, every kernel once a round), "
              + ("the device's span per call, CUPTI; busy_us: the kernels' own durations per call (CUPTI), without "
                 "the gaps where the device waited for the host." if DEVICE_TIMED
                 else "wall time per call (host included)."))

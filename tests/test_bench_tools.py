@@ -133,3 +133,14 @@ def test_kernel_resources_writes_a_kernels_source_as_mlx_does():
     assert "q_shape" not in signature and signature.rstrip().endswith("float* pacc")
     assert "  constexpr int KB = 6;\n" in text and "  constexpr bool ROPE = true;\n" in text
     assert "  using T = __nv_bfloat16;\n" in text and text.index("constexpr bool PREFILL") < text.index(q4sdpa._PARTIAL)
+
+
+def test_q4sdpa_tune_takes_each_figure_s_median_over_repeated_chains():
+    """`--repeat`: span, busy time and each kernel's time are medians over the chains, each on its own (one-row
+    chains vary between runs, so no chain stands for all)."""
+    from benchmarks.q4sdpa_tune import median_timing
+
+    timings = [(1.0, 2.0, {"partial": 1.0, "reduce": 3.0}), (5.0, 1.0, {"partial": 2.0, "reduce": 1.0}),
+               (3.0, 9.0, {"partial": 7.0, "reduce": 2.0})]
+    assert median_timing(timings) == (3.0, 2.0, "partial 2.0 + reduce 2.0")
+    assert median_timing(timings[:1]) == (1.0, 2.0, "partial 1.0 + reduce 3.0")
