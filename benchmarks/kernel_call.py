@@ -35,7 +35,8 @@ from runtime import q4sdpa
 
 COLUMNS = ["variant", "build_us", "build_launch_us", "source_chars", "same_output"]
 HQ, HKV, D, GROUP = 32, 8, 128, 64
-_CUDA_TYPES = {mx.bfloat16: "__nv_bfloat16", mx.float16: "__half", mx.float32: "float"}
+CUDA_TYPES = {mx.bfloat16: "__nv_bfloat16", mx.float16: "__half", mx.float32: "float", mx.int32: "int32_t",
+              mx.uint32: "uint32_t"}  # the type MLX writes in a kernel's source for each dtype
 
 
 def baked_source(source: str, template) -> str:
@@ -43,7 +44,7 @@ def baked_source(source: str, template) -> str:
     lines = []
     for name, value in template:
         if isinstance(value, mx.Dtype):
-            lines.append(f"  using {name} = {_CUDA_TYPES[value]};")
+            lines.append(f"  using {name} = {CUDA_TYPES[value]};")
         elif isinstance(value, bool):
             lines.append(f"  constexpr bool {name} = {'true' if value else 'false'};")
         else:

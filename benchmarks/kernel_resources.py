@@ -23,11 +23,10 @@ import sys
 
 import mlx.core as mx
 
+from benchmarks.kernel_call import CUDA_TYPES, baked_source
 from runtime import q4sdpa
 
 _MLX_HEADER = '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
-_CUDA_TYPES = {mx.bfloat16: "__nv_bfloat16", mx.float16: "__half", mx.float32: "float", mx.int32: "int32_t",
-               mx.uint32: "uint32_t"}
 _DTYPES = {  # each input's and output's dtype, with T the queries'
     "kw": mx.uint32, "vw": mx.uint32, "after": mx.uint32, "start": mx.int32, "meta": mx.int32, "pos": mx.int32,
     "meta_f": mx.float32, "inv_freq": mx.float32, "pm": mx.float32, "pl": mx.float32, "pacc": mx.float32,
@@ -41,20 +40,12 @@ def source(name: str, names, body: str, template, dtype) -> str:
     inputs, outputs = names
     lines = []
     for n in inputs:
-        lines.append(f"    const {_CUDA_TYPES[_DTYPES.get(n, dtype)]}* {n},")
+        lines.append(f"    const {CUDA_TYPES[_DTYPES.get(n, dtype)]}* {n},")
         if re.search(rf"\b{n}_shape\b", body):
             lines.append(f"    const __grid_constant__ Shape {n}_shape,")
-    lines += [f"    {_CUDA_TYPES[_DTYPES.get(n, dtype)]}* {n}," for n in outputs]
-    constants = []
-    for n, v in template:
-        if isinstance(v, mx.Dtype):
-            constants.append(f"  using {n} = {_CUDA_TYPES[v]};")
-        elif isinstance(v, bool):
-            constants.append(f"  constexpr bool {n} = {'true' if v else 'false'};")
-        else:
-            constants.append(f"  constexpr int {n} = {v};")
+    lines += [f"    {CUDA_TYPES[_DTYPES.get(n, dtype)]}* {n}," for n in outputs]
     return (_MLX_HEADER + q4sdpa._HEADER + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
-            + f"__global__ void {name}(\n" + "\n".join(lines)[:-1] + ") {\n" + "\n".join(constants) + "\n\n" + body
+            + f"__global__ void {name}(\n" + "\n".join(lines)[:-1] + ") {\n" + baked_source(body, template)
             + "\n}\n\n} // namespace mlx::core::cu\n")
 
 
