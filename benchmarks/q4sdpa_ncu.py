@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     parser.add_argument("--contexts", default="16384,32768")
     parser.add_argument("--rows", default="1,8")
     parser.add_argument("--settings", default=f"{q4sdpa.CHUNKS}/{q4sdpa.MIN_CHUNK}/{q4sdpa.WARPS}",
-                        help="q4sdpa settings CHUNKS/MIN_CHUNK/WARPS, comma-separated")
+                        help="q4sdpa settings CHUNKS/MIN_CHUNK/WARPS[/STAGES], comma-separated")
     parser.add_argument("--key-bits", type=int, default=4, choices=q4sdpa.KEY_BITS, help="bits of the keys")
     parser.add_argument("--rotated", action="store_true", help="Hadamard-rotated cache (rotation in the kernels)")
     parser.add_argument("--rope", action="store_true", help="RoPE applied to the queries inside the kernel")
