@@ -95,6 +95,16 @@ def _check(code: int, what: str) -> None:
 
 
 @functools.cache
+def _make_current(device_ptr: int) -> tuple[ctypes.c_void_p, int]:
+    """(the primary context, the ordinal) of the device that holds `device_ptr`, that context made current on this
+    thread."""
+    lib, ordinal = _driver(), ctypes.c_int()
+    _check(lib.cuPointerGetAttribute(ctypes.byref(ordinal), _DEVICE_ORDINAL, device_ptr), "cuPointerGetAttribute")
+    ctx = _context(ordinal.value)
+    _check(lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    return ctx, ordinal.value
+
+
 def _context(ordinal: int) -> ctypes.c_void_p:
     """Device `ordinal`'s primary context: the one MLX's CUDA runtime uses."""
     lib, device, ctx = _driver(), ctypes.c_int(), ctypes.c_void_p()
@@ -146,7 +156,7 @@ def reserve_pool(spare: int = POOL_SPARE) -> bool:
     lib, pool = _mlx_pool()
     keep = ctypes.c_uint64(2 ** 64 - 1)
     _check(lib.cuMemPoolSetAttribute(pool, _RELEASE_THRESHOLD, ctypes.byref(keep)), "cuMemPoolSetAttribute")
-    reserved, used = pool_bytes()
+    reserved, used = _pool_bytes(lib, pool)
     if reserved - used >= spare:
         return True
     stream, ptr = ctypes.c_void_p(), ctypes.c_uint64()
@@ -166,7 +176,10 @@ def pool_bytes() -> tuple[int, int]:
     is not."""
     if not available():
         return 0, 0
-    lib, pool = _mlx_pool()
+    return _pool_bytes(*_mlx_pool())
+
+
+def _pool_bytes(lib, pool) -> tuple[int, int]:
     out = []
     for attr in (5, 7):  # CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, CU_MEMPOOL_ATTR_USED_MEM_CURRENT
         value = ctypes.c_uint64()
@@ -178,11 +191,10 @@ def pool_bytes() -> tuple[int, int]:
 def _mlx_pool() -> tuple:
     """(the driver, the default memory pool of the device MLX's default stream runs on), that device's context
     made current on this thread."""
-    lib, ordinal, device, pool = _driver(), ctypes.c_int(), ctypes.c_int(), ctypes.c_void_p()
+    lib, device, pool = _driver(), ctypes.c_int(), ctypes.c_void_p()
     _, addr = _allocator()(inputs=[mx.array(0, mx.uint8)], grid=(1, 1, 1), threadgroup=(1, 1, 1),
                            output_shapes=[(1,), (1,)], output_dtypes=[mx.uint8, mx.uint64])
-    _check(lib.cuPointerGetAttribute(ctypes.byref(ordinal), _DEVICE_ORDINAL, addr.item()), "cuPointerGetAttribute")
-    _check(lib.cuCtxSetCurrent(_context(ordinal.value)), "cuCtxSetCurrent")
+    _, ordinal = _make_current(addr.item())
     _check(lib.cuDeviceGet(ctypes.byref(device), ordinal), "cuDeviceGet")
     _check(lib.cuDeviceGetDefaultMemPool(ctypes.byref(pool), device), "cuDeviceGetDefaultMemPool")
     return lib, pool
@@ -225,10 +237,7 @@ def to_host(x: mx.array, stream=None) -> np.ndarray:
 def _take_slot(device_ptr: int) -> _Slot:
     """An idle `_Slot` in the context of the device that holds `device_ptr` (made if none), that context made
     current on this thread; give it back to `_slots` when done."""
-    lib, ordinal = _driver(), ctypes.c_int()
-    _check(lib.cuPointerGetAttribute(ctypes.byref(ordinal), _DEVICE_ORDINAL, device_ptr), "cuPointerGetAttribute")
-    ctx = _context(ordinal.value)
-    _check(lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    ctx, _ = _make_current(device_ptr)
     with _lock:
         slot = next((s for s in _slots if s.ctx.value == ctx.value), None)
         if slot is not None:
