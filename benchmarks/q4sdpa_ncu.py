@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--contexts", default="16384,32768")
     parser.add_argument("--rows", default="1,8")
-    parser.add_argument("--settings", default=f"{q4sdpa.CHUNKS}/{q4sdpa.MIN_CHUNK}/{q4sdpa.WARPS}",
+    parser.add_argument("--settings", default=f"{q4sdpa.CHUNKS}/{q4sdpa.MIN_CHUNK}/{q4sdpa.WARPS}/{q4sdpa.STAGES}",
                         help="q4sdpa settings CHUNKS/MIN_CHUNK/WARPS[/STAGES], comma-separated")
     parser.add_argument("--key-bits", type=int, default=4, choices=q4sdpa.KEY_BITS, help="bits of the keys")
     parser.add_argument("--rotated", action="store_true", help="Hadamard-rotated cache (rotation in the kernels)")
@@ -109,7 +109,7 @@ def main(argv=None) -> int:
              f"calls; 8B shape ({HQ} query heads, 8 kv heads, head dim {D}, group {GROUP}), one query per row; "
              f"{args.key_bits}-bit keys, 4-bit values{', rotated' if args.rotated else ''}"
              f"{', RoPE in the kernel' if args.rope else ''}; "
-             "setting = blocks per row and kv head / fewest keys per block / warps per block.")
+             "setting = blocks per row and kv head / fewest keys per block / warps per block / tiles in flight a warp.")
     write_results("q4sdpa_device", environment(), rows, COLUMNS, Path(args.out) if args.out else RESULTS, notes)
     return 0
 

@@ -33,8 +33,8 @@ COLUMNS = ["context", "rows", "kernel", "setting", "us", "x_fp16", "busy_us", "b
            "max_err", "bitwise_current"]
 HQ, HKV, D, GROUP = 32, 8, 128, 64
 ROTATE_BYTES = 256 << 20  # inputs per timed call set: well over an H100's 50 MB L2
-WARM_S = 0.3  # seconds of the same calls before each timed chain: an idle H100's SM clock (345 MHz) ramps up
-# within them; timed from idle, one-row chains ran at either clock (the reduce kernel 3.6 or 7.5 us)
+WARM_S = 0.3  # seconds of the same calls before each timed chain, so an idle GPU's clock (an H100's: 345 MHz) is up;
+# it did not remove the variation of one-row chains (the reduce kernel 3.6 or 7.5 us), seen at a steady 1980 MHz
 
 
 def _packed(b, w, seed, key_bits=4):
@@ -234,7 +234,7 @@ def main(argv=None) -> int:
              "4-bit values; one query per row; "
              + ("cache rotated (Hadamard in the kernels); " if args.rotated else "")
              + ("RoPE applied to the queries in the kernel; " if args.rope else "")
-             + "setting = blocks per row and kv head / fewest keys per block / warps per block; x_fp16 = time over the fused bf16 "
+             + "setting = blocks per row and kv head / fewest keys per block / warps per block / tiles in flight a warp; x_fp16 = time over the fused bf16 "
              "kernel's; GB_per_s = the packed (or bf16) K/V bytes over the time; max_err against float32 on "
              "4 ragged rows at 3,000 columns; us: 40 calls chained (each call's queries are the previous call's output, so "
              f"they run one after another; the median of {args.repeat} such chains, every kernel once a round), "
