@@ -20,6 +20,7 @@ import argparse
 import ctypes
 import re
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 
@@ -49,8 +50,9 @@ def source(name: str, names, body: str, template, dtype) -> str:
             + "\n}\n\n} // namespace mlx::core::cu\n")
 
 
-def compile_report(lib, text: str, includes) -> tuple[bool, str]:
-    """(compiled, NVRTC's log: errors, or ptxas' registers, spills and shared memory) of `text` for sm_90a."""
+def compile_report(lib, text: str, includes) -> tuple[bool, str, bytes]:
+    """(compiled, NVRTC's log: errors, or ptxas' registers, spills and shared memory, the cubin: b"" if it did not
+    compile) of `text` for sm_90a."""
     prog = ctypes.c_void_p()
     if lib.nvrtcCreateProgram(ctypes.byref(prog), text.encode(), b"kernel.cu", 0, None, None):
         raise RuntimeError("nvrtcCreateProgram failed")
@@ -62,9 +64,15 @@ def compile_report(lib, text: str, includes) -> tuple[bool, str]:
         lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
         log = ctypes.create_string_buffer(size.value)
         lib.nvrtcGetProgramLog(prog, log)
+        cubin = b""
+        if ok:
+            lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+            buf = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetCUBIN(prog, buf)
+            cubin = buf.raw
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
-    return ok, log.value.decode()
+    return ok, log.value.decode(), cubin
 
 
 def parse_case(text: str) -> dict:
@@ -82,6 +90,9 @@ def main(argv=None) -> int:
                         help="an include folder: MLX's source tree, the CUDA headers (repeat the option)")
     parser.add_argument("--cases", default="128/64/6/4/rp,128/64/6/4/r,128/64/4/4,128/64/6/4/rf,64/32/6/1/f",
                         help="comma-separated D/G/KEY_BITS/REP[/flags]: r rotated, p RoPE, f prefill")
+    parser.add_argument("--cubin", type=Path, default=None,
+                        help="folder to write each kernel's cubin in (CASE-KERNEL.cubin, the case's / as -), "
+                        "for nvdisasm's SASS")
     args = parser.parse_args(argv)
     lib = ctypes.CDLL(args.nvrtc)
     failed = 0
@@ -89,8 +100,11 @@ def main(argv=None) -> int:
         partial, reduce = q4sdpa.templates(**parse_case(case))
         for name, names, body, template in (("partial", q4sdpa.PARTIAL_NAMES, q4sdpa._PARTIAL, partial),
                                             ("reduce", q4sdpa.REDUCE_NAMES, q4sdpa._REDUCE, reduce)):
-            ok, log = compile_report(lib, source(f"kvactors_q4_decode_{name}", names, body, template, mx.bfloat16),
-                                     args.include)
+            ok, log, cubin = compile_report(lib, source(f"kvactors_q4_decode_{name}", names, body, template,
+                                                        mx.bfloat16), args.include)
+            if args.cubin and ok:
+                args.cubin.mkdir(parents=True, exist_ok=True)
+                (args.cubin / f"{case.replace('/', '-')}-{name}.cubin").write_bytes(cubin)
             stats = "; ".join(re.sub(r"^ptxas\s*(info\s*:|\.)\s*", "", line.strip()) for line in log.splitlines()
                               if "registers" in line or "spill" in line)
             print(f"{case:18} {name:8} {'ok' if ok else 'FAILED'}  {stats}", flush=True)
