@@ -85,17 +85,22 @@ __device__ __forceinline__ unsigned int dequant2(unsigned int x, unsigned int ma
     return r;
 }
 
-// Asynchronous copies global -> shared (cp.async): N bytes, N in 4, 8, 16, both addresses N-aligned;
-// 16-byte ones bypass L1. A warp's copies are waited for by group (commit, then wait until at most
-// `pending` of its latest groups are in flight) and made visible to its other lanes by __syncwarp.
-template <int N>
-__device__ __forceinline__ void copy_async(void* dst, const void* src) {
+// Asynchronous copies global -> shared (cp.async): N bytes, N in 4, 8, 16, both addresses N-aligned, `dst` an
+// address in the shared window (`shared_address`); 16-byte ones bypass L1. A warp's copies are waited for by
+// group (commit, then wait until at most `pending` of its latest groups are in flight) and made visible to its
+// other lanes by __syncwarp.
+__device__ __forceinline__ unsigned int shared_address(const void* p) {
     unsigned int s;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(dst));
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(p));
+    return s;
+}
+
+template <int N>
+__device__ __forceinline__ void copy_async(unsigned int dst, const void* src) {
     if constexpr (N == 16) {
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(s), "l"(src) : "memory");
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src) : "memory");
     } else {
-        asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" :: "r"(s), "l"(src), "n"(N) : "memory");
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" :: "r"(dst), "l"(src), "n"(N) : "memory");
     }
 }
 
@@ -171,27 +176,48 @@ _PARTIAL = r"""
     constexpr bool SC = (GPR * 2) % 4 == 0;  // scales and biases staged too (else read in the loop)
     constexpr int KSW = 16 * KWR, VRS = VWR + 4, VSW = 16 * VRS, SSW = SC ? 8 * GPR : 0;
     constexpr int STAGE = KSW + VSW + 4 * SSW;  // words a stage (a multiple of 4)
-    constexpr int SUMS = WARPS * NRV * D;  // the warps' sums, which use the stages' memory after the loop
+    constexpr int DP = D + D / 32;  // a row of the warps' sums: dim d at d + d / 32 (the lanes that store meet no bank twice)
+    constexpr int SUMS = WARPS * NRV * DP;  // the warps' sums, which use the stages' memory after the loop
     constexpr int BUF = WARPS * STAGES * STAGE > SUMS ? WARPS * STAGES * STAGE : SUMS;
     __shared__ __align__(16) unsigned int s_buf[BUF];
     unsigned int* const stages = s_buf + warp * STAGES * STAGE;
     const int step = WARPS * 16, base0 = lo + warp * 16;
     const int tiles = base0 < hi ? (hi - base0 + step - 1) / step : 0;
-    auto stage_tile = [&](int i) {  // the warp's tile i into stage i % STAGES
-        unsigned int* st = stages + (i % STAGES) * STAGE;
-        const int base = base0 + i * step;
-        constexpr int KP = KWR / 4, VP = VWR / 4;  // 16-byte pieces a row
-        #pragma unroll
-        for (int n = 0; n < (16 * KP + 31) / 32; ++n) {
-            const int j = lane + 32 * n, r = j / KP, p = j % KP;
-            if (j < 16 * KP)
-                copy_async<16>(st + r * KWR + 4 * p, kw + (row_base + min(base + r, hi - 1)) * KWR + 4 * p);
-        }
-        #pragma unroll
-        for (int n = 0; n < (16 * VP + 31) / 32; ++n) {
-            const int j = lane + 32 * n, r = j / VP, p = j % VP;
-            if (j < 16 * VP)
-                copy_async<16>(st + KSW + r * VRS + 4 * p, vw + (row_base + min(base + r, hi - 1)) * VWR + 4 * p);
+    // A tile's key words are 16 consecutive rows of KWR words, its value words 16 of VWR, and its scales and
+    // biases 16 of GPR halves each: lane piece j of 16 bytes lies at word 4 j of the tile's keys (values: and
+    // at 4 j + 4 r in the stage, r its row). A tile within the chunk copies them straight; only one reaching
+    // past hi (the chunk's last) clamps its rows.
+    constexpr int KP = KWR / 4, VP = VWR / 4;  // 16-byte pieces a row
+    constexpr int NKC = (16 * KP + 31) / 32, NVC = (16 * VP + 31) / 32;  // a lane's copies of key, value pieces
+    const unsigned int stages_s = shared_address(stages);
+    auto stage_tile = [&](int slot, int base) {  // the warp's tile at key `base` into stage `slot`
+        const unsigned int st = stages_s + 4 * slot * STAGE;
+        const size_t first_row = row_base + base;
+        const unsigned int* kt = kw + first_row * KWR;
+        const unsigned int* vt = vw + first_row * VWR;
+        if (base + 16 <= hi) {  // the same for the warp's lanes
+            #pragma unroll
+            for (int n = 0; n < NKC; ++n) {
+                const int j = lane + 32 * n;
+                if (j < 16 * KP) copy_async<16>(st + 16 * j, kt + 4 * j);
+            }
+            #pragma unroll
+            for (int n = 0; n < NVC; ++n) {
+                const int j = lane + 32 * n;
+                if (j < 16 * VP) copy_async<16>(st + 4 * KSW + 16 * j + 16 * (j / VP), vt + 4 * j);
+            }
+        } else {
+            #pragma unroll
+            for (int n = 0; n < NKC; ++n) {
+                const int j = lane + 32 * n, r = j / KP, p = j % KP;
+                if (j < 16 * KP) copy_async<16>(st + 16 * j, kt + (min(base + r, hi - 1) - base) * KWR + 4 * p);
+            }
+            #pragma unroll
+            for (int n = 0; n < NVC; ++n) {
+                const int j = lane + 32 * n, r = j / VP, p = j % VP;
+                if (j < 16 * VP)
+                    copy_async<16>(st + 4 * KSW + 16 * j + 16 * r, vt + (min(base + r, hi - 1) - base) * VWR + 4 * p);
+            }
         }
         if constexpr (SC) {
             #pragma unroll
@@ -200,13 +226,13 @@ _PARTIAL = r"""
                 const size_t e = (row_base + min(base + r, hi - 1)) * GPR;
                 const void* src = a == 0 ? static_cast<const void*>(ks + e) : a == 1 ? static_cast<const void*>(kb + e)
                                 : a == 2 ? static_cast<const void*>(vs + e) : static_cast<const void*>(vb + e);
-                copy_async<GPR * 2>(st + KSW + VSW + a * SSW + r * (GPR / 2), src);
+                copy_async<GPR * 2>(st + 4 * (KSW + VSW + a * SSW) + 2 * GPR * r, src);
             }
         }
     };
     #pragma unroll
     for (int i = 0; i < STAGES - 1; ++i) {
-        if (i < tiles) stage_tile(i);
+        if (i < tiles) stage_tile(i, base0 + i * step);
         copies_commit();
     }
 
@@ -289,13 +315,16 @@ _PARTIAL = r"""
         #pragma unroll
         for (int i = 0; i < 4; ++i) o[dt][i] = 0.0f;
     }
+    int read_slot = 0, write_slot = STAGES - 1;  // tile i's stage, tile i + STAGES - 1's
     for (int i = 0; i < tiles; ++i) {
         const int base = base0 + i * step;
-        if (i + STAGES - 1 < tiles) stage_tile(i + STAGES - 1);
+        if (i + STAGES - 1 < tiles) stage_tile(write_slot, base + (STAGES - 1) * step);
         copies_commit();
         copies_wait<STAGES - 1>();  // tile i is in
         __syncwarp();
-        const unsigned int* st = stages + (i % STAGES) * STAGE;
+        const unsigned int* st = stages + read_slot * STAGE;
+        read_slot = read_slot + 1 == STAGES ? 0 : read_slot + 1;
+        write_slot = write_slot + 1 == STAGES ? 0 : write_slot + 1;
         const auto* sks = reinterpret_cast<decltype(ks)>(st + KSW + VSW);
         const auto* skb = reinterpret_cast<decltype(kb)>(st + KSW + VSW + SSW);
         const auto* svs = reinterpret_cast<decltype(vs)>(st + KSW + VSW + 2 * SSW);
@@ -372,20 +401,23 @@ _PARTIAL = r"""
                 mma16816(sc[nt], a, b0, b1);
             }
         }
-        #pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
+        if (PREFILL || base + 16 > hi) {  // a prefill tile's causal mask, or a tile reaching past hi (the last)
             #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int col = base + 8 * nt + 2 * t + (i & 1);
-                if (col >= hi) sc[nt][i] = -INFINITY;
-                if constexpr (PREFILL) {
-                    const int p = qpos[i >> 1];
-                    if (col > p || (window > 0 && col <= p - window)) sc[nt][i] = -INFINITY;
+            for (int nt = 0; nt < 2; ++nt) {
+                #pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int col = base + 8 * nt + 2 * t + (i & 1);
+                    if (col >= hi) sc[nt][i] = -INFINITY;
+                    if constexpr (PREFILL) {
+                        const int p = qpos[i >> 1];
+                        if (col > p || (window > 0 && col <= p - window)) sc[nt][i] = -INFINITY;
+                    }
                 }
             }
         }
         // online softmax per row (the 4 lanes of a g hold a row's 16 scores)
         unsigned int pa[4];
+        float corr[2];
         #pragma unroll
         for (int r = 0; r < 2; ++r) {
             float top = fmaxf(fmaxf(sc[0][2 * r], sc[0][2 * r + 1]), fmaxf(sc[1][2 * r], sc[1][2 * r + 1]));
@@ -393,18 +425,21 @@ _PARTIAL = r"""
             top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));
             top = fmaxf(top, m[r]);
             const float ref = top == -INFINITY ? 0.0f : top;  // no valid key yet: every p is 2^-inf = 0
-            const float corr = fast_exp2(m[r] - ref);
+            corr[r] = fast_exp2(m[r] - ref);
             m[r] = top;
             const float p00 = fast_exp2(sc[0][2 * r] - ref), p01 = fast_exp2(sc[0][2 * r + 1] - ref);
             const float p10 = fast_exp2(sc[1][2 * r] - ref), p11 = fast_exp2(sc[1][2 * r + 1] - ref);
-            l[r] = fmaf(l[r], corr, (p00 + p01) + (p10 + p11));
-            #pragma unroll
-            for (int dt = 0; dt < NT; ++dt) {
-                o[dt][2 * r] *= corr;
-                o[dt][2 * r + 1] *= corr;
-            }
+            l[r] = fmaf(l[r], corr[r], (p00 + p01) + (p10 + p11));
             pa[r] = pack_half2(p00, p01);      // A rows g (r = 0) and g + 8 (r = 1), keys 2t, 2t+1
             pa[2 + r] = pack_half2(p10, p11);  // keys 2t + 8, 2t + 9
+        }
+        // the sums rescaled where a row's max rose (corr 1 leaves them as they are: most tiles skip it)
+        if (__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) {
+            #pragma unroll
+            for (int dt = 0; dt < NT; ++dt) {
+                #pragma unroll
+                for (int i = 0; i < 4; ++i) o[dt][i] *= corr[i >> 1];
+            }
         }
         // O += P V, one d-tile at a time
         unsigned int vsc[2][2], vbi[2];
@@ -434,7 +469,7 @@ _PARTIAL = r"""
     }
     __shared__ float s_m[WARPS][16];
     __shared__ float s_l[WARPS][16];
-    auto s_acc = reinterpret_cast<float (*)[NRV][D]>(s_buf);
+    auto s_acc = reinterpret_cast<float (*)[NRV][DP]>(s_buf);
     #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int row = g + 8 * r;
@@ -445,8 +480,9 @@ _PARTIAL = r"""
             }
             #pragma unroll
             for (int dt = 0; dt < NT; ++dt) {
-                s_acc[warp][row][(D / 8) * (2 * t) + dt] = o[dt][2 * r];
-                s_acc[warp][row][(D / 8) * (2 * t + 1) + dt] = o[dt][2 * r + 1];
+                const int d0 = (D / 8) * (2 * t) + dt, d1 = (D / 8) * (2 * t + 1) + dt;
+                s_acc[warp][row][d0 + d0 / 32] = o[dt][2 * r];
+                s_acc[warp][row][d1 + d1 / 32] = o[dt][2 * r + 1];
             }
         }
     }
@@ -462,7 +498,7 @@ _PARTIAL = r"""
         for (int w = 0; w < WARPS; ++w) {
             const float f = s_m[w][r] == -INFINITY ? 0.0f : exp2f(s_m[w][r] - M);
             L = fmaf(s_l[w][r], f, L);
-            A = fmaf(s_acc[w][r][d], f, A);
+            A = fmaf(s_acc[w][r][d + d / 32], f, A);
         }
         const size_t o_ = ((size_t)(b * Hq + h * REP + r0 + r % RB) * QL + ql0 + r / RB) * nc + c;
         pacc[o_ * D + d] = A;
