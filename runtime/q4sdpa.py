@@ -74,12 +74,13 @@ __device__ __forceinline__ unsigned int pack_half2(float lo, float hi) {  // (lo
     return r;
 }
 
-// A byte pair of 4-bit values as f16x2 times (s_lo, s_hi) plus (b_lo, b_hi). x holds the two
-// bytes at bytes 0 and 2; `mask` picks their low nibbles (0x000F000F, the f16 then holds
-// 1024 + n) or high nibbles (0x00F000F0: 1024 + 16 n, and `scale` is divided by 16).
+// Two quantized values as f16x2 times (s_lo, s_hi) plus (b_lo, b_hi): `mask` picks one value's bits in each
+// half of x, within the f16 mantissa's bits 0-9: at bits 0-3 or 0-5 (the f16 then holds 1024 + n), or 4 places
+// higher (1024 + 16 n, and `scale` is divided by 16); the mask and the exponent are set by one logic op.
 __device__ __forceinline__ unsigned int dequant2(unsigned int x, unsigned int mask, unsigned int scale,
                                                  unsigned int bias) {
-    unsigned int y = (x & mask) | 0x64006400u, r;
+    unsigned int y, r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(y) : "r"(x), "r"(mask), "r"(0x64006400u));  // (x & mask) | exponent
     asm("sub.f16x2 %0, %1, %2;" : "=r"(y) : "r"(y), "r"(0x64006400u));
     asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(y), "r"(scale), "r"(bias));
     return r;
@@ -329,7 +330,7 @@ _PARTIAL = r"""
         const auto* skb = reinterpret_cast<decltype(kb)>(st + KSW + VSW + SSW);
         const auto* svs = reinterpret_cast<decltype(vs)>(st + KSW + VSW + 2 * SSW);
         const auto* svb = reinterpret_cast<decltype(vb)>(st + KSW + VSW + 3 * SSW);
-        unsigned int kwd[2][KW], vwd[4][VW], ksc[2], kbi[2];
+        unsigned int kwd[2][KW], vwd[4][VW], ksc[2], ksc16[2], kbi[2];
         float vs_[4], vb_[4];
         #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {  // K rows base + 8 nt + g
@@ -354,6 +355,7 @@ _PARTIAL = r"""
             const size_t e = SC ? r * GPR + kgrp : (row_base + min(base + r, hi - 1)) * GPR + kgrp;
             const float s = static_cast<float>(SC ? sks[e] : ks[e]), z = static_cast<float>(SC ? skb[e] : kb[e]);
             ksc[nt] = pack_half2(s, KB == 4 ? s * 0.0625f : s);
+            ksc16[nt] = pack_half2(s * 0.0625f, s * 0.0625f);  // 6-bit keys' second pair
             kbi[nt] = pack_half2(z, z);
         }
         #pragma unroll
@@ -394,9 +396,11 @@ _PARTIAL = r"""
                     const unsigned int p = sh + 24 <= 32
                         ? kwd[nt][wi] >> sh
                         : __funnelshift_r(kwd[nt][wi], kwd[nt][wi + 1 < KW ? wi + 1 : wi], sh);
-                    const unsigned int lo = p & 0xFFFu, hi = (p >> 12) & 0xFFFu;  // two 6-bit values each
-                    b0 = dequant2(lo | (lo << 10), 0x003F003Fu, ksc[nt], kbi[nt]);  // first at bits 0-5, second 16-21
-                    b1 = dequant2(hi | (hi << 10), 0x003F003Fu, ksc[nt], kbi[nt]);
+                    // the first pair at bits 0-5 of p and of p << 10 (its bits 16-21); the second at bits 4-9 of
+                    // p >> 8 and of (p >> 8) << 10 (1024 + 16 n: scale / 16, exact while a normal f16: s >= 2^-10)
+                    const unsigned int q = p >> 8;
+                    b0 = dequant2(__byte_perm(p, p << 10, 0x7610), 0x003F003Fu, ksc[nt], kbi[nt]);
+                    b1 = dequant2(__byte_perm(q, q << 10, 0x7610), 0x03F003F0u, ksc16[nt], kbi[nt]);
                 }
                 mma16816(sc[nt], a, b0, b1);
             }
