@@ -17,9 +17,7 @@ reads its fragments from there. A row's chunks
 start at its own first column and their size follows from its own length (CHUNKS
 of them, at least MIN_CHUNK keys each), keys within a chunk are visited in a
 fixed order, and the combination order is fixed, so a row's output is bitwise
-the same whatever the other rows are and however much left padding it has. (A
-decode launch of few blocks runs its key loop unrolled twice: the same
-arithmetic, scheduled for a grid that leaves each scheduler few warps.)
+the same whatever the other rows are and however much left padding it has.
 
 For caches stored Hadamard-rotated (`runtime.kvscheme`), `rotated=True` has the
 first kernel rotate the queries as it loads them (in registers, then across the
