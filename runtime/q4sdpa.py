@@ -42,10 +42,6 @@ MIN_CHUNK = 256  # fewest keys a block takes (short rows use fewer blocks)
 WARPS = 4  # warps per block
 STAGES = 3  # tiles of 16 keys a warp has in flight (asynchronous copies into shared memory)
 HEADS = 16  # query heads per block: the rows of one tensor-core product
-SMALL_GRID = 512  # blocks at most of a decode launch whose key loop is unrolled twice (a warp's next tile's scores
-# then overlap this tile's softmax: such grids leave a scheduler few other warps); larger grids keep the registers for
-# 4 blocks an SM. The same arithmetic in the same order either way: the output is bitwise the same. (Prefill chunks
-# keep one build for every batch: the engine's warm-up runs decode at every batch size, not every hot chunk.)
 KEY_BITS = (4, 6)  # key widths the kernel reads (values are 4-bit)
 
 _HEADER = r"""
@@ -321,7 +317,6 @@ _PARTIAL = r"""
         for (int i = 0; i < 4; ++i) o[dt][i] = 0.0f;
     }
     int read_slot = 0, write_slot = STAGES - 1;  // tile i's stage, tile i + STAGES - 1's
-    #pragma unroll (UNROLL)  // 2 for small grids: a warp's next tile's scores overlap this tile's softmax
     for (int i = 0; i < tiles; ++i) {
         const int base = base0 + i * step;
         if (i + STAGES - 1 < tiles) stage_tile(write_slot, base + (STAGES - 1) * step);
@@ -715,12 +710,10 @@ def _launch(B, Hq, L, Hkv, D, key_words, value_words, dtype, group_size, scale, 
     h = mx.array(1 / math.sqrt(D), dtype=dtype).item() if rotated else 1.0
     meta_f = mx.array([scale * math.log2(math.e) * h], dtype=mx.float32)
     chunks, tiles = _chunks(L > 1), _query_tiles(L, rep)
-    grid = (chunks * WARPS * 32, Hkv * -(-rep // HEADS) * tiles, B)
-    small = L == 1 and grid[0] // (WARPS * 32) * grid[1] * grid[2] <= SMALL_GRID
-    partial_template, reduce_template = templates(dtype, D, group_size, rep, key_bits, L > 1, rotated, rope, small)
+    partial_template, reduce_template = templates(dtype, D, group_size, rep, key_bits, L > 1, rotated, rope)
     partial = dict(
         template=partial_template,
-        grid=grid,
+        grid=(chunks * WARPS * 32, Hkv * -(-rep // HEADS) * tiles, B),
         threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(B, Hq * L, chunks), (B, Hq * L, chunks), (B, Hq * L, chunks, D)],
         output_dtypes=[mx.float32, mx.float32, mx.float32],
@@ -741,15 +734,13 @@ PARTIAL_NAMES = (["q", "kw", "ks", "kb", "vw", "vs", "vb", "start", "meta", "met
 REDUCE_NAMES = (["pm", "pl", "pacc", "start", "meta"], ["out"])  # the reduce kernel's
 
 
-def templates(dtype, D: int, group_size: int, rep: int, key_bits: int, prefill: bool, rotated: bool, rope: bool,
-              small: bool = False):
+def templates(dtype, D: int, group_size: int, rep: int, key_bits: int, prefill: bool, rotated: bool, rope: bool):
     """(the partial kernel's template arguments, the reduce kernel's) for queries of `dtype` and head dim `D` over a
     cache of `group_size` groups and `key_bits`-bit keys with `rep` query heads a kv head; `prefill`: more than one
-    query a row; `small`: a decode grid of at most SMALL_GRID blocks (the key loop unrolled twice). At the module's
-    launch settings (CHUNKS, MIN_CHUNK, WARPS, STAGES) as they are when called."""
+    query a row. At the module's launch settings (CHUNKS, MIN_CHUNK, WARPS, STAGES) as they are when called."""
     chunks = _chunks(prefill)
     partial = [("T", dtype), ("D", D), ("G", group_size), ("REP", rep), ("RB", min(rep, HEADS)), ("KB", key_bits),
                ("CHUNKS", chunks), ("MIN_CHUNK", MIN_CHUNK), ("WARPS", WARPS), ("STAGES", STAGES), ("ROT", rotated),
-               ("ROPE", rope), ("PREFILL", prefill), ("UNROLL", 2 if small else 1)]
+               ("ROPE", rope), ("PREFILL", prefill)]
     reduce = [("T", dtype), ("D", D), ("CHUNKS", chunks), ("MIN_CHUNK", MIN_CHUNK), ("ROT", rotated), ("PREFILL", prefill)]
     return partial, reduce

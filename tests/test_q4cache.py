@@ -519,22 +519,6 @@ def test_kernel_parameters_are_shared_per_step_and_per_thread():
     assert other["m"] is not first and other["v"] == [130, 0, 1]
 
 
-def test_decode_attention_unrolls_its_key_loop_for_small_decode_grids_only(monkeypatch):
-    """A decode launch of at most SMALL_GRID blocks takes the twice-unrolled build (one row or two of the 8B shape);
-    larger batches and every prefill chunk take the other, so a hot chunk of any batch shares one build. (The two
-    builds give bitwise the same output: `test_cuda_kernels`' batch-invariance test compares them on a GPU.)"""
-    from runtime import q4sdpa
-
-    monkeypatch.setattr(q4sdpa, "_get", lambda name, inputs, outputs, source: name)  # no kernel object off CUDA
-
-    def unroll(rows, queries):
-        launch = q4sdpa._launch(rows, 32, queries, 8, 128, 24, 16, mx.bfloat16, 64, 128 ** -0.5, True, queries == 1)
-        return dict(launch[2]["template"])["UNROLL"]
-
-    assert [unroll(rows, 1) for rows in (1, 2, 3, 8)] == [2, 2, 1, 1]
-    assert unroll(1, 64) == unroll(8, 64) == 1
-
-
 
 def test_gather_columns_refuses_plans_outside_the_tensors():
     """`q4columns.gather` checks its arguments before it launches anything (so this runs anywhere)."""
