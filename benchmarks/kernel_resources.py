@@ -66,9 +66,11 @@ def compile_report(lib, text: str, includes) -> tuple[bool, str, bytes]:
         lib.nvrtcGetProgramLog(prog, log)
         cubin = b""
         if ok:
-            lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+            if lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)):
+                raise RuntimeError("nvrtcGetCUBINSize failed")
             buf = ctypes.create_string_buffer(size.value)
-            lib.nvrtcGetCUBIN(prog, buf)
+            if lib.nvrtcGetCUBIN(prog, buf):
+                raise RuntimeError("nvrtcGetCUBIN failed")
             cubin = buf.raw
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))

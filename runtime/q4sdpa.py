@@ -184,10 +184,10 @@ _PARTIAL = r"""
     unsigned int* const stages = s_buf + warp * STAGES * STAGE;
     const int step = WARPS * 16, base0 = lo + warp * 16;
     const int tiles = base0 < hi ? (hi - base0 + step - 1) / step : 0;
-    // A tile's key words are 16 consecutive rows of KWR words, its value words 16 of VWR, and its scales and
-    // biases 16 of GPR halves each: lane piece j of 16 bytes lies at word 4 j of the tile's keys (values: and
-    // at 4 j + 4 r in the stage, r its row). A tile within the chunk copies them straight; only one reaching
-    // past hi (the chunk's last) clamps its rows.
+    // A tile's key words are 16 consecutive rows of KWR words and its value words 16 of VWR: lane piece j of 16
+    // bytes lies at word 4 j of the tile's keys (values: and at 4 j + 4 r in the stage, r its row). A tile within
+    // the chunk copies them straight; only one reaching past hi (the chunk's last) clamps its rows. Scales and
+    // biases (a row's GPR halves a copy) clamp their row on every tile.
     constexpr int KP = KWR / 4, VP = VWR / 4;  // 16-byte pieces a row
     constexpr int NKC = (16 * KP + 31) / 32, NVC = (16 * VP + 31) / 32;  // a lane's copies of key, value pieces
     const unsigned int stages_s = shared_address(stages);
