@@ -94,7 +94,6 @@ def _check(code: int, what: str) -> None:
         raise RuntimeError(f"{what} failed: {(text.value or b'unknown error').decode()} (CUDA error {code})")
 
 
-@functools.cache
 def _make_current(device_ptr: int) -> tuple[ctypes.c_void_p, int]:
     """(the primary context, the ordinal) of the device that holds `device_ptr`, that context made current on this
     thread."""
@@ -105,6 +104,7 @@ def _make_current(device_ptr: int) -> tuple[ctypes.c_void_p, int]:
     return ctx, ordinal.value
 
 
+@functools.cache
 def _context(ordinal: int) -> ctypes.c_void_p:
     """Device `ordinal`'s primary context: the one MLX's CUDA runtime uses."""
     lib, device, ctx = _driver(), ctypes.c_int(), ctypes.c_void_p()
