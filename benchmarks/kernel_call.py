@@ -97,7 +97,6 @@ def main(argv=None) -> int:
     meta_f, partial, partial_args, _, _ = q4sdpa._launch(*key)
     positions, inv_freq = q4sdpa._no_rope()
     inputs = [q, *kq, *vq, start, meta, meta_f, q4sdpa._no_write(), positions, inv_freq]
-    names = ["q", "kw", "ks", "kb", "vw", "vs", "vb", "start", "meta", "meta_f", "after", "pos", "inv_freq"]
     template = partial_args["template"]
     launch = {k: v for k, v in partial_args.items() if k != "template"}
     variants = {"template": (partial, partial_args, len(q4sdpa._HEADER) + len(q4sdpa._PARTIAL))}
@@ -105,9 +104,9 @@ def main(argv=None) -> int:
         header, body = q4sdpa._HEADER, baked_source(q4sdpa._PARTIAL, template)
         if strip:
             header, body = bare(header), bare(body)
+        names, outputs = q4sdpa.PARTIAL_NAMES
         kernel = mx.fast.cuda_kernel(name=f"kvactors_call_{label.replace(', ', '_')}", input_names=names,
-                                     output_names=["pm", "pl", "pacc"], source=body, header=header,
-                                     ensure_row_contiguous=True)
+                                     output_names=outputs, source=body, header=header, ensure_row_contiguous=True)
         variants[label] = (kernel, launch, len(header) + len(body))
     first = None
     rows = []
