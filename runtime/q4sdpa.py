@@ -437,7 +437,8 @@ _PARTIAL = r"""
             pa[r] = pack_half2(p00, p01);      // A rows g (r = 0) and g + 8 (r = 1), keys 2t, 2t+1
             pa[2 + r] = pack_half2(p10, p11);  // keys 2t + 8, 2t + 9
         }
-        // the sums rescaled where a row's max rose (corr 1 leaves them as they are: most tiles skip it)
+        // the sums rescaled where a row's max rose (corr 1 leaves them as they are; with few tiles a warp, as at
+        // 16K, a max still rises in most of them, so the skip pays only over long chunks)
         if (__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) {
             #pragma unroll
             for (int dt = 0; dt < NT; ++dt) {
