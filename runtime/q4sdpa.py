@@ -191,23 +191,29 @@ _PARTIAL = r"""
     constexpr int KP = KWR / 4, VP = VWR / 4;  // 16-byte pieces a row
     constexpr int NKC = (16 * KP + 31) / 32, NVC = (16 * VP + 31) / 32;  // a lane's copies of key, value pieces
     const unsigned int stages_s = shared_address(stages);
+    // a whole tile's lane pieces j = lane + 32 n: the lane's first piece's source and stage address once, then
+    // per tile only the tile's first row and the stage move them (n's offsets are constants)
+    const unsigned int* const kq = kw + row_base * KWR + 4 * lane;
+    const unsigned int* const vq = vw + row_base * VWR + 4 * lane;
+    const unsigned int kdst = stages_s + 16 * lane, vdst = stages_s + 4 * KSW + 16 * lane + 16 * (lane / VP);
     auto stage_tile = [&](int slot, int base) {  // the warp's tile at key `base` into stage `slot`
         const unsigned int st = stages_s + 4 * slot * STAGE;
-        const size_t first_row = row_base + base;
-        const unsigned int* kt = kw + first_row * KWR;
-        const unsigned int* vt = vw + first_row * VWR;
         if (base + 16 <= hi) {  // the same for the warp's lanes
+            const unsigned int* kt = kq + base * KWR;
+            const unsigned int* vt = vq + base * VWR;
             #pragma unroll
             for (int n = 0; n < NKC; ++n) {
-                const int j = lane + 32 * n;
-                if (j < 16 * KP) copy_async<16>(st + 16 * j, kt + 4 * j);
+                if (lane + 32 * n < 16 * KP) copy_async<16>(kdst + 4 * slot * STAGE + 512 * n, kt + 128 * n);
             }
             #pragma unroll
             for (int n = 0; n < NVC; ++n) {
-                const int j = lane + 32 * n;
-                if (j < 16 * VP) copy_async<16>(st + 4 * KSW + 16 * j + 16 * (j / VP), vt + 4 * j);
+                if (lane + 32 * n < 16 * VP)
+                    copy_async<16>(vdst + 4 * slot * STAGE + 512 * n + 16 * (32 * n / VP), vt + 128 * n);
             }
         } else {
+            const size_t first_row = row_base + base;
+            const unsigned int* kt = kw + first_row * KWR;
+            const unsigned int* vt = vw + first_row * VWR;
             #pragma unroll
             for (int n = 0; n < NKC; ++n) {
                 const int j = lane + 32 * n, r = j / KP, p = j % KP;
@@ -330,7 +336,7 @@ _PARTIAL = r"""
         const auto* skb = reinterpret_cast<decltype(kb)>(st + KSW + VSW + SSW);
         const auto* svs = reinterpret_cast<decltype(vs)>(st + KSW + VSW + 2 * SSW);
         const auto* svb = reinterpret_cast<decltype(vb)>(st + KSW + VSW + 3 * SSW);
-        unsigned int kwd[2][KW], vwd[4][VW], ksc[2], ksc16[2], kbi[2];
+        unsigned int kwd[2][KW], vwd[4][VW], ksc[2], ksc2[2], kbi[2];
         float vs_[4], vb_[4];
         #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {  // K rows base + 8 nt + g
@@ -354,8 +360,8 @@ _PARTIAL = r"""
             }
             const size_t e = SC ? r * GPR + kgrp : (row_base + min(base + r, hi - 1)) * GPR + kgrp;
             const float s = static_cast<float>(SC ? sks[e] : ks[e]), z = static_cast<float>(SC ? skb[e] : kb[e]);
-            ksc[nt] = pack_half2(s, KB == 4 ? s * 0.0625f : s);
-            ksc16[nt] = pack_half2(s * 0.0625f, s * 0.0625f);  // 6-bit keys' second pair
+            ksc[nt] = pack_half2(s, KB == 4 ? s * 0.0625f : s * 0.25f);
+            ksc2[nt] = pack_half2(s * 0.0625f, s * 0.25f);  // 6-bit keys' second pair
             kbi[nt] = pack_half2(z, z);
         }
         #pragma unroll
@@ -392,15 +398,17 @@ _PARTIAL = r"""
                     b0 = dequant2(__byte_perm(w, 0, byte | (byte << 8)), 0x00F0000Fu, ksc[nt], kbi[nt]);
                     b1 = dequant2(__byte_perm(w, 0, (byte + 1) | ((byte + 1) << 8)), 0x00F0000Fu, ksc[nt], kbi[nt]);
                 } else {
-                    const int bit = 24 * ks, wi = bit / 32, sh = bit % 32;  // the 4 dims' 24 bits
-                    const unsigned int p = sh + 24 <= 32
-                        ? kwd[nt][wi] >> sh
-                        : __funnelshift_r(kwd[nt][wi], kwd[nt][wi + 1 < KW ? wi + 1 : wi], sh);
-                    // the first pair at bits 0-5 of p and of p << 10 (its bits 16-21); the second at bits 4-9 of
-                    // p >> 8 and of (p >> 8) << 10 (1024 + 16 n: scale / 16, exact while a normal f16: s >= 2^-10)
-                    const unsigned int q = p >> 8;
-                    b0 = dequant2(__byte_perm(p, p << 10, 0x7610), 0x003F003Fu, ksc[nt], kbi[nt]);
-                    b1 = dequant2(__byte_perm(q, q << 10, 0x7610), 0x03F003F0u, ksc16[nt], kbi[nt]);
+                    // the 4 dims' 24 bits are bytes o .. o + 2 of words (w0, w1), at bit sh = 8 o: d0 at bits
+                    // sh .. sh + 5, d1 6 bits higher, and so on. Each half takes a dim within its mantissa's bits
+                    // 0-9 (1024 + 2^k n, scale / 2^k, exact while a normal f16: s >= 2^-10): d0 from byte o at
+                    // bit 0; d1 at bit 2 of the high half of x, whose bits 16-31 are the pair's bits sh + 4 ..
+                    // sh + 19 (one shift); d2 at bit 4 of bytes o + 1, o + 2; d3 at bit 2 of bytes o + 2, o + 3
+                    const int bit = 24 * ks, wi = bit / 32, sh = bit % 32, o = sh / 8;
+                    const unsigned int w0 = kwd[nt][wi], w1 = kwd[nt][wi + 1 < KW ? wi + 1 : wi];
+                    const unsigned int x = sh >= 12 ? __funnelshift_r(w0, w1, sh - 12) : w0 << (12 - sh);
+                    b0 = dequant2(__byte_perm(w0, x, o | (o << 4) | 0x7600), 0x00FC003Fu, ksc[nt], kbi[nt]);
+                    b1 = dequant2(__byte_perm(w0, w1, (o + 1) | ((o + 2) << 4) | ((o + 2) << 8) | ((o + 3) << 12)),
+                                  0x00FC03F0u, ksc2[nt], kbi[nt]);
                 }
                 mma16816(sc[nt], a, b0, b1);
             }
