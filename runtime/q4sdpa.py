@@ -143,6 +143,7 @@ _PARTIAL = r"""
     const int end = meta[0], window = meta[1];
     const int first = window > 0 ? max(start[b], end - QL + 1 - window) : start[b];
     const int chunk = keys_per_chunk(end - first, CHUNKS, MIN_CHUNK);
+    if (first + c * chunk >= end) return;  // a chunk past the row's keys (short rows use fewer): none is read
     // the tile's queries see keys up to its last query's column, and from its first query's window on
     const int ql0 = qt * QPT, ql1 = min(QL, ql0 + QPT) - 1;
     const int lo = window > 0 && QL > 1 ? max(first + c * chunk, end - QL + ql0 + 1 - window) : first + c * chunk;
