@@ -74,20 +74,36 @@ class AnchoredDetokenizer:
 
     def add_token(self, token) -> bool:
         """Add one token id; True when its text (and any held back before it) was added to `text`."""
-        token = int(token)
-        self.tokens.append(token)
-        self._pending.append(token)
-        spelled = None
-        if len(self._pending) == 1:
-            spelled = self._known.get((self._anchor[0] if self._anchor else None, token))
-        if spelled is None:
-            spelled = self._decode(self._anchor + self._pending)
-        if not spelled.startswith(self._base) or spelled.endswith(REPLACEMENT):
-            return False
-        self.text += spelled[len(self._base):]
-        self._pending = []
-        self._set_anchor(token)
-        return True
+        return self.add_tokens((token,))[0] >= 0
+
+    def add_tokens(self, tokens, start: int = 0) -> list[int]:
+        """Add token ids in order, as `add_token` one by one: for each, `start` + the length of `text` once its text
+        (and any held back before it) was added, or -1 while it is held back. One loop over local names: a cache's
+        thousands of token ends are spelled on a thread that shares the GIL with the engine's."""
+        known, decode, alone = self._known, self._decode, self._alone
+        anchor, pending, base = self._anchor, self._pending, self._base
+        added, length, out = [], len(self.text), []
+        for token in tokens:
+            token = int(token)
+            self.tokens.append(token)
+            pending.append(token)
+            spelled = known.get((anchor[0] if anchor else None, token)) if len(pending) == 1 else None
+            if spelled is None:
+                spelled = decode(anchor + pending)
+            if not spelled.startswith(base) or spelled.endswith(REPLACEMENT):
+                out.append(-1)
+                continue
+            piece = spelled[len(base):]
+            added.append(piece)
+            length += len(piece)
+            out.append(start + length)
+            pending, anchor = [], [token]
+            base = alone.get(token)
+            if base is None:
+                base = alone[token] = decode(anchor)
+        self.text += "".join(added)
+        self._anchor, self._pending, self._base = anchor, pending, base
+        return out
 
     @property
     def last_segment(self) -> str:

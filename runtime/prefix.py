@@ -110,4 +110,4 @@ def token_ends(tokenizer, token_ids, start: int = 0, previous: int | None = None
     """
     stream = AnchoredDetokenizer(tokenizer, previous)
     stream.expect(token_ids)  # one call to the tokenizer for all the tokens, where it allows
-    return [start + len(stream.text) if stream.add_token(t) else -1 for t in token_ids]
+    return stream.add_tokens(token_ids, start)
