@@ -75,8 +75,8 @@ __device__ __forceinline__ unsigned int pack_half2(float lo, float hi) {  // (lo
 }
 
 // Two quantized values as f16x2 times (s_lo, s_hi) plus (b_lo, b_hi): `mask` picks one value's bits in each
-// half of x, within the f16 mantissa's bits 0-9: at bits 0-3 or 0-5 (the f16 then holds 1024 + n), or 4 places
-// higher (1024 + 16 n, and `scale` is divided by 16); the mask and the exponent are set by one logic op.
+// half of x, within the f16 mantissa's bits 0-9: at bits 0-3 or 0-5 (the f16 then holds 1024 + n), or k places
+// higher (1024 + 2^k n, and that half's `scale` is divided by 2^k); the mask and the exponent are set by one logic op.
 __device__ __forceinline__ unsigned int dequant2(unsigned int x, unsigned int mask, unsigned int scale,
                                                  unsigned int bias) {
     unsigned int y, r;
