@@ -322,3 +322,17 @@ def test_token_ends_spell_every_token_in_one_batch_and_come_out_as_one_by_one(lo
     assert token_ends(Counting(), ids[1:], previous=ids[0]) == one_by_one
     held = sum(1 for e in one_by_one if e < 0)
     assert 0 < held and len(calls) <= 2 * held  # only around the tokens held back
+
+
+def test_add_tokens_carries_a_held_back_token_across_calls_and_offsets_each_end_by_start(load_tiny):
+    """`add_tokens` in two calls, split inside an emoji's bytes, gives each token's end (plus `start`) as adding
+    them one by one does, -1 for the tokens held back, and the same text."""
+    _, tokenizer = load_tiny("llama")
+    ids = encode(tokenizer, "héllo 🙂 wörld 🙂🙂 the plan")
+    one = AnchoredDetokenizer(tokenizer, ids[0])
+    one_by_one = [len(one.text) if one.add_token(t) else -1 for t in ids[1:]]
+    split = one_by_one.index(-1) + 1  # the first call ends right after a token that is held back
+    many = AnchoredDetokenizer(tokenizer, ids[0])
+    ends = many.add_tokens(ids[1:split + 1], start=100) + many.add_tokens(ids[split + 1:], start=100)
+    assert ends == [e + 100 if e >= 0 else -1 for e in one_by_one]
+    assert many.text == one.text == tokenizer.decode(ids)[len(tokenizer.decode(ids[:1])):]
