@@ -64,13 +64,14 @@ class AnchoredDetokenizer:
 
     def _set_anchor(self, token: int | None):
         self._anchor = [] if token is None else [token]
-        if token is None:
-            self._base = ""
-            return
+        self._base = "" if token is None else self._spelled_alone(token)
+
+    def _spelled_alone(self, token: int) -> str:
+        """`decode([token])`, remembered per tokenizer: the text an anchor adds, which the pieces after it drop."""
         base = self._alone.get(token)
         if base is None:
-            base = self._alone[token] = self._decode(self._anchor)
-        self._base = base
+            base = self._alone[token] = self._decode([token])
+        return base
 
     def add_token(self, token) -> bool:
         """Add one token id; True when its text (and any held back before it) was added to `text`."""
@@ -80,7 +81,7 @@ class AnchoredDetokenizer:
         """Add token ids in order, as `add_token` one by one: for each, `start` + the length of `text` once its text
         (and any held back before it) was added, or -1 while it is held back. One loop over local names: a cache's
         thousands of token ends are spelled on a thread that shares the GIL with the engine's."""
-        known, decode, alone = self._known, self._decode, self._alone
+        known, decode, alone = self._known, self._decode, self._spelled_alone
         anchor, pending, base = self._anchor, self._pending, self._base
         added, length, out = [], len(self.text), []
         for token in tokens:
@@ -97,10 +98,7 @@ class AnchoredDetokenizer:
             added.append(piece)
             length += len(piece)
             out.append(start + length)
-            pending, anchor = [], [token]
-            base = alone.get(token)
-            if base is None:
-                base = alone[token] = decode(anchor)
+            pending, anchor, base = [], [token], alone(token)
         self.text += "".join(added)
         self._anchor, self._pending, self._base = anchor, pending, base
         return out
