@@ -32,6 +32,7 @@ import mlx.core as mx
 
 from benchmarks.common import RESULTS, environment, write_results
 from runtime import q4sdpa
+from runtime.q4cache import row_array
 
 COLUMNS = ["variant", "build_us", "build_launch_us", "source_chars", "same_output"]
 HQ, HKV, D, GROUP = 32, 8, 128, 64
@@ -63,7 +64,7 @@ def _inputs(rows: int, context: int):
     v = mx.random.normal((rows, HKV, context, D), key=mx.random.key(2)).astype(mx.bfloat16)
     kq, vq = tuple(mx.quantize(k, GROUP, key_bits)), tuple(mx.quantize(v, GROUP, 4))
     q = mx.random.normal((rows, HQ, 1, D), key=mx.random.key(3)).astype(mx.bfloat16)
-    start = mx.zeros((rows,), dtype=mx.int32)
+    start = row_array([0] * rows)  # as a batch cache holds it
     mx.eval(kq, vq, q, start)
     return q, kq, vq, start
 

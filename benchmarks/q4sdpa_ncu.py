@@ -25,6 +25,7 @@ import mlx.core as mx
 from benchmarks.common import environment, ncu_records, write_results
 from benchmarks.q4sdpa_tune import D, GROUP, HQ, _packed, _settings, use_setting
 from runtime import q4sdpa
+from runtime.q4cache import row_array
 
 COLUMNS = ["context", "rows", "kernel", "setting", "device_us", "partial_us", "reduce_us", "x_fp16"]
 KERNELS = "regex:sdpa|kvactors_q4"  # MLX's fused attention kernels and ours
@@ -43,8 +44,7 @@ def run_case(context: int, rows: int, setting: str, key_bits: int = 4, rotated: 
         call = lambda: mx.fast.scaled_dot_product_attention(q, k16, v16, scale=D ** -0.5)  # noqa: E731
     else:
         use_setting(_settings(setting)[0])
-        start = mx.zeros((rows,), dtype=mx.int32)
-        positions = mx.full((rows,), context - 1, dtype=mx.int32)
+        start, positions = row_array([0] * rows), row_array([context - 1] * rows)  # as a batch cache holds them
         inv_freq = (500000.0 ** (-mx.arange(0, D, 2, dtype=mx.float32) / D)).astype(mx.float32)
         call = lambda: q4sdpa.q4_decode_sdpa(q, kq, vq, start, context, D ** -0.5, GROUP,  # noqa: E731
                                              rotated=rotated, rope=(positions, inv_freq) if rope else None)

@@ -28,6 +28,7 @@ import mlx.core as mx
 
 from benchmarks.common import DEVICE_TIMED, bench_parser, environment, traced_kernels, write_results
 from runtime import q4sdpa
+from runtime.q4cache import row_array
 
 COLUMNS = ["context", "rows", "kernel", "setting", "us", "x_fp16", "busy_us", "busy_x_fp16", "kernels_us", "GB_per_s",
            "max_err", "bitwise_current"]
@@ -185,9 +186,9 @@ def main(argv=None) -> int:
             copies = max(1, min(8, -(-ROTATE_BYTES // q4_bytes)))
             sets = [(kq, vq)] + [tuple(tuple(x + 0 for x in p) for p in (kq, vq)) for _ in range(copies - 1)]
             q = mx.random.normal((b, HQ, 1, D), key=mx.random.key(1)).astype(mx.bfloat16)
-            start = mx.zeros((b,), dtype=mx.int32)
+            start = row_array([0] * b)  # as a batch cache holds it
             inv_freq = (500000.0 ** (-mx.arange(0, D, 2, dtype=mx.float32) / D)).astype(mx.float32)
-            extra = dict(rotated=args.rotated, rope=(mx.full((b,), context - 1, dtype=mx.int32), inv_freq)
+            extra = dict(rotated=args.rotated, rope=(row_array([context - 1] * b), inv_freq)
                          if args.rope else None)
             mx.eval(sets, q)
             k16 = mx.dequantize(*kq, group_size=GROUP, bits=args.key_bits)

@@ -317,9 +317,31 @@ def _shared(op: str, inputs: tuple, param, make):
     return out
 
 
-def _row_array(values) -> mx.array:
-    """An int32 array of `values` (a list of ints), one per distinct list among the layers that ask in a row."""
-    return _shared("rows", (), tuple(values), lambda: mx.array(values, dtype=mx.int32))
+ROW_BUFFER = 4  # int32 elements a row array's buffer holds at least (see `_row_buffer`)
+
+
+def _row_buffer(values) -> mx.array:
+    """An int32 array of `values` (a list of ints) padded with zeros to at least ROW_BUFFER elements, one per
+    distinct list among the layers that ask in a row; `_rows` gives its first len(values).
+
+    The kernels read a row's padding and position in every block. MLX-CUDA keeps arrays of at most 8 bytes
+    (one or two rows) in a pool of managed memory that stays on the host, which the GPU reads across PCIe:
+    on an H100 each such read added ~1 us to a kernel, and one-row decode attention took 1.3-1.6x as long.
+    A 16-byte buffer is managed memory that moves to the device at its first use there."""
+    padded = list(values) + [0] * (ROW_BUFFER - len(values))
+    return _shared("rows", (), tuple(padded), lambda: mx.array(padded, dtype=mx.int32))
+
+
+def row_array(values) -> mx.array:
+    """An int32 array of `values` (a list of ints) as a batch cache holds its rows' padding and positions: in a
+    buffer of at least ROW_BUFFER elements (`_row_buffer`), one per distinct list among the layers that ask in a row
+    on one thread. What a kernel that reads per-row parameters should be timed with."""
+    return _rows(_row_buffer(values), len(values))
+
+
+def _rows(buffer, n: int) -> mx.array:
+    """The first `n` elements of a row buffer (`_row_buffer`): the buffer itself, or one view shared by the layers."""
+    return buffer if buffer.shape[0] == n else _shared("rows view", (buffer,), n, lambda: buffer[:n])
 
 
 def _gathered(caches, plan, width: int):
@@ -465,7 +487,7 @@ class BatchQuantizedKVCache(_BaseCache):
 
     def _behind_lead(self, prev: int, N: int, new_k, new_v):
         """The packed new columns with each row's first `lead` of them taken from the buffers (its history)."""
-        history = (mx.arange(N)[None] < _row_array(self._lead)[:, None])[:, None, :, None]  # (B, 1, N, 1)
+        history = (mx.arange(N)[None] < row_array(self._lead)[:, None])[:, None, :, None]  # (B, 1, N, 1)
         self._lead = None
 
         def kept(dst, src):
@@ -478,9 +500,10 @@ class BatchQuantizedKVCache(_BaseCache):
             raise Q4CacheError(f"cannot {what} a batch before the update its merge's lead is for")
 
     def _advance(self, n: int) -> None:
-        """Add `n` to every row's position (one array for all the layers: `_shared`)."""
-        offset = self.offset
-        self.offset = _shared("advanced", (offset,), n, lambda: offset + n)
+        """Add `n` to every row's position (one array for all the layers: `_shared`), in a buffer as long as before."""
+        offsets = self._offsets
+        self._offsets = _shared("advanced", (offsets,), n, lambda: offsets + n)
+        self.offset = _rows(self._offsets, len(self._pads))
 
     def _packs_in_place(self, keys, values) -> bool:
         """Whether an update whose attention is the kernel (a decode step, or a short chunk without a merge's
@@ -858,8 +881,10 @@ class BatchQuantizedKVCache(_BaseCache):
         """Set `left_padding`, `offset` and `_padded` from the host's copies: where the batch's rows change
         (a filter, a join, dropped columns), the one rule for all three; a step only advances `offset`
         (`_advance`)."""
-        self.left_padding = _row_array(self._pads)
-        self.offset = _row_array([b + self._idx for b in self._bases])
+        n = len(self._pads)
+        self.left_padding = row_array(self._pads)
+        self._offsets = _row_buffer([b + self._idx for b in self._bases])  # `offset`'s buffer, which steps advance
+        self.offset = _rows(self._offsets, n)
         self._padded = any(self._pads)  # a row with padding needs the padded mask
 
     def extend(self, other: "BatchQuantizedKVCache", room: int = 1) -> None:

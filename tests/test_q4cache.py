@@ -278,6 +278,25 @@ def test_head_dim_not_divisible_by_group_is_a_clear_error():
         cache.update_and_fetch(mx.zeros((1, 1, 2, 80)), mx.zeros((1, 1, 2, 80)))
 
 
+@pytest.mark.parametrize("pads", [[0], [3, 0], [0, 1, 2]])
+def test_row_arrays_of_one_or_two_rows_sit_in_16_byte_buffers_through_steps_and_filters(pads):
+    """A batch's padding and positions keep their values, and for one or two rows a buffer of ROW_BUFFER int32
+    (MLX-CUDA keeps arrays of at most 8 bytes in host-resident managed memory, which kernels read across PCIe)."""
+    from runtime.q4cache import ROW_BUFFER
+
+    cache = BatchQuantizedKVCache(pads, route="dequant")
+    B = len(pads)
+    for step in range(3):
+        cache.update_and_fetch(mx.zeros((B, 1, 2, 64)), mx.zeros((B, 1, 2, 64)))
+        assert cache.offset.tolist() == [2 * (step + 1) - p for p in pads]
+        assert cache.left_padding.tolist() == pads
+        assert cache._offsets.shape == (max(B, ROW_BUFFER),)
+    cache.filter([B - 1])
+    assert cache.offset.tolist() == [6 - pads[-1]] and cache._offsets.shape == (ROW_BUFFER,)
+    cache.update_and_fetch(mx.zeros((1, 1, 1, 64)), mx.zeros((1, 1, 1, 64)))
+    assert cache.offset.tolist() == [7 - pads[-1]]
+
+
 @pytest.mark.parametrize("T", [256, 300, 1024])
 def test_resident_bytes_at_most_029_of_fp16(T):
     k = mx.random.normal((1, 8, T, 128)).astype(mx.float16)
