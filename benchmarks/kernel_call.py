@@ -95,9 +95,9 @@ def main(argv=None) -> int:
     end = args.context
     meta = q4sdpa.meta(end, 0, 1)
     key = (args.rows, HQ, 1, HKV, D, kq[0].shape[-1], vq[0].shape[-1], q.dtype, GROUP, D ** -0.5, True, False)
-    meta_f, partial, partial_args, _, _ = q4sdpa._launch(*key)
+    partial, partial_args, _, _ = q4sdpa._launch(*key)
     positions, inv_freq = q4sdpa._no_rope()
-    inputs = [q, *kq, *vq, start, meta, meta_f, q4sdpa._no_write(), positions, inv_freq]
+    inputs = [q, *kq, *vq, start, meta, q4sdpa._no_write(), positions, inv_freq]
     template = partial_args["template"]
     launch = {k: v for k, v in partial_args.items() if k != "template"}
     variants = {"template": (partial, partial_args, len(q4sdpa._HEADER) + len(q4sdpa._PARTIAL))}

@@ -30,7 +30,7 @@ from runtime import q4sdpa
 _MLX_HEADER = '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
 _DTYPES = {  # each input's and output's dtype, with T the queries'
     "kw": mx.uint32, "vw": mx.uint32, "after": mx.uint32, "start": mx.int32, "meta": mx.int32, "pos": mx.int32,
-    "meta_f": mx.float32, "inv_freq": mx.float32, "pm": mx.float32, "pl": mx.float32, "pacc": mx.float32,
+    "inv_freq": mx.float32, "pm": mx.float32, "pl": mx.float32, "pacc": mx.float32,
 }
 
 

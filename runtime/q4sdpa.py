@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import math
+import struct
 import threading
 
 import mlx.core as mx
@@ -148,7 +149,7 @@ _PARTIAL = r"""
     const int ql0 = qt * QPT, ql1 = min(QL, ql0 + QPT) - 1;
     const int lo = window > 0 && QL > 1 ? max(first + c * chunk, end - QL + ql0 + 1 - window) : first + c * chunk;
     const int hi = min(min(end, end - QL + ql1 + 1), first + (c + 1) * chunk);
-    const float scale = meta_f[0];
+    const float scale = __int_as_float(SCALE);  // a constant: a read of it would wait on memory
     const size_t row_base = ((size_t)(b * Hkv + h)) * W;
     const int kgrp = ((D / 4) * t) / G, vgrp = ((D / 8) * g) / G;
 
@@ -689,9 +690,9 @@ def q4_decode_sdpa(queries, keys, values, start, end: int, scale: float, group_s
         _check_rope(rope, B, D)
     if launch is None:
         launch = _launches[key] = _launch(*key)
-    meta_f, partial, partial_args, reduce, reduce_args = launch
+    partial, partial_args, reduce, reduce_args = launch
     positions, inv_freq = rope if rope is not None else _no_rope()
-    pm, pl, pacc = partial(inputs=[queries, *keys, *values, start, meta_array, meta_f, after, positions, inv_freq],
+    pm, pl, pacc = partial(inputs=[queries, *keys, *values, start, meta_array, after, positions, inv_freq],
                            **partial_args)
     return reduce(inputs=[pm, pl, pacc, start, meta_array], **reduce_args)[0]
 
@@ -708,7 +709,7 @@ def _query_tiles(queries: int, rep: int) -> int:
 
 
 def _launch(B, Hq, L, Hkv, D, key_words, value_words, dtype, group_size, scale, rotated, rope):
-    """(meta_f, the partial kernel and its launch arguments, the reduce kernel and its) for one shape of
+    """(the partial kernel and its launch arguments, the reduce kernel and its) for one shape of
     `q4_decode_sdpa`."""
     rep = Hq // Hkv
     key_bits, value_bits = key_words * 32 // D, value_words * 32 // D
@@ -716,11 +717,8 @@ def _launch(B, Hq, L, Hkv, D, key_words, value_words, dtype, group_size, scale, 
         raise ValueError(f"q4_decode_sdpa reads keys of {KEY_BITS} bits, 4-bit values, head dim 64 or 128 and "
                          f"groups of 32-128; got {key_bits}-bit keys, {value_bits}-bit values, head dim {D}, "
                          f"group {group_size}")
-    # scores in base 2; a rotation's 1/sqrt(D), as H holds it, joins the scale
-    h = mx.array(1 / math.sqrt(D), dtype=dtype).item() if rotated else 1.0
-    meta_f = mx.array([scale * math.log2(math.e) * h], dtype=mx.float32)
     chunks, tiles = _chunks(L > 1), _query_tiles(L, rep)
-    partial_template, reduce_template = templates(dtype, D, group_size, rep, key_bits, L > 1, rotated, rope)
+    partial_template, reduce_template = templates(dtype, D, group_size, rep, key_bits, L > 1, rotated, rope, scale)
     partial = dict(
         template=partial_template,
         grid=(chunks * WARPS * 32, Hkv * -(-rep // HEADS) * tiles, B),
@@ -735,22 +733,35 @@ def _launch(B, Hq, L, Hkv, D, key_words, value_words, dtype, group_size, scale, 
         output_shapes=[(B, Hq, L, D)],
         output_dtypes=[dtype],
     )
-    return (meta_f, _get("kvactors_q4_decode_partial", *PARTIAL_NAMES, _PARTIAL), partial,
+    return (_get("kvactors_q4_decode_partial", *PARTIAL_NAMES, _PARTIAL), partial,
             _get("kvactors_q4_decode_reduce", *REDUCE_NAMES, _REDUCE), reduce)
 
 
-PARTIAL_NAMES = (["q", "kw", "ks", "kb", "vw", "vs", "vb", "start", "meta", "meta_f", "after", "pos", "inv_freq"],
+PARTIAL_NAMES = (["q", "kw", "ks", "kb", "vw", "vs", "vb", "start", "meta", "after", "pos", "inv_freq"],
                  ["pm", "pl", "pacc"])  # the partial kernel's inputs and outputs
 REDUCE_NAMES = (["pm", "pl", "pacc", "start", "meta"], ["out"])  # the reduce kernel's
 
 
-def templates(dtype, D: int, group_size: int, rep: int, key_bits: int, prefill: bool, rotated: bool, rope: bool):
+def templates(dtype, D: int, group_size: int, rep: int, key_bits: int, prefill: bool, rotated: bool, rope: bool,
+              scale: float = 1.0):
     """(the partial kernel's template arguments, the reduce kernel's) for queries of `dtype` and head dim `D` over a
     cache of `group_size` groups and `key_bits`-bit keys with `rep` query heads a kv head; `prefill`: more than one
-    query a row. At the module's launch settings (CHUNKS, MIN_CHUNK, WARPS, STAGES) as they are when called."""
+    query a row; `scale`: the scores' scale. At the module's launch settings (CHUNKS, MIN_CHUNK, WARPS, STAGES) as
+    they are when called.
+
+    The scale is a constant of the compiled kernel (its float32 bits, SCALE), not an input: a parameter array that
+    small would live in MLX-CUDA's pool for arrays of at most 8 bytes, in managed memory the GPU reads across
+    PCIe, and each of a call's thousands of blocks waited for it (+17% at 16K x 8 rows on an H100)."""
     chunks = _chunks(prefill)
     partial = [("T", dtype), ("D", D), ("G", group_size), ("REP", rep), ("RB", min(rep, HEADS)), ("KB", key_bits),
                ("CHUNKS", chunks), ("MIN_CHUNK", MIN_CHUNK), ("WARPS", WARPS), ("STAGES", STAGES), ("ROT", rotated),
-               ("ROPE", rope), ("PREFILL", prefill)]
+               ("ROPE", rope), ("PREFILL", prefill), ("SCALE", _scale_bits(dtype, D, scale, rotated))]
     reduce = [("T", dtype), ("D", D), ("CHUNKS", chunks), ("MIN_CHUNK", MIN_CHUNK), ("ROT", rotated), ("PREFILL", prefill)]
     return partial, reduce
+
+
+def _scale_bits(dtype, D: int, scale: float, rotated: bool) -> int:
+    """The float32 bits of the factor the partial kernel multiplies queries by: scores in base 2, and a rotation's
+    1/sqrt(D) as H holds it (rounded to the queries' dtype)."""
+    h = mx.array(1 / math.sqrt(D), dtype=dtype).item() if rotated else 1.0
+    return struct.unpack("<i", struct.pack("<f", scale * math.log2(math.e) * h))[0]

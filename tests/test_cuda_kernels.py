@@ -224,6 +224,20 @@ def test_q4_decode_attention_matches_float32_and_ignores_other_columns(d, hq, hk
     assert mx.array_equal(poisoned, out).item()  # padding and spare columns are never read
 
 
+def test_q4_decode_attention_takes_each_calls_scale():
+    """The scale is compiled into the kernel: calls with other scales (one compile each) each match float32."""
+    b, hq, hkv, d, end = 2, 32, 8, 128, 700
+    kq, vq = packed_cache(b, hkv, end, d, seed=3, key_bits=6)
+    start = mx.array([0, 100], dtype=mx.int32)
+    q = mx.random.normal((b, hq, 1, d), key=mx.random.key(4)).astype(mx.bfloat16)
+    outs = []
+    for scale in (0.02, 0.3, 0.02):
+        outs.append(q4sdpa.q4_decode_sdpa(q, kq, vq, start, end, scale, 64))
+        ref = reference_attention(q, kq, vq, start, end, scale)
+        assert (mx.abs(outs[-1].astype(mx.float32) - ref).max()).item() < 2e-2
+    assert not mx.array_equal(outs[0], outs[1]).item() and mx.array_equal(outs[0], outs[2]).item()
+
+
 @pytest.mark.parametrize("window", [1, 100, 256, 700])
 def test_q4_decode_attention_with_a_window_reads_only_each_rows_last_columns(window):
     b, hq, hkv, d, end = 4, 32, 8, 128, 1500
