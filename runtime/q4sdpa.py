@@ -572,18 +572,23 @@ _REDUCE = r"""
     #pragma unroll
     for (int w = 1; w < D / 32; ++w) L += s_red[w];
     float r = L > 0.0f ? A / L : 0.0f;
-    if constexpr (ROT) {  // the output back from the rotated basis: r H along D
-        __shared__ float s_o[D];
-        s_o[d] = r;
-        __syncthreads();
+    if constexpr (ROT) {  // the output back from the rotated basis: r H along D, a butterfly whose strides
+        // under 32 pair lanes of one warp (shuffles) and the rest threads of two warps (shared memory)
         #pragma unroll
-        for (int len = 1; len < D; len <<= 1) {
-            const float a = s_o[d], z = s_o[d ^ len];
-            __syncthreads();
-            s_o[d] = (d & len) ? z - a : a + z;
-            __syncthreads();
+        for (int len = 1; len < 32; len <<= 1) {
+            const float z = __shfl_xor_sync(0xffffffffu, r, len);
+            r = (d & len) ? z - r : r + z;
         }
-        r = s_o[d] * static_cast<float>(static_cast<T>(1.0f / sqrtf(static_cast<float>(D))));  // H's entries in T
+        __shared__ float s_o[D];
+        #pragma unroll
+        for (int len = 32; len < D; len <<= 1) {
+            s_o[d] = r;
+            __syncthreads();
+            const float z = s_o[d ^ len];
+            __syncthreads();  // every read done before the next stride's writes
+            r = (d & len) ? z - r : r + z;
+        }
+        r *= static_cast<float>(static_cast<T>(1.0f / sqrtf(static_cast<float>(D))));  // H's entries in T
     }
     out[((size_t)(b * Hq + hq)) * D + d] = static_cast<T>(r);
 """
