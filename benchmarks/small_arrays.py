@@ -10,7 +10,8 @@ from the small pool waits on PCIe in every block.
 CUPTI busy time per call (chained calls, as `q4sdpa_tune` times them) of:
 
 - a one-warp kernel that reads one int32 from arrays made each way, the same array every
-  call or a fresh one per call (a fresh managed array costs its first read on the device);
+  call or a fresh one per call (a fresh managed array costs its first read on the device),
+  and one whose int32 output is 4 or 16 bytes long (the next call reads it);
 - decode attention (`runtime.q4sdpa`, 8B shape, 6-bit rotated keys) whose rows' padding
   is a GPU-made array of one int32 a row (`mx.zeros`), or a batch cache's row array
   (`q4cache.row_array`: a buffer of at least 16 bytes).
@@ -77,8 +78,16 @@ def main(argv=None) -> int:
         _, busy, parts = median_timing([chained_us(call, [()], v0) for _ in range(args.repeat)])
         rows.append(dict(kernel="read one int32", context="", rows="", array=name, busy_us=busy, kernels_us=parts))
         print(rows[-1], file=sys.stderr, flush=True)
+    for n in (1, 4):  # a kernel's output of 4 bytes (the small pool) or 16 (device memory), read by the next call
+        def call(v, n=n):
+            return kernel(inputs=[v, v], grid=(32, 1, 1), threadgroup=(32, 1, 1), output_shapes=[(n,)],
+                          output_dtypes=[mx.int32])[0]
+        _, busy, parts = median_timing([chained_us(call, [()], v0) for _ in range(args.repeat)])
+        rows.append(dict(kernel="read and write one int32", context="", rows="", array=f"output of {4 * n} bytes",
+                         busy_us=busy, kernels_us=parts))
+        print(rows[-1], file=sys.stderr, flush=True)
     inv_freq = (500000.0 ** (-mx.arange(0, D, 2, dtype=mx.float32) / D)).astype(mx.float32)
-    for case in args.cases.split(","):
+    for case in [c for c in args.cases.split(",") if c]:
         context, b = (int(x) for x in case.split("/"))
         kq, vq = _packed(b, context, context + b, 6)
         copies = max(1, min(8, -(-ROTATE_BYTES // (_bytes(kq) + _bytes(vq)))))
