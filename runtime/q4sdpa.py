@@ -665,7 +665,8 @@ def q4_decode_sdpa(queries, keys, values, start, end: int, scale: float, group_s
     queries (B, Hq, L, D) in float16 or bfloat16 with D 64 or 128 and 1 <= L <= MAX_QUERIES;
     query l of a row sits at column end - L + l and attends to the columns up to it (causal;
     L = 1 is a decode step, more a short prefill chunk whose keys are already written); keys/values (words,
-    scales, biases) of shape (B, Hkv, W, ...) with W >= end, Hq a multiple of Hkv, and group size 32, 64 or 128 (at most D); start: int32 (B,). With
+    scales, biases) of shape (B, Hkv, W, ...) with W >= end, Hq a multiple of Hkv, and group size 32, 64 or 128 (at most D); start: int32 (B,)
+    (every block reads it: for one or two rows give it as `q4cache.row_array` makes it, in device memory). With
     `window` > 0 a query attends only to its last `window` columns (a sliding-window layer).
     `meta_array`: `meta(end, window, L)`, made here if not given (pass it to share one per step).
     `rotated`: keys and values are stored Hadamard-rotated along D (`runtime.kvscheme`); the
