@@ -326,7 +326,8 @@ def _row_buffer(values) -> mx.array:
 
     The kernels read a row's padding and position in every block. MLX-CUDA keeps arrays of at most 8 bytes
     (one or two rows) in a pool of managed memory that stays on the host, which the GPU reads across PCIe:
-    on an H100 each such read added ~1 us to a kernel, and one-row decode attention took 1.3-1.6x as long.
+    on an H100 each such read added ~1 us to a kernel, and one-row decode attention took 1.2-1.6x as long
+    (4x in one run).
     A 16-byte buffer is managed memory that moves to the device at its first use there."""
     padded = list(values) + [0] * (ROW_BUFFER - len(values))
     return _shared("rows", (), tuple(padded), lambda: mx.array(padded, dtype=mx.int32))
