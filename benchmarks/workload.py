@@ -124,7 +124,8 @@ def engine_profile(stats_list, seen=()) -> dict:
         # raw, for a closer look in the JSON: every chunk, and every decode step
         chunks_raw=[[n, ctx, round(sec, 5), rows] for n, ctx, sec, rows in chunks],
         # (rows, build, wait, total seconds, changes, start, of build: in mx.async_eval, rows ended,
-        # of total: handing their turns over, since the batch's step before began, of that: prefill chunks)
+        # of total: handing their turns over, since the batch's step before began, of that: prefill chunks,
+        # the batch's columns after the step built)
         steps_raw=[step_raw(s) for s in steps],
     )
 
@@ -191,9 +192,9 @@ def print_os(seen: dict | None) -> None:
 
 def step_raw(s) -> list:
     """A `DecodeStep` as the JSON's `steps_raw` stores it: rows, build, wait, total, changes, start, queue, ended,
-    finish, gap, chunks."""
+    finish, gap, chunks, end."""
     return [s.rows, round(s.build_s, 5), round(s.wait_s, 5), round(s.total_s, 5), s.changes, round(s.start, 4),
-            round(s.queue_s, 5), s.ended, round(s.finish_s, 5), round(s.gap_s, 5), round(s.chunks_s, 5)]
+            round(s.queue_s, 5), s.ended, round(s.finish_s, 5), round(s.gap_s, 5), round(s.chunks_s, 5), s.end]
 
 
 def actors(model_path, cache_dir, systems, messages, new, seen=(), warmup=False):

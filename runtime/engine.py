@@ -165,6 +165,8 @@ class DecodeStep(NamedTuple):
     gap_s: float = 0.0  # since the batch's step before began (what a decoding row waits between two tokens, the
     # prefill chunks and hand-overs between the steps included); 0 for a batch's first step
     chunks_s: float = 0.0  # of gap_s, prefill chunks run since the step before
+    end: int = 0  # the batch's columns after the step this call built (its attention's end): where the
+    # kernels' 64-column parameter blocks (`q4sdpa.meta`) and the buffers' growth fall
 
 
 @dataclass
@@ -638,7 +640,7 @@ class Engine:
                 return []
             current = self._next
             self._next = self._forward(current[:, None])
-            built = time.perf_counter()
+            built, end = time.perf_counter(), _columns(self.batch)
             tokens = current.tolist()
             waited = time.perf_counter() - built
             changes = "+".join(c for c in ("join", "leave", "chunk", "grow") if c in self._changes)
@@ -654,7 +656,7 @@ class Engine:
         self._last_step, self._chunked = t0, 0.0
         self.stats.decode_steps.append(DecodeStep(len(tokens), built - t0, self._queued, waited, seconds,
                                                    changes, t0, live - len(self.decoding), self._finishing, gap,
-                                                   chunked))
+                                                   chunked, end))
         self.stats.count_shape(shape, seconds)
         return done
 
@@ -839,6 +841,11 @@ class Engine:
             return queue_rows(self.batch, [i], drop=int(fed), together=False)[0]
         except Exception as e:
             return _own_error(row.turn.turn_id, e, "extracting the cache failed")
+
+
+def _columns(cache) -> int:
+    """Columns in use in a per-layer batch cache (its `size()`; 0 without layers)."""
+    return cache[0].size() if cache else 0
 
 
 def _width(cache) -> int:

@@ -532,6 +532,8 @@ def test_decode_steps_record_the_gap_a_decoding_row_waits_prefill_chunks_include
     assert all(step.chunks_s in chunks and step.gap_s >= before.total_s + step.chunks_s for before, step in after_chunks)
     assert all(step.chunks_s == 0 for step in steps if "chunk" not in step.changes)
     assert sum(1 for s in steps if s.gap_s == 0) == 1  # one batch throughout
+    plain = [(before, step) for before, step in zip(steps, steps[1:]) if not step.changes]
+    assert plain and all(step.end == before.end + 1 for before, step in plain)  # a plain step is one column more
 
 
 def test_prefill_reports_progress_after_every_chunk_and_a_failing_report_fails_only_its_turn(llama):
