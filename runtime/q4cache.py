@@ -501,10 +501,15 @@ class BatchQuantizedKVCache(_BaseCache):
             raise Q4CacheError(f"cannot {what} a batch before the update its merge's lead is for")
 
     def _advance(self, n: int) -> None:
-        """Add `n` to every row's position (one array for all the layers: `_shared`), in a buffer as long as before."""
-        offsets = self._offsets
-        self._offsets = _shared("advanced", (offsets,), n, lambda: offsets + n)
-        self.offset = _rows(self._offsets, len(self._pads))
+        """Add `n` to every row's position, in a buffer as long as before (one buffer and one view of its rows for
+        all the layers: `_shared`)."""
+        offsets, rows = self._offsets, len(self._pads)
+
+        def advanced():
+            buffer = offsets + n
+            return buffer, buffer if buffer.shape[0] == rows else buffer[:rows]
+
+        self._offsets, self.offset = _shared("advanced", (offsets,), (n, rows), advanced)
 
     def _packs_in_place(self, keys, values) -> bool:
         """Whether an update whose attention is the kernel (a decode step, or a short chunk without a merge's
