@@ -342,7 +342,12 @@ def row_array(values) -> mx.array:
 
 def _rows(buffer, n: int) -> mx.array:
     """The first `n` elements of a row buffer (`_row_buffer`): the buffer itself, or one view shared by the layers."""
-    return buffer if buffer.shape[0] == n else _shared("rows view", (buffer,), n, lambda: buffer[:n])
+    return buffer if buffer.shape[0] == n else _shared("rows view", (buffer,), n, lambda: _head(buffer, n))
+
+
+def _head(buffer, n: int) -> mx.array:
+    """The first `n` elements of a row buffer: the buffer itself where it holds n, else a view."""
+    return buffer if buffer.shape[0] == n else buffer[:n]
 
 
 def _gathered(caches, plan, width: int):
@@ -507,7 +512,7 @@ class BatchQuantizedKVCache(_BaseCache):
 
         def advanced():
             buffer = offsets + n
-            return buffer, buffer if buffer.shape[0] == rows else buffer[:rows]
+            return buffer, _head(buffer, rows)
 
         self._offsets, self.offset = _shared("advanced", (offsets,), (n, rows), advanced)
 
