@@ -23,7 +23,7 @@ import sys
 import mlx.core as mx
 
 from benchmarks.common import environment, ncu_records, write_results
-from benchmarks.q4sdpa_tune import D, GROUP, HQ, _packed, _settings, use_setting
+from benchmarks.q4sdpa_tune import D, GROUP, HQ, _packed, _settings, rope_inv_freq, use_setting
 from runtime import q4sdpa
 from runtime.q4cache import row_array
 
@@ -45,7 +45,7 @@ def run_case(context: int, rows: int, setting: str, key_bits: int = 4, rotated: 
     else:
         use_setting(_settings(setting)[0])
         start, positions = row_array([0] * rows), row_array([context - 1] * rows)  # as a batch cache holds them
-        inv_freq = (500000.0 ** (-mx.arange(0, D, 2, dtype=mx.float32) / D)).astype(mx.float32)
+        inv_freq = rope_inv_freq()
         call = lambda: q4sdpa.q4_decode_sdpa(q, kq, vq, start, context, D ** -0.5, GROUP,  # noqa: E731
                                              rotated=rotated, rope=(positions, inv_freq) if rope else None)
     for _ in range(3):

@@ -50,6 +50,18 @@ def _bytes(packed) -> int:
     return sum(x.nbytes for x in packed)
 
 
+def input_sets(kq, vq) -> list:
+    """(keys, values) and copies of them, together over ROTATE_BYTES (at most 8): timed calls cycle through them,
+    so each call reads its keys and values from device memory rather than L2."""
+    copies = max(1, min(8, -(-ROTATE_BYTES // (_bytes(kq) + _bytes(vq)))))
+    return [(kq, vq)] + [tuple(tuple(x + 0 for x in p) for p in (kq, vq)) for _ in range(copies - 1)]
+
+
+def rope_inv_freq():
+    """RoPE's inverse frequencies for head dim D (base 500,000, as the 8B shape's), float32."""
+    return (500000.0 ** (-mx.arange(0, D, 2, dtype=mx.float32) / D)).astype(mx.float32)
+
+
 def _reference(q, kq, vq, start, end, scale):
     k = mx.dequantize(*kq, group_size=GROUP, bits=kq[0].shape[-1] * 32 // D).astype(mx.float32)
     v = mx.dequantize(*vq, group_size=GROUP, bits=4).astype(mx.float32)
@@ -183,11 +195,10 @@ def main(argv=None) -> int:
         for b in [int(x) for x in args.batches.split(",")]:
             kq, vq = _packed(b, context, context + b, args.key_bits)
             q4_bytes = _bytes(kq) + _bytes(vq)
-            copies = max(1, min(8, -(-ROTATE_BYTES // q4_bytes)))
-            sets = [(kq, vq)] + [tuple(tuple(x + 0 for x in p) for p in (kq, vq)) for _ in range(copies - 1)]
+            sets = input_sets(kq, vq)
             q = mx.random.normal((b, HQ, 1, D), key=mx.random.key(1)).astype(mx.bfloat16)
             start = row_array([0] * b)  # as a batch cache holds it
-            inv_freq = (500000.0 ** (-mx.arange(0, D, 2, dtype=mx.float32) / D)).astype(mx.float32)
+            inv_freq = rope_inv_freq()
             extra = dict(rotated=args.rotated, rope=(row_array([context - 1] * b), inv_freq)
                          if args.rope else None)
             mx.eval(sets, q)

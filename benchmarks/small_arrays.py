@@ -29,7 +29,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from benchmarks.common import RESULTS, environment, write_results
-from benchmarks.q4sdpa_tune import D, GROUP, HQ, ROTATE_BYTES, _bytes, _packed, chained_us, median_timing
+from benchmarks.q4sdpa_tune import D, GROUP, HQ, _packed, chained_us, input_sets, median_timing, rope_inv_freq
 from runtime import q4sdpa
 from runtime.q4cache import row_array
 
@@ -86,12 +86,11 @@ def main(argv=None) -> int:
         rows.append(dict(kernel="read and write one int32", context="", rows="", array=f"output of {4 * n} bytes",
                          busy_us=busy, kernels_us=parts))
         print(rows[-1], file=sys.stderr, flush=True)
-    inv_freq = (500000.0 ** (-mx.arange(0, D, 2, dtype=mx.float32) / D)).astype(mx.float32)
+    inv_freq = rope_inv_freq()
     for case in [c for c in args.cases.split(",") if c]:
         context, b = (int(x) for x in case.split("/"))
         kq, vq = _packed(b, context, context + b, 6)
-        copies = max(1, min(8, -(-ROTATE_BYTES // (_bytes(kq) + _bytes(vq)))))
-        sets = [(kq, vq)] + [tuple(tuple(x + 0 for x in p) for p in (kq, vq)) for _ in range(copies - 1)]
+        sets = input_sets(kq, vq)
         q = mx.random.normal((b, HQ, 1, D), key=mx.random.key(1)).astype(mx.bfloat16)
         starts = {"GPU-made, one int32 a row": mx.zeros((b,), dtype=mx.int32),
                   "row_array (as a batch cache holds it)": row_array([0] * b)}
