@@ -83,10 +83,17 @@ def chunk_runner(model, spec, route, agent, tokens, host_only: bool = False, pro
     return run
 
 
+def message_leads(tokens: int, rows: int) -> list[int]:
+    """How many tokens shorter than `tokens` each of `rows` shared messages is: 9 apart, or closer where the
+    chunk is too short for that (every message keeps at least one token)."""
+    apart = min(9, (tokens - 1) // max(1, rows - 1))
+    return [apart * i for i in range(rows)]
+
+
 def shared_runner(model, spec, route, agent, tokens, rows: int):
-    """A function that feeds `rows` agents' messages (`agent`'s cache each, messages 9 tokens apart in
-    length, the longest `tokens`) in one chunk as the engine shares it, and returns its seconds."""
-    lead = [9 * i for i in range(rows)]
+    """A function that feeds `rows` agents' messages (`agent`'s cache each, of the lengths `message_leads`
+    gives, the longest `tokens`) in one chunk as the engine shares it, and returns its seconds."""
+    lead = message_leads(tokens.size, rows)
     inputs = mx.stack([tokens] * rows)  # a row's padding queries may hold any tokens
 
     def run():
@@ -182,7 +189,8 @@ def main(argv=None) -> int:
     add("chunk, no wait for older products", timed_runs(chunk_runner(model, spec, route, agent, tokens)))
     prepare.DENSE_IN_FLIGHT = bound
     add(f"one chunk shared by {args.rows} turns", timed_runs(shared_runner(model, spec, route, agent, tokens, args.rows)),
-        f"{args.rows} messages of {args.tokens} to {args.tokens - 9 * (args.rows - 1)} tokens, right-aligned")
+        f"{args.rows} messages of {args.tokens} to {args.tokens - message_leads(args.tokens, args.rows)[-1]} tokens, "
+        "right-aligned")
     run, n = linears_runner(model, args.tokens)
     add("linears alone", timed_runs(run), f"{n} products of {args.tokens} rows")
     dense = [m for _, m in model.named_modules() if getattr(m, "_kvactors_dense", False)]
