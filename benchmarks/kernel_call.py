@@ -12,7 +12,11 @@ calls), for:
 - template: the call as `q4sdpa` makes it (template arguments passed per call);
 - baked: one kernel object per setting whose source starts with the constants the
   template arguments would make, called with no template arguments;
-- baked, bare: the same with the comment lines of header and body left out.
+- baked, bare: the same with the comment lines of header and body left out;
+- template, compact: as q4sdpa calls it, with header and body stripped of comments, indentation and blank
+  lines (`compact`);
+- template, padded: as q4sdpa calls it, with --pad characters of comment added to the body: with the compact
+  variant, what each character of source costs a call.
 
 Every variant's output is checked bitwise against the first's.
 
@@ -58,6 +62,12 @@ def bare(text: str) -> str:
     return "\n".join(line for line in (re.sub(r"\s*//.*$", "", s) for s in text.splitlines()) if line.strip())
 
 
+def compact(text: str) -> str:
+    """`text` without comments, indentation or blank lines (each line kept, for the preprocessor's sake)."""
+    text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
+    return "\n".join(line for line in (re.sub(r"//.*$", "", s).strip() for s in text.splitlines()) if line)
+
+
 def _inputs(rows: int, context: int):
     key_bits = 6
     k = mx.random.normal((rows, HKV, context, D), key=mx.random.key(1)).astype(mx.bfloat16)
@@ -88,6 +98,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=5)
     ap.add_argument("--context", type=int, default=3072)
     ap.add_argument("--calls", type=int, default=64, help="calls built (and launched) together (default: %(default)s)")
+    ap.add_argument("--pad", type=int, default=50_000,
+                    help="comment characters the padded variant adds (default: %(default)s)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--name", default="kernel_call")
     args = ap.parse_args(argv)
@@ -101,14 +113,17 @@ def main(argv=None) -> int:
     template = partial_args["template"]
     launch = {k: v for k, v in partial_args.items() if k != "template"}
     variants = {"template": (partial, partial_args, len(q4sdpa._HEADER) + len(q4sdpa._PARTIAL))}
-    for label, strip in (("baked", False), ("baked, bare", True)):
-        header, body = q4sdpa._HEADER, baked_source(q4sdpa._PARTIAL, template)
-        if strip:
-            header, body = bare(header), bare(body)
+    baked = baked_source(q4sdpa._PARTIAL, template)
+    padded = q4sdpa._PARTIAL + "\n// " + "x" * args.pad + "\n"
+    for label, header, body, kw in (("baked", q4sdpa._HEADER, baked, launch),
+                                    ("baked, bare", bare(q4sdpa._HEADER), bare(baked), launch),
+                                    ("template, compact", compact(q4sdpa._HEADER), compact(q4sdpa._PARTIAL),
+                                     partial_args),
+                                    ("template, padded", q4sdpa._HEADER, padded, partial_args)):
         names, outputs = q4sdpa.PARTIAL_NAMES
         kernel = mx.fast.cuda_kernel(name=f"kvactors_call_{label.replace(', ', '_')}", input_names=names,
                                      output_names=outputs, source=body, header=header, ensure_row_contiguous=True)
-        variants[label] = (kernel, launch, len(header) + len(body))
+        variants[label] = (kernel, kw, len(header) + len(body))
     first = None
     rows = []
     for label, (kernel, kw, chars) in variants.items():
