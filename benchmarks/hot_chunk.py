@@ -14,6 +14,9 @@ cache as the engine merges it (the merge is not timed):
 - one chunk shared by --rows turns: that many agents' messages (of the agent's
   cache each) in one forward pass, right-aligned, as the engine shares a chunk
   among turns that wait together;
+- chunk, launched every K blocks: the engine's call with `mx.async_eval` of the hidden state after every
+  K-th decoder block (K = 4, 1), so the device starts on the first blocks while the host builds the rest
+  (the engine's chunk builds the whole forward before its first launch);
 - chunk, quantized matmul: prepare's dequantize-then-GEMM path off, so MLX's
   quantized matmul takes the rows (chunks of `prepare.DENSE_ROWS` or more; shorter
   ones take `qgemm` either way);
@@ -31,6 +34,7 @@ cache as the engine merges it (the merge is not timed):
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
@@ -108,6 +112,34 @@ def shared_runner(model, spec, route, agent, tokens, rows: int):
     return run
 
 
+class _Launching:
+    """A decoder block that launches what the forward has built so far (`mx.async_eval` of its output) once it ran."""
+
+    def __init__(self, block):
+        self.block = block
+
+    def __call__(self, *args, **kwargs):
+        out = self.block(*args, **kwargs)
+        mx.async_eval(out)
+        return out
+
+    def __getattr__(self, name):  # what the model's forward reads of its blocks (a sliding window's flag)
+        return getattr(self.block, name)
+
+
+@contextlib.contextmanager
+def launching_every(model, k: int):
+    """Within the block, `model`'s every `k`-th decoder block launches the forward built so far (`_Launching`)."""
+    blocks = model.model.layers
+    kept = list(blocks)
+    for i in range(k - 1, len(blocks), k):
+        blocks[i] = _Launching(blocks[i])
+    try:
+        yield
+    finally:
+        blocks[:] = kept
+
+
 def linears_runner(model, rows: int):
     """A function that runs every quantized linear of `model` on `rows` random rows and returns its seconds."""
     linears = [m for _, m in model.named_modules() if isinstance(m, (nn.Linear, nn.QuantizedLinear))]
@@ -156,6 +188,10 @@ def main(argv=None) -> int:
         print(rows[-1], flush=True)
 
     add("chunk", timed_runs(chunk_runner(model, spec, route, agent, tokens)), f"route {route}")
+    for k in (4, 1):
+        with launching_every(model, k):
+            add(f"chunk, launched every {f'{k} blocks' if k > 1 else 'block'}",
+                timed_runs(chunk_runner(model, spec, route, agent, tokens)))
     name = args.name or f"hot_chunk-{args.model}"
     if args.host_profile:
         import cProfile
