@@ -115,12 +115,12 @@ def main(argv=None) -> int:
     variants = {"template": (partial, partial_args, len(q4sdpa._HEADER) + len(q4sdpa._PARTIAL))}
     baked = baked_source(q4sdpa._PARTIAL, template)
     padded = q4sdpa._PARTIAL + "\n// " + "x" * args.pad + "\n"
+    names, outputs = q4sdpa.PARTIAL_NAMES
     for label, header, body, kw in (("baked", q4sdpa._HEADER, baked, launch),
                                     ("baked, bare", bare(q4sdpa._HEADER), bare(baked), launch),
                                     ("template, compact", compact(q4sdpa._HEADER), compact(q4sdpa._PARTIAL),
                                      partial_args),
                                     ("template, padded", q4sdpa._HEADER, padded, partial_args)):
-        names, outputs = q4sdpa.PARTIAL_NAMES
         kernel = mx.fast.cuda_kernel(name=f"kvactors_call_{label.replace(', ', '_')}", input_names=names,
                                      output_names=outputs, source=body, header=header, ensure_row_contiguous=True)
         variants[label] = (kernel, kw, len(header) + len(body))
