@@ -17,6 +17,9 @@ cache as the engine merges it (the merge is not timed):
 - chunk, launched every K blocks: the engine's call with `mx.async_eval` of the hidden state after every
   K-th decoder block (K = 4, 1), so the device starts on the first blocks while the host builds the rest
   (the engine's chunk builds the whole forward before its first launch);
+- chunk (launched every K blocks), beside a cache copy: the same while another thread copies the
+  agent's cache to the host over and over (`hostcache.cache_to_host`, as the persistence actor
+  copies a finished turn's cache while the next turn runs); the note gives the copy's rate;
 - chunk, quantized matmul: prepare's dequantize-then-GEMM path off, so MLX's
   quantized matmul takes the rows (chunks of `prepare.DENSE_ROWS` or more; shorter
   ones take `qgemm` either way);
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import statistics
+import threading
 import time
 
 import mlx.core as mx
@@ -44,7 +48,7 @@ import mlx.nn as nn
 from benchmarks.anatomy import kernel_table
 from benchmarks.common import bench_parser, environment, load_bench_model, profile_text, traced_kernels, write_results
 from benchmarks.profile import prefilled
-from runtime import prepare
+from runtime import hostcache, prepare
 from runtime.prepare import last_logits
 from runtime.q4cache import merge_caches, route_for
 
@@ -140,6 +144,29 @@ def launching_every(model, k: int):
         blocks[:] = kept
 
 
+@contextlib.contextmanager
+def copying(cache):
+    """Within the block, a thread copies `cache` (a per-layer Q4 cache) to the host over and over, as the
+    persistence actor copies a finished turn's cache; yields a dict whose "gb_per_s" holds the copies'
+    rate once the block exits."""
+    stop, done, rate = threading.Event(), [], {}
+
+    def loop():
+        while not stop.is_set():
+            host = hostcache.cache_to_host(cache)
+            done.append(host.nbytes)
+
+    thread = threading.Thread(target=loop, name="copy", daemon=True)
+    t0 = time.perf_counter()
+    thread.start()
+    try:
+        yield rate
+    finally:
+        stop.set()
+        thread.join()
+        rate["gb_per_s"] = sum(done) / (time.perf_counter() - t0) / 1e9
+
+
 def linears_runner(model, rows: int):
     """A function that runs every quantized linear of `model` on `rows` random rows and returns its seconds."""
     linears = [m for _, m in model.named_modules() if isinstance(m, (nn.Linear, nn.QuantizedLinear))]
@@ -192,6 +219,11 @@ def main(argv=None) -> int:
         with launching_every(model, k):
             add(f"chunk, launched every {f'{k} blocks' if k > 1 else 'block'}",
                 timed_runs(chunk_runner(model, spec, route, agent, tokens)))
+    for k in (None, 4, 1):
+        with launching_every(model, k) if k else contextlib.nullcontext(), copying(agent) as rate:
+            ms = timed_runs(chunk_runner(model, spec, route, agent, tokens))
+        launched = f", launched every {f'{k} blocks' if k > 1 else 'block'}" if k else ""
+        add(f"chunk{launched}, beside a cache copy", ms, f"the copy at {rate['gb_per_s']:.2f} GB/s")
     name = args.name or f"hot_chunk-{args.model}"
     if args.host_profile:
         import cProfile
