@@ -104,8 +104,9 @@ class TurnNotSaved(AgentCrashed):
 class TurnTooLong(AgentError):
     """Turn `turn_id` needs more positions than the model has (history + message + max_tokens).
 
-    Nothing was recorded. Shorten the message, lower max_tokens, or start the agent
-    afresh (`ref.reset()` or `rt.spawn(name, reset=True)`).
+    Nothing was recorded. Shorten the message, lower max_tokens, or start the
+    conversation over (`ref.reset([])` keeps the system prompt; `rt.spawn(name,
+    reset=True)` deletes the agent's files first).
     """
 
     def __init__(self, turn_id: str | None, message: str):
@@ -573,7 +574,7 @@ class AgentActor(SupervisedActor):
         fresh = render_chat(tokenizer, self.system, [{"role": "user", "text": msg["text"], "sender": msg.get("sender")}])
         alone = len(chat.encode(tokenizer, fresh)) + max_tokens
         if alone <= limit:
-            return "shorten the message, lower max_tokens, or start the agent afresh (ref.reset())"
+            return "shorten the message, lower max_tokens, or start the conversation over (ref.reset([]))"
         system = len(chat.encode_text(tokenizer, self.system))
         if system + max_tokens >= limit:
             return (f"the system prompt alone is {system} tokens: forget the agent (rt.forget(name)) and spawn it "

@@ -39,7 +39,7 @@ from pykka import ActorDeadError, ActorRef
 
 from actors import pykka_compat
 from runtime.deadlines import wait_seconds
-from runtime.errors import KvactorsError
+from runtime.errors import InvalidArgument, InvalidArgumentType, KvactorsError
 
 __all__ = [
     "RESTART_TYPES",
@@ -77,9 +77,9 @@ class RestartIntensity:
 
     def __init__(self, max_restarts: int = 3, period: float = 5.0) -> None:
         if max_restarts < 0:
-            raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
+            raise InvalidArgument(f"max_restarts must be >= 0, got {max_restarts}")
         if not period > 0:
-            raise ValueError(f"period must be > 0 seconds, got {period}")
+            raise InvalidArgument(f"period must be > 0 seconds, got {period}")
         self.max_restarts = max_restarts
         self.period = period
         self._times: deque[float] = deque()
@@ -109,9 +109,9 @@ class Backoff:
 
     def __post_init__(self) -> None:
         if not 0 <= self.min <= self.max:
-            raise ValueError(f"backoff needs 0 <= min <= max, got min={self.min} max={self.max}")
+            raise InvalidArgument(f"backoff needs 0 <= min <= max, got min={self.min} max={self.max}")
         if self.reset < 0:
-            raise ValueError(f"backoff reset must be >= 0 seconds, got {self.reset}")
+            raise InvalidArgument(f"backoff reset must be >= 0 seconds, got {self.reset}")
 
     def next_delay(self, attempt: int, ran_for: float, rng: random.Random) -> tuple[float, int]:
         """Return (delay before the restart, attempt to pass at the next failure).
@@ -144,7 +144,7 @@ class ChildSpec:
 
     def __post_init__(self) -> None:
         if self.restart not in RESTART_TYPES:
-            raise ValueError(
+            raise InvalidArgument(
                 f"restart must be one of {', '.join(RESTART_TYPES)}; got {self.restart!r}"
             )
 
@@ -268,7 +268,7 @@ def _start(spec: ChildSpec) -> ActorRef[Any]:
     except BaseException as exc:  # a SystemExit on the supervisor's thread would stop all actors
         raise RuntimeError(f"start function of child {spec.name!r} raised {exc!r}") from exc
     if not isinstance(ref, ActorRef):
-        raise TypeError(
+        raise InvalidArgumentType(
             f"start function of child {spec.name!r} must return a started pykka.ActorRef, "
             f"got {type(ref).__name__}"
         )
@@ -332,7 +332,7 @@ class Supervisor(pykka.ThreadingActor):
         rng: random.Random | None = None,
     ) -> None:
         if strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}; got {strategy!r}")
+            raise InvalidArgument(f"strategy must be one of {', '.join(STRATEGIES)}; got {strategy!r}")
         super().__init__()
         self.strategy = strategy
         self.backoff = backoff
@@ -351,7 +351,7 @@ class Supervisor(pykka.ThreadingActor):
         ActorRef, or whatever `start` raised (the child is then not added).
         """
         if spec.name in self._state.children:
-            raise ValueError(
+            raise InvalidArgument(
                 f"child {spec.name!r} already exists; stop_child it first or pick another name"
             )
         ref = _start(spec)

@@ -13,13 +13,13 @@ and this is why: the actors import machinery modules (`runtime.engine`,
 `runtime.store`), and Python runs this file before any `runtime.*` module. Importing
 `Runtime` here eagerly would make importing any machinery module import the actors
 and the API, and the actors' own imports circular. `tests/test_api.py` checks the
-layers in the source. Only `KvactorsError` (see `runtime.errors`), the root of
-every error the API raises, is imported at once.
+layers in the source. Only `runtime.errors` (`KvactorsError`, the root of every
+error the API raises, and the bad-argument errors) is imported at once.
 """
 
 import importlib
 
-from runtime.errors import KvactorsError
+from runtime.errors import InvalidArgument, InvalidArgumentType, KvactorsError
 
 # module -> the public names it defines, imported from there on first use
 _EXPORTS = {
@@ -45,7 +45,7 @@ _EXPORTS = {
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
-__all__ = ["KvactorsError", *_MODULE_OF]
+__all__ = ["KvactorsError", "InvalidArgument", "InvalidArgumentType", *_MODULE_OF]
 
 
 def __getattr__(name):

@@ -4,9 +4,9 @@ Every error the API raises derives from `KvactorsError` and also keeps the built
 base that says what kind of problem it is (`ValueError` for a bad argument, `OSError`
 for a file, `RuntimeError` for a state, `KeyError` for a missing name), so
 `except KvactorsError` catches every one of them and `except ValueError` still catches
-the bad arguments. Every error type kvactors defines is importable from `runtime`; the
-engine's `TurnError` family and `Q4CacheError`, which stay inside the runtime, do not
-derive from it yet.
+the bad arguments. Every error type kvactors defines is importable from `runtime`.
+A bad argument without an error of its own raises `InvalidArgument` (a `ValueError`)
+or, for a wrong type, `InvalidArgumentType` (a `TypeError`).
 
 This module imports nothing: any module may import it without an import cycle.
 """
@@ -14,3 +14,11 @@ This module imports nothing: any module may import it without an import cycle.
 
 class KvactorsError(Exception):
     """Base class of every error kvactors defines; catch it to handle all of them."""
+
+
+class InvalidArgument(KvactorsError, ValueError):
+    """An argument out of range or malformed; the message names it and what it accepts."""
+
+
+class InvalidArgumentType(KvactorsError, TypeError):
+    """An argument of the wrong type; the message names it and the types it accepts."""

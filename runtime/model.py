@@ -18,7 +18,7 @@ import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from runtime.errors import KvactorsError
+from runtime.errors import InvalidArgumentType, KvactorsError
 from runtime.kvscheme import KVScheme, default_scheme
 
 TOKENIZER_FILES = (
@@ -162,7 +162,7 @@ def resolve_model_path(model: str | Path | None) -> Path:
     if model is None:
         model = os.environ.get("KVACTORS_MODEL") or default_model_file()
     if not isinstance(model, (str, os.PathLike)):
-        raise TypeError(f"model must be a str, a path or None, got {type(model).__name__}")
+        raise InvalidArgumentType(f"model must be a str, a path or None, got {type(model).__name__}")
     path = Path(model).expanduser()
     if str(model) == TINY and not path.exists():
         from runtime.tiny import tiny_llama_path

@@ -686,8 +686,9 @@ def test_a_message_that_could_never_fit_is_refused_before_it_is_tokenized(rt):
 
 
 def test_a_turn_too_long_says_whether_a_reset_would_help(rt):
-    """The advice was always "start the agent afresh (ref.reset())", which keeps the system prompt: no help for an
-    agent whose system prompt alone fills the model, nor for a message that fills it alone."""
+    """The advice was always "start the agent afresh (ref.reset())", which keeps the system prompt (and lacked
+    reset's records): no help for an agent whose system prompt alone fills the model, nor for a message that
+    fills it alone. Where a reset helps, the advice works as written."""
     words = rt.max_context + 10
     stuck = rt.spawn("long-system", system="word " * words)
     with pytest.raises(TurnTooLong, match="the system prompt alone is .* spawn it with a shorter one"):
@@ -699,7 +700,9 @@ def test_a_turn_too_long_says_whether_a_reset_would_help(rt):
         try:
             talker.ask("word " * (rt.max_context // 5), max_tokens=2)
         except TurnTooLong as e:
-            assert "ref.reset()" in str(e) and "fresh conversation" not in str(e)
+            assert "ref.reset([])" in str(e) and "fresh conversation" not in str(e)
+            talker.reset([]).get(timeout=60)  # the advice works as written
+            assert talker.ask("Hello.", max_tokens=2).agent == "long-talk"
             break
     else:
         pytest.fail("the history never outgrew the model")

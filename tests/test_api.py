@@ -56,6 +56,27 @@ def test_errors_keep_their_builtin_base():
     assert not issubclass(KvactorsError, (ValueError, RuntimeError, OSError))
 
 
+def test_a_bad_argument_is_a_kvactors_error_that_keeps_its_builtin_kind(tmp_path):
+    """`except KvactorsError` catches bad arguments too, and `except ValueError` / `TypeError` still do."""
+    from actors.supervisor import Backoff
+    from runtime import InvalidArgument, InvalidArgumentType, Runtime
+    from runtime.api.facade import check_turn_options
+
+    cases = [
+        (InvalidArgument, ValueError, "max_batch", lambda: Runtime(cache_dir=tmp_path, max_batch=0)),
+        (InvalidArgumentType, TypeError, "max_batch", lambda: Runtime(cache_dir=tmp_path, max_batch="8")),
+        (InvalidArgument, ValueError, "min <= max", lambda: Backoff(min=2.0, max=1.0)),
+        (InvalidArgument, ValueError, "top_p", lambda: check_turn_options("hi", 8, 0.0, 1.5, 0, (), None)),
+        (InvalidArgumentType, TypeError, "text must be a str",
+         lambda: check_turn_options(b"hi", 8, 0.0, 1.0, 0, (), None)),
+    ]
+    for kind, builtin, match, call in cases:
+        with pytest.raises(kind, match=match) as e:
+            call()
+        assert isinstance(e.value, KvactorsError) and isinstance(e.value, builtin)
+    assert not list(tmp_path.iterdir())  # refused before the Runtime took anything
+
+
 def test_unknown_name_is_an_attribute_error():
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
         runtime.Nope  # noqa: B018

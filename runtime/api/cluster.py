@@ -47,7 +47,7 @@ from runtime.api import rayhost
 from runtime.api.facade import (AgentInfo, AgentRef, DeadLetter, Runtime, RuntimeClosed, _check_options, _choice,
                                 cache_folder)
 from runtime.engine import CallbackFailed
-from runtime.errors import KvactorsError
+from runtime.errors import InvalidArgument, KvactorsError
 from runtime.kvscheme import from_options as scheme_from_options
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,8 @@ class ClusterRuntime:
         if cluster is not None:
             _choice("cluster", cluster, CLUSTERS)
         if options.get("on_escalate") is not None:
-            raise ValueError("on_escalate is not supported on a cluster: a host whose supervision gives up stops alone")
+            raise InvalidArgument("on_escalate is not supported on a cluster: "
+                                  "a host whose supervision gives up stops alone")
         bound = inspect.signature(Runtime.__init__).bind(None, model, cache_dir, kv_bits, memory_budget, **options)
         bound.apply_defaults()
         runtime_options = {k: v for k, v in bound.arguments.items()
@@ -134,8 +135,8 @@ class ClusterRuntime:
         if ray.is_initialized():
             here = ray.get_runtime_context().gcs_address
             if address not in (None, "auto") and not address.startswith("ray://") and address != here:
-                raise ValueError(f"this process is connected to the Ray cluster at {here}, not {address}: "
-                                 "call ray.shutdown() first, or pass address=None")
+                raise InvalidArgument(f"this process is connected to the Ray cluster at {here}, not {address}: "
+                                      "call ray.shutdown() first, or pass address=None")
             return
         if address is None:  # a new local cluster: no dashboard to serve
             ray.init(include_dashboard=False, log_to_driver=False, logging_level="warning")
@@ -174,7 +175,7 @@ class ClusterRuntime:
         store.check_agent_id(name)
         with self._lock:
             if name in self._names:
-                raise ValueError(f"agent {name!r} is already running; use rt.agent({name!r})")
+                raise InvalidArgument(f"agent {name!r} is already running; use rt.agent({name!r})")
             index = self._least_loaded()
             try:
                 self._call(index, "spawn", name, system, restart, reset, timeout)

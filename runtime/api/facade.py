@@ -2,7 +2,7 @@
 
     with Runtime(model=None, cache_dir="~/.cache/kvactors/agents") as rt:
         alice = rt.spawn("alice", system="You are Alice.")
-        r = alice.ask("hi", max_tokens=64, timeout=60)   # Reply(text, tokens, cache, timings)
+        r = alice.ask("hi", max_tokens=64, timeout=60)   # a Reply: r.text, r.tokens, r.cache, r.timings
 
 One Runtime owns one model: a batcher actor (the only thread that runs the
 model), a persistence actor (caches and journals on disk), and a supervisor
@@ -40,7 +40,7 @@ from actors.supervisor import RESTART_TYPES, STRATEGIES, Backoff, ChildSpec, Sup
 from runtime import chat, store
 from runtime.deadlines import Deadlines, wait_seconds
 from runtime.engine import MAX_TOKENS, Sampling, default_hot_budget, running_callback
-from runtime.errors import KvactorsError
+from runtime.errors import InvalidArgument, InvalidArgumentType, KvactorsError
 from runtime.kvscheme import from_options as scheme_from_options
 from runtime.model import load_model
 from runtime.q4cache import ROUTES, check_route
@@ -280,7 +280,7 @@ class ReplyFuture(pykka.ThreadingFuture):
         if timeout is not None:
             _number("timeout", timeout)
             if not (math.isfinite(timeout) and timeout >= 0):
-                raise ValueError(f"timeout must be None or a finite number >= 0, got {timeout}")
+                raise InvalidArgument(f"timeout must be None or a finite number >= 0, got {timeout}")
         if running_callback() is not None and timeout != 0:  # get(timeout=0) polls: fine anywhere
             try:
                 return super().get(timeout=0)  # a reply already here is fine to read
@@ -436,7 +436,7 @@ class AgentRef:
         if turn_id is None:
             turn_id = f"{self.name}-{uuid.uuid4().hex[:12]}"
         elif not isinstance(turn_id, str) or not TURN_ID.fullmatch(turn_id):
-            raise ValueError(f"turn_id must match {TURN_ID.pattern}, got {turn_id!r}")
+            raise InvalidArgument(f"turn_id must match {TURN_ID.pattern}, got {turn_id!r}")
         # a message that can never fit is refused here: tokenizing it would hold every thread up for nothing
         longest, positions = self.runtime.longest_token_chars, self.runtime.max_context
         if longest and positions and len(text) > (positions - max_tokens) * longest:
@@ -445,9 +445,9 @@ class AgentRef:
                                        f"max_tokens {max_tokens}; shorten it")
         for name, fn in (("on_token", on_token), ("on_progress", on_progress), ("cancel", cancel)):
             if fn is not None and not callable(fn):
-                raise TypeError(f"{name} must be a callable or None, got {type(fn).__name__}")
+                raise InvalidArgumentType(f"{name} must be a callable or None, got {type(fn).__name__}")
         if conversation_id is not None and not isinstance(conversation_id, str):
-            raise TypeError(f"conversation_id must be a str or None, got {type(conversation_id).__name__}")
+            raise InvalidArgumentType(f"conversation_id must be a str or None, got {type(conversation_id).__name__}")
         if conversation_id is not None:
             check_unicode("conversation_id", conversation_id)
         payload = agent_mod.encode_message(
@@ -583,7 +583,8 @@ class AgentRef:
         """
         _agent_refs(self.runtime, [other], "send_to")  # the reply's copy could not reach this agent from another
         if other.name == self.name:
-            raise ValueError(f"agent {self.name!r} cannot send to itself: use send() or ask() for a turn of its own")
+            raise InvalidArgument(f"agent {self.name!r} cannot send to itself: "
+                                  "use send() or ask() for a turn of its own")
         return other._send(text, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
                            timeout=timeout, sender=self.name, conversation_id=conversation_id, turn_id=turn_id,
                            on_token=on_token, on_progress=on_progress, cancel=cancel, reply_to_agent=self.name)
@@ -601,7 +602,7 @@ class AgentRef:
         within `timeout` seconds.
         """
         if not isinstance(turn_id, str) or not TURN_ID.fullmatch(turn_id):
-            raise ValueError(f"turn_id must match {TURN_ID.pattern}, got {turn_id!r}")
+            raise InvalidArgument(f"turn_id must match {TURN_ID.pattern}, got {turn_id!r}")
         _positive("timeout", timeout)
         _not_in_callback("result()")
         for _ in range(3):
@@ -629,9 +630,9 @@ class AgentRef:
         `sender` labels the message in the rendered conversation ("sender: text"), as in `reset`'s records.
         Raises ValueError for an empty or non-str text, TypeError for a sender that is not a str or None."""
         if not isinstance(text, str) or not text:
-            raise ValueError("a note needs a non-empty text")
+            raise InvalidArgument("a note needs a non-empty text")
         if sender is not None and not isinstance(sender, str):
-            raise TypeError(f"sender must be a str or None, got {type(sender).__name__}")
+            raise InvalidArgumentType(f"sender must be a str or None, got {type(sender).__name__}")
         check_unicode("a note's text", text)
         if sender is not None:
             check_unicode("sender", sender)
@@ -651,27 +652,28 @@ class AgentRef:
         that are not a list of dicts.
         """
         if not isinstance(records, (list, tuple)) or not all(isinstance(r, dict) for r in records):
-            raise TypeError(f"records must be a list of dicts (the shape history() returns), got {records!r:.100}")
+            raise InvalidArgumentType(f"records must be a list of dicts (the shape history() returns), "
+                                      f"got {records!r:.100}")
         clean, prompts = [], [r.get("text") for r in records if r.get("role") == "system"]
         if prompts:  # history()'s shape: its system record says the prompt
             if not isinstance(prompts[-1], str) or system not in (None, prompts[-1]):
-                raise ValueError(f"records say the system prompt is {prompts[-1]!r:.100} and system= says {system!r:.100}; "
-                                 "give one of them")
+                raise InvalidArgument(f"records say the system prompt is {prompts[-1]!r:.100} and system= says "
+                                      f"{system!r:.100}; give one of them")
             system = prompts[-1]
         for r in records:
             if r.get("role") == "system":
                 continue
             if r.get("role") not in ("user", "assistant") or not isinstance(r.get("text"), str):
-                raise ValueError(f"a record needs role 'user' or 'assistant' and a str text, got {r!r:.200}")
+                raise InvalidArgument(f"a record needs role 'user' or 'assistant' and a str text, got {r!r:.200}")
             sender = r.get("sender")
             if sender is not None and not isinstance(sender, str):
-                raise ValueError(f"a record's sender is a str or None, got {sender!r:.100}")
+                raise InvalidArgument(f"a record's sender is a str or None, got {sender!r:.100}")
             check_unicode("a record's text", r["text"])
             if sender is not None:
                 check_unicode("a record's sender", sender)
             clean.append({"role": r["role"], "text": r["text"], "sender": sender})
         if system is not None and not isinstance(system, str):
-            raise ValueError(f"system must be a str or None, got {type(system).__name__}")
+            raise InvalidArgument(f"system must be a str or None, got {type(system).__name__}")
         if system is not None:
             check_unicode("system", system)
         future = ReplyFuture()
@@ -709,8 +711,14 @@ class Runtime:
     decode kernels serves). durability: "durable" (a turn
     is acknowledged once its journal records are fsynced; its cache file follows in
     the background, see `flush`) or "memory" (at once).
+    route: how attention reads the Q4 cache, one of `q4cache.ROUTES` ("quantized",
+    "dequant", "dequant_once", "q4kernel"; None: the machine's default, `q4cache.route_for`).
     strategy / max_restarts / restart_period / backoff: agent supervision.
+    retention_s: at start, delete the cache files (never the journals) of agents idle
+    longer than this many seconds (None: keep them); such an agent re-prefills.
     on_escalate(name, error): called when supervision gives up; the runtime then stops.
+    io_timeout: seconds an agent waits for the persistence actor when it loads its
+    history or cache (60).
     warmup: serve synthetic turns at start (`Engine.warmup`, a progress line per stage on
     stderr), so MLX's one-time, per-shape setup is paid before the first real turn.
     None (the default): on CUDA only, where a fresh process's first turn otherwise
@@ -796,14 +804,14 @@ class Runtime:
         self._check_running()
         store.check_agent_id(name)
         if not isinstance(system, str):
-            raise TypeError(f"system must be a str, got {type(system).__name__}")
+            raise InvalidArgumentType(f"system must be a str, got {type(system).__name__}")
         check_unicode("system", system)
         _choice("restart", restart, RESTART_TYPES)
         if not isinstance(reset, bool):
-            raise TypeError(f"reset must be True or False, got {type(reset).__name__}")
+            raise InvalidArgumentType(f"reset must be True or False, got {type(reset).__name__}")
         _positive("timeout", timeout)
         if name in self._names:
-            raise ValueError(f"agent {name!r} is already running; use rt.agent({name!r})")
+            raise InvalidArgument(f"agent {name!r} is already running; use rt.agent({name!r})")
         if reset:
             self._on_files(f"deleting agent {name!r}", timeout, lambda p: p.delete(name))
         elif system:
@@ -1106,29 +1114,29 @@ def _check_options(*, memory_budget, hot_budget, durability, max_batch, route, s
     _at_least("max_restarts", max_restarts, 0, int)
     _positive("restart_period", restart_period)
     if not isinstance(backoff, Backoff):
-        raise TypeError(f"backoff must be an actors.supervisor.Backoff, got {type(backoff).__name__}")
+        raise InvalidArgumentType(f"backoff must be an actors.supervisor.Backoff, got {type(backoff).__name__}")
     if retention_s is not None:
         _at_least("retention_s", retention_s, 0)
         if not math.isfinite(retention_s):
-            raise ValueError(f"retention_s must be None or a finite number of seconds, got {retention_s}")
+            raise InvalidArgument(f"retention_s must be None or a finite number of seconds, got {retention_s}")
     if on_escalate is not None and not callable(on_escalate):
-        raise TypeError(f"on_escalate must be a callable or None, got {type(on_escalate).__name__}")
+        raise InvalidArgumentType(f"on_escalate must be a callable or None, got {type(on_escalate).__name__}")
     _positive("io_timeout", io_timeout)
     if warmup is not None and not isinstance(warmup, bool):
-        raise TypeError(f"warmup must be None, True or False, got {type(warmup).__name__}")
+        raise InvalidArgumentType(f"warmup must be None, True or False, got {type(warmup).__name__}")
 
 
 def _choice(name: str, value, choices) -> None:
     if not isinstance(value, str):
-        raise TypeError(f"{name} must be a str, one of {', '.join(choices)}; got {type(value).__name__}")
+        raise InvalidArgumentType(f"{name} must be a str, one of {', '.join(choices)}; got {type(value).__name__}")
     if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+        raise InvalidArgument(f"{name} must be one of {', '.join(choices)}; got {value!r}")
 
 
 def _at_least(name: str, value, least, kind=(int, float)) -> None:
     _number(name, value, kind)
     if not value >= least:
-        raise ValueError(f"{name} must be >= {least}, got {value}")
+        raise InvalidArgument(f"{name} must be >= {least}, got {value}")
 
 
 def _agent_refs(runtime, agents, what: str) -> list:
@@ -1136,12 +1144,12 @@ def _agent_refs(runtime, agents, what: str) -> list:
     try:
         refs = list(agents)
     except TypeError:
-        raise TypeError(f"{what} takes an iterable of AgentRefs, got {type(agents).__name__}") from None
+        raise InvalidArgumentType(f"{what} takes an iterable of AgentRefs, got {type(agents).__name__}") from None
     for ref in refs:
         if not isinstance(ref, AgentRef):
-            raise TypeError(f"{what} takes AgentRefs (rt.agent(name)), got {type(ref).__name__}")
+            raise InvalidArgumentType(f"{what} takes AgentRefs (rt.agent(name)), got {type(ref).__name__}")
         if ref.runtime is not runtime:
-            raise ValueError(f"{what}: agent {ref.name!r} belongs to another Runtime")
+            raise InvalidArgument(f"{what}: agent {ref.name!r} belongs to another Runtime")
     return refs
 
 
@@ -1149,7 +1157,7 @@ def cache_folder(cache_dir) -> Path:
     """The folder `cache_dir` names (None: DEFAULT_CACHE_DIR), `~` expanded; ValueError for an empty string,
     store.NotAFolder (a NotADirectoryError) for a file (or a path under one)."""
     if isinstance(cache_dir, str) and not cache_dir.strip():
-        raise ValueError(f"cache_dir is empty: give a folder, or None for the default ({DEFAULT_CACHE_DIR})")
+        raise InvalidArgument(f"cache_dir is empty: give a folder, or None for the default ({DEFAULT_CACHE_DIR})")
     return store.check_cache_folder(Path(cache_dir or DEFAULT_CACHE_DIR).expanduser())
 
 
@@ -1159,8 +1167,8 @@ def check_unicode(name: str, text: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ValueError(f"{name} is not valid Unicode text: it holds a lone surrogate {text[e.start]!r} at "
-                         f"character {e.start}; send text that encodes as UTF-8") from None
+        raise InvalidArgument(f"{name} is not valid Unicode text: it holds a lone surrogate {text[e.start]!r} at "
+                              f"character {e.start}; send text that encodes as UTF-8") from None
 
 
 def _within(what: str, timeout, wait):
@@ -1176,13 +1184,13 @@ def _within(what: str, timeout, wait):
 def _positive(name: str, value) -> None:
     _number(name, value)
     if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number > 0, got {value}")
+        raise InvalidArgument(f"{name} must be a finite number > 0, got {value}")
 
 
 def _number(name: str, value, kind=(int, float)) -> None:
     if isinstance(value, bool) or not isinstance(value, kind):
         kinds = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
-        raise TypeError(f"{name} must be {kinds}, got {type(value).__name__}")
+        raise InvalidArgumentType(f"{name} must be {kinds}, got {type(value).__name__}")
 
 
 def wait_thread_gone(thread: threading.Thread, timeout: float = 10.0) -> None:
@@ -1217,37 +1225,37 @@ def check_turn_options(text, max_tokens, temperature, top_p, seed, stop, timeout
     None or a finite number > 0.
     """
     if not isinstance(text, str):
-        raise TypeError(f"text must be a str, got {type(text).__name__} (decode bytes first)")
+        raise InvalidArgumentType(f"text must be a str, got {type(text).__name__} (decode bytes first)")
     if not text:
-        raise ValueError("an empty message gives the model nothing to answer")
+        raise InvalidArgument("an empty message gives the model nothing to answer")
     check_unicode("text", text)
     _number("max_tokens", max_tokens, int)
     if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        raise InvalidArgument(f"max_tokens must be >= 1, got {max_tokens}")
     if max_context is not None and max_tokens > max_context:
-        raise ValueError(f"max_tokens {max_tokens} is more than the model's {max_context} positions")
+        raise InvalidArgument(f"max_tokens {max_tokens} is more than the model's {max_context} positions")
     _number("temperature", temperature)
     if not (math.isfinite(temperature) and temperature >= 0):
-        raise ValueError(f"temperature must be finite and >= 0, got {temperature}")
+        raise InvalidArgument(f"temperature must be finite and >= 0, got {temperature}")
     _number("top_p", top_p)
     if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        raise InvalidArgument(f"top_p must be in (0, 1], got {top_p}")
     _number("seed", seed, int)
     if not 0 <= seed < 2**64:
-        raise ValueError(f"seed must be in [0, 2**64), got {seed}")
+        raise InvalidArgument(f"seed must be in [0, 2**64), got {seed}")
     stop = (stop,) if isinstance(stop, str) else stop
     try:
         stop = tuple(stop)
     except TypeError:
-        raise TypeError(f"stop must be a str or an iterable of str, got {type(stop).__name__}") from None
+        raise InvalidArgumentType(f"stop must be a str or an iterable of str, got {type(stop).__name__}") from None
     for s in stop:
         if not isinstance(s, str):
-            raise TypeError(f"stop strings must be str, got {type(s).__name__}")
+            raise InvalidArgumentType(f"stop strings must be str, got {type(s).__name__}")
         if not s:
-            raise ValueError("an empty stop string would stop every turn at once")
+            raise InvalidArgument("an empty stop string would stop every turn at once")
         check_unicode("a stop string", s)
     if timeout is not None:
         _number("timeout", timeout)
         if not (math.isfinite(timeout) and timeout > 0):
-            raise ValueError(f"timeout must be None or a finite number > 0, got {timeout}")
+            raise InvalidArgument(f"timeout must be None or a finite number > 0, got {timeout}")
     return stop

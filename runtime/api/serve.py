@@ -56,7 +56,7 @@ from runtime import (AgentCrashed, AgentStopped, JournalError, Reply, Runtime, R
                      SystemPromptChanged, TurnNotSaved, TurnTimeout, TurnTooLarge, TurnTooLong, UnknownAgent,
                      WaitTimeout)
 from runtime.api.facade import _number as _check_number, _positive, check_unicode
-from runtime.errors import KvactorsError
+from runtime.errors import InvalidArgument, KvactorsError
 from runtime.store import InvalidAgentId, check_agent_id, conversation_prompt
 
 log = logging.getLogger(__name__)
@@ -308,7 +308,7 @@ def check_server_options(max_agents, default_max_tokens, turn_timeout) -> None:
     for name, value in (("max_agents", max_agents), ("max_tokens", default_max_tokens)):
         _check_number(name, value, int)
         if value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            raise InvalidArgument(f"{name} must be an int >= 1, got {value!r}")
     _positive("turn_timeout", turn_timeout)
 
 
@@ -716,7 +716,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
     that does not resolve or an address in use or not allowed. IPv6 where `host` holds a colon. The server
     listens on it once it starts, so a client that connects while the model loads is refused, not kept waiting."""
     if not 0 <= port <= 65535:
-        raise ValueError(f"port must be 0 to 65535, got {port}")
+        raise InvalidArgument(f"port must be 0 to 65535, got {port}")
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
