@@ -782,7 +782,7 @@ class Engine:
             _call(turn, "on_token", piece)
         if len(row.generated) >= turn.max_tokens:
             return "length"
-        if turn.cancel is not None and _call(turn, "cancel"):
+        if turn.cancel is not None and _call(turn, "cancel", truth=True):
             return "cancelled"
         return None
 
@@ -876,11 +876,13 @@ def running_callback() -> str | None:
     return getattr(_callbacks, "name", None)
 
 
-def _call(turn, name: str, *args):
-    """`turn.<name>(*args)` (a caller's callback); whatever it raises becomes CallbackFailed."""
+def _call(turn, name: str, *args, truth: bool = False):
+    """`turn.<name>(*args)` (a caller's callback), or with `truth` its answer's truth value (`bool`, which may
+    run the caller's code too, as for a numpy array); whatever either raises becomes CallbackFailed."""
     outer, _callbacks.name = running_callback(), name
     try:
-        return getattr(turn, name)(*args)
+        answer = getattr(turn, name)(*args)
+        return bool(answer) if truth else answer
     except CallbackFailed as e:
         if e.turn_id == turn.turn_id:
             raise  # relayed from the caller's side, naming its callback (runtime.api.rayhost)

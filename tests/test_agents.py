@@ -657,6 +657,10 @@ def test_callbacks_that_raise_fail_their_turns_only_and_never_escalate(tmp_path)
     def broken(*_):
         raise ValueError("oops in my UI code")
 
+    class Ambiguous:  # an answer whose truth raises, as a numpy array of two elements does
+        def __bool__(self):
+            raise ValueError("oops, the truth value of my answer is ambiguous")
+
     with Runtime(model=None, cache_dir=tmp_path, max_restarts=1, restart_period=60, backoff=FAST,
                  on_escalate=lambda *_: escalated.set()) as rt:
         alice, bob = rt.spawn("cb-alice", system="You are Alice."), rt.spawn("cb-bob", system="You are Bob.")
@@ -665,6 +669,9 @@ def test_callbacks_that_raise_fail_their_turns_only_and_never_escalate(tmp_path)
             with pytest.raises(CallbackFailed, match=f"its {callback} callback raised ValueError: oops") as e:
                 alice.ask("Break it.", max_tokens=4, **{callback: broken})
             assert e.value.turn_id
+        for _ in range(3):  # the answer's truth is part of the call
+            with pytest.raises(CallbackFailed, match="its cancel callback raised ValueError: oops, the truth"):
+                alice.ask("Break it.", max_tokens=4, cancel=Ambiguous)
         assert not escalated.is_set()
         assert [r["text"] for r in alice.history()] == ["You are Alice.", "One.", first.text]  # nothing recorded
         assert alice.ask("Still there?", max_tokens=4).cache == "hot"  # no restart: its cache is in memory
