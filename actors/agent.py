@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import re
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -54,6 +55,14 @@ from runtime.q4cache import can_trim
 
 log = logging.getLogger(__name__)
 DURABILITY = ("durable", "memory")
+TURN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")  # what a turn id looks like (the caller's or one made here)
+
+
+def new_turn_id(agent: str, *parts) -> str:
+    """A fresh turn id for agent `agent` (a valid agent name): `<agent>-<parts>-<random hex>`, the agent's name
+    cut so that the id matches TURN_ID whatever the name's length (a caller may send it back as `turn_id`)."""
+    tail = "".join(f"-{p}" for p in parts) + f"-{uuid.uuid4().hex[:12]}"
+    return agent[: 128 - len(tail)] + tail
 
 
 class AgentError(KvactorsError, RuntimeError):
@@ -499,7 +508,7 @@ class AgentActor(SupervisedActor):
 
     def _start_turn(self, item: _Item):
         msg = item.msg
-        turn_id = item.turn_id = item.turn_id or f"{self.name}-{self.seq + 1}-{uuid.uuid4().hex[:8]}"
+        turn_id = item.turn_id = item.turn_id or new_turn_id(self.name, self.seq + 1)
         user = self._record("user", msg["text"], sender=msg.get("sender"), msg=msg, turn_id=turn_id)
         try:
             rendered = render_chat(self.env.tokenizer, self.system, self.records + [user])

@@ -678,6 +678,23 @@ def test_callbacks_that_raise_fail_their_turns_only_and_never_escalate(tmp_path)
         assert bob.ask("Hello.", max_tokens=4).text
 
 
+def test_turn_ids_made_for_an_agent_of_the_longest_name_can_be_sent_back(rt):
+    """A made turn id was `<name>-<hex>`, longer than a turn id may be for names over 115 characters, so the id an
+    error carried could not be retried with or asked about (InvalidArgument)."""
+    from actors.agent import TURN_ID, new_turn_id
+
+    name = "x" * 128
+    for parts in ((), (12345678,)):
+        made = new_turn_id(name, *parts)
+        assert TURN_ID.fullmatch(made) and made.startswith("xxx"), made
+    a = rt.spawn(name)
+    with pytest.raises(TurnTimeout) as e:
+        a.ask("Hi.", max_tokens=4, timeout=1e-6)
+    turn_id = e.value.turn_id
+    a.result(turn_id)  # None or the reply, whichever the timing gave
+    assert a.ask("Hi.", max_tokens=4, turn_id=turn_id).turn_id == turn_id
+
+
 def test_a_message_that_could_never_fit_is_refused_before_it_is_tokenized(rt):
     """Past the model's positions times its longest token's characters no tokenization can fit a message: it is
     refused in the caller's thread (tokenizing megabytes holds every thread of the process for seconds)."""

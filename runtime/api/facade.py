@@ -16,13 +16,11 @@ import asyncio
 import inspect
 import logging
 import math
-import re
 import os
 import queue
 import sys
 import threading
 import time
-import uuid
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,8 +30,8 @@ import msgpack
 import pykka
 
 from actors import agent as agent_mod
-from actors.agent import (DURABILITY, AgentActor, AgentCrashed, AgentError, Ask, Lookup, Note, Reply, Reset, TurnTimeout,
-                          TurnTooLong, UnknownAgent)
+from actors.agent import (DURABILITY, TURN_ID, AgentActor, AgentCrashed, AgentError, Ask, Lookup, Note, Reply, Reset,
+                          TurnTimeout, TurnTooLong, UnknownAgent, new_turn_id)
 from actors.batcher import STATS as _STATS, BatcherActor, BatcherStopped, Warmup
 from actors.persistence import PersistenceActor
 from actors.supervisor import RESTART_TYPES, STRATEGIES, Backoff, ChildSpec, Supervisor, UnknownChild
@@ -48,7 +46,6 @@ from runtime.qgemv import available as on_cuda
 
 log = logging.getLogger(__name__)
 DEFAULT_CACHE_DIR = "~/.cache/kvactors/agents"
-TURN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 TURN_TIMEOUT = 60.0  # seconds a turn may take unless its caller says otherwise (None: no watchdog)
 
 
@@ -434,7 +431,7 @@ class AgentRef:
         if sender is not None:
             store.check_agent_id(sender)
         if turn_id is None:
-            turn_id = f"{self.name}-{uuid.uuid4().hex[:12]}"
+            turn_id = new_turn_id(self.name)
         elif not isinstance(turn_id, str) or not TURN_ID.fullmatch(turn_id):
             raise InvalidArgument(f"turn_id must match {TURN_ID.pattern}, got {turn_id!r}")
         # a message that can never fit is refused here: tokenizing it would hold every thread up for nothing
