@@ -678,6 +678,46 @@ def test_callbacks_that_raise_fail_their_turns_only_and_never_escalate(tmp_path)
         assert bob.ask("Hello.", max_tokens=4).text
 
 
+def test_one_name_spawned_stopped_and_forgotten_from_several_threads_stays_reachable(rt):
+    """A stop let go of the name before it dropped the agent's ref: a spawn of that name in between started an
+    agent whose ref the stop then dropped, and every call to it waited 10 s for a restart that never came.
+    Spawns of one name at once got the supervisor's wording ("child ... already exists")."""
+    from runtime import InvalidArgument
+
+    def spawn_until_free(name):
+        for _ in range(400):
+            try:
+                return rt.spawn(name, system="You are R.")
+            except InvalidArgument as e:
+                assert "is already running" in str(e), e
+                time.sleep(0.002)
+        raise AssertionError(f"{name} never came free")
+
+    for i in range(6):
+        name = f"racer{i % 2}"
+        ref = spawn_until_free(name) if name not in rt.running() else rt.agent(name)
+        stopper = threading.Thread(target=ref.stop if i % 3 else lambda: rt.forget(name))
+        stopper.start()
+        spawn_until_free(name)
+        stopper.join()
+        assert rt.agent(name).ask("Hi.", max_tokens=2, timeout=20).text is not None
+    outcomes = []
+
+    def racer():
+        try:
+            outcomes.append(rt.spawn("crowd", system="You are C."))
+        except InvalidArgument as e:
+            outcomes.append(str(e))
+
+    threads = [threading.Thread(target=racer) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(not isinstance(o, str) for o in outcomes) == 1, outcomes
+    assert all("is already running" in o for o in outcomes if isinstance(o, str)), outcomes
+
+
 def test_turn_ids_made_for_an_agent_of_the_longest_name_can_be_sent_back(rt):
     """A made turn id was `<name>-<hex>`, longer than a turn id may be for names over 115 characters, so the id an
     error carried could not be retried with or asked about (InvalidArgument)."""

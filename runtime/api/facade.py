@@ -19,6 +19,7 @@ import math
 import os
 import queue
 import sys
+import contextlib
 import threading
 import time
 import weakref
@@ -688,7 +689,8 @@ class AgentRef:
         Raises WaitsInCallback inside a turn's callback.
         """
         _not_in_callback(f"stopping agent {self.name!r}")
-        self.runtime._stop_agent(self.name)
+        with self.runtime._name_held(self.name, None):
+            self.runtime._stop_agent(self.name)
 
 
 class Runtime:
@@ -752,6 +754,7 @@ class Runtime:
         self._escalation: tuple | None = None
         self._on_escalate = on_escalate
         self._names: list[str] = []
+        self._naming, self._name_locks = threading.Lock(), {}  # see `_name_held`
         self.cache_dir = cache_folder(cache_dir)
         self.model, self.tokenizer, self.spec = load_model(model, scheme)
         context = getattr(getattr(self.model, "args", None), "max_position_embeddings", None)
@@ -807,15 +810,16 @@ class Runtime:
         if not isinstance(reset, bool):
             raise InvalidArgumentType(f"reset must be True or False, got {type(reset).__name__}")
         _positive("timeout", timeout)
-        if name in self._names:
-            raise InvalidArgument(f"agent {name!r} is already running; use rt.agent({name!r})")
-        if reset:
-            self._on_files(f"deleting agent {name!r}", timeout, lambda p: p.delete(name))
-        elif system:
-            self._check_system(name, system, timeout)
-        self._start_child(self._supervisor, name,
-                          lambda sup: AgentActor.start(sup, self._env, name, system), restart)
-        self._names.append(name)
+        with self._name_held(name, timeout):
+            if name in self._names:
+                raise InvalidArgument(f"agent {name!r} is already running; use rt.agent({name!r})")
+            if reset:
+                self._on_files(f"deleting agent {name!r}", timeout, lambda p: p.delete(name))
+            elif system:
+                self._check_system(name, system, timeout)
+            self._start_child(self._supervisor, name,
+                              lambda sup: AgentActor.start(sup, self._env, name, system), restart)
+            self._names.append(name)
         return AgentRef(self, name)
 
     def _check_system(self, name: str, system: str, timeout: float) -> None:
@@ -884,9 +888,10 @@ class Runtime:
         store.check_agent_id(name)
         _positive("timeout", timeout)
         _not_in_callback(f"forgetting agent {name!r}")
-        if name in self._names:
-            self._stop_agent(name)
-        return self._on_files(f"deleting agent {name!r}", timeout, lambda p: p.delete(name))
+        with self._name_held(name, timeout):  # no spawn of this name between its stop and its files' deletion
+            if name in self._names:
+                self._stop_agent(name)
+            return self._on_files(f"deleting agent {name!r}", timeout, lambda p: p.delete(name))
 
     def stored(self, name: str) -> bool:
         """Whether agent `name` has a journal or cache in `cache_dir` (running or not)."""
@@ -1054,7 +1059,27 @@ class Runtime:
             except pykka.ActorDeadError:
                 raise AgentCrashed(None, f"agent {name!r} crashed twice while taking this message; retry") from None
 
+    @contextlib.contextmanager
+    def _name_held(self, name: str, timeout: float | None):
+        """Within the block, no other spawn, stop or forget of agent `name` runs (each holds this).
+
+        A stop lets go of the name before its actor has stopped and its ref is dropped: a
+        spawn of that name in between started an agent whose ref the stop then dropped,
+        and the agent was unreachable. Raises WaitTimeout if another such call holds the
+        name for more than `timeout` seconds (None: no limit).
+        """
+        with self._naming:
+            lock = self._name_locks.setdefault(name, threading.Lock())
+        if not lock.acquire(timeout=-1 if timeout is None else wait_seconds(timeout)):
+            raise WaitTimeout(f"agent {name!r} was being started or stopped by another call for over {timeout} s; "
+                              "try again")
+        try:
+            yield
+        finally:
+            lock.release()
+
     def _stop_agent(self, name):
+        """Stop running agent `name` (the caller holds `_name_held(name)`)."""
         self._check_running()
         if name not in self._names:
             raise UnknownAgent(f"no running agent named {name!r}")
