@@ -302,6 +302,38 @@ def test_native_agent_routes_spawn_send_to_history_and_forget(served):
     assert served.request("POST", "/v1/agents", {"name": "no/slashes"})[0] == 400
 
 
+def test_a_refused_turn_leaves_no_trace_of_its_request_in_the_history(served):
+    """A request refused with a 400 (too long for the model, a bad sender) had its earlier messages written as
+    notes, or its conversation reset, before its turn was refused: a corrected resend then doubled them."""
+    agent = {"X-Agent-Id": "careful"}
+
+    def chat(messages):
+        return served.request("POST", "/v1/chat/completions",
+                              {"model": "kvactors-tiny", "messages": messages, "max_tokens": 2}, agent)
+
+    def conversation():
+        body = served.request("GET", "/v1/agents/careful")[1]
+        return body["system"], [(m["role"], m["content"], m["name"]) for m in body["messages"]]
+
+    assert chat([{"role": "system", "content": "Be careful."}, {"role": "user", "content": "kept"}])[0] == 200
+    before = conversation()
+    huge = "hello " * (served.rt.max_context + 10)
+    refused = [
+        ([{"role": "user", "content": "NOTE-A"}, {"role": "user", "content": huge}],
+         "context_length_exceeded", "messages"),  # notes, then the turn is too long
+        ([{"role": "user", "content": "other"}, {"role": "assistant", "content": "reply"},
+          {"role": "user", "content": huge}], "context_length_exceeded", "messages"),  # a reset, then too long
+        ([{"role": "user", "content": "NOTE-B"}, {"role": "user", "content": "hi", "name": "Bob Smith"}],
+         "invalid_agent_id", "messages[1].name"),  # refused before anything is written
+    ]
+    for messages, code, param in refused:
+        status, body, _ = chat(messages)
+        assert (status, body["error"]["code"], body["error"]["param"]) == (400, code, param), body
+        assert conversation() == before, messages[0]
+    assert chat([{"role": "user", "content": "NOTE-A"}, {"role": "user", "content": "short"}])[0] == 200
+    assert [m[1] for m in conversation()[1] if m[0] == "user"] == ["kept", "NOTE-A", "short"]
+
+
 def test_answers_to_runtime_errors_are_not_logged_as_server_faults(served, caplog):
     """A 4xx from the runtime's own refusal (here SystemPromptChanged) is an answer: no traceback in the log."""
     served.request("POST", "/v1/agents", {"name": "quiet", "system": "You are Q."})

@@ -199,6 +199,12 @@ def parse_messages(messages) -> tuple[str | None, list]:
     if not out[-1][1]:
         raise bad("the last user message is empty: give the model something to answer",
                   f"messages[{len(messages) - 1}].content")
+    if out[-1][2] is not None:  # the turn's sender: an agent id (an earlier message's name is any string)
+        try:
+            check_agent_id(out[-1][2])
+        except InvalidAgentId as e:
+            raise bad(f"the last user message's name is the turn's sender, an agent id: {e}",
+                      f"messages[{len(messages) - 1}].name", "invalid_agent_id") from None
     return system, out
 
 
@@ -312,6 +318,11 @@ def check_server_options(max_agents, default_max_tokens, turn_timeout) -> None:
     _positive("turn_timeout", turn_timeout)
 
 
+# a turn that raised one of these recorded nothing (refused options, too long or large for the model, a chat
+# template's refusal): `Server.run_chat` then undoes the reset and notes its request made before it
+REFUSED_TURNS = (ValueError, TypeError, TurnTooLong, TurnTooLarge)
+
+
 class Server:
     """The HTTP layer's state over one Runtime: agent locks, the running-agent LRU, the routes."""
 
@@ -379,24 +390,37 @@ class Server:
     async def run_chat(self, req: ChatRequest, name: str, pieces: asyncio.Queue | None, cancel=None) -> Reply:
         """Map `req` onto agent `name` and run its turn, holding the agent's lock; stream pieces into `pieces`.
 
-        `cancel()` returning True ends the turn at its next token (see `AgentRef.send`).
+        `cancel()` returning True ends the turn at its next token (see `AgentRef.send`). A turn
+        refused without being recorded (`REFUSED_TURNS`) leaves the agent's conversation as it
+        was: the reset and notes the request made first are undone (a reset to the old history).
         """
         async with self.lock(name):
             ref = await self.agent(name, req.system or "")
             history = await asyncio.to_thread(ref.history)
             plan = plan_turn(history, req, named=req.agent is not None)
-            if plan.reset is not None:
-                await ref.reset(plan.reset, system=plan.system)
-            for text, sender in plan.notes:
-                if text:
-                    ref.note(text, sender)
-            options = dict(self.options(req), sender=plan.ask_sender, cancel=cancel)
-            if pieces is None:
-                return await ref.ask_async(plan.ask, **options)
-            async for item in ref.astream(plan.ask, **options):
-                if isinstance(item, Reply):
-                    return item
-                pieces.put_nowait(item)
+            wrote = plan.reset is not None or any(text for text, _ in plan.notes)
+            try:
+                return await self._turn(ref, plan, dict(self.options(req), sender=plan.ask_sender, cancel=cancel),
+                                        pieces)
+            except REFUSED_TURNS:
+                if wrote:  # the request's earlier messages leave no trace either: a corrected resend is not doubled
+                    await ref.reset(history)
+                raise
+
+    @staticmethod
+    async def _turn(ref, plan: Plan, options: dict, pieces: asyncio.Queue | None) -> Reply:
+        """Apply `plan` to `ref` (reset, notes) and run its turn; stream pieces into `pieces` (see `run_chat`)."""
+        if plan.reset is not None:
+            await ref.reset(plan.reset, system=plan.system)
+        for text, sender in plan.notes:
+            if text:
+                ref.note(text, sender)
+        if pieces is None:
+            return await ref.ask_async(plan.ask, **options)
+        async for item in ref.astream(plan.ask, **options):
+            if isinstance(item, Reply):
+                return item
+            pieces.put_nowait(item)
         raise AssertionError("a stream ends with its Reply")
 
     def background(self, coro) -> asyncio.Task:
