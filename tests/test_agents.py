@@ -1211,8 +1211,9 @@ def test_agents_lists_the_stored_and_the_running_ones_with_turns_and_cache(tmp_p
         assert rt.agents() == [AgentInfo("alice", True, 3, "hot"), AgentInfo("zed", True, 0, "none")]
         with pytest.raises(dataclasses.FrozenInstanceError):
             rt.agents()[0].turns = 0
-    with pytest.raises(RuntimeClosed):
-        rt.agents()
+    for call in (rt.agents, rt.engine_stats):  # engine_stats had raised pykka's ActorDeadError
+        with pytest.raises(RuntimeClosed):
+            call()
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="watches OS threads through /proc (Linux)")

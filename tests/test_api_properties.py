@@ -235,7 +235,7 @@ def turn_valid(o, positions: int) -> bool:
     timeout = get("timeout", 60.0)
     ids = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
     return (isinstance(o["text"], str) and o["text"] != ""
-            and is_int(get("max_tokens", 128)) and 1 <= get("max_tokens", 128) <= positions
+            and is_int(get("max_tokens", 128)) and 1 <= get("max_tokens", 128) < positions
             and is_real(get("temperature", 0.0)) and get("temperature", 0.0) >= 0
             and is_real(get("top_p", 1.0)) and 0 < get("top_p", 1.0) <= 1
             and is_int(get("seed", 0)) and get("seed", 0) >= 0

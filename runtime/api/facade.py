@@ -934,6 +934,7 @@ class Runtime:
         The batcher answers between steps: WaitTimeout if it has not within `timeout` seconds (WaitsInCallback
         inside a turn's callback, which runs in the step)."""
         _not_in_callback("engine_stats()")
+        self._check_running()
         return _within("the batcher's answer (it answers between steps)", timeout,
                        lambda seconds: self._env.batcher().ask(_STATS, timeout=seconds))
 
@@ -1254,8 +1255,9 @@ def check_turn_options(text, max_tokens, temperature, top_p, seed, stop, timeout
     _number("max_tokens", max_tokens, int)
     if max_tokens < 1:
         raise InvalidArgument(f"max_tokens must be >= 1, got {max_tokens}")
-    if max_context is not None and max_tokens > max_context:
-        raise InvalidArgument(f"max_tokens {max_tokens} is more than the model's {max_context} positions")
+    if max_context is not None and max_tokens >= max_context:
+        raise InvalidArgument(f"max_tokens {max_tokens} leaves no room for a prompt in the model's {max_context} "
+                              "positions; lower it")
     _number("temperature", temperature)
     if not (math.isfinite(temperature) and temperature >= 0):
         raise InvalidArgument(f"temperature must be finite and >= 0, got {temperature}")

@@ -564,9 +564,9 @@ def routes(server: Server) -> list[Route]:
     async def chat(request):
         req = parse_chat(await _json(request, server.body_limit), request.headers.get("x-agent-id"))
         limit, wanted = rt.max_context, req.max_tokens or server.default_max_tokens
-        if limit is not None and wanted > limit:  # refused before a stream begins
-            raise bad(f"max_tokens {wanted} is more than the model's {limit} positions", "max_tokens",
-                      "context_length_exceeded")
+        if limit is not None and wanted >= limit:  # refused before a stream begins
+            raise bad(f"max_tokens {wanted} leaves no room for a prompt in the model's {limit} positions; lower it",
+                      "max_tokens", "context_length_exceeded")
         name = req.agent or derive_agent_id(req.user, req.system, req.messages[0][1])
         created = int(time.time())
         if not req.stream:
