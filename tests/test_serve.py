@@ -172,8 +172,9 @@ def test_the_openai_client_raises_its_own_errors(served):
 
 
 def test_malformed_bodies_and_unknown_routes_are_4xx_json(served):
-    status, reply, _ = served.request("POST", "/v1/chat/completions", b"{not json")
-    assert status == 400 and reply["error"]["code"] == "invalid_json"
+    for raw in (b"{not json", b"[" * 100000 + b"]" * 100000):  # the second had been a 500 (RecursionError)
+        status, reply, _ = served.request("POST", "/v1/chat/completions", raw)
+        assert status == 400 and reply["error"]["code"] == "invalid_json"
     status, reply, _ = served.request("POST", "/v1/chat/completions", [1, 2])
     assert status == 400
     status, reply, _ = served.request("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
@@ -299,6 +300,10 @@ def test_native_agent_routes_spawn_send_to_history_and_forget(served):
     assert served.request("DELETE", "/v1/agents/bob")[1] == {"id": "bob", "object": "agent.deleted", "deleted": True}
     assert served.request("GET", "/v1/agents/bob")[0] == 404
     assert served.request("POST", "/v1/agents/alice/send_to", {"to": "alice", "content": "me"})[0] == 400
+    for path, body, param in (("/v1/agents/alice/send_to", {"to": "ghost2", "content": "hi"}, "to"),
+                              ("/v1/agents/ghost1/send_to", {"to": "alice", "content": "hi"}, "name")):
+        status, answer, _ = served.request("POST", path, body)  # a misspelt name used to create the agent
+        assert (status, answer["error"]["param"]) == (404, param) and not served.rt.stored(body["to"] if param == "to" else "ghost1")
     assert served.request("POST", "/v1/agents", {"name": "no/slashes"})[0] == 400
 
 

@@ -522,6 +522,8 @@ async def _json(request: Request, limit: int):
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise bad(f"the request body is not valid JSON: {e}", None, "invalid_json") from None
+    except RecursionError:
+        raise bad("the request body's JSON is nested too deeply to read", None, "invalid_json") from None
     if not _SURROGATE_ESCAPE.search(raw):
         return body
     try:  # JSON may escape a lone surrogate ("\\ud800"), which no text field can hold; a pair is fine
@@ -627,10 +629,14 @@ def routes(server: Server) -> list[Route]:
             history = await asyncio.to_thread(ref.history)
         return JSONResponse(agent_view(name, history))
 
-    async def history(request):
-        name = _agent_name(request)
+    def known(name, param="name"):
+        """`name`, or a 404 unless that agent runs or is stored."""
         if name not in rt.running() and not rt.stored(name):
-            raise ApiError(404, f"no agent named {name!r}: create it with POST /v1/agents", "name", "agent_not_found")
+            raise ApiError(404, f"no agent named {name!r}: create it with POST /v1/agents", param, "agent_not_found")
+        return name
+
+    async def history(request):
+        name = known(_agent_name(request))
         async with server.lock(name):
             ref = await server.agent(name)
             records = await asyncio.to_thread(ref.history)
@@ -652,6 +658,7 @@ def routes(server: Server) -> list[Route]:
             raise bad("content must be a non-empty string", "content")
         req = parse_chat({"model": server.model_id, "messages": [{"role": "user", "content": content}],
                           **{k: body[k] for k in ("max_tokens", "temperature", "top_p", "seed", "stop") if k in body}})
+        known(name), known(to, "to")  # a misspelt name is a 404, as for GET, not a new agent
         first, second = sorted((name, to))
         async with server.lock(first), server.lock(second):
             sender, receiver = await server.agent(name), await server.agent(to)
