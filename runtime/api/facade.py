@@ -689,8 +689,7 @@ class AgentRef:
         Raises WaitsInCallback inside a turn's callback.
         """
         _not_in_callback(f"stopping agent {self.name!r}")
-        with self.runtime._name_held(self.name, None):
-            self.runtime._stop_agent(self.name)
+        self.runtime._stop_agent(self.name)
 
 
 class Runtime:
@@ -890,7 +889,7 @@ class Runtime:
         _not_in_callback(f"forgetting agent {name!r}")
         with self._name_held(name, timeout):  # no spawn of this name between its stop and its files' deletion
             if name in self._names:
-                self._stop_agent(name)
+                self._stop_held(name)
             return self._on_files(f"deleting agent {name!r}", timeout, lambda p: p.delete(name))
 
     def stored(self, name: str) -> bool:
@@ -1080,7 +1079,12 @@ class Runtime:
             lock.release()
 
     def _stop_agent(self, name):
-        """Stop running agent `name` (the caller holds `_name_held(name)`)."""
+        """Stop running agent `name` (`AgentRef.stop`)."""
+        with self._name_held(name, None):
+            self._stop_held(name)
+
+    def _stop_held(self, name):
+        """`_stop_agent` for a caller that holds `_name_held(name)`."""
         self._check_running()
         if name not in self._names:
             raise UnknownAgent(f"no running agent named {name!r}")
