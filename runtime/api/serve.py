@@ -404,7 +404,11 @@ class Server:
                                         pieces)
             except REFUSED_TURNS:
                 if wrote:  # the request's earlier messages leave no trace either: a corrected resend is not doubled
-                    await ref.reset(history)
+                    try:
+                        await ref.reset(history)
+                    except Exception as e:  # noqa: BLE001 - the client's answer is the refusal; this is the log's
+                        log.warning("agent %s keeps the messages of a refused request: undoing them failed: %r",
+                                    name, e)
                 raise
 
     @staticmethod
