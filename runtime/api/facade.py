@@ -48,6 +48,7 @@ from runtime.qgemv import available as on_cuda
 log = logging.getLogger(__name__)
 DEFAULT_CACHE_DIR = "~/.cache/kvactors/agents"
 TURN_TIMEOUT = 60.0  # seconds a turn may take unless its caller says otherwise (None: no watchdog)
+MIN_IO_TIMEOUT = 1.0  # the shortest io_timeout: a shorter wait for a loaded disk crash-looped agents into escalation
 
 
 def _emit(item, held, future) -> tuple[list, bool]:
@@ -716,7 +717,7 @@ class Runtime:
     longer than this many seconds (None: keep them); such an agent re-prefills.
     on_escalate(name, error): called when supervision gives up; the runtime then stops.
     io_timeout: seconds an agent waits for the persistence actor when it loads its
-    history or cache (60).
+    history or cache (60; at least 1).
     warmup: serve synthetic turns at start (`Engine.warmup`, a progress line per stage on
     stderr), so MLX's one-time, per-shape setup is paid before the first real turn.
     None (the default): on CUDA only, where a fresh process's first turn otherwise
@@ -1126,7 +1127,7 @@ def _check_options(*, memory_budget, hot_budget, durability, max_batch, route, s
     durability and strategy one of theirs; max_batch an int >= 1; route None or a
     route that runs here; max_restarts an int >= 0; restart_period finite and > 0;
     backoff a Backoff; retention_s None or finite and >= 0; on_escalate None or a
-    callable; io_timeout finite and > 0; warmup None, True or False.
+    callable; io_timeout finite and >= MIN_IO_TIMEOUT; warmup None, True or False.
     """
     _choice("durability", durability, DURABILITY)
     _choice("strategy", strategy, STRATEGIES)
@@ -1149,6 +1150,9 @@ def _check_options(*, memory_budget, hot_budget, durability, max_batch, route, s
     if on_escalate is not None and not callable(on_escalate):
         raise InvalidArgumentType(f"on_escalate must be a callable or None, got {type(on_escalate).__name__}")
     _positive("io_timeout", io_timeout)
+    if io_timeout < MIN_IO_TIMEOUT:
+        raise InvalidArgument(f"io_timeout must be at least {MIN_IO_TIMEOUT:g} s (an agent that cannot load its files "
+                              f"within it crashes and restarts, and too many restarts stop the Runtime); got {io_timeout}")
     if warmup is not None and not isinstance(warmup, bool):
         raise InvalidArgumentType(f"warmup must be None, True or False, got {type(warmup).__name__}")
 
