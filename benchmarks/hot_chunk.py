@@ -144,6 +144,11 @@ def launching_every(model, k: int):
         blocks[:] = kept
 
 
+def launched(k: int | None) -> str:
+    """A row label's part for a chunk launched every `k` blocks (`launching_every`; None: once, at its end)."""
+    return f", launched every {f'{k} blocks' if k > 1 else 'block'}" if k else ""
+
+
 @contextlib.contextmanager
 def copying(cache):
     """Within the block, a thread copies `cache` (a per-layer Q4 cache) to the host over and over, as the
@@ -217,13 +222,11 @@ def main(argv=None) -> int:
     add("chunk", timed_runs(chunk_runner(model, spec, route, agent, tokens)), f"route {route}")
     for k in (4, 1):
         with launching_every(model, k):
-            add(f"chunk, launched every {f'{k} blocks' if k > 1 else 'block'}",
-                timed_runs(chunk_runner(model, spec, route, agent, tokens)))
+            add(f"chunk{launched(k)}", timed_runs(chunk_runner(model, spec, route, agent, tokens)))
     for k in (None, 4, 1):
         with launching_every(model, k) if k else contextlib.nullcontext(), copying(agent) as rate:
             ms = timed_runs(chunk_runner(model, spec, route, agent, tokens))
-        launched = f", launched every {f'{k} blocks' if k > 1 else 'block'}" if k else ""
-        add(f"chunk{launched}, beside a cache copy", ms, f"the copy at {rate['gb_per_s']:.2f} GB/s")
+        add(f"chunk{launched(k)}, beside a cache copy", ms, f"the copy at {rate['gb_per_s']:.2f} GB/s")
     name = args.name or f"hot_chunk-{args.model}"
     if args.host_profile:
         import cProfile

@@ -13,13 +13,13 @@ name: an `AgentRef` stays valid across restarts of the actor behind it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import math
 import os
 import queue
 import sys
-import contextlib
 import threading
 import time
 import weakref

@@ -662,7 +662,8 @@ def routes(server: Server) -> list[Route]:
             raise bad("content must be a non-empty string", "content")
         req = parse_chat({"model": server.model_id, "messages": [{"role": "user", "content": content}],
                           **{k: body[k] for k in ("max_tokens", "temperature", "top_p", "seed", "stop") if k in body}})
-        known(name), known(to, "to")  # a misspelt name is a 404, as for GET, not a new agent
+        known(name)  # a misspelt name is a 404, as for GET, not a new agent
+        known(to, "to")
         first, second = sorted((name, to))
         async with server.lock(first), server.lock(second):
             sender, receiver = await server.agent(name), await server.agent(to)
