@@ -68,6 +68,7 @@ from runtime.attention import RowRange
 DENSE_ROWS = 256  # on CUDA, inputs of this many rows or more multiply the dequantized weight
 DENSE_IN_FLIGHT = 14  # dense products queued on the device at most (two layers' worth)
 DENSE_LAUNCH = 7  # dense products launched together (a llama layer's seven): each launch has a fixed host cost
+CHUNK_LAUNCH = 4  # a short chunk's forward through compiled blocks is launched after every this many of them
 # compiled blocks hand decode steps' keys and queries to the CUDA kernels unrotated (RoPE inside): off until
 # measured on a GPU (its kernels and tests are in place: tests/test_cuda_kernels.py, tests/test_prepare.py)
 FUSE_ROPE = False
@@ -314,7 +315,10 @@ class CompiledBlock(llama.TransformerBlock):
     bitwise as before) and may change a product's last bits, as `qgemv.qgemv_parts`
     says; each row's result stays bitwise the same in any batch. For a short chunk
     (`qgemm`'s rows) q/k/v are one product launch and one sum launch, and gate and up
-    another pair (`qgemm.qgemm_parts`): four launches a layer fewer.
+    another pair (`qgemm.qgemm_parts`): four launches a layer fewer. A short chunk's
+    forward is launched (`mx.async_eval`) after every CHUNK_LAUNCH-th block, so the
+    device runs the first blocks while the host builds the rest (a decode step is
+    pipelined by the engine instead); the results are the same bits.
     """
 
     def __call__(self, x, mask=None, cache=None):
@@ -332,7 +336,10 @@ class CompiledBlock(llama.TransformerBlock):
             queries, keys, values = graphs[0](x, cache.offset)
             keys, values = cache.update_and_fetch(keys, values)
         out = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=attn.scale, mask=mask)
-        return graphs[1](out, x)
+        out = graphs[1](out, x)
+        if x.shape[1] > 1 and self.__dict__.get("_kvactors_index", 0) % CHUNK_LAUNCH == CHUNK_LAUNCH - 1:
+            mx.async_eval(out)  # the device starts on these blocks while the host builds the next ones
+        return out
 
     def record(self, rows: int) -> None:
         """Record the graphs a decode step of `rows` rows runs, on this thread, without running them.
@@ -476,9 +483,10 @@ def compile_blocks(model) -> int:
     class, like `prepare_model`'s swaps; other architectures keep their blocks.
     """
     changed = 0
-    for layer in _layers(model):
+    for i, layer in enumerate(_layers(model)):
         if type(layer) is llama.TransformerBlock and type(layer.self_attn) is llama.Attention:
             layer.__class__ = CompiledBlock
+            object.__setattr__(layer, "_kvactors_index", i)  # its place, for CHUNK_LAUNCH
         changed += isinstance(layer, CompiledBlock)
     return changed
 

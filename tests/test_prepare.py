@@ -195,6 +195,50 @@ def test_compiled_blocks_give_bitwise_the_same_decode_steps(tiny_model_path, rou
     assert "_kvactors_graphs" not in dict(model.layers[0])  # not a parameter
 
 
+def test_a_short_chunk_through_compiled_blocks_is_launched_every_chunk_launch_blocks_with_the_same_bits(
+        tiny_model_path, monkeypatch):
+    """A short chunk's forward through compiled blocks is queued for the device (`mx.async_eval`) after every
+    CHUNK_LAUNCH-th block, so that the device starts while the host builds the rest; its logits and cache are
+    bitwise those of a forward launched at its end. Decode steps (one token a row) launch nothing inside."""
+    from mlx.utils import tree_flatten
+
+    from runtime import attention, prepare
+    from runtime.model import ModelCacheSpec
+    from runtime.prepare import compile_blocks
+    from runtime.q4cache import merge_caches
+
+    model = bf16_llama(tiny_model_path, 32)
+    prepare_model(model, force=True, gemv=qgemv.available(), compile_decode=False)
+    compile_blocks(model)
+    spec = ModelCacheSpec.from_model(model, tiny_model_path("llama"))
+    attention.install()
+    route = "q4kernel" if qgemv.available() else "quantized"
+    chunk = mx.arange(14).reshape(2, 7) % 11 + 4
+    launches = []
+    launch = mx.async_eval
+    monkeypatch.setattr(prepare.mx, "async_eval", lambda *a: launches.append(len(a)) or launch(*a))
+
+    def forward(every, tokens):
+        monkeypatch.setattr(prepare, "CHUNK_LAUNCH", every)
+        cache = merge_caches(spec, [None, None], route)
+        launches.clear()
+        out = model(tokens, cache=cache)
+        counted = len(launches)
+        mx.eval(out, [c.state for c in cache])
+        return out, [c.state for c in cache], counted
+
+    n = len(model.layers)
+    plain, plain_state, none = forward(n + 1, chunk)
+    assert none == 0
+    for every in (1, 2):
+        out, state, counted = forward(every, chunk)
+        assert counted == n // every
+        assert mx.array_equal(out, plain).item()
+        pairs = zip(tree_flatten(state), tree_flatten(plain_state))
+        assert all(mx.array_equal(a, b).item() for (_, a), (_, b) in pairs)
+    assert forward(1, chunk[:, :1])[2] == 0  # a decode-sized forward launches nothing inside
+
+
 def test_the_gemv_launch_follows_the_weight_shape_alone_and_refuses_what_it_cannot_read():
     """`qgemv.setting` (which fixes a row's summation order) sees only (N, K); layers the kernel cannot read
     are routed to MLX's matmul, and a direct call with them says why (checked before any launch)."""
