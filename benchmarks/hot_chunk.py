@@ -14,10 +14,11 @@ cache as the engine merges it (the merge is not timed):
 - one chunk shared by --rows turns: that many agents' messages (of the agent's
   cache each) in one forward pass, right-aligned, as the engine shares a chunk
   among turns that wait together;
-- chunk, launched every K blocks: the engine's call with `mx.async_eval` of the hidden state after every
-  K-th decoder block (K = 4, 1), so the device starts on the first blocks while the host builds the rest
-  (the engine's chunk builds the whole forward before its first launch);
-- chunk (launched every K blocks), beside a cache copy: the same while another thread copies the
+- chunk: the engine's call, which launches a short chunk's forward (`mx.async_eval`) after every
+  `prepare.CHUNK_LAUNCH`-th compiled decoder block, so the device starts on the first blocks while the
+  host builds the rest; "launched once at its end" and "launched every block" set it to more than the
+  model's blocks and to 1 (on CPU, where blocks are not compiled, the three are one path);
+- chunk (launched ...), beside a cache copy: the same while another thread copies the
   agent's cache to the host over and over (`hostcache.cache_to_host`, as the persistence actor
   copies a finished turn's cache while the next turn runs); the note gives the copy's rate;
 - chunk, quantized matmul: prepare's dequantize-then-GEMM path off, so MLX's
@@ -116,37 +117,21 @@ def shared_runner(model, spec, route, agent, tokens, rows: int):
     return run
 
 
-class _Launching:
-    """A decoder block that launches what the forward has built so far (`mx.async_eval` of its output) once it ran."""
-
-    def __init__(self, block):
-        self.block = block
-
-    def __call__(self, *args, **kwargs):
-        out = self.block(*args, **kwargs)
-        mx.async_eval(out)
-        return out
-
-    def __getattr__(self, name):  # what the model's forward reads of its blocks (a sliding window's flag)
-        return getattr(self.block, name)
-
-
 @contextlib.contextmanager
-def launching_every(model, k: int):
-    """Within the block, `model`'s every `k`-th decoder block launches the forward built so far (`_Launching`)."""
-    blocks = model.model.layers
-    kept = list(blocks)
-    for i in range(k - 1, len(blocks), k):
-        blocks[i] = _Launching(blocks[i])
+def launching_every(model, k: int | None):
+    """Within the block, a short chunk's forward is launched after every `k` compiled blocks (`prepare.CHUNK_LAUNCH`;
+    None: once, at its end), as the engine's model launches it."""
+    kept = prepare.CHUNK_LAUNCH
+    prepare.CHUNK_LAUNCH = k or len(model.model.layers) + 1
     try:
         yield
     finally:
-        blocks[:] = kept
+        prepare.CHUNK_LAUNCH = kept
 
 
 def launched(k: int | None) -> str:
     """A row label's part for a chunk launched every `k` blocks (`launching_every`; None: once, at its end)."""
-    return f", launched every {f'{k} blocks' if k > 1 else 'block'}" if k else ""
+    return f", launched every {f'{k} blocks' if k > 1 else 'block'}" if k else ", launched once at its end"
 
 
 @contextlib.contextmanager
@@ -219,12 +204,13 @@ def main(argv=None) -> int:
         rows.append(dict(piece=piece, context=args.context, tokens=args.tokens, ms=round(ms, 2), note=note))
         print(rows[-1], flush=True)
 
-    add("chunk", timed_runs(chunk_runner(model, spec, route, agent, tokens)), f"route {route}")
-    for k in (4, 1):
+    add("chunk", timed_runs(chunk_runner(model, spec, route, agent, tokens)),
+        f"route {route}, launched every {prepare.CHUNK_LAUNCH} blocks where they are compiled (CUDA)")
+    for k in (None, 1):
         with launching_every(model, k):
             add(f"chunk{launched(k)}", timed_runs(chunk_runner(model, spec, route, agent, tokens)))
-    for k in (None, 4, 1):
-        with launching_every(model, k) if k else contextlib.nullcontext(), copying(agent) as rate:
+    for k in (None, prepare.CHUNK_LAUNCH, 1):
+        with launching_every(model, k), copying(agent) as rate:
             ms = timed_runs(chunk_runner(model, spec, route, agent, tokens))
         add(f"chunk{launched(k)}, beside a cache copy", ms, f"the copy at {rate['gb_per_s']:.2f} GB/s")
     name = args.name or f"hot_chunk-{args.model}"
