@@ -396,9 +396,10 @@ class PersistenceActor(SupervisedActor):
             await self._record_model(folder.parent)
         cache_seq, high = await _io(store.cache_seq)(folder), await _io(store.high_seq)(folder)
         last = -1 if scan is None else scan.last_seq
-        if scan is not None and scan.damaged:
-            log.error("agent %s: its journal was damaged in the middle: %s. %d records that check were kept; "
-                      "the damaged file is kept as journal.damaged-* in %s", agent, "; ".join(scan.losses()),
+        if scan is not None and (scan.damaged or scan.header_damaged):
+            log.error("agent %s: its journal was damaged %s: %s. %d records that check were kept; "
+                      "the damaged file is kept as journal.damaged-* in %s", agent,
+                      "in the middle" if scan.damaged else "in its header", "; ".join(scan.losses()),
                       len(scan.records), folder)
         if scan is not None and scan.torn:
             log.warning("agent %s: a torn journal tail (%d B, an append cut short) was moved aside to journal.torn-*",

@@ -5,9 +5,10 @@ little-endian u32 payload length, u32 crc32 of the payload, payload = a msgpack 
 (seq, turn_id, role, sender, text, time; an agent's records also name the seq that
 started their conversation, `conv`, and carry its system prompt's `prompt_check`,
 `check`); seqs rise strictly. Reading resynchronises on the frames past damaged
-bytes and keeps every record that checks (`scan_journal`); an incomplete or damaged
+bytes (a damaged magic included) and keeps every record that checks (`scan_journal`),
+in time linear in the file; an incomplete or damaged
 last frame is a torn tail (a crash in the middle of an append). Opening the journal for appends (`open_journal`) moves a torn tail aside to
-`journal.torn-<time>`; mid-file damage keeps the whole damaged file as
+`journal.torn-<time>`; mid-file or header damage keeps the whole damaged file as
 `journal.damaged-<time>` and rewrites the journal from its good frames. An append
 that fails (a full disk) cuts the file back to its last good frame before raising
 (`append_frames`). The cache only accelerates; the journal is what an agent's history is.
@@ -22,6 +23,7 @@ lost, and it keeps their seqs from being used again.
 from __future__ import annotations
 
 import os
+import re
 import stat
 import struct
 import time
@@ -68,11 +70,15 @@ def check_record(record: dict) -> None:
 
 
 def encode_records(records) -> bytes:
-    """The journal frames of `records` (each checked by `check_record`), ready to append."""
+    """The journal frames of `records` (each checked by `check_record`), ready to append.
+
+    Each payload is a msgpack map whose first key is "seq" (`journal_record` makes them so; others are
+    reordered), which lets a reader find frames again past damaged bytes without trying every byte.
+    """
     out = bytearray()
     for r in records:
         check_record(r)
-        payload = msgpack.packb(r, use_bin_type=True)
+        payload = msgpack.packb({"seq": r["seq"], **r}, use_bin_type=True)  # seq first: what `_resync` looks for
         out += _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
     return bytes(out)
 
@@ -85,7 +91,9 @@ class JournalScan:
     `frames`: their (start, stop) byte spans; `end`: where the last good frame ends
     (where the next append goes); `damaged`: (start, stop) spans between good frames
     that did not check (mid-file damage: records were lost there); `size`: bytes
-    scanned. Bytes from `end` to `size` are a torn tail (an append cut short).
+    scanned; `header_damaged`: the file did not start with JOURNAL_MAGIC, yet good
+    frames follow (their records are kept; the header is rewritten on repair). Bytes
+    from `end` to `size` are a torn tail (an append cut short).
     """
 
     records: list
@@ -93,6 +101,12 @@ class JournalScan:
     end: int
     damaged: list
     size: int
+    header_damaged: bool = False
+
+    @property
+    def needs_repair(self) -> bool:
+        """Whether `repair_journal` has anything to do: damage, a torn tail, a header to rewrite or to write."""
+        return bool(self.damaged or self.torn or self.header_damaged or self.end < len(JOURNAL_MAGIC))
 
     @property
     def last_seq(self) -> int:
@@ -105,8 +119,9 @@ class JournalScan:
         return self.size - self.end
 
     def losses(self) -> list[str]:
-        """One line per damaged span: where, how many bytes, between which seqs records were lost."""
-        out = []
+        """One line per damaged span: where, how many bytes, between which seqs records were lost (and one for a
+        damaged header, where none were)."""
+        out = [f"the header (first {len(JOURNAL_MAGIC)} B) was unreadable and is rewritten"] if self.header_damaged else []
         for start, stop in self.damaged:
             before = [r["seq"] for r, (_, e) in zip(self.records, self.frames) if e <= start]
             after = [r["seq"] for r, (s, _) in zip(self.records, self.frames) if s >= stop]
@@ -134,13 +149,39 @@ def _frame_at(view: memoryview, pos: int, after_seq: int):
     return (record, stop) if record["seq"] > after_seq else None
 
 
+_SEQ_KEY = re.compile(re.escape(msgpack.packb("seq")))  # a frame's payload starts with a map whose first key is "seq"
+_MAP_HEADS = ((5, (0xDF,)), (3, (0xDE,)), (1, range(0x80, 0x90)))  # map 32, map 16, fixmap: (bytes, first byte)
+_NEWER = re.compile(rb"kvactors-journal-([0-9]+)\n")
+
+
 def _resync(view: memoryview, pos: int, after_seq: int):
-    """The first position from `pos` on where a good frame starts (a record is a msgpack map), or None."""
-    for p in range(pos, len(view) - _FRAME.size):
-        first = view[p + _FRAME.size]
-        if (0x80 <= first <= 0x8F or first in (0xDE, 0xDF)) and _frame_at(view, p, after_seq) is not None:
-            return p
+    """The first position from `pos` on where a good frame starts, or None.
+
+    Only places where a payload's first key "seq" follows a map header are tried (`encode_records` puts it
+    first), so garbage costs time linear in its length: a random length field is not checked by CRC at every byte.
+    """
+    for key in _SEQ_KEY.finditer(view, pos + _FRAME.size + 1):
+        for size, firsts in _MAP_HEADS:
+            p = key.start() - size - _FRAME.size
+            if p >= pos and view[p + _FRAME.size] in firsts and _frame_at(view, p, after_seq) is not None:
+                return p
     return None
+
+
+def _header_damaged(view: memoryview) -> bool:
+    """Whether a journal that does not start with JOURNAL_MAGIC has a damaged header, rather than another format.
+
+    A newer journal version (the magic with a higher number) or bytes with no good frame in them raise
+    JournalError: they are left untouched.
+    """
+    newer = _NEWER.match(view)
+    if newer and int(newer.group(1)) > 1:
+        raise JournalError(f"a newer journal version ({int(newer.group(1))}) than this kvactors reads (1); it is left "
+                           "untouched: upgrade kvactors, or move it aside")
+    if _resync(view, 0, -1) is None:
+        raise JournalError("not a kvactors journal (bad magic bytes and no record in it); it is left untouched: "
+                           "move it aside")
+    return True
 
 
 def scan_journal(data) -> JournalScan:
@@ -148,17 +189,22 @@ def scan_journal(data) -> JournalScan:
 
     A damaged frame followed by good ones is mid-file damage: the good ones are kept
     and the span is reported in `damaged`; a damaged or incomplete frame with no good
-    one after it is the torn tail. Raises JournalError if `data` does not start with
-    JOURNAL_MAGIC (empty, or a prefix of the magic, is a journal whose creation was cut short).
+    one after it is the torn tail. A file that does not start with JOURNAL_MAGIC but
+    holds good frames has a damaged header (`header_damaged`; the bytes before its
+    first good frame past the header's length are reported in `damaged`). Raises
+    JournalError for a newer journal version or bytes with no good frame that do not
+    start with JOURNAL_MAGIC (empty, or a prefix of the magic, is a journal whose
+    creation was cut short). Time is linear in the bytes.
     """
     view = memoryview(data)
-    if len(view) < len(JOURNAL_MAGIC):
-        if bytes(view) != JOURNAL_MAGIC[: len(view)]:
-            raise JournalError("not a kvactors journal (bad magic bytes); it is left untouched: move it aside")
+    if len(view) < len(JOURNAL_MAGIC) and bytes(view) == JOURNAL_MAGIC[: len(view)]:
         return JournalScan([], [], 0, [], len(view))  # creation was cut short: nothing was ever recorded
-    if bytes(view[: len(JOURNAL_MAGIC)]) != JOURNAL_MAGIC:
-        raise JournalError("not a kvactors journal, or a newer journal version; it is left untouched: move it aside")
+    header = bytes(view[: len(JOURNAL_MAGIC)]) != JOURNAL_MAGIC and _header_damaged(view)
     records, frames, damaged, pos = [], [], [], len(JOURNAL_MAGIC)
+    if header:
+        pos = _resync(view, 0, -1)
+        if pos > len(JOURNAL_MAGIC):
+            damaged.append((len(JOURNAL_MAGIC), pos))
     while pos < len(view):
         found = _frame_at(view, pos, records[-1]["seq"] if records else -1)
         if found is None:
@@ -172,7 +218,7 @@ def scan_journal(data) -> JournalScan:
         records.append(record)
         frames.append((pos, stop))
         pos = stop
-    return JournalScan(records, frames, pos, damaged, len(view))
+    return JournalScan(records, frames, pos, damaged, len(view), header)
 
 
 def parse_journal(data) -> tuple[list, int]:
@@ -255,7 +301,7 @@ def conversation_prompt(history) -> str | None:
 def repair_journal(path: Path, scan: JournalScan) -> None:
     """Make the journal at `path` hold exactly the good frames of `scan`, keeping what it drops.
 
-    Mid-file damage: the whole file is kept as `journal.damaged-<ns>` and the journal
+    Mid-file damage or a damaged header: the whole file is kept as `journal.damaged-<ns>` and the journal
     is rewritten (atomically) from its good frames. A torn tail alone is moved aside to
     `journal.torn-<ns>` and cut off. A journal cut short at creation gets its magic.
     """
@@ -264,7 +310,7 @@ def repair_journal(path: Path, scan: JournalScan) -> None:
         if data:
             write_atomic(path.with_name(f"journal.torn-{time.time_ns()}"), data)
         write_atomic(path, JOURNAL_MAGIC)
-    elif scan.damaged:
+    elif scan.damaged or scan.header_damaged:
         write_atomic(path.with_name(f"journal.damaged-{time.time_ns()}"), data)
         write_atomic(path, JOURNAL_MAGIC + b"".join(data[a:b] for a, b in scan.frames))
     elif scan.torn:
@@ -371,7 +417,7 @@ def open_journal(folder: Path) -> tuple[JournalScan | None, int]:
         write_atomic(path, JOURNAL_MAGIC)
         return None, len(JOURNAL_MAGIC)
     scan = scan_journal(data)
-    if scan.damaged or scan.torn or scan.end < len(JOURNAL_MAGIC):
+    if scan.needs_repair:
         repair_journal(path, scan)
     return scan, len(JOURNAL_MAGIC) + sum(b - a for a, b in scan.frames)
 

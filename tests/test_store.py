@@ -10,6 +10,7 @@ import random
 import stat
 import threading
 import types
+import zlib
 from pathlib import Path
 
 import mlx.core as mx
@@ -458,6 +459,94 @@ def test_random_damage_never_loses_an_intact_frame(tmp_path):
         intact = [r for r, (s, e) in zip(recs, frames) if e <= a or s >= b]
         assert all(r in records for r in intact)  # resynchronisation found every untouched frame
         assert [r["seq"] for r in records] == sorted({r["seq"] for r in records})
+
+
+class _CountingZlib:
+    """Stands in for `journal`'s zlib module and counts the bytes it checksums."""
+
+    def __init__(self):
+        self.bytes = 0
+
+    def crc32(self, data, value=0):
+        self.bytes += len(data)
+        return zlib.crc32(data, value)
+
+
+@pytest.mark.parametrize("where", ["appended", "in the middle"])
+def test_garbage_in_a_journal_is_scanned_in_time_linear_in_its_bytes(tmp_path, monkeypatch, where):
+    """4 MiB of random bytes: the scan checksums about the file once (trying every byte with its random length
+    field checksummed ~60 times the file: the scan ran on the one persistence actor and held up every agent)."""
+    path, recs, frames = journal_of(tmp_path, 12)
+    good = path.read_bytes()
+    garbage = random.Random(2).randbytes(4 << 20)
+    data = good + garbage if where == "appended" else good[: frames[6][0]] + garbage + good[frames[6][0]:]
+    counting = _CountingZlib()
+    monkeypatch.setattr(journal, "zlib", counting)
+    scan = store.scan_journal(data)
+    assert counting.bytes <= 2 * len(data)
+    assert scan.records == recs
+    if where == "appended":
+        assert scan.torn == len(garbage) and not scan.damaged
+    else:
+        assert scan.damaged == [(frames[6][0], frames[6][0] + len(garbage))] and scan.torn == 0
+
+
+def test_a_record_whose_seq_is_not_its_first_key_is_found_again_past_damage(tmp_path):
+    """Frames are found again by their payload's first key, "seq": `encode_records` puts it first whatever the
+    order of the record's keys; a record whose text is "seq" does not confuse the search."""
+    recs = [store.journal_record(i, "user", "seq") for i in range(4)]
+    recs[2] = {"text": "reordered", "role": "user", "time": 1.0, "seq": 2}
+    data = bytearray(store.JOURNAL_MAGIC + store.encode_records(recs))
+    frames = store.scan_journal(bytes(data)).frames
+    data[frames[1][0] + 10] ^= 0x10
+    scan = store.scan_journal(bytes(data))
+    assert scan.records == [recs[0], recs[2], recs[3]] and scan.damaged == [frames[1]]
+
+
+@pytest.mark.parametrize("damage", ["every byte flipped in turn", "zeros", "cut"])
+def test_a_damaged_header_keeps_every_record_and_is_rewritten(tmp_path, damage):
+    """The first bytes of a journal damaged (one byte flipped, the first disk block zeroed, bytes lost): the
+    records that check are kept and the header rewritten, the damaged file kept aside; only the records
+    whose own bytes were hit are lost and reported."""
+    path, recs, frames = journal_of(tmp_path, 12)
+    good = path.read_bytes()
+    n = len(store.JOURNAL_MAGIC)
+    if damage == "every byte flipped in turn":
+        for i in range(n):
+            data = bytearray(good)
+            data[i] ^= 0x40 if i == n - 2 else 0x01  # '1' -> 'q', not a digit: another version number
+            scan = store.scan_journal(bytes(data))
+            assert scan.header_damaged and scan.records == recs and not scan.damaged and not scan.torn
+            assert scan.losses() == [f"the header (first {n} B) was unreadable and is rewritten"]
+        lost = []
+    elif damage == "zeros":
+        data = bytearray(good)
+        data[:frames[2][1] - 3] = bytes(frames[2][1] - 3)  # the header and the first three records
+        lost = [0, 1, 2]
+    else:
+        data = bytearray(good[5:])
+        lost = []
+    path.write_bytes(bytes(data))
+    kept = [r for i, r in enumerate(recs) if i not in lost]
+    assert store.read_journal(tmp_path, SPEC, "a") == kept
+    after = store.journal_record(12, "user", "after")
+    assert store.append_journal(tmp_path, SPEC, "a", [after]) == [after]
+    again = store.scan_journal(path.read_bytes())
+    assert again.records == kept + [after] and not again.header_damaged and not again.damaged
+    [kept_aside] = path.parent.glob("journal.damaged-*")
+    assert kept_aside.read_bytes() == bytes(data)
+
+
+@pytest.mark.parametrize("data", [b"kvactors-journal-2\n", b"not a journal at all, " * 40, b"\x00" * 4096])
+def test_a_file_with_no_record_or_of_a_newer_version_is_not_a_damaged_header(tmp_path, data):
+    """Bytes that do not start with the magic and hold no record that checks, or a newer version's magic
+    (records or not), are not repaired: JournalError, the file untouched."""
+    path, recs, _ = journal_of(tmp_path, 3)
+    body = path.read_bytes()[len(store.JOURNAL_MAGIC):] if data.startswith(b"kvactors") else b""
+    path.write_bytes(data + body)
+    with pytest.raises(store.JournalError, match="newer journal version" if body else "not a kvactors journal"):
+        store.append_journal(tmp_path, SPEC, "a", [store.journal_record(3, "user", "x")])
+    assert path.read_bytes() == data + body and not list(path.parent.glob("journal.*-*"))
 
 
 def test_a_failed_append_leaves_the_journal_as_it_was(tmp_path, monkeypatch):
