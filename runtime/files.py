@@ -197,9 +197,13 @@ def write_atomic(path: Path, data) -> None:
 
 
 def remove_temps(folder: Path) -> None:
-    """Delete temp files a crashed writer left in `folder` (one writer per folder)."""
+    """Delete temp files a crashed writer left in `folder` (one writer per folder).
+
+    kvactors makes temp files only: a folder of a temp file's name is not its own and is left alone.
+    """
     for p in folder.glob(f".*{_TMP_SUFFIX}"):
-        p.unlink(missing_ok=True)
+        if p.is_symlink() or not p.is_dir():
+            p.unlink(missing_ok=True)
 
 
 def read_file(path: Path) -> bytearray:

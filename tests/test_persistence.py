@@ -343,6 +343,22 @@ def test_an_unreadable_journal_is_that_agents_error_and_the_actor_serves_the_oth
     assert sorted(p.name for p in tmp_path.rglob("*") if "beta" not in str(p) and p.name != "model.json") == before  # left untouched
 
 
+def test_a_folder_named_like_a_temp_file_is_left_alone_and_the_agent_works(tmp_path, actor):
+    """A leftover folder with a temp file's name in an agent folder (not kvactors': it writes temp files only)
+    made every call of that agent fail ("Is a directory") and prune raise; it is now left as it is."""
+    folder = tmp_path / SPEC.fingerprint / "gamma"
+    stray = folder / ".cache.safetensors.1.ab.tmp"
+    stray.mkdir(parents=True)
+    (stray / "inside").write_bytes(b"someone's")
+    (folder / ".journal.msgpack.1.cd.tmp").write_bytes(b"crash leftover")
+    ref = actor()
+    assert ref.proxy().load("gamma").get(timeout=10).records == []
+    assert write(ref, "gamma", 0).get(timeout=10).seq == 0
+    assert ref.proxy().load("gamma").get(timeout=10).meta == expected("gamma", 0)[1]
+    assert store.prune(tmp_path, 10**9) == []
+    assert (stray / "inside").read_bytes() == b"someone's" and not (folder / ".journal.msgpack.1.cd.tmp").exists()
+
+
 def test_a_cache_newer_than_the_journal_raises_the_seq_floor(tmp_path, actor, caplog):
     ref = actor()
     for seq in range(4):
