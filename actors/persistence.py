@@ -361,7 +361,7 @@ class PersistenceActor(SupervisedActor):
         last = self._segment.pop(agent, None)  # unknown until this write is durable
         try:
             name, segment = await self._loop.run_in_executor(
-                self._cache_pool, _write_segment, folder, write, self.spec.fingerprint, last)
+                self._cache_pool, _write_segment, folder, write, store.model_tag(self.spec), last)
         except Exception as e:  # a full disk, or copying the cache off the device failed
             log.warning("agent %s: writing the cache of seq %d failed (%s); the turn is durable in the journal "
                         "and the cache on disk stays at seq %s", agent, write.seq, e, self._cache_seq.get(agent))

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from runtime.cacheformat import (MAX_HEADER, CacheError, CacheMissing, CorruptCache, UnreadableCache, check_spec,
-                                 decode_file, encode_file, parts_size)
+                                 decode_file, encode_file, model_tag, parts_size)
 from runtime.files import CACHE_FILE, DELTA_FILE, agent_dir, fsync_dir, make_dirs, map_file, refuse_links, write_atomic
 from runtime.hostcache import CacheMeta, DeviceCache, HostCache, layer_names
 
@@ -28,12 +28,12 @@ MAX_DELTAS = 32
 
 
 def save_cache(cache_dir, spec, agent: str, host: HostCache, meta: CacheMeta) -> Path:
-    """Atomically write `agent`'s full cache (`host` + `meta`) for model `spec.fingerprint`; return its path.
+    """Atomically write `agent`'s full cache (`host` + `meta`) for model `spec` (tagged `model_tag(spec)`); return its path.
 
     Any delta files of an older chain are removed.
     """
     folder = agent_dir(cache_dir, spec.fingerprint, agent)
-    parts = encode_file(host, meta, spec.fingerprint)[0]
+    parts = encode_file(host, meta, model_tag(spec))[0]
     make_dirs(folder)
     path = folder / CACHE_FILE
     write_atomic(path, parts)

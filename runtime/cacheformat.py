@@ -3,7 +3,7 @@
 `cache.safetensors` is a safetensors file (readable by the `safetensors` package): the
 tensors of a `runtime.hostcache.HostCache`, moved as raw bits, back to back in name
 order. The header's `__metadata__` holds `format` ("kvactors-q4-cache"),
-`format_version` ("1"), `meta` (JSON: fingerprint, kv_bits (the keys'), kv_value_bits,
+`format_version` ("1"), `meta` (JSON: fingerprint (the `model_tag`), kv_bits (the keys'), kv_value_bits,
 kv_group_size, kv_rotation (the `KVScheme`; a file without the last two is an unrotated
 one of kv_bits for keys and values), dtype, n_layers, n_tokens, lengths, seq, turn_id,
 text, token_ids, token_ends, created, and in a delta file `delta`: see
@@ -306,12 +306,24 @@ def _tensor(body: memoryview, t: dict) -> np.ndarray:
     return np.frombuffer(body[start:stop], dtype=np_dtype).reshape(t["shape"])
 
 
+def model_tag(spec) -> str:
+    """What a cache written for `spec` names as its model: `<fingerprint>-<weights>`, or the fingerprint alone
+    where the spec knows no weights' digest (`ModelCacheSpec.weights`), so that a model whose weights differ
+    only where `model.fingerprint` does not sample them is not served another's caches."""
+    weights = getattr(spec, "weights", "")
+    return f"{spec.fingerprint}-{weights}" if weights else spec.fingerprint
+
+
 def check_spec(host: HostCache, fingerprint: str, spec) -> None:
-    """Raise ForeignModel, QuantizationMismatch or ShapeMismatch unless `host` (made by `fingerprint`) fits `spec`."""
-    if fingerprint != spec.fingerprint:
+    """Raise ForeignModel, QuantizationMismatch or ShapeMismatch unless `host` (made by the model `fingerprint`
+    names: a `model_tag`) fits `spec`."""
+    tag = model_tag(spec)
+    if fingerprint != tag:
+        same = fingerprint.split("-")[0] == tag.split("-")[0]
         raise ForeignModel(
-            f"cache was made by model {fingerprint}, the runtime runs {spec.fingerprint}; "
-            "it cannot be reused, the agent re-prefills from its journal"
+            f"cache was made by model {fingerprint}, the runtime runs {tag}"
+            + (" (the same fingerprint: other weight bytes, or a cache written before whole weights were checked)"
+               if same else "") + "; it cannot be reused, the agent re-prefills from its journal"
         )
     scheme = getattr(spec, "kv_scheme", None) or plain(spec.kv_bits, spec.kv_group_size)  # plain for bare specs
     if host.scheme != scheme:

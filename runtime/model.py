@@ -12,9 +12,12 @@ import contextlib
 import hashlib
 import importlib.util
 import json
+import mmap
 import os
 import shutil
 import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -50,12 +53,14 @@ class DefaultModelMissing(ModelLoadError):
 
 @dataclass(frozen=True)
 class ModelCacheSpec:
-    """The KV-cache geometry of one model, plus its fingerprint.
+    """The KV-cache geometry of one model, plus its fingerprint and its weights' digest.
 
     `layer_kinds[i]` is "full" or "sliding"; `windows[i]` is the sliding window of
     layer i (None for full layers). The KV cache is quantized under `kv_scheme`:
     keys of `kv_bits`, values of `kv_value_bits` (None: `kv_bits`), groups of
-    `kv_group_size`, rotation `kv_rotation`.
+    `kv_group_size`, rotation `kv_rotation`. `fingerprint` names the model's folder in
+    the store; `weights` (`weights_digest`, "" where unknown) joins it in the name
+    every cache file gives its model (`cacheformat.model_tag`).
     """
 
     model_id: str
@@ -72,6 +77,7 @@ class ModelCacheSpec:
     kv_group_size: int = 64
     kv_value_bits: int | None = None
     kv_rotation: str = "none"
+    weights: str = ""
 
     @property
     def kv_scheme(self) -> KVScheme:
@@ -110,9 +116,11 @@ class ModelCacheSpec:
         has_sinks = any(hasattr(getattr(layer, "self_attn", None), "sinks") for layer in model.layers)
         scheme = kv_scheme or default_scheme(has_sinks)
         scheme.check_model(keys.shape[-1], values.shape[-1], has_sinks)
+        path = resolve_model_path(model_id)
         return cls(
             model_id=str(model_id),
-            fingerprint=fingerprint(resolve_model_path(model_id)),
+            fingerprint=fingerprint(path),
+            weights=weights_digest(path),
             n_layers=len(caches),
             n_kv_heads=keys.shape[1],
             k_head_dim=keys.shape[-1],
@@ -267,11 +275,12 @@ def new_model_folder(out: Path):
 
 
 def fingerprint(path: str | Path) -> str:
-    """A hex digest identifying the model in folder `path`.
+    """A hex digest identifying the model in folder `path`: the name of its folder in the store.
 
     It covers config.json, the tokenizer files, and every weight file's name, size
-    and 16 sampled 64 KiB chunks (reading whole multi-GB weights on every load would
-    be slow; any retrained or re-quantized weights change the sampled bytes).
+    and 16 sampled 64 KiB chunks. Retrained or re-quantized weights change the sampled
+    bytes, but weights changed only between the samples do not: caches also name
+    `weights_digest` (`cacheformat.model_tag`).
     """
     path = Path(path)
     h = hashlib.sha256()
@@ -290,4 +299,44 @@ def fingerprint(path: str | Path) -> str:
                 h.update(fh.read(_SAMPLE_BYTES))
             fh.seek(max(0, size - _SAMPLE_BYTES))
             h.update(fh.read())
+    return h.hexdigest()[:32]
+
+
+_PIECE = 16 << 20  # bytes of a weight file hashed apart, in parallel
+_digests: dict = {}  # (file, device, inode, size, mtime, ctime) -> its digest: each version hashed once a process
+_digests_lock = threading.Lock()
+
+
+def _file_digest(f: Path) -> bytes:
+    """sha256 of file `f`'s size and of the sha256 of each of its `_PIECE`-byte pieces (hashed on threads)."""
+    st = os.stat(f)
+    key = (os.path.realpath(f), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    with _digests_lock:
+        if key in _digests:
+            return _digests[key]
+    h = hashlib.sha256(st.st_size.to_bytes(8, "little"))
+    if st.st_size:
+        with open(f, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            view = memoryview(m)
+            try:
+                with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+                    for d in pool.map(lambda a: hashlib.sha256(view[a:a + _PIECE]).digest(),
+                                      range(0, st.st_size, _PIECE)):
+                        h.update(d)
+            finally:
+                view.release()
+    with _digests_lock:
+        _digests[key] = h.digest()
+    return _digests[key]
+
+
+def weights_digest(path: str | Path) -> str:
+    """A hex digest of every byte of the weight files (`*.safetensors`) in model folder `path`, with their names.
+
+    Reads them whole (in parallel pieces; a 4.5 GB model in the page cache takes well under a second on
+    several cores), once a process for a file unchanged since (same inode, size, mtime and ctime).
+    """
+    h = hashlib.sha256()
+    for f in sorted(Path(path).glob("*.safetensors")):
+        h.update(f.name.encode() + b"\0" + _file_digest(f))
     return h.hexdigest()[:32]

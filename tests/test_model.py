@@ -102,6 +102,69 @@ def test_fingerprint_changes_with_weights_and_nothing_else(tmp_path):
     assert fingerprint(a) != fingerprint(b)
 
 
+def change_between_samples(folder, tensor: str) -> None:
+    """Flip the sign of float32 weights of `tensor` in `folder/model.safetensors` where `fingerprint` samples none."""
+    import struct
+
+    from runtime import model as model_module
+
+    path = folder / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    start, stop = json.loads(data[8:8 + struct.unpack("<Q", data[:8])[0]])[tensor]["data_offsets"]
+    base = 8 + struct.unpack("<Q", data[:8])[0]
+    size, chunks, width = len(data), model_module._SAMPLE_CHUNKS, model_module._SAMPLE_BYTES
+    sampled = [(size * i // chunks, size * i // chunks + width) for i in range(chunks)] + [(size - width, size)]
+    a = next(w[1] for w in sampled if base + start <= w[1] < base + stop)  # the end of a sample inside the tensor
+    b = min([w[0] for w in sampled if w[0] > a] + [base + stop])
+    a, b = a + 4 - a % 4, b - b % 4 - 4  # whole float32s strictly between two samples
+    assert b - a >= 1024, "no unsampled stretch in that tensor"
+    for i in range(a + 3, b, 4):
+        data[i] ^= 0x80  # the sign bit of a little-endian float32
+    path.write_bytes(bytes(data))
+
+
+def test_weights_digest_covers_every_byte_the_fingerprint_does_not_sample(tmp_path):
+    """`fingerprint` samples the weight files (the store's folder name); `weights_digest`, which tags every cache,
+    reads them whole: weights changed only between the samples keep the fingerprint and change the digest."""
+    from runtime.model import weights_digest
+
+    a = make_tiny_model(tmp_path / "a", "llama", seed=0)
+    b = tmp_path / "b"
+    shutil.copytree(a, b)
+    assert weights_digest(a) == weights_digest(b)
+    change_between_samples(b, "model.layers.0.mlp.down_proj.weight")
+    assert fingerprint(a) == fingerprint(b)  # the samples missed it, as the fingerprint's docstring says
+    assert weights_digest(a) != weights_digest(b)
+    shutil.copy(a / "model.safetensors", b / "model.safetensors")  # rewritten in place: not the remembered digest
+    assert weights_digest(a) == weights_digest(b)
+
+
+def test_a_model_with_weights_changed_between_the_samples_is_not_served_the_other_models_caches(tmp_path):
+    """Two model folders of one fingerprint (weights differing only between its samples) share the store's
+    folder and so each agent's history; a cache the other model made is refused (ForeignModel) and the turn
+    re-prefills the history: its reply is that model's own, token for token."""
+    from runtime import Runtime
+
+    a = make_tiny_model(tmp_path / "a", "llama", seed=0)
+    b = tmp_path / "b"
+    shutil.copytree(a, b)
+    for layer in ("0", "1"):
+        change_between_samples(b, f"model.layers.{layer}.mlp.down_proj.weight")
+    with Runtime(model=a, cache_dir=tmp_path / "store") as rt:
+        alice = rt.spawn("alice", system="You are Alice.")
+        alice.ask("Plan a bake sale.", max_tokens=6)
+        history = alice.history()
+    with Runtime(model=b, cache_dir=tmp_path / "store") as rt:
+        alice = rt.spawn("alice", system="You are Alice.")
+        assert alice.history() == history  # one fingerprint: one folder, the same journal
+        warm = alice.ask("Go on.", max_tokens=8)
+    with Runtime(model=b, cache_dir=tmp_path / "fresh") as rt:
+        alice = rt.spawn("alice", system="You are Alice.")
+        alice.reset([{"role": r["role"], "text": r["text"]} for r in history if r["role"] != "system"])
+        cold = alice.ask("Go on.", max_tokens=8)
+    assert warm.cache == "cold" and warm.tokens == cold.tokens
+
+
 def test_load_model_default_and_errors(tmp_path):
     model, tokenizer, spec = load_model(None)
     assert spec.model_id == str(tiny_llama_path())

@@ -306,6 +306,22 @@ def test_another_models_cache(tmp_path):
     assert_fallback(tmp_path, records, store.ForeignModel)
 
 
+def test_a_cache_of_the_same_fingerprint_and_other_weights_or_none_named_is_another_models(tmp_path):
+    """Caches name the model by `model_tag` (fingerprint and weights' digest): one written under other weights
+    of the same fingerprint, or before digests were written, is ForeignModel, saying why; the history stays."""
+    weighed = spec(weights="w" * 32)
+    records = [store.journal_record(0, "user", "x" * 40)]
+    store.append_journal(tmp_path, weighed, "a", records)
+    for writer in (spec(weights="v" * 32), SPEC):
+        store.save_cache(tmp_path, writer, "a", store.cache_to_host(q4_cache(40)), meta_for(40))
+        with pytest.raises(store.ForeignModel, match="the same fingerprint: other weight bytes"):
+            store.load_cache(tmp_path, weighed, "a")
+        loaded = store.load_agent(tmp_path, weighed, "a")
+        assert loaded.host is None and type(loaded.error) is store.ForeignModel and loaded.records == records
+    store.save_cache(tmp_path, weighed, "a", store.cache_to_host(q4_cache(40)), meta_for(40))
+    assert store.load_agent(tmp_path, weighed, "a").host.n_tokens == 40
+
+
 @pytest.mark.parametrize("bits, group", [(8, 64), (4, 32)])
 def test_other_bits_or_group(tmp_path, bits, group):
     _, records = saved(tmp_path, bits=bits, group=group)
