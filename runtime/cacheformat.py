@@ -307,11 +307,16 @@ def _tensor(body: memoryview, t: dict) -> np.ndarray:
 
 
 def model_tag(spec) -> str:
-    """What a cache written for `spec` names as its model: `<fingerprint>-<weights>`, or the fingerprint alone
+    """What a cache written for `spec` names as its model: `<fingerprint>.<weights>`, or the fingerprint alone
     where the spec knows no weights' digest (`ModelCacheSpec.weights`), so that a model whose weights differ
     only where `model.fingerprint` does not sample them is not served another's caches."""
     weights = getattr(spec, "weights", "")
-    return f"{spec.fingerprint}-{weights}" if weights else spec.fingerprint
+    return f"{spec.fingerprint}.{weights}" if weights else spec.fingerprint
+
+
+def tag_fingerprint(tag: str) -> str:
+    """The fingerprint in a `model_tag` (fingerprints never hold a dot)."""
+    return tag.partition(".")[0]
 
 
 def check_spec(host: HostCache, fingerprint: str, spec) -> None:
@@ -319,7 +324,7 @@ def check_spec(host: HostCache, fingerprint: str, spec) -> None:
     names: a `model_tag`) fits `spec`."""
     tag = model_tag(spec)
     if fingerprint != tag:
-        same = fingerprint.split("-")[0] == tag.split("-")[0]
+        same = tag_fingerprint(fingerprint) == tag_fingerprint(tag)
         raise ForeignModel(
             f"cache was made by model {fingerprint}, the runtime runs {tag}"
             + (" (the same fingerprint: other weight bytes, or a cache written before whole weights were checked)"

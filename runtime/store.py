@@ -29,7 +29,8 @@ from runtime.cachechain import (MAX_DELTAS, Segment, cache_seq, load_cache, load
                                 remove_deltas, save_cache)
 from runtime.cacheformat import (FORMAT, FORMAT_VERSION, MAX_HEADER, CacheError, CacheMissing, ChecksumMismatch,
                                  CorruptCache, ForeignModel, QuantizationMismatch, ShapeMismatch, TruncatedCache,
-                                 UnreadableCache, UnsupportedVersion, decode_cache, encode_cache, model_tag)
+                                 UnreadableCache, UnsupportedVersion, decode_cache, encode_cache, model_tag,
+                                 tag_fingerprint)
 from runtime.files import (AGENT_ID, CACHE_FILE, DELTA_FILE, HIGH_FILE, JOURNAL_FILE, MODEL_FILE, CacheDirInUse, NotAFolder,
                            AgentInUse, InvalidAgentId, UnsafePath, agent_dir, check_agent_id, fsync_dir, lock_agent, lock_cache_dir, make_dirs, map_file,
                            open_private, read_file, refuse_links, remove_temps, temp_path, write_atomic)
@@ -53,6 +54,7 @@ __all__ = [
     # runtime.cacheformat
     "FORMAT", "FORMAT_VERSION", "MAX_HEADER", "CacheError", "CacheMissing", "ChecksumMismatch", "CorruptCache",
     "ForeignModel", "QuantizationMismatch", "ShapeMismatch", "TruncatedCache", "UnreadableCache", "model_tag",
+    "tag_fingerprint",
     "UnsupportedVersion", "decode_cache", "encode_cache",
     # runtime.cachechain
     "MAX_DELTAS", "Segment", "cache_seq", "load_cache", "load_chain", "load_segment", "next_segment", "remove_deltas",
@@ -271,7 +273,7 @@ def _agent_row(folder: Path) -> list[str]:
         try:
             host, meta = load_chain(folder)
             tokens, cseq = str(host.n_tokens), meta.seq
-            if meta.fingerprint.split("-")[0] != folder.parent.name:  # a model_tag: <fingerprint>[-<weights>]
+            if tag_fingerprint(meta.fingerprint) != folder.parent.name:
                 health.append(f"cache of another model ({meta.fingerprint})")
         except CacheError as e:
             health.append(f"bad cache: {type(e).__name__}")

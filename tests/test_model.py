@@ -163,6 +163,10 @@ def test_a_model_with_weights_changed_between_the_samples_is_not_served_the_othe
         alice.reset([{"role": r["role"], "text": r["text"]} for r in history if r["role"] != "system"])
         cold = alice.ask("Go on.", max_tokens=8)
     assert warm.cache == "cold" and warm.tokens == cold.tokens
+    from runtime.store import inspect_table
+
+    table = inspect_table(tmp_path / "store")
+    assert "alice" in table and "another model" not in table  # caches name the weights beside the fingerprint
 
 
 def test_load_model_default_and_errors(tmp_path):
