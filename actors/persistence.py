@@ -204,8 +204,9 @@ class PersistenceActor(SupervisedActor):
             return self._run(self._load(agent))
         except store.JournalError as e:
             return store.Loaded([], journal_error=e)
-        except OSError as e:  # a symlink in the store, a folder without permission
-            error = store.JournalError(f"cannot read the files of agent {agent!r}: {e}; fix them or move them aside")
+        except Exception as e:  # noqa: BLE001 - a symlink in the store, no permission, or files no rule foresaw
+            error = store.JournalError(f"cannot read the files of agent {agent!r}: {type(e).__name__}: {e}; fix "
+                                       "them or move them aside")
             error.__cause__ = e
             return store.Loaded([], journal_error=error)
 
@@ -218,7 +219,7 @@ class PersistenceActor(SupervisedActor):
         self._flush()
         try:
             return self._run(_io(store.read_journal)(self.cache_dir, self.spec, agent))
-        except (store.JournalError, OSError) as e:
+        except Exception as e:  # noqa: BLE001 - as in `load`: this actor serves every agent
             log.error("agent %s: reading its journal back failed: %s", agent, e)
             return None
 

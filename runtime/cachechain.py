@@ -21,7 +21,8 @@ import numpy as np
 
 from runtime.cacheformat import (MAX_HEADER, CacheError, CacheMissing, CorruptCache, UnreadableCache, check_spec,
                                  decode_file, encode_file, model_tag, parts_size)
-from runtime.files import CACHE_FILE, DELTA_FILE, agent_dir, fsync_dir, make_dirs, map_file, refuse_links, write_atomic
+from runtime.files import (CACHE_FILE, DELTA_FILE, agent_dir, fsync_dir, make_dirs, map_file, open_file, refuse_links,
+                           write_atomic)
 from runtime.hostcache import CacheMeta, DeviceCache, HostCache, layer_names
 
 MAX_DELTAS = 32
@@ -114,7 +115,7 @@ def cache_seq(folder: Path) -> int | None:
 def _header_link(path: Path, with_parent: bool = False):
     """(seq, checksum[, parent checksum]) from the header of the cache file at `path`; Nones if unreadable."""
     try:
-        with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
+        with open(open_file(path, os.O_RDONLY), "rb") as f:
             n = int.from_bytes(f.read(8), "little")
             if not 0 < n <= MAX_HEADER:
                 raise ValueError(f"header size {n}")

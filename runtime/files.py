@@ -17,10 +17,12 @@ as a symlink: files are opened with O_NOFOLLOW, folders are checked (`refuse_lin
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import re
 import secrets
+import stat
 from pathlib import Path
 
 from runtime.errors import KvactorsError
@@ -117,7 +119,7 @@ def lock_agent(cache_dir, fingerprint: str, agent: str) -> int:
         raise ValueError(f"invalid model fingerprint {fingerprint!r}")
     folder = Path(cache_dir).expanduser() / ".locks" / fingerprint
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    fd = os.open(folder / f"{agent}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    fd = open_file(folder / f"{agent}.lock", os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -157,6 +159,36 @@ def make_dirs(folder: Path) -> None:
 def temp_path(path: Path) -> Path:
     """A fresh temp file name next to `path` (same folder, so the rename is atomic)."""
     return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}{_TMP_SUFFIX}")
+
+
+def open_file(path, flags: int, mode: int = 0o600) -> int:
+    """`os.open` of a file in the store: never through a symlink, and only a regular file.
+
+    Anything else (a named pipe, a device, a folder) raises OSError (EINVAL, "not a regular
+    file") at once: it is opened non-blocking, so a pipe with no writer cannot stall the
+    caller (the one persistence actor that serves every agent); the fd returned blocks as usual.
+    """
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, mode)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def own_file(path: Path) -> None:
+    """Make the file at `path` its folder's alone: one with other hard links (a folder copied with `cp -al`, a
+    backup that keeps links) is replaced by a copy (`write_atomic`), since files rewritten in place (the journal,
+    its mark) would otherwise be written by two agents. A missing file is left missing."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+        write_atomic(path, read_file(path))
 
 
 def open_private(path, flags: int) -> int:
@@ -208,7 +240,7 @@ def remove_temps(folder: Path) -> None:
 
 def read_file(path: Path) -> bytearray:
     """The whole file at `path` in one buffer (one read, no extra copy)."""
-    with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb", buffering=0) as f:
+    with open(open_file(path, os.O_RDONLY), "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         buf = bytearray(size)
         view, got = memoryview(buf), 0
@@ -227,7 +259,7 @@ def map_file(path: Path):
     while any of them is alive. Files are replaced by rename, never rewritten in
     place, so a mapping always sees one complete version.
     """
-    with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
+    with open(open_file(path, os.O_RDONLY), "rb") as f:
         if os.fstat(f.fileno()).st_size == 0:
             return b""
         return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))

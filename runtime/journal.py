@@ -22,9 +22,10 @@ lost, and it keeps their seqs from being used again.
 
 from __future__ import annotations
 
+import bisect
+import errno
 import os
 import re
-import stat
 import struct
 import time
 import zlib
@@ -34,7 +35,8 @@ from pathlib import Path
 import msgpack
 
 from runtime.errors import KvactorsError
-from runtime.files import HIGH_FILE, JOURNAL_FILE, agent_dir, make_dirs, refuse_links, remove_temps, write_atomic
+from runtime.files import (HIGH_FILE, JOURNAL_FILE, agent_dir, make_dirs, open_file, own_file, refuse_links, remove_temps,
+                           write_atomic)
 
 JOURNAL_MAGIC = b"kvactors-journal-1\n"
 _FRAME = struct.Struct("<II")
@@ -60,13 +62,23 @@ def journal_record(
     return record
 
 
+_OPTIONAL = {"turn_id": str, "conv": int, "check": int, "tokens": list, "finish_reason": str}  # when present and set
+
+
 def check_record(record: dict) -> None:
-    """Raise ValueError unless `record` has an int `seq`, str `role` and str `text`."""
+    """Raise ValueError unless `record` has an int `seq`, str `role` and str `text`, and the fields the runtime
+    reads back have their types where set (`turn_id` str, `conv` and `check` int, `tokens` list,
+    `finish_reason` str). A frame whose record fails this is damage, as one whose CRC fails."""
     if not isinstance(record, dict):
         raise ValueError(f"a journal record is a dict, got {type(record).__name__}")
     seq, role, text = record.get("seq"), record.get("role"), record.get("text")
     if not (isinstance(seq, int) and isinstance(role, str) and isinstance(text, str)):
         raise ValueError(f"journal record needs int seq, str role and str text: {record!r:.200}")
+    for key, kind in _OPTIONAL.items():
+        value = record.get(key)
+        if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+            raise ValueError(f"journal record's {key} must be a {kind.__name__}, got {type(value).__name__}: "
+                             f"{record!r:.200}")
 
 
 def encode_records(records) -> bytes:
@@ -130,8 +142,8 @@ class JournalScan:
         return out
 
 
-def _frame_at(view: memoryview, pos: int, after_seq: int):
-    """(record, end) of a frame that checks at `pos` with a seq above `after_seq`, else None."""
+def _frame_at(view: memoryview, pos: int):
+    """(record, end) of a frame that checks at `pos`, else None."""
     if pos + _FRAME.size > len(view):
         return None
     n, crc = _FRAME.unpack_from(view, pos)
@@ -146,7 +158,7 @@ def _frame_at(view: memoryview, pos: int, after_seq: int):
         check_record(record)
     except (ValueError, TypeError, msgpack.UnpackException):
         return None
-    return (record, stop) if record["seq"] > after_seq else None
+    return record, stop
 
 
 _SEQ_KEY = re.compile(re.escape(msgpack.packb("seq")))  # a frame's payload starts with a map whose first key is "seq"
@@ -154,7 +166,7 @@ _MAP_HEADS = ((5, (0xDF,)), (3, (0xDE,)), (1, range(0x80, 0x90)))  # map 32, map
 _NEWER = re.compile(rb"kvactors-journal-([0-9]+)\n")
 
 
-def _resync(view: memoryview, pos: int, after_seq: int):
+def _resync(view: memoryview, pos: int):
     """The first position from `pos` on where a good frame starts, or None.
 
     Only places where a payload's first key "seq" follows a map header are tried (`encode_records` puts it
@@ -163,7 +175,7 @@ def _resync(view: memoryview, pos: int, after_seq: int):
     for key in _SEQ_KEY.finditer(view, pos + _FRAME.size + 1):
         for size, firsts in _MAP_HEADS:
             p = key.start() - size - _FRAME.size
-            if p >= pos and view[p + _FRAME.size] in firsts and _frame_at(view, p, after_seq) is not None:
+            if p >= pos and view[p + _FRAME.size] in firsts and _frame_at(view, p) is not None:
                 return p
     return None
 
@@ -178,7 +190,7 @@ def _header_damaged(view: memoryview) -> bool:
     if newer and int(newer.group(1)) > 1:
         raise JournalError(f"a newer journal version ({int(newer.group(1))}) than this kvactors reads (1); it is left "
                            "untouched: upgrade kvactors, or move it aside")
-    if _resync(view, 0, -1) is None:
+    if _resync(view, 0) is None:
         raise JournalError("not a kvactors journal (bad magic bytes and no record in it); it is left untouched: "
                            "move it aside")
     return True
@@ -189,7 +201,8 @@ def scan_journal(data) -> JournalScan:
 
     A damaged frame followed by good ones is mid-file damage: the good ones are kept
     and the span is reported in `damaged`; a damaged or incomplete frame with no good
-    one after it is the torn tail. A file that does not start with JOURNAL_MAGIC but
+    one after it is the torn tail. Frames that check but whose seqs break the rising
+    order are damage too, the fewest possible (`_rising`). A file that does not start with JOURNAL_MAGIC but
     holds good frames has a damaged header (`header_damaged`; the bytes before its
     first good frame past the header's length are reported in `damaged`). Raises
     JournalError for a newer journal version or bytes with no good frame that do not
@@ -202,13 +215,13 @@ def scan_journal(data) -> JournalScan:
     header = bytes(view[: len(JOURNAL_MAGIC)]) != JOURNAL_MAGIC and _header_damaged(view)
     records, frames, damaged, pos = [], [], [], len(JOURNAL_MAGIC)
     if header:
-        pos = _resync(view, 0, -1)
+        pos = _resync(view, 0)
         if pos > len(JOURNAL_MAGIC):
             damaged.append((len(JOURNAL_MAGIC), pos))
     while pos < len(view):
-        found = _frame_at(view, pos, records[-1]["seq"] if records else -1)
+        found = _frame_at(view, pos)
         if found is None:
-            nxt = _resync(view, pos + 1, records[-1]["seq"] if records else -1)
+            nxt = _resync(view, pos + 1)
             if nxt is None:
                 break  # a torn tail
             damaged.append((pos, nxt))
@@ -218,7 +231,43 @@ def scan_journal(data) -> JournalScan:
         records.append(record)
         frames.append((pos, stop))
         pos = stop
-    return JournalScan(records, frames, pos, damaged, len(view), header)
+    kept = _rising([r["seq"] for r in records])
+    damaged = _merged(damaged + [f for i, f in enumerate(frames) if i not in kept])
+    return JournalScan([records[i] for i in sorted(kept)], [frames[i] for i in sorted(kept)], pos, damaged,
+                       len(view), header)
+
+
+def _rising(seqs: list) -> set:
+    """The indexes of a longest run of `seqs` (not necessarily adjacent) whose values rise strictly.
+
+    Seqs rise strictly in a journal; frames that check but break that order (a stray
+    record spliced in, a repeated seq) are the fewest dropped. O(n log n).
+    """
+    tails, tail_at, before = [], [], [-1] * len(seqs)  # tails[k]: the least last seq of a rising run of k + 1
+    for i, seq in enumerate(seqs):
+        k = bisect.bisect_left(tails, seq)
+        before[i] = tail_at[k - 1] if k else -1
+        if k == len(tails):
+            tails.append(seq)
+            tail_at.append(i)
+        elif seq < tails[k]:
+            tails[k], tail_at[k] = seq, i
+    kept, i = set(), tail_at[-1] if tail_at else -1
+    while i >= 0:
+        kept.add(i)
+        i = before[i]
+    return kept
+
+
+def _merged(spans: list) -> list:
+    """(start, stop) spans sorted, those that touch or overlap joined."""
+    out = []
+    for start, stop in sorted(spans):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], stop))
+        else:
+            out.append((start, stop))
+    return out
 
 
 def parse_journal(data) -> tuple[list, int]:
@@ -234,20 +283,23 @@ def read_journal_bytes(path: Path) -> bytes | None:
     it exists but cannot be read: no permission, a folder, a link.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = open_file(path, os.O_RDONLY)
     except FileNotFoundError:
         return None
     except OSError as e:
+        if e.errno == errno.EINVAL:
+            raise JournalError(f"the journal {path} is not a regular file; move it aside") from e
         raise JournalError(
             f"cannot read the journal {path}: {e.strerror or e}; fix its permissions or move it aside"
         ) from e
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise JournalError(f"the journal {path} is not a regular file; move it aside")
         with open(fd, "rb", closefd=False) as f:
             return f.read()
     except OSError as e:
         raise JournalError(f"cannot read the journal {path}: {e.strerror or e}; fix it or move it aside") from e
+    except MemoryError as e:
+        raise JournalError(f"the journal {path} ({os.fstat(fd).st_size} B) is too large to read into memory; "
+                           "move it aside") from e
     finally:
         os.close(fd)
 
@@ -315,7 +367,7 @@ def repair_journal(path: Path, scan: JournalScan) -> None:
         write_atomic(path, JOURNAL_MAGIC + b"".join(data[a:b] for a, b in scan.frames))
     elif scan.torn:
         write_atomic(path.with_name(f"journal.torn-{time.time_ns()}"), data[scan.end :])
-        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
+        fd = open_file(path, os.O_WRONLY)
         try:
             os.ftruncate(fd, scan.end)
             os.fsync(fd)
@@ -326,7 +378,7 @@ def repair_journal(path: Path, scan: JournalScan) -> None:
 def _read_high_file(folder: Path, size: int, offset: int) -> bytes | None:
     """`size` bytes at `offset` of the high-water mark's file in `folder`; None if absent, unreadable or short."""
     try:
-        fd = os.open(folder / HIGH_FILE, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = open_file(folder / HIGH_FILE, os.O_RDONLY)
     except OSError:
         return None
     try:
@@ -353,14 +405,16 @@ def record_high_seq(folder: Path, seq: int) -> None:
     Call it with the highest seq of an append before acknowledging it: then no
     acknowledged seq is ever used twice, even when the journal loses its tail. Lower
     it only back to its previous value, when the append failed and was cut back. The 16 bytes are rewritten in place and fsynced, needing no
-    new disk space once the file exists; the first call creates it (`write_atomic`).
-    Never follows a symlink.
+    new disk space once the file exists; the first call creates it (`write_atomic`),
+    as it replaces anything not a regular file in its place. Never follows a symlink.
     """
     data = _HIGH.pack(_HIGH_MAGIC, seq, zlib.crc32(_HIGH.pack(_HIGH_MAGIC, seq, 0)[:12]))
     try:
-        fd = os.open(folder / HIGH_FILE, os.O_WRONLY | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        write_atomic(folder / HIGH_FILE, data)
+        fd = open_file(folder / HIGH_FILE, os.O_WRONLY)
+    except OSError as e:
+        if e.errno not in (errno.ENOENT, errno.EINVAL, errno.ENXIO):
+            raise
+        write_atomic(folder / HIGH_FILE, data)  # none yet, or something not a file in its place (a pipe)
         return
     try:
         os.pwrite(fd, data, 0)
@@ -393,7 +447,7 @@ def record_reported_loss(folder: Path, last: int, mark: int) -> None:
     (`record_high_seq`); raises OSError when it cannot be written.
     """
     data = _LOSS.pack(_LOSS_MAGIC, last, mark, zlib.crc32(_LOSS.pack(_LOSS_MAGIC, last, mark, 0)[:20]))
-    fd = os.open(folder / HIGH_FILE, os.O_WRONLY | os.O_NOFOLLOW)
+    fd = open_file(folder / HIGH_FILE, os.O_WRONLY)
     try:
         os.pwrite(fd, data, _LOSS_AT)
         os.fsync(fd)
@@ -405,12 +459,15 @@ def open_journal(folder: Path) -> tuple[JournalScan | None, int]:
     """Make `folder`'s journal ready for appends; return (its scan as found, the byte to append at).
 
     The scan is None when there was no journal. Creates the folders and an empty
-    journal as needed, removes temp files of crashed writers, and repairs damage
+    journal as needed, removes temp files of crashed writers, gives the journal and its mark
+    their own copies where they had other hard links (`own_file`), and repairs damage
     (`repair_journal`). Raises JournalError for a journal that cannot be read (it is
     left untouched) and UnsafePath for a symlink in the store.
     """
     make_dirs(folder)
     remove_temps(folder)
+    for name in (JOURNAL_FILE, HIGH_FILE):  # both are written in place: never shared with another agent's folder
+        own_file(folder / name)
     path = folder / JOURNAL_FILE
     data = read_journal_bytes(path)
     if data is None:
@@ -435,7 +492,7 @@ def append_frames(path: Path, data: bytes, end: int) -> int:
     such a failure) are cut first. Never follows a symlink and never creates the file:
     a journal deleted underneath raises FileNotFoundError.
     """
-    fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
+    fd = open_file(path, os.O_WRONLY)
     try:
         size = os.fstat(fd).st_size
         if size < end:

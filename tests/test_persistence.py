@@ -343,6 +343,54 @@ def test_an_unreadable_journal_is_that_agents_error_and_the_actor_serves_the_oth
     assert sorted(p.name for p in tmp_path.rglob("*") if "beta" not in str(p) and p.name != "model.json") == before  # left untouched
 
 
+@pytest.mark.parametrize("name", [store.JOURNAL_FILE, store.HIGH_FILE, store.CACHE_FILE])
+def test_a_named_pipe_in_place_of_an_agents_file_stalls_nobody(tmp_path, actor, name):
+    """A FIFO in place of one of gamma's files blocked the one persistence actor (opening a pipe waits for a
+    writer) and so every agent: files are opened non-blocking and must be regular; gamma's own calls fail or
+    fall back, beta is served."""
+    ref = actor()
+    for agent in ("beta", "gamma"):
+        write(ref, agent, 0).get(timeout=10)
+    settled(ref).stop()
+    path = tmp_path / SPEC.fingerprint / "gamma" / name
+    path.unlink()
+    os.mkfifo(path)
+    ref = actor()
+    loaded = ref.proxy().load("gamma").get(timeout=10)
+    if name == store.JOURNAL_FILE:
+        assert isinstance(loaded.journal_error, store.JournalError) and "not a regular file" in str(loaded.journal_error)
+    elif name == store.CACHE_FILE:
+        assert loaded.host is None and isinstance(loaded.error, store.UnreadableCache) and len(loaded.records) == 1
+    else:
+        assert loaded.records and loaded.journal_error is None
+        assert write(ref, "gamma", 1).get(timeout=10).seq == 1  # the mark is written anew, a regular file
+        assert store.high_seq(path.parent) == 1 and path.is_file()
+    assert write(ref, "beta", 1).get(timeout=10).seq == 1
+    assert ref.proxy().load("beta").get(timeout=10).records == [expected("beta", s)[2] for s in (0, 1)]
+
+
+def test_an_agent_folder_copied_with_hard_links_gets_its_own_journal(tmp_path, actor):
+    """`cp -al beta gamma` (or a backup that keeps links) shared one journal between two agents: each one's
+    appends cut the other's acknowledged records. A journal or mark with other links is copied when opened."""
+    ref = actor()
+    write(ref, "beta", 0).get(timeout=10)
+    settled(ref).stop()
+    folder = tmp_path / SPEC.fingerprint
+    (folder / "gamma").mkdir(mode=0o700)
+    for f in (folder / "beta").iterdir():
+        os.link(f, folder / "gamma" / f.name)
+    ref = actor()
+    for seq in (1, 2):
+        for agent in ("beta", "gamma"):
+            assert write(ref, agent, seq).get(timeout=10).seq == seq
+    settled(ref).stop()
+    for agent in ("beta", "gamma"):
+        assert journal_seqs(tmp_path, agent) == [0, 1, 2]
+        assert [r["text"] for r in store.read_journal(tmp_path, SPEC, agent)][1:] == \
+            [expected(agent, s)[2]["text"] for s in (1, 2)]
+        assert (folder / agent / store.JOURNAL_FILE).stat().st_nlink == 1
+
+
 def test_a_folder_named_like_a_temp_file_is_left_alone_and_the_agent_works(tmp_path, actor):
     """A leftover folder with a temp file's name in an agent folder (not kvactors': it writes temp files only)
     made every call of that agent fail ("Is a directory") and prune raise; it is now left as it is."""

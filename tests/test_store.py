@@ -14,6 +14,7 @@ import zlib
 from pathlib import Path
 
 import mlx.core as mx
+import msgpack
 import numpy as np
 import pytest
 from safetensors import TensorSpec, serialize
@@ -475,6 +476,30 @@ def test_random_damage_never_loses_an_intact_frame(tmp_path):
         intact = [r for r, (s, e) in zip(recs, frames) if e <= a or s >= b]
         assert all(r in records for r in intact)  # resynchronisation found every untouched frame
         assert [r["seq"] for r in records] == sorted({r["seq"] for r in records})
+
+
+@pytest.mark.parametrize("stray", ["a high seq spliced in", "a repeated seq", "a field of the wrong type"])
+def test_records_that_check_but_break_the_order_or_types_are_the_fewest_dropped(tmp_path, stray):
+    """Every frame checks, but one record's seq breaks the rising order (all the later, acknowledged records
+    were dropped as a torn tail) or a field the runtime reads has the wrong type (its agent crashed at every
+    start and escalated): that one record is dropped as damage, every other kept."""
+    path, recs, frames = journal_of(tmp_path, 10)
+    odd = {"a high seq spliced in": dict(recs[2], seq=1000), "a repeated seq": dict(recs[6], text="again"),
+           "a field of the wrong type": dict(recs[4], conv="x")}[stray]
+    good = path.read_bytes()
+    at = frames[4][0]
+    payload = msgpack.packb(odd, use_bin_type=True)  # framed by hand: encode_records refuses a wrong type
+    frame = len(payload).to_bytes(4, "little") + zlib.crc32(payload).to_bytes(4, "little") + payload
+    replaced = frames[4][1] if stray == "a field of the wrong type" else at  # it takes record 4's place
+    path.write_bytes(good[:at] + frame + good[replaced:])
+    if stray == "a field of the wrong type":
+        recs = recs[:4] + recs[5:]
+    scan = store.scan_journal(path.read_bytes())
+    assert scan.records == recs and scan.torn == 0
+    assert scan.damaged == [(at, at + len(frame))]
+    after = store.journal_record(10, "user", "after")
+    assert store.append_journal(tmp_path, SPEC, "a", [after]) == [after]
+    assert store.read_journal(tmp_path, SPEC, "a") == recs + [after]
 
 
 class _CountingZlib:
