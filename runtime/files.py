@@ -60,11 +60,15 @@ class AgentInUse(KvactorsError, RuntimeError):
 
 
 def check_agent_id(agent: str) -> str:
-    """Return `agent` if it is a valid id (`[A-Za-z0-9][A-Za-z0-9._-]{0,127}`), else raise InvalidAgentId."""
+    """Return `agent` if it is a valid id (`[A-Za-z0-9][A-Za-z0-9._-]{0,127}`, not MODEL_FILE's name, which
+    lies beside the agent folders), else raise InvalidAgentId."""
     if not isinstance(agent, str) or not AGENT_ID.fullmatch(agent):
         raise InvalidAgentId(
             f"invalid agent id {agent!r}: use 1-128 characters from A-Z a-z 0-9 . _ -, starting with a letter or digit"
         )
+    if agent == MODEL_FILE:
+        raise InvalidAgentId(f"invalid agent id {agent!r}: the store keeps a file of that name beside the agents' "
+                             "folders; choose another name")
     return agent
 
 

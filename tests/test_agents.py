@@ -745,6 +745,9 @@ def test_a_message_that_could_never_fit_is_refused_before_it_is_tokenized(rt):
         a.ask("x" * (limit + 1), max_tokens=4)
     with pytest.raises(TurnTooLong, match="positions"):  # shorter, and still too long: the agent counts its tokens
         a.ask("word " * (rt.max_context + 1), max_tokens=4)
+    beyond = (rt.max_context - 1) * rt.longest_token_chars + 1  # as a note, which had been taken, failing
+    with pytest.raises(ValueError, match=f"the note has {beyond} characters"):  # every later turn
+        a.note("x" * beyond)
     assert [r["role"] for r in a.history()] == ["system"]
     assert a.ask("Short.", max_tokens=4).agent == "huge"
 

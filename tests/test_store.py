@@ -667,7 +667,7 @@ def test_bad_records_are_refused():
 # ---------------------------------------------------------------- ids, permissions, files
 
 
-BAD_IDS = ["", ".", "..", "../x", "a/../../b", "/etc", "a/b", "a\\b", "-a", ".hidden", "_a", "a b", "a\n", "a\x00b", "é", "a" * 129, None, 3]
+BAD_IDS = ["", ".", "..", "../x", "a/../../b", "/etc", "a/b", "a\\b", "-a", ".hidden", "_a", "a b", "a\n", "a\x00b", "é", "a" * 129, None, 3, "model.json"]
 
 
 @pytest.mark.parametrize("agent", BAD_IDS)

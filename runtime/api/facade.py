@@ -627,9 +627,14 @@ class AgentRef:
         """Append a user message to the history without taking a turn (in order with turns).
 
         `sender` labels the message in the rendered conversation ("sender: text"), as in `reset`'s records.
-        Raises ValueError for an empty or non-str text, TypeError for a sender that is not a str or None."""
+        Raises ValueError for an empty or non-str text, or one longer than any turn could hold (every later
+        turn would fail with TurnTooLong), TypeError for a sender that is not a str or None."""
         if not isinstance(text, str) or not text:
             raise InvalidArgument("a note needs a non-empty text")
+        longest, positions = self.runtime.longest_token_chars, self.runtime.max_context
+        if longest and positions and len(text) > (positions - 1) * longest:
+            raise InvalidArgument(f"the note has {len(text)} characters: more tokens, whatever they are, than the "
+                                  f"model's {positions} positions leave for it; shorten it")
         if sender is not None and not isinstance(sender, str):
             raise InvalidArgumentType(f"sender must be a str or None, got {type(sender).__name__}")
         check_unicode("a note's text", text)
