@@ -23,6 +23,7 @@ every array handed out (the result cache) is evaluated.
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import os
 import threading
@@ -870,27 +871,36 @@ _callbacks = threading.local()  # .name: the turn callback running on this threa
 
 
 def running_callback() -> str | None:
-    """The name of the turn's callback (`on_token`, `on_progress` or `cancel`) this thread is running, else None.
+    """The name of the caller's callback this thread is running (a turn's `on_token`, `on_progress` or `cancel`,
+    or a reply future's "done" callback), else None.
 
-    Callbacks run on the engine's thread: a call that waits for the engine would wait for itself there."""
+    They run on the Runtime's threads: a call that waits for the Runtime could wait for itself there."""
     return getattr(_callbacks, "name", None)
+
+
+@contextlib.contextmanager
+def running(name: str):
+    """Within the block, `running_callback()` on this thread is `name`."""
+    outer, _callbacks.name = running_callback(), name
+    try:
+        yield
+    finally:
+        _callbacks.name = outer
 
 
 def _call(turn, name: str, *args, truth: bool = False):
     """`turn.<name>(*args)` (a caller's callback), or with `truth` its answer's truth value (`bool`, which may
     run the caller's code too, as for a numpy array); whatever either raises becomes CallbackFailed."""
-    outer, _callbacks.name = running_callback(), name
     try:
-        answer = getattr(turn, name)(*args)
-        return bool(answer) if truth else answer
+        with running(name):
+            answer = getattr(turn, name)(*args)
+            return bool(answer) if truth else answer
     except CallbackFailed as e:
         if e.turn_id == turn.turn_id:
             raise  # relayed from the caller's side, naming its callback (runtime.api.rayhost)
         raise CallbackFailed(turn.turn_id, f"its {name} callback raised CallbackFailed: {e}") from e
     except Exception as e:
         raise CallbackFailed(turn.turn_id, f"its {name} callback raised {type(e).__name__}: {e}") from e
-    finally:
-        _callbacks.name = outer
 
 
 def _own_error(turn_id: str, error: Exception, what: str) -> TurnError:

@@ -965,6 +965,33 @@ def test_calls_that_wait_for_the_engine_refuse_inside_a_turns_callback_and_send_
         assert rt.running() == ["alice", "bob"] and bob.ask("Still there?", max_tokens=2).text is not None
 
 
+def test_a_done_callback_that_would_wait_on_its_agent_raises_and_send_chains_the_next_turn(tmp_path):
+    """A reply future's done callback runs on the agent's thread: an ask there waited for that very thread, and
+    the agent hung until the ask's timeout (forever without one). It now raises WaitsInCallback at once; send
+    chains the next turn."""
+    from runtime import WaitsInCallback
+
+    with Runtime(model=None, cache_dir=tmp_path, backoff=FAST) as rt:
+        alice = rt.spawn("alice", system="You are Alice.")
+        seen, chained = [], []
+
+        def follow_up(future):
+            try:
+                alice.ask("And then?", max_tokens=2, timeout=None)
+                seen.append(None)
+            except WaitsInCallback as e:
+                seen.append(str(e))
+            chained.append(alice.send("Chained.", max_tokens=2))
+
+        first = alice.send("First.", max_tokens=2, timeout=60)
+        first.add_done_callback(follow_up)
+        assert first.get(timeout=60).text is not None
+        t0 = time.monotonic()
+        assert chained[0].get(timeout=60).text is not None and time.monotonic() - t0 < 30
+        assert seen and "done callback" in seen[0]
+        assert [r["text"] for r in alice.history() if r["role"] == "user"] == ["First.", "Chained."]
+
+
 def test_a_queued_turn_whose_deadline_passed_before_it_started_never_runs(tmp_path):
     """The timeout counts from send: a turn stuck behind its agent's earlier work times out
     there, and is dropped when its turn comes, not run for a caller who stopped waiting."""

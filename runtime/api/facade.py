@@ -38,7 +38,7 @@ from actors.persistence import PersistenceActor
 from actors.supervisor import RESTART_TYPES, STRATEGIES, Backoff, ChildSpec, Supervisor, UnknownChild
 from runtime import chat, store
 from runtime.deadlines import Deadlines, wait_seconds
-from runtime.engine import MAX_TOKENS, Sampling, default_hot_budget, running_callback
+from runtime.engine import MAX_TOKENS, Sampling, default_hot_budget, running, running_callback
 from runtime.errors import InvalidArgument, InvalidArgumentType, KvactorsError
 from runtime.kvscheme import from_options as scheme_from_options
 from runtime.model import load_model
@@ -81,15 +81,16 @@ class RuntimeClosed(KvactorsError, RuntimeError):
 
 
 class WaitsInCallback(KvactorsError, RuntimeError):
-    """A call that waits for the engine was made inside a turn's callback (`on_token`, `on_progress`, `cancel`),
-    which runs on the engine's thread: it would wait for itself, and every agent with it."""
+    """A call that waits for the Runtime was made inside a turn's callback (`on_token`, `on_progress`, `cancel`,
+    on the engine's thread) or a reply future's done callback (on the thread that answered the turn, an
+    agent's): it would wait for itself, and every agent with it, or for the very agent it runs on."""
 
 
 def _not_in_callback(what: str) -> None:
     """Raise WaitsInCallback if this thread is running a turn's callback (see `engine.running_callback`)."""
     name = running_callback()
     if name is not None:
-        raise WaitsInCallback(f"{what} waits for the engine, and this is the engine's thread, running a turn's {name} "
+        raise WaitsInCallback(f"{what} waits for the Runtime, and this is one of its threads, running a {name} "
                               "callback: it would wait for itself. Inside a callback use send() or note(), which "
                               "return at once, and wait for their futures from another thread")
 
@@ -292,7 +293,8 @@ class ReplyFuture(pykka.ThreadingFuture):
                               "finish: wait again, or retry with the same turn_id") from None
 
     def add_done_callback(self, fn: Callable[["ReplyFuture"], None]) -> None:
-        """Call `fn(self)` once the future is set: at once if it is, else on the setting thread."""
+        """Call `fn(self)` once the future is set: at once if it is, else on the setting thread (the Runtime's:
+        calls there that wait for it, such as `ask`, raise WaitsInCallback; `send` returns at once)."""
         with self._callbacks_lock:
             if self._callbacks is not None:
                 self._callbacks.append(fn)
@@ -314,7 +316,8 @@ class ReplyFuture(pykka.ThreadingFuture):
             callbacks, self._callbacks = self._callbacks or [], None
         for fn in callbacks:
             try:
-                fn(self)
+                with running("done"):
+                    fn(self)
             except Exception:  # a callback must never break the thread that set the future
                 log.exception("a done callback of a reply future failed")
 
