@@ -33,6 +33,7 @@ JOURNAL_FILE = "journal.msgpack"
 HIGH_FILE = "journal.seq"  # the journal's high-water mark: seqs at or below it are never used again
 MODEL_FILE = "model.json"  # in a fingerprint folder: the model id it was made by (for people: see inspect)
 AGENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+FINGERPRINT = re.compile(r"[A-Za-z0-9_-]{1,128}")  # a model folder's name (no dot: see cacheformat.model_tag)
 _TMP_SUFFIX = ".tmp"
 
 
@@ -74,7 +75,7 @@ def check_agent_id(agent: str) -> str:
 
 def agent_dir(cache_dir, fingerprint: str, agent: str) -> Path:
     """The folder of `agent`'s files under model `fingerprint` (validates both; creates nothing)."""
-    if not isinstance(fingerprint, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,128}", fingerprint):
+    if not isinstance(fingerprint, str) or not FINGERPRINT.fullmatch(fingerprint):
         raise ValueError(f"invalid model fingerprint {fingerprint!r}")
     return Path(cache_dir).expanduser() / fingerprint / check_agent_id(agent)
 
@@ -119,7 +120,7 @@ def lock_agent(cache_dir, fingerprint: str, agent: str) -> int:
     import fcntl
 
     check_agent_id(agent)
-    if not re.fullmatch(r"[A-Za-z0-9_-]{1,128}", fingerprint or ""):
+    if not FINGERPRINT.fullmatch(fingerprint or ""):
         raise ValueError(f"invalid model fingerprint {fingerprint!r}")
     folder = Path(cache_dir).expanduser() / ".locks" / fingerprint
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)

@@ -289,6 +289,9 @@ def read_journal_bytes(path: Path) -> bytes | None:
     except OSError as e:
         if e.errno == errno.EINVAL:
             raise JournalError(f"the journal {path} is not a regular file; move it aside") from e
+        if e.errno == errno.ELOOP:
+            raise JournalError(f"the journal {path} is a symlink, which kvactors never follows; put the file itself "
+                               "in its place") from e
         raise JournalError(
             f"cannot read the journal {path}: {e.strerror or e}; fix its permissions or move it aside"
         ) from e

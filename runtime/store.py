@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,11 +30,12 @@ from runtime.cachechain import (MAX_DELTAS, Segment, cache_seq, load_cache, load
                                 remove_deltas, save_cache)
 from runtime.cacheformat import (FORMAT, FORMAT_VERSION, MAX_HEADER, CacheError, CacheMissing, ChecksumMismatch,
                                  CorruptCache, ForeignModel, QuantizationMismatch, ShapeMismatch, TruncatedCache,
-                                 UnreadableCache, UnsupportedVersion, decode_cache, encode_cache, model_tag,
-                                 tag_fingerprint)
-from runtime.files import (AGENT_ID, CACHE_FILE, DELTA_FILE, HIGH_FILE, JOURNAL_FILE, MODEL_FILE, CacheDirInUse, NotAFolder,
-                           AgentInUse, InvalidAgentId, UnsafePath, agent_dir, check_agent_id, fsync_dir, lock_agent, lock_cache_dir, make_dirs, map_file,
-                           open_private, read_file, refuse_links, remove_temps, temp_path, write_atomic)
+                                 UnreadableCache, UnsupportedVersion, decode_cache, decode_file, encode_cache,
+                                 model_tag, tag_fingerprint)
+from runtime.files import (_TMP_SUFFIX, AGENT_ID, CACHE_FILE, DELTA_FILE, FINGERPRINT, HIGH_FILE, JOURNAL_FILE, MODEL_FILE,
+                           AgentInUse, CacheDirInUse, InvalidAgentId, NotAFolder, UnsafePath, agent_dir, check_agent_id,
+                           fsync_dir, lock_agent, lock_cache_dir, make_dirs, map_file, open_file, open_private, own_file,
+                           read_file, refuse_links, remove_temps, temp_path, write_atomic)
 from runtime.hostcache import (CacheMeta, DeviceCache, HostCache, cache_to_host, check_cache, host_to_cache, on_device,
                                trim_cache, trim_host)
 from runtime.hotcache import HotCaches, cache_nbytes
@@ -47,7 +49,8 @@ __all__ = [
     # runtime.files
     "AGENT_ID", "CACHE_FILE", "DELTA_FILE", "HIGH_FILE", "JOURNAL_FILE", "MODEL_FILE", "CacheDirInUse",
     "AgentInUse", "InvalidAgentId", "UnsafePath", "agent_dir", "check_agent_id", "fsync_dir", "lock_agent", "lock_cache_dir", "make_dirs", "map_file",
-    "open_private", "read_file", "refuse_links", "remove_temps", "temp_path", "write_atomic",
+    "open_private", "read_file", "refuse_links", "remove_temps", "temp_path", "write_atomic", "FINGERPRINT", "NotAFolder",
+    "open_file", "own_file",
     # runtime.hostcache
     "CacheMeta", "DeviceCache", "HostCache", "cache_to_host", "check_cache", "host_to_cache", "on_device",
     "trim_cache", "trim_host",
@@ -99,7 +102,7 @@ def stored_agent(folder: Path) -> StoredAgent:
     raises UnsafePath for a symlinked folder.
     """
     refuse_links(folder)
-    cache = (folder / CACHE_FILE).is_file()
+    cache = stat.S_ISREG(_mode(folder / CACHE_FILE) or 0)  # a regular file: a link is not followed
     try:
         data = read_journal_bytes(folder / JOURNAL_FILE)
         records = [] if data is None else scan_journal(data).records
@@ -181,14 +184,16 @@ def record_model(model_dir: Path, model_id: str) -> bool:
 
 
 def recorded_model(model_dir: Path) -> str | None:
-    """The model id in `model_dir/model.json`, or None when it is absent, a link or unreadable."""
+    """The model id in `model_dir/model.json`, or None when it is absent, unreadable or not a regular file.
+
+    Never follows a link, never blocks (a named pipe in its place is opened non-blocking and refused).
+    """
     try:
-        fd = os.open(Path(model_dir) / MODEL_FILE, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = open_file(Path(model_dir) / MODEL_FILE, os.O_RDONLY)
     except OSError:
         return None
     try:
-        with open(fd, "rb", closefd=False) as f:
-            model_id = json.loads(f.read(1 << 16)).get("model_id")
+        model_id = json.loads(os.read(fd, 1 << 16)).get("model_id")
     except (OSError, ValueError, AttributeError):
         return None
     finally:
@@ -199,14 +204,24 @@ def recorded_model(model_dir: Path) -> str | None:
 def agent_folders(cache_dir) -> list[Path]:
     """Agent folders under `cache_dir` (`<fingerprint>/<agent>` holding a cache or journal), sorted.
 
-    Symlinked model or agent folders are left out: nothing follows them.
+    Symlinked model or agent folders are left out, and never listed: nothing follows them.
     """
     root = Path(cache_dir).expanduser()
-    return sorted(
-        d for d in root.glob("*/*")
-        if d.is_dir() and not d.is_symlink() and not d.parent.is_symlink() and AGENT_ID.fullmatch(d.name)
-        and ((d / CACHE_FILE).exists() or (d / JOURNAL_FILE).exists())
-    )
+    return sorted(d for m in _subfolders(root) for d in _subfolders(m)
+                  if AGENT_ID.fullmatch(d.name) and _holds_agent(d))
+
+
+def _subfolders(folder: Path) -> list[Path]:
+    """The folders in `folder`, symlinks left out (never followed); [] when it cannot be listed."""
+    try:
+        return [folder / e.name for e in _entries(folder) if e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return []
+
+
+def _holds_agent(folder: Path) -> bool:
+    """Whether `folder` holds a cache or journal entry (of any kind: a link is not followed)."""
+    return any(os.path.lexists(folder / name) for name in (CACHE_FILE, JOURNAL_FILE))
 
 
 def prune(cache_dir, max_age_s: float, *, journals: bool = False, now: float | None = None) -> list:
@@ -251,45 +266,219 @@ def _human(n: int) -> str:
     return ""
 
 
-def _agent_row(folder: Path) -> list[str]:
-    """[agent, tokens, bytes, last turn, health] of one agent folder."""
-    health, tokens, cseq = [], "-", None
-    size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
-    records, jpath = [], folder / JOURNAL_FILE
+_KINDS = {stat.S_IFDIR: "a folder", stat.S_IFIFO: "a named pipe", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a device",
+          stat.S_IFBLK: "a device"}
+_CACHE_WHY = {TruncatedCache: "cut short", CorruptCache: "damaged", ChecksumMismatch: "damaged: its checksum fails",
+              UnsupportedVersion: "from a newer kvactors", UnreadableCache: "unreadable"}
+_REPREFILL = "the agent re-prefills from its journal"
+
+
+def _entries(folder: Path) -> list[os.DirEntry]:
+    """The entries of `folder`, sorted by name, listed without following a link; raises OSError as `os.scandir`."""
+    with os.scandir(folder) as it:
+        return sorted(it, key=lambda e: e.name)
+
+
+def _mode(path: Path) -> int | None:
+    """`path`'s st_mode, of the link itself for a symlink; None when nothing is there."""
     try:
-        data = read_journal_bytes(jpath)
-        if data is None:
-            health.append("no journal")
-        else:
-            scan = scan_journal(data)
-            records = scan.records
-            if scan.damaged:
-                health.append(f"journal damaged ({sum(b - a for a, b in scan.damaged)} B unreadable, records lost)")
-            if scan.torn:
-                health.append(f"torn journal tail ({scan.torn} B dropped)")
-    except JournalError as e:
-        health.append(f"journal unreadable: {e}")
-    if (folder / CACHE_FILE).exists():
+        return os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+
+
+def _kind(path: Path, mode: int) -> str:
+    """What `path` (of st_mode `mode`, not a regular file) is, for people: "a folder", "a symlink (to X)", ..."""
+    if not stat.S_ISLNK(mode):
+        return _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+    try:
+        return f"a symlink (to {os.readlink(path)})"  # the link's text: nothing is followed
+    except OSError:
+        return "a symlink"
+
+
+def _journal_health(folder: Path) -> tuple[list | None, list[str]]:
+    """(records, notes) of the journal in `folder`: records None when it cannot be read; notes say what is wrong and
+    what happens or what to do."""
+    path = folder / JOURNAL_FILE
+    mode = _mode(path)
+    if mode is None:
+        return [], ["no journal"]
+    if stat.S_ISLNK(mode):
+        return None, [f"journal unreadable: {JOURNAL_FILE} is {_kind(path, mode)}, which kvactors never follows, so "
+                      "the agent cannot start: put the file itself in its place"]
+    try:
+        data = read_journal_bytes(path)
+        scan = scan_journal(b"" if data is None else data)
+    except JournalError as e:  # not a file, no permission, another format or a newer version: it says what to do
+        return None, [f"journal unreadable: {e}"]
+    notes = []
+    if scan.header_damaged:
+        notes.append("journal header damaged: repaired at the agent's next start, the damaged file kept as "
+                     "journal.damaged-*")
+    if scan.damaged:
+        notes.append(f"journal damaged ({sum(b - a for a, b in scan.damaged)} B unreadable, records lost): repaired at "
+                     "the agent's next start, the damaged file kept as journal.damaged-*")
+    if scan.torn:
+        notes.append(f"torn journal tail ({scan.torn} B dropped): moved aside to journal.torn-* at the agent's next "
+                     "start")
+    return scan.records, notes
+
+
+def _mark_health(folder: Path) -> tuple[int | None, list[str]]:
+    """(the journal's high-water mark, None if there is none that reads; notes on `journal.seq` in `folder`)."""
+    path = folder / HIGH_FILE
+    mode = _mode(path)
+    if mode is None:
+        return None, []  # a folder older than the mark: written at the agent's next start
+    if stat.S_ISDIR(mode) or stat.S_ISLNK(mode):
+        return None, [f"{HIGH_FILE} is {_kind(path, mode)}, not a file: the journal's high-water mark cannot be "
+                      "recorded (each turn logs an error); remove it, kvactors writes a new one"]
+    if not stat.S_ISREG(mode):
+        return None, [f"{HIGH_FILE} is {_kind(path, mode)}, not a file: kvactors replaces it at the agent's next start"]
+    if not os.access(path, os.R_OK | os.W_OK):
+        return None, [f"{HIGH_FILE} cannot be read or written: the journal's high-water mark cannot be recorded (each "
+                      "turn logs an error); fix its permissions"]
+    mark = high_seq(folder)
+    if mark is None:
+        return None, [f"{HIGH_FILE} damaged (no valid high-water mark in it): rewritten at the agent's next start"]
+    return mark, []
+
+
+def _cache_health(folder: Path) -> tuple[tuple | None, list[str]]:
+    """((host, meta, segment) of the cache chain in `folder` as `load_segment` reads it, None when there is none
+    usable; notes on the cache file and its deltas: what is wrong, and what happens or what to do)."""
+    path = folder / CACHE_FILE
+    mode = _mode(path)
+    if mode is None:
+        return None, ["no cache (cold start)"]
+    if stat.S_ISDIR(mode):
+        return None, [f"bad cache: {CACHE_FILE} is a folder, not a file: {_REPREFILL} at every start, and no cache "
+                      "can be written in its place (each turn logs an error); remove it"]
+    if not stat.S_ISREG(mode):
+        return None, [f"bad cache: {CACHE_FILE} is {_kind(path, mode)}, not a file, which kvactors never reads: "
+                      f"{_REPREFILL}, and its next turn replaces it"]
+    try:
+        loaded = load_segment(folder)
+    except CacheError as e:
+        return None, [f"bad cache: {type(e).__name__} ({CACHE_FILE} is {_CACHE_WHY.get(type(e), 'unusable')}): "
+                      f"{_REPREFILL}, and its next turn rewrites the file"]
+    notes = _delta_health(folder, loaded[2])
+    if tag_fingerprint(loaded[1].fingerprint) != folder.parent.name:
+        notes.append(f"cache of another model ({loaded[1].fingerprint}): {_REPREFILL}, and its next turn rewrites it")
+    return loaded, notes
+
+
+def _delta_health(folder: Path, segment: Segment) -> list[str]:
+    """A note when the delta file after the last one loading applied (`segment`) is not a file, or is damaged or
+    does not fit while it links to that one. A delta that decodes but links elsewhere is stale (a crash left it;
+    loading ignores it, the next cache write replaces it): no note."""
+    path = folder / DELTA_FILE.format(segment.deltas + 1)
+    mode = _mode(path)
+    if mode is None or segment.deltas >= MAX_DELTAS:
+        return []
+    if stat.S_ISDIR(mode):
+        return [f"bad cache delta: {path.name} is a folder, not a file: loading stops before it, and the cache writes "
+                "that should replace it fail (each logs an error); remove it"]
+    if not stat.S_ISREG(mode):
+        return [f"bad cache delta: {path.name} is {_kind(path, mode)}, not a file, which kvactors never reads: loading "
+                "stops before it; the agent's next cache write replaces it"]
+    try:
+        link = decode_file(map_file(path))[3]
+    except (CacheError, OSError) as e:
+        return [f"bad cache delta: {path.name} is damaged ({type(e).__name__}): loading stops before it (turns after "
+                "it are re-prefilled from the journal); the agent's next cache write replaces it"]
+    if link and link.get("parent") == segment.checksum:
+        return [f"bad cache delta: {path.name} does not fit the cache before it: loading stops before it (turns after "
+                "it are re-prefilled from the journal); the agent's next cache write replaces it"]
+    return []
+
+
+def _seq_notes(records: list, loaded: tuple | None, mark: int | None, folder: Path) -> list[str]:
+    """Notes comparing the seqs of a readable journal (`records`) with its cache and high-water mark `mark`.
+
+    A cache behind the journal only costs a prefill; seqs used past the journal's last record (by the cache's
+    headers or the mark, as the persistence actor counts them) are records the journal lost.
+    """
+    last = records[-1]["seq"] if records else None
+    cached = cache_seq(folder)
+    used = max(x for x in (mark, cached, -1) if x is not None)
+    lag = [] if loaded is None or last is None or loaded[1].seq >= last else \
+        [f"cache at seq {loaded[1].seq}, journal at {last}: the agent's next turn prefills the turns after it"]
+    if used <= (-1 if last is None else last):
+        return lag
+    if last is None:
+        return [f"its files reached seq {used}: the journal was deleted or never written, so the agent's history "
+                f"starts empty; new turns continue after seq {used}"]
+    if cached is not None and cached > last:
+        return lag + [f"cache at seq {cached} is newer than the journal (last seq {last}): the journal lost records, "
+                      f"their turns are not in the history; new turns continue after seq {used}"]
+    return lag + [f"journal ends at seq {last}, but records up to seq {mark} were written ({HIGH_FILE}): its tail "
+                  f"was cut off and those records are lost; new turns continue after seq {used}"]
+
+
+def _stray_folders(entries: list[os.DirEntry]) -> list[str]:
+    """Notes on folders named like kvactors temp files (`.<file>.<pid>.<hex>.tmp`, see `temp_path`): kvactors makes
+    temp files only and `remove_temps` leaves such a folder alone, so it stays until someone removes it."""
+    return [f"{e.name}/ is a folder named like a kvactors temp file: kvactors makes temp files only and never "
+            "removes this folder; look inside, then remove it"
+            for e in entries
+            if e.name.startswith(".") and e.name.endswith(_TMP_SUFFIX) and e.is_dir(follow_symlinks=False)]
+
+
+def _size(entries: list[os.DirEntry]) -> int:
+    """Bytes of the regular files among `entries` (links not followed; one removed meanwhile counts 0)."""
+    total = 0
+    for e in entries:
         try:
-            host, meta = load_chain(folder)
-            tokens, cseq = str(host.n_tokens), meta.seq
-            if tag_fingerprint(meta.fingerprint) != folder.parent.name:
-                health.append(f"cache of another model ({meta.fingerprint})")
-        except CacheError as e:
-            health.append(f"bad cache: {type(e).__name__}")
-    else:
-        health.append("no cache (cold start)")
-    if records and cseq is not None and cseq < records[-1]["seq"]:
-        health.append(f"cache at seq {cseq}, journal at {records[-1]['seq']}")
-    elif cseq is not None and cseq > (records[-1]["seq"] if records else -1):
-        health.append(f"cache at seq {cseq} is newer than the journal: its turns are not in the history")
-    if records:
-        r = records[-1]
-        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.get("time") or jpath.stat().st_mtime))
-        last = f"#{r['seq']} {r['role']} {when}"
-    else:
-        last = "-"
-    return [folder.name, tokens, _human(size), last, "; ".join(health) or "ok"]
+            total += e.stat(follow_symlinks=False).st_size if e.is_file(follow_symlinks=False) else 0
+        except OSError:
+            pass
+    return total
+
+
+def _last_turn(records: list, folder: Path) -> str:
+    """"#seq role time" of the journal's last record ("-" if none); the journal's mtime for a record without a time."""
+    if not records:
+        return "-"
+    r, when = records[-1], records[-1].get("time")
+    try:
+        when = when if isinstance(when, (int, float)) else os.lstat(folder / JOURNAL_FILE).st_mtime
+        stamp = time.strftime("%Y-%m-%d %H:%M", time.localtime(when))
+    except (OSError, OverflowError, ValueError):
+        stamp = "?"
+    return f"#{r['seq']} {r['role']} {stamp}"
+
+
+def _agent_row(folder: Path) -> list[str]:
+    """[agent, tokens, bytes, last turn, health] of the agent folder `folder` (not a symlink); reads, never writes.
+
+    Health is "ok", or notes joined by "; ", each saying what is wrong, in which file, and what happens or what to do.
+    Raises OSError when the folder cannot be listed.
+    """
+    entries = _entries(folder)
+    records, notes = _journal_health(folder)
+    mark, mark_notes = _mark_health(folder)
+    loaded, cache_notes = _cache_health(folder)
+    notes += mark_notes + cache_notes + _stray_folders(entries)
+    if records is not None:  # an unreadable journal's seqs are unknown: nothing to compare
+        notes += _seq_notes(records, loaded, mark, folder)
+    tokens = "-" if loaded is None else str(loaded[0].n_tokens)
+    return [folder.name, tokens, _human(_size(entries)), _last_turn(records or [], folder), "; ".join(notes) or "ok"]
+
+
+def _safe_row(folder: Path) -> list[str]:
+    """`_agent_row` of `folder`, or a row saying what is wrong with the folder itself: a symlink (never followed) or
+    one that cannot be read. Never raises: one bad agent never hides the others."""
+    mode = _mode(folder)
+    if mode is not None and stat.S_ISLNK(mode):
+        return [folder.name, "-", "-", "-", f"the agent folder is {_kind(folder, mode)}, which kvactors never follows: "
+                "it refuses the agent (UnsafePath); remove the link, or move the folder it points to here in its place"]
+    try:
+        return _agent_row(folder)
+    except Exception as e:  # noqa: BLE001 - files no rule foresaw: said on their row, the other agents still listed
+        fix = "; fix its permissions" if isinstance(e, PermissionError) else ""
+        return [folder.name, "-", "-", "-", f"cannot inspect the folder: {type(e).__name__}: {e}{fix}"]
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -313,18 +502,44 @@ def inspect_table(cache_dir) -> str:
 
     Each table is titled `model <model id> (<fingerprint>)`, or just the fingerprint when
     the folder has no `model.json` (made before kvactors recorded it). Reads every file
-    (checksums included); changes nothing. Raises NotAFolder (a NotADirectoryError) for a path that is a file.
+    (checksums included); changes nothing and follows no symlink inside `cache_dir`: a
+    symlinked model or agent folder is reported as such. A fault is said on its agent's
+    row (see `_agent_row`), never raised. Raises NotAFolder (a NotADirectoryError) for a path that is a file.
     """
     root = check_cache_folder(Path(cache_dir).expanduser())
     if not root.is_dir():
         return f"{root}: no such folder (no agents stored yet)"
-    models: dict[str, list[Path]] = {}
-    for folder in agent_folders(root):
-        models.setdefault(folder.parent.name, []).append(folder)
     out = []
-    for model, agents in models.items():
-        rows = [["agent", "tokens", "on disk", "last turn", "health"]] + [_agent_row(a) for a in agents]
-        name = recorded_model(root / model)
-        title = f"{name} ({model})" if name else model
-        out.append(f"model {title} ({len(agents)} agents)\n{_table(rows)}")
+    for e in _entries(root):
+        if not FINGERPRINT.fullmatch(e.name):
+            continue
+        if e.is_symlink():
+            out.append(f"model {e.name}: the model folder is {_kind(root / e.name, stat.S_IFLNK)}, which kvactors "
+                       "never follows: it refuses every agent in it (UnsafePath); move the folder it points to here "
+                       "in its place, or make the cache folder itself the link")
+        elif e.is_dir(follow_symlinks=False):
+            out += _model_table(root / e.name)
     return "\n\n".join(out) or f"{root}: no agents stored"
+
+
+def _model_table(model: Path) -> list[str]:
+    """[the table of model folder `model`], [] when it holds no agent, or [a line saying it cannot be listed].
+
+    Its agents are its folders holding a cache or journal, and its symlinks named like agents (in a folder that holds
+    an agent or `model.json`: a folder kvactors made).
+    """
+    try:
+        entries = _entries(model)
+    except OSError as e:
+        return [f"model {model.name}: cannot list the folder ({e.strerror or e}); fix its permissions"]
+    agents = [model / e.name for e in entries
+              if AGENT_ID.fullmatch(e.name) and e.is_dir(follow_symlinks=False) and _holds_agent(model / e.name)]
+    if agents or os.path.lexists(model / MODEL_FILE):
+        agents += [model / e.name for e in entries
+                   if AGENT_ID.fullmatch(e.name) and e.is_symlink() and e.name != MODEL_FILE]
+    if not agents:
+        return []
+    rows = [["agent", "tokens", "on disk", "last turn", "health"]] + [_safe_row(a) for a in sorted(agents)]
+    name = recorded_model(model)
+    title = f"{name} ({model.name})" if name else model.name
+    return [f"model {title} ({len(agents)} agents)\n{_table(rows)}"]

@@ -113,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     ins = sub.add_parser(
         "inspect", help="list the agents stored in a cache folder",
         description="A table per model: each stored agent's cached tokens, bytes on disk, last turn and health "
-                    "(whether its cache file validates).",
+                    "(ok, or what is wrong with which of its files and what to do). Reads only; follows no symlink "
+                    "inside the cache folder.",
     )
     ins.add_argument("cache_dir", nargs="?", default="~/.cache/kvactors/agents", help="cache folder (default: %(default)s)")
     ins.set_defaults(func=_inspect)

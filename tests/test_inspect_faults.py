@@ -1,0 +1,275 @@
+"""`kvactors inspect` on stores the real runtime wrote, then damaged on disk: each fault is said on its agent's row
+(what, which file, what to do), the hint is checked against what the runtime then does, healthy agents read ok,
+and inspect follows no symlink, changes nothing and never stops at a bad agent."""
+
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runtime import Runtime, store
+
+ROOT = Path(__file__).resolve().parent.parent
+SYSTEM = "You are a careful planner. " * 40  # long enough that later turns write delta files
+TURNS = ("Plan a bake sale.", "Go on.", "Who bakes?")
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory):
+    """A store the runtime wrote: agents "good" and "victim", three turns each (a full cache file, two deltas)."""
+    root = tmp_path_factory.mktemp("inspect_store") / "store"
+    with Runtime(cache_dir=root, hot_budget=0) as rt:
+        for name in ("good", "victim"):
+            agent = rt.spawn(name, system=SYSTEM)
+            for text in TURNS:
+                agent.ask(text, max_tokens=3)
+    return root
+
+
+@pytest.fixture
+def cache_dir(template, tmp_path):
+    """A fresh copy of `template` for one test (links copied as links)."""
+    root = tmp_path / "store"
+    shutil.copytree(template, root, symlinks=True)
+    return root
+
+
+def folder(cache_dir, agent="victim") -> Path:
+    return next(cache_dir.glob(f"*/{agent}"))
+
+
+def row(cache_dir, agent="victim") -> str:
+    return next(line for line in store.inspect_table(cache_dir).splitlines() if line.split()[:1] == [agent])
+
+
+def turn(cache_dir, agent="victim"):
+    with Runtime(cache_dir=cache_dir, hot_budget=0) as rt:
+        rt.spawn(agent, system=SYSTEM).ask("More?", max_tokens=3)
+
+
+def snapshot(root: Path) -> dict:
+    """Every entry under `root` (links not followed): its kind, size, mtime and bytes."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            st = os.lstat(p)
+            data = p.read_bytes() if p.is_file() and not p.is_symlink() else None
+            out[p] = (st.st_mode, st.st_size, st.st_mtime_ns, data)
+    return out
+
+
+def flip(path: Path, at: int = -10) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_journal_seq_as_a_folder_says_remove_it_and_removing_it_heals(cache_dir):
+    seq = folder(cache_dir) / store.HIGH_FILE
+    seq.unlink()
+    seq.mkdir()
+    line = row(cache_dir)
+    assert "journal.seq is a folder, not a file" in line and "remove it" in line
+    assert row(cache_dir, "good").endswith("  ok")
+    seq.rmdir()  # what the hint says
+    turn(cache_dir)
+    assert row(cache_dir).endswith("  ok")
+
+
+@pytest.mark.parametrize("garbage", [b"\x00" * 16, b"not a mark at all!", b"kvhs"])
+def test_damaged_journal_seq_is_said_and_rewritten_at_the_next_start(cache_dir, garbage):
+    (folder(cache_dir) / store.HIGH_FILE).write_bytes(garbage)
+    assert "journal.seq damaged (no valid high-water mark in it): rewritten at the agent's next start" in row(cache_dir)
+    turn(cache_dir)
+    assert store.high_seq(folder(cache_dir)) is not None and row(cache_dir).endswith("  ok")
+
+
+def test_journal_seq_as_a_named_pipe_is_said(cache_dir):
+    seq = folder(cache_dir) / store.HIGH_FILE
+    seq.unlink()
+    os.mkfifo(seq)
+    assert "journal.seq is a named pipe, not a file: kvactors replaces it" in row(cache_dir)
+    turn(cache_dir)
+    assert row(cache_dir).endswith("  ok")
+
+
+def test_a_symlinked_agent_folder_is_said_and_not_followed(cache_dir, tmp_path):
+    agent = folder(cache_dir)
+    outside = tmp_path / "outside"
+    agent.rename(outside)
+    flip(outside / store.CACHE_FILE)  # were the link followed, this damage would show
+    agent.symlink_to(outside)
+    line = row(cache_dir)
+    assert "symlink (to " in line and str(outside) in line and "UnsafePath" in line and "remove the link" in line
+    assert "ChecksumMismatch" not in line and line.split()[1:4] == ["-", "-", "-"]
+    assert row(cache_dir, "good").endswith("  ok")
+    assert [p.name for p in store.agent_folders(cache_dir)] == ["good"]
+
+
+def test_a_symlinked_model_folder_is_said_and_not_followed(cache_dir, tmp_path):
+    model = folder(cache_dir).parent
+    outside = tmp_path / "elsewhere"
+    shutil.copytree(model, outside)
+    (cache_dir / "linkedmodel").symlink_to(outside)
+    table = store.inspect_table(cache_dir)
+    line = next(line for line in table.splitlines() if line.startswith("model linkedmodel"))
+    assert "symlink (to " in line and "UnsafePath" in line and "never follows" in line
+    assert table.count("victim") == 1  # the agents behind the link are not listed (nor read)
+    assert [p.parent.name for p in store.agent_folders(cache_dir)] == [model.name, model.name]
+
+
+def test_only_symlinked_model_folders_is_not_no_agents(tmp_path, template):
+    model = next(p for p in template.iterdir() if p.is_dir())
+    (tmp_path / "store").mkdir()
+    (tmp_path / "store" / model.name).symlink_to(model)
+    table = store.inspect_table(tmp_path / "store")
+    assert "no agents stored" not in table and "the model folder is a symlink" in table
+
+
+def test_a_damaged_delta_file_is_named_not_taken_for_a_cache_lag(cache_dir):
+    assert row(cache_dir).endswith("  ok")
+    flip(folder(cache_dir) / store.DELTA_FILE.format(2))
+    line = row(cache_dir)
+    assert "bad cache delta: cache.2.delta.safetensors is damaged (ChecksumMismatch)" in line
+    assert "the agent's next cache write replaces it" in line
+    turn(cache_dir)
+    assert row(cache_dir).endswith("  ok")
+
+
+def test_a_delta_file_replaced_by_a_folder_says_remove_it(cache_dir):
+    delta = folder(cache_dir) / store.DELTA_FILE.format(1)
+    delta.unlink()
+    delta.mkdir()
+    line = row(cache_dir)
+    assert "bad cache delta: cache.1.delta.safetensors is a folder, not a file" in line and "remove it" in line
+
+
+@pytest.mark.parametrize("damage", ["tensors", "header", "cut"])
+def test_a_damaged_cache_file_says_which_file_and_what_happens(cache_dir, damage):
+    path = folder(cache_dir) / store.CACHE_FILE
+    if damage == "cut":
+        path.write_bytes(path.read_bytes()[:-3])
+    else:
+        flip(path, -10 if damage == "tensors" else 40)
+    line = row(cache_dir)
+    assert "bad cache: " in line and "(cache.safetensors is " in line
+    assert "re-prefills from its journal, and its next turn rewrites the file" in line
+    turn(cache_dir)
+    assert row(cache_dir).endswith("  ok")
+
+
+def test_a_cache_file_replaced_by_a_folder_says_remove_it(cache_dir):
+    path = folder(cache_dir) / store.CACHE_FILE
+    path.unlink()
+    path.mkdir()
+    line = row(cache_dir)
+    assert "bad cache: cache.safetensors is a folder, not a file" in line and "remove it" in line
+    assert line.split()[1] == "-"
+
+
+def test_a_symlinked_cache_file_is_not_followed_and_replaced_by_the_next_turn(cache_dir, tmp_path):
+    path = folder(cache_dir) / store.CACHE_FILE
+    path.rename(tmp_path / "elsewhere.safetensors")
+    path.symlink_to(tmp_path / "elsewhere.safetensors")
+    line = row(cache_dir)
+    assert "bad cache: cache.safetensors is a symlink (to " in line and "its next turn replaces it" in line
+    turn(cache_dir)
+    assert not path.is_symlink() and row(cache_dir).endswith("  ok")
+
+
+def test_a_leftover_temp_folder_is_said(cache_dir):
+    tmp = folder(cache_dir) / ".cache.safetensors.4242.0badc0de.tmp"
+    tmp.mkdir()
+    (tmp / "something").write_bytes(b"x")
+    line = row(cache_dir)
+    assert ".cache.safetensors.4242.0badc0de.tmp/ is a folder named like a kvactors temp file" in line
+    assert "remove it" in line
+    turn(cache_dir)
+    assert tmp.is_dir() and ".tmp/ is a folder" in row(cache_dir)  # kvactors leaves it: only a person removes it
+
+
+def test_an_unreadable_journal_gives_no_seq_hint(cache_dir):
+    journal = folder(cache_dir) / store.JOURNAL_FILE
+    journal.unlink()
+    journal.mkdir()
+    line = row(cache_dir)
+    assert "is not a regular file; move it aside" in line
+    assert "newer than the journal" not in line  # its records are unknown, not missing
+
+
+def test_a_symlinked_journal_is_not_blamed_on_permissions(cache_dir, tmp_path):
+    journal = folder(cache_dir) / store.JOURNAL_FILE
+    journal.rename(tmp_path / "journal.msgpack")
+    journal.symlink_to(tmp_path / "journal.msgpack")
+    line = row(cache_dir)
+    assert "journal.msgpack is a symlink (to " in line and "put the file itself in its place" in line
+    assert "permissions" not in line
+
+
+def test_a_journal_cut_between_frames_is_said_by_its_mark(cache_dir):
+    agent = folder(cache_dir)
+    journal = agent / store.JOURNAL_FILE
+    data, pos, starts = journal.read_bytes(), len(store.JOURNAL_MAGIC), []
+    while pos < len(data):
+        starts.append(pos)
+        pos += 8 + struct.unpack_from("<I", data, pos)[0]
+    journal.write_bytes(data[: starts[-1]])  # the last record gone, no torn bytes
+    for p in agent.glob("cache*"):
+        p.unlink()  # only the mark says it
+    line = row(cache_dir)
+    assert "journal ends at seq 6, but records up to seq 7 were written (journal.seq)" in line
+    assert "new turns continue after seq 7" in line
+
+
+def test_a_damaged_journal_header_is_said(cache_dir):
+    flip(folder(cache_dir) / store.JOURNAL_FILE, 3)
+    assert "journal header damaged: repaired at the agent's next start" in row(cache_dir)
+
+
+def test_a_record_with_an_odd_time_does_not_stop_inspect(cache_dir):
+    journal = folder(cache_dir) / store.JOURNAL_FILE
+    with journal.open("ab") as f:
+        f.write(store.encode_records([{"seq": 99, "role": "user", "text": "x", "time": "yesterday"}]))
+    assert "#99 user 20" in row(cache_dir)  # the journal's time instead
+    assert row(cache_dir, "good").endswith("  ok")
+
+
+def test_a_named_pipe_for_model_json_does_not_stall_inspect(cache_dir):
+    model_json = folder(cache_dir).parent / store.MODEL_FILE
+    model_json.unlink()
+    os.mkfifo(model_json)
+    out = subprocess.run([sys.executable, "-m", "runtime.api.cli", "inspect", str(cache_dir)], capture_output=True,
+                         text=True, timeout=30, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert "good" in out.stdout
+
+
+def test_every_fault_at_once_each_on_its_row_and_nothing_changed(cache_dir, tmp_path):
+    """One store, one fault per agent: each row says its own, the healthy agent reads ok, no file changes."""
+    model = folder(cache_dir).parent
+    for name in ("seqdir", "seqbad", "link", "delta", "cache", "tmpdir"):
+        shutil.copytree(folder(cache_dir), model / name)
+    (model / "seqdir" / store.HIGH_FILE).unlink()
+    (model / "seqdir" / store.HIGH_FILE).mkdir()
+    (model / "seqbad" / store.HIGH_FILE).write_bytes(b"garbage garbage!")
+    (model / "link").rename(tmp_path / "linked")
+    (model / "link").symlink_to(tmp_path / "linked")
+    flip(model / "delta" / store.DELTA_FILE.format(1))
+    flip(model / "cache" / store.CACHE_FILE)
+    (model / "tmpdir" / ".journal.msgpack.1.ab.tmp").mkdir()
+    before = snapshot(cache_dir)
+    table = store.inspect_table(cache_dir)
+    assert snapshot(cache_dir) == before
+    rows = {line.split()[0]: line for line in table.splitlines()[3:]}
+    assert sorted(rows) == ["cache", "delta", "good", "link", "seqbad", "seqdir", "tmpdir", "victim"]
+    assert rows["good"].endswith("  ok") and rows["victim"].endswith("  ok")
+    says = {"seqdir": "journal.seq is a folder", "seqbad": "journal.seq damaged", "link": "agent folder is a symlink",
+            "delta": "cache.1.delta.safetensors is damaged", "cache": "bad cache: ChecksumMismatch",
+            "tmpdir": ".journal.msgpack.1.ab.tmp/ is a folder"}
+    for name, text in says.items():
+        assert text in rows[name], rows[name]
