@@ -973,7 +973,7 @@ def test_a_done_callback_that_would_wait_on_its_agent_raises_and_send_chains_the
 
     with Runtime(model=None, cache_dir=tmp_path, backoff=FAST) as rt:
         alice = rt.spawn("alice", system="You are Alice.")
-        seen, chained = [], []
+        seen, chained, called = [], [], threading.Event()
 
         def follow_up(future):
             try:
@@ -982,11 +982,13 @@ def test_a_done_callback_that_would_wait_on_its_agent_raises_and_send_chains_the
             except WaitsInCallback as e:
                 seen.append(str(e))
             chained.append(alice.send("Chained.", max_tokens=2))
+            called.set()
 
         first = alice.send("First.", max_tokens=2, timeout=60)
         first.add_done_callback(follow_up)
         assert first.get(timeout=60).text is not None
         t0 = time.monotonic()
+        assert called.wait(60)  # the callbacks run after the value is set, on the agent's thread
         assert chained[0].get(timeout=60).text is not None and time.monotonic() - t0 < 30
         assert seen and "done callback" in seen[0]
         assert [r["text"] for r in alice.history() if r["role"] == "user"] == ["First.", "Chained."]
