@@ -227,17 +227,21 @@ def _holds_agent(folder: Path) -> bool:
 def prune(cache_dir, max_age_s: float, *, journals: bool = False, now: float | None = None) -> list:
     """Retention: delete caches of every model not written for `max_age_s` seconds.
 
-    With `journals=True` whole agent folders (history included) idle that long go;
-    only kvactors' own files are deleted, and the folder if it is then empty.
-    Returns the deleted paths. Temp files left by crashed writers are removed too.
+    With `journals=True` whole agent folders (history and its damaged or torn copies
+    included) idle that long go; only kvactors' own files are deleted, and the folder if
+    it is then empty. Times are the files' own (a symlink is never followed). Returns the
+    deleted paths: the folder, or its files where something else stays in it. Temp files
+    left by crashed writers are removed too.
     """
     now = time.time() if now is None else now
     deleted = []
     for folder in agent_folders(cache_dir):
         remove_temps(folder)
         deltas = list(folder.glob(DELTA_FILE.format("*")))
-        ours = [folder / CACHE_FILE, *deltas, folder / JOURNAL_FILE, folder / HIGH_FILE, *folder.glob("journal.torn-*")]
-        newest = max((p.stat().st_mtime for p in ours if p.exists()), default=0.0)
+        ours = [folder / CACHE_FILE, *deltas, folder / JOURNAL_FILE, folder / HIGH_FILE,
+                *folder.glob("journal.torn-*"), *folder.glob("journal.damaged-*")]
+        ours = [p for p in ours if os.path.lexists(p)]
+        newest = max((os.lstat(p).st_mtime for p in ours), default=0.0)  # a link's own time: never followed
         if now - newest < max_age_s:
             continue
         if journals:
@@ -245,10 +249,10 @@ def prune(cache_dir, max_age_s: float, *, journals: bool = False, now: float | N
                 p.unlink(missing_ok=True)
             try:
                 folder.rmdir()
-            except OSError:
-                pass
-            deleted.append(folder)
-        elif (folder / CACHE_FILE).exists() or deltas:
+                deleted.append(folder)
+            except OSError:  # something not kvactors' is left in it (inspect names a stray temp folder)
+                deleted += ours
+        elif os.path.lexists(folder / CACHE_FILE) or deltas:
             (folder / CACHE_FILE).unlink(missing_ok=True)
             remove_deltas(folder)
             deleted.append(folder / CACHE_FILE)

@@ -719,6 +719,30 @@ def test_failed_atomic_write_leaves_old_file_and_no_temp(tmp_path, monkeypatch):
     assert path.read_bytes() == b"old" and os.listdir(tmp_path) == ["f"]
 
 
+def test_prune_reads_the_files_own_times_and_says_what_it_deleted_when_the_folder_stays(tmp_path):
+    """A symlinked cache pointing at a fresh file made an idle agent look active (its target's time was read);
+    damaged journal copies kept a pruned folder, and a folder that stayed (something not kvactors' in it) was
+    still reported as deleted."""
+    saved(tmp_path, agent="old")
+    folder = tmp_path / SPEC.fingerprint / "old"
+    (folder / "journal.damaged-1").write_bytes(b"kept damaged history")
+    past = os.path.getmtime(folder / store.CACHE_FILE) - 3600
+    (tmp_path / "fresh").write_bytes(b"x")
+    (folder / store.CACHE_FILE).unlink()
+    (folder / store.CACHE_FILE).symlink_to(tmp_path / "fresh")
+    for f in folder.iterdir():
+        os.utime(f, (past, past), follow_symlinks=False)
+    assert store.prune(tmp_path, 600, journals=True) == [folder]
+    assert not folder.exists() and (tmp_path / "fresh").exists()  # the link went, its target did not
+    saved(tmp_path, agent="old")
+    (folder / "someone-else's").mkdir()
+    for f in folder.iterdir():
+        os.utime(f, (past, past), follow_symlinks=False)
+    gone = store.prune(tmp_path, 600, journals=True)
+    assert folder.exists() and gone and all(p.parent == folder for p in gone)
+    assert sorted(p.name for p in folder.iterdir()) == ["someone-else's"]
+
+
 def test_delete_and_retention(tmp_path):
     saved(tmp_path, agent="old")
     saved(tmp_path, agent="new")
