@@ -15,7 +15,7 @@ import pytest
 from runtime import attention, store
 from runtime.kvscheme import DEFAULT, KVScheme, KVSchemeError, from_options, hadamard, parse, plain, rotate
 from runtime.model import ModelCacheSpec
-from runtime.q4cache import BatchQuantizedKVCache, Q4CacheError, layer_cache, scheme_of
+from runtime.q4cache import BatchQuantizedKVCache, Q4CacheError, scheme_of
 
 CUDA = mx.default_device() == mx.gpu and mx.cuda.is_available()
 ATOL = 2e-3 if CUDA else 1e-5

@@ -360,7 +360,7 @@ def test_a_hot_chunk_attends_on_the_packed_cache_as_the_dequantized_route_does(t
 def test_a_chunk_between_decode_and_dense_sizes_multiplies_through_qgemm(tiny_model_path, monkeypatch):
     """Inputs of more than qgemv.MAX_ROWS and fewer than DENSE_ROWS rows (a hot turn's chunk) go through
     `qgemm` in every 4-bit linear, with logits as the model's own quantized matmuls give them (bf16)."""
-    from runtime import prepare, qgemm
+    from runtime import qgemm
 
     model = bf16_llama(tiny_model_path, 64)
     tokens = mx.random.randint(3, 500, (2, 40), key=mx.random.key(3))
