@@ -35,8 +35,8 @@ from pathlib import Path
 import msgpack
 
 from runtime.errors import KvactorsError
-from runtime.files import (HIGH_FILE, JOURNAL_FILE, agent_dir, make_dirs, open_file, own_file, refuse_links, remove_temps,
-                           write_atomic)
+from runtime.files import (HIGH_FILE, JOURNAL_FILE, agent_dir, make_dirs, open_file, own_file, refuse_links,
+                           remove_temps, write_atomic)
 
 JOURNAL_MAGIC = b"kvactors-journal-1\n"
 _FRAME = struct.Struct("<II")
@@ -133,7 +133,9 @@ class JournalScan:
     def losses(self) -> list[str]:
         """One line per damaged span: where, how many bytes, between which seqs records were lost (and one for a
         damaged header, where none were)."""
-        out = [f"the header (first {len(JOURNAL_MAGIC)} B) was unreadable and is rewritten"] if self.header_damaged else []
+        out = []
+        if self.header_damaged:
+            out.append(f"the header (first {len(JOURNAL_MAGIC)} B) was unreadable and is rewritten")
         for start, stop in self.damaged:
             before = [r["seq"] for r, (_, e) in zip(self.records, self.frames) if e <= start]
             after = [r["seq"] for r, (s, _) in zip(self.records, self.frames) if s >= stop]

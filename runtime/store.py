@@ -32,10 +32,10 @@ from runtime.cacheformat import (FORMAT, FORMAT_VERSION, MAX_HEADER, CacheError,
                                  CorruptCache, ForeignModel, QuantizationMismatch, ShapeMismatch, TruncatedCache,
                                  UnreadableCache, UnsupportedVersion, decode_cache, decode_file, encode_cache,
                                  model_tag, tag_fingerprint)
-from runtime.files import (_TMP_SUFFIX, AGENT_ID, CACHE_FILE, DELTA_FILE, FINGERPRINT, HIGH_FILE, JOURNAL_FILE, MODEL_FILE,
-                           AgentInUse, CacheDirInUse, InvalidAgentId, NotAFolder, UnsafePath, agent_dir, check_agent_id,
-                           fsync_dir, lock_agent, lock_cache_dir, make_dirs, map_file, open_file, open_private, own_file,
-                           read_file, refuse_links, remove_temps, temp_path, write_atomic)
+from runtime.files import (_TMP_SUFFIX, AGENT_ID, CACHE_FILE, DELTA_FILE, FINGERPRINT, HIGH_FILE, JOURNAL_FILE,
+                           MODEL_FILE, AgentInUse, CacheDirInUse, InvalidAgentId, NotAFolder, UnsafePath, agent_dir,
+                           check_agent_id, fsync_dir, lock_agent, lock_cache_dir, make_dirs, map_file, open_file,
+                           open_private, own_file, read_file, refuse_links, remove_temps, temp_path, write_atomic)
 from runtime.hostcache import (CacheMeta, DeviceCache, HostCache, cache_to_host, check_cache, host_to_cache, on_device,
                                trim_cache, trim_host)
 from runtime.hotcache import HotCaches, cache_nbytes
@@ -49,8 +49,8 @@ __all__ = [
     # runtime.files
     "AGENT_ID", "CACHE_FILE", "DELTA_FILE", "HIGH_FILE", "JOURNAL_FILE", "MODEL_FILE", "CacheDirInUse",
     "AgentInUse", "InvalidAgentId", "UnsafePath", "agent_dir", "check_agent_id", "fsync_dir", "lock_agent", "lock_cache_dir", "make_dirs", "map_file",
-    "open_private", "read_file", "refuse_links", "remove_temps", "temp_path", "write_atomic", "FINGERPRINT", "NotAFolder",
-    "open_file", "own_file",
+    "open_private", "read_file", "refuse_links", "remove_temps", "temp_path", "write_atomic", "FINGERPRINT",
+    "NotAFolder", "open_file", "own_file",
     # runtime.hostcache
     "CacheMeta", "DeviceCache", "HostCache", "cache_to_host", "check_cache", "host_to_cache", "on_device",
     "trim_cache", "trim_host",
@@ -334,18 +334,19 @@ def _mark_health(folder: Path) -> tuple[int | None, list[str]]:
     path = folder / HIGH_FILE
     mode = _mode(path)
     if mode is None:
-        return None, []  # a folder older than the mark: written at the agent's next start
+        return None, []  # a folder older than the mark: written with the agent's next turn
     if stat.S_ISDIR(mode) or stat.S_ISLNK(mode):
         return None, [f"{HIGH_FILE} is {_kind(path, mode)}, not a file: the journal's high-water mark cannot be "
                       "recorded (each turn logs an error); remove it, kvactors writes a new one"]
     if not stat.S_ISREG(mode):
-        return None, [f"{HIGH_FILE} is {_kind(path, mode)}, not a file: kvactors replaces it at the agent's next start"]
+        return None, [f"{HIGH_FILE} is {_kind(path, mode)}, not a file: kvactors replaces it with the agent's "
+                      "next turn"]
     if not os.access(path, os.R_OK | os.W_OK):
         return None, [f"{HIGH_FILE} cannot be read or written: the journal's high-water mark cannot be recorded (each "
                       "turn logs an error); fix its permissions"]
     mark = high_seq(folder)
     if mark is None:
-        return None, [f"{HIGH_FILE} damaged (no valid high-water mark in it): rewritten at the agent's next start"]
+        return None, [f"{HIGH_FILE} damaged (no valid high-water mark in it): rewritten with the agent's next turn"]
     return mark, []
 
 

@@ -82,9 +82,9 @@ def test_journal_seq_as_a_folder_says_remove_it_and_removing_it_heals(cache_dir)
 
 
 @pytest.mark.parametrize("garbage", [b"\x00" * 16, b"not a mark at all!", b"kvhs"])
-def test_damaged_journal_seq_is_said_and_rewritten_at_the_next_start(cache_dir, garbage):
+def test_damaged_journal_seq_is_said_and_rewritten_with_the_next_turn(cache_dir, garbage):
     (folder(cache_dir) / store.HIGH_FILE).write_bytes(garbage)
-    assert "journal.seq damaged (no valid high-water mark in it): rewritten at the agent's next start" in row(cache_dir)
+    assert "journal.seq damaged (no valid high-water mark in it): rewritten with the agent's next turn" in row(cache_dir)
     turn(cache_dir)
     assert store.high_seq(folder(cache_dir)) is not None and row(cache_dir).endswith("  ok")
 
