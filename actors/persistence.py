@@ -408,7 +408,7 @@ class PersistenceActor(SupervisedActor):
         mark = max(-1 if cache_seq is None else cache_seq, -1 if high is None else high)  # seqs used, by other files
         lost = mark > last and await _io(store.reported_loss)(folder) != (last, mark)  # said once per loss
         if lost:
-            _log_loss(agent, scan is None, cache_seq, last, mark)
+            log.error("agent %s: %s", agent, store.lost_records(scan is None, cache_seq, last, mark))
         self._journal_seq[agent], self._journal_end[agent], self._cache_seq[agent] = last, end, cache_seq
         self._high[agent] = max(last, mark)
         if high is None:  # made now, while nothing waits on it: each append then rewrites it in place, needing no space
@@ -458,20 +458,6 @@ def _write_segment(folder, write: Write, fingerprint: str, last) -> tuple[str, s
     name, data, segment = store.next_segment(write.cache, write.meta, fingerprint, last, write.reuse)
     store.write_atomic(folder / name, data)
     return name, segment
-
-
-def _log_loss(agent: str, missing: bool, cache_seq: int | None, last: int, mark: int) -> None:
-    """Say that `agent`'s journal ends at seq `last` (`missing`: it was gone) while its files used seqs up to `mark`."""
-    if missing:
-        log.error("agent %s: its journal is missing but its files reached seq %d: the journal was deleted, "
-                  "its history starts empty; new turns continue after seq %d", agent, mark, mark)
-    elif cache_seq is not None and cache_seq > last:
-        log.error("agent %s: its cache (seq %d) is newer than its journal (last seq %d): the journal lost records; "
-                  "new turns continue after seq %d", agent, cache_seq, last, mark)
-    else:
-        log.error("agent %s: its journal ends at seq %d, but records up to seq %d were written: the journal's "
-                  "tail was cut off and those records are lost; new turns continue after seq %d",
-                  agent, last, mark, mark)
 
 
 def _summary(folder) -> store.StoredAgent:

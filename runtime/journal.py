@@ -460,6 +460,20 @@ def record_reported_loss(folder: Path, last: int, mark: int) -> None:
         os.close(fd)
 
 
+def lost_records(missing: bool, cache_seq: int | None, last: int, mark: int) -> str:
+    """What a journal that ends at seq `last` lost (`missing`: there is none), when its agent's other files used seqs
+    up to `mark` (> `last`): its cache at `cache_seq` (None: none), or its high-water mark. One sentence, for the
+    persistence actor's log and `kvactors inspect`."""
+    if missing:
+        return (f"its journal is missing but its files reached seq {mark}: the journal was deleted (or never "
+                f"written), its history starts empty; new turns continue after seq {mark}")
+    if cache_seq is not None and cache_seq > last:
+        return (f"its cache (seq {cache_seq}) is newer than its journal (last seq {last}): the journal lost records, "
+                f"their turns are not in the history; new turns continue after seq {mark}")
+    return (f"its journal ends at seq {last}, but records up to seq {mark} were written ({HIGH_FILE}): its tail was "
+            f"cut off and those records are lost; new turns continue after seq {mark}")
+
+
 def open_journal(folder: Path) -> tuple[JournalScan | None, int]:
     """Make `folder`'s journal ready for appends; return (its scan as found, the byte to append at).
 

@@ -41,7 +41,7 @@ from runtime.hostcache import (CacheMeta, DeviceCache, HostCache, cache_to_host,
 from runtime.hotcache import HotCaches, cache_nbytes
 from runtime.journal import (JOURNAL_MAGIC, JournalError, JournalScan, append_frames, append_journal, check_record,
                              conversation_prompt, current_conversation, encode_records, fresh_records, high_seq,
-                             journal_record, open_journal, parse_journal, prompt_check, read_journal,
+                             journal_record, lost_records, open_journal, parse_journal, prompt_check, read_journal,
                              read_journal_bytes, record_high_seq, record_reported_loss, repair_journal, reported_loss,
                              scan_journal)
 
@@ -63,7 +63,7 @@ __all__ = [
     "MAX_DELTAS", "Segment", "cache_seq", "load_cache", "load_chain", "load_segment", "next_segment", "remove_deltas",
     "save_cache",
     # runtime.journal
-    "JOURNAL_MAGIC", "JournalError", "JournalScan", "append_frames", "append_journal", "check_record",
+    "JOURNAL_MAGIC", "JournalError", "JournalScan", "append_frames", "append_journal", "check_record", "lost_records",
     "conversation_prompt", "current_conversation", "encode_records", "fresh_records", "high_seq", "journal_record",
     "open_journal", "parse_journal", "prompt_check", "read_journal", "read_journal_bytes", "record_high_seq", "record_reported_loss", "repair_journal",
     "reported_loss", "scan_journal",
@@ -405,21 +405,14 @@ def _seq_notes(records: list, loaded: tuple | None, mark: int | None, folder: Pa
     A cache behind the journal only costs a prefill; seqs used past the journal's last record (by the cache's
     headers or the mark, as the persistence actor counts them) are records the journal lost.
     """
-    last = records[-1]["seq"] if records else None
+    last = records[-1]["seq"] if records else -1
     cached = cache_seq(folder)
     used = max(x for x in (mark, cached, -1) if x is not None)
-    lag = [] if loaded is None or last is None or loaded[1].seq >= last else \
+    lag = [] if loaded is None or loaded[1].seq >= last else \
         [f"cache at seq {loaded[1].seq}, journal at {last}: the agent's next turn prefills the turns after it"]
-    if used <= (-1 if last is None else last):
+    if used <= last:
         return lag
-    if last is None:
-        return [f"its files reached seq {used}: the journal was deleted or never written, so the agent's history "
-                f"starts empty; new turns continue after seq {used}"]
-    if cached is not None and cached > last:
-        return lag + [f"cache at seq {cached} is newer than the journal (last seq {last}): the journal lost records, "
-                      f"their turns are not in the history; new turns continue after seq {used}"]
-    return lag + [f"journal ends at seq {last}, but records up to seq {mark} were written ({HIGH_FILE}): its tail "
-                  f"was cut off and those records are lost; new turns continue after seq {used}"]
+    return lag + [lost_records(not os.path.lexists(folder / JOURNAL_FILE), cached, last, used)]
 
 
 def _stray_folders(entries: list[os.DirEntry]) -> list[str]:
