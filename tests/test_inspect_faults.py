@@ -42,6 +42,18 @@ def folder(cache_dir, agent="victim") -> Path:
     return next(cache_dir.glob(f"*/{agent}"))
 
 
+def as_folder(path: Path) -> None:
+    """Put an empty folder where the file `path` was."""
+    path.unlink()
+    path.mkdir()
+
+
+def as_symlink(path: Path, elsewhere: Path) -> None:
+    """Move what is at `path` to `elsewhere` and put a symlink to it at `path`."""
+    path.rename(elsewhere)
+    path.symlink_to(elsewhere)
+
+
 def row(cache_dir, agent="victim") -> str:
     return next(line for line in store.inspect_table(cache_dir).splitlines() if line.split()[:1] == [agent])
 
@@ -71,8 +83,7 @@ def flip(path: Path, at: int = -10) -> None:
 
 def test_journal_seq_as_a_folder_says_remove_it_and_removing_it_heals(cache_dir):
     seq = folder(cache_dir) / store.HIGH_FILE
-    seq.unlink()
-    seq.mkdir()
+    as_folder(seq)
     line = row(cache_dir)
     assert "journal.seq is a folder, not a file" in line and "remove it" in line
     assert row(cache_dir, "good").endswith("  ok")
@@ -143,8 +154,7 @@ def test_a_damaged_delta_file_is_named_not_taken_for_a_cache_lag(cache_dir):
 
 def test_a_delta_file_replaced_by_a_folder_says_remove_it(cache_dir):
     delta = folder(cache_dir) / store.DELTA_FILE.format(1)
-    delta.unlink()
-    delta.mkdir()
+    as_folder(delta)
     line = row(cache_dir)
     assert "bad cache delta: cache.1.delta.safetensors is a folder, not a file" in line and "remove it" in line
 
@@ -165,8 +175,7 @@ def test_a_damaged_cache_file_says_which_file_and_what_happens(cache_dir, damage
 
 def test_a_cache_file_replaced_by_a_folder_says_remove_it(cache_dir):
     path = folder(cache_dir) / store.CACHE_FILE
-    path.unlink()
-    path.mkdir()
+    as_folder(path)
     line = row(cache_dir)
     assert "bad cache: cache.safetensors is a folder, not a file" in line and "remove it" in line
     assert line.split()[1] == "-"
@@ -174,8 +183,7 @@ def test_a_cache_file_replaced_by_a_folder_says_remove_it(cache_dir):
 
 def test_a_symlinked_cache_file_is_not_followed_and_replaced_by_the_next_turn(cache_dir, tmp_path):
     path = folder(cache_dir) / store.CACHE_FILE
-    path.rename(tmp_path / "elsewhere.safetensors")
-    path.symlink_to(tmp_path / "elsewhere.safetensors")
+    as_symlink(path, tmp_path / "elsewhere.safetensors")
     line = row(cache_dir)
     assert "bad cache: cache.safetensors is a symlink (to " in line and "its next turn replaces it" in line
     turn(cache_dir)
@@ -195,8 +203,7 @@ def test_a_leftover_temp_folder_is_said(cache_dir):
 
 def test_an_unreadable_journal_gives_no_seq_hint(cache_dir):
     journal = folder(cache_dir) / store.JOURNAL_FILE
-    journal.unlink()
-    journal.mkdir()
+    as_folder(journal)
     line = row(cache_dir)
     assert "is not a regular file; move it aside" in line
     assert "newer than its journal" not in line  # its records are unknown, not missing
@@ -204,8 +211,7 @@ def test_an_unreadable_journal_gives_no_seq_hint(cache_dir):
 
 def test_a_symlinked_journal_is_not_blamed_on_permissions(cache_dir, tmp_path):
     journal = folder(cache_dir) / store.JOURNAL_FILE
-    journal.rename(tmp_path / "journal.msgpack")
-    journal.symlink_to(tmp_path / "journal.msgpack")
+    as_symlink(journal, tmp_path / "journal.msgpack")
     line = row(cache_dir)
     assert "journal.msgpack is a symlink (to " in line and "put the file itself in its place" in line
     assert "permissions" not in line
@@ -254,11 +260,9 @@ def test_every_fault_at_once_each_on_its_row_and_nothing_changed(cache_dir, tmp_
     model = folder(cache_dir).parent
     for name in ("seqdir", "seqbad", "link", "delta", "cache", "tmpdir"):
         shutil.copytree(folder(cache_dir), model / name)
-    (model / "seqdir" / store.HIGH_FILE).unlink()
-    (model / "seqdir" / store.HIGH_FILE).mkdir()
+    as_folder(model / "seqdir" / store.HIGH_FILE)
     (model / "seqbad" / store.HIGH_FILE).write_bytes(b"garbage garbage!")
-    (model / "link").rename(tmp_path / "linked")
-    (model / "link").symlink_to(tmp_path / "linked")
+    as_symlink(model / "link", tmp_path / "linked")
     flip(model / "delta" / store.DELTA_FILE.format(1))
     flip(model / "cache" / store.CACHE_FILE)
     (model / "tmpdir" / ".journal.msgpack.1.ab.tmp").mkdir()
