@@ -182,20 +182,21 @@ def _resync(view: memoryview, pos: int):
     return None
 
 
-def _header_damaged(view: memoryview) -> bool:
-    """Whether a journal that does not start with JOURNAL_MAGIC has a damaged header, rather than another format.
+def _past_damaged_header(view: memoryview) -> int:
+    """Where the first good frame starts in journal bytes that do not start with JOURNAL_MAGIC (a damaged header).
 
-    A newer journal version (the magic with a higher number) or bytes with no good frame in them raise
-    JournalError: they are left untouched.
+    A newer journal version (the magic with a higher number) or bytes with no good frame in them are another
+    format: JournalError, and they are left untouched.
     """
     newer = _NEWER.match(view)
     if newer and int(newer.group(1)) > 1:
         raise JournalError(f"a newer journal version ({int(newer.group(1))}) than this kvactors reads (1); it is left "
                            "untouched: upgrade kvactors, or move it aside")
-    if _resync(view, 0) is None:
+    pos = _resync(view, 0)
+    if pos is None:
         raise JournalError("not a kvactors journal (bad magic bytes and no record in it); it is left untouched: "
                            "move it aside")
-    return True
+    return pos
 
 
 def scan_journal(data) -> JournalScan:
@@ -214,12 +215,9 @@ def scan_journal(data) -> JournalScan:
     view = memoryview(data)
     if len(view) < len(JOURNAL_MAGIC) and bytes(view) == JOURNAL_MAGIC[: len(view)]:
         return JournalScan([], [], 0, [], len(view))  # creation was cut short: nothing was ever recorded
-    header = bytes(view[: len(JOURNAL_MAGIC)]) != JOURNAL_MAGIC and _header_damaged(view)
-    records, frames, damaged, pos = [], [], [], len(JOURNAL_MAGIC)
-    if header:
-        pos = _resync(view, 0)
-        if pos > len(JOURNAL_MAGIC):
-            damaged.append((len(JOURNAL_MAGIC), pos))
+    header = bytes(view[: len(JOURNAL_MAGIC)]) != JOURNAL_MAGIC
+    pos = _past_damaged_header(view) if header else len(JOURNAL_MAGIC)
+    records, frames, damaged = [], [], [(len(JOURNAL_MAGIC), pos)] if pos > len(JOURNAL_MAGIC) else []
     while pos < len(view):
         found = _frame_at(view, pos)
         if found is None:
