@@ -86,6 +86,14 @@ class WaitsInCallback(KvactorsError, RuntimeError):
     agent's): it would wait for itself, and every agent with it, or for the very agent it runs on."""
 
 
+def _never_fits(runtime, text: str, reserved: int) -> bool:
+    """Whether `text` has more characters than the model's positions less `reserved` can hold as tokens of
+    `runtime`'s tokenizer, whatever they are (its longest token's characters each); False when either is
+    unknown. Such a text is refused before tokenizing it, which would hold every thread up for nothing."""
+    longest, positions = runtime.longest_token_chars, runtime.max_context
+    return bool(longest and positions) and len(text) > (positions - reserved) * longest
+
+
 def _not_in_callback(what: str) -> None:
     """Raise WaitsInCallback if this thread is running a turn's callback (see `engine.running_callback`)."""
     name = running_callback()
@@ -439,9 +447,9 @@ class AgentRef:
             turn_id = new_turn_id(self.name)
         elif not isinstance(turn_id, str) or not TURN_ID.fullmatch(turn_id):
             raise InvalidArgument(f"turn_id must match {TURN_ID.pattern}, got {turn_id!r}")
-        # a message that can never fit is refused here: tokenizing it would hold every thread up for nothing
-        longest, positions = self.runtime.longest_token_chars, self.runtime.max_context
-        if longest and positions and len(text) > (positions - max_tokens) * longest:
+        # a message that can never fit is refused here (`_never_fits`)
+        if _never_fits(self.runtime, text, max_tokens):
+            positions = self.runtime.max_context
             raise TurnTooLong(turn_id, f"the message has {len(text)} characters: more tokens, whatever they are, "
                                        f"than the {positions - max_tokens} positions the model has left after "
                                        f"max_tokens {max_tokens}; shorten it")
@@ -634,10 +642,9 @@ class AgentRef:
         turn would fail with TurnTooLong), TypeError for a sender that is not a str or None."""
         if not isinstance(text, str) or not text:
             raise InvalidArgument("a note needs a non-empty text")
-        longest, positions = self.runtime.longest_token_chars, self.runtime.max_context
-        if longest and positions and len(text) > (positions - 1) * longest:
+        if _never_fits(self.runtime, text, 1):
             raise InvalidArgument(f"the note has {len(text)} characters: more tokens, whatever they are, than the "
-                                  f"model's {positions} positions leave for it; shorten it")
+                                  f"model's {self.runtime.max_context} positions leave for it; shorten it")
         if sender is not None and not isinstance(sender, str):
             raise InvalidArgumentType(f"sender must be a str or None, got {type(sender).__name__}")
         check_unicode("a note's text", text)
