@@ -27,6 +27,13 @@ cache as the engine merges it (the merge is not timed):
 - host share: building and queueing the chunk (the time to the last launch);
 - linears alone: the chunk's products (every linear layer of the model, on
   random inputs of the chunk's rows), as prepared;
+- the engine's hot turn: `Engine` serving a turn of the chunk's tokens after the agent's
+  cache (made by a cold turn through the same engine, as an agent's is), to its first token
+  (its `Timings.ttft_s`: queue, merge, chunk, sampling), with --max-tokens tokens to
+  generate, every turn after the same cache, or each after the turn before it (as an agent's
+  turns come); its merge alone (`merge_caches` with the room the engine gives such a turn);
+  with --host-profile, Python's profile of the engine's first step of 5 such turns (admission,
+  merge, chunk, first token: `<name>-engine-profile.txt`);
 - with --host-profile: Python's profile of building and queueing 5 chunks
   (`<name>-host-profile.txt`);
 - with --device-profile (CUDA, the `cupti-python` package): every kernel of 5
@@ -50,8 +57,9 @@ from benchmarks.anatomy import kernel_table
 from benchmarks.common import bench_parser, environment, load_bench_model, profile_text, traced_kernels, write_results
 from benchmarks.profile import prefilled
 from runtime import hostcache, prepare
+from runtime.engine import Engine, Turn
 from runtime.prepare import last_logits
-from runtime.q4cache import merge_caches, route_for
+from runtime.q4cache import layer_cache, merge_caches, route_for
 
 COLUMNS = ["piece", "context", "tokens", "ms", "note"]
 
@@ -157,6 +165,56 @@ def copying(cache):
         rate["gb_per_s"] = sum(done) / (time.perf_counter() - t0) / 1e9
 
 
+def served(engine, turn, profile=None):
+    """`turn`'s result once `engine` (serving nothing else) has run it to its end; `profile` (a
+    cProfile.Profile) is enabled during the first step, which admits the turn, merges its cache, runs its
+    chunk and takes its first token."""
+    engine.submit(turn)
+    first = True
+    while True:
+        if profile and first:
+            profile.enable()
+        results = engine.step()
+        if profile and first:
+            profile.disable()
+        first = False
+        for result in results:
+            if result.turn_id == turn.turn_id:
+                if not hasattr(result, "cache"):
+                    raise RuntimeError(f"the benchmark's turn failed: {result}")
+                return result
+
+
+def engine_runner(engine, agent, tokens, max_tokens: int, chain: bool = False, profile=None):
+    """A function that serves a turn of `tokens` after `agent` (a per-agent cache) through `engine` and returns
+    its time to the first token (`Timings.ttft_s`); with `chain`, each turn continues from the cache the turn
+    before it returned, as an agent's turns do; see `served` for `profile`."""
+    runs, held = iter(range(10**9)), [agent]
+
+    def run():
+        turn = Turn(f"hot-{next(runs)}", "bench", held[0], tokens, max_tokens=max_tokens)
+        mx.synchronize()
+        result = served(engine, turn, profile)
+        mx.synchronize()
+        if chain:
+            held[0] = result.cache
+        return result.timings.ttft_s
+    return run
+
+
+def merge_runner(spec, route, agent, room: int):
+    """A function that merges `agent` into a batch of one with `room` columns to spare, as the engine does
+    for a hot turn, and returns its seconds (device synchronized)."""
+    def run():
+        mx.synchronize()
+        t0 = time.perf_counter()
+        cache = merge_caches(spec, [agent], route, room=room)
+        mx.eval([c.state for c in cache])
+        mx.synchronize()
+        return time.perf_counter() - t0
+    return run
+
+
 def linears_runner(model, rows: int):
     """A function that runs every quantized linear of `model` on `rows` random rows and returns its seconds."""
     linears = [m for _, m in model.named_modules() if isinstance(m, (nn.Linear, nn.QuantizedLinear))]
@@ -186,6 +244,8 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=3072, help="tokens in the agent's cache (default: %(default)s)")
     ap.add_argument("--tokens", type=int, default=256, help="tokens in the chunk (default: %(default)s)")
     ap.add_argument("--rows", type=int, default=5, help="turns sharing a chunk (default: %(default)s)")
+    ap.add_argument("--max-tokens", type=int, default=8,
+                    help="tokens the engine's hot turn may generate (its merge's room; default: %(default)s)")
     ap.add_argument("--host-profile", action="store_true",
                     help="also write Python's profile of building and queueing 5 chunks (<name>-host-profile.txt)")
     ap.add_argument("--device-profile", action="store_true",
@@ -193,7 +253,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     env = environment()
     print(env, flush=True)
-    model, _, spec = load_bench_model(args.model)
+    model, tokenizer, spec = load_bench_model(args.model)
     route = route_for(spec, None)
     agent = prefilled(model, spec, "dequant", args.context, seed=1)
     mx.random.seed(2)
@@ -235,6 +295,34 @@ def main(argv=None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"{name}-device-profile.md").write_text("\n".join(texts))
         print("\n".join(texts), flush=True)
+    engine = Engine(model, tokenizer, spec)
+    mx.random.seed(3)
+    history = mx.random.randint(3, model.args.vocab_size, (args.context,)).tolist()
+    own = served(engine, Turn("cold", "bench", None, history, max_tokens=1)).cache
+    message = tokens.tolist()
+    add("the engine's hot turn, to its first token", timed_runs(engine_runner(engine, own, message, args.max_tokens)),
+        f"Timings.ttft_s; max_tokens {args.max_tokens}")
+    add("the engine's hot turn, each after the one before", timed_runs(engine_runner(engine, own, message,
+                                                                                   args.max_tokens, chain=True)),
+        "the agent's cache grows by each turn, as an agent's does")
+    room = -(-len(message) // engine.query_bucket) * engine.query_bucket + args.max_tokens  # as `Engine._room`
+    add("its merge alone", timed_runs(merge_runner(spec, route, own, room)),
+        f"room {room} columns; as a turn handed the cache out (on CUDA: every layer in one launch)")
+    apart = [layer_cache(spec.kv_scheme) for _ in own]  # the same arrays, not as a turn handed them out
+    for copy, layer in zip(apart, own):
+        copy.keys, copy.values, copy.offset = layer.keys, layer.values, layer.offset
+    add("its merge alone, a launch a layer", timed_runs(merge_runner(spec, route, apart, room)),
+        "the same cache as loaded from disk")
+    if args.host_profile:
+        import cProfile
+
+        prof = cProfile.Profile()
+        run = engine_runner(engine, own, message, args.max_tokens, chain=True, profile=prof)
+        for _ in range(5):
+            run()
+        (args.out / f"{name}-engine-profile.txt").write_text(
+            f"the engine's first step of 5 hot turns of {args.tokens} tokens after {args.context} (admission, "
+            f"merge, chunk, first token; max_tokens {args.max_tokens})\n" + profile_text(prof, 40))
     add("host share (build + queue)", timed_runs(chunk_runner(model, spec, route, agent, tokens, host_only=True)))
     group = prepare.DENSE_LAUNCH
     prepare.DENSE_LAUNCH = 1
