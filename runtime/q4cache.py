@@ -136,6 +136,7 @@ class AgentKVCache(QuantizedKVCache):
 
     def __init__(self, group_size: int = 64, bits: int = 4, value_bits: int | None = None, rotation: str = "none"):
         self._held = None  # (HeldRow, layer) until this layer's views are first read: see `hold`
+        self._origin = None  # (HeldRow, layer) it was handed out as, kept: see `_held_row`
         super().__init__(group_size=group_size, bits=bits)
         self.value_bits = bits if value_bits is None else value_bits
         self.rotation = rotation
@@ -148,7 +149,7 @@ class AgentKVCache(QuantizedKVCache):
     def hold(self, row: HeldRow, layer: int) -> None:
         """Take layer `layer` of `row` as this layer's keys and values, made into views of its arrays only when
         first read (`HeldRow.views`)."""
-        self._held = (row, layer)
+        self._held = self._origin = (row, layer)
 
     def _take(self) -> None:
         held = self._held
@@ -744,7 +745,7 @@ class BatchQuantizedKVCache(_BaseCache):
 
     @classmethod
     def merge(cls, caches, scheme: KVScheme = KVScheme(), route: str | None = None,
-              keep: int | None = None, own_attention: bool = True, lead=None, room: int = 1):
+              keep: int | None = None, own_attention: bool = True, lead=None, room: int = 1, fill: bool = True):
         """One batch from per-agent `QuantizedKVCache`s (None or empty: no history).
 
         Rows are left-padded to the longest; packed words are copied, never
@@ -766,6 +767,9 @@ class BatchQuantizedKVCache(_BaseCache):
         `room`: columns to allocate beyond the rows' history (at least one): what the batch
         will take before it changes again, so that no update or step in between grows the
         buffers (a copy of every one, and new shapes).
+
+        `fill` False leaves a one-row batch's buffers on the "q4kernel" route to the caller
+        (`merge_caches` fills every layer with one launch): keys and values stay None until then.
         """
         lead = [0] * len(caches) if lead is None else [int(x) for x in lead]
         lengths, positions = [], []
@@ -793,7 +797,8 @@ class BatchQuantizedKVCache(_BaseCache):
         width = _allocation(base + max(lead), room)
 
         if len(caches) == 1 and cache.route == "q4kernel":  # one launch a layer (see runtime.q4columns)
-            cache.keys, cache.values = _gathered([caches[0]], [(0, 0, 0, lengths[0], 0)], width)
+            if fill:
+                cache.keys, cache.values = _gathered([caches[0]], [(0, 0, 0, lengths[0], 0)], width)
             return cache
 
         def rows(part):
@@ -1025,15 +1030,47 @@ def merge_caches(spec, agent_caches, route: str | None = None, lead=None, room: 
     """Merge per-agent caches (each a per-layer list of QuantizedKVCache, or None) into a batch.
 
     `lead` (per row) and `room`: as `BatchQuantizedKVCache.merge` takes them (every layer the same).
+    One agent's cache that a turn handed out whole (`_held_row`) is copied from every layer in one
+    `q4columns.gather` launch (a hot turn's merge), each layer's buffers a view of one buffer a tensor.
     """
     route = route_for(spec, route)
-    return [
+    row = _held_row(agent_caches[0]) if route == "q4kernel" and len(agent_caches) == 1 else None
+    batch = [
         BatchQuantizedKVCache.merge(
             [None if c is None else c[layer] for c in agent_caches], spec.kv_scheme, route,
-            _keep(spec, layer), not spec.has_sinks, lead, room,
+            _keep(spec, layer), not spec.has_sinks, lead, room, fill=row is None,
         )
         for layer in range(spec.n_layers)
     ]
+    if row is not None:
+        tokens = stored_tokens(agent_caches[0][0])
+        keys, values = q4columns.gather([(row.arrays[:3], row.arrays[3:])],
+                                        [(0, n, 0, tokens, 0) for n in range(len(batch))],
+                                        _allocation(tokens, room), checked=True)  # `_held_row` checked them
+        parts = [mx.split(x, len(batch), axis=0) for x in (*keys, *values)]
+        for n, layer in enumerate(batch):
+            layer.keys, layer.values = tuple(x[n] for x in parts[:3]), tuple(x[n] for x in parts[3:])
+    return batch
+
+
+def _held_row(cache):
+    """The `HeldRow` whose layer n every layer n of per-agent `cache` is, as a turn handed it out and unchanged
+    since (its arrays or their views, every layer holding the same tokens), so that one launch can copy them
+    all; else None."""
+    if not cache or len(cache) < 2:
+        return None
+    origin = getattr(cache[0], "_origin", None)
+    row = None if origin is None else origin[0]
+    if row is None or any(getattr(layer, "_origin", None) != (row, n) for n, layer in enumerate(cache)):
+        return None
+    tokens = stored_tokens(cache[0])  # reads the layers' views: made once for the row
+    views = row.views()
+    for n, layer in enumerate(cache):
+        if stored_tokens(layer) != tokens or any(a is not v[n] for a, v in zip((*layer.keys, *layer.values), views)):
+            return None
+    if not tokens or q4columns.mismatch([(row.arrays[:3], row.arrays[3:])]) is not None:
+        return None
+    return row
 
 
 def extract_cache(batch, i: int, drop: int = 0) -> list:

@@ -7,6 +7,7 @@ Skipped off CUDA (the kernels exist only there). On the GPU:
 """
 
 import math
+import types
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -595,6 +596,60 @@ def test_rows_taken_from_every_layer_at_once_match_mlx_ops_and_merge_back(monkey
     for (kk, kv, kp), (dk, dv, dp) in zip(kernel_again, ops_again, strict=True):
         assert kp == dp
         assert all(x.shape == y.shape and mx.array_equal(x, y).item() for x, y in zip((*kk, *kv), (*dk, *dv)))
+
+
+def test_a_handed_out_cache_merges_back_in_one_launch_and_takes_writes_as_a_batch_of_its_own(monkeypatch):
+    """A hot turn's merge: an agent's cache as a turn handed it out (`queue_rows`: one buffer a tensor for every
+    layer) is copied from every layer in one gather launch into views of one buffer a tensor, bit for bit what a
+    merge a layer gives; a chunk written in place into either batch leaves the same buffers and attention, and the
+    agent's arrays as they were. A cache changed since (a layer's arrays replaced) merges a layer at a time."""
+    from runtime import attention, q4cache, q4columns
+    from runtime.kvscheme import parse
+    from runtime.q4cache import BatchQuantizedKVCache
+
+    attention.install()
+    scheme, layers, d = parse("k6v4-g64-hadamard"), 4, 128
+    spec = types.SimpleNamespace(kv_scheme=scheme, n_layers=layers, windows=(None,) * layers, has_sinks=False)
+    launches = []
+    real = q4columns.gather
+    monkeypatch.setattr(q4columns, "gather", lambda sources, plan, *a, **k: launches.append(len(plan)) or
+                        real(sources, plan, *a, **k))
+    source = [BatchQuantizedKVCache.merge([agent(scheme, 300, 10 * n), agent(scheme, 120, 10 * n + 5)], scheme,
+                                          "q4kernel", room=9) for n in range(layers)]
+    handed = q4cache.queue_rows(source, [0], drop=2)[0]
+    mx.eval(q4cache.row_arrays(handed))
+    before = [mx.array(x * 1) for c in handed for x in (*c.keys, *c.values)]
+    mx.eval(before)
+
+    def chunk(batch):
+        out = []
+        for n, layer in enumerate(batch):
+            k, v, q = (mx.random.normal((1, h, 64, d), key=mx.random.key(90 + 3 * n + i)).astype(mx.bfloat16)
+                       for i, h in enumerate((8, 8, 32)))
+            mask = layer.make_mask(64)
+            keys, values = layer.update_and_fetch(k, v)
+            out.append(attention.sdpa(q, keys, values, d ** -0.5, mask, 64, scheme))
+        mx.eval(out, [layer.state for layer in batch])
+        return out, [x for layer in batch for x in (*layer.keys, *layer.values)]
+
+    launches.clear()
+    fused = q4cache.merge_caches(spec, [handed], "q4kernel", room=72)
+    assert launches == [layers]  # one launch for every layer
+    apart = [BatchQuantizedKVCache.merge([c], scheme, "q4kernel", room=72) for c in handed]
+    assert launches == [layers, 1, 1, 1, 1]
+    for a, b in zip(fused, apart, strict=True):
+        assert (a._pads, a.offset.tolist(), a.size()) == (b._pads, b.offset.tolist(), b.size())
+        assert all(x.shape == y.shape and mx.array_equal(x, y).item()
+                   for x, y in zip((*a.keys, *a.values), (*b.keys, *b.values)))
+    (out_a, bufs_a), (out_b, bufs_b) = chunk(fused), chunk(apart)
+    assert all(mx.array_equal(x, y).item() for x, y in zip(out_a, out_b))
+    assert all(mx.array_equal(x, y).item() for x, y in zip(bufs_a, bufs_b))
+    after = [x for c in handed for x in (*c.keys, *c.values)]
+    assert all(mx.array_equal(x, y).item() for x, y in zip(after, before))
+    handed[2].keys = tuple(x * 1 for x in handed[2].keys)  # changed since it was handed out
+    launches.clear()
+    q4cache.merge_caches(spec, [handed], "q4kernel", room=72)
+    assert launches == [1] * layers
 
 
 def test_batch_surgery_on_the_kernel_route_matches_mlx_ops_bit_for_bit():
