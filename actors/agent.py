@@ -17,7 +17,8 @@ comparing the history with the text the older cache holds. With
 
 Before its first message the agent loads its durable state: the journal (the
 history) and the cache if it is valid; a bad or missing cache means the next turn
-re-prefills the history ("cold"). Any failure in a turn is a crash: the caller
+re-prefills the history ("cold"), its replies as the tokens they were generated as
+(`replayed`), so that it continues as a hot turn would. Any failure in a turn is a crash: the caller
 gets `AgentCrashed`, the actor stops and its supervisor starts a fresh one, which
 reloads the durable state. The caller's own mistakes are not: a turn that can never
 fit (`TurnTooLong`, `TurnTooLarge`), whose conversation the model's chat template refuses
@@ -49,6 +50,7 @@ from actors import persistence
 from actors.batcher import Submit
 from actors.supervisor import SupervisedActor
 from runtime import chat, prefix, store
+from runtime.detok import AnchoredDetokenizer
 from runtime.engine import CallbackFailed, Sampling, Timings, Turn, TurnResult, TurnTooLarge
 from runtime.errors import KvactorsError
 from runtime.q4cache import can_trim
@@ -280,6 +282,69 @@ def render(tokenizer, system: str, records) -> str:
 def render_chat(tokenizer, system: str, records) -> chat.Rendered:
     """`render`, with the spans of message text that `chat.encode` keeps as text."""
     return chat.render(tokenizer, render_messages(system, records))
+
+
+def continued(tokenizer, held, rendered: chat.Rendered):
+    """How a cache holding `held` (a `CacheMeta`: token ids, their ends, the text they spell) serves `rendered`:
+    (tokens to feed, kept ids, kept ends, kept text), or None where it serves nothing (start over). Kept ids
+    are the cache's first tokens (cut back to them), fed tokens what follows (`prefix.match_prefix`)."""
+    match = prefix.match_prefix(held.text, held.token_ids, held.token_ends, rendered.text)
+    if match.kind == prefix.COLD:
+        return None
+    fed = list(match.refeed) + (chat.encode(tokenizer, rendered, match.start) if match.suffix else [])
+    keep_text = (rendered.text[: match.start] if not match.refeed
+                 else held.text[: max([0, *held.token_ends[: match.keep]])])
+    return fed, list(held.token_ids[: match.keep]), list(held.token_ends[: match.keep]), keep_text
+
+
+def held_after(tokenizer, rendered: str, keep_ids, keep_ends, keep_text: str, fed, generated, reply: str,
+               cached: int, seq: int, turn_id: str | None) -> store.CacheMeta:
+    """What a turn's cache holds: kept tokens + fed tokens + generated tokens but the last (`cached` in all).
+
+    Its text is the prompt `rendered` + the `reply`'s text, the very text the next render
+    appends (the engine spells replies as `prefix.token_ends` does). A cached token
+    whose text lies past that text (after a stop string) gets end -1, so the next
+    turn's prefix match cuts the cache before it.
+    """
+    new_ids = list(fed) + [int(t) for t in generated[:-1]]
+    ids = (list(keep_ids) + new_ids)[:cached]
+    text = rendered + reply
+    ends = list(keep_ends) + prefix.token_ends(tokenizer, new_ids, len(keep_text), keep_ids[-1] if keep_ids else None)
+    ends = [e if e <= len(text) else -1 for e in ends[: len(ids)]]
+    return store.CacheMeta(seq=seq, token_ids=ids, token_ends=ends, text=text, turn_id=turn_id)
+
+
+def replayed(tokenizer, system: str, records):
+    """What an agent's cache would hold had every turn of the conversation `records` (the current one's
+    journal records) been hot: each reply as the tokens it was generated as (its record's `tokens`), each prompt
+    fed as a hot turn feeds it (`continued`). None where nothing was generated. A reply whose tokens do not
+    spell its text with this tokenizer (a history written by another model) breaks the chain: the turn after
+    it starts over from its text. Assumes every cut a match asks for was possible (`can_trim`: always, but
+    for sliding-window layers that dropped the keys it needs)."""
+    held, eos = None, set(getattr(tokenizer, "eos_token_ids", None) or ())
+    for i, r in enumerate(records):
+        generated = r.get("tokens") if r["role"] == "assistant" else None
+        if not generated:
+            continue
+        rendered = render_chat(tokenizer, system, records[:i])
+        go = None if held is None else continued(tokenizer, held, rendered)
+        fed, keep_ids, keep_ends, keep_text = (chat.encode(tokenizer, rendered), [], [], "") if go is None else go
+        generated = [int(t) for t in generated]
+        if not fed or not _spells(tokenizer, fed[-1], [t for t in generated if t not in eos], r["text"]):
+            held = None
+            continue
+        cached = len(keep_ids) + len(fed) + len(generated) - 1
+        held = held_after(tokenizer, rendered.text, keep_ids, keep_ends, keep_text, fed, generated, r["text"], cached,
+                          r["seq"], r.get("turn_id"))
+    return held
+
+
+def _spells(tokenizer, anchor: int, tokens, text: str) -> bool:
+    """Whether `tokens`, after token `anchor`, spell `text` and possibly more (a reply cut at a stop string)."""
+    spelled = AnchoredDetokenizer(tokenizer, anchor)
+    spelled.add_tokens(tokens)
+    spelled.finalize()
+    return spelled.text.startswith(text)
 
 
 class AgentActor(SupervisedActor):
@@ -606,17 +671,31 @@ class AgentActor(SupervisedActor):
             self.load_s += time.perf_counter() - t0
         tokenizer = self.env.tokenizer
         if cache is None:
+            return None, self._cold_tokens(rendered), "cold", [], [], ""
+        go = continued(tokenizer, self.meta, rendered)
+        if go is None or not can_trim(self.env.spec, cache, len(go[1])):
             return None, chat.encode(tokenizer, rendered), "cold", [], [], ""
-        m = self.meta
-        match = prefix.match_prefix(m.text, m.token_ids, m.token_ends, rendered.text)
-        if match.kind == prefix.COLD or not can_trim(self.env.spec, cache, match.keep):
-            return None, chat.encode(tokenizer, rendered), "cold", [], [], ""
-        if match.keep < len(m.token_ids):
-            cache = store.trim_cache(cache, match.keep)
-        tokens = list(match.refeed) + (chat.encode(tokenizer, rendered, match.start) if match.suffix else [])
-        keep_text = (rendered.text[: match.start] if not match.refeed
-                     else m.text[: max([0, *m.token_ends[: match.keep]])])
-        return cache, tokens, label, m.token_ids[: match.keep], m.token_ends[: match.keep], keep_text
+        fed, keep_ids, keep_ends, keep_text = go
+        if len(keep_ids) < len(self.meta.token_ids):
+            cache = store.trim_cache(cache, len(keep_ids))
+        return cache, fed, label, keep_ids, keep_ends, keep_text
+
+    def _cold_tokens(self, rendered: chat.Rendered) -> list:
+        """The tokens a turn with no cache prefills: what a cache kept through every turn of the conversation
+        would hold (`replayed`: replies as their tokens, not their text tokenized again) and then feed, so that a
+        cold turn continues as a hot one would; the whole text tokenized where that cannot be known."""
+        tokenizer = self.env.tokenizer
+        try:
+            held = replayed(tokenizer, self.system, self.records)
+            go = None if held is None else continued(tokenizer, held, rendered)
+        except Exception as e:  # a replay is for fidelity only: it never fails a turn
+            log.warning("agent %s: replaying its replies' tokens failed (%s: %s); its history is tokenized from "
+                        "its text", self.name, type(e).__name__, e)
+            go = None
+        if go is None:
+            return chat.encode(tokenizer, rendered)
+        fed, keep_ids, _, _ = go
+        return list(keep_ids) + fed
 
     def _finish_turn(self, done: _Done):
         item = self.current
@@ -655,21 +734,9 @@ class AgentActor(SupervisedActor):
         self._persist(item.records, store.on_device(result.cache), meta, p["reuse"])
 
     def _cache_meta(self, p, result, seq) -> store.CacheMeta:
-        """What the returned cache holds: kept tokens + fed tokens + generated tokens but the last.
-
-        Its text is the prompt + the reply's text, the very text the next render
-        appends (the engine spells replies as `prefix.token_ends` does). A cached
-        token whose text lies past that text (after a stop string) gets end -1,
-        so the next turn's prefix match cuts the cache before it.
-        """
-        new_ids = list(p["fed"]) + list(result.tokens[:-1])
-        ids = list(p["keep_ids"]) + new_ids
-        ids = ids[: result.cached_tokens]
-        previous = p["keep_ids"][-1] if p["keep_ids"] else None
-        text = p["rendered"] + result.text
-        ends = list(p["keep_ends"]) + prefix.token_ends(self.env.tokenizer, new_ids, len(p["keep_text"]), previous)
-        ends = [e if e <= len(text) else -1 for e in ends[: len(ids)]]
-        return store.CacheMeta(seq=seq, token_ids=ids, token_ends=ends, text=text, turn_id=result.turn_id)
+        """What the returned cache holds (`held_after`)."""
+        return held_after(self.env.tokenizer, p["rendered"], p["keep_ids"], p["keep_ends"], p["keep_text"], p["fed"],
+                          result.tokens, result.text, result.cached_tokens, seq, result.turn_id)
 
     # -- persistence ------------------------------------------------------------------
 
