@@ -211,6 +211,17 @@ def agent_folders(cache_dir) -> list[Path]:
                   if AGENT_ID.fullmatch(d.name) and _holds_agent(d))
 
 
+def case_twin(cache_dir, fingerprint: str, agent: str) -> str | None:
+    """A stored agent of model `fingerprint` whose id differs from `agent` only in case (its folder's name), or
+    None. On a case-insensitive file system (macOS's, Windows') the two would open one folder."""
+    folder = Path(cache_dir).expanduser() / fingerprint
+    try:
+        names = [e.name for e in _entries(folder)]
+    except OSError:
+        return None
+    return next((n for n in names if n != agent and n.lower() == agent.lower() and AGENT_ID.fullmatch(n)), None)
+
+
 def _subfolders(folder: Path) -> list[Path]:
     """The folders in `folder`, symlinks left out (never followed); [] when it cannot be listed."""
     try:

@@ -184,6 +184,22 @@ def test_a_replay_holds_what_the_hot_cache_held_and_starts_over_after_a_reply_it
     assert replayed(tok, LONG_SYSTEM, foreign) is None  # a cold turn then tokenizes the whole text, as before
 
 
+def test_ids_that_differ_only_in_case_are_refused_running_or_stored(tmp_path):
+    """On a case-insensitive file system (macOS's) agents Alice and alice would append to one journal."""
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        alice = rt.spawn("Alice", system=LONG_SYSTEM)
+        with pytest.raises(store.InvalidAgentId, match="'Alice'.*only in case"):
+            rt.spawn("alice")
+        alice.ask("Plan a bake sale.", max_tokens=2)
+        assert rt.running() == ["Alice"]
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        with pytest.raises(store.InvalidAgentId, match="rt.forget\\('Alice'\\)"):
+            rt.spawn("ALICE")  # Alice is stored, not running
+        assert rt.spawn("Alice", system=LONG_SYSTEM).history()[-1]["role"] == "assistant"
+        rt.forget("Alice")
+        assert rt.spawn("alice").history() == []
+
+
 def test_hot_budget_zero_makes_every_turn_warm_with_the_same_output(tmp_path):
     texts = ["Plan a bake sale.", "Go on.", "Who bakes?"]
     with Runtime(model=None, cache_dir=tmp_path / "hot") as rt:

@@ -811,7 +811,8 @@ class Runtime:
         reset: delete the agent's stored journal and cache first (as `forget` does), so
         it starts with an empty history.
         restart: "permanent" (always restarted), "transient" (only after a crash) or
-        "temporary" (never). Raises InvalidAgentId for a bad name, ValueError if an
+        "temporary" (never). Raises InvalidAgentId for a bad name or one that differs only in case from a
+        running or stored agent's (a case-insensitive file system would give both one folder), ValueError if an
         agent of that name is running (stop it first, or `forget` it), and TypeError or
         ValueError for a bad option (system a str, restart one of the three, reset a bool,
         timeout finite and > 0), before anything starts.
@@ -828,6 +829,7 @@ class Runtime:
         with self._name_held(name, timeout):
             if name in self._names:
                 raise InvalidArgument(f"agent {name!r} is already running; use rt.agent({name!r})")
+            self._check_case(name)
             if reset:
                 self._on_files(f"deleting agent {name!r}", timeout, lambda p: p.delete(name))
             elif system:
@@ -836,6 +838,17 @@ class Runtime:
                               lambda sup: AgentActor.start(sup, self._env, name, system), restart)
             self._names.append(name)
         return AgentRef(self, name)
+
+    def _check_case(self, name: str) -> None:
+        """Raise InvalidAgentId if a running or stored agent's id differs from `name` only in case: on a
+        case-insensitive file system (macOS's, Windows') both would write one folder's journal and cache."""
+        twin = next((n for n in self._names if n.lower() == name.lower()), None)
+        if twin is None:
+            twin = store.case_twin(self.cache_dir, self.spec.fingerprint, name)
+        if twin is not None:
+            raise store.InvalidAgentId(f"agent id {name!r} differs from agent {twin!r}'s only in case; on a "
+                                       f"case-insensitive file system the two would share one folder of files: use "
+                                       f"another name, or rt.forget({twin!r}) first")
 
     def _check_system(self, name: str, system: str, timeout: float) -> None:
         """Raise SystemPromptChanged if stored agent `name` has a conversation under another system prompt.
@@ -1084,8 +1097,8 @@ class Runtime:
         and the agent was unreachable. Raises WaitTimeout if another such call holds the
         name for more than `timeout` seconds (None: no limit).
         """
-        with self._naming:
-            lock = self._name_locks.setdefault(name, threading.Lock())
+        with self._naming:  # one lock for ids that differ only in case (see `_check_case`)
+            lock = self._name_locks.setdefault(name.lower(), threading.Lock())
         if not lock.acquire(timeout=-1 if timeout is None else wait_seconds(timeout)):
             raise WaitTimeout(f"agent {name!r} was being started or stopped by another call for over {timeout} s; "
                               "try again")
