@@ -316,6 +316,21 @@ def test_text_with_a_lone_surrogate_is_refused_in_the_caller_with_what_to_do(tmp
         assert [r["role"] for r in a.history()] == ["system", "user", "assistant"]
 
 
+def test_a_cache_dir_that_is_a_symlink_to_nothing_is_refused_with_where_it_points(tmp_path):
+    """It failed with a bare FileExistsError; `kvactors inspect` said "no such folder"."""
+    from runtime import NotAFolder, Runtime, store
+
+    link = tmp_path / "agents"
+    link.symlink_to(tmp_path / "gone")
+    for path in (link, link / "more"):
+        with pytest.raises(NotAFolder, match="symbolic link to .*gone.*which does not exist"):
+            Runtime(model="no-such-model-is-loaded", cache_dir=path)
+        with pytest.raises(NotAFolder, match="make the folder it points to"):
+            store.inspect_table(path)
+    (tmp_path / "gone").mkdir()
+    assert "no agents stored" in store.inspect_table(link)
+
+
 def test_a_cache_dir_that_is_a_file_is_refused_before_the_model_loads(tmp_path):
     """It failed with a bare FileExistsError ("[Errno 17] File exists") from deep in the start-up."""
     from runtime import KvactorsError, NotAFolder, Runtime
