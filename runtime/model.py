@@ -305,8 +305,9 @@ def fingerprint(path: str | Path) -> str:
 
 
 _PIECE = 16 << 20  # bytes of a weight file hashed apart, in parallel
-_digests: dict = {}  # (file, device, inode, size, mtime, ctime) -> its digest: each version hashed once a process
-_hashing: dict = {}  # the same keys -> a lock held while that version is hashed (a second caller waits for it)
+# (file, device, inode, size, mtime, ctime) -> [a lock held while that version is hashed (a second caller waits for
+# it), then its digest]: each version hashed once a process
+_digests: dict = {}
 _digests_lock = threading.Lock()
 
 
@@ -330,11 +331,11 @@ def _file_digest(f: Path) -> bytes:
     st = os.stat(f)
     key = (os.path.realpath(f), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     with _digests_lock:
-        lock = _hashing.setdefault(key, threading.Lock())
-    with lock:
-        if key not in _digests:
-            _digests[key] = _hash_file(f, st.st_size)
-        return _digests[key]
+        entry = _digests.setdefault(key, [threading.Lock(), None])
+    with entry[0]:
+        if entry[1] is None:
+            entry[1] = _hash_file(f, st.st_size)
+        return entry[1]
 
 
 def _digest_ahead(path: Path) -> None:
