@@ -284,6 +284,9 @@ def render_chat(tokenizer, system: str, records) -> chat.Rendered:
     return chat.render(tokenizer, render_messages(system, records))
 
 
+REPLAYED = 32  # replies a cold turn prefills as generated (`replayed`); earlier ones from their text
+
+
 def continued(tokenizer, held, rendered: chat.Rendered):
     """How a cache holding `held` (a `CacheMeta`: token ids, their ends, the text they spell) serves `rendered`:
     (tokens to feed, kept ids, kept ends, kept text), or None where it serves nothing (start over). Kept ids
@@ -319,13 +322,13 @@ def replayed(tokenizer, system: str, records):
     journal records) been hot: each reply as the tokens it was generated as (its record's `tokens`), each prompt
     fed as a hot turn feeds it (`continued`). None where nothing was generated. A reply whose tokens do not
     spell its text with this tokenizer (a history written by another model) breaks the chain: the turn after
-    it starts over from its text. Assumes every cut a match asks for was possible (`can_trim`: always, but
-    for sliding-window layers that dropped the keys it needs)."""
+    it starts over from its text. Only the last REPLAYED replies are replayed (each renders the conversation
+    up to it): the chain starts from the text before them. Assumes every cut a match asks for was possible
+    (`can_trim`: always, but for sliding-window layers that dropped the keys it needs)."""
     held, eos = None, set(getattr(tokenizer, "eos_token_ids", None) or ())
-    for i, r in enumerate(records):
-        generated = r.get("tokens") if r["role"] == "assistant" else None
-        if not generated:
-            continue
+    replies = [i for i, r in enumerate(records) if r["role"] == "assistant" and r.get("tokens")]
+    for i in replies[-REPLAYED:]:
+        r, generated = records[i], records[i]["tokens"]
         rendered = render_chat(tokenizer, system, records[:i])
         go = None if held is None else continued(tokenizer, held, rendered)
         fed, keep_ids, keep_ends, keep_text = (chat.encode(tokenizer, rendered), [], [], "") if go is None else go

@@ -162,7 +162,9 @@ def test_a_cold_turn_prefills_the_replies_as_generated_and_continues_as_a_hot_on
     assert [cold[n].tokens for n in names] == [hot[n][2].tokens for n in names]
 
 
-def test_a_replay_holds_what_the_hot_cache_held_and_starts_over_after_a_reply_it_cannot_spell(tmp_path, tiny_model_path):
+def test_a_replay_holds_what_the_hot_cache_held_and_starts_over_after_a_reply_it_cannot_spell(tmp_path, tiny_model_path,
+                                                                                              monkeypatch):
+    from actors import agent as agent_module
     from actors.agent import render_chat, replayed
 
     model = tiny_model_path()
@@ -182,6 +184,8 @@ def test_a_replay_holds_what_the_hot_cache_held_and_starts_over_after_a_reply_it
     assert after.token_ids == prompt + records[replies[1]]["tokens"][:-1]
     foreign[replies[1]]["tokens"] = foreign[replies[1]]["tokens"][::-1]
     assert replayed(tok, LONG_SYSTEM, foreign) is None  # a cold turn then tokenizes the whole text, as before
+    monkeypatch.setattr(agent_module, "REPLAYED", 1)  # only the last reply replayed: the text before it encoded
+    assert replayed(tok, LONG_SYSTEM, records).token_ids == prompt + records[replies[1]]["tokens"][:-1]
 
 
 def test_ids_that_differ_only_in_case_are_refused_running_or_stored(tmp_path):
