@@ -53,7 +53,7 @@ from runtime import chat, prefix, store
 from runtime.detok import AnchoredDetokenizer
 from runtime.engine import CallbackFailed, Sampling, Timings, Turn, TurnResult, TurnTooLarge
 from runtime.errors import KvactorsError
-from runtime.q4cache import can_trim
+from runtime.q4cache import can_trim, can_trim_held
 
 log = logging.getLogger(__name__)
 DURABILITY = ("durable", "memory")
@@ -300,6 +300,15 @@ def continued(tokenizer, held, rendered: chat.Rendered):
     return fed, list(held.token_ids[: match.keep]), list(held.token_ends[: match.keep]), keep_text
 
 
+def continued_held(tokenizer, held, rendered: chat.Rendered, spec=None):
+    """`continued` for a cache known by its metadata alone (`held`, None: no cache), as a turn handed it out:
+    None also where model `spec`'s sliding-window layers could not be cut back as asked (`can_trim_held`)."""
+    go = None if held is None else continued(tokenizer, held, rendered)
+    if go is not None and spec is not None and not can_trim_held(spec, len(held.token_ids), len(go[1])):
+        return None
+    return go
+
+
 def held_after(tokenizer, rendered: str, keep_ids, keep_ends, keep_text: str, fed, generated, reply: str,
                cached: int, seq: int, turn_id: str | None) -> store.CacheMeta:
     """What a turn's cache holds: kept tokens + fed tokens + generated tokens but the last (`cached` in all).
@@ -317,20 +326,21 @@ def held_after(tokenizer, rendered: str, keep_ids, keep_ends, keep_text: str, fe
     return store.CacheMeta(seq=seq, token_ids=ids, token_ends=ends, text=text, turn_id=turn_id)
 
 
-def replayed(tokenizer, system: str, records):
+def replayed(tokenizer, system: str, records, spec=None):
     """What an agent's cache would hold had every turn of the conversation `records` (the current one's
     journal records) been hot: each reply as the tokens it was generated as (its record's `tokens`), each prompt
     fed as a hot turn feeds it (`continued`). None where nothing was generated. A reply whose tokens do not
     spell its text with this tokenizer (a history written by another model) breaks the chain: the turn after
     it starts over from its text. Only the last REPLAYED replies are replayed (each renders the conversation
-    up to it): the chain starts from the text before them. Assumes every cut a match asks for was possible
-    (`can_trim`: always, but for sliding-window layers that dropped the keys it needs)."""
+    up to it): the chain starts from the text before them. With model `spec`, a cut its sliding-window layers
+    could not have made (`can_trim_held`) starts over from the text, as the hot turn did; without, every cut
+    is taken as possible."""
     held, eos = None, set(getattr(tokenizer, "eos_token_ids", None) or ())
     replies = [i for i, r in enumerate(records) if r["role"] == "assistant" and r.get("tokens")]
     for i in replies[-REPLAYED:]:
         r, generated = records[i], records[i]["tokens"]
         rendered = render_chat(tokenizer, system, records[:i])
-        go = None if held is None else continued(tokenizer, held, rendered)
+        go = continued_held(tokenizer, held, rendered, spec)
         fed, keep_ids, keep_ends, keep_text = (chat.encode(tokenizer, rendered), [], [], "") if go is None else go
         generated = [int(t) for t in generated]
         if not fed or not _spells(tokenizer, fed[-1], [t for t in generated if t not in eos], r["text"]):
@@ -689,8 +699,8 @@ class AgentActor(SupervisedActor):
         cold turn continues as a hot one would; the whole text tokenized where that cannot be known."""
         tokenizer = self.env.tokenizer
         try:
-            held = replayed(tokenizer, self.system, self.records)
-            go = None if held is None else continued(tokenizer, held, rendered)
+            spec = self.env.spec
+            go = continued_held(tokenizer, replayed(tokenizer, self.system, self.records, spec), rendered, spec)
         except Exception as e:  # a replay is for fidelity only: it never fails a turn
             log.warning("agent %s: replaying its replies' tokens failed (%s: %s); its history is tokenized from "
                         "its text", self.name, type(e).__name__, e)

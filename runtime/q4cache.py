@@ -1183,9 +1183,19 @@ def can_trim(spec, cache, keep: int) -> bool:
     every key the next query's window reaches.
     """
     for window, c in zip(spec.windows, cache):
-        if window is None or c.empty():
-            continue
-        first = c.offset - stored_tokens(c)  # position of its oldest stored token
-        if keep - window + 1 < first and first > 0:
+        if window is not None and not c.empty() and not _reaches(window, c.offset - stored_tokens(c), keep):
             return False
     return True
+
+
+def can_trim_held(spec, tokens: int, keep: int) -> bool:
+    """`can_trim` for a per-agent cache of `tokens` positions as a turn hands it out (a sliding layer keeps its
+    last window + SLIDING_SLACK), known from the counts alone."""
+    return all(window is None or _reaches(window, max(0, tokens - _keep(spec, n)), keep)
+               for n, window in enumerate(spec.windows))
+
+
+def _reaches(window: int, first: int, keep: int) -> bool:
+    """Whether a sliding layer whose oldest stored token is at position `first` (0: it holds them all) holds every
+    key that the window of the query at position `keep` reaches."""
+    return first <= 0 or keep - window + 1 >= first

@@ -20,6 +20,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import msgpack
 import pykka
@@ -34,7 +35,7 @@ from actors.agent import Ask, AgentActor, Note, encode_message
 from actors.batcher import Submit
 from actors.supervisor import Backoff
 from runtime import (AgentCrashed, AgentStopped, CallbackFailed, Reply, Runtime, RuntimeEscalated, TurnTimeout, TurnTooLong,
-                     UnknownAgent, WaitTimeout, chat, store)
+                     UnknownAgent, WaitTimeout, chat, q4cache, store)
 from runtime.engine import Turn
 from runtime.api.facade import AgentRef
 from runtime.api.testing import inject_crash
@@ -186,6 +187,14 @@ def test_a_replay_holds_what_the_hot_cache_held_and_starts_over_after_a_reply_it
     assert replayed(tok, LONG_SYSTEM, foreign) is None  # a cold turn then tokenizes the whole text, as before
     monkeypatch.setattr(agent_module, "REPLAYED", 1)  # only the last reply replayed: the text before it encoded
     assert replayed(tok, LONG_SYSTEM, records).token_ids == prompt + records[replies[1]]["tokens"][:-1]
+    # a cut that a sliding-window layer could not have made (its keys gone) starts over from the text, as hot did
+    edited = [dict(r) for r in records]
+    edited[replies[1]]["text"] = "Something else entirely."
+    rendered = render_chat(tok, LONG_SYSTEM, edited)
+    monkeypatch.setattr(q4cache, "SLIDING_SLACK", 0)
+    assert agent_module.continued_held(tok, held, rendered) is not None
+    assert agent_module.continued_held(tok, held, rendered, SimpleNamespace(windows=(None,))) is not None
+    assert agent_module.continued_held(tok, held, rendered, SimpleNamespace(windows=(None, 4))) is None
 
 
 def test_ids_that_differ_only_in_case_are_refused_running_or_stored(tmp_path):

@@ -24,6 +24,7 @@ from runtime.q4cache import (
     HeldRow,
     Q4CacheError,
     can_trim,
+    can_trim_held,
     default_route,
     extend_cache,
     extract_cache,
@@ -479,6 +480,10 @@ def test_bounded_cache_bytes_and_trim_limits(models):
     assert can_trim(spec, cache, 419) and can_trim(spec, cache, first + 63)
     assert not can_trim(spec, cache, first + 62)
     assert can_trim(models["llama"][1], prefill(*models["llama"], list(range(3, 300)))[0], 1)
+    # from the counts alone (a cold turn's replay knows no cache): the same answer at every cut
+    for tokens, held in ((420, cache), (200, prefill(model, spec, list(range(3, 203)))[0])):
+        for keep in (1, 100, 150, first + 62, first + 63, tokens - 1):
+            assert can_trim_held(spec, tokens, keep) == can_trim(spec, held, keep), (tokens, keep)
 
 
 def test_bounded_cache_survives_the_store_bit_exact(models, tmp_path):
