@@ -577,7 +577,8 @@ class AgentActor(SupervisedActor):
             self.system = msg["system"]
         self.check, self.conv = store.prompt_check(self.system), None  # the system record starts a conversation
         item.records = [self._record("system", self.system)] + [
-            self._record(r["role"], r["text"], sender=r.get("sender")) for r in msg["records"]]
+            self._record(r["role"], r["text"], sender=r.get("sender"), **({"tokens": r["tokens"]} if "tokens" in r else {}))
+            for r in msg["records"]]
         self.earlier.update(_turn_seqs(self.records))
         self.records = list(item.records)
         self._persist(item.records)

@@ -163,6 +163,37 @@ def test_a_cold_turn_prefills_the_replies_as_generated_and_continues_as_a_hot_on
     assert [cold[n].tokens for n in names] == [hot[n][2].tokens for n in names]
 
 
+def test_a_reset_to_the_history_keeps_the_replies_tokens_for_a_cold_turn(tmp_path, tiny_model_path):
+    """A client resending the conversation it has (`reset(history())`, as the server does to undo a failed
+    request) kept only the replies' text: a turn after a lost cache then tokenized it again."""
+    model, names = tiny_model_path(), [f"a{i}" for i in range(8)]
+
+    def rewound(cache_dir, lose: bool):
+        with Runtime(model=model, cache_dir=cache_dir) as rt:
+            for n in names:
+                agent = rt.spawn(n, system=LONG_SYSTEM + n)
+                for t in ("Plan a bake sale.", "Go on."):
+                    agent.ask(t, max_tokens=12)
+                agent.reset(agent.history()).get(timeout=60)
+                assert [r.get("tokens") for r in agent.history()][-1]  # the reply's tokens are kept
+        if lose:
+            for f in cache_dir.glob("*/*/cache*.safetensors"):
+                f.unlink()
+        with Runtime(model=model, cache_dir=cache_dir) as rt:
+            return [rt.spawn(n, system=LONG_SYSTEM + n).ask("Who bakes?", max_tokens=12) for n in names]
+
+    kept, lost = rewound(tmp_path / "kept", False), rewound(tmp_path / "lost", True)
+    assert {r.cache for r in kept} == {"warm"} and {r.cache for r in lost} == {"cold"}
+    assert [r.tokens for r in lost] == [r.tokens for r in kept]
+
+
+def test_reset_refuses_tokens_that_are_not_token_ids(rt):
+    agent = rt.spawn(f"tok-{uuid.uuid4().hex[:6]}")
+    for bad in ("1 2 3", [1, "2"], [True], [-1], [2**31]):
+        with pytest.raises(ValueError, match="tokens are a list of token ids"):
+            agent.reset([{"role": "assistant", "text": "Hi.", "tokens": bad}])
+
+
 def test_a_replay_holds_what_the_hot_cache_held_and_starts_over_after_a_reply_it_cannot_spell(tmp_path, tiny_model_path,
                                                                                               monkeypatch):
     from actors import agent as agent_module

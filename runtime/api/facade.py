@@ -656,7 +656,10 @@ class AgentRef:
         """Start the conversation over from `records`; return a future that resolves (to None) once durable.
 
         `records` are {"role": "user" | "assistant", "text": str, "sender": str | None}
-        dicts, oldest first (the shape `history()` returns). `system` replaces the system
+        dicts, oldest first (the shape `history()` returns); an assistant record may keep the
+        "tokens" (a list of token ids) it was generated as, as `history()` gives them, so that a
+        turn that re-prefills the conversation feeds the reply as those tokens where they spell its
+        text (as a cached turn does), not its text tokenized again. `system` replaces the system
         prompt; None keeps it, unless `records` hold a system record (as `history()` does):
         then the last one's text is the prompt (ValueError if `system` says another).
         Queued after the agent's pending work. The journal keeps the old conversation; `history()` shows only the new one. The
@@ -686,6 +689,8 @@ class AgentRef:
             if sender is not None:
                 check_unicode("a record's sender", sender)
             clean.append({"role": r["role"], "text": r["text"], "sender": sender})
+            if r["role"] == "assistant" and r.get("tokens") is not None:
+                clean[-1]["tokens"] = _token_ids(r["tokens"])
         if system is not None and not isinstance(system, str):
             raise InvalidArgument(f"system must be a str or None, got {type(system).__name__}")
         if system is not None:
@@ -1218,6 +1223,15 @@ def cache_folder(cache_dir) -> Path:
     if isinstance(cache_dir, str) and not cache_dir.strip():
         raise InvalidArgument(f"cache_dir is empty: give a folder, or None for the default ({DEFAULT_CACHE_DIR})")
     return store.check_cache_folder(Path(cache_dir or DEFAULT_CACHE_DIR).expanduser())
+
+
+def _token_ids(tokens) -> list:
+    """`tokens` as a list of token ids (ints 0 to 2**31 - 1), or ValueError saying what a record's tokens must be."""
+    if not isinstance(tokens, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in tokens):
+        raise InvalidArgument(f"a record's tokens are a list of token ids (ints from 0), as history() gives them; "
+                              f"got {tokens!r:.100}")
+    return [int(t) for t in tokens]
 
 
 def check_unicode(name: str, text: str) -> None:
