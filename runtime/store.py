@@ -501,14 +501,13 @@ def check_cache_folder(root: Path) -> Path:
     """`root`, unless it (or the nearest of its parents that exists) is a file or a symbolic link to nothing:
     NotAFolder then."""
     path = next((p for p in (root, *root.parents) if os.path.lexists(p)), None)
-    if path is not None and not path.exists():
-        raise NotAFolder(f"{path} is a symbolic link to {os.readlink(path)!r}, which does not exist"
-                         + ("" if path == root else f" (it would hold {root})")
-                         + ": make the folder it points to, or give another cache folder")
-    if path is not None and not path.is_dir():
-        raise NotAFolder(f"{path} is a file, not a cache folder" + ("" if path == root else f" (it would hold {root})")
-                         + ": give a folder, made if missing")
-    return root
+    if path is None or path.is_dir():
+        return root
+    held = "" if path == root else f" (it would hold {root})"
+    if not path.exists():
+        raise NotAFolder(f"{path} is a symbolic link to {os.readlink(path)!r}, which does not exist{held}: make the "
+                         "folder it points to, or give another cache folder")
+    raise NotAFolder(f"{path} is a file, not a cache folder{held}: give a folder, made if missing")
 
 
 def inspect_table(cache_dir) -> str:
