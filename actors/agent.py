@@ -318,7 +318,7 @@ def held_after(tokenizer, rendered: str, keep_ids, keep_ends, keep_text: str, fe
     whose text lies past that text (after a stop string) gets end -1, so the next
     turn's prefix match cuts the cache before it.
     """
-    new_ids = list(fed) + [int(t) for t in generated[:-1]]
+    new_ids = list(fed) + list(generated[:-1])
     ids = (list(keep_ids) + new_ids)[:cached]
     text = rendered + reply
     ends = list(keep_ends) + prefix.token_ends(tokenizer, new_ids, len(keep_text), keep_ids[-1] if keep_ids else None)
@@ -338,11 +338,10 @@ def replayed(tokenizer, system: str, records, spec=None):
     held, eos = None, set(getattr(tokenizer, "eos_token_ids", None) or ())
     replies = [i for i, r in enumerate(records) if r["role"] == "assistant" and r.get("tokens")]
     for i in replies[-REPLAYED:]:
-        r, generated = records[i], records[i]["tokens"]
+        r, generated = records[i], [int(t) for t in records[i]["tokens"]]
         rendered = render_chat(tokenizer, system, records[:i])
         go = continued_held(tokenizer, held, rendered, spec)
         fed, keep_ids, keep_ends, keep_text = (chat.encode(tokenizer, rendered), [], [], "") if go is None else go
-        generated = [int(t) for t in generated]
         if not fed or not _spells(tokenizer, fed[-1], [t for t in generated if t not in eos], r["text"]):
             held = None
             continue
