@@ -2,7 +2,13 @@
 
 For 1, 2, 4 and 8 agents (each a prompt of --prompt tokens, generating --new
 tokens): system tokens/s and per-agent TTFT when the engine batches them,
-against the same engine serving them one at a time (max_batch=1). Overhead:
+against the same engine serving them one at a time (max_batch=1). Each count
+runs both modes --repeats times, alternating (sequential, batched, sequential,
+...), and the table gives each mode's median wall time and its range: a
+host's speed drifts within a process (on an H200 one count's sequential run was
+17% faster per agent than the others'), and alternating puts both modes under
+the same drift. For the largest count it says where the batched run's time
+went (prefill chunks, decode steps, the rest). Overhead:
 a batched decode step of the engine against the bare model forward (+ argmax
 + eval) of the same batch and cache, for the largest agent count.
 
@@ -22,7 +28,8 @@ from benchmarks.common import bench_parser, environment, load_bench_model, plot_
 from runtime.engine import Engine, Turn
 from runtime.q4cache import extract_cache, merge_caches
 
-COLUMNS = ["agents", "mode", "wall_s", "system_tok_s", "x_sequential", "ttft_mean_s", "ttft_max_s"]
+COLUMNS = ["agents", "mode", "wall_s", "wall_min_s", "wall_max_s", "system_tok_s", "x_sequential", "ttft_mean_s",
+           "ttft_max_s"]
 
 
 def agent_turns(n, prompt, new, vocab, seed=0):
@@ -42,6 +49,21 @@ def serve(engine, turns):
     while engine.has_work():
         out += engine.step()
     return time.perf_counter() - t0, out
+
+
+def where(engine, wall: float) -> str:
+    """Where a served run's `wall` seconds went, from `engine.stats`: prefill chunks, decode steps (by what
+    changed before them), the rest."""
+    chunks = [c[2] for c in engine.stats.prefill_chunks]
+    steps = list(engine.stats.decode_steps)
+    kinds = {}
+    for s in steps:
+        kinds.setdefault((s.changes or "none") + ("+end" if s.ended else ""), []).append(s.total_s * 1e3)
+    by = {k: [len(v), round(statistics.median(v), 2), round(max(v), 2)] for k, v in sorted(kinds.items())}
+    decode = sum(s.total_s for s in steps)
+    return (f"{len(chunks)} prefill chunks {sum(chunks):.3f} s, {len(steps)} decode steps {decode:.3f} s (mean batch "
+            f"{statistics.mean(s.rows for s in steps) if steps else 0:.1f}; by change: count, p50 ms, max ms {by}), "
+            f"the rest {wall - sum(chunks) - decode:.3f} s")
 
 
 def overhead(model, tokenizer, spec, turns, steps):
@@ -78,6 +100,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=256, help="prompt tokens per agent")
     ap.add_argument("--new", type=int, default=32, help="tokens generated per agent")
     ap.add_argument("--capacity-gb", type=float, default=16, help="budget for the capacity figure (GiB)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each mode per count, alternating (median reported)")
     args = ap.parse_args(argv)
     env = environment()
     print(env, flush=True)
@@ -90,21 +113,32 @@ def main(argv=None) -> int:
     serve(Engine(model, tokenizer, spec, max_batch=max(counts)), agent_turns(max(counts), args.prompt, 2 * max(counts), vocab, seed=99))
     serve(Engine(model, tokenizer, spec, max_batch=1), agent_turns(2, args.prompt, args.new, vocab, seed=98))
 
-    rows = []
+    rows, spent = [], ""
     for n in counts:
-        seq_s, _ = serve(Engine(model, tokenizer, spec, max_batch=1), agent_turns(n, args.prompt, args.new, vocab))
-        bat_s, results = serve(Engine(model, tokenizer, spec, max_batch=max(counts)), agent_turns(n, args.prompt, args.new, vocab))
-        failed = [r for r in results if isinstance(r, Exception)]
-        if failed:
-            raise SystemExit(f"{len(failed)} turns failed, first: {failed[0]}")
+        walls, results = {"sequential": [], "batched": []}, None
+        for _ in range(args.repeats):
+            for mode, batch in (("sequential", 1), ("batched", max(counts))):
+                engine = Engine(model, tokenizer, spec, max_batch=batch)
+                wall, out = serve(engine, agent_turns(n, args.prompt, args.new, vocab))
+                failed = [r for r in out if isinstance(r, Exception)]
+                if failed:
+                    raise SystemExit(f"{len(failed)} turns failed, first: {failed[0]}")
+                walls[mode].append(wall)
+                if mode == "batched":
+                    results, spent = out, where(engine, wall)
         ttfts = [r.timings.ttft_s for r in results]
         tokens = n * args.new
-        rows.append(dict(agents=n, mode="sequential", wall_s=seq_s, system_tok_s=tokens / seq_s, x_sequential=1.0))
-        rows.append(dict(agents=n, mode="batched", wall_s=bat_s, system_tok_s=tokens / bat_s, x_sequential=seq_s / bat_s,
-                         ttft_mean_s=statistics.mean(ttfts), ttft_max_s=max(ttfts)))
+        seq_s, bat_s = (statistics.median(walls[m]) for m in ("sequential", "batched"))
+        for mode, wall in (("sequential", seq_s), ("batched", bat_s)):
+            rows.append(dict(agents=n, mode=mode, wall_s=wall, wall_min_s=min(walls[mode]), wall_max_s=max(walls[mode]),
+                             system_tok_s=tokens / wall, x_sequential=seq_s / wall))
+        rows[-1].update(ttft_mean_s=statistics.mean(ttfts), ttft_max_s=max(ttfts))
         print(rows[-2:], flush=True)
     engine_s, bare_s = overhead(model, tokenizer, spec, agent_turns(max(counts), args.prompt, 0, vocab), 16)
-    notes = (f"model {args.model}; prompt {args.prompt} tokens, {args.new} new tokens per agent; route {Engine(model, tokenizer, spec).route}.\n"
+    notes = (f"model {args.model}; prompt {args.prompt} tokens, {args.new} new tokens per agent; route {Engine(model, tokenizer, spec).route}; "
+             f"each mode {args.repeats} times per count, alternating, median wall time (range in wall_min_s, wall_max_s); "
+             f"TTFT from the last batched run.\n"
+             f"The last batched run at {max(counts)} agents: {spent}.\n"
              f"Engine overhead at batch {max(counts)}: engine decode step {engine_s * 1e3:.2f} ms, bare forward "
              f"{bare_s * 1e3:.2f} ms: ratio {bare_s / engine_s:.3f} (target >= 0.9).")
     rows.append(dict(agents=max(counts), mode="overhead", wall_s=engine_s, system_tok_s=bare_s, x_sequential=bare_s / engine_s))
