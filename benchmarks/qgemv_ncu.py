@@ -1,4 +1,4 @@
-"""Where `runtime.qgemv`'s launches spend their device time, by Nsight Compute.
+"""Where `runtime.qgemv`'s launches (or `runtime.qgemm`'s, `--kernel qgemm`) spend their device time, by Nsight Compute.
 
 For each decode matrix of the 8B shape (q/k/v as one launch, o, gate/up/SiLU as one, down) and
 each row count, one launch is profiled: its duration, registers, occupancy (the limit and what
@@ -21,7 +21,7 @@ import mlx.core as mx
 
 from benchmarks.common import RESULTS, environment, ncu_records, write_results
 from benchmarks.qgemv_tune import LAUNCHES, _call, load_module
-from runtime import qgemv
+from runtime import qgemm, qgemv
 
 STALLS = ["long_scoreboard", "barrier", "short_scoreboard", "wait", "math_pipe_throttle", "lg_throttle",
           "mio_throttle", "not_selected", "selected", "dispatch_stall", "no_instruction", "membar", "drain"]
@@ -41,8 +41,9 @@ COLUMNS = ["launch", "rows", "us", "regs", "grid", "block", "blocks_by_regs", "b
            "dram_pct", "dram_gb_s", "stalls"]
 
 
-def run(rows: list[int], module=qgemv, dtype=mx.bfloat16) -> None:
-    """One launch of every decode matrix at every row count, in the order `main` reads them."""
+def run(rows: list[int], module=qgemv, dtype=mx.bfloat16, kernel: str = "qgemv") -> None:
+    """One launch of every decode matrix at every row count, in the order `main` reads them (`kernel` "qgemm":
+    a chunk's product launches, gate/up as two parts, through `qgemm.qgemm_parts`)."""
     for name, shapes in LAUNCHES.items():
         parts = []
         for i, (n, k) in enumerate(shapes):
@@ -51,7 +52,7 @@ def run(rows: list[int], module=qgemv, dtype=mx.bfloat16) -> None:
         mx.eval(parts)
         for m in rows:
             x = mx.random.normal((m, 1, shapes[0][1]), key=mx.random.key(m)).astype(dtype)
-            mx.eval(_call(name, x, parts, module))
+            mx.eval(qgemm.qgemm_parts(x, parts, 64) if kernel == "qgemm" else _call(name, x, parts, module))
             mx.synchronize()
 
 
@@ -60,6 +61,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="1,8,16", help="row counts (default: %(default)s)")
     ap.add_argument("--run", action="store_true", help="only run the launches (as Nsight Compute's target)")
     ap.add_argument("--module", default="", help="another version of runtime/qgemv.py to profile instead")
+    ap.add_argument("--kernel", default="qgemv", choices=["qgemv", "qgemm"], help="whose launches to profile")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"], help="x's and the scales' type")
     ap.add_argument("--ncu", default=shutil.which("ncu") or "/usr/local/cuda/bin/ncu")
     ap.add_argument("--out", type=Path, default=RESULTS)
@@ -67,11 +69,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     rows = [int(r) for r in args.rows.split(",")]
     if args.run:
-        run(rows, load_module(args.module, "ncu") if args.module else qgemv, getattr(mx, args.dtype))
+        run(rows, load_module(args.module, "ncu") if args.module else qgemv, getattr(mx, args.dtype), args.kernel)
         return 0
+    pattern = "regex:kvactors_qgemm4_tc" if args.kernel == "qgemm" else "regex:kvactors_.*qgemv"
     out = subprocess.run(
-        [args.ncu, "--clock-control", "none", "-k", "regex:kvactors_.*qgemv", "--metrics", ",".join(METRICS), "--csv",
-         sys.executable, "-m", "benchmarks.qgemv_ncu", "--run", "--rows", args.rows, "--dtype", args.dtype]
+        [args.ncu, "--clock-control", "none", "-k", pattern, "--metrics", ",".join(METRICS), "--csv",
+         sys.executable, "-m", "benchmarks.qgemv_ncu", "--run", "--rows", args.rows, "--dtype", args.dtype,
+         "--kernel", args.kernel]
         + (["--module", args.module] if args.module else []),
         capture_output=True, text=True)
     if out.returncode:

@@ -20,8 +20,14 @@ in). A block of 8 warps owns 128 output columns (a 16-row tile of the weight
 per warp) and 64 input rows (a launch's second grid dimension walks the rows
 64 at a time), over 1/S of K in steps of 64. Its warps share each step's
 slice of the input through shared memory (double buffered, stored in the
-nibbles' order), so the input is read from L2 once per 128 columns; the next
-step's weights and input are loaded while the current one is multiplied. S
+nibbles' order), so the input is read from L2 once per 128 columns. Each
+thread loads the next step's weights while the current one is multiplied, and
+the input two steps ahead (stored when a step ends, so its load has a whole
+step to arrive); scales and biases are kept as loaded and replicated where they
+are used. Launch bounds hold a thread to 128 registers, two blocks an SM. On
+an H200 this took a layer's seven products at 64 rows from 377 to 330 us, at
+256 rows from 873 to 769 (`benchmarks/results/h200/qgemm-2026-11-28`); loading
+the weights two or three steps ahead instead was slower. S
 follows from the weight's shape alone (`splits`: as many as fit one wave of
 blocks); each block writes its float32 sums to its own slice of a scratch array,
 and a second launch adds the S slices in split order and rounds to x's type.
@@ -72,51 +78,60 @@ _GEMM = r"""
     const int r = threadIdx.x >> 2, c = (threadIdx.x & 3) * 2;
     const bool live = m0 + r < M;
     const uint4* xrow = reinterpret_cast<const uint4*>(x) + (size_t)(live ? m0 + r : 0) * (K / 8);
-    uint4 xr0 = make_uint4(0, 0, 0, 0), xr1 = make_uint4(0, 0, 0, 0);
-    unsigned int wa[2] = {0, 0}, wb[2] = {0, 0}, sa = 0, ba = 0, sb = 0, bb = 0;
+    // the next step's weights of this lane (words of row na (0, 1) and nb (2, 3); the rows' scale and bias as
+    // loaded, 16 bits: replicated where they are used, so no instruction waits for the load before it is needed;
+    // rows past N keep zeros) and the step after's input of this thread (zeros past M)
+    unsigned int wr[4] = {0, 0, 0, 0}, sr[4] = {0, 0, 0, 0};
+    uint4 xq[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
     float acc[MT][4];  // MT: tiles of 8 rows a block multiplies (8, or fewer where the call has fewer rows)
     #pragma unroll
     for (int i = 0; i < MT; ++i) {
         acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
     }
-    #define FETCH(step) {                                                                   \
-        const int k8 = (step) * 8;                                                          \
-        if (live) {                                                                         \
-            xr0 = xrow[k8 + c];                                                             \
-            xr1 = xrow[k8 + c + 1];                                                         \
-        }                                                                                   \
+    #define FETCH_W(step) {                                                                 \
         const int kw = (step) * 64 + t * 16;  /* this lane's 16 elements of the weights */  \
         if (na < N) {                                                                       \
-            load_words<2>(wa, wq + (size_t)na * wpr + kw / 8);                               \
-            sa = sp[(size_t)na * gpr + kw / G] * 0x10001u;                                  \
-            ba = bp[(size_t)na * gpr + kw / G] * 0x10001u;                                  \
+            load_words<2>(wr, wq + (size_t)na * wpr + kw / 8);                              \
+            sr[0] = sp[(size_t)na * gpr + kw / G];                                          \
+            sr[1] = bp[(size_t)na * gpr + kw / G];                                          \
         }                                                                                   \
         if (nb < N) {                                                                       \
-            load_words<2>(wb, wq + (size_t)nb * wpr + kw / 8);                               \
-            sb = sp[(size_t)nb * gpr + kw / G] * 0x10001u;                                  \
-            bb = bp[(size_t)nb * gpr + kw / G] * 0x10001u;                                  \
+            load_words<2>(wr + 2, wq + (size_t)nb * wpr + kw / 8);                          \
+            sr[2] = sp[(size_t)nb * gpr + kw / G];                                          \
+            sr[3] = bp[(size_t)nb * gpr + kw / G];                                          \
+        }                                                                                   \
+    }
+    #define FETCH_X(step) {                                                                 \
+        if (live) {                                                                         \
+            xq[0] = xrow[(step) * 8 + c];                                                   \
+            xq[1] = xrow[(step) * 8 + c + 1];                                               \
         }                                                                                   \
     }
     #define PUT(buf) {                                                                      \
-        xs[buf][r][c] = nibble_order(xr0);                                                  \
-        xs[buf][r][c + 1] = nibble_order(xr1);                                              \
+        xs[buf][r][c] = nibble_order(xq[0]);                                                \
+        xs[buf][r][c + 1] = nibble_order(xq[1]);                                            \
     }
-    FETCH(first);
+    FETCH_W(first);
+    FETCH_X(first);
     PUT(0);
+    if (first + 1 < last) FETCH_X(first + 1);  // a whole step to arrive in
     __syncthreads();
     for (int step = first; step < last; ++step) {
         const int buf = (step - first) & 1;
+        // the 16-bit scale and bias in both halves of a word
+        const unsigned int sa = __byte_perm(sr[0], 0, 0x1010), ba = __byte_perm(sr[1], 0, 0x1010);
+        const unsigned int sb = __byte_perm(sr[2], 0, 0x1010), bb = __byte_perm(sr[3], 0, 0x1010);
         unsigned int a[4][4];  // product j: word j / 2's nibbles (2 sub, 2 sub + 4) and (2 sub + 1, 2 sub + 5), sub = j % 2
         #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const int shift = (j & 1) * 8;
-            a[j][0] = dequant2(wa[j >> 1] >> shift, sa, ba);
-            a[j][1] = dequant2(wb[j >> 1] >> shift, sb, bb);
-            a[j][2] = dequant2(wa[j >> 1] >> (shift + 4), sa, ba);
-            a[j][3] = dequant2(wb[j >> 1] >> (shift + 4), sb, bb);
+            a[j][0] = dequant2(wr[j >> 1] >> shift, sa, ba);
+            a[j][1] = dequant2(wr[2 + (j >> 1)] >> shift, sb, bb);
+            a[j][2] = dequant2(wr[j >> 1] >> (shift + 4), sa, ba);
+            a[j][3] = dequant2(wr[2 + (j >> 1)] >> (shift + 4), sb, bb);
         }
         const bool more = step + 1 < last;
-        if (more) FETCH(step + 1);
+        if (more) FETCH_W(step + 1);
         #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {  // rows past M are zeros (a bound per tile costs 36 registers)
             const uint4 v0 = xs[buf][8 * mt + g][2 * t], v1 = xs[buf][8 * mt + g][2 * t + 1];
@@ -125,10 +140,14 @@ _GEMM = r"""
             mma16816(acc[mt], a[2], v1.x, v1.y);
             mma16816(acc[mt], a[3], v1.z, v1.w);
         }
-        if (more) PUT(buf ^ 1);
+        if (more) {
+            PUT(buf ^ 1);
+            if (step + 2 < last) FETCH_X(step + 2);
+        }
         __syncthreads();
     }
-    #undef FETCH
+    #undef FETCH_W
+    #undef FETCH_X
     #undef PUT
     // C fragment: acc[mt] = (col na, row 2t), (na, 2t + 1), (nb, 2t), (nb, 2t + 1), rows + m0 + 8 mt
     float* pz = pout + (size_t)z * M * N;
@@ -208,6 +227,13 @@ __device__ __forceinline__ uint4 nibble_order(uint4 v) {
 
 _kernels = {}  # (BF, weights) -> (product kernel, sum kernel)
 
+# Two blocks a multiprocessor (at most 128 registers a thread): MLX writes the kernel's signature after the header
+# as `__global__ void name(...)`, so `__global__` is redefined here to carry the bounds (as `qgemv` does).
+_TWO_BLOCKS = f"""
+#undef __global__
+#define __global__ __location__(global) __launch_bounds__({COLUMNS * 2}, 2)
+"""
+
 
 def supports(x, w, scales, group_size: int) -> bool:
     """Whether `qgemm` serves x (..., K) times this 4-bit weight: K a multiple of 64 and of the group
@@ -268,11 +294,11 @@ def qgemm_parts(x, weights, group_size: int) -> list:
 def _kernels_for(bf: int, parts: int):
     key = (bf, parts)
     if key not in _kernels:
-        header = f"#define BF {bf}\n" + qgemv.DEVICE_HELPERS + _NIBBLE_ORDER
+        header = f"#define BF {bf}\n" + _TWO_BLOCKS + qgemv.DEVICE_HELPERS + _NIBBLE_ORDER
         gemm = _GEMM.replace("PICK", _PICK_GEMM + "".join(_PICK_GEMM_NEXT.format(i=i, j=i - 1) for i in range(1, parts)))
         total = _SUM.replace("PICK", _PICK_SUM + "".join(_PICK_SUM_NEXT.format(i=i) for i in range(1, parts)))
         _kernels[key] = (
-            mx.fast.cuda_kernel(name=f"kvactors_qgemm4_tc{bf}_p{parts}",
+            mx.fast.cuda_kernel(name=f"kvactors_qgemm4_tc{bf}_p{parts}_b",
                                 input_names=["x"] + [f"{a}{i}" for i in range(parts) for a in "wsb"],
                                 output_names=[f"part{i}" for i in range(parts)], source=gemm, header=header,
                                 ensure_row_contiguous=True),
