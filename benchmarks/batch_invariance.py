@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 
+from benchmarks import batching
 from benchmarks.common import bench_parser, environment, write_results
 from benchmarks.quality import PROMPTS
 
@@ -21,12 +22,7 @@ COLUMNS = ["prompt", "prompt tokens", "solo tokens", "identical", "first differe
 
 def serve(engine, turns):
     """Results of `turns` submitted together and served to completion, in submission order."""
-    for t in turns:
-        engine.submit(t)
-    out = []
-    while engine.has_work():
-        out += engine.step()
-    by_id = {r.turn_id: r for r in out}
+    by_id = {r.turn_id: r for r in batching.serve(engine, turns)[1]}
     return [by_id[t.turn_id] for t in turns]
 
 

@@ -1034,7 +1034,7 @@ def merge_caches(spec, agent_caches, route: str | None = None, lead=None, room: 
     `q4columns.gather` launch (a hot turn's merge), each layer's buffers a view of one buffer a tensor.
     """
     route = route_for(spec, route)
-    row = _held_row(agent_caches[0]) if route == "q4kernel" and len(agent_caches) == 1 else None
+    row, tokens = (_held_row(agent_caches[0]) if route == "q4kernel" and len(agent_caches) == 1 else None) or (None, 0)
     batch = [
         BatchQuantizedKVCache.merge(
             [None if c is None else c[layer] for c in agent_caches], spec.kv_scheme, route,
@@ -1043,7 +1043,6 @@ def merge_caches(spec, agent_caches, route: str | None = None, lead=None, room: 
         for layer in range(spec.n_layers)
     ]
     if row is not None:
-        tokens = stored_tokens(agent_caches[0][0])
         keys, values = q4columns.gather([(row.arrays[:3], row.arrays[3:])],
                                         [(0, n, 0, tokens, 0) for n in range(len(batch))],
                                         _allocation(tokens, room), checked=True)  # `_held_row` checked them
@@ -1054,9 +1053,9 @@ def merge_caches(spec, agent_caches, route: str | None = None, lead=None, room: 
 
 
 def _held_row(cache):
-    """The `HeldRow` whose layer n every layer n of per-agent `cache` is, as a turn handed it out and unchanged
-    since (its arrays or their views, every layer holding the same tokens), so that one launch can copy them
-    all; else None."""
+    """(The `HeldRow` whose layer n every layer n of per-agent `cache` is, the tokens every layer holds) where the
+    cache is as a turn handed it out and unchanged since (its arrays or their views, every layer holding the same
+    tokens), so that one launch can copy them all; else None."""
     if not cache or len(cache) < 2:
         return None
     origin = getattr(cache[0], "_origin", None)
@@ -1070,7 +1069,7 @@ def _held_row(cache):
             return None
     if not tokens or q4columns.mismatch([(row.arrays[:3], row.arrays[3:])]) is not None:
         return None
-    return row
+    return row, tokens
 
 
 def extract_cache(batch, i: int, drop: int = 0) -> list:

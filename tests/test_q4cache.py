@@ -667,3 +667,35 @@ def test_a_held_row_makes_every_layers_views_once_when_first_read_and_not_before
     c.hold(other, 2)
     c.keys = tuple(arrays[:3])
     assert c.keys[0] is arrays[0] and mx.array_equal(c.values[0], arrays[3][2:3]).item()
+
+
+def test_held_row_finds_a_row_handed_out_whole_with_its_tokens_and_nothing_else():
+    """`_held_row` (which lets a merge copy every layer in one launch) gives (the row, the tokens every layer
+    holds) for layers that hold one `HeldRow` in order, unchanged; None once a layer holds another array, fewer
+    tokens, another row's layer, or for a single layer."""
+    from runtime.q4cache import _held_row, layer_cache
+
+    layers, scheme = 3, KVScheme(6, 4, 64, "none")
+
+    def handed_out(columns=40):
+        arrays = [mx.random.randint(0, 1 << 30, (layers, 2, columns, c)).astype(t)
+                  for c, t in ((12, mx.uint32), (2, mx.bfloat16), (2, mx.bfloat16),
+                               (8, mx.uint32), (2, mx.bfloat16), (2, mx.bfloat16))]
+        row, caches = HeldRow(arrays), [layer_cache(scheme) for _ in range(layers)]
+        for n, c in enumerate(caches):
+            c.hold(row, n)
+            c.offset = columns
+        return row, caches
+
+    row, caches = handed_out()
+    assert _held_row(caches) == (row, 40)
+    assert _held_row(caches[:1]) is None and _held_row([]) is None
+    _, changed = handed_out()
+    changed[1].keys = tuple(mx.array(x) for x in changed[1].keys)  # the same bits in new arrays
+    assert _held_row(changed) is None
+    _, shorter = handed_out()
+    shorter[2].offset = 39
+    assert _held_row(shorter) is None
+    _, swapped = handed_out()
+    swapped[0], swapped[1] = swapped[1], swapped[0]
+    assert _held_row(swapped) is None
