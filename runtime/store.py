@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import stat
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -213,13 +214,50 @@ def agent_folders(cache_dir) -> list[Path]:
 
 def case_twin(cache_dir, fingerprint: str, agent: str) -> str | None:
     """A stored agent of model `fingerprint` whose id differs from `agent` only in case (its folder's name), or
-    None. On a case-insensitive file system (macOS's, Windows') the two would open one folder."""
-    folder = Path(cache_dir).expanduser() / fingerprint
+    None. On a case-insensitive file system (macOS's, Windows') the two would open one folder.
+
+    Lists the model's folder once while it does not change (`_ids_by_case`), so spawning N stored agents
+    costs N stats and not N listings of N names."""
+    ids = _ids_by_case(Path(cache_dir).expanduser() / fingerprint)
+    return next((n for n in sorted(ids.get(agent.lower(), ())) if n != agent), None)
+
+
+SETTLED_NS = 3_000_000_000  # a folder's mtime this long before its listing: any later change gives another mtime
+_listings: dict = {}  # folder -> (its mtime_ns when listed, {lowercased agent id: the ids}), settled listings only
+_listings_lock = threading.Lock()
+
+
+def _ids_by_case(folder: Path) -> dict:
+    """{lowercased id: the agent ids of `folder`'s entries}, {} where it cannot be listed.
+
+    A listing is reused while the folder's mtime is the one it was listed at, and kept only
+    if that mtime was SETTLED_NS old when it was listed: a file system stamps times at a
+    coarse tick (2 s on FAT), so a change within the tick of the listed mtime would leave
+    the mtime as it was; past it, any entry added or removed moves the mtime.
+    """
     try:
-        names = [e.name for e in _entries(folder)]
+        mtime = os.stat(folder).st_mtime_ns
     except OSError:
-        return None
-    return next((n for n in names if n != agent and n.lower() == agent.lower() and AGENT_ID.fullmatch(n)), None)
+        return {}
+    with _listings_lock:
+        hit = _listings.get(folder)
+    if hit is not None and hit[0] == mtime:
+        return hit[1]
+    listed_at = time.time_ns()
+    ids: dict = {}
+    try:
+        with os.scandir(folder) as it:
+            for e in it:
+                if AGENT_ID.fullmatch(e.name):
+                    ids.setdefault(e.name.lower(), []).append(e.name)
+    except OSError:
+        return {}
+    with _listings_lock:
+        if listed_at - mtime >= SETTLED_NS:
+            _listings[folder] = (mtime, ids)
+        else:
+            _listings.pop(folder, None)
+    return ids
 
 
 def _subfolders(folder: Path) -> list[Path]:

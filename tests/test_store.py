@@ -1199,3 +1199,31 @@ def test_reserving_the_memory_pool_does_nothing_off_cuda():
     if cudacopy.available():
         pytest.skip("this machine has CUDA: tests/test_cuda_kernels.py covers it")
     assert cudacopy.reserve_pool() is False and cudacopy.pool_bytes() == (0, 0)
+
+
+def test_case_twin_lists_a_settled_folder_once_and_sees_every_change_after(tmp_path, monkeypatch):
+    """`case_twin` reuses a listing of the model's folder while the folder is unchanged (spawning N stored agents
+    costs N stats, not N listings), and finds a twin added or a twin removed after it: a change moves the
+    folder's mtime once the listing's mtime was settled; a folder changed within SETTLED_NS is listed again."""
+    import time
+
+    folder = tmp_path / "fp"
+    folder.mkdir()
+    for name in ("alice", "bob", "Carol"):
+        (folder / name).mkdir()
+    old = time.time_ns() - 2 * store.SETTLED_NS
+    os.utime(folder, ns=(old, old))
+    listings, real = [], os.scandir
+    monkeypatch.setattr(store.os, "scandir", lambda p: listings.append(p) or real(p))
+
+    assert store.case_twin(tmp_path, "fp", "carol") == "Carol"
+    assert [store.case_twin(tmp_path, "fp", n) for n in ("alice", "Bob", "dave", "Carol")] == [None, "bob", None, None]
+    assert len(listings) == 1  # settled: listed once
+    (folder / "Alice").mkdir()  # a change: the folder's mtime moves
+    assert store.case_twin(tmp_path, "fp", "alice") == "Alice"
+    assert store.case_twin(tmp_path, "fp", "alice") == "Alice"
+    assert len(listings) == 3  # changed just now: listed at every call until it settles
+    (folder / "Alice").rmdir()
+    os.utime(folder, ns=(old + 1, old + 1))
+    assert store.case_twin(tmp_path, "fp", "alice") is None
+    assert store.case_twin(tmp_path, "nothing-here", "alice") is None
