@@ -631,7 +631,7 @@ def test_a_stopped_agent_is_unknown_and_messages_to_it_are_dead_letters(rt):
     n = len(rt.dead_letters)
     with pytest.raises(UnknownAgent):
         a.ask("Anyone there?", max_tokens=4)
-    with pytest.raises(UnknownAgent):
+    with pytest.raises(UnknownAgent, match="no running agent named 'gone-a'; running: "):
         rt.agent("gone-a")
     ghost = AgentRef(rt, "never-spawned")
     with pytest.raises(UnknownAgent):
@@ -1386,3 +1386,16 @@ def test_kv_group_size_is_a_runtime_option_and_a_cache_of_another_group_is_re_pr
     assert first.cache == "cold" and again.cache == "cold"  # re-prefilled from the journal, nothing lost
     with pytest.raises(ValueError, match="kv_group_size"):
         Runtime(model=None, cache_dir=tmp_path / "x", kv_group_size=48)
+
+
+def test_an_unknown_agents_message_names_at_most_ten_running_agents():
+    """A runtime may run thousands of agents: the UnknownAgent for a missing one names the first ten running and
+    counts the rest, and says when none runs."""
+    from runtime.api.facade import not_running
+
+    names = [f"agent-{i}" for i in range(10_000)]
+    message = str(not_running("ghost", names))
+    assert "'agent-0', 'agent-1'" in message and "'agent-9' and 9990 more" in message and "agent-10'" not in message
+    assert len(message) < 300
+    assert "running: none" in str(not_running("ghost", []))
+    assert str(not_running("ghost", ["a", "b"])).endswith("running: 'a', 'b'")

@@ -45,7 +45,7 @@ from actors.agent import AgentCrashed, Ask, Lookup, Note, Reset, UnknownAgent
 from runtime import store
 from runtime.api import rayhost
 from runtime.api.facade import (AgentInfo, AgentRef, DeadLetter, Runtime, RuntimeClosed, _check_options, _choice,
-                                cache_folder)
+                                cache_folder, not_running)
 from runtime.engine import CallbackFailed
 from runtime.errors import InvalidArgument, KvactorsError
 from runtime.kvscheme import from_options as scheme_from_options
@@ -191,7 +191,7 @@ class ClusterRuntime:
     def agent(self, name: str) -> AgentRef:
         """The ref of running agent `name`; raises UnknownAgent otherwise."""
         if name not in self._names:
-            raise UnknownAgent(f"no running agent named {name!r}; running: {self._names}")
+            raise not_running(name, self._names)
         return AgentRef(self, name)
 
     def running(self) -> list[str]:
@@ -410,7 +410,7 @@ class ClusterRuntime:
         self._check_running()
         with self._lock:
             if name not in self._names:
-                raise UnknownAgent(f"no running agent named {name!r}; running: {self._names}")
+                raise not_running(name, self._names)
             return self._where[name]
 
     def _least_loaded(self) -> int:

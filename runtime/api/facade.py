@@ -871,7 +871,7 @@ class Runtime:
     def agent(self, name: str) -> AgentRef:
         """The ref of running agent `name`; raises UnknownAgent otherwise."""
         if name not in self._names:
-            raise UnknownAgent(f"no running agent named {name!r}; running: {self._names}")
+            raise not_running(name, self._names)
         return AgentRef(self, name)
 
     def agents(self, timeout: float = 60.0) -> list[AgentInfo]:
@@ -1034,7 +1034,7 @@ class Runtime:
         """The current actor of agent `name`, waiting briefly while it restarts."""
         self._check_running()
         if name not in self._names:
-            raise UnknownAgent(f"no running agent named {name!r}; running: {self._names}")
+            raise not_running(name, self._names)
         deadline = time.monotonic() + 10
         while True:
             ref = self._env.refs.get(name)
@@ -1188,6 +1188,18 @@ def _check_options(*, memory_budget, hot_budget, durability, max_batch, route, s
                               f"within it crashes and restarts, and too many restarts stop the Runtime); got {io_timeout}")
     if warmup is not None and not isinstance(warmup, bool):
         raise InvalidArgumentType(f"warmup must be None, True or False, got {type(warmup).__name__}")
+
+
+SHOWN_NAMES = 10  # running agents an UnknownAgent's message names at most
+
+
+def not_running(name: str, running) -> UnknownAgent:
+    """The UnknownAgent for agent `name` missing among the `running` names: it lists the first SHOWN_NAMES of them
+    (a runtime may run thousands)."""
+    running = list(running)
+    shown = ", ".join(repr(n) for n in running[:SHOWN_NAMES]) or "none"
+    more = f" and {len(running) - SHOWN_NAMES} more" if len(running) > SHOWN_NAMES else ""
+    return UnknownAgent(f"no running agent named {name!r}; running: {shown}{more}")
 
 
 def _choice(name: str, value, choices) -> None:
