@@ -773,7 +773,8 @@ class Runtime:
         self._closed = False
         self._escalation: tuple | None = None
         self._on_escalate = on_escalate
-        self._names: list[str] = []
+        self._names: dict[str, None] = {}  # running agents' ids, in spawn order (`_add_name`, `_drop_name`)
+        self._lowered: dict[str, str] = {}  # each running id lowercased -> the id (`_check_case`)
         self._naming, self._name_locks = threading.Lock(), {}  # see `_name_held`
         self.cache_dir = cache_folder(cache_dir)
         self.model, self.tokenizer, self.spec = load_model(model, scheme)
@@ -841,13 +842,23 @@ class Runtime:
                 self._check_system(name, system, timeout)
             self._start_child(self._supervisor, name,
                               lambda sup: AgentActor.start(sup, self._env, name, system), restart)
-            self._names.append(name)
+            self._add_name(name)
         return AgentRef(self, name)
+
+    def _add_name(self, name: str) -> None:
+        """Count agent `name` as running (its actor started)."""
+        self._names[name] = None
+        self._lowered[name.lower()] = name
+
+    def _drop_name(self, name: str) -> None:
+        """Count agent `name` as running no more (if it was)."""
+        if self._names.pop(name, 0) is None:
+            self._lowered.pop(name.lower(), None)
 
     def _check_case(self, name: str) -> None:
         """Raise InvalidAgentId if a running or stored agent's id differs from `name` only in case: on a
         case-insensitive file system (macOS's, Windows') both would write one folder's journal and cache."""
-        twin = next((n for n in self._names if n.lower() == name.lower()), None)
+        twin = self._lowered.get(name.lower())
         if twin is None:
             twin = store.case_twin(self.cache_dir, self.spec.fingerprint, name)
         if twin is not None:
@@ -1041,8 +1052,7 @@ class Runtime:
             if ref is not None and ref.is_alive():
                 return ref
             if self._exited(name):  # a temporary (or transient) agent that was not restarted
-                if name in self._names:
-                    self._names.remove(name)
+                self._drop_name(name)
                 self._env.refs.pop(name, None)
                 self._env.hot.discard(name)
                 raise UnknownAgent(f"agent {name!r} exited and was not restarted; spawn it again")
@@ -1122,7 +1132,7 @@ class Runtime:
         self._check_running()
         if name not in self._names:
             raise UnknownAgent(f"no running agent named {name!r}")
-        self._names.remove(name)
+        self._drop_name(name)
         self._env.stopping(name)
         try:
             self._supervisor.proxy().stop_child(name).get(timeout=60)
