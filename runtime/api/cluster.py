@@ -113,7 +113,7 @@ class ClusterRuntime:
         self.cache_dir = cache_folder(cache_dir)
         self._ray, self._owns_ray, self._closed = ray, False, False
         self._lock = threading.RLock()  # placement: held while agents move
-        self._names: list[str] = []
+        self._names: dict[str, None] = {}  # running agents' ids, in spawn order
         self._where: dict[str, int] = {}  # agent -> host index
         self._restart: dict[str, str] = {}  # agent -> its restart type
         self._hosts: list = []
@@ -185,7 +185,7 @@ class ClusterRuntime:
                 self._call(index, "spawn", name, system, restart, reset, timeout)
             self._place(name, index)
             self._restart[name] = restart
-            self._names.append(name)
+            self._names[name] = None
         return AgentRef(self, name)
 
     def agent(self, name: str) -> AgentRef:
@@ -428,8 +428,7 @@ class ClusterRuntime:
         self._ray.get(self._directory.set.remote(name, self._hosts[index]))
 
     def _unplace(self, name):
-        if name in self._names:
-            self._names.remove(name)
+        self._names.pop(name, None)
         self._where.pop(name, None)
         self._restart.pop(name, None)
         self._ray.get(self._directory.set.remote(name, None))
