@@ -18,6 +18,7 @@ Every public name of those modules is importable from here too.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import shutil
@@ -223,26 +224,33 @@ def case_twin(cache_dir, fingerprint: str, agent: str) -> str | None:
 
 
 SETTLED_NS = 3_000_000_000  # a folder's mtime this long before its listing: any later change gives another mtime
-_listings: dict = {}  # folder -> (its mtime_ns when listed, {lowercased agent id: the ids}), settled listings only
+LISTING_TTL_S = 10.0  # a listing is made again after this long whatever the mtime says (clocks may disagree)
+LISTINGS = 16  # folders whose listing is kept (the models a process uses)
+_listings: collections.OrderedDict = collections.OrderedDict()  # (st_dev, st_ino) -> (mtime_ns, made, ids)
 _listings_lock = threading.Lock()
 
 
 def _ids_by_case(folder: Path) -> dict:
     """{lowercased id: the agent ids of `folder`'s entries}, {} where it cannot be listed.
 
-    A listing is reused while the folder's mtime is the one it was listed at, and kept only
-    if that mtime was SETTLED_NS old when it was listed: a file system stamps times at a
-    coarse tick (2 s on FAT), so a change within the tick of the listed mtime would leave
-    the mtime as it was; past it, any entry added or removed moves the mtime.
+    A listing is reused while the folder (the same one: device and inode) has the mtime it
+    was listed at, for LISTING_TTL_S at most, and kept only if that mtime was SETTLED_NS
+    old by this host's clock when it was listed: a file system stamps times at a coarse
+    tick (2 s on FAT), so a change within the tick of the listed mtime would leave it as it
+    was; past it, any entry added or removed moves the mtime. A file server whose clock is
+    behind this host's can make a fresh mtime look settled: the TTL bounds how long such a
+    listing can miss a change. At most LISTINGS folders are remembered.
     """
     try:
-        mtime = os.stat(folder).st_mtime_ns
+        st = os.stat(folder)
     except OSError:
         return {}
+    key, now = (st.st_dev, st.st_ino), time.monotonic()
     with _listings_lock:
-        hit = _listings.get(folder)
-    if hit is not None and hit[0] == mtime:
-        return hit[1]
+        hit = _listings.get(key)
+        if hit is not None and hit[0] == st.st_mtime_ns and now - hit[1] < LISTING_TTL_S:
+            _listings.move_to_end(key)
+            return hit[2]
     listed_at = time.time_ns()
     ids: dict = {}
     try:
@@ -253,10 +261,11 @@ def _ids_by_case(folder: Path) -> dict:
     except OSError:
         return {}
     with _listings_lock:
-        if listed_at - mtime >= SETTLED_NS:
-            _listings[folder] = (mtime, ids)
-        else:
-            _listings.pop(folder, None)
+        _listings.pop(key, None)
+        if listed_at - st.st_mtime_ns >= SETTLED_NS:
+            _listings[key] = (st.st_mtime_ns, now, ids)
+            while len(_listings) > LISTINGS:
+                _listings.popitem(last=False)
     return ids
 
 

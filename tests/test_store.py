@@ -1227,3 +1227,34 @@ def test_case_twin_lists_a_settled_folder_once_and_sees_every_change_after(tmp_p
     os.utime(folder, ns=(old + 1, old + 1))
     assert store.case_twin(tmp_path, "fp", "alice") is None
     assert store.case_twin(tmp_path, "nothing-here", "alice") is None
+
+
+def test_case_twin_keys_its_listings_by_folder_and_lists_again_after_a_while(tmp_path, monkeypatch):
+    """Two folders of one path (a relative cache_dir after a chdir) with equal mtimes have listings of their own; a
+    file server whose clock is behind this host's can make a fresh mtime look settled, and a change within its
+    time stamp's tick keeps the mtime: the listing is made again after LISTING_TTL_S; at most LISTINGS folders are
+    remembered."""
+    import time
+
+    old = time.time_ns() - 2 * store.SETTLED_NS
+    for place, name in (("a", "carol"), ("b", "Carol")):
+        (tmp_path / place / "cache" / "fp" / name).mkdir(parents=True)
+        os.utime(tmp_path / place / "cache" / "fp", ns=(old, old))
+    monkeypatch.chdir(tmp_path / "a")
+    assert store.case_twin("cache", "fp", "Carol") == "carol"
+    monkeypatch.chdir(tmp_path / "b")
+    assert store.case_twin("cache", "fp", "carol") == "Carol"
+
+    folder = tmp_path / "b" / "cache" / "fp"
+    (folder / "CAROL").mkdir()  # within the tick of the listed mtime, by a file server's clock
+    os.utime(folder, ns=(old, old))
+    assert store.case_twin("cache", "fp", "carol") == "Carol"  # the listing as it was
+    clock = time.monotonic() + store.LISTING_TTL_S
+    monkeypatch.setattr(store.time, "monotonic", lambda: clock)
+    assert store.case_twin("cache", "fp", "carol") == "CAROL"  # sorted: "CAROL" < "Carol"
+
+    for i in range(store.LISTINGS + 3):
+        (tmp_path / f"m{i}").mkdir()
+        os.utime(tmp_path / f"m{i}", ns=(old, old))
+        store.case_twin(tmp_path, f"m{i}", "x")
+    assert len(store._listings) == store.LISTINGS

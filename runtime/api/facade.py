@@ -851,9 +851,11 @@ class Runtime:
         self._lowered[name.lower()] = name
 
     def _drop_name(self, name: str) -> None:
-        """Count agent `name` as running no more (if it was)."""
-        if self._names.pop(name, 0) is None:
+        """Count agent `name` as running no more (if it was): the case check's entry first, so that a spawn of the
+        name in between finds it running, not a case twin of itself."""
+        if name in self._names:
             self._lowered.pop(name.lower(), None)
+            self._names.pop(name, None)
 
     def _check_case(self, name: str) -> None:
         """Raise InvalidAgentId if a running or stored agent's id differs from `name` only in case: on a
@@ -1052,10 +1054,15 @@ class Runtime:
             if ref is not None and ref.is_alive():
                 return ref
             if self._exited(name):  # a temporary (or transient) agent that was not restarted
-                self._drop_name(name)
-                self._env.refs.pop(name, None)
-                self._env.hot.discard(name)
-                raise UnknownAgent(f"agent {name!r} exited and was not restarted; spawn it again")
+                with self._name_held(name, None):  # no spawn of this name between the check and the drop
+                    gone = name in self._names and self._exited(name)
+                    if gone:
+                        self._drop_name(name)
+                        self._env.refs.pop(name, None)
+                        self._env.hot.discard(name)
+                if gone or name not in self._names:
+                    raise UnknownAgent(f"agent {name!r} exited and was not restarted; spawn it again")
+                continue  # spawned again meanwhile: its new actor
             if time.monotonic() > deadline or self._escalation:
                 self._check_running()
                 raise AgentCrashed(None, f"agent {name!r} did not come back from a restart")
@@ -1131,7 +1138,7 @@ class Runtime:
         """`_stop_agent` for a caller that holds `_name_held(name)`."""
         self._check_running()
         if name not in self._names:
-            raise UnknownAgent(f"no running agent named {name!r}")
+            raise not_running(name, self._names)
         self._drop_name(name)
         self._env.stopping(name)
         try:
