@@ -61,7 +61,7 @@ def where(engine, wall: float) -> str:
         kinds.setdefault((s.changes or "none") + ("+end" if s.ended else ""), []).append(s.total_s * 1e3)
     by = {k: [len(v), round(statistics.median(v), 2), round(max(v), 2)] for k, v in sorted(kinds.items())}
     decode = sum(s.total_s for s in steps)
-    return (f"{len(chunks)} prefill chunks {sum(chunks):.3f} s, {len(steps)} decode steps {decode:.3f} s (mean batch "
+    return (f"{wall:.3f} s: {len(chunks)} prefill chunks {sum(chunks):.3f} s, {len(steps)} decode steps {decode:.3f} s (mean batch "
             f"{statistics.mean(s.rows for s in steps) if steps else 0:.1f}; by change: count, p50 ms, max ms {by}), "
             f"the rest {wall - sum(chunks) - decode:.3f} s")
 
@@ -102,6 +102,8 @@ def main(argv=None) -> int:
     ap.add_argument("--capacity-gb", type=float, default=16, help="budget for the capacity figure (GiB)")
     ap.add_argument("--repeats", type=int, default=3, help="runs of each mode per count, alternating (median reported)")
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error(f"--repeats must be at least 1, got {args.repeats}")
     env = environment()
     print(env, flush=True)
     model, tokenizer, spec = load_bench_model(args.model)
@@ -138,7 +140,7 @@ def main(argv=None) -> int:
     notes = (f"model {args.model}; prompt {args.prompt} tokens, {args.new} new tokens per agent; route {Engine(model, tokenizer, spec).route}; "
              f"each mode {args.repeats} times per count, alternating, median wall time (range in wall_min_s, wall_max_s); "
              f"TTFT from the last batched run.\n"
-             f"The last batched run at {max(counts)} agents: {spent}.\n"
+             f"The last batched run at {counts[-1]} agents took {spent}.\n"
              f"Engine overhead at batch {max(counts)}: engine decode step {engine_s * 1e3:.2f} ms, bare forward "
              f"{bare_s * 1e3:.2f} ms: ratio {bare_s / engine_s:.3f} (target >= 0.9).")
     rows.append(dict(agents=max(counts), mode="overhead", wall_s=engine_s, system_tok_s=bare_s, x_sequential=bare_s / engine_s))
