@@ -321,8 +321,12 @@ def held_after(tokenizer, rendered: str, keep_ids, keep_ends, keep_text: str, fe
     new_ids = list(fed) + list(generated[:-1])
     ids = (list(keep_ids) + new_ids)[:cached]
     text = rendered + reply
-    ends = list(keep_ends) + prefix.token_ends(tokenizer, new_ids, len(keep_text), keep_ids[-1] if keep_ids else None)
-    ends = [e if e <= len(text) else -1 for e in ends[: len(ids)]]
+    limit = len(text)
+    kept = list(keep_ends)
+    if kept and max(kept) > limit:  # never, for ends within the kept text: a whole conversation's, on a GIL thread
+        kept = [e if e <= limit else -1 for e in kept]
+    new = prefix.token_ends(tokenizer, new_ids, len(keep_text), keep_ids[-1] if keep_ids else None)
+    ends = (kept + [e if e <= limit else -1 for e in new])[: len(ids)]
     return store.CacheMeta(seq=seq, token_ids=ids, token_ends=ends, text=text, turn_id=turn_id)
 
 
