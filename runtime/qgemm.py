@@ -51,6 +51,7 @@ from runtime import qgemv
 
 COLUMNS = 128  # output columns a block owns: 8 warps, a 16-row weight tile each
 ROWS = 64  # input rows a block multiplies: 8 columns of 8 of mma.m16n8k16
+THREADS = 256  # threads a block: 8 warps
 STEP = 64  # elements of K a block's warps multiply between two barriers
 WAVE = 264  # blocks resident at once on an H100 (132 SMs, two blocks each): `splits` stays within one wave
 MIN_STEPS = 4  # steps of K a block takes at least (its loads overlap only within a split)
@@ -227,12 +228,7 @@ __device__ __forceinline__ uint4 nibble_order(uint4 v) {
 
 _kernels = {}  # (BF, weights) -> (product kernel, sum kernel)
 
-# Two blocks a multiprocessor (at most 128 registers a thread): MLX writes the kernel's signature after the header
-# as `__global__ void name(...)`, so `__global__` is redefined here to carry the bounds (as `qgemv` does).
-_TWO_BLOCKS = f"""
-#undef __global__
-#define __global__ __location__(global) __launch_bounds__({COLUMNS * 2}, 2)
-"""
+_TWO_BLOCKS = qgemv.launch_bounds(THREADS, 2)  # two blocks a multiprocessor: at most 128 registers a thread
 
 
 def supports(x, w, scales, group_size: int) -> bool:
@@ -285,7 +281,7 @@ def qgemm_parts(x, weights, group_size: int) -> list:
     parts = gemm(inputs=[x, *(a for part in weights for a in part)], output_shapes=[(s, rows, ni) for ni in n],
                  output_dtypes=[mx.float32] * len(n),
                  template=[("T", x.dtype), ("G", group_size), ("S", s), ("MT", min(ROWS // 8, -(-rows // 8)))],
-                 grid=(blocks * 256, -(-rows // ROWS), 1), threadgroup=(256, 1, 1))
+                 grid=(blocks * THREADS, -(-rows // ROWS), 1), threadgroup=(THREADS, 1, 1))
     quads = rows * sum(n) // 4
     return add(inputs=parts, output_shapes=[(*x.shape[:-1], ni) for ni in n], output_dtypes=[x.dtype] * len(n),
                template=[("T", x.dtype), ("S", s)], grid=(-(-quads // 256) * 256, 1, 1), threadgroup=(256, 1, 1))

@@ -442,10 +442,17 @@ def _kernel(bf: int, parts: int, swiglu: bool, extra: str):
                                ensure_row_contiguous=True)
 
 
-# Launch bounds: two blocks of MAX_SPLIT warps a multiprocessor, so at most 64 registers a thread (the 9-16-row
-# kernels would take 82-100, the float16 ones 65, and run one block). MLX writes the kernel's signature after
-# this header as `__global__ void name(...)`, so CUDA's `__global__` is redefined here to carry the bounds.
-_TWO_BLOCKS = f"""
+def launch_bounds(threads: int, blocks: int) -> str:
+    """A kernel header that gives the kernel after it CUDA's launch bounds: at most `threads` a block and at least
+    `blocks` blocks a multiprocessor (so the compiler keeps a thread within 65536 / (threads * blocks) registers).
+    MLX writes the kernel's signature after its header as `__global__ void name(...)`, so `__global__` is
+    redefined to carry the bounds."""
+    return f"""
 #undef __global__
-#define __global__ __location__(global) __launch_bounds__({MAX_SPLIT * 32}, 2)
+#define __global__ __location__(global) __launch_bounds__({threads}, {blocks})
 """
+
+
+# Two blocks of MAX_SPLIT warps a multiprocessor, so at most 64 registers a thread (the 9-16-row kernels would
+# take 82-100, the float16 ones 65, and run one block).
+_TWO_BLOCKS = launch_bounds(MAX_SPLIT * 32, 2)
