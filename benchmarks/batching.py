@@ -7,8 +7,8 @@ runs both modes --repeats times, alternating (sequential, batched, sequential,
 ...), and the table gives each mode's median wall time and its range: a
 host's speed drifts within a process (on an H200 one count's sequential run was
 17% faster per agent than the others'), and alternating puts both modes under
-the same drift. For the largest count it says where the batched run's time
-went (prefill chunks, decode steps, the rest). Overhead:
+the same drift. For the last count given it says where its last batched run's
+time went (prefill chunks, decode steps, the rest). Overhead:
 a batched decode step of the engine against the bare model forward (+ argmax
 + eval) of the same batch and cache, for the largest agent count.
 

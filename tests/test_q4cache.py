@@ -621,6 +621,14 @@ def test_rows_queued_together_are_each_the_row_taken_alone(drop):
     assert together[0][0].offset == 250 - drop and together[1][1].offset == 420 - drop
 
 
+def held_arrays(layers: int, columns: int) -> list:
+    """Random arrays of a `HeldRow` of `layers` layers, 2 heads and `columns` columns: 6-bit keys and 4-bit values
+    of head dim 64, group 64 (words, then bf16 scales and biases of each)."""
+    return [mx.random.randint(0, 1 << 30, (layers, 2, columns, c)).astype(t)
+            for c, t in ((12, mx.uint32), (2, mx.bfloat16), (2, mx.bfloat16),
+                         (8, mx.uint32), (2, mx.bfloat16), (2, mx.bfloat16))]
+
+
 def test_a_held_row_makes_every_layers_views_once_when_first_read_and_not_before(monkeypatch):
     """A row taken out of a batch in one launch (`HeldRow`): its layers hold six arrays of every layer; what
     the engine evaluates (`row_arrays`) is those six, once, and makes no view; the first read of any layer's
@@ -631,9 +639,7 @@ def test_a_held_row_makes_every_layers_views_once_when_first_read_and_not_before
     from runtime.q4cache import layer_cache
 
     layers, scheme = 3, KVScheme(6, 4, 64, "none")
-    arrays = [mx.random.randint(0, 1 << 30, (layers, 2, 40, c)).astype(t)
-              for c, t in ((12, mx.uint32), (2, mx.bfloat16), (2, mx.bfloat16),
-                           (8, mx.uint32), (2, mx.bfloat16), (2, mx.bfloat16))]
+    arrays = held_arrays(layers, 40)
     mx.eval(arrays)
     splits, real = [], mx.split
     monkeypatch.setattr(q4cache.mx, "split", lambda x, *a, **k: splits.append(x.shape) or real(x, *a, **k))
@@ -678,9 +684,7 @@ def test_held_row_finds_a_row_handed_out_whole_with_its_tokens_and_nothing_else(
     layers, scheme = 3, KVScheme(6, 4, 64, "none")
 
     def handed_out(columns=40):
-        arrays = [mx.random.randint(0, 1 << 30, (layers, 2, columns, c)).astype(t)
-                  for c, t in ((12, mx.uint32), (2, mx.bfloat16), (2, mx.bfloat16),
-                               (8, mx.uint32), (2, mx.bfloat16), (2, mx.bfloat16))]
+        arrays = held_arrays(layers, columns)
         row, caches = HeldRow(arrays), [layer_cache(scheme) for _ in range(layers)]
         for n, c in enumerate(caches):
             c.hold(row, n)
