@@ -9,9 +9,10 @@ nothing 16-bit is stored.
 
 Two kernels (flash-decoding): the first gives every (row, kv head, tile of its
 queries, chunk of its keys) a block that computes, for the tile's (query, query
-head) pairs (16 at most: the rows of one tensor-core product), the chunk's running
-max, sum of exponentials and weighted sum of values (online softmax in float32);
-the second combines a query's chunks in order. Each warp of the first copies its tiles
+head) pairs (16 at most: the rows of one tensor-core product), the chunk's
+reference max, sum of exponentials and weighted sum of values (online softmax in
+float32; the reference moves only when a tile's max passes it by more than 8 in
+base 2, so the sums are rescaled in few tiles and no exponential exceeds 256); the second combines a query's chunks in order. Each warp of the first copies its tiles
 of 16 keys whole into shared memory by asynchronous copies, STAGES of them in flight, and
 reads its fragments from there. A row's chunks
 start at its own first column and their size follows from its own length (CHUNKS
@@ -20,8 +21,8 @@ fixed order, and the combination order is fixed, so a row's output is bitwise
 the same whatever the other rows are and however much left padding it has.
 
 For caches stored Hadamard-rotated (`runtime.kvscheme`), `rotated=True` has the
-first kernel rotate the queries as it loads them (in registers, then across the
-four lanes that hold a row) and the second rotate the output back (in shared
+first kernel rotate the queries as it loads them (a warp a query: in registers,
+then across its lanes) and the second rotate the output back (in shared
 memory): no extra launches for the rotation.
 """
 
@@ -128,6 +129,7 @@ _PARTIAL = r"""
     // Keys have KB bits (4 or 6; 6-bit values are a little-endian bit stream, 4 per 3 bytes),
     // values 4. KW: key words a lane reads per key (its D/4 dims); KWR, VWR: words per row.
     constexpr int KW = D * KB / 128, VW = D / 64, NS = D / 16, NT = D / 8;
+    constexpr float RESCALE = 8.0f;  // how far (base 2) a tile's max may pass a row's reference max unrescaled
     constexpr int KWR = D * KB / 32, VWR = D / 8, GPR = D / G;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -154,20 +156,24 @@ _PARTIAL = r"""
     const int kgrp = ((D / 4) * t) / G, vgrp = ((D / 8) * g) / G;
 
     // The prologue's other reads from global memory, asked for before anything waits on one (the
-    // asynchronous copies below are fences to the compiler): the RoPE angles' inputs and warp 0's
-    // query words (rows g and g + 8 of the tile; zero where a row holds no query)
+    // asynchronous copies below are fences to the compiler): the RoPE angles' inputs and the query words of
+    // the warp's tile rows (warp w takes rows w, w + WARPS, ...; its lane, dims (D/32) lane .. (D/32) lane + D/32 - 1)
     static_assert(!ROPE || D / 2 <= WARPS * 32, "a thread per RoPE angle");
+    static_assert(16 % WARPS == 0, "a warp's share of the 16 tile rows");
+    constexpr int RPW = 16 / WARPS, QWL = D / 64;  // tile rows a warp, query words a lane
     const int pos_b = ROPE ? pos[b] : 0;
     const float freq = ROPE && threadIdx.x < D / 2 ? inv_freq[threadIdx.x] : 0.0f;
-    uint4 qw[2][D / 32];
-    if (warp == 0) {
-        #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            const int row = g + 8 * i, ql = ql0 + row / RB, hq = h * REP + r0 + row % RB;
-            const bool has = (i == 0 || NRV > 8) && row < NRV && ql < QL && r0 + row % RB < REP;
-            const uint4* qr = reinterpret_cast<const uint4*>(q + ((size_t)(b * Hq + hq) * QL + ql) * D + (D / 4) * t);
-            #pragma unroll
-            for (int v = 0; v < D / 32; ++v) qw[i][v] = has ? qr[v] : make_uint4(0u, 0u, 0u, 0u);
+    unsigned int qw[RPW][QWL];
+    #pragma unroll
+    for (int i = 0; i < RPW; ++i) {
+        const int row = warp + WARPS * i, ql = ql0 + row / RB, hq = h * REP + r0 + row % RB;
+        const bool has = row < NRV && ql < QL && r0 + row % RB < REP;
+        const unsigned int* qr = reinterpret_cast<const unsigned int*>(q + ((size_t)(b * Hq + hq) * QL + ql) * D) + QWL * lane;
+        if constexpr (QWL == 2) {
+            const uint2 w = has ? *reinterpret_cast<const uint2*>(qr) : make_uint2(0u, 0u);
+            qw[i][0] = w.x; qw[i][1] = w.y;
+        } else {
+            qw[i][0] = has ? qr[0] : 0u;
         }
     }
 
@@ -245,8 +251,10 @@ _PARTIAL = r"""
         copies_commit();
     }
 
-    // A fragments of the queries (rows g and g + 8), made once per block into shared memory
-    __shared__ uint4 s_qa[NS][32];
+    // A fragments of the queries (rows g and g + 8 of lane (g, t)), made once per block into shared memory by
+    // every warp, each from its rows: a row's dims d = (D/32) lane + j go to fragment lane 4 (row % 8) + d / (D/4),
+    // k-slice (d % (D/4)) / 4, word (row / 8) + 2 ((d % 4) / 2), half d % 2
+    __shared__ __align__(16) uint4 s_qa[NS][32];
     __shared__ float s_rope[ROPE ? D : 1];  // cos, then sin, of the D/2 angles: the block's threads make them
     if constexpr (ROPE) {
         if (threadIdx.x < D / 2) {
@@ -256,63 +264,53 @@ _PARTIAL = r"""
         }
         __syncthreads();
     }
-    if (warp == 0) {
-      unsigned int qa[NS][4];
-      #pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        if (i == 1 && NRV <= 8) {  // no tile row from 8 on holds a query
-            #pragma unroll
-            for (int ks = 0; ks < NS; ++ks) qa[ks][1] = qa[ks][3] = 0u;
-            break;
-        }
-        float x[D / 4];
+    #pragma unroll
+    for (int i = 0; i < RPW; ++i) {
+        const int row = warp + WARPS * i;
+        float x[2 * QWL];
         #pragma unroll
-        for (int v = 0; v < D / 32; ++v) {
-            unpack2(qw[i][v].x, x[8 * v], x[8 * v + 1], T());
-            unpack2(qw[i][v].y, x[8 * v + 2], x[8 * v + 3], T());
-            unpack2(qw[i][v].z, x[8 * v + 4], x[8 * v + 5], T());
-            unpack2(qw[i][v].w, x[8 * v + 6], x[8 * v + 7], T());
-        }
-        if constexpr (ROPE) {  // RoPE at the row's position, as mx.fast.rope: dim i with i + D/2 (lane t ^ 2)
-            #pragma unroll
-            for (int e = 0; e < D / 4; ++e) {
-                const float other = __shfl_xor_sync(0xffffffffu, x[e], 2);
-                const int f = ((D / 4) * t + e) % (D / 2);
-                const float c = s_rope[f], s = s_rope[D / 2 + f];
-                x[e] = static_cast<float>(static_cast<T>(t < 2 ? x[e] * c - other * s : other * s + x[e] * c));
-            }
-        }
-        #pragma unroll
-        for (int e = 0; e < D / 4; ++e) x[e] *= scale;
-        if constexpr (ROT) {  // x H along D (H's 1/sqrt(D) is in `scale`): the lane's D/4 dims, then across t
-            #pragma unroll
-            for (int len = 1; len < D / 4; len <<= 1) {
+        for (int v = 0; v < QWL; ++v) unpack2(qw[i][v], x[2 * v], x[2 * v + 1], T());
+        if (row < NRV) {  // the same for the warp's lanes; a row without a query is all zeros
+            if constexpr (ROPE) {  // RoPE at the row's position, as mx.fast.rope: dim i with i + D/2 (lane ^ 16)
                 #pragma unroll
-                for (int e = 0; e < D / 4; ++e) {
-                    if ((e & len) == 0) {
-                        const float a = x[e], z = x[e + len];
-                        x[e] = a + z;
-                        x[e + len] = a - z;
+                for (int j = 0; j < 2 * QWL; ++j) {
+                    const float other = __shfl_xor_sync(0xffffffffu, x[j], 16);
+                    const int f = ((D / 32) * lane + j) % (D / 2);
+                    const float c = s_rope[f], s = s_rope[D / 2 + f];
+                    x[j] = static_cast<float>(static_cast<T>(lane < 16 ? x[j] * c - other * s : other * s + x[j] * c));
+                }
+            }
+            #pragma unroll
+            for (int j = 0; j < 2 * QWL; ++j) x[j] *= scale;
+            if constexpr (ROT) {  // x H along D (H's 1/sqrt(D) is in `scale`): a butterfly, strides 1, 2, ... D/2
+                #pragma unroll
+                for (int len = 1; len < 2 * QWL; len <<= 1) {
+                    #pragma unroll
+                    for (int j = 0; j < 2 * QWL; ++j) {
+                        if ((j & len) == 0) {
+                            const float a = x[j], z = x[j + len];
+                            x[j] = a + z;
+                            x[j + len] = a - z;
+                        }
+                    }
+                }
+                #pragma unroll
+                for (int bit = 1; bit < 32; bit <<= 1) {  // lane ^ bit holds the dims (D/32) bit away
+                    #pragma unroll
+                    for (int j = 0; j < 2 * QWL; ++j) {
+                        const float z = __shfl_xor_sync(0xffffffffu, x[j], bit);
+                        x[j] = (lane & bit) ? z - x[j] : x[j] + z;
                     }
                 }
             }
-            #pragma unroll
-            for (int bit = 1; bit <= 2; bit <<= 1) {  // lane t ^ bit holds the dims (D/4) bit away
-                #pragma unroll
-                for (int e = 0; e < D / 4; ++e) {
-                    const float z = __shfl_xor_sync(0xffffffffu, x[e], bit);
-                    x[e] = (t & bit) ? z - x[e] : x[e] + z;
-                }
-            }
         }
+        unsigned int* const qa = reinterpret_cast<unsigned int*>(s_qa);
         #pragma unroll
-        for (int ks = 0; ks < NS; ++ks) {
-            qa[ks][i] = pack_half2(x[4 * ks], x[4 * ks + 1]);
-            qa[ks][2 + i] = pack_half2(x[4 * ks + 2], x[4 * ks + 3]);
+        for (int v = 0; v < QWL; ++v) {  // dims d, d + 1 with d = (D/32) lane + 2 v: one word
+            const int d = (D / 32) * lane + 2 * v, e = d % (D / 4);
+            const int fl = 4 * (row % 8) + d / (D / 4), word = row / 8 + 2 * ((e % 4) / 2);
+            qa[((e / 4) * 32 + fl) * 4 + word] = pack_half2(x[2 * v], x[2 * v + 1]);
         }
-      }
-      #pragma unroll
-      for (int ks = 0; ks < NS; ++ks) s_qa[ks][lane] = make_uint4(qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3]);
     }
     __syncthreads();
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // rows g and g + 8
@@ -437,18 +435,19 @@ _PARTIAL = r"""
             float top = fmaxf(fmaxf(sc[0][2 * r], sc[0][2 * r + 1]), fmaxf(sc[1][2 * r], sc[1][2 * r + 1]));
             top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
             top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));
-            top = fmaxf(top, m[r]);
-            const float ref = top == -INFINITY ? 0.0f : top;  // no valid key yet: every p is 2^-inf = 0
-            corr[r] = fast_exp2(m[r] - ref);
-            m[r] = top;
+            // the reference max moves only where the tile's passes it by more than RESCALE (base 2), so p <= 2^RESCALE
+            // (exact enough in f16) and the sums are rescaled in few tiles; m = -inf: any valid key moves it
+            const bool rise = top > m[r] + RESCALE;
+            corr[r] = rise ? fast_exp2(m[r] - top) : 1.0f;
+            m[r] = rise ? top : m[r];
+            const float ref = m[r] == -INFINITY ? 0.0f : m[r];  // no valid key yet: every p is 2^-inf = 0
             const float p00 = fast_exp2(sc[0][2 * r] - ref), p01 = fast_exp2(sc[0][2 * r + 1] - ref);
             const float p10 = fast_exp2(sc[1][2 * r] - ref), p11 = fast_exp2(sc[1][2 * r + 1] - ref);
             l[r] = fmaf(l[r], corr[r], (p00 + p01) + (p10 + p11));
             pa[r] = pack_half2(p00, p01);      // A rows g (r = 0) and g + 8 (r = 1), keys 2t, 2t+1
             pa[2 + r] = pack_half2(p10, p11);  // keys 2t + 8, 2t + 9
         }
-        // the sums rescaled where a row's max rose (corr 1 leaves them as they are; with few tiles a warp, as at
-        // 16K, a max still rises in most of them, so the skip pays only over long chunks)
+        // the sums rescaled where a row's reference max moved (corr 1 leaves them as they are)
         if (__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) {
             #pragma unroll
             for (int dt = 0; dt < NT; ++dt) {
@@ -502,24 +501,36 @@ _PARTIAL = r"""
         }
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < NRV * D; i += blockDim.x) {
-        const int r = i / D, d = i % D;
-        if (r0 + r % RB >= REP || ql0 + r / RB >= QL) continue;
+    // each tile row's weights for the warps' sums (2^(m_w - M)), its max M and its sum L, made once
+    __shared__ __align__(16) float s_f[16][WARPS];
+    if (threadIdx.x < NRV) {
+        const int r = threadIdx.x;
         float M = -INFINITY;
         #pragma unroll
         for (int w = 0; w < WARPS; ++w) M = fmaxf(M, s_m[w][r]);
-        float L = 0.0f, A = 0.0f;
+        float L = 0.0f;
         #pragma unroll
         for (int w = 0; w < WARPS; ++w) {
             const float f = s_m[w][r] == -INFINITY ? 0.0f : exp2f(s_m[w][r] - M);
             L = fmaf(s_l[w][r], f, L);
-            A = fmaf(s_acc[w][r][d + d / 32], f, A);
+            s_f[r][w] = f;
         }
-        const size_t o_ = ((size_t)(b * Hq + h * REP + r0 + r % RB) * QL + ql0 + r / RB) * nc + c;
-        pacc[o_ * D + d] = A;
-        if (d == 0) {
+        if (r0 + r % RB < REP && ql0 + r / RB < QL) {
+            const size_t o_ = ((size_t)(b * Hq + h * REP + r0 + r % RB) * QL + ql0 + r / RB) * nc + c;
             pm[o_] = M;
             pl[o_] = L;
+        }
+    }
+    __syncthreads();
+    #pragma unroll
+    for (int r = 0; r < NRV; ++r) {
+        if (r0 + r % RB >= REP || ql0 + r / RB >= QL) continue;  // a tile row without a query
+        const size_t o_ = ((size_t)(b * Hq + h * REP + r0 + r % RB) * QL + ql0 + r / RB) * nc + c;
+        for (int d = threadIdx.x; d < D; d += WARPS * 32) {
+            float A = 0.0f;
+            #pragma unroll
+            for (int w = 0; w < WARPS; ++w) A = fmaf(s_acc[w][r][d + d / 32], s_f[r][w], A);
+            pacc[o_ * D + d] = A;
         }
     }
 """

@@ -254,6 +254,31 @@ def test_q4_decode_attention_with_a_window_reads_only_each_rows_last_columns(win
     assert mx.array_equal(poisoned, out).item()
 
 
+@pytest.mark.parametrize("profile", ["step just under the rescale", "sawtooth", "late spike", "falling"])
+@pytest.mark.parametrize("n", [1, 5])  # a decode step, a short prefill
+def test_q4_attention_follows_scores_that_rise_far_past_a_chunks_first_tiles(profile, n):
+    """The kernel keeps a reference max that moves only when a tile's max passes it by more than 8 (base 2): scores
+    that rise by just under that (exponentials up to 2^7.9), by 16 over every 160 columns (a move every few
+    tiles), by 40 at one late column, or that fall, all match float32. (Scores are kept where 16-bit keys hold
+    them to well under a hundredth: a ramp to 300 loses that in the keys themselves.)"""
+    b, hq, hkv, d, end = 2, 32, 8, 128, 1500
+    cols = mx.arange(end + 8).astype(mx.float32)
+    base2 = {"step just under the rescale": mx.where(cols >= 64, 7.9, 0.0), "sawtooth": 0.1 * (cols % 160),
+             "late spike": mx.where(cols == 1000, 40.0, 0.0), "falling": -0.05 * cols}[profile]
+    u = mx.random.normal((d,), key=mx.random.key(5))
+    u = u / mx.linalg.norm(u)
+    scale = d ** -0.5
+    noise = mx.random.normal((b, hkv, end + 8, d), key=mx.random.key(6)) * 0.5
+    k = (noise + (base2 / (scale * math.log2(math.e)))[None, None, :, None] * u).astype(mx.bfloat16)
+    v = mx.random.normal((b, hkv, end + 8, d), key=mx.random.key(7)).astype(mx.bfloat16)
+    kq, vq = tuple(mx.quantize(k, 64, 6)), tuple(mx.quantize(v, 64, 4))
+    q = mx.broadcast_to(u, (b, hq, n, d)).astype(mx.bfloat16)
+    start = mx.array([0, 300], dtype=mx.int32)
+    out = q4sdpa.q4_decode_sdpa(q, kq, vq, start, end, scale, 64)
+    ref = reference_attention(q, kq, vq, start, end, scale)
+    assert (mx.abs(out.astype(mx.float32) - ref).max()).item() < 2e-2
+
+
 @pytest.mark.parametrize("key_bits", [4, 6])
 def test_q4_decode_attention_of_a_row_is_the_same_in_any_batch(key_bits):
     hq, hkv, d, end = 32, 8, 128, 3000
