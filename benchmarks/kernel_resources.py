@@ -12,14 +12,24 @@ shipping). A case is D/G/KEY_BITS/REP followed by flags: r (rotated), p (RoPE), 
 
     python -m benchmarks.kernel_resources --nvrtc .../nvidia/cu13/lib/libnvrtc.so.13 \\
         --include MLX_SOURCE --include .../nvidia/cu13/include --cases 128/64/6/4/rp,128/64/4/4
+
+`--nvdisasm .../nvidia/cu13/bin/nvdisasm` (the `nvidia-cuda-nvdisasm` wheel) reads each kernel's machine
+code as well and prints its instruction count and its largest loops by opcode: the partial kernel's key
+loop is what a 16-key tile issues with every branch in it taken (an upper bound on a tile's count), the
+figure to predict before a GPU session. `--module` compiles older copies of `runtime/q4sdpa.py` beside.
+(With the wheel's libnvrtc, NVRTC finds its builtins library only on LD_LIBRARY_PATH.)
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import ctypes
+import importlib.util
 import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import mlx.core as mx
@@ -34,10 +44,10 @@ _DTYPES = {  # each input's and output's dtype, with T the queries'
 }
 
 
-def source(name: str, names, body: str, template, dtype) -> str:
+def source(name: str, names, body: str, template, dtype, header: str = q4sdpa._HEADER) -> str:
     """Kernel `name`'s source as MLX writes it: inputs and outputs `names` ((inputs, outputs)), `body`, `template`
-    ((name, value) pairs); every array not in _DTYPES is of `dtype`. An input's shape parameter is declared where
-    the body uses it, as MLX declares it."""
+    ((name, value) pairs), the module's `header`; every array not in _DTYPES is of `dtype`. An input's shape
+    parameter is declared where the body uses it, as MLX declares it."""
     inputs, outputs = names
     lines = []
     for n in inputs:
@@ -45,7 +55,7 @@ def source(name: str, names, body: str, template, dtype) -> str:
         if re.search(rf"\b{n}_shape\b", body):
             lines.append(f"    const __grid_constant__ Shape {n}_shape,")
     lines += [f"    {CUDA_TYPES[_DTYPES.get(n, dtype)]}* {n}," for n in outputs]
-    return (_MLX_HEADER + q4sdpa._HEADER + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+    return (_MLX_HEADER + header + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
             + f"__global__ void {name}(\n" + "\n".join(lines)[:-1] + ") {\n" + baked_source(body, template)
             + "\n}\n\n} // namespace mlx::core::cu\n")
 
@@ -77,6 +87,60 @@ def compile_report(lib, text: str, includes) -> tuple[bool, str, bytes]:
     return ok, log.value.decode(), cubin
 
 
+def machine_code(listing: str) -> list[tuple[int, str]]:
+    """(address, instruction) of each instruction in nvdisasm's listing, a branch's label target written as the
+    address it labels (`BRA 0x1dd0`)."""
+    code, labels, pending = [], {}, []
+    for line in listing.splitlines():
+        label = re.match(r"^(\.L_x_\d+):", line.strip())
+        if label:
+            pending.append(label.group(1))
+            continue
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
+        if m:
+            address = int(m.group(1), 16)
+            labels.update((name, address) for name in pending)
+            pending = []
+            code.append((address, m.group(2)))
+    return [(a, re.sub(r"`\((\.L_x_\d+)\)", lambda m: hex(labels.get(m.group(1), -1)), text)) for a, text in code]
+
+
+def opcode(instruction: str) -> str:
+    """An instruction's opcode with its modifiers, without its predicate."""
+    return re.sub(r"^@!?U?P[T0-9]+\s+", "", instruction).split()[0]
+
+
+def loops(code: list[tuple[int, str]]) -> list[tuple[int, int, list]]:
+    """(first address, branch address, its instructions) of each loop (a branch back to an earlier address),
+    largest first."""
+    out = []
+    for address, text in code:
+        target = re.findall(r"0x([0-9a-f]+)", text) if opcode(text) == "BRA" else []
+        if target and int(target[-1], 16) < address:
+            first = int(target[-1], 16)
+            out.append((first, address, [(a, t) for a, t in code if first <= a <= address]))
+    return sorted(out, key=lambda loop: -len(loop[2]))
+
+
+def code_report(listing: str, top: int = 2) -> str:
+    """A kernel's instruction count and its `top` largest loops by opcode, from nvdisasm's listing."""
+    code = machine_code(listing)
+    lines = [f"{len(code)} instructions"]
+    for first, last, body in loops(code)[:top]:
+        counts = collections.Counter(opcode(text) for _, text in body)
+        lines.append(f"loop {first:#x}-{last:#x}: {len(body)} instructions: "
+                     + ", ".join(f"{op} {n}" for op, n in counts.most_common(20)))
+    return "\n    ".join(lines)
+
+
+def _module(path: str):
+    """The q4sdpa module in file `path` (an older copy of runtime/q4sdpa.py)."""
+    spec = importlib.util.spec_from_file_location(f"q4sdpa_{Path(path).stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def parse_case(text: str) -> dict:
     """'128/64/6/4/rp' -> the arguments of `q4sdpa.templates` (bf16 queries)."""
     d, g, bits, rep, *flags = text.split("/")
@@ -95,25 +159,42 @@ def main(argv=None) -> int:
     parser.add_argument("--cubin", type=Path, default=None,
                         help="folder to write each kernel's cubin in (CASE-KERNEL.cubin, the case's / as -), "
                         "for nvdisasm's SASS")
+    parser.add_argument("--nvdisasm", default="", help="path of nvdisasm: print each kernel's instruction count and "
+                        "largest loops by opcode")
+    parser.add_argument("--module", default="", help="older copies of runtime/q4sdpa.py to compile as well, "
+                        "comma-separated")
     args = parser.parse_args(argv)
     lib = ctypes.CDLL(args.nvrtc)
     failed = 0
-    for case in args.cases.split(","):
-        partial, reduce = q4sdpa.templates(**parse_case(case))
-        for name, names, body, template in (("partial", q4sdpa.PARTIAL_NAMES, q4sdpa._PARTIAL, partial),
-                                            ("reduce", q4sdpa.REDUCE_NAMES, q4sdpa._REDUCE, reduce)):
-            ok, log, cubin = compile_report(lib, source(f"kvactors_q4_decode_{name}", names, body, template,
-                                                        mx.bfloat16), args.include)
-            if args.cubin and ok:
-                args.cubin.mkdir(parents=True, exist_ok=True)
-                (args.cubin / f"{case.replace('/', '-')}-{name}.cubin").write_bytes(cubin)
-            stats = "; ".join(re.sub(r"^ptxas\s*(info\s*:|\.)\s*", "", line.strip()) for line in log.splitlines()
-                              if "registers" in line or "spill" in line)
-            print(f"{case:18} {name:8} {'ok' if ok else 'FAILED'}  {stats}", flush=True)
-            if not ok:
-                failed += 1
-                print(log, flush=True)
+    modules = [("", q4sdpa)] + [(Path(p).stem, _module(p)) for p in args.module.split(",") if p]
+    for label, module in modules:
+        for case in args.cases.split(","):
+            partial, reduce = module.templates(**parse_case(case))
+            for name, names, body, template in (("partial", module.PARTIAL_NAMES, module._PARTIAL, partial),
+                                                ("reduce", module.REDUCE_NAMES, module._REDUCE, reduce)):
+                ok, log, cubin = compile_report(lib, source(f"kvactors_q4_decode_{name}", names, body, template,
+                                                            mx.bfloat16, module._HEADER), args.include)
+                tag = f"{label}:{case}" if label else case
+                if args.cubin and ok:
+                    args.cubin.mkdir(parents=True, exist_ok=True)
+                    (args.cubin / f"{tag.replace('/', '-').replace(':', '-')}-{name}.cubin").write_bytes(cubin)
+                stats = "; ".join(re.sub(r"^ptxas\s*(info\s*:|\.)\s*", "", line.strip()) for line in log.splitlines()
+                                  if "registers" in line or "spill" in line)
+                print(f"{tag:18} {name:8} {'ok' if ok else 'FAILED'}  {stats}", flush=True)
+                if not ok:
+                    failed += 1
+                    print(log, flush=True)
+                elif args.nvdisasm:
+                    print("    " + code_report(_disassemble(args.nvdisasm, cubin)), flush=True)
     return 1 if failed else 0
+
+
+def _disassemble(nvdisasm: str, cubin: bytes) -> str:
+    """nvdisasm's listing of `cubin`."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([nvdisasm, f.name], capture_output=True, text=True, check=True).stdout
 
 
 if __name__ == "__main__":

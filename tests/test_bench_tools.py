@@ -144,3 +144,32 @@ def test_q4sdpa_tune_takes_each_figure_s_median_over_repeated_chains():
                (3.0, 9.0, {"partial": 7.0, "reduce": 2.0})]
     assert median_timing(timings) == (3.0, 2.0, "partial 2.0 + reduce 2.0")
     assert median_timing(timings[:1]) == (1.0, 2.0, "partial 1.0 + reduce 3.0")
+
+
+def test_kernel_resources_reads_loops_and_opcodes_from_nvdisasm_s_listing():
+    """`--nvdisasm`: branch labels become the addresses they label, a branch back to an earlier address is a loop
+    (nested loops both found, largest first), and opcodes are counted without their predicates."""
+    from benchmarks.kernel_resources import code_report, loops, machine_code, opcode
+
+    listing = """
+	.text.kernel:
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+.L_x_0:
+        /*0010*/                   HMMA.16816.F32 R4, R8, R12, R4 ;
+.L_x_1:
+        /*0020*/              @!P0 LOP3.LUT R2, R2, 0xf, RZ, 0xc0, !PT ;
+        /*0030*/               @P1 BRA `(.L_x_1) ;
+        /*0040*/                   LOP3.LUT R3, R3, 0xf0, RZ, 0xc0, !PT ;
+        /*0050*/              @!P2 BRA `(.L_x_0) ;
+        /*0060*/                   BRA `(.L_x_2) ;
+.L_x_2:
+        /*0070*/                   EXIT ;
+"""
+    code = machine_code(listing)
+    assert [a for a, _ in code] == [0, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70]
+    assert code[3][1].endswith("BRA 0x20") and code[6][1].endswith("BRA 0x70")
+    assert opcode(code[2][1]) == "LOP3.LUT" and opcode(code[3][1]) == "BRA"
+    found = loops(code)
+    assert [(first, last, len(body)) for first, last, body in found] == [(0x10, 0x50, 5), (0x20, 0x30, 2)]
+    report = code_report(listing)
+    assert report.startswith("8 instructions") and "loop 0x10-0x50: 5 instructions: LOP3.LUT 2, " in report
