@@ -16,7 +16,8 @@ shipping). A case is D/G/KEY_BITS/REP followed by flags: r (rotated), p (RoPE), 
 `--nvdisasm .../nvidia/cu13/bin/nvdisasm` (the `nvidia-cuda-nvdisasm` wheel) reads each kernel's machine
 code as well and prints its instruction count and its largest loops by opcode: the partial kernel's key
 loop is what a 16-key tile issues with every branch in it taken (an upper bound on a tile's count), the
-figure to predict before a GPU session. `--module` compiles older copies of `runtime/q4sdpa.py` beside.
+figure to predict before a GPU session. `--module` compiles older copies of `runtime/q4sdpa.py` beside, and
+`--qgemm FILES` the product kernel of `runtime/qgemm.py` (or copies of it: bf16, one weight, 64 rows).
 (With the wheel's libnvrtc, NVRTC finds its builtins library only on LD_LIBRARY_PATH.)
 """
 
@@ -38,22 +39,27 @@ from benchmarks.kernel_call import CUDA_TYPES, baked_source
 from runtime import q4sdpa
 
 _MLX_HEADER = '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
-_DTYPES = {  # each input's and output's dtype, with T the queries'
+_DTYPES = {  # each input's and output's dtype, with T the queries' (qgemm's: the input's)
     "kw": mx.uint32, "vw": mx.uint32, "after": mx.uint32, "start": mx.int32, "meta": mx.int32, "pos": mx.int32,
     "inv_freq": mx.float32, "pm": mx.float32, "pl": mx.float32, "pacc": mx.float32,
+    **{f"w{i}": mx.uint32 for i in range(3)}, **{f"part{i}": mx.float32 for i in range(3)},
 }
 
 
 def source(name: str, names, body: str, template, dtype, header: str = q4sdpa._HEADER) -> str:
     """Kernel `name`'s source as MLX writes it: inputs and outputs `names` ((inputs, outputs)), `body`, `template`
-    ((name, value) pairs), the module's `header`; every array not in _DTYPES is of `dtype`. An input's shape
-    parameter is declared where the body uses it, as MLX declares it."""
+    ((name, value) pairs), the module's `header`; every array not in _DTYPES is of `dtype`. An input's shape,
+    strides and ndim parameters are declared where the body uses them, as MLX declares them."""
     inputs, outputs = names
     lines = []
     for n in inputs:
         lines.append(f"    const {CUDA_TYPES[_DTYPES.get(n, dtype)]}* {n},")
         if re.search(rf"\b{n}_shape\b", body):
             lines.append(f"    const __grid_constant__ Shape {n}_shape,")
+        if re.search(rf"\b{n}_strides\b", body):
+            lines.append(f"    const __grid_constant__ Strides {n}_strides,")
+        if re.search(rf"\b{n}_ndim\b", body):
+            lines.append(f"    const __grid_constant__ int {n}_ndim,")
     lines += [f"    {CUDA_TYPES[_DTYPES.get(n, dtype)]}* {n}," for n in outputs]
     return (_MLX_HEADER + header + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
             + f"__global__ void {name}(\n" + "\n".join(lines)[:-1] + ") {\n" + baked_source(body, template)
@@ -163,6 +169,9 @@ def main(argv=None) -> int:
                         "largest loops by opcode")
     parser.add_argument("--module", default="", help="older copies of runtime/q4sdpa.py to compile as well, "
                         "comma-separated")
+    parser.add_argument("--qgemm", default="", help="copies of runtime/qgemm.py (runtime/qgemm.py itself among them, "
+                        "if wanted) whose product kernel to compile, comma-separated: bf16, one weight, group 64, "
+                        "64 rows (MT 8), S 4")
     args = parser.parse_args(argv)
     lib = ctypes.CDLL(args.nvrtc)
     failed = 0
@@ -186,6 +195,19 @@ def main(argv=None) -> int:
                     print(log, flush=True)
                 elif args.nvdisasm:
                     print("    " + code_report(_disassemble(args.nvdisasm, cubin)), flush=True)
+    for path in [p for p in args.qgemm.split(",") if p]:
+        header, body, inputs, outputs = _module(path).product_kernel(1, 1)
+        template = [("T", mx.bfloat16), ("G", 64), ("S", 4), ("MT", 8)]
+        ok, log, cubin = compile_report(lib, source("kvactors_qgemm", (inputs, outputs), body, template, mx.bfloat16,
+                                                    header), args.include)
+        stats = "; ".join(re.sub(r"^ptxas\s*(info\s*:|\.)\s*", "", line.strip()) for line in log.splitlines()
+                          if "registers" in line or "spill" in line)
+        print(f"{Path(path).stem:18} product  {'ok' if ok else 'FAILED'}  {stats}", flush=True)
+        if not ok:
+            failed += 1
+            print(log, flush=True)
+        elif args.nvdisasm:
+            print("    " + code_report(_disassemble(args.nvdisasm, cubin)), flush=True)
     return 1 if failed else 0
 
 

@@ -287,17 +287,21 @@ def qgemm_parts(x, weights, group_size: int) -> list:
                template=[("T", x.dtype), ("S", s)], grid=(-(-quads // 256) * 256, 1, 1), threadgroup=(256, 1, 1))
 
 
+def product_kernel(bf: int, parts: int) -> tuple[str, str, list, list]:
+    """(header, body, input names, output names) of the product kernel for `parts` weights, bf16 (`bf` 1) or f16."""
+    header = f"#define BF {bf}\n" + _TWO_BLOCKS + qgemv.DEVICE_HELPERS + _NIBBLE_ORDER
+    body = _GEMM.replace("PICK", _PICK_GEMM + "".join(_PICK_GEMM_NEXT.format(i=i, j=i - 1) for i in range(1, parts)))
+    return header, body, ["x"] + [f"{a}{i}" for i in range(parts) for a in "wsb"], [f"part{i}" for i in range(parts)]
+
+
 def _kernels_for(bf: int, parts: int):
     key = (bf, parts)
     if key not in _kernels:
-        header = f"#define BF {bf}\n" + _TWO_BLOCKS + qgemv.DEVICE_HELPERS + _NIBBLE_ORDER
-        gemm = _GEMM.replace("PICK", _PICK_GEMM + "".join(_PICK_GEMM_NEXT.format(i=i, j=i - 1) for i in range(1, parts)))
+        header, gemm, inputs, outputs = product_kernel(bf, parts)
         total = _SUM.replace("PICK", _PICK_SUM + "".join(_PICK_SUM_NEXT.format(i=i) for i in range(1, parts)))
         _kernels[key] = (
-            mx.fast.cuda_kernel(name=f"kvactors_qgemm4_tc{bf}_p{parts}_b",
-                                input_names=["x"] + [f"{a}{i}" for i in range(parts) for a in "wsb"],
-                                output_names=[f"part{i}" for i in range(parts)], source=gemm, header=header,
-                                ensure_row_contiguous=True),
+            mx.fast.cuda_kernel(name=f"kvactors_qgemm4_tc{bf}_p{parts}_b", input_names=inputs, output_names=outputs,
+                                source=gemm, header=header, ensure_row_contiguous=True),
             mx.fast.cuda_kernel(name=f"kvactors_qgemm4_sum{bf}_p{parts}", input_names=[f"part{i}" for i in range(parts)],
                                 output_names=[f"y{i}" for i in range(parts)], source=total, ensure_row_contiguous=True),
         )

@@ -173,3 +173,23 @@ def test_kernel_resources_reads_loops_and_opcodes_from_nvdisasm_s_listing():
     assert [(first, last, len(body)) for first, last, body in found] == [(0x10, 0x50, 5), (0x20, 0x30, 2)]
     report = code_report(listing)
     assert report.startswith("8 instructions") and "loop 0x10-0x50: 5 instructions: LOP3.LUT 2, " in report
+
+
+def test_kernel_resources_writes_qgemm_s_product_kernel_as_mlx_does():
+    """`--qgemm`: the product kernel's signature as MLX writes it: the input's shape and ndim where the body reads
+    them, the weight as uint32 words, its scales and biases and the input of T, float32 partial sums."""
+    import mlx.core as mx
+
+    from benchmarks.kernel_resources import source
+    from runtime import qgemm
+
+    header, body, inputs, outputs = qgemm.product_kernel(1, 2)
+    text = source("k", (inputs, outputs), body, [("T", mx.bfloat16), ("G", 64), ("S", 4), ("MT", 8)], mx.bfloat16,
+                  header)
+    at = text.index("__global__ void k(")
+    signature = text[at:text.index(") {", at)]
+    assert signature.index("const __nv_bfloat16* x,") < signature.index("const __grid_constant__ Shape x_shape,") \
+        < signature.index("const __grid_constant__ int x_ndim,") < signature.index("const uint32_t* w0,") \
+        < signature.index("const __nv_bfloat16* s0,") < signature.index("const uint32_t* w1,")
+    assert "x_strides" not in signature and signature.rstrip().endswith("float* part1")
+    assert "#define BF 1\n" in text and "  constexpr int MT = 8;\n" in text
