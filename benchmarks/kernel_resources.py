@@ -140,8 +140,8 @@ def code_report(listing: str, top: int = 2) -> str:
 
 
 def _module(path: str):
-    """The q4sdpa module in file `path` (an older copy of runtime/q4sdpa.py)."""
-    spec = importlib.util.spec_from_file_location(f"q4sdpa_{Path(path).stem}", path)
+    """The module in file `path` (a copy of runtime/q4sdpa.py or runtime/qgemm.py)."""
+    spec = importlib.util.spec_from_file_location(f"kernels_{Path(path).stem}_{abs(hash(path))}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -181,34 +181,32 @@ def main(argv=None) -> int:
             partial, reduce = module.templates(**parse_case(case))
             for name, names, body, template in (("partial", module.PARTIAL_NAMES, module._PARTIAL, partial),
                                                 ("reduce", module.REDUCE_NAMES, module._REDUCE, reduce)):
-                ok, log, cubin = compile_report(lib, source(f"kvactors_q4_decode_{name}", names, body, template,
-                                                            mx.bfloat16, module._HEADER), args.include)
-                tag = f"{label}:{case}" if label else case
-                if args.cubin and ok:
-                    args.cubin.mkdir(parents=True, exist_ok=True)
-                    (args.cubin / f"{tag.replace('/', '-').replace(':', '-')}-{name}.cubin").write_bytes(cubin)
-                stats = "; ".join(re.sub(r"^ptxas\s*(info\s*:|\.)\s*", "", line.strip()) for line in log.splitlines()
-                                  if "registers" in line or "spill" in line)
-                print(f"{tag:18} {name:8} {'ok' if ok else 'FAILED'}  {stats}", flush=True)
-                if not ok:
-                    failed += 1
-                    print(log, flush=True)
-                elif args.nvdisasm:
-                    print("    " + code_report(_disassemble(args.nvdisasm, cubin)), flush=True)
+                text = source(f"kvactors_q4_decode_{name}", names, body, template, mx.bfloat16, module._HEADER)
+                failed += _compiled(lib, text, f"{label}:{case}" if label else case, name, args)
     for path in [p for p in args.qgemm.split(",") if p]:
         header, body, inputs, outputs = _module(path).product_kernel(1, 1)
         template = [("T", mx.bfloat16), ("G", 64), ("S", 4), ("MT", 8)]
-        ok, log, cubin = compile_report(lib, source("kvactors_qgemm", (inputs, outputs), body, template, mx.bfloat16,
-                                                    header), args.include)
-        stats = "; ".join(re.sub(r"^ptxas\s*(info\s*:|\.)\s*", "", line.strip()) for line in log.splitlines()
-                          if "registers" in line or "spill" in line)
-        print(f"{Path(path).stem:18} product  {'ok' if ok else 'FAILED'}  {stats}", flush=True)
-        if not ok:
-            failed += 1
-            print(log, flush=True)
-        elif args.nvdisasm:
-            print("    " + code_report(_disassemble(args.nvdisasm, cubin)), flush=True)
+        text = source("kvactors_qgemm", (inputs, outputs), body, template, mx.bfloat16, header)
+        failed += _compiled(lib, text, Path(path).stem, "product", args)
     return 1 if failed else 0
+
+
+def _compiled(lib, text: str, tag: str, name: str, args) -> int:
+    """Compile kernel source `text` and print its line (`tag`, `name`, ptxas' figures; the cubin written and its
+    machine code read where `args` ask): 1 if it did not compile, else 0."""
+    ok, log, cubin = compile_report(lib, text, args.include)
+    if args.cubin and ok:
+        args.cubin.mkdir(parents=True, exist_ok=True)
+        (args.cubin / f"{tag.replace('/', '-').replace(':', '-')}-{name}.cubin").write_bytes(cubin)
+    stats = "; ".join(re.sub(r"^ptxas\s*(info\s*:|\.)\s*", "", line.strip()) for line in log.splitlines()
+                      if "registers" in line or "spill" in line)
+    print(f"{tag:18} {name:8} {'ok' if ok else 'FAILED'}  {stats}", flush=True)
+    if not ok:
+        print(log, flush=True)
+        return 1
+    if args.nvdisasm:
+        print("    " + code_report(_disassemble(args.nvdisasm, cubin)), flush=True)
+    return 0
 
 
 def _disassemble(nvdisasm: str, cubin: bytes) -> str:
