@@ -35,6 +35,8 @@ import threading
 import mlx.core as mx
 import numpy as np
 
+from runtime.qgemv import cuda_kernel
+
 STAGING_BYTES = 8 << 20  # page-locked bytes per copying thread; larger arrays cross in several copies
 POOL_SPARE = 2 << 30  # device bytes `reserve_pool` has the memory pool hold beyond those in use, by default
 _RELEASE_THRESHOLD = 4  # CU_MEMPOOL_ATTR_RELEASE_THRESHOLD
@@ -115,14 +117,12 @@ def _context(ordinal: int) -> ctypes.c_void_p:
 
 @functools.cache
 def _kernel():
-    return mx.fast.cuda_kernel(name="kvactors_blob_address", input_names=["src"], output_names=["blob", "addr"],
-                               source=_SOURCE, ensure_row_contiguous=True)
+    return cuda_kernel("kvactors_blob_address", ["src"], ["blob", "addr"], _SOURCE)
 
 
 @functools.cache
 def _allocator():
-    return mx.fast.cuda_kernel(name="kvactors_device_blob", input_names=["unused"], output_names=["blob", "addr"],
-                               source=_ADDRESS)
+    return cuda_kernel("kvactors_device_blob", ["unused"], ["blob", "addr"], _ADDRESS)
 
 
 class _Slot:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from runtime.qgemv import cuda_kernel
+
 PARTS = ("kw", "ks", "kb", "vw", "vs", "vb")  # keys' words, scales, biases, then the values'
 
 _SOURCE = r"""
@@ -84,12 +86,10 @@ def _get(sources: int):
     if sources not in _kernels:
         cases = "\n    ".join(f"case {6 * s + t}: in = reinterpret_cast<const char*>(s{s}_{part}); break;"
                                for s in range(sources) for t, part in enumerate(PARTS))
-        _kernels[sources] = mx.fast.cuda_kernel(
-            name=f"kvactors_gather_columns{sources}",
-            input_names=[f"s{s}_{p}" for s in range(sources) for p in PARTS] + ["params"],
-            output_names=[f"o{p}" for p in PARTS],
-            source=f"#define NW {_widths(sources)}\n" + _SOURCE.replace("INPUT_CASES", cases), header=_HEADER,
-            ensure_row_contiguous=True)
+        _kernels[sources] = cuda_kernel(
+            f"kvactors_gather_columns{sources}", [f"s{s}_{p}" for s in range(sources) for p in PARTS] + ["params"],
+            [f"o{p}" for p in PARTS], f"#define NW {_widths(sources)}\n" + _SOURCE.replace("INPUT_CASES", cases),
+            header=_HEADER)
     return _kernels[sources]
 
 

@@ -25,6 +25,7 @@ import mlx.core as mx
 
 from runtime import q4sdpa
 from runtime.kvscheme import KVScheme
+from runtime.qgemv import cuda_kernel
 
 BITS = (4, 6, 8)  # element widths the kernel packs
 HEAD_DIMS = (64, 128)
@@ -243,8 +244,8 @@ def _kernel(into: bool):
             inputs, outputs = ["keys", "values"], ["kw", "ks", "kb", "vw", "vs", "vb"]
         source = (_SOURCE.replace("LOCATE", _LOCATE_INTO if into else _LOCATE_NEW)
                   .replace("ROPE_HOOK", _ROPE if into else ""))
-        _kernels[into] = mx.fast.cuda_kernel(name=f"kvactors_pack_kv{'_into' if into else ''}", input_names=inputs,
-                                             output_names=outputs, source=source, ensure_row_contiguous=not into)
+        _kernels[into] = cuda_kernel(f"kvactors_pack_kv{'_into' if into else ''}", inputs, outputs, source,
+                                     ensure_row_contiguous=not into)
     return _kernels[into]
 
 

@@ -35,7 +35,7 @@ import threading
 
 import mlx.core as mx
 
-from runtime.qgemv import MMA16816
+from runtime.qgemv import MMA16816, cuda_kernel
 
 CHUNKS = 32  # blocks that share a row's keys (per kv head), whatever its length, when decoding
 PREFILL_CHUNKS = 4  # the same for a prefill chunk, whose query tiles make many blocks already
@@ -631,8 +631,7 @@ def _no_rope():
 
 def _get(name, inputs, outputs, source):
     if name not in _kernels:
-        _kernels[name] = mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs, source=source,
-                                             header=_HEADER, ensure_row_contiguous=True)
+        _kernels[name] = cuda_kernel(name, inputs, outputs, source, header=_HEADER)
     return _kernels[name]
 
 

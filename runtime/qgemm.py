@@ -300,9 +300,8 @@ def _kernels_for(bf: int, parts: int):
         header, gemm, inputs, outputs = product_kernel(bf, parts)
         total = _SUM.replace("PICK", _PICK_SUM + "".join(_PICK_SUM_NEXT.format(i=i) for i in range(1, parts)))
         _kernels[key] = (
-            mx.fast.cuda_kernel(name=f"kvactors_qgemm4_tc{bf}_p{parts}_b", input_names=inputs, output_names=outputs,
-                                source=gemm, header=header, ensure_row_contiguous=True),
-            mx.fast.cuda_kernel(name=f"kvactors_qgemm4_sum{bf}_p{parts}", input_names=[f"part{i}" for i in range(parts)],
-                                output_names=[f"y{i}" for i in range(parts)], source=total, ensure_row_contiguous=True),
+            qgemv.cuda_kernel(f"kvactors_qgemm4_tc{bf}_p{parts}", inputs, outputs, gemm, header=header),
+            qgemv.cuda_kernel(f"kvactors_qgemm4_sum{bf}_p{parts}", [f"part{i}" for i in range(parts)],
+                              [f"y{i}" for i in range(parts)], total),
         )
     return _kernels[key]

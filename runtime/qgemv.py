@@ -42,6 +42,7 @@ is `q * scale + bias`. K must be a multiple of 64 (`supports_weights`).
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import mlx.core as mx
@@ -437,9 +438,17 @@ def _kernel(bf: int, parts: int, swiglu: bool, extra: str):
     source = (_BODY.replace("PICK", pick).replace("STORE", store)
               .replace("RESIDUAL", "+ add[(size_t)m * N + n]" if extra == "add" else ""))
     name = f"kvactors_qgemv4_tc{bf}_{'swiglu' if swiglu else f'p{parts}'}{extra}"
-    return mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs, source=source,
-                               header=f"#define BF {bf}\n" + _TWO_BLOCKS + DEVICE_HELPERS,
-                               ensure_row_contiguous=True)
+    return cuda_kernel(name, inputs, outputs, source, header=f"#define BF {bf}\n" + _TWO_BLOCKS + DEVICE_HELPERS)
+
+
+def cuda_kernel(name: str, input_names, output_names, source: str, header: str = "", ensure_row_contiguous=True):
+    """`mx.fast.cuda_kernel` under `name` plus eight digits of a hash of `header` and `source`: every kernel of this
+    project is made here. MLX-CUDA keeps a compiled kernel on disk (in the temporary folder, or MLX_PTX_CACHE_DIR)
+    by its name and template alone and loads it again in later processes without looking at the source, so a
+    kernel whose source changed under the same name would run as it was compiled before (after an upgrade)."""
+    digest = int(hashlib.sha1(f"{header}\0{source}".encode()).hexdigest(), 16) % 10 ** 8
+    return mx.fast.cuda_kernel(name=f"{name}_{digest:08d}", input_names=input_names, output_names=output_names,
+                               source=source, header=header, ensure_row_contiguous=ensure_row_contiguous)
 
 
 def launch_bounds(threads: int, blocks: int) -> str:

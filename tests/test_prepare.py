@@ -485,3 +485,27 @@ def test_decode_graphs_are_not_recorded_for_batches_the_block_runs_uncompiled(ti
     prepare_model(model, force=True, gemv=False, dense=True, compile_decode=False)
     compile_blocks(model)
     assert record_decode(model, [1, DENSE_ROWS - 1, DENSE_ROWS, DENSE_ROWS + 1]) == 2 * len(model.layers)
+
+
+def test_every_cuda_kernel_is_named_by_its_source(monkeypatch):
+    """MLX-CUDA keeps compiled kernels on disk by name and template and loads them again without looking at the
+    source: each kernel's name carries a digest of its header and source, so a changed kernel is compiled anew,
+    and every kernel of the package is made through that one function."""
+    from pathlib import Path
+
+    import runtime
+
+    made = []
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: made.append(kw) or kw)
+    qgemv.cuda_kernel("k", ["x"], ["y"], "y[0] = x[0];")
+    qgemv.cuda_kernel("k", ["x"], ["y"], "y[0] = x[0];")
+    qgemv.cuda_kernel("k", ["x"], ["y"], "y[0] = 2 * x[0];")
+    qgemv.cuda_kernel("k", ["x"], ["y"], "y[0] = x[0];", header="#define A 1\n", ensure_row_contiguous=False)
+    names = [kw["name"] for kw in made]
+    assert names[0] == names[1] and len({names[0], names[2], names[3]}) == 3
+    assert all(n.startswith("k_") and len(n) == 10 and n[2:].isdigit() for n in names)
+    assert made[3]["header"] == "#define A 1\n" and made[3]["ensure_row_contiguous"] is False
+    assert made[0]["ensure_row_contiguous"] is True and made[0]["source"] == "y[0] = x[0];"
+    package = Path(runtime.__file__).parent
+    direct = [p.name for p in package.rglob("*.py") if "mx.fast.cuda_kernel(" in p.read_text() and p.name != "qgemv.py"]
+    assert direct == []
