@@ -220,7 +220,7 @@ def case_twin(cache_dir, fingerprint: str, agent: str) -> str | None:
     Lists the model's folder once while it does not change (`_ids_by_case`), so spawning N stored agents
     costs N stats and not N listings of N names."""
     ids = _ids_by_case(Path(cache_dir).expanduser() / fingerprint)
-    return next((n for n in sorted(ids.get(agent.lower(), ())) if n != agent), None)
+    return next((n for n in ids.get(agent.lower(), ()) if n != agent), None)
 
 
 SETTLED_NS = 3_000_000_000  # a folder's mtime this long before its listing: any later change gives another mtime
@@ -231,7 +231,7 @@ _listings_lock = threading.Lock()
 
 
 def _ids_by_case(folder: Path) -> dict:
-    """{lowercased id: the agent ids of `folder`'s entries}, {} where it cannot be listed.
+    """{lowercased id: the agent ids of `folder`'s entries, by name}, {} where it cannot be listed.
 
     A listing is reused while the folder (the same one: device and inode) has the mtime it
     was listed at, for LISTING_TTL_S at most, and kept only if that mtime was SETTLED_NS
@@ -254,12 +254,12 @@ def _ids_by_case(folder: Path) -> dict:
     listed_at = time.time_ns()
     ids: dict = {}
     try:
-        with os.scandir(folder) as it:
-            for e in it:
-                if AGENT_ID.fullmatch(e.name):
-                    ids.setdefault(e.name.lower(), []).append(e.name)
+        entries = _entries(folder)
     except OSError:
         return {}
+    for e in entries:
+        if AGENT_ID.fullmatch(e.name):
+            ids.setdefault(e.name.lower(), []).append(e.name)
     with _listings_lock:
         _listings.pop(key, None)
         if listed_at - st.st_mtime_ns >= SETTLED_NS:
