@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import collections
 import ctypes
-import importlib.util
 import re
 import subprocess
 import sys
@@ -36,6 +35,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from benchmarks.kernel_call import CUDA_TYPES, baked_source
+from benchmarks.q4sdpa_tune import load_copy
 from runtime import q4sdpa
 
 _MLX_HEADER = '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
@@ -139,14 +139,6 @@ def code_report(listing: str, top: int = 2) -> str:
     return "\n    ".join(lines)
 
 
-def _module(path: str):
-    """The module in file `path` (a copy of runtime/q4sdpa.py or runtime/qgemm.py)."""
-    spec = importlib.util.spec_from_file_location(f"kernels_{Path(path).stem}_{abs(hash(path))}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def parse_case(text: str) -> dict:
     """'128/64/6/4/rp' -> the arguments of `q4sdpa.templates` (bf16 queries)."""
     d, g, bits, rep, *flags = text.split("/")
@@ -175,7 +167,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     lib = ctypes.CDLL(args.nvrtc)
     failed = 0
-    modules = [("", q4sdpa)] + [(Path(p).stem, _module(p)) for p in args.module.split(",") if p]
+    modules = [("", q4sdpa)] + [(Path(p).stem, load_copy(p)) for p in args.module.split(",") if p]
     for label, module in modules:
         for case in args.cases.split(","):
             partial, reduce = module.templates(**parse_case(case))
@@ -184,7 +176,7 @@ def main(argv=None) -> int:
                 text = source(f"kvactors_q4_decode_{name}", names, body, template, mx.bfloat16, module._HEADER)
                 failed += _compiled(lib, text, f"{label}:{case}" if label else case, name, args)
     for path in [p for p in args.qgemm.split(",") if p]:
-        header, body, inputs, outputs = _module(path).product_kernel(1, 1)
+        header, body, inputs, outputs = load_copy(path).product_kernel(1, 1)
         template = [("T", mx.bfloat16), ("G", 64), ("S", 4), ("MT", 8)]
         text = source("kvactors_qgemm", (inputs, outputs), body, template, mx.bfloat16, header)
         failed += _compiled(lib, text, Path(path).stem, "product", args)

@@ -23,6 +23,7 @@ import math
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import mlx.core as mx
 
@@ -126,9 +127,10 @@ def median_timing(timings) -> tuple[float, float, str]:
             " + ".join(f"{p} {us:.1f}" for p, us in parts.items()))
 
 
-def _load_old(path):
-    """The module in file `path` (an older copy of runtime/q4sdpa.py with its own kernel names)."""
-    spec = importlib.util.spec_from_file_location("q4sdpa_old", path)
+def load_copy(path):
+    """The module in file `path`: a copy of a runtime module (an older runtime/q4sdpa.py here), loaded beside the
+    package's own."""
+    spec = importlib.util.spec_from_file_location(f"copy_of_{Path(path).stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -177,7 +179,7 @@ def main(argv=None) -> int:
     env = environment()
     rows = []
     settings = _settings(args.settings)
-    olds = [(path, _load_old(path)) for path in args.old.split(",") if path]
+    olds = [(path, load_copy(path)) for path in args.old.split(",") if path]
     default = tuple(getattr(q4sdpa, name) for name in SETTINGS)
     use = use_setting
 
