@@ -88,12 +88,21 @@ class KVScheme:
                                 f"use an unrotated scheme such as {default_scheme(True).name}")
         for what, dim in (("key", k_head_dim), ("value", v_head_dim)):
             if dim % self.group_size:
-                raise KVSchemeError(
-                    f"{what} head dim {dim} is not a multiple of the KV group size {self.group_size}; pass a "
-                    f"scheme whose group divides it (e.g. Runtime(kv_scheme='{replace(self, group_size=32).name}'))"
-                )
+                raise KVSchemeError(f"{what} head dim {dim} is not a multiple of the KV group size {self.group_size}; "
+                                    f"{self._fitting(k_head_dim, v_head_dim)}")
             if self.rotated and dim & (dim - 1):
-                raise KVSchemeError(f"the {self.rotation} rotation needs power-of-two head dims, the {what}s have {dim}")
+                raise KVSchemeError(f"the {self.rotation} rotation needs power-of-two head dims, the {what}s have "
+                                    f"{dim}; {self._fitting(k_head_dim, v_head_dim)}")
+
+    def _fitting(self, k_head_dim: int, v_head_dim: int) -> str:
+        """Advice naming this scheme's nearest twin that serves these head dims: the largest group that divides
+        both, the rotation kept only where both are powers of two."""
+        groups = [g for g in GROUP_SIZES if k_head_dim % g == 0 and v_head_dim % g == 0]
+        if not groups:
+            return f"no KV group size ({', '.join(map(str, GROUP_SIZES))}) divides head dims {k_head_dim} and {v_head_dim}"
+        powers = not (k_head_dim & (k_head_dim - 1) or v_head_dim & (v_head_dim - 1))
+        twin = replace(self, group_size=max(groups), rotation=self.rotation if powers else "none")
+        return f"pass a scheme that serves them (e.g. Runtime(kv_scheme='{twin.name}'))"
 
 
 def parse(name: str) -> KVScheme:

@@ -179,6 +179,21 @@ def test_a_model_with_attention_sinks_refuses_a_rotation():
     assert spec.kv_scheme == plain(4, 64)
 
 
+@pytest.mark.parametrize("dims, advice", [((96, 96), "k6v4-g32"), ((64, 64), None), ((128, 64), None),
+                                          ((160, 160), "k6v4-g32"), ((80, 80), "no KV group size")])
+def test_a_refused_head_dim_is_told_a_scheme_that_serves_it(dims, advice):
+    """The advice of a refusal names a scheme that the same check accepts (a head dim that is no power of two
+    loses the rotation as well as a group size), or says that none fits."""
+    if advice is None:
+        DEFAULT.check_model(*dims)
+        return
+    with pytest.raises(KVSchemeError) as refused:
+        DEFAULT.check_model(*dims)
+    assert advice in str(refused.value)
+    if advice.startswith("k"):
+        parse(advice).check_model(*dims)
+
+
 def test_runtime_re_prefills_an_agent_stored_under_another_scheme(tmp_path):
     from runtime import Runtime
 
