@@ -888,9 +888,18 @@ def running(name: str):
         _callbacks.name = outer
 
 
+def passes_through(error: BaseException) -> bool:
+    """Whether `error`, raised inside a caller's callback, goes on as it is rather than failing the callback's
+    turn: a KeyboardInterrupt or SystemExit on the main thread (a Ctrl-C, or the caller's own exit). Anything a
+    callback raises on the Runtime's threads, those included, is the callback's failure: the shared threads
+    must outlive it."""
+    return isinstance(error, (KeyboardInterrupt, SystemExit)) and threading.current_thread() is threading.main_thread()
+
+
 def _call(turn, name: str, *args, truth: bool = False):
     """`turn.<name>(*args)` (a caller's callback), or with `truth` its answer's truth value (`bool`, which may
-    run the caller's code too, as for a numpy array); whatever either raises becomes CallbackFailed."""
+    run the caller's code too, as for a numpy array); whatever either raises becomes CallbackFailed (but what
+    `passes_through`)."""
     try:
         with running(name):
             answer = getattr(turn, name)(*args)
@@ -899,7 +908,9 @@ def _call(turn, name: str, *args, truth: bool = False):
         if e.turn_id == turn.turn_id:
             raise  # relayed from the caller's side, naming its callback (runtime.api.rayhost)
         raise CallbackFailed(turn.turn_id, f"its {name} callback raised CallbackFailed: {e}") from e
-    except Exception as e:
+    except BaseException as e:
+        if passes_through(e):
+            raise
         raise CallbackFailed(turn.turn_id, f"its {name} callback raised {type(e).__name__}: {e}") from e
 
 

@@ -758,6 +758,10 @@ def test_too_many_crashes_escalate(tmp_path):
         wait_for(lambda: not live_agents(rt._env), what="the group to stop")
 
 
+def _raise(error: BaseException):
+    raise error
+
+
 def test_callbacks_that_raise_fail_their_turns_only_and_never_escalate(tmp_path):
     """A caller's callback that raises is the caller's mistake: its turn ends with CallbackFailed naming the
     callback, nothing is recorded, and no number of them restarts the agent or escalates."""
@@ -781,8 +785,20 @@ def test_callbacks_that_raise_fail_their_turns_only_and_never_escalate(tmp_path)
         for _ in range(3):  # the answer's truth is part of the call
             with pytest.raises(CallbackFailed, match="its cancel callback raised ValueError: oops, the truth"):
                 alice.ask("Break it.", max_tokens=4, cancel=Ambiguous)
+        slow = bob.send("Tell me a long story.", max_tokens=64)
+        for error in (SystemExit(0), KeyboardInterrupt(), GeneratorExit()):  # not Exceptions: they crashed the batcher
+            for callback in ("on_token", "on_progress", "cancel"):
+                with pytest.raises(CallbackFailed, match=f"its {callback} callback raised {type(error).__name__}"):
+                    alice.ask("Break it.", max_tokens=4, **{callback: lambda *_, error=error: _raise(error)})
+        assert slow.get(timeout=60).text  # a turn in the same batcher, untouched
+        story = alice.send("Tell me a story.", max_tokens=48)  # the next turn waits for it: its future is not done
+        done = alice.send("Once more.", max_tokens=4)
+        done.add_done_callback(lambda _: sys.exit(0))  # so this runs on the agent's thread: logged, never its crash
+        replies = [story.get(timeout=60).text, done.get(timeout=60).text]
         assert not escalated.is_set()
-        assert [r["text"] for r in alice.history()] == ["You are Alice.", "One.", first.text]  # nothing recorded
+        texts = [r["text"] for r in alice.history()]
+        assert texts == ["You are Alice.", "One.", first.text, "Tell me a story.", replies[0], "Once more.",
+                         replies[1]]  # nothing of the failed turns
         assert alice.ask("Still there?", max_tokens=4).cache == "hot"  # no restart: its cache is in memory
         assert bob.ask("Hello.", max_tokens=4).text
 

@@ -38,7 +38,7 @@ from actors.persistence import PersistenceActor
 from actors.supervisor import RESTART_TYPES, STRATEGIES, Backoff, ChildSpec, Supervisor, UnknownChild
 from runtime import chat, store
 from runtime.deadlines import Deadlines, wait_seconds
-from runtime.engine import MAX_TOKENS, Sampling, default_hot_budget, running, running_callback
+from runtime.engine import MAX_TOKENS, Sampling, default_hot_budget, passes_through, running, running_callback
 from runtime.errors import InvalidArgument, InvalidArgumentType, KvactorsError
 from runtime.kvscheme import from_options as scheme_from_options
 from runtime.model import load_model
@@ -326,7 +326,9 @@ class ReplyFuture(pykka.ThreadingFuture):
             try:
                 with running("done"):
                     fn(self)
-            except Exception:  # a callback must never break the thread that set the future
+            except BaseException as e:  # a callback must never break the thread that set the future
+                if passes_through(e):
+                    raise
                 log.exception("a done callback of a reply future failed")
 
     def __await__(self):
