@@ -132,6 +132,9 @@ BAD = [
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": "many"}, "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, "top_p"),
+    # json.loads takes NaN and every comparison with it is False: it passed to the Runtime after an agent spawned
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": float("nan")}, "temperature"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_p": float("nan")}, "top_p"),
     ({"messages": [{"role": "user", "content": "hi"}], "seed": -1}, "seed"),
     ({"messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": True}}, "stream_options"),
@@ -151,6 +154,15 @@ def test_bad_requests_get_a_400_with_an_openai_error_body(served, body, param):
     assert status == 400
     assert set(reply["error"]) == {"message", "type", "param", "code"}
     assert reply["error"]["param"] == param and reply["error"]["type"] == "invalid_request_error"
+
+
+def test_a_default_max_tokens_the_model_cannot_hold_is_refused_at_start(served):
+    """`kvactors serve --max-tokens` at or past the model's positions started, then refused every request that
+    set none with a 400 blaming its client."""
+    from runtime import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="leaves no room for a prompt"):
+        Server(served.rt, "kvactors-tiny", default_max_tokens=served.rt.max_context)
 
 
 def test_the_openai_client_raises_its_own_errors(served):

@@ -134,7 +134,7 @@ def _number(body, name, lo, hi, default, lo_open=False):
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise bad(f"{name} must be a number, got {type(value).__name__}", name, "invalid_type")
-    if value < lo or value > hi or (lo_open and value == lo):
+    if not (lo < value if lo_open else lo <= value) or not value <= hi:  # NaN (which json.loads takes) fails both
         raise bad(f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {value}", name)
     return value
 
@@ -329,6 +329,9 @@ class Server:
     def __init__(self, rt: Runtime, model_id: str, *, api_key: str | None = None, max_agents: int = 256,
                  default_max_tokens: int = 512, turn_timeout: float = 600.0):
         check_server_options(max_agents, default_max_tokens, turn_timeout)
+        if rt.max_context is not None and default_max_tokens >= rt.max_context:  # each request without one: refused
+            raise InvalidArgument(f"max_tokens {default_max_tokens} leaves no room for a prompt in the model's "
+                                  f"{rt.max_context} positions; lower it")
         self.rt, self.model_id, self.api_key = rt, model_id, api_key
         self.max_agents, self.default_max_tokens, self.turn_timeout = max_agents, default_max_tokens, turn_timeout
         self.started = int(time.time())
