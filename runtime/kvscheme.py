@@ -26,7 +26,7 @@ import math
 import re
 from dataclasses import dataclass, replace
 
-from runtime.errors import KvactorsError
+from runtime.errors import InvalidArgumentType, KvactorsError
 
 BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize packs
 GROUP_SIZES = (32, 64, 128)
@@ -139,14 +139,15 @@ def from_options(kv_bits=None, kv_group_size=None, kv_scheme=None) -> KVScheme |
 
     `kv_scheme` is a scheme name (`parse`); or `kv_bits` (4 or 8) and `kv_group_size`
     (32, 64 or 128) pick the unrotated scheme of that many bits for keys and values
-    (defaults 4 and 64); not both. Raises TypeError for a value of the wrong type and
+    (defaults 4 and 64); not both. Raises InvalidArgumentType (a TypeError) for a value of the wrong type and
     KVSchemeError (a ValueError) for a bad one.
     """
     if kv_scheme is not None:
         if kv_bits is not None or kv_group_size is not None:
             raise KVSchemeError("give kv_scheme, or kv_bits / kv_group_size, not both")
         if not isinstance(kv_scheme, str):
-            raise TypeError(f"kv_scheme must be a name such as {DEFAULT.name!r}, got {type(kv_scheme).__name__}")
+            raise InvalidArgumentType(f"kv_scheme must be a name such as {DEFAULT.name!r}, "
+                                      f"got {type(kv_scheme).__name__}")
         return parse(kv_scheme)
     if kv_bits is None and kv_group_size is None:
         return None
@@ -154,7 +155,7 @@ def from_options(kv_bits=None, kv_group_size=None, kv_scheme=None) -> KVScheme |
         if value is None:
             continue
         if type(value) is not int:
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            raise InvalidArgumentType(f"{name} must be an int, got {type(value).__name__}")
         if value not in allowed:
             raise KVSchemeError(f"{name} must be one of {allowed}, got {value!r}")
     return plain(kv_bits or 4, kv_group_size or 64)

@@ -64,6 +64,17 @@ def test_a_bad_argument_is_a_kvactors_error_that_keeps_its_builtin_kind(tmp_path
 
     cases = [
         (InvalidArgument, ValueError, "max_batch", lambda: Runtime(cache_dir=tmp_path, max_batch=0)),
+        # start-up walked every size below it: 10**12 wedged the batcher
+        (InvalidArgument, ValueError, "max_batch must be <= 4096", lambda: Runtime(cache_dir=tmp_path, max_batch=10**12)),
+        # an int past a float's range: math.isfinite raised OverflowError
+        (InvalidArgument, ValueError, "restart_period", lambda: Runtime(cache_dir=tmp_path, restart_period=10**400)),
+        (InvalidArgument, ValueError, "temperature", lambda: check_turn_options("hi", 8, 10**400, 1.0, 0, (), None)),
+        (InvalidArgument, ValueError, "timeout", lambda: check_turn_options("hi", 8, 0.0, 1.0, 0, (), 10**400)),
+        (InvalidArgumentType, TypeError, "kv_bits must be an int", lambda: Runtime(cache_dir=tmp_path, kv_bits="4")),
+        (InvalidArgumentType, TypeError, "kv_scheme must be a name", lambda: Runtime(cache_dir=tmp_path, kv_scheme=5)),
+        (InvalidArgumentType, TypeError, "cache_dir must be", lambda: Runtime(cache_dir=5)),
+        (InvalidArgumentType, TypeError, "cache_dir must be", lambda: Runtime(cache_dir=bytes(tmp_path))),
+        (InvalidArgument, ValueError, "NUL", lambda: Runtime(cache_dir=f"{tmp_path}/a\0b")),
         (InvalidArgumentType, TypeError, "max_batch", lambda: Runtime(cache_dir=tmp_path, max_batch="8")),
         (InvalidArgument, ValueError, "min <= max", lambda: Backoff(min=2.0, max=1.0)),
         (InvalidArgument, ValueError, "top_p", lambda: check_turn_options("hi", 8, 0.0, 1.5, 0, (), None)),
@@ -75,6 +86,31 @@ def test_a_bad_argument_is_a_kvactors_error_that_keeps_its_builtin_kind(tmp_path
             call()
         assert isinstance(e.value, KvactorsError) and isinstance(e.value, builtin)
     assert not list(tmp_path.iterdir())  # refused before the Runtime took anything
+
+
+def test_refs_names_and_group_sends_are_checked_before_anything_runs(tmp_path):
+    """`broadcast` to a group with a stopped agent sent the earlier agents their turns (committed, their futures
+    lost) before raising; a spawn's system prompt that can never fit was stored, and every turn failed; a
+    200 MB conversation_id went into the journal; `running()` and `agent()` answered after `shutdown()`."""
+    from runtime import InvalidAgentId, InvalidArgument, Runtime, RuntimeClosed, UnknownAgent
+
+    rt = Runtime(model=None, cache_dir=tmp_path)
+    a, b, c = rt.spawn("a"), rt.spawn("b"), rt.spawn("c")
+    b.stop()
+    with pytest.raises(UnknownAgent, match="'b'"):
+        rt.broadcast([a, c, b], "Hello all.", max_tokens=4)
+    assert a.history() == [] and c.history() == []  # nobody took a turn
+    with pytest.raises(InvalidArgument, match="system prompt has"):
+        rt.spawn("big", system="x" * (rt.max_context * rt.longest_token_chars + 1))
+    assert not rt.stored("big")
+    with pytest.raises(InvalidArgument, match="conversation_id has"):
+        a.send("Hi.", max_tokens=4, conversation_id="c" * 5000)
+    with pytest.raises(InvalidAgentId):
+        rt.agent(["a"])
+    rt.shutdown()
+    for call in (rt.running, lambda: rt.agent("a")):
+        with pytest.raises(RuntimeClosed):
+            call()
 
 
 def test_unknown_name_is_an_attribute_error():

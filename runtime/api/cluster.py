@@ -47,7 +47,7 @@ from runtime.api import rayhost
 from runtime.api.facade import (AgentInfo, AgentRef, DeadLetter, Runtime, RuntimeClosed, _check_options, _choice,
                                 cache_folder, not_running)
 from runtime.engine import CallbackFailed
-from runtime.errors import InvalidArgument, KvactorsError
+from runtime.errors import InvalidArgument, InvalidArgumentType, KvactorsError
 from runtime.kvscheme import from_options as scheme_from_options
 
 log = logging.getLogger(__name__)
@@ -98,9 +98,12 @@ class ClusterRuntime:
 
     def __init__(self, model=None, cache_dir=None, kv_bits=None, memory_budget=None, *, cluster: str | None = None,
                  address: str | None = None, **options):
-        ray = import_ray()
         if cluster is not None:
             _choice("cluster", cluster, CLUSTERS)
+        if address is not None and not isinstance(address, str):
+            raise InvalidArgumentType(f"address must be a str (such as 'ray://head:10001' or 'auto') or None, "
+                                      f"got {type(address).__name__}")
+        ray = import_ray()
         if options.get("on_escalate") is not None:
             raise InvalidArgument("on_escalate is not supported on a cluster: "
                                   "a host whose supervision gives up stops alone")
@@ -189,13 +192,17 @@ class ClusterRuntime:
         return AgentRef(self, name)
 
     def agent(self, name: str) -> AgentRef:
-        """The ref of running agent `name`; raises UnknownAgent otherwise."""
+        """The ref of running agent `name`; raises UnknownAgent otherwise (InvalidAgentId for a bad name,
+        RuntimeClosed after `shutdown`)."""
+        self._check_running()
+        store.check_agent_id(name)
         if name not in self._names:
             raise not_running(name, self._names)
         return AgentRef(self, name)
 
     def running(self) -> list[str]:
-        """Names of the running agents, in spawn order."""
+        """Names of the running agents, in spawn order. Raises RuntimeClosed after `shutdown`."""
+        self._check_running()
         return list(self._names)
 
     def placement(self) -> dict[str, str]:

@@ -287,7 +287,7 @@ class ReplyFuture(pykka.ThreadingFuture):
         as it takes; else a number >= 0, ValueError or TypeError otherwise)."""
         if timeout is not None:
             _number("timeout", timeout)
-            if not (math.isfinite(timeout) and timeout >= 0):
+            if not (_finite(timeout) and timeout >= 0):
                 raise InvalidArgument(f"timeout must be None or a finite number >= 0, got {timeout}")
         if running_callback() is not None and timeout != 0:  # get(timeout=0) polls: fine anywhere
             try:
@@ -462,6 +462,9 @@ class AgentRef:
             raise InvalidArgumentType(f"conversation_id must be a str or None, got {type(conversation_id).__name__}")
         if conversation_id is not None:
             check_unicode("conversation_id", conversation_id)
+            if len(conversation_id) > MAX_CONVERSATION_ID:  # the journal keeps it with the turn
+                raise InvalidArgument(f"conversation_id has {len(conversation_id)} characters; at most "
+                                      f"{MAX_CONVERSATION_ID}")
         payload = agent_mod.encode_message(
             text, sender, max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p), seed=seed,
             stop=list(stop), timeout=timeout, conversation_id=conversation_id, reply_to_agent=reply_to_agent,
@@ -822,14 +825,17 @@ class Runtime:
         "temporary" (never). Raises InvalidAgentId for a bad name or one that differs only in case from a
         running or stored agent's (a case-insensitive file system would give both one folder), ValueError if an
         agent of that name is running (stop it first, or `forget` it), and TypeError or
-        ValueError for a bad option (system a str, restart one of the three, reset a bool,
-        timeout finite and > 0), before anything starts.
+        ValueError for a bad option (system a str that could fit the model's positions, restart one of the three,
+        reset a bool, timeout finite and > 0), before anything starts.
         """
         self._check_running()
         store.check_agent_id(name)
         if not isinstance(system, str):
             raise InvalidArgumentType(f"system must be a str, got {type(system).__name__}")
         check_unicode("system", system)
+        if _never_fits(self, system, 1):  # every turn would fail, and the agent would be stored with it
+            raise InvalidArgument(f"the system prompt has {len(system)} characters: more tokens, whatever they are, "
+                                  f"than the model's {self.max_context} positions; shorten it")
         _choice("restart", restart, RESTART_TYPES)
         if not isinstance(reset, bool):
             raise InvalidArgumentType(f"reset must be True or False, got {type(reset).__name__}")
@@ -884,7 +890,10 @@ class Runtime:
             raise SystemPromptChanged(name, stored.system, system)
 
     def agent(self, name: str) -> AgentRef:
-        """The ref of running agent `name`; raises UnknownAgent otherwise."""
+        """The ref of running agent `name`; raises UnknownAgent otherwise (InvalidAgentId for a bad name,
+        RuntimeClosed after `shutdown`)."""
+        self._check_running()
+        store.check_agent_id(name)
         if name not in self._names:
             raise not_running(name, self._names)
         return AgentRef(self, name)
@@ -923,7 +932,9 @@ class Runtime:
         return _within(what, timeout, lambda seconds: call(self._env.persistence().proxy()).get(timeout=seconds))
 
     def running(self) -> list[str]:
-        """Names of the running agents, in spawn order (no disk access; see `agents` for the stored ones)."""
+        """Names of the running agents, in spawn order (no disk access; see `agents` for the stored ones).
+        Raises RuntimeClosed after `shutdown`."""
+        self._check_running()
         return list(self._names)
 
     def forget(self, name: str, timeout: float = 60.0) -> bool:
@@ -971,8 +982,12 @@ class Runtime:
                   timeout: float | None = TURN_TIMEOUT) -> list[ReplyFuture]:
         """Send `text` to every agent in `group` (each takes a turn with the options given); return their futures.
 
-        Raises TypeError or ValueError, before any turn, unless `group` holds AgentRefs of this Runtime."""
+        Raises TypeError or ValueError, before any turn, unless `group` holds AgentRefs of this Runtime, and
+        UnknownAgent, before any turn too, if one of them is not running."""
         group = _agent_refs(self, group, "broadcast")
+        for a in group:
+            if a.name not in self._names:
+                raise not_running(a.name, self._names)
         return [a.send(text, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
                        timeout=timeout) for a in group]
 
@@ -1176,7 +1191,7 @@ def _check_options(*, memory_budget, hot_budget, durability, max_batch, route, s
     """Raise ValueError/TypeError for a bad Runtime option, before anything is acquired.
 
     memory_budget None or an int > 0; hot_budget None or an int >= 0;
-    durability and strategy one of theirs; max_batch an int >= 1; route None or a
+    durability and strategy one of theirs; max_batch an int in [1, MAX_BATCH]; route None or a
     route that runs here; max_restarts an int >= 0; restart_period finite and > 0;
     backoff a Backoff; retention_s None or finite and >= 0; on_escalate None or a
     callable; io_timeout finite and >= MIN_IO_TIMEOUT; warmup None, True or False.
@@ -1188,6 +1203,8 @@ def _check_options(*, memory_budget, hot_budget, durability, max_batch, route, s
     if hot_budget is not None:
         _at_least("hot_budget", hot_budget, 0, int)
     _at_least("max_batch", max_batch, 1, int)
+    if max_batch > MAX_BATCH:
+        raise InvalidArgument(f"max_batch must be <= {MAX_BATCH} (rows decoded together), got {max_batch}")
     if route is not None:
         _choice("route", route, ROUTES)
         check_route(route)  # a route that does not run here (q4kernel off CUDA): Q4CacheError, a ValueError
@@ -1197,7 +1214,7 @@ def _check_options(*, memory_budget, hot_budget, durability, max_batch, route, s
         raise InvalidArgumentType(f"backoff must be an actors.supervisor.Backoff, got {type(backoff).__name__}")
     if retention_s is not None:
         _at_least("retention_s", retention_s, 0)
-        if not math.isfinite(retention_s):
+        if not _finite(retention_s):
             raise InvalidArgument(f"retention_s must be None or a finite number of seconds, got {retention_s}")
     if on_escalate is not None and not callable(on_escalate):
         raise InvalidArgumentType(f"on_escalate must be a callable or None, got {type(on_escalate).__name__}")
@@ -1210,6 +1227,8 @@ def _check_options(*, memory_budget, hot_budget, durability, max_batch, route, s
 
 
 SHOWN_NAMES = 10  # running agents an UnknownAgent's message names at most
+MAX_CONVERSATION_ID = 1024  # characters of a turn's conversation_id
+MAX_BATCH = 4096  # most rows a Runtime decodes together (far past a device's; start-up walks every size below it)
 
 
 def not_running(name: str, running) -> UnknownAgent:
@@ -1249,10 +1268,18 @@ def _agent_refs(runtime, agents, what: str) -> list:
 
 
 def cache_folder(cache_dir) -> Path:
-    """The folder `cache_dir` names (None: DEFAULT_CACHE_DIR), `~` expanded; ValueError for an empty string,
-    store.NotAFolder (a NotADirectoryError) for a file (or a path under one)."""
-    if isinstance(cache_dir, str) and not cache_dir.strip():
-        raise InvalidArgument(f"cache_dir is empty: give a folder, or None for the default ({DEFAULT_CACHE_DIR})")
+    """The folder `cache_dir` names (None: DEFAULT_CACHE_DIR), `~` expanded; InvalidArgumentType unless it is None,
+    a str or an os.PathLike of a str, InvalidArgument for an empty string or a NUL in it, store.NotAFolder (a
+    NotADirectoryError) for a file (or a path under one)."""
+    if cache_dir is not None:
+        path = os.fspath(cache_dir) if isinstance(cache_dir, (str, os.PathLike)) else None
+        if not isinstance(path, str):
+            raise InvalidArgumentType(f"cache_dir must be a folder's path (str or pathlib.Path) or None, "
+                                      f"got {type(cache_dir).__name__}")
+        if not path.strip():
+            raise InvalidArgument(f"cache_dir is empty: give a folder, or None for the default ({DEFAULT_CACHE_DIR})")
+        if "\0" in path:
+            raise InvalidArgument(f"cache_dir holds a NUL character, which no path may: {path!r}")
     return store.check_cache_folder(Path(cache_dir or DEFAULT_CACHE_DIR).expanduser())
 
 
@@ -1287,8 +1314,16 @@ def _within(what: str, timeout, wait):
 
 def _positive(name: str, value) -> None:
     _number(name, value)
-    if not (math.isfinite(value) and value > 0):
+    if not (_finite(value) and value > 0):
         raise InvalidArgument(f"{name} must be a finite number > 0, got {value}")
+
+
+def _finite(value) -> bool:
+    """Whether the number `value` is finite as a float (an int too large for a float is not)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _number(name: str, value, kind=(int, float)) -> None:
@@ -1340,7 +1375,7 @@ def check_turn_options(text, max_tokens, temperature, top_p, seed, stop, timeout
         raise InvalidArgument(f"max_tokens {max_tokens} leaves no room for a prompt in the model's {max_context} "
                               "positions; lower it")
     _number("temperature", temperature)
-    if not (math.isfinite(temperature) and temperature >= 0):
+    if not (_finite(temperature) and temperature >= 0):
         raise InvalidArgument(f"temperature must be finite and >= 0, got {temperature}")
     _number("top_p", top_p)
     if not 0 < top_p <= 1:
@@ -1361,6 +1396,6 @@ def check_turn_options(text, max_tokens, temperature, top_p, seed, stop, timeout
         check_unicode("a stop string", s)
     if timeout is not None:
         _number("timeout", timeout)
-        if not (math.isfinite(timeout) and timeout > 0):
+        if not (_finite(timeout) and timeout > 0):
             raise InvalidArgument(f"timeout must be None or a finite number > 0, got {timeout}")
     return stop
