@@ -63,7 +63,7 @@ FALLBACK_TEMPLATE = ("{{ bos_token or '' }}{% for m in messages %}"
                      "{% if m['role'] == 'system' %}{{ m['content'] + '\n\n' }}"
                      "{% elif m['role'] == 'user' %}{{ 'User: ' + m['content'] + '\n' }}"
                      "{% else %}{{ 'Assistant: ' + m['content'] + '\n' }}{% endif %}{% endfor %}"
-                     "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
+                     "{% if add_generation_prompt %}{{ 'Assistant: ' }}{% endif %}")  # as a reply renders: hot turns
 
 
 @dataclass(frozen=True)

@@ -165,8 +165,12 @@ def test_a_model_without_a_chat_template_renders_plain_lines(tmp_path):
     with Runtime(model=model_with_template(tmp_path, None), cache_dir=tmp_path / "c", max_restarts=1) as rt:
         assert chat.template_habits(rt.tokenizer).template == chat.FALLBACK_TEMPLATE
         a = rt.spawn("a", system="Be brief.")
-        for text in ("Hi.", "Again.", "Once more."):  # each used to crash the agent; the third escalated
-            a.ask(text, max_tokens=3)
+        replies = [a.ask(text, max_tokens=8) for text in ("Hi.", "Again.", "Once more.")]  # each used to crash
+        # the prompt ended "Assistant:" where a reply renders "Assistant: ...": each turn cut its cache back to
+        # before the last reply and fed the reply again from its text
+        for before, after in zip(replies, replies[1:]):
+            assert after.cache == "hot"
+            assert after.reused_tokens == before.reused_tokens + before.timings.prefill_tokens + len(before.tokens) - 1
         assert rt._env.render("Be brief.", a.history()[1:3]).startswith(
             "<|begin_of_text|>Be brief.\n\nUser: Hi.\nAssistant: ")
         rendered = chat.render(rt.tokenizer, [{"role": "user", "content": "Hi."}])
