@@ -307,14 +307,15 @@ class PersistenceActor(SupervisedActor):
         fresh = store.fresh_records([r for w in writes for r in w.records], self._journal_seq[agent])
         if not fresh:
             return
-        append = _io(store.append_frames)(folder / JOURNAL_FILE, store.encode_records(fresh), self._journal_end[agent])
-        # the high-water mark goes to disk beside the append, before either is acknowledged
-        end, _ = await asyncio.gather(append, self._record_high(agent, folder, fresh[-1]["seq"]),
-                                      return_exceptions=True)
-        if isinstance(end, BaseException):  # the journal is as it was: so goes the mark, or it would claim a cut
-            await self._record_high(agent, folder, self._high[agent])
+        try:
+            end = await _io(store.append_frames)(folder / JOURNAL_FILE, store.encode_records(fresh),
+                                                 self._journal_end[agent])
+        except BaseException:
             self._forget(agent)  # the next write reopens the journal (and repairs it if the cut-back failed)
-            raise end
+            raise
+        # the high-water mark goes to disk after the append and before the ack: a crash between them leaves records
+        # the mark does not cover (none acknowledged), never a mark past the journal, which would report a loss
+        await self._record_high(agent, folder, fresh[-1]["seq"])
         self._journal_seq[agent], self._journal_end[agent], self._high[agent] = fresh[-1]["seq"], end, fresh[-1]["seq"]
 
     def _queue_cache(self, agent: str, folder, write: Write) -> None:
@@ -378,7 +379,7 @@ class PersistenceActor(SupervisedActor):
     async def _record_high(self, agent: str, folder, seq: int) -> None:
         """Set the journal's high-water mark to `seq`; a failure is logged, not raised.
 
-        It runs beside the append, which holds the records whatever happens here: a
+        It runs after the append, which holds the records whatever happens here: a
         failed mark must not make an appended turn look refused. Until a later write
         succeeds, a cut of the journal's tail could then go unnoticed (see README).
         """

@@ -105,6 +105,29 @@ def test_the_ack_comes_once_the_journal_is_durable_before_the_cache_is_written(t
     assert journal_only == Ack("alpha", 1, 0) and journal_seqs(tmp_path, "alpha") == [0, 1]
 
 
+def test_the_high_water_mark_is_raised_only_after_the_append_lands(tmp_path, actor, monkeypatch):
+    """The mark went to disk beside the append: a SIGKILL while the append was still on its way left a mark past
+    the journal, and the next start reported records lost that were never acknowledged."""
+    ref = actor()
+    write(ref, "alpha", 0).get(timeout=10)
+    folder = tmp_path / SPEC.fingerprint / "alpha"
+    gate, appending, real = threading.Event(), threading.Event(), store.append_frames
+
+    def held(*args):
+        appending.set()
+        assert gate.wait(10), "the append was held too long"
+        return real(*args)
+
+    monkeypatch.setattr(store, "append_frames", held)
+    pending = write(ref, "alpha", 1)
+    assert appending.wait(10)
+    time.sleep(0.2)  # what would run beside the append has had its time
+    assert store.high_seq(folder) == 0  # a crash now: the mark covers only what the journal holds
+    gate.set()
+    assert pending.get(timeout=10).seq == 1
+    assert store.high_seq(folder) == 1 and journal_seqs(tmp_path, "alpha") == [0, 1]
+
+
 def test_an_ack_never_waits_for_another_agents_cache(tmp_path, actor, monkeypatch):
     held = HeldCaches(monkeypatch)
     ref = actor()
