@@ -330,17 +330,20 @@ def held_after(tokenizer, rendered: str, keep_ids, keep_ends, keep_text: str, fe
     return store.CacheMeta(seq=seq, token_ids=ids, token_ends=ends, text=text, turn_id=turn_id)
 
 
-def replayed(tokenizer, system: str, records, spec=None):
+def replayed(tokenizer, system: str, records, spec=None, held=None):
     """What an agent's cache would hold had every turn of the conversation `records` (the current one's
     journal records) been hot: each reply as the tokens it was generated as (its record's `tokens`), each prompt
-    fed as a hot turn feeds it (`continued`). None where nothing was generated. A reply whose tokens do not
+    fed as a hot turn feeds it (`continued`). None where nothing was generated. With `held` (a cache's
+    metadata), what that cache would hold had the turns after it been hot: only the replies past its seq are
+    replayed. A reply whose tokens do not
     spell its text with this tokenizer (a history written by another model) breaks the chain: the turn after
     it starts over from its text. Only the last REPLAYED replies are replayed (each renders the conversation
     up to it): the chain starts from the text before them. With model `spec`, a cut its sliding-window layers
     could not have made (`can_trim_held`) starts over from the text, as the hot turn did; without, every cut
     is taken as possible."""
-    held, eos = None, set(getattr(tokenizer, "eos_token_ids", None) or ())
-    replies = [i for i, r in enumerate(records) if r["role"] == "assistant" and r.get("tokens")]
+    eos = set(getattr(tokenizer, "eos_token_ids", None) or ())
+    replies = [i for i, r in enumerate(records) if r["role"] == "assistant" and r.get("tokens")
+               and (held is None or r["seq"] > held.seq)]
     for i in replies[-REPLAYED:]:
         r, generated = records[i], [int(t) for t in records[i]["tokens"]]
         rendered = render_chat(tokenizer, system, records[:i])
@@ -353,6 +356,16 @@ def replayed(tokenizer, system: str, records, spec=None):
         held = held_after(tokenizer, rendered.text, keep_ids, keep_ends, keep_text, fed, generated, r["text"], cached,
                           r["seq"], r.get("turn_id"))
     return held
+
+
+def _common_prefix(a, b) -> int:
+    """How many first items `a` and `b` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _spells(tokenizer, anchor: int, tokens, text: str) -> bool:
@@ -686,16 +699,38 @@ class AgentActor(SupervisedActor):
                 cache = store.host_to_cache(loaded.host)
                 label = "warm"
             self.load_s += time.perf_counter() - t0
-        tokenizer = self.env.tokenizer
         if cache is None:
             return None, self._cold_tokens(rendered), "cold", [], [], ""
-        go = continued(tokenizer, self.meta, rendered)
+        go = self._continued(rendered)
         if go is None or not can_trim(self.env.spec, cache, len(go[1])):
-            return None, chat.encode(tokenizer, rendered), "cold", [], [], ""
+            return None, self._cold_tokens(rendered), "cold", [], [], ""
         fed, keep_ids, keep_ends, keep_text = go
         if len(keep_ids) < len(self.meta.token_ids):
             cache = store.trim_cache(cache, len(keep_ids))
         return cache, fed, label, keep_ids, keep_ends, keep_text
+
+    def _continued(self, rendered: chat.Rendered):
+        """`continued` for the cache `self.meta` describes. Where the journal has replies past that cache (its file
+        had not landed when the process died, or a later one was damaged), they are fed as they were generated
+        (`replayed` from the cache on), as the hot turns that are lost had fed them: a turn after a crash then
+        continues as it would have without it; the text is tokenized where that cannot be known."""
+        tokenizer, held = self.env.tokenizer, self.meta
+        if any(r["role"] == "assistant" and r.get("tokens") and r["seq"] > held.seq for r in self.records):
+            try:
+                ahead = replayed(tokenizer, self.system, self.records, self.env.spec, held)
+            except Exception as e:  # a replay is for fidelity only: it never fails a turn
+                log.warning("agent %s: replaying its replies' tokens past its cache failed (%s: %s); they are "
+                            "tokenized from their text", self.name, type(e).__name__, e)
+                ahead = None
+            go = None if ahead is None else continued(tokenizer, ahead, rendered)
+            if go is not None:
+                fed, keep_ids, keep_ends, keep_text = go
+                n = _common_prefix(held.token_ids, keep_ids)  # the cache holds these: the replayed rest is fed
+                if len(keep_ids) > n:
+                    fed, keep_ids, keep_ends = list(keep_ids[n:]) + fed, keep_ids[:n], keep_ends[:n]
+                    keep_text = ahead.text[: max([0, *keep_ends])]
+                return fed, keep_ids, keep_ends, keep_text
+        return continued(tokenizer, held, rendered)
 
     def _cold_tokens(self, rendered: chat.Rendered) -> list:
         """The tokens a turn with no cache prefills: what a cache kept through every turn of the conversation

@@ -149,8 +149,11 @@ def test_a_system_prompt_whose_record_was_destroyed_is_restored_by_spawn_or_know
 def test_a_sigkill_after_the_ack_before_the_cache_lands_loses_no_turn_and_re_prefills_only_that_turn(tmp_path):
     """A turn is acknowledged once its journal records are durable, before its cache file is
     written. Killed right then, the process loses nothing: the restarted agent has the turn in its
-    history, loads the older cache, and prefills only what that cache lacks."""
-    child = subprocess.Popen([sys.executable, str(TESTS / "cache_lag_child.py"), str(tmp_path)], stdout=subprocess.PIPE,
+    history, loads the older cache, and prefills only what that cache lacks, the lost turn's reply as it was
+    generated: its next reply is the one it would have given had nothing been killed (it had fed that reply's
+    text tokenized again, and answered otherwise)."""
+    lag = tmp_path / "lag"
+    child = subprocess.Popen([sys.executable, str(TESTS / "cache_lag_child.py"), str(lag)], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, env=os.environ.copy())
     try:
         lines = [child.stdout.readline() for _ in range(3)]
@@ -159,10 +162,14 @@ def test_a_sigkill_after_the_ack_before_the_cache_lands_loses_no_turn_and_re_pre
         _, err = child.communicate()
     assert lines[2] == "held\n", err  # the second turn was acknowledged while its cache write hung
     acked = [json.loads(line) for line in lines[:2]]
-    from cache_lag_child import SYSTEM, TEXTS
+    from cache_lag_child import MAX_TOKENS, SYSTEM, TEXTS
 
-    with Runtime(model=None, cache_dir=tmp_path) as rt:
-        host, meta = store.load_cache(tmp_path, rt.spec, "alice")
+    with Runtime(model=None, cache_dir=tmp_path / "whole") as rt:  # the same turns, nothing killed
+        alice = rt.spawn("alice", system=SYSTEM)
+        assert [alice.ask(text, max_tokens=MAX_TOKENS).text for text in TEXTS] == [a["text"] for a in acked]
+        want = alice.ask("And the pies?", max_tokens=4)
+    with Runtime(model=None, cache_dir=lag) as rt:
+        host, meta = store.load_cache(lag, rt.spec, "alice")
         assert meta.turn_id == acked[0]["turn_id"]  # on disk: the first turn's cache, not the second's
         alice = rt.spawn("alice", system=SYSTEM)
         history = alice.history()
@@ -172,9 +179,44 @@ def test_a_sigkill_after_the_ack_before_the_cache_lands_loses_no_turn_and_re_pre
         prompt = rt._env.render(SYSTEM, alice.history()[1:-1])  # this turn's prompt
         keep = prefix.match_prefix(meta.text, meta.token_ids, meta.token_ends, prompt).keep
         assert r.cache == "warm" and r.reused_tokens == keep > 0  # the first turn's cache served its tokens
-        assert r.reused_tokens + r.timings.prefill_tokens == len(rt.tokenizer.encode(prompt, add_special_tokens=False))
+        assert r.reused_tokens + r.timings.prefill_tokens == want.reused_tokens + want.timings.prefill_tokens
+        assert r.tokens == want.tokens
         rt.flush()
-        assert store.load_cache(tmp_path, rt.spec, "alice")[1].turn_id == r.turn_id
+        assert store.load_cache(lag, rt.spec, "alice")[1].turn_id == r.turn_id
+
+
+def test_a_cache_that_lags_its_journal_answers_as_if_nothing_had_failed(tmp_path, monkeypatch):
+    """Cache files that never landed (here: every write after the first turn fails, as on a full disk): after a
+    restart each agent loads its first turn's cache and feeds the later turns' replies as they were generated,
+    so its next reply is the uninterrupted run's. Fed as their text tokenized again, most replies differed."""
+    names, texts = [f"a{i}" for i in range(8)], ["Plan a bake sale.", "Go on.", "Who bakes?", "And then?"]
+
+    def system(name):
+        return f"You are {name}, a careful planner who writes short plans."
+
+    with Runtime(model=None, cache_dir=tmp_path / "whole") as rt:
+        refs = {n: rt.spawn(n, system=system(n)) for n in names}
+        want = {n: [refs[n].ask(t, max_tokens=12) for t in texts] for n in names}
+    real = store.write_atomic
+    with Runtime(model=None, cache_dir=tmp_path / "lag") as rt:
+        refs = {n: rt.spawn(n, system=system(n)) for n in names}
+        for n in names:
+            refs[n].ask(texts[0], max_tokens=12)
+        rt.flush()
+
+        def full_disk(path, data):
+            if path.name.startswith("cache."):
+                raise OSError(28, "No space left on device")
+            return real(path, data)
+
+        monkeypatch.setattr(store, "write_atomic", full_disk)
+        for n in names:
+            assert [refs[n].ask(t, max_tokens=12).tokens for t in texts[1:-1]] == [r.tokens for r in want[n][1:-1]]
+    monkeypatch.setattr(store, "write_atomic", real)
+    with Runtime(model=None, cache_dir=tmp_path / "lag") as rt:
+        got = {n: rt.spawn(n, system=system(n)).ask(texts[-1], max_tokens=12) for n in names}
+    assert all(r.cache == "warm" for r in got.values())
+    assert {n: r.tokens for n, r in got.items()} == {n: want[n][-1].tokens for n in names}
 
 
 def test_a_journal_cut_between_records_is_noticed_and_its_seqs_are_never_used_again(tmp_path, caplog):

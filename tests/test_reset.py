@@ -174,3 +174,21 @@ def test_a_turn_longer_than_the_context_is_refused_and_nothing_is_recorded(tmp_p
         seqs = [r["seq"] for r in a.history()]
         assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # no seq was skipped by the refused turn
 
+
+
+def test_a_reset_back_to_an_earlier_turn_answers_as_that_turn_did_hot(tmp_path):
+    """After a reset to a short prefix of a long conversation, the next turn feeds the kept reply as it was
+    generated (its record's tokens), as a hot turn had, whether the cache still serves part of it or the turn
+    goes cold: it answers as an agent that took only those turns does (it went cold and tokenized the whole
+    history from its text again)."""
+    texts, follow = ["Plan a bake sale.", "Go on.", "Who bakes?", "And then?"], "What next?"
+    with Runtime(cache_dir=tmp_path) as rt:
+        for i in range(6):
+            ref, b = rt.spawn(f"ref{i}", system=f"You are planner {i}."), rt.spawn(f"b{i}", system=f"You are planner {i}.")
+            ref.ask(texts[0], max_tokens=16)
+            want = ref.ask(follow, max_tokens=8)
+            for t in texts:
+                b.ask(t, max_tokens=16)
+            b.reset([{k: r[k] for k in ("role", "text", "tokens") if k in r} for r in b.history()[1:3]]).get(timeout=30)
+            got = b.ask(follow, max_tokens=8)
+            assert got.tokens == want.tokens
