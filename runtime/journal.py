@@ -233,8 +233,19 @@ def scan_journal(data) -> JournalScan:
         pos = stop
     kept = _rising([r["seq"] for r in records])
     damaged = _merged(damaged + [f for i, f in enumerate(frames) if i not in kept])
-    return JournalScan([records[i] for i in sorted(kept)], [frames[i] for i in sorted(kept)], pos, damaged,
-                       len(view), header)
+    records, frames = [records[i] for i in sorted(kept)], [frames[i] for i in sorted(kept)]
+    if pos < len(view) and records and frames[-1][1] == pos and _opens_a_turn(records[-1]):
+        # a turn's user and assistant records are one append, acknowledged once both are on disk: a user record
+        # just before a torn tail is the start of that append, cut short (else a retry would repeat it)
+        pos = frames[-1][0]
+        records, frames = records[:-1], frames[:-1]
+    return JournalScan(records, frames, pos, damaged, len(view), header)
+
+
+def _opens_a_turn(record: dict) -> bool:
+    """Whether `record` is a turn's user record (a note's has no turn id), which its reply's record follows in the
+    same append."""
+    return record.get("role") == "user" and record.get("turn_id") is not None
 
 
 def _rising(seqs: list) -> set:
