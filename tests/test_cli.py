@@ -67,6 +67,10 @@ def test_bad_values_argparse_cannot_check_get_one_line_and_exit_2(tmp_path):
     # the demo's max_tokens was checked at its first turn, after the model loaded and the demo began printing
     out = kvactors("demo", "--model", "tiny", "--max-tokens", "0", "--cache-dir", tmp_path / "e")
     assert out.returncode == 2 and "max_tokens must be >= 1" in out.stderr and out.stdout == "", out.stdout
+    for command in ("demo", "serve"):  # more than the model's positions: refused before any turn or request
+        out = kvactors(command, "--model", "tiny", "--max-tokens", "99999", "--cache-dir", tmp_path / command)
+        assert out.returncode == 2 and "leaves no room for a prompt" in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr and "first turns" not in out.stdout
 
 
 def test_inspect_shows_stored_agents_and_their_health(tmp_path):
