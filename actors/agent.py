@@ -722,8 +722,10 @@ class AgentActor(SupervisedActor):
                 log.warning("agent %s: replaying its replies' tokens past its cache failed (%s: %s); they are "
                             "tokenized from their text", self.name, type(e).__name__, e)
                 ahead = None
-            go = None if ahead is None else continued(tokenizer, ahead, rendered)
-            if go is not None:
+            if ahead is not None:  # as the hot turn did: a cut the sliding windows could not make starts over
+                go = continued_held(tokenizer, ahead, rendered, self.env.spec)
+                if go is None:
+                    return None
                 fed, keep_ids, keep_ends, keep_text = go
                 n = _common_prefix(held.token_ids, keep_ids)  # the cache holds these: the replayed rest is fed
                 if len(keep_ids) > n:

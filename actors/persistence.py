@@ -47,8 +47,9 @@ high-water mark) is repaired and logged, saying what was lost, once: a loss that
 stays on disk until an append passes it is noted as reported
 (`store.record_reported_loss`), and the next start does not say it again.
 `Loaded.last_seq` then keeps new seqs above every seq on disk. Each append raises
-the high-water mark (`store.record_high_seq`) beside it, before the ack: no
-acknowledged seq is ever used again.
+the high-water mark (`store.record_high_seq`) after it lands, before the ack: no
+acknowledged seq is ever used again, and a crash between the two never leaves a mark
+past the journal.
 """
 
 from __future__ import annotations

@@ -118,10 +118,11 @@ class ModelCacheSpec:
 
         if attends_inline(model):
             kind = getattr(getattr(model, "args", None), "model_type", None) or type(model).__module__
-            raise ModelLoadError(f"{model_id}: {kind} models compute attention in their own code, not through "
-                                 "mlx-lm's scaled_dot_product_attention, so they cannot read the Q4 cache or "
-                                 "batch agents; kvactors serves models whose attention goes through it (llama, "
-                                 "qwen2/3, mistral, phi3, gemma3, gpt-oss and most others)")
+            raise ModelLoadError(f"{model_id}: {kind} models do not attend through mlx-lm's "
+                                 "scaled_dot_product_attention (their layers compute attention in their own code, "
+                                 "or keep no KV cache), so they cannot read the Q4 cache or batch agents; kvactors "
+                                 "serves models whose attention goes through it (llama, qwen2/3, mistral, phi3, "
+                                 "gemma3, gpt-oss and most others)")
         caches = make_prompt_cache(model)
         model(mx.array([[0]]), cache=caches)
         keys, values = caches[0].state[:2]

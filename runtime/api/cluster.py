@@ -46,7 +46,7 @@ from runtime import store
 from runtime.api import rayhost
 from runtime.api.facade import (AgentInfo, AgentRef, DeadLetter, Runtime, RuntimeClosed, _check_options, _choice,
                                 cache_folder, not_running)
-from runtime.engine import CallbackFailed
+from runtime.engine import CallbackFailed, passes_through
 from runtime.errors import InvalidArgument, InvalidArgumentType, KvactorsError
 from runtime.kvscheme import from_options as scheme_from_options
 
@@ -366,7 +366,9 @@ class ClusterRuntime:
                 if message.cancel and not cancelled and message.cancel():
                     cancelled = True
                     host.signal.remote(key, "cancel")
-            except Exception as e:  # noqa: BLE001 - as on one machine, a failing callback fails its own turn
+            except BaseException as e:  # as on one machine, a failing callback (SystemExit too) fails its own turn
+                if passes_through(e):
+                    raise
                 failure = f"its {what} callback raised {type(e).__name__}: {e}"
                 host.signal.remote(key, "fail", failure)
         raise rayhost.ClusterError(f"the events of turn {_turn_id(message)} ended without its outcome")
