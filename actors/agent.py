@@ -342,9 +342,7 @@ def replayed(tokenizer, system: str, records, spec=None, held=None):
     could not have made (`can_trim_held`) starts over from the text, as the hot turn did; without, every cut
     is taken as possible."""
     eos = set(getattr(tokenizer, "eos_token_ids", None) or ())
-    replies = [i for i, r in enumerate(records) if r["role"] == "assistant" and r.get("tokens")
-               and (held is None or r["seq"] > held.seq)]
-    for i in replies[-REPLAYED:]:
+    for i in _replayable(records, held)[-REPLAYED:]:
         r, generated = records[i], [int(t) for t in records[i]["tokens"]]
         rendered = render_chat(tokenizer, system, records[:i])
         go = continued_held(tokenizer, held, rendered, spec)
@@ -358,14 +356,10 @@ def replayed(tokenizer, system: str, records, spec=None, held=None):
     return held
 
 
-def _common_prefix(a, b) -> int:
-    """How many first items `a` and `b` share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+def _replayable(records, held=None) -> list:
+    """The indexes of the replies in `records` that keep their generated tokens, past `held`'s seq if given."""
+    return [i for i, r in enumerate(records) if r["role"] == "assistant" and r.get("tokens")
+            and (held is None or r["seq"] > held.seq)]
 
 
 def _spells(tokenizer, anchor: int, tokens, text: str) -> bool:
@@ -715,7 +709,7 @@ class AgentActor(SupervisedActor):
         (`replayed` from the cache on), as the hot turns that are lost had fed them: a turn after a crash then
         continues as it would have without it; the text is tokenized where that cannot be known."""
         tokenizer, held = self.env.tokenizer, self.meta
-        if any(r["role"] == "assistant" and r.get("tokens") and r["seq"] > held.seq for r in self.records):
+        if _replayable(self.records, held):
             try:
                 ahead = replayed(tokenizer, self.system, self.records, self.env.spec, held)
             except Exception as e:  # a replay is for fidelity only: it never fails a turn
@@ -727,7 +721,7 @@ class AgentActor(SupervisedActor):
                 if go is None:
                     return None
                 fed, keep_ids, keep_ends, keep_text = go
-                n = _common_prefix(held.token_ids, keep_ids)  # the cache holds these: the replayed rest is fed
+                n = prefix.common_prefix_len(held.token_ids, keep_ids)  # the cache holds these: the replayed rest is fed
                 if len(keep_ids) > n:
                     fed, keep_ids, keep_ends = list(keep_ids[n:]) + fed, keep_ids[:n], keep_ends[:n]
                     keep_text = ahead.text[: max([0, *keep_ends])]

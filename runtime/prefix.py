@@ -47,8 +47,9 @@ class Match:
     refeed: tuple = ()
 
 
-def common_prefix_len(a: str, b: str) -> int:
-    """Length of the longest common prefix of `a` and `b` (binary search over C-speed slice compares)."""
+def common_prefix_len(a, b) -> int:
+    """Length of the longest common prefix of sequences `a` and `b` (strs or lists; binary search over C-speed
+    slice compares)."""
     lo, hi = 0, min(len(a), len(b))
     while lo < hi:
         mid = (lo + hi + 1) // 2
