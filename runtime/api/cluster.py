@@ -95,6 +95,8 @@ class ClusterRuntime:
 
     converse = Runtime.converse  # the same round-robin and fan-out: they only use AgentRefs
     broadcast = Runtime.broadcast
+    agent = Runtime.agent  # the same checks of the same names
+    running = Runtime.running
 
     def __init__(self, model=None, cache_dir=None, kv_bits=None, memory_budget=None, *, cluster: str | None = None,
                  address: str | None = None, **options):
@@ -190,20 +192,6 @@ class ClusterRuntime:
             self._restart[name] = restart
             self._names[name] = None
         return AgentRef(self, name)
-
-    def agent(self, name: str) -> AgentRef:
-        """The ref of running agent `name`; raises UnknownAgent otherwise (InvalidAgentId for a bad name,
-        RuntimeClosed after `shutdown`)."""
-        self._check_running()
-        store.check_agent_id(name)
-        if name not in self._names:
-            raise not_running(name, self._names)
-        return AgentRef(self, name)
-
-    def running(self) -> list[str]:
-        """Names of the running agents, in spawn order. Raises RuntimeClosed after `shutdown`."""
-        self._check_running()
-        return list(self._names)
 
     def placement(self) -> dict[str, str]:
         """Agent name -> the Ray node id it runs on now."""

@@ -5,8 +5,7 @@ from __future__ import annotations
 import tempfile
 import time
 
-from runtime.api.facade import Runtime, _at_least
-from runtime.errors import InvalidArgument
+from runtime.api.facade import Runtime, _at_least, check_room
 from runtime.tiny import is_tiny_model
 
 AGENTS = {"alice": "You are Alice, a careful planner. Answer in one short sentence.",
@@ -56,9 +55,7 @@ def run_demo(model=None, cache_dir=None, max_tokens: int = 16, kv_bits: int | No
 
     t0 = time.perf_counter()
     with Runtime(model=model, cache_dir=cache_dir, kv_bits=kv_bits, kv_scheme=kv_scheme) as rt:
-        if rt.max_context is not None and max_tokens >= rt.max_context:  # refused now, not after the first turns
-            raise InvalidArgument(f"max_tokens {max_tokens} leaves no room for a prompt in the model's "
-                                  f"{rt.max_context} positions; lower it")
+        check_room(max_tokens, rt.max_context)  # refused now, not after the first turns
         alice, bob = spawn(rt, t0)
         if is_tiny_model(rt.spec.model_id):
             print("tiny model: random weights, so the text below is nonsense")

@@ -1318,6 +1318,14 @@ def _positive(name: str, value) -> None:
         raise InvalidArgument(f"{name} must be a finite number > 0, got {value}")
 
 
+def check_room(max_tokens: int, max_context: int | None) -> None:
+    """Raise InvalidArgument if `max_tokens` leaves no position for a prompt in the model's `max_context` positions
+    (None: unknown, nothing refused)."""
+    if max_context is not None and max_tokens >= max_context:
+        raise InvalidArgument(f"max_tokens {max_tokens} leaves no room for a prompt in the model's {max_context} "
+                              "positions; lower it")
+
+
 def _finite(value) -> bool:
     """Whether the number `value` is finite as a float (an int too large for a float is not)."""
     try:
@@ -1371,9 +1379,7 @@ def check_turn_options(text, max_tokens, temperature, top_p, seed, stop, timeout
     _number("max_tokens", max_tokens, int)
     if max_tokens < 1:
         raise InvalidArgument(f"max_tokens must be >= 1, got {max_tokens}")
-    if max_context is not None and max_tokens >= max_context:
-        raise InvalidArgument(f"max_tokens {max_tokens} leaves no room for a prompt in the model's {max_context} "
-                              "positions; lower it")
+    check_room(max_tokens, max_context)
     _number("temperature", temperature)
     if not (_finite(temperature) and temperature >= 0):
         raise InvalidArgument(f"temperature must be finite and >= 0, got {temperature}")

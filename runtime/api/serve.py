@@ -55,7 +55,7 @@ from starlette.routing import Route
 from runtime import (AgentCrashed, AgentStopped, JournalError, Reply, Runtime, RuntimeClosed, RuntimeEscalated,
                      SystemPromptChanged, TurnNotSaved, TurnTimeout, TurnTooLarge, TurnTooLong, UnknownAgent,
                      WaitTimeout)
-from runtime.api.facade import _number as _check_number, _positive, check_unicode
+from runtime.api.facade import _number as _check_number, _positive, check_room, check_unicode
 from runtime.errors import InvalidArgument, KvactorsError
 from runtime.store import InvalidAgentId, check_agent_id, conversation_prompt
 
@@ -329,9 +329,7 @@ class Server:
     def __init__(self, rt: Runtime, model_id: str, *, api_key: str | None = None, max_agents: int = 256,
                  default_max_tokens: int = 512, turn_timeout: float = 600.0):
         check_server_options(max_agents, default_max_tokens, turn_timeout)
-        if rt.max_context is not None and default_max_tokens >= rt.max_context:  # each request without one: refused
-            raise InvalidArgument(f"max_tokens {default_max_tokens} leaves no room for a prompt in the model's "
-                                  f"{rt.max_context} positions; lower it")
+        check_room(default_max_tokens, rt.max_context)  # else each request without max_tokens would be refused
         self.rt, self.model_id, self.api_key = rt, model_id, api_key
         self.max_agents, self.default_max_tokens, self.turn_timeout = max_agents, default_max_tokens, turn_timeout
         self.started = int(time.time())
@@ -572,10 +570,10 @@ def routes(server: Server) -> list[Route]:
 
     async def chat(request):
         req = parse_chat(await _json(request, server.body_limit), request.headers.get("x-agent-id"))
-        limit, wanted = rt.max_context, req.max_tokens or server.default_max_tokens
-        if limit is not None and wanted >= limit:  # refused before a stream begins
-            raise bad(f"max_tokens {wanted} leaves no room for a prompt in the model's {limit} positions; lower it",
-                      "max_tokens", "context_length_exceeded")
+        try:  # refused before a stream begins
+            check_room(req.max_tokens or server.default_max_tokens, rt.max_context)
+        except InvalidArgument as e:
+            raise bad(str(e), "max_tokens", "context_length_exceeded") from None
         name = req.agent or derive_agent_id(req.user, req.system, req.messages[0][1])
         created = int(time.time())
         if not req.stream:
