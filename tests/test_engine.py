@@ -158,6 +158,29 @@ def test_finished_rows_stay_in_the_batch_until_they_outnumber_the_decoding_ones(
     assert engine.reserved == 0 and not engine.has_work()
 
 
+def test_finished_rows_ride_along_to_the_end_when_the_rest_end_within_a_short_tail(llama):
+    """Once finished rows outnumber the decoding ones, they are still not filtered out if every decoding row
+    ends within SHORT_TAIL steps (its max_tokens): the batch keeps its shape to its end, with no filter at all.
+    Every row's tokens and cache equal solo."""
+    from runtime.engine import SHORT_TAIL
+
+    model, tokenizer, spec, opts = llama
+    engine = Engine(model, tokenizer, spec, **opts)
+    prompt = encode(tokenizer, "four rows decode together " * 3)
+    last = 12 + SHORT_TAIL // 2  # the last row ends within SHORT_TAIL steps of the third, however the rows joined
+    turns = [Turn(f"t{i}", f"t{i}", None, prompt, max_tokens=n) for i, n in enumerate((6, 9, 12, last))]
+    out = run(engine, turns)
+    rows = [s.rows for s in engine.stats.decode_steps]
+    after = rows[rows.index(4):]
+    assert after == [4] * len(after) and len(after) >= last - 12
+    assert not [s for s in engine.stats.decode_steps if "leave" in s.changes]
+    for t in turns:
+        alone = solo(llama, t)
+        assert out[t.turn_id].tokens == alone.tokens
+        assert out[t.turn_id].cached_tokens == alone.cached_tokens == len(prompt) + t.max_tokens - 1
+    assert engine.reserved == 0 and not engine.has_work()
+
+
 def test_a_join_filters_out_finished_rows_in_the_same_change(llama):
     """Rows that join a batch holding a finished row replace it: the batch never computes three rows."""
     model, tokenizer, spec, opts = llama
