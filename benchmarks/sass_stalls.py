@@ -81,13 +81,13 @@ def report(path: str, top: int = 7) -> str:
         executed = sum(int(l[EXECUTED]) for l in part)
         lead = ", ".join(f"{k} {v}" for v, k in stalls(part)[:top])
         out.append(f"  {name:9s} {samples:6d} samples ({100 * samples / total:4.1f}%), {executed:10d} warp "
-                   f"instructions; {lead}")
+                   f"instructions" + (f"; {lead}" if lead else ""))
     count, sampled = collections.Counter(), collections.Counter()
     for l in lines[first:past]:
         count[opcode(l)] += 1
         sampled[opcode(l)] += int(l[SAMPLES])
     out.append("  loop by opcode (lines, samples): " + ", ".join(f"{k} {v}/{sampled[k]}" for k, v in count.most_common(20)))
-    hot = sorted(lines[past:], key=lambda l: -int(l[SAMPLES]))[:top]
+    hot = sorted((l for l in lines[past:] if int(l[SAMPLES])), key=lambda l: -int(l[SAMPLES]))[:top]
     out.append("  epilogue's most sampled lines: " + "; ".join(
         f"{l['Source'].strip()[:40]} ({l[SAMPLES]}: {', '.join(f'{k} {v}' for v, k in stalls([l])[:2])})" for l in hot))
     return "\n".join(out)

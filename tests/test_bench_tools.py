@@ -1,6 +1,7 @@
 """The profiling tools of `benchmarks/` that the GPU runs depend on, checked where they can run: here CUPTI
 cannot exist, so `CudaCalls` reads a stand-in `cupti` module that hands it records as CUPTI's activity API does."""
 
+import csv
 import os
 import sys
 import threading
@@ -193,3 +194,35 @@ def test_kernel_resources_writes_qgemm_s_product_kernel_as_mlx_does():
         < signature.index("const __nv_bfloat16* s0,") < signature.index("const uint32_t* w1,")
     assert "x_strides" not in signature and signature.rstrip().endswith("float* part1")
     assert "#define BF 1\n" in text and "  constexpr int MT = 8;\n" in text
+
+
+def test_sass_stalls_splits_a_kernel_at_its_largest_loop_and_counts_samples_by_region(tmp_path):
+    """Nsight Compute's source page as CSV: the backward branch that jumps furthest bounds the loop; samples, executed
+    instructions and stall reasons are summed per region, and opcodes lose predicates and modifiers."""
+    from benchmarks import sass_stalls
+
+    header = ["Address", "Source", sass_stalls.SAMPLES, sass_stalls.EXECUTED, "stall_wait", "stall_wait (Not Issued)",
+              "stall_barrier"]
+    lines = [("0x100", "LDC R1, c[0x0][0x28]", 5, 10, 0, 0, 0),
+             ("0x110", "HFMA2.MMA R2, R3, R4, R5", 7, 80, 6, 6, 0),   # the loop: 0x110 .. 0x140
+             ("0x120", "@!P0 LOP3.LUT R2, R3, 0x1, RZ, 0xfc, !PT", 3, 80, 2, 1, 0),
+             ("0x130", "@P1 BRA 0x120", 1, 80, 0, 0, 0),                # a shorter loop inside
+             ("0x140", "@!P2 BRA 0x110", 2, 80, 1, 0, 0),
+             ("0x150", "BAR.SYNC.DEFER_BLOCKING 0x0", 9, 10, 0, 0, 9),
+             ("0x160", "EXIT", 0, 10, 0, 0, 0)]
+    path = tmp_path / "k-sass.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f, quoting=csv.QUOTE_ALL)
+        w.writerow(["Kernel Name", "k(float *)"])
+        w.writerow(header)
+        w.writerows(lines)
+    read = sass_stalls.read(str(path))
+    assert sass_stalls.main_loop(read) == (1, 5)
+    assert [sass_stalls.opcode(x) for x in read[1:3]] == ["HFMA2", "LOP3"]
+    assert sass_stalls.stalls(read[1:5]) == [(9, "wait")]
+    text = sass_stalls.report(str(path))
+    assert "loop lines 1-4" in text
+    assert "prologue       5 samples (18.5%),         10 warp instructions\n" in text
+    assert "loop          13 samples (48.1%),        320 warp instructions; wait 9\n" in text
+    assert "epilogue       9 samples (33.3%),         20 warp instructions; barrier 9\n" in text
+    assert "HFMA2 1/7" in text and text.endswith("lines: BAR.SYNC.DEFER_BLOCKING 0x0 (9: barrier 9)")
