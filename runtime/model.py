@@ -114,16 +114,21 @@ class ModelCacheSpec:
         keys and values, and its masks take no batch of rows of unequal lengths.
         """
         import mlx.core as mx
-        from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
+        from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
+        kind = _model_type(model)
         if attends_inline(model):
-            kind = getattr(getattr(model, "args", None), "model_type", None) or type(model).__module__
             raise ModelLoadError(f"{model_id}: {kind} models do not attend through mlx-lm's "
                                  "scaled_dot_product_attention (their layers compute attention in their own code, "
                                  "or keep no KV cache), so they cannot read the Q4 cache or batch agents; kvactors "
                                  "serves models whose attention goes through it (llama, qwen2/3, mistral, phi3, "
                                  "gemma3, gpt-oss and most others)")
         caches = make_prompt_cache(model)
+        other = sorted({type(c).__name__ for c in caches if type(c) not in (KVCache, RotatingKVCache)})
+        if other:
+            raise ModelLoadError(f"{model_id}: {kind} models keep other state than a KV cache in some layers "
+                                 f"({', '.join(other)}: a recurrent, convolution or chunked state); kvactors batches, "
+                                 "quantizes and stores plain and sliding-window KV caches only, so it cannot serve them")
         model(mx.array([[0]]), cache=caches)
         keys, values = caches[0].state[:2]
         mx.eval(keys, values)
@@ -264,7 +269,41 @@ def load_model(model: str | Path | None = None, kv_scheme: KVScheme | None = Non
                              "the tokenizer's files (a download cut short? fetch it again)") from e
     spec = ModelCacheSpec.from_model(net, path, kv_scheme)
     prepare_model(net)
+    check_batch_forward(net, spec, path)
     return net, tokenizer, spec
+
+
+def check_batch_forward(model, spec: ModelCacheSpec, model_id) -> None:
+    """Run two tokens and a decode step of `model` over the engine's Q4 batch cache for `spec`, as the engine
+    will; raise ModelLoadError, naming the failure, where the model cannot take it: layers that handle keys and
+    values in their own code (phi3small's block-sparse layers, gemma4's layers that share another layer's keys)
+    or of unequal head dims would otherwise fail every turn of every agent."""
+    import mlx.core as mx
+
+    from runtime import attention
+    from runtime.q4cache import make_batch_cache
+
+    attention.install()  # as the engine does: the model's attention over batch caches
+    cache = make_batch_cache(spec, 1)
+    try:
+        mx.eval(model(mx.array([[0, 1]]), cache=cache))
+        mx.eval(model(mx.array([[2]]), cache=cache))
+    except MemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever the model's own code does with a cache it cannot read
+        raise ModelLoadError(f"{model_id}: {_model_type(model)} models fail over kvactors' Q4 batch cache "
+                             f"({type(e).__name__}: {_first_line(e)}); their layers handle keys and values in their "
+                             "own code, so kvactors cannot serve them") from e
+
+
+def _first_line(error: BaseException) -> str:
+    """The first line of `error`'s message, at most 200 characters (MLX's type errors list every signature)."""
+    return (str(error).splitlines() or [""])[0][:200]
+
+
+def _model_type(model) -> str:
+    """An mlx-lm model's architecture name (its config's model_type), or its module's where it has none."""
+    return getattr(getattr(model, "args", None), "model_type", None) or type(model).__module__
 
 
 def kvactors_home() -> Path:

@@ -4,7 +4,9 @@
 ``mlx_lm.load`` accepts with no network:
 
 - ``config.json`` for one of the architectures of ``ARCHS`` (gemma2, which
-  attends in its own code, only to test that the runtime refuses it),
+  attends in its own code, lfm2, whose convolution layers keep no KV cache, and
+  gemma4_text, whose last layers attend over an earlier layer's keys in their
+  own code, only to test that the runtime refuses them),
 - ``model.safetensors`` with random weights, deterministic for a seed, named as
   the mlx-lm model class expects them after its ``sanitize``,
 - ``tokenizer.json`` / ``tokenizer_config.json``: a byte-level BPE tokenizer
@@ -54,7 +56,7 @@ __all__ = [
     "tokenizer_corpus",
 ]
 
-ARCHS = ("llama", "qwen2", "gemma3_text", "gpt_oss", "gemma2")
+ARCHS = ("llama", "qwen2", "gemma3_text", "gpt_oss", "gemma2", "lfm2", "gemma4_text")
 
 VOCAB_SIZE = 2048
 BOS = "<|begin_of_text|>"
@@ -130,6 +132,33 @@ _CONFIGS = {
         "rope_theta": 10000.0,
         "attn_logit_softcapping": 50.0,
         "final_logit_softcapping": 30.0,
+    },
+    "lfm2": {  # convolution layers (an ArraysCache each) between attention layers: refused at load
+        "architectures": ["Lfm2ForCausalLM"],
+        "num_hidden_layers": 4,
+        "full_attn_idxs": [1, 3],
+        "conv_bias": False,
+        "conv_L_cache": 3,
+        "block_dim": 128,
+        "block_ff_dim": 256,
+        "block_multiple_of": 64,
+        "block_ffn_dim_multiplier": 1.0,
+        "block_auto_adjust_ff_dim": False,
+        "norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+    },
+    "gemma4_text": {  # its last layers attend over an earlier layer's keys without a cache: refused at load
+        "architectures": ["Gemma4ForCausalLM"],
+        "num_hidden_layers": 6,
+        "num_kv_shared_layers": 2,
+        "sliding_window": 64,
+        "sliding_window_pattern": 3,
+        "global_head_dim": 64,
+        "vocab_size_per_layer_input": VOCAB_SIZE,
+        "hidden_size_per_layer_input": 32,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
     },
     "gpt_oss": {
         "architectures": ["GptOssForCausalLM"],
@@ -265,15 +294,16 @@ def make_weights(config: dict, seed: int = 0, dtype: str = "float32") -> dict:
     params = dict(tree_flatten(model.parameters()))
     if config["model_type"] == "gemma3_text":
         params.pop("lm_head.weight", None)  # its sanitize ties when absent
-    gemma = config["model_type"].startswith("gemma")
+    gemma = config["model_type"] in ("gemma2", "gemma3_text")  # their RMSNorm scales by (1 + weight)
     out = {}
     for name in sorted(params):
         shape = params[name].shape
         rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
         leaf = name.rsplit(".", 1)[-1]
         if "norm" in name and leaf == "weight":
-            # gemma's RMSNorm scales by (1 + weight)
             value = np.full(shape, 0.0 if gemma else 1.0, np.float32)
+        elif leaf == "layer_scalar":  # gemma4's per-layer output scale
+            value = np.ones(shape, np.float32)
         elif leaf == "bias":
             value = np.zeros(shape, np.float32)
         elif leaf == "sinks":

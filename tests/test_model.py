@@ -55,6 +55,26 @@ def test_a_model_that_attends_in_its_own_code_is_refused_at_load(tmp_path, tiny_
         Runtime(model=tiny_model_path("gemma2"), cache_dir=tmp_path)
 
 
+def test_models_keeping_other_state_or_failing_over_the_batch_cache_are_refused_at_load(load_tiny, tiny_model_path,
+                                                                                       tmp_path):
+    """lfm2's convolution layers keep an ArraysCache, not a KV cache: its spec raised AttributeError. gemma4's last
+    layers attend over an earlier layer's packed keys without a cache (through MLX's fused attention): it loaded,
+    then failed every turn. Both are refused at load with ModelLoadError saying why, in the Runtime's caller."""
+    from runtime import Runtime
+    from runtime.model import load_model
+
+    with pytest.raises(ModelLoadError, match="lfm2 models keep other state than a KV cache .*ArraysCache"):
+        ModelCacheSpec.from_model(load_tiny("lfm2")[0], tiny_model_path("lfm2"))
+    with pytest.raises(ModelLoadError, match="lfm2 models keep other state"):
+        Runtime(model=tiny_model_path("lfm2"), cache_dir=tmp_path / "a")
+    with pytest.raises(ModelLoadError, match="gemma4_text models fail over kvactors' Q4 batch cache"):
+        load_model(tiny_model_path("gemma4_text"))
+    with pytest.raises(ModelLoadError, match="their layers handle keys and values in their own code"):
+        Runtime(model=tiny_model_path("gemma4_text"), cache_dir=tmp_path / "b")
+    for arch in ("llama", "qwen2", "gemma3_text", "gpt_oss"):  # what the engine serves passes the same checks
+        assert load_model(tiny_model_path(arch))[2].n_layers
+
+
 def test_gpt_oss_sinks_and_alternating_window(specs, tiny_model_path):
     config = json.loads((tiny_model_path("gpt_oss") / "config.json").read_text())
     spec = specs["gpt_oss"]
