@@ -129,6 +129,11 @@ class ModelCacheSpec:
             raise ModelLoadError(f"{model_id}: {kind} models keep other state than a KV cache in some layers "
                                  f"({', '.join(other)}: a recurrent, convolution or chunked state); kvactors batches, "
                                  "quantizes and stores plain and sliding-window KV caches only, so it cannot serve them")
+        layers = getattr(model, "layers", None)
+        if layers is not None and len(caches) != len(layers):
+            raise ModelLoadError(f"{model_id}: {kind} models have {len(layers)} layers but keep {len(caches)} caches "
+                                 "(layers that attend over another layer's keys keep none of their own, and attend "
+                                 "in their own code); kvactors serves models whose every layer keeps its own KV cache")
         model(mx.array([[0]]), cache=caches)
         keys, values = caches[0].state[:2]
         mx.eval(keys, values)
@@ -276,8 +281,9 @@ def load_model(model: str | Path | None = None, kv_scheme: KVScheme | None = Non
 def check_batch_forward(model, spec: ModelCacheSpec, model_id) -> None:
     """Run two tokens and a decode step of `model` over the engine's Q4 batch cache for `spec`, as the engine
     will; raise ModelLoadError, naming the failure, where the model cannot take it: layers that handle keys and
-    values in their own code (phi3small's block-sparse layers, gemma4's layers that share another layer's keys)
-    or of unequal head dims would otherwise fail every turn of every agent."""
+    values in their own code (phi3small's block-sparse layers) or of unequal head dims would otherwise fail every
+    turn of every agent. It catches failures, not wrong numbers: on CUDA the batch cache hands a prefill 16-bit keys,
+    which such a layer may read without failing (`attends_inline` and the spec's checks catch the known cases)."""
     import mlx.core as mx
 
     from runtime import attention

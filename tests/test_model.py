@@ -58,8 +58,9 @@ def test_a_model_that_attends_in_its_own_code_is_refused_at_load(tmp_path, tiny_
 def test_models_keeping_other_state_or_failing_over_the_batch_cache_are_refused_at_load(load_tiny, tiny_model_path,
                                                                                        tmp_path):
     """lfm2's convolution layers keep an ArraysCache, not a KV cache: its spec raised AttributeError. gemma4's last
-    layers attend over an earlier layer's packed keys without a cache (through MLX's fused attention): it loaded,
-    then failed every turn. Both are refused at load with ModelLoadError saying why, in the Runtime's caller."""
+    layers attend over an earlier layer's keys without a cache of their own (through MLX's fused attention, past
+    the Q4 route): it loaded, then failed every turn on CPU. Both are refused at load with ModelLoadError saying
+    why, in the Runtime's caller; what the engine serves passes the same checks."""
     from runtime import Runtime
     from runtime.model import load_model
 
@@ -67,9 +68,9 @@ def test_models_keeping_other_state_or_failing_over_the_batch_cache_are_refused_
         ModelCacheSpec.from_model(load_tiny("lfm2")[0], tiny_model_path("lfm2"))
     with pytest.raises(ModelLoadError, match="lfm2 models keep other state"):
         Runtime(model=tiny_model_path("lfm2"), cache_dir=tmp_path / "a")
-    with pytest.raises(ModelLoadError, match="gemma4_text models fail over kvactors' Q4 batch cache"):
+    with pytest.raises(ModelLoadError, match="gemma4_text models have 6 layers but keep 4 caches"):
         load_model(tiny_model_path("gemma4_text"))
-    with pytest.raises(ModelLoadError, match="their layers handle keys and values in their own code"):
+    with pytest.raises(ModelLoadError, match="every layer keeps its own KV cache"):
         Runtime(model=tiny_model_path("gemma4_text"), cache_dir=tmp_path / "b")
     for arch in ("llama", "qwen2", "gemma3_text", "gpt_oss"):  # what the engine serves passes the same checks
         assert load_model(tiny_model_path(arch))[2].n_layers
