@@ -569,3 +569,43 @@ def test_runtime_errors_are_answered_with_their_own_status_and_code():
     for error, (status, code, advice) in cases.items():
         answer = error_for(error)
         assert (answer.status, answer.code) == (status, code) and advice in answer.message
+
+
+def test_a_streamed_request_refused_before_its_first_token_gets_a_400_not_a_200_and_an_error_event(served):
+    """The stream began (200, the role chunk) before the turn was checked, so a message too long for the model came
+    back as a 200 whose stream carried an error event; the openai client saw no error status. Now the response
+    waits for the turn's first piece: a turn refused before it is answered with its own status."""
+    huge = "hello " * (served.rt.max_context + 10)
+    with pytest.raises(openai.BadRequestError) as e:
+        served.client().chat.completions.create(model="kvactors-tiny", stream=True, max_tokens=2,
+                                                messages=[{"role": "user", "content": huge}],
+                                                extra_headers={"X-Agent-Id": "streamer"})
+    assert e.value.status_code == 400 and e.value.code == "context_length_exceeded"
+    chunks = list(served.client().chat.completions.create(  # a turn that fits streams as before
+        model="kvactors-tiny", stream=True, max_tokens=3, messages=[{"role": "user", "content": "hi"}],
+        extra_headers={"X-Agent-Id": "streamer"}))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason
+
+
+def test_an_unnamed_conversation_refused_at_its_first_turn_leaves_no_agent_behind(served):
+    """An unnamed request spawns the agent its messages name (`derive_agent_id`); refused (too long for the model),
+    it left that agent running and its files on disk, one more for every such request. Refused at its first turn,
+    the conversation is forgotten; one that went on before keeps its history (the refusal undoes only itself)."""
+    huge = "hello " * (served.rt.max_context + 10)
+    for stream in (False, True):
+        messages = [{"role": "system", "content": f"alone {stream}"}, {"role": "user", "content": huge}]
+        name = derive_agent_id(None, messages[0]["content"], huge)
+        with pytest.raises(openai.BadRequestError):
+            served.client().chat.completions.create(model="kvactors-tiny", stream=stream, max_tokens=2,
+                                                    messages=messages)
+        assert name not in served.rt.running() and not served.rt.stored(name)
+    first = [SYSTEM, {"role": "user", "content": "an unnamed talk"}]
+    reply = served.client().chat.completions.create(model="kvactors-tiny", max_tokens=2, messages=first)
+    name = extra(reply)["agent"]
+    follow = first + [{"role": "assistant", "content": reply.choices[0].message.content},
+                      {"role": "user", "content": huge}]
+    with pytest.raises(openai.BadRequestError):
+        served.client().chat.completions.create(model="kvactors-tiny", max_tokens=2, messages=follow)
+    assert name in served.rt.running() and served.rt.stored(name)
+    assert [m["content"] for m in served.request("GET", f"/v1/agents/{name}")[1]["messages"]] == [
+        "an unnamed talk", reply.choices[0].message.content]

@@ -393,7 +393,8 @@ class Server:
 
         `cancel()` returning True ends the turn at its next token (see `AgentRef.send`). A turn
         refused without being recorded (`REFUSED_TURNS`) leaves the agent's conversation as it
-        was: the reset and notes the request made first are undone (a reset to the old history).
+        was: the reset and notes the request made first are undone (a reset to the old history),
+        and an unnamed conversation that the request began is forgotten (no agent, no files).
         """
         async with self.lock(name):
             ref = await self.agent(name, req.system or "")
@@ -404,12 +405,14 @@ class Server:
                 return await self._turn(ref, plan, dict(self.options(req), sender=plan.ask_sender, cancel=cancel),
                                         pieces)
             except REFUSED_TURNS:
-                if wrote:  # the request's earlier messages leave no trace either: a corrected resend is not doubled
-                    try:
+                try:
+                    if req.agent is None and not _pairs(history):  # an unnamed conversation this request began
+                        await asyncio.to_thread(self.rt.forget, name)
+                        self.forgotten(name)
+                    elif wrote:  # the request's earlier messages leave no trace either: a corrected resend is not doubled
                         await ref.reset(history)
-                    except Exception as e:  # noqa: BLE001 - the client's answer is the refusal; this is the log's
-                        log.warning("agent %s keeps the messages of a refused request: undoing them failed: %r",
-                                    name, e)
+                except Exception as e:  # noqa: BLE001 - the client's answer is the refusal; this is the log's
+                    log.warning("agent %s keeps what a refused request began: undoing it failed: %r", name, e)
                 raise
 
     @staticmethod
@@ -584,13 +587,22 @@ def routes(server: Server) -> list[Route]:
         gone = threading.Event()  # the client hung up: the turn stops at its next token
         task = server.background(server.run_chat(req, name, pieces, cancel=gone.is_set))
         task.add_done_callback(lambda _: pieces.put_nowait(None))
+        try:  # the stream begins with the turn's first piece: a turn refused or failed before it gets its own status
+            first = await pieces.get()
+        except asyncio.CancelledError:
+            gone.set()
+            raise
+        if first is None and not task.cancelled() and task.exception() is not None:
+            raise error_for(task.exception())
         cid = f"chatcmpl-{uuid.uuid4().hex}"
 
         async def events():
             try:
                 yield server.chunk(cid, created, {"role": "assistant", "content": ""})
-                while (piece := await pieces.get()) is not None:
+                piece = first
+                while piece is not None:
                     yield server.chunk(cid, created, {"content": piece})
+                    piece = await pieces.get()
             finally:
                 if not task.done():
                     gone.set()
