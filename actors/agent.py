@@ -120,9 +120,12 @@ class TurnTooLong(AgentError):
     reset=True)` deletes the agent's files first).
     """
 
-    def __init__(self, turn_id: str | None, message: str):
-        super().__init__(f"turn {turn_id}: {message}" if turn_id else message)
+    def __init__(self, turn_id: str | None, message: str, fix: str = "message", advice: str = ""):
+        super().__init__(f"turn {turn_id}: {message}{advice}" if turn_id else f"{message}{advice}")
         self.turn_id = turn_id
+        self.detail = message  # what does not fit, without the advice (an HTTP server words its own)
+        self.fix = fix  # what would make it fit: "message" (shorten it or lower max_tokens), "reset" (a shorter
+        # conversation would do) or "system" (the system prompt alone leaves no room)
 
 
 class UnknownAgent(AgentError, KeyError):
@@ -614,9 +617,9 @@ class AgentActor(SupervisedActor):
         need, limit = len(keep_ids) + len(tokens) + max_tokens, self.env.max_context
         if limit is not None and need > limit:
             self.seq = user["seq"] - 1  # the user record was never written
+            fix, advice = self._too_long_advice(msg, max_tokens, limit)
             error = TurnTooLong(turn_id, f"it needs {need} positions ({len(keep_ids)} cached + {len(tokens)} new tokens "
-                                         f"+ max_tokens {max_tokens}) but the model has {limit}; "
-                                         + self._too_long_advice(msg, max_tokens, limit))
+                                         f"+ max_tokens {max_tokens}) but the model has {limit}", fix, f"; {advice}")
             self._abandon(item, error, str(error))
             return
         turn = Turn(
@@ -666,18 +669,19 @@ class AgentActor(SupervisedActor):
         _fail(item.future, TurnTimeout(item.turn_id, f"the turn did not finish within its timeout; {where}: "
                                                      "ref.result(turn_id) says whether it committed"))
 
-    def _too_long_advice(self, msg: dict, max_tokens: int, limit: int) -> str:
-        """What to do about a turn that does not fit: a reset only helps if the system prompt and the message do."""
+    def _too_long_advice(self, msg: dict, max_tokens: int, limit: int) -> tuple[str, str]:
+        """What to do about a turn that does not fit (`TurnTooLong.fix`, then the advice in words): a reset only
+        helps if the system prompt and the message do."""
         tokenizer = self.env.tokenizer
         fresh = render_chat(tokenizer, self.system, [{"role": "user", "text": msg["text"], "sender": msg.get("sender")}])
         alone = len(chat.encode(tokenizer, fresh)) + max_tokens
         if alone <= limit:
-            return "shorten the message, lower max_tokens, or start the conversation over (ref.reset([]))"
+            return "reset", "shorten the message, lower max_tokens, or start the conversation over (ref.reset([]))"
         system = len(chat.encode_text(tokenizer, self.system))
         if system + max_tokens >= limit:
-            return (f"the system prompt alone is {system} tokens: forget the agent (rt.forget(name)) and spawn it "
-                    "with a shorter one")
-        return f"even in a fresh conversation it would need {alone}: shorten the message or lower max_tokens"
+            return "system", (f"the system prompt alone is {system} tokens: forget the agent (rt.forget(name)) and "
+                              "spawn it with a shorter one")
+        return "message", f"even in a fresh conversation it would need {alone}: shorten the message or lower max_tokens"
 
     def _reuse(self, rendered: chat.Rendered):
         """(cache, tokens to feed, cache label, kept ids, kept ends, kept text) for `rendered`.

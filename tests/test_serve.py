@@ -609,3 +609,29 @@ def test_an_unnamed_conversation_refused_at_its_first_turn_leaves_no_agent_behin
     assert name in served.rt.running() and served.rt.stored(name)
     assert [m["content"] for m in served.request("GET", f"/v1/agents/{name}")[1]["messages"]] == [
         "an unnamed talk", reply.choices[0].message.content]
+
+
+def test_a_turn_too_long_over_http_gives_advice_an_http_client_can_follow(served):
+    """TurnTooLong's message told HTTP clients to call `rt.forget(name)` or `ref.reset([])`; the server now words
+    the advice itself, by what would make the turn fit, and keeps the figures."""
+    max_tokens = 2
+    room = served.rt.max_context - max_tokens
+    cases = [  # (system prompt, message, advice expected)
+        ("You answer briefly.", "hello " * (served.rt.max_context + 10), "shorten the last message"),
+        ("word " * room, "hi", "the system prompt alone leaves no room"),
+    ]
+    for n, (system, text, advice) in enumerate(cases):
+        status, body, _ = served.request("POST", "/v1/chat/completions", {
+            "model": "kvactors-tiny", "max_tokens": max_tokens, "messages": [
+                {"role": "system", "content": system}, {"role": "user", "content": text}]},
+            {"X-Agent-Id": f"toolong{n}"})
+        message = body["error"]["message"]
+        assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
+        assert advice in message and "rt." not in message and "ref." not in message, message
+    served.request("POST", "/v1/chat/completions", {"model": "kvactors-tiny", "max_tokens": max_tokens, "messages": [
+        {"role": "user", "content": "word " * (room // 2)}]}, {"X-Agent-Id": "toolong2"})  # half the room, kept
+    status, body, _ = served.request("POST", "/v1/chat/completions", {
+        "model": "kvactors-tiny", "max_tokens": max_tokens, "messages": [
+            {"role": "user", "content": "word " * (room // 2 + 20)}]}, {"X-Agent-Id": "toolong2"})
+    assert status == 400 and "send fewer earlier messages" in body["error"]["message"], body
+    assert "positions" in body["error"]["message"] and "ref." not in body["error"]["message"]

@@ -454,7 +454,7 @@ class AgentRef:
             positions = self.runtime.max_context
             raise TurnTooLong(turn_id, f"the message has {len(text)} characters: more tokens, whatever they are, "
                                        f"than the {positions - max_tokens} positions the model has left after "
-                                       f"max_tokens {max_tokens}; shorten it")
+                                       f"max_tokens {max_tokens}", "message", "; shorten it")
         for name, fn in (("on_token", on_token), ("on_progress", on_progress), ("cancel", cancel)):
             if fn is not None and not callable(fn):
                 raise InvalidArgumentType(f"{name} must be a callable or None, got {type(fn).__name__}")

@@ -475,6 +475,16 @@ class Server:
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
+# what an HTTP client can do about a turn too long for the model, by `TurnTooLong.fix`
+_TOO_LONG_ADVICE = {
+    "message": "shorten the last message or lower max_tokens",
+    "reset": "send fewer earlier messages (the conversation is then reset to the request's), shorten the last "
+             "message, or lower max_tokens",
+    "system": "the system prompt alone leaves no room: send a shorter one (for a named agent, "
+              "DELETE /v1/agents/NAME first), or lower max_tokens",
+}
+
+
 def error_for(e: BaseException) -> ApiError:
     """The ApiError a runtime exception is answered with (never a 500 for a bad request)."""
     if isinstance(e, ApiError):
@@ -487,8 +497,8 @@ def error_for(e: BaseException) -> ApiError:
                         "system_prompt_changed")
     if isinstance(e, UnknownAgent):
         return ApiError(404, str(e), None, "agent_not_found")
-    if isinstance(e, TurnTooLong):
-        return bad(str(e), "messages", "context_length_exceeded")
+    if isinstance(e, TurnTooLong):  # its own advice speaks of Python calls
+        return bad(f"{e.detail}; {_TOO_LONG_ADVICE[e.fix]}", "messages", "context_length_exceeded")
     if isinstance(e, TurnTimeout):
         return ApiError(504, f"{e}; GET /v1/agents/NAME shows whether it committed", None, "timeout", "server_error")
     if isinstance(e, TurnNotSaved):
