@@ -39,7 +39,7 @@ from pykka import ActorDeadError, ActorRef
 
 from actors import pykka_compat
 from runtime.deadlines import wait_seconds
-from runtime.errors import InvalidArgument, InvalidArgumentType, KvactorsError
+from runtime.errors import InvalidArgument, InvalidArgumentType, KvactorsError, shown
 
 __all__ = [
     "RESTART_TYPES",
@@ -77,9 +77,9 @@ class RestartIntensity:
 
     def __init__(self, max_restarts: int = 3, period: float = 5.0) -> None:
         if max_restarts < 0:
-            raise InvalidArgument(f"max_restarts must be >= 0, got {max_restarts}")
+            raise InvalidArgument(f"max_restarts must be >= 0, got {shown(max_restarts)}")
         if not period > 0:
-            raise InvalidArgument(f"period must be > 0 seconds, got {period}")
+            raise InvalidArgument(f"period must be > 0 seconds, got {shown(period)}")
         self.max_restarts = max_restarts
         self.period = period
         self._times: deque[float] = deque()

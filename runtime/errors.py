@@ -8,7 +8,8 @@ the bad arguments. Every error type kvactors defines is importable from `runtime
 A bad argument without an error of its own raises `InvalidArgument` (a `ValueError`)
 or, for a wrong type, `InvalidArgumentType` (a `TypeError`).
 
-This module imports nothing: any module may import it without an import cycle.
+This module imports nothing: any module may import it without an import cycle. `shown` formats a bad
+argument for a message.
 """
 
 
@@ -22,3 +23,11 @@ class InvalidArgument(KvactorsError, ValueError):
 
 class InvalidArgumentType(KvactorsError, TypeError):
     """An argument of the wrong type; the message names it and the types it accepts."""
+
+
+def shown(value) -> str:
+    """`value` as an error message shows it: its repr, but an int of more than 40 digits by its digit count (Python
+    refuses to turn an int of more than 4,300 digits into text at all)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value).bit_length() > 132:
+        return f"an int of about {int(abs(value).bit_length() * 0.30103) + 1} digits"
+    return repr(value)

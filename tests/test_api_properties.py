@@ -294,3 +294,21 @@ def call(ref, how: str, text, options):
     items = list(ref.stream(text, **options))
     return items[-1], items[:-1]
 
+
+
+def test_an_int_too_long_to_print_is_refused_with_the_argument_s_own_error(tmp_path):
+    """Python refuses to turn an int of more than 4,300 digits into text, so a check that formatted the bad value
+    into its message raised that ValueError instead of naming the argument (max_tokens=10**5000, and so on)."""
+    from runtime import InvalidArgument, Runtime
+
+    huge = 10 ** 5000
+    with Runtime(model="tiny", cache_dir=tmp_path / "a") as rt:
+        agent = rt.spawn("big")
+        for name in ("max_tokens", "seed", "temperature", "top_p", "timeout"):
+            with pytest.raises(InvalidArgument, match=f"^{name} .*an int of about 5001 digits"):
+                agent.ask("hi", **{name: huge})
+        with pytest.raises(InvalidArgument, match="max_tokens must be >= 1, got an int of about 5001 digits"):
+            agent.ask("hi", max_tokens=-huge)
+    for name, value in (("max_batch", huge), ("max_restarts", -huge)):
+        with pytest.raises(InvalidArgument, match=f"{name} .*an int of about 5001 digits"):
+            Runtime(model="tiny", cache_dir=tmp_path / name, **{name: value})

@@ -635,3 +635,15 @@ def test_a_turn_too_long_over_http_gives_advice_an_http_client_can_follow(served
             {"role": "user", "content": "word " * (room // 2 + 20)}]}, {"X-Agent-Id": "toolong2"})
     assert status == 400 and "send fewer earlier messages" in body["error"]["message"], body
     assert "positions" in body["error"]["message"] and "ref." not in body["error"]["message"]
+
+
+def test_an_int_too_long_to_read_or_print_is_a_400(served):
+    """JSON ints of more than 4,300 digits are past what Python turns to or from text: the request is refused as bad
+    input (400), never a server fault; a shorter huge int is named by its digit count, not printed whole."""
+    for field in ("max_tokens", "seed", "temperature"):
+        for digits in (5000, 4200):  # past what json reads; what it reads, but no message should print whole
+            body = ('{"model": "kvactors-tiny", "messages": [{"role": "user", "content": "hi"}], "%s": %s}'
+                    % (field, "9" * digits)).encode()
+            status, reply, _ = served.request("POST", "/v1/chat/completions", body)
+            assert status == 400 and reply["error"]["type"] == "invalid_request_error", (field, reply)
+            assert len(reply["error"]["message"]) < 300, (field, digits)

@@ -39,7 +39,7 @@ from actors.supervisor import RESTART_TYPES, STRATEGIES, Backoff, ChildSpec, Sup
 from runtime import chat, store
 from runtime.deadlines import Deadlines, wait_seconds
 from runtime.engine import MAX_TOKENS, Sampling, default_hot_budget, passes_through, running, running_callback
-from runtime.errors import InvalidArgument, InvalidArgumentType, KvactorsError
+from runtime.errors import InvalidArgument, InvalidArgumentType, KvactorsError, shown
 from runtime.kvscheme import from_options as scheme_from_options
 from runtime.model import load_model
 from runtime.q4cache import ROUTES, check_route
@@ -288,7 +288,7 @@ class ReplyFuture(pykka.ThreadingFuture):
         if timeout is not None:
             _number("timeout", timeout)
             if not (_finite(timeout) and timeout >= 0):
-                raise InvalidArgument(f"timeout must be None or a finite number >= 0, got {timeout}")
+                raise InvalidArgument(f"timeout must be None or a finite number >= 0, got {shown(timeout)}")
         if running_callback() is not None and timeout != 0:  # get(timeout=0) polls: fine anywhere
             try:
                 return super().get(timeout=0)  # a reply already here is fine to read
@@ -1204,7 +1204,7 @@ def _check_options(*, memory_budget, hot_budget, durability, max_batch, route, s
         _at_least("hot_budget", hot_budget, 0, int)
     _at_least("max_batch", max_batch, 1, int)
     if max_batch > MAX_BATCH:
-        raise InvalidArgument(f"max_batch must be <= {MAX_BATCH} (rows decoded together), got {max_batch}")
+        raise InvalidArgument(f"max_batch must be <= {MAX_BATCH} (rows decoded together), got {shown(max_batch)}")
     if route is not None:
         _choice("route", route, ROUTES)
         check_route(route)  # a route that does not run here (q4kernel off CUDA): Q4CacheError, a ValueError
@@ -1215,13 +1215,14 @@ def _check_options(*, memory_budget, hot_budget, durability, max_batch, route, s
     if retention_s is not None:
         _at_least("retention_s", retention_s, 0)
         if not _finite(retention_s):
-            raise InvalidArgument(f"retention_s must be None or a finite number of seconds, got {retention_s}")
+            raise InvalidArgument(f"retention_s must be None or a finite number of seconds, got {shown(retention_s)}")
     if on_escalate is not None and not callable(on_escalate):
         raise InvalidArgumentType(f"on_escalate must be a callable or None, got {type(on_escalate).__name__}")
     _positive("io_timeout", io_timeout)
     if io_timeout < MIN_IO_TIMEOUT:
         raise InvalidArgument(f"io_timeout must be at least {MIN_IO_TIMEOUT:g} s (an agent that cannot load its files "
-                              f"within it crashes and restarts, and too many restarts stop the Runtime); got {io_timeout}")
+                              "within it crashes and restarts, and too many restarts stop the Runtime); "
+                              f"got {shown(io_timeout)}")
     if warmup is not None and not isinstance(warmup, bool):
         raise InvalidArgumentType(f"warmup must be None, True or False, got {type(warmup).__name__}")
 
@@ -1250,7 +1251,7 @@ def _choice(name: str, value, choices) -> None:
 def _at_least(name: str, value, least, kind=(int, float)) -> None:
     _number(name, value, kind)
     if not value >= least:
-        raise InvalidArgument(f"{name} must be >= {least}, got {value}")
+        raise InvalidArgument(f"{name} must be >= {least}, got {shown(value)}")
 
 
 def _agent_refs(runtime, agents, what: str) -> list:
@@ -1315,14 +1316,14 @@ def _within(what: str, timeout, wait):
 def _positive(name: str, value) -> None:
     _number(name, value)
     if not (_finite(value) and value > 0):
-        raise InvalidArgument(f"{name} must be a finite number > 0, got {value}")
+        raise InvalidArgument(f"{name} must be a finite number > 0, got {shown(value)}")
 
 
 def check_room(max_tokens: int, max_context: int | None) -> None:
     """Raise InvalidArgument if `max_tokens` leaves no position for a prompt in the model's `max_context` positions
     (None: unknown, nothing refused)."""
     if max_context is not None and max_tokens >= max_context:
-        raise InvalidArgument(f"max_tokens {max_tokens} leaves no room for a prompt in the model's {max_context} "
+        raise InvalidArgument(f"max_tokens {shown(max_tokens)} leaves no room for a prompt in the model's {max_context} "
                               "positions; lower it")
 
 
@@ -1378,17 +1379,17 @@ def check_turn_options(text, max_tokens, temperature, top_p, seed, stop, timeout
     check_unicode("text", text)
     _number("max_tokens", max_tokens, int)
     if max_tokens < 1:
-        raise InvalidArgument(f"max_tokens must be >= 1, got {max_tokens}")
+        raise InvalidArgument(f"max_tokens must be >= 1, got {shown(max_tokens)}")
     check_room(max_tokens, max_context)
     _number("temperature", temperature)
     if not (_finite(temperature) and temperature >= 0):
-        raise InvalidArgument(f"temperature must be finite and >= 0, got {temperature}")
+        raise InvalidArgument(f"temperature must be finite and >= 0, got {shown(temperature)}")
     _number("top_p", top_p)
     if not 0 < top_p <= 1:
-        raise InvalidArgument(f"top_p must be in (0, 1], got {top_p}")
+        raise InvalidArgument(f"top_p must be in (0, 1], got {shown(top_p)}")
     _number("seed", seed, int)
     if not 0 <= seed < 2**64:
-        raise InvalidArgument(f"seed must be in [0, 2**64), got {seed}")
+        raise InvalidArgument(f"seed must be in [0, 2**64), got {shown(seed)}")
     stop = (stop,) if isinstance(stop, str) else stop
     try:
         stop = tuple(stop)
@@ -1403,5 +1404,5 @@ def check_turn_options(text, max_tokens, temperature, top_p, seed, stop, timeout
     if timeout is not None:
         _number("timeout", timeout)
         if not (_finite(timeout) and timeout > 0):
-            raise InvalidArgument(f"timeout must be None or a finite number > 0, got {timeout}")
+            raise InvalidArgument(f"timeout must be None or a finite number > 0, got {shown(timeout)}")
     return stop

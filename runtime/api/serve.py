@@ -56,7 +56,7 @@ from runtime import (AgentCrashed, AgentStopped, JournalError, Reply, Runtime, R
                      SystemPromptChanged, TurnNotSaved, TurnTimeout, TurnTooLarge, TurnTooLong, UnknownAgent,
                      WaitTimeout)
 from runtime.api.facade import _number as _check_number, _positive, check_room, check_unicode
-from runtime.errors import InvalidArgument, KvactorsError
+from runtime.errors import InvalidArgument, KvactorsError, shown
 from runtime.store import InvalidAgentId, check_agent_id, conversation_prompt
 
 log = logging.getLogger(__name__)
@@ -135,7 +135,7 @@ def _number(body, name, lo, hi, default, lo_open=False):
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise bad(f"{name} must be a number, got {type(value).__name__}", name, "invalid_type")
     if not (lo < value if lo_open else lo <= value) or not value <= hi:  # NaN (which json.loads takes) fails both
-        raise bad(f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {value}", name)
+        raise bad(f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {shown(value)}", name)
     return value
 
 
@@ -146,7 +146,7 @@ def _integer(body, name, lo, hi):
     if isinstance(value, bool) or not isinstance(value, int):
         raise bad(f"{name} must be an integer, got {type(value).__name__}", name, "invalid_type")
     if not lo <= value <= hi:
-        raise bad(f"{name} must be between {lo} and {hi}, got {value}", name)
+        raise bad(f"{name} must be between {lo} and {hi}, got {shown(value)}", name)
     return value
 
 
@@ -314,7 +314,7 @@ def check_server_options(max_agents, default_max_tokens, turn_timeout) -> None:
     for name, value in (("max_agents", max_agents), ("max_tokens", default_max_tokens)):
         _check_number(name, value, int)
         if value < 1:
-            raise InvalidArgument(f"{name} must be an int >= 1, got {value!r}")
+            raise InvalidArgument(f"{name} must be an int >= 1, got {shown(value)}")
     _positive("turn_timeout", turn_timeout)
 
 
@@ -775,7 +775,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
     that does not resolve or an address in use or not allowed. IPv6 where `host` holds a colon. The server
     listens on it once it starts, so a client that connects while the model loads is refused, not kept waiting."""
     if not 0 <= port <= 65535:
-        raise InvalidArgument(f"port must be 0 to 65535, got {port}")
+        raise InvalidArgument(f"port must be 0 to 65535, got {shown(port)}")
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
