@@ -234,9 +234,10 @@ def scan_journal(data) -> JournalScan:
     kept = _rising([r["seq"] for r in records])
     damaged = _merged(damaged + [f for i, f in enumerate(frames) if i not in kept])
     records, frames = [records[i] for i in sorted(kept)], [frames[i] for i in sorted(kept)]
-    if pos < len(view) and records and frames[-1][1] == pos and _opens_a_turn(records[-1]):
+    if records and frames[-1][1] == pos and _opens_a_turn(records[-1]):
         # a turn's user and assistant records are one append, acknowledged once both are on disk: a user record
-        # just before a torn tail is the start of that append, cut short (else a retry would repeat it)
+        # last in the journal, or just before a torn tail, is the start of that append, cut short (else a retry
+        # would repeat it), whether the cut fell inside the assistant's frame or right before it
         pos = frames[-1][0]
         records, frames = records[:-1], frames[:-1]
     return JournalScan(records, frames, pos, damaged, len(view), header)

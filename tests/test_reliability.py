@@ -222,7 +222,8 @@ def test_a_cache_that_lags_its_journal_answers_as_if_nothing_had_failed(tmp_path
 def test_a_turn_torn_between_its_two_records_is_dropped_whole_and_its_retry_counts_once(tmp_path):
     """A turn's user and assistant records are one append. Torn inside the assistant's frame (a crash before the
     fsync: the turn was never acknowledged), the reader kept the user record: the history held half a turn, and
-    the documented retry with the same turn id added the message a second time and answered otherwise."""
+    the documented retry with the same turn id added the message a second time and answered otherwise. Cut
+    exactly between the two frames (no torn bytes after the user record) it was kept too."""
     system, texts = "You are Alice.", ["Plan a bake sale.", "Who bakes?"]
     with Runtime(model=None, cache_dir=tmp_path / "whole") as rt:
         alice = rt.spawn("alice", system=system)
@@ -235,18 +236,19 @@ def test_a_turn_torn_between_its_two_records_is_dropped_whole_and_its_retry_coun
         path = folder_of(rt, "alice") / store.JOURNAL_FILE
     data = path.read_bytes()
     start, stop = store.scan_journal(data).frames[-1]  # the assistant record of turn-2
-    path.write_bytes(data[: (start + stop) // 2])
-    for f in path.parent.glob("cache*"):
-        f.unlink()  # its cache never landed either
-    scan = store.scan_journal(path.read_bytes())
-    assert scan.records[-1]["role"] == "assistant" and scan.torn > (stop - start) // 2  # the user frame with it
-    with Runtime(model=None, cache_dir=tmp_path / "torn") as rt:
-        alice = rt.spawn("alice", system=system)
-        assert [r["role"] for r in alice.history()] == ["system", "user", "assistant"]
-        assert alice.result("turn-2") is None
-        again = alice.ask(texts[1], max_tokens=8, turn_id="turn-2")
-        assert [r["text"] for r in alice.history() if r["role"] == "user"] == texts
-        assert again.tokens == want.tokens
+    for cut in ((start + stop) // 2, start):  # inside the assistant's frame, and exactly before it (no torn bytes)
+        path.write_bytes(data[:cut])
+        for f in path.parent.glob("cache*"):
+            f.unlink()  # its cache never landed either
+        scan = store.scan_journal(path.read_bytes())
+        assert scan.records[-1]["role"] == "assistant" and scan.torn > (cut - start)  # the user frame with it
+        with Runtime(model=None, cache_dir=tmp_path / "torn") as rt:
+            alice = rt.spawn("alice", system=system)
+            assert [r["role"] for r in alice.history()] == ["system", "user", "assistant"]
+            assert alice.result("turn-2") is None
+            again = alice.ask(texts[1], max_tokens=8, turn_id="turn-2")
+            assert [r["text"] for r in alice.history() if r["role"] == "user"] == texts
+            assert again.tokens == want.tokens
 
 
 def test_a_journal_cut_between_records_is_noticed_and_its_seqs_are_never_used_again(tmp_path, caplog):

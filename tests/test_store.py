@@ -388,9 +388,10 @@ def test_missing_cache_is_a_cold_start(tmp_path):
 
 
 def test_journal_round_trip_and_idempotent_append(tmp_path):
-    recs = [store.journal_record(i, "user", f"msg {i} é🙂", turn_id=f"t{i}", sender="bob") for i in range(5)]
-    assert store.append_journal(tmp_path, SPEC, "a", recs[:3]) == recs[:3]
-    assert store.append_journal(tmp_path, SPEC, "a", recs[1:]) == recs[3:]  # seqs 1, 2 already there
+    recs = [store.journal_record(i, ("user", "assistant")[i % 2], f"msg {i} é🙂", turn_id=f"t{i // 2}",
+                                 sender="bob" if i % 2 == 0 else None) for i in range(6)]  # three turns
+    assert store.append_journal(tmp_path, SPEC, "a", recs[:4]) == recs[:4]
+    assert store.append_journal(tmp_path, SPEC, "a", recs[1:]) == recs[4:]  # seqs 1, 2, 3 already there
     assert store.read_journal(tmp_path, SPEC, "a") == recs
 
 
@@ -596,7 +597,7 @@ def test_a_file_with_no_record_or_of_a_newer_version_is_not_a_damaged_header(tmp
 
 
 def test_a_failed_append_leaves_the_journal_as_it_was(tmp_path, monkeypatch):
-    path, recs, _ = journal_of(tmp_path, 3)
+    path, recs, _ = journal_of(tmp_path, 4)
     before = path.read_bytes()
     real = journal._pwrite
 
@@ -607,11 +608,11 @@ def test_a_failed_append_leaves_the_journal_as_it_was(tmp_path, monkeypatch):
 
     monkeypatch.setattr(journal, "_pwrite", disk_full)
     with pytest.raises(OSError) as full:
-        store.append_journal(tmp_path, SPEC, "a", [store.journal_record(3, "user", "z" * 500)])
+        store.append_journal(tmp_path, SPEC, "a", [store.journal_record(4, "user", "z" * 500)])
     assert full.value.errno == errno.ENOSPC
     assert path.read_bytes() == before  # cut back to the last good frame
     monkeypatch.setattr(journal, "_pwrite", real)
-    later = store.journal_record(3, "user", "later")
+    later = store.journal_record(4, "user", "later")
     assert store.append_journal(tmp_path, SPEC, "a", [later]) == [later]
     assert store.read_journal(tmp_path, SPEC, "a") == recs + [later]
     assert not list(path.parent.glob("journal.torn-*"))
