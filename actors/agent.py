@@ -589,7 +589,8 @@ class AgentActor(SupervisedActor):
         if msg.get("system") is not None:
             self.system = msg["system"]
         self.check, self.conv = store.prompt_check(self.system), None  # the system record starts a conversation
-        item.records = [self._record("system", self.system)] + [
+        upto = self.seq + 1 + len(msg["records"])  # one append: the reader drops it whole if it was cut short
+        item.records = [self._record("system", self.system, upto=upto)] + [
             self._record(r["role"], r["text"], sender=r.get("sender"), **({"tokens": r["tokens"]} if "tokens" in r else {}))
             for r in msg["records"]]
         self.earlier.update(_turn_seqs(self.records))

@@ -62,13 +62,15 @@ def journal_record(
     return record
 
 
-_OPTIONAL = {"turn_id": str, "conv": int, "check": int, "tokens": list, "finish_reason": str}  # when present and set
+_OPTIONAL = {"turn_id": str, "conv": int, "check": int, "tokens": list, "finish_reason": str,
+             "upto": int}  # when present and set
 
 
 def check_record(record: dict) -> None:
     """Raise ValueError unless `record` has an int `seq`, str `role` and str `text`, and the fields the runtime
-    reads back have their types where set (`turn_id` str, `conv` and `check` int, `tokens` list,
-    `finish_reason` str). A frame whose record fails this is damage, as one whose CRC fails."""
+    reads back have their types where set (`turn_id` str, `conv`, `check` and `upto` int, `tokens` list,
+    `finish_reason` str). A frame whose record fails this is damage, as one whose CRC fails. `upto`, on the first
+    record of an append of several (a reset's system record), is the seq of the append's last record."""
     if not isinstance(record, dict):
         raise ValueError(f"a journal record is a dict, got {type(record).__name__}")
     seq, role, text = record.get("seq"), record.get("role"), record.get("text")
@@ -234,19 +236,35 @@ def scan_journal(data) -> JournalScan:
     kept = _rising([r["seq"] for r in records])
     damaged = _merged(damaged + [f for i, f in enumerate(frames) if i not in kept])
     records, frames = [records[i] for i in sorted(kept)], [frames[i] for i in sorted(kept)]
-    if records and frames[-1][1] == pos and _opens_a_turn(records[-1]):
-        # a turn's user and assistant records are one append, acknowledged once both are on disk: a user record
-        # last in the journal, or just before a torn tail, is the start of that append, cut short (else a retry
-        # would repeat it), whether the cut fell inside the assistant's frame or right before it
-        pos = frames[-1][0]
-        records, frames = records[:-1], frames[:-1]
+    cut = _unfinished_append(records, frames, pos)
+    if cut is not None:
+        # an append is acknowledged once all its records are on disk: one the journal ends inside (a turn's user
+        # record without its reply, a reset's system record without all its records), whether the cut fell inside
+        # a frame or right between two, goes with the torn tail (else a retry would repeat it, or a reset leave
+        # half a conversation)
+        pos = frames[cut][0]
+        records, frames = records[:cut], frames[:cut]
     return JournalScan(records, frames, pos, damaged, len(view), header)
 
 
-def _opens_a_turn(record: dict) -> bool:
-    """Whether `record` is a turn's user record (a note's has no turn id), which its reply's record follows in the
-    same append."""
-    return record.get("role") == "user" and record.get("turn_id") is not None
+def _unfinished_append(records: list, frames: list, pos: int) -> int | None:
+    """The index of the first record of an append that the journal's last good frames (contiguous up to `pos`)
+    start but do not finish, or None."""
+    last = records[-1]["seq"] if records else None
+    i = len(records) - 1
+    while i >= 0 and frames[i][1] == (pos if i == len(records) - 1 else frames[i + 1][0]):
+        if _append_reaches(records[i]) > last:
+            return i
+        i -= 1
+    return None
+
+
+def _append_reaches(record: dict) -> int:
+    """The seq of the last record of the append `record` belongs to, as far as `record` says: `upto` where set; a
+    turn's user record (a note's has no turn id) is followed by its reply's in the same append."""
+    if record.get("upto") is not None:
+        return record["upto"]
+    return record["seq"] + (record.get("role") == "user" and record.get("turn_id") is not None)
 
 
 def _rising(seqs: list) -> set:

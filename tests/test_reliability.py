@@ -651,3 +651,32 @@ def test_an_agent_whose_journal_is_unreadable_at_start_is_reported_and_the_other
         assert any(starts), "no round met an unreadable journal"
     else:
         assert any("permission: not run" in n for n in report.notes)
+
+
+def test_a_reset_cut_short_on_disk_is_dropped_whole(tmp_path):
+    """A reset is one append (its system record, then the new conversation's records), acknowledged once all are
+    on disk. Cut short by a crash (inside a frame, or between two), the reader kept what had landed: after the
+    restart the agent held part of the new conversation, which was never acknowledged. The reset is dropped
+    whole and the conversation before it stands."""
+    system = "You are Alice."
+    new = [{"role": "user", "text": f"line {i}", "sender": None} for i in range(3)]
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        alice = rt.spawn("alice", system=system)
+        alice.ask("Plan a bake sale.", max_tokens=6)
+        before = alice.history()
+        alice.reset(new, system="You are Alice, renamed.").get()
+        path = folder_of(rt, "alice") / store.JOURNAL_FILE
+    data = path.read_bytes()
+    frames = store.scan_journal(data).frames
+    first = len(before)  # the reset's system record, then its three records
+    cuts = [frames[first][1], frames[first + 1][1], (frames[-1][0] + frames[-1][1]) // 2, frames[-1][0]]
+    for cut in cuts:
+        path.write_bytes(data[:cut])
+        for f in path.parent.glob("cache*"):
+            f.unlink()
+        with Runtime(model=None, cache_dir=tmp_path) as rt:
+            alice = rt.spawn("alice")
+            assert [(r["role"], r["text"]) for r in alice.history()] == [(r["role"], r["text"]) for r in before], cut
+    path.write_bytes(data)
+    with Runtime(model=None, cache_dir=tmp_path) as rt:  # whole, it stands
+        assert [r["text"] for r in rt.spawn("alice").history()] == ["You are Alice, renamed."] + [r["text"] for r in new]
