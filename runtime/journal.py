@@ -201,8 +201,12 @@ def _past_damaged_header(view: memoryview) -> int:
     return pos
 
 
-def scan_journal(data) -> JournalScan:
+def scan_journal(data, acknowledged: int | None = None) -> JournalScan:
     """Decode journal bytes, resynchronising on the length+CRC frames past damaged bytes.
+
+    An append that the journal's last good frames start but do not finish (`_unfinished_append`) goes with the
+    torn tail, unless `acknowledged` (the journal's high-water mark, `high_seq`) says it was acknowledged: then
+    its records that landed stay, and the mark reports the rest as lost.
 
     A damaged frame followed by good ones is mid-file damage: the good ones are kept
     and the span is reported in `damaged`; a damaged or incomplete frame with no good
@@ -236,7 +240,7 @@ def scan_journal(data) -> JournalScan:
     kept = _rising([r["seq"] for r in records])
     damaged = _merged(damaged + [f for i, f in enumerate(frames) if i not in kept])
     records, frames = [records[i] for i in sorted(kept)], [frames[i] for i in sorted(kept)]
-    cut = _unfinished_append(records, frames, pos)
+    cut = _unfinished_append(records, frames, pos, -1 if acknowledged is None else acknowledged)
     if cut is not None:
         # an append is acknowledged once all its records are on disk: one the journal ends inside (a turn's user
         # record without its reply, a reset's system record without all its records), whether the cut fell inside
@@ -247,14 +251,15 @@ def scan_journal(data) -> JournalScan:
     return JournalScan(records, frames, pos, damaged, len(view), header)
 
 
-def _unfinished_append(records: list, frames: list, pos: int) -> int | None:
+def _unfinished_append(records: list, frames: list, pos: int, acknowledged: int) -> int | None:
     """The index of the first record of an append that the journal's last good frames (contiguous up to `pos`)
-    start but do not finish, or None."""
+    start but do not finish and that was not acknowledged (its last seq past `acknowledged`), or None."""
     last = records[-1]["seq"] if records else None
     i = len(records) - 1
     while i >= 0 and frames[i][1] == (pos if i == len(records) - 1 else frames[i + 1][0]):
-        if _append_reaches(records[i]) > last:
-            return i
+        reach = _append_reaches(records[i])
+        if reach > last:
+            return i if reach > acknowledged else None
         i -= 1
     return None
 
@@ -342,7 +347,7 @@ def read_journal(cache_dir, spec, agent: str) -> list:
     folder = agent_dir(cache_dir, spec.fingerprint, agent)
     refuse_links(folder)
     data = read_journal_bytes(folder / JOURNAL_FILE)
-    return [] if data is None else scan_journal(data).records
+    return [] if data is None else scan_journal(data, high_seq(folder)).records
 
 
 def current_conversation(records) -> list:
@@ -520,7 +525,7 @@ def open_journal(folder: Path) -> tuple[JournalScan | None, int]:
     if data is None:
         write_atomic(path, JOURNAL_MAGIC)
         return None, len(JOURNAL_MAGIC)
-    scan = scan_journal(data)
+    scan = scan_journal(data, high_seq(folder))
     if scan.needs_repair:
         repair_journal(path, scan)
     return scan, len(JOURNAL_MAGIC) + sum(b - a for a, b in scan.frames)

@@ -107,7 +107,7 @@ def stored_agent(folder: Path) -> StoredAgent:
     cache = stat.S_ISREG(_mode(folder / CACHE_FILE) or 0)  # a regular file: a link is not followed
     try:
         data = read_journal_bytes(folder / JOURNAL_FILE)
-        records = [] if data is None else scan_journal(data).records
+        records = [] if data is None else scan_journal(data, high_seq(folder)).records
     except (JournalError, OSError):  # another format, a newer version, unreadable
         return StoredAgent(folder.name, None, None, 0, cache)
     history = current_conversation(records)
@@ -371,7 +371,7 @@ def _journal_health(folder: Path) -> tuple[list | None, list[str]]:
                       "the agent cannot start: put the file itself in its place"]
     try:
         data = read_journal_bytes(path)
-        scan = scan_journal(b"" if data is None else data)
+        scan = scan_journal(b"" if data is None else data, high_seq(path.parent))
     except JournalError as e:  # not a file, no permission, another format or a newer version: it says what to do
         return None, [f"journal unreadable: {e}"]
     notes = []

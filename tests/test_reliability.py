@@ -236,11 +236,13 @@ def test_a_turn_torn_between_its_two_records_is_dropped_whole_and_its_retry_coun
         path = folder_of(rt, "alice") / store.JOURNAL_FILE
     data = path.read_bytes()
     start, stop = store.scan_journal(data).frames[-1]  # the assistant record of turn-2
+    before = store.scan_journal(data).records[-3]["seq"]  # the last seq of the append before turn-2's
     for cut in ((start + stop) // 2, start):  # inside the assistant's frame, and exactly before it (no torn bytes)
         path.write_bytes(data[:cut])
+        store.record_high_seq(path.parent, before)  # a crash inside the append: its mark was never written
         for f in path.parent.glob("cache*"):
             f.unlink()  # its cache never landed either
-        scan = store.scan_journal(path.read_bytes())
+        scan = store.scan_journal(path.read_bytes(), before)
         assert scan.records[-1]["role"] == "assistant" and scan.torn > (cut - start)  # the user frame with it
         with Runtime(model=None, cache_dir=tmp_path / "torn") as rt:
             alice = rt.spawn("alice", system=system)
@@ -672,11 +674,13 @@ def test_a_reset_cut_short_on_disk_is_dropped_whole(tmp_path):
     cuts = [frames[first][1], frames[first + 1][1], (frames[-1][0] + frames[-1][1]) // 2, frames[-1][0]]
     for cut in cuts:
         path.write_bytes(data[:cut])
+        store.record_high_seq(path.parent, before[-1]["seq"])  # a crash inside the append: its mark was never written
         for f in path.parent.glob("cache*"):
             f.unlink()
         with Runtime(model=None, cache_dir=tmp_path) as rt:
             alice = rt.spawn("alice")
             assert [(r["role"], r["text"]) for r in alice.history()] == [(r["role"], r["text"]) for r in before], cut
     path.write_bytes(data)
+    store.record_high_seq(path.parent, store.scan_journal(data).records[-1]["seq"])
     with Runtime(model=None, cache_dir=tmp_path) as rt:  # whole, it stands
         assert [r["text"] for r in rt.spawn("alice").history()] == ["You are Alice, renamed."] + [r["text"] for r in new]

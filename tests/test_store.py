@@ -1264,3 +1264,18 @@ def test_case_twin_keys_its_listings_by_folder_and_lists_again_after_a_while(tmp
         os.utime(tmp_path / f"m{i}", ns=(old, old))
         store.case_twin(tmp_path, f"m{i}", "x")
     assert len(store._listings) == store.LISTINGS
+
+
+def test_an_append_the_journal_ends_inside_goes_unless_the_mark_says_it_was_acknowledged(tmp_path):
+    """A turn's user record last in the journal (the cut right after it, or inside its reply's frame) is what is
+    left of an append a crash cut short, which was never acknowledged: it goes with the torn tail. Where the
+    high-water mark covers the append, it was acknowledged and lost afterwards: what landed stays, and the mark
+    reports the rest as lost."""
+    path, recs, frames = journal_of(tmp_path, 6)  # three turns, seqs 0-5
+    data = path.read_bytes()
+    for cut in (frames[-1][0], (frames[-1][0] + frames[-1][1]) // 2):
+        assert store.scan_journal(data[:cut]).records == recs[:4]  # nothing acknowledged said: it goes
+        assert store.scan_journal(data[:cut], 3).records == recs[:4]  # the mark before the append: it goes
+        kept = store.scan_journal(data[:cut], 5)
+        assert kept.records == recs[:5] and kept.end == frames[-1][0]  # acknowledged: the user record stays
+    assert store.scan_journal(data, 3).records == recs  # a whole append stays, whatever the mark
