@@ -354,11 +354,12 @@ class Ledger:
 
 
 def read_records(folder: Path | None) -> list:
-    """The records of the journal in agent folder `folder` that check ([] if there is none)."""
+    """The records of the journal in agent folder `folder` that check, read as the runtime reads them (its
+    high-water mark says which appends were acknowledged) ([] if there is none)."""
     if folder is None:
         return []
     data = store.read_journal_bytes(folder / JOURNAL_FILE)
-    return [] if data is None else store.scan_journal(data).records
+    return [] if data is None else store.scan_journal(data, store.high_seq(folder)).records
 
 
 # -- attacks while the child is down --------------------------------------------------------
