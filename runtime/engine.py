@@ -9,8 +9,8 @@ decoding row waits at most one chunk, and prefilling rows take turns chunk by
 chunk: a short prompt never waits behind a long one's whole prefill), then joins the decode batch
 (`extend`). A row that ends hands over its cache at once (`extract`) but stays in the
 batch, finished, until the batch changes anyway (a join), until finished rows outnumber
-the decoding ones (unless those end within SHORT_TAIL steps: the batch's last rows then
-ride along to its end), or until the budget needs its room (`_drop_finished`): each filter of the
+the decoding ones (unless, on CUDA, those end within SHORT_TAIL steps: the batch's last
+rows then ride along to its end), or until the budget needs its room (`_drop_finished`): each filter of the
 batch copies every buffer and gives the next step a new shape, which MLX-CUDA pays for
 on the host. Turns whose whole
 prompt fits one chunk (an agent's next message) share that chunk when several
@@ -58,9 +58,10 @@ BLOCK = STEP  # the memory budget's unit is the cache buffers' growth step: a re
 
 MAX_TOKENS = 128  # tokens a turn generates at most unless its caller says otherwise
 # Steps within which every decoding row ends for sure (its max_tokens) for finished rows to ride along to the batch's
-# end rather than be filtered out: a filter copies every buffer and gives the next step a new shape (on an H200 a
-# step after one took 13.5 ms against 7.7 for a plain step), while a step carrying finished rows costs the host no
-# more than one without them (see _accept)
+# end rather than be filtered out, on CUDA (`Engine.short_tail`): there a filter copies every buffer and gives the
+# next step a new shape (on an H200 a step after one took 13.5 ms against 7.7 for a plain step), while a step
+# carrying finished rows costs the host no more than one without them. On CPU the rows' compute is the cost: the
+# tiny model's workload decoded 0.19 s (20%) slower with them riding along, so there they are filtered as before.
 SHORT_TAIL = 16
 
 
@@ -294,6 +295,7 @@ class Engine:
         self.max_batch = max_batch
         self.max_prefill_chunk = max_prefill_chunk
         self.query_bucket = query_bucket or default_query_bucket()
+        self.short_tail = SHORT_TAIL if on_cuda() else 0  # see SHORT_TAIL
         self.waiting: collections.deque[_Row] = collections.deque()
         self.prefilling: list[_Row] = []
         self._rows: list[_Row] = []  # the batch's rows in its order: decoding ones and finished ones not yet dropped
@@ -386,7 +388,7 @@ class Engine:
         Prefills one chunk of each bucketed length up to `max_prefill_chunk`, then one
         chunk after a cache (a hot turn), then decodes `max_batch` turns of up to 32 query
         buckets (2048 tokens on CUDA), one bucket fewer each so that each joins on its own,
-        that all join the batch before the first ends, the last going on alone past SHORT_TAIL
+        that all join the batch before the first ends, the last going on alone past `short_tail`
         steps (so the others are filtered out down to it), so every batch size from 1 to
         `max_batch` runs, at a context as long as a user's. On CUDA this pays MLX's
         per-shape kernel builds and the first-use compiles of our kernels (tens of seconds
@@ -416,9 +418,9 @@ class Engine:
             progress(total - 1, total, f"prefill {n} tokens after a cache")
         n = min(self.max_prefill_chunk, self.query_bucket * 32)
         long = [(ids * n)[: max(1, n - i * self.query_bucket)] for i in range(self.max_batch)]  # no chunk shared
-        last = self.max_batch - 1  # goes on past SHORT_TAIL alone, so that the others are filtered out down to it
+        last = self.max_batch - 1  # goes on past short_tail alone, so that the others are filtered out down to it
         self._serve([Turn(f"warmup-d{i}", "warmup", None, long[i],
-                          max_tokens=2 * self.max_batch + 2 * i + (SHORT_TAIL + 2) * (i == last))
+                          max_tokens=2 * self.max_batch + 2 * i + (self.short_tail + 2) * (i == last))
                      for i in range(self.max_batch)])
         if progress:
             progress(total, total, f"decode at batch 1..{self.max_batch}")
@@ -747,7 +749,7 @@ class Engine:
         live = self.decoding
         if not live:
             self._rows, self.batch, self._next = [], None, None
-        elif len(self._rows) - len(live) > len(live) and _steps_left(live) > SHORT_TAIL:
+        elif len(self._rows) - len(live) > len(live) and _steps_left(live) > self.short_tail:
             self._drop_finished()
         return results
 
@@ -757,7 +759,7 @@ class Engine:
 
         A finished row stays in the batch (each step computes it and ignores its token)
         until the batch changes shape anyway (a join), until finished rows outnumber
-        decoding ones that may still take more than SHORT_TAIL steps, or until the budget
+        decoding ones that may still take more than `short_tail` steps, or until the budget
         needs their room (`_admit`): a filter copies every buffer and the next step has a
         new shape, which on MLX-CUDA costs the host more than a step's work for a few rows more.
         """

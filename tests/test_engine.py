@@ -160,12 +160,14 @@ def test_finished_rows_stay_in_the_batch_until_they_outnumber_the_decoding_ones(
 
 def test_finished_rows_ride_along_to_the_end_when_the_rest_end_within_a_short_tail(llama):
     """Once finished rows outnumber the decoding ones, they are still not filtered out if every decoding row
-    ends within SHORT_TAIL steps (its max_tokens): the batch keeps its shape to its end, with no filter at all.
-    Every row's tokens and cache equal solo."""
+    ends within `short_tail` steps (its max_tokens; SHORT_TAIL on CUDA, 0 on CPU, where the rows' compute costs
+    more than a filter): the batch keeps its shape to its end, with no filter at all. Every row's tokens and cache
+    equal solo."""
     from runtime.engine import SHORT_TAIL
 
     model, tokenizer, spec, opts = llama
     engine = Engine(model, tokenizer, spec, **opts)
+    engine.short_tail = SHORT_TAIL  # as on CUDA
     prompt = encode(tokenizer, "four rows decode together " * 3)
     last = 12 + SHORT_TAIL // 2  # the last row ends within SHORT_TAIL steps of the third, however the rows joined
     turns = [Turn(f"t{i}", f"t{i}", None, prompt, max_tokens=n) for i, n in enumerate((6, 9, 12, last))]
