@@ -49,7 +49,9 @@ stays on disk until an append passes it is noted as reported
 `Loaded.last_seq` then keeps new seqs above every seq on disk. Each append raises
 the high-water mark (`store.record_high_seq`) after it lands, before the ack: no
 acknowledged seq is ever used again, and a crash between the two never leaves a mark
-past the journal.
+past the journal. Records such a crash left past the mark are covered by it when the
+journal is next opened: from then on they are history (a retry of their turn is
+answered from them), and a later loss of them is reported.
 """
 
 from __future__ import annotations
@@ -392,6 +394,7 @@ class PersistenceActor(SupervisedActor):
     async def _open(self, agent: str, folder) -> store.JournalScan | None:
         """First use of `agent` in this actor: folders, leftovers, journal repair, seqs on disk; says what was lost.
 
+        The high-water mark is made, or raised to cover every seq on disk (records a kill left past it included).
         The first also records which model the fingerprint folder belongs to (`store.record_model`).
         """
         scan, end = await _io(store.open_journal)(folder)
@@ -413,7 +416,11 @@ class PersistenceActor(SupervisedActor):
             log.error("agent %s: %s", agent, store.lost_records(scan is None, cache_seq, last, mark))
         self._journal_seq[agent], self._journal_end[agent], self._cache_seq[agent] = last, end, cache_seq
         self._high[agent] = max(last, mark)
-        if high is None:  # made now, while nothing waits on it: each append then rewrites it in place, needing no space
+        if high is None or high < self._high[agent]:
+            # made now, while nothing waits on it: each append then rewrites it in place, needing no space. Raised
+            # over records a kill between an append and its mark left past it: they are the agent's history from now
+            # on (a retry of their turn is answered from them), so a later cut of them is a loss to report, not a
+            # torn append to drop unsaid (`store.scan_journal`)
             await self._record_high(agent, folder, self._high[agent])
         if lost:
             try:

@@ -253,6 +253,33 @@ def test_a_turn_torn_between_its_two_records_is_dropped_whole_and_its_retry_coun
             assert again.tokens == want.tokens
 
 
+def test_a_turn_a_kill_left_past_the_mark_is_covered_by_it_from_the_restart_on(tmp_path, caplog):
+    """A SIGKILL between a turn's append and its high-water mark leaves the whole turn in the journal, past the mark.
+    The restarted agent takes it as history and answers the turn's retry from it, which acknowledges it; but the mark
+    stayed below it until the next append, so a tail cut before then (the loss the mark is there to tell) dropped the
+    turn's user record as what was left of an unacknowledged append, and nothing was reported lost. The restart
+    raises the mark over the records it keeps."""
+    texts = ["Plan a bake sale.", "Who bakes?"]
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        alice = rt.spawn("alice", system="You are Alice.")
+        alice.ask(texts[0], max_tokens=6)
+        before = alice.history()[-1]["seq"]
+        want = alice.ask(texts[1], max_tokens=6, turn_id="turn-2")
+        path = folder_of(rt, "alice") / store.JOURNAL_FILE
+    store.record_high_seq(path.parent, before)  # killed between the append and its mark
+    for f in path.parent.glob("cache*"):
+        f.unlink()  # the cache is written after the ack: it never landed either
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        assert rt.spawn("alice").result("turn-2").text == want.text  # the retry is answered from the journal
+    data = path.read_bytes()
+    path.write_bytes(data[: store.scan_journal(data).frames[-1][0]])  # the tail cut right before the reply's frame
+    caplog.set_level(logging.ERROR)
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        alice = rt.spawn("alice")
+        assert [r["text"] for r in alice.history() if r["role"] == "user"] == texts
+        assert "tail was cut off" in caplog.text and f"up to seq {before + 2}" in caplog.text
+
+
 def test_a_journal_cut_between_records_is_noticed_and_its_seqs_are_never_used_again(tmp_path, caplog):
     with Runtime(model=None, cache_dir=tmp_path) as rt:
         alice = rt.spawn("alice", system="You are Alice.")
