@@ -280,6 +280,31 @@ def test_a_turn_a_kill_left_past_the_mark_is_covered_by_it_from_the_restart_on(t
         assert "tail was cut off" in caplog.text and f"up to seq {before + 2}" in caplog.text
 
 
+def test_an_acknowledged_turn_whose_reply_is_damaged_last_in_the_journal_keeps_its_message_and_the_loss_is_said(
+        tmp_path, caplog):
+    """Damage in place to the last frame of the journal (its bytes all there, its CRC wrong) reads as a torn tail.
+    When it is an acknowledged turn's reply (the high-water mark covers it), the turn's intact user record is no
+    remains of a torn append: it stays, and the lost reply is reported, not dropped unsaid with its message."""
+    texts = ["Plan a bake sale.", "Who bakes?"]
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        alice = rt.spawn("alice", system="You are Alice.")
+        for t in texts:
+            alice.ask(t, max_tokens=6)
+        path = folder_of(rt, "alice") / store.JOURNAL_FILE
+    data = bytearray(path.read_bytes())
+    last = store.scan_journal(bytes(data)).records[-1]["seq"]
+    data[-3] ^= 0xFF  # inside the reply's text: same length, wrong CRC
+    path.write_bytes(bytes(data))
+    for f in path.parent.glob("cache*"):
+        f.unlink()  # the mark alone tells what was written
+    caplog.set_level(logging.ERROR)
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        alice = rt.spawn("alice")
+        assert [r["text"] for r in alice.history() if r["role"] == "user"] == texts
+        assert "tail was cut off" in caplog.text and f"up to seq {last}" in caplog.text
+    assert len(list(path.parent.glob("journal.torn-*"))) == 1  # the damaged frame, kept aside
+
+
 def test_a_journal_cut_between_records_is_noticed_and_its_seqs_are_never_used_again(tmp_path, caplog):
     with Runtime(model=None, cache_dir=tmp_path) as rt:
         alice = rt.spawn("alice", system="You are Alice.")
