@@ -23,6 +23,8 @@ routes, and prefill under "q4kernel") it picks the kernel by query length:
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -60,6 +62,40 @@ def install() -> None:
 def installed() -> bool:
     """Whether `install` has run in this process."""
     return mlx_base.quantized_scaled_dot_product_attention is sdpa
+
+
+@contextlib.contextmanager
+def watching(caches):
+    """Record, while the block runs, which of `caches` (mlx-lm caches without `bits`, one per layer) a layer
+    hands to mlx-lm's `scaled_dot_product_attention`; yields the set of their indices, filled as it happens.
+
+    mlx-lm's function routes by hasattr(cache, "bits"), the same question that sends a batch cache's attention
+    to `sdpa`: a layer whose cache is asked attends through it, one that never asks computes attention in its
+    own code and would read the batch cache's packed keys and masks itself. The caches behave as before (they
+    still have no `bits`, so the attention runs as it would); they get their own type back afterwards.
+    """
+    seen: set[int] = set()
+    kept = [(c, type(c)) for c in caches]
+    try:
+        for i, (c, cls) in enumerate(kept):
+            c._kvactors_asked = functools.partial(seen.add, i)
+            c.__class__ = _watched(cls)
+        yield seen
+    finally:
+        for c, cls in kept:
+            c.__class__ = cls
+            c.__dict__.pop("_kvactors_asked", None)
+
+
+@functools.cache
+def _watched(cls: type) -> type:
+    """`cls` with a `bits` that records the question (`watching`) and answers as `cls` does."""
+    def bits(self):
+        self._kvactors_asked()
+        return super(watched, self).bits  # AttributeError where `cls` has none
+
+    watched = type(f"Watched{cls.__name__}", (cls,), {"bits": property(bits), "__module__": __name__})
+    return watched
 
 
 def sdpa(queries, keys, values, scale, mask, group_size: int = 64, bits: int | KVScheme = 4):

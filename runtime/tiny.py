@@ -4,7 +4,8 @@
 ``mlx_lm.load`` accepts with no network:
 
 - ``config.json`` for one of the architectures of ``ARCHS`` (gemma2, which
-  attends in its own code, lfm2, whose convolution layers keep no KV cache, and
+  attends in its own code, phi3small, whose block-sparse layers do while its
+  dense layers do not, lfm2, whose convolution layers keep no KV cache, and
   gemma4_text, whose last layers attend over an earlier layer's keys in their
   own code, only to test that the runtime refuses them),
 - ``model.safetensors`` with random weights, deterministic for a seed, named as
@@ -56,7 +57,7 @@ __all__ = [
     "tokenizer_corpus",
 ]
 
-ARCHS = ("llama", "qwen2", "gemma3_text", "gpt_oss", "gemma2", "lfm2", "gemma4_text")
+ARCHS = ("llama", "qwen2", "gemma3_text", "gpt_oss", "gemma2", "lfm2", "gemma4_text", "phi3small")
 
 VOCAB_SIZE = 2048
 BOS = "<|begin_of_text|>"
@@ -159,6 +160,17 @@ _CONFIGS = {
         "hidden_size_per_layer_input": 32,
         "rms_norm_eps": 1e-6,
         "tie_word_embeddings": True,
+    },
+    "phi3small": {  # layer 0 block-sparse, attending in its own code; layer 1 dense: refused at load
+        "architectures": ["Phi3SmallForCausalLM"],
+        "num_hidden_layers": 2,
+        "dense_attention_every_n_layers": 2,  # layers i % 2 == 0 are block-sparse
+        "ff_intermediate_size": 256,
+        "gegelu_limit": 20.0,
+        "layer_norm_epsilon": 1e-5,
+        "blocksparse_num_local_blocks": 2,
+        "blocksparse_vert_stride": 2,
+        "vocab_size": 100352,  # its logits mask ids 100256-100351 whatever the vocabulary
     },
     "gpt_oss": {
         "architectures": ["GptOssForCausalLM"],

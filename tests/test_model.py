@@ -7,6 +7,7 @@ import pytest
 
 from runtime.kvscheme import KVSchemeError, default_scheme, parse
 from runtime.model import ModelCacheSpec, ModelLoadError, fingerprint, load_model
+from runtime.qgemv import available as on_cuda
 from runtime.tiny import tiny_llama_path, make_tiny_model
 
 
@@ -44,15 +45,37 @@ def test_gemma3_pattern_of_sliding_and_full_layers(specs, tiny_model_path):
 def test_a_model_that_attends_in_its_own_code_is_refused_at_load(tmp_path, tiny_model_path, load_tiny):
     """gemma2 computes its soft-capped attention inline: handed the packed cache it crashed on every turn (and
     read rotated keys as plain ones on the dequantizing routes); it is refused when loaded, saying why."""
-    from runtime import Runtime
-    from runtime.model import attends_inline
+    from mlx_lm.models.cache import make_prompt_cache
 
-    assert attends_inline(load_tiny("gemma2")[0])
-    assert not any(attends_inline(load_tiny(arch)[0]) for arch in ("llama", "qwen2", "gemma3_text", "gpt_oss"))
+    from runtime import Runtime
+    from runtime.model import layers_attending_inline
+
+    def inline(arch):
+        model = load_tiny(arch)[0]
+        return layers_attending_inline(model, make_prompt_cache(model))
+
+    assert inline("gemma2") == [0, 1]
+    assert not any(inline(arch) for arch in ("llama", "qwen2", "gemma3_text", "gpt_oss"))
     with pytest.raises(ModelLoadError, match="gemma2 models do not attend through mlx-lm's scaled_dot_product"):
         ModelCacheSpec.from_model(load_tiny("gemma2")[0], tiny_model_path("gemma2"))
     with pytest.raises(ModelLoadError, match="compute attention in their own code"):
         Runtime(model=tiny_model_path("gemma2"), cache_dir=tmp_path)
+
+
+@pytest.mark.parametrize("route", ["dequant_once", "dequant"] + ([] if on_cuda() else ["quantized"]))
+def test_a_model_attending_in_its_own_code_in_some_layers_is_refused_on_every_route(route, tmp_path, tiny_model_path,
+                                                                                    monkeypatch):
+    """phi3small's block-sparse layers (layer 0 here) compute attention in their own code while its dense layers
+    call mlx-lm's scaled_dot_product_attention, so a look at the modules' imports passed it, and the probe forward
+    at load failed only on the route that hands attention packed keys. On the dequantizing routes (what CUDA's
+    prefill gets) it loaded, then every turn crashed in the batcher. Each layer's attention is now watched:
+    it is refused at load on every route, in the Runtime's caller, naming the layer."""
+    from runtime import Runtime
+
+    monkeypatch.setenv("KVACTORS_Q4_ROUTE", route)
+    with pytest.raises(ModelLoadError, match=r"phi3small models do not attend through mlx-lm's "
+                                             r"scaled_dot_product_attention in layer 0 \(of 2\): those layers"):
+        Runtime(model=tiny_model_path("phi3small"), cache_dir=tmp_path)
 
 
 def test_models_keeping_other_state_or_failing_over_the_batch_cache_are_refused_at_load(load_tiny, tiny_model_path,
@@ -74,6 +97,21 @@ def test_models_keeping_other_state_or_failing_over_the_batch_cache_are_refused_
         Runtime(model=tiny_model_path("gemma4_text"), cache_dir=tmp_path / "b")
     for arch in ("llama", "qwen2", "gemma3_text", "gpt_oss"):  # what the engine serves passes the same checks
         assert load_model(tiny_model_path(arch))[2].n_layers
+
+
+def test_a_model_whose_forward_fails_here_is_refused_at_load(tmp_path, tiny_model_path, monkeypatch):
+    """bitnet's layers run a Metal kernel: on another device its first forward pass raised RuntimeError out of
+    the Runtime's constructor, not ModelLoadError (a model's own code failing here, as that kernel does)."""
+    from mlx_lm.models import llama
+
+    from runtime import Runtime
+
+    def no_kernel(self, *args, **kwargs):
+        raise RuntimeError("[metal_kernel] No Metal back-end.")
+
+    monkeypatch.setattr(llama.Model, "__call__", no_kernel)
+    with pytest.raises(ModelLoadError, match=r"llama models fail a forward pass here \(RuntimeError: \[metal_kernel\]"):
+        Runtime(model=tiny_model_path("llama"), cache_dir=tmp_path)
 
 
 def test_gpt_oss_sinks_and_alternating_window(specs, tiny_model_path):

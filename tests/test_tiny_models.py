@@ -15,6 +15,7 @@ from runtime.tiny import (
     ARCHS,
     COMPLETE_MARKER,
     NON_COMPOSITIONAL,
+    VOCAB_SIZE,
     tiny_llama_path,
     make_tiny_model,
 )
@@ -54,6 +55,7 @@ def test_arch_loads_and_generates_deterministically(arch, load_tiny):
     assert first  # generated something
     logits = model(mx.array([ids]))
     assert logits.shape == (1, len(ids), model.args.vocab_size)
+    logits = logits[..., :VOCAB_SIZE]  # phi3small's logits mask ids past the tiny vocabulary (-inf)
     assert mx.all(mx.isfinite(logits)).item()
     assert mx.std(logits[0, -1]).item() > 1e-3  # not degenerate
 
