@@ -300,27 +300,32 @@ def load_model(model: str | Path | None = None, kv_scheme: KVScheme | None = Non
 
 
 def check_batch_forward(model, spec: ModelCacheSpec, model_id) -> None:
-    """Run two tokens and a decode step of `model` over the engine's Q4 batch cache for `spec`, as the engine
-    will; raise ModelLoadError, naming the failure, where the model cannot take it (layers that handle keys and
-    values in their own code, or of unequal head dims), which would otherwise fail every turn of every agent. It
-    catches failures, not wrong numbers, and only on this machine's route: the layers that compute attention in
-    their own code are found by `layers_attending_inline`, whatever the route hands them."""
+    """Serve two agents of `model` as the engine will: prefill each over its own Q4 batch cache for `spec` (two
+    tokens and three), join them into one batch of rows of unequal lengths, and run a decode step over both;
+    raise ModelLoadError, naming the failure, where the model cannot take it: code that handles keys and values
+    itself, or that takes the batch's positions for one number (gpt_bigcode's learned positions: it served one
+    agent and failed every step of a batch of two), would otherwise fail every turn of every agent. It catches
+    failures, not wrong numbers, and only on this machine's route: the layers that compute attention in their own
+    code are found by `layers_attending_inline`, whatever the route hands them."""
     import mlx.core as mx
 
     from runtime import attention
-    from runtime.q4cache import make_batch_cache
+    from runtime.q4cache import extend_cache, merge_caches
 
     attention.install()  # as the engine does: the model's attention over batch caches
-    cache = make_batch_cache(spec, 1)
     try:
-        mx.eval(model(mx.array([[0, 1]]), cache=cache))
-        mx.eval(model(mx.array([[2]]), cache=cache))
+        batch = merge_caches(spec, [None])
+        mx.eval(model(mx.array([[0, 1]]), cache=batch))
+        other = merge_caches(spec, [None])
+        mx.eval(model(mx.array([[2, 3, 4]]), cache=other))
+        extend_cache(batch, other)
+        mx.eval(model(mx.array([[5], [6]]), cache=batch))
     except MemoryError:
         raise
-    except Exception as e:  # noqa: BLE001 - whatever the model's own code does with a cache it cannot read
+    except Exception as e:  # noqa: BLE001 - whatever the model's own code does with a batch it cannot take
         raise ModelLoadError(f"{model_id}: {_model_type(model)} models fail over kvactors' Q4 batch cache "
-                             f"({type(e).__name__}: {_first_line(e)}); their layers handle keys and values in their "
-                             "own code, so kvactors cannot serve them") from e
+                             f"({type(e).__name__}: {_first_line(e)}); their code handles keys, values or positions "
+                             "in its own way, which batches of agents cannot feed, so kvactors cannot serve them") from e
 
 
 def _first_line(error: BaseException) -> str:

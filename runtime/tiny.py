@@ -7,7 +7,8 @@
   attends in its own code, phi3small, whose block-sparse layers do while its
   dense layers do not, lfm2, whose convolution layers keep no KV cache, and
   gemma4_text, whose last layers attend over an earlier layer's keys in their
-  own code, only to test that the runtime refuses them),
+  own code, and gpt_bigcode, whose learned positions take one offset for the
+  whole batch, only to test that the runtime refuses them),
 - ``model.safetensors`` with random weights, deterministic for a seed, named as
   the mlx-lm model class expects them after its ``sanitize``,
 - ``tokenizer.json`` / ``tokenizer_config.json``: a byte-level BPE tokenizer
@@ -57,7 +58,7 @@ __all__ = [
     "tokenizer_corpus",
 ]
 
-ARCHS = ("llama", "qwen2", "gemma3_text", "gpt_oss", "gemma2", "lfm2", "gemma4_text", "phi3small")
+ARCHS = ("llama", "qwen2", "gemma3_text", "gpt_oss", "gemma2", "lfm2", "gemma4_text", "phi3small", "gpt_bigcode")
 
 VOCAB_SIZE = 2048
 BOS = "<|begin_of_text|>"
@@ -171,6 +172,15 @@ _CONFIGS = {
         "blocksparse_num_local_blocks": 2,
         "blocksparse_vert_stride": 2,
         "vocab_size": 100352,  # its logits mask ids 100256-100351 whatever the vocabulary
+    },
+    "gpt_bigcode": {  # learned positions from one offset for the whole batch: refused at load
+        "architectures": ["GPTBigCodeForCausalLM"],
+        "n_embd": 128,
+        "n_layer": 2,
+        "n_inner": 256,
+        "n_head": 2,
+        "n_positions": 4096,
+        "layer_norm_epsilon": 1e-5,
     },
     "gpt_oss": {
         "architectures": ["GptOssForCausalLM"],

@@ -114,6 +114,18 @@ def test_a_model_whose_forward_fails_here_is_refused_at_load(tmp_path, tiny_mode
         Runtime(model=tiny_model_path("llama"), cache_dir=tmp_path)
 
 
+def test_a_model_that_takes_one_position_for_the_whole_batch_is_refused_at_load(tmp_path, tiny_model_path):
+    """gpt_bigcode computes its learned position ids from the first layer's cache offset as one number: it served
+    one agent, then every decode step of two agents in one batch failed (each row has its own offset). The probe
+    at load serves two agents of unequal lengths in one batch as the engine does, so it is refused in the
+    Runtime's caller with ModelLoadError saying why."""
+    from runtime import Runtime
+
+    with pytest.raises(ModelLoadError, match="gpt_bigcode models fail over kvactors' Q4 batch cache .*"
+                                             "positions in its own way, which batches of agents cannot feed"):
+        Runtime(model=tiny_model_path("gpt_bigcode"), cache_dir=tmp_path)
+
+
 def test_gpt_oss_sinks_and_alternating_window(specs, tiny_model_path):
     config = json.loads((tiny_model_path("gpt_oss") / "config.json").read_text())
     spec = specs["gpt_oss"]

@@ -64,9 +64,12 @@ def test_geometry_is_q4_friendly_and_small(tiny_model_path):
     for arch in ARCHS:
         config = json.loads((tiny_model_path(arch) / "config.json").read_text())
         assert config["model_type"] == arch
-        assert config["head_dim"] % 64 == 0
-        assert config["num_attention_heads"] > config["num_key_value_heads"]  # GQA
-        assert config["num_hidden_layers"] <= 6 and config["hidden_size"] <= 256
+        hidden = config.get("hidden_size", config.get("n_embd"))  # gpt_bigcode names them after GPT-2
+        heads = config.get("num_attention_heads", config.get("n_head"))
+        kv_heads = config.get("num_key_value_heads", 1 if config.get("multi_query", True) else heads)
+        assert config.get("head_dim", hidden // heads) % 64 == 0
+        assert heads > kv_heads  # GQA
+        assert config.get("num_hidden_layers", config.get("n_layer")) <= 6 and hidden <= 256
         assert config["eos_token_id"] and config["bos_token_id"] is not None
 
 
