@@ -51,6 +51,7 @@ __all__ = [
     "COMPLETE_MARKER",
     "VOCAB_SIZE",
     "make_tiny_model",
+    "make_model_folder",
     "make_config",
     "make_weights",
     "tiny_llama_path",
@@ -268,11 +269,29 @@ def make_tiny_model(
     return path
 
 
+def make_model_folder(path, config: dict, seed: int = 0, dtype: str = "float32") -> Path:
+    """Write a model folder for any mlx-lm `config` (its "model_type" names the mlx-lm module) at ``path``, as
+    ``make_tiny_model`` does for the architectures of ``ARCHS``: random weights (``make_weights``), the tiny
+    tokenizer, its token ids in the config. ``benchmarks.arch_sweep`` builds mlx-lm's other architectures so."""
+    if dtype not in _DTYPES:
+        raise ValueError(f"Unknown dtype {dtype!r}; valid dtypes: {', '.join(_DTYPES)}")
+    path = Path(path)
+    if path.exists():
+        raise FileExistsError(f"{path} already exists")
+    with new_model_folder(path) as tmp:
+        _write_folder(tmp, dict(config), seed, dtype, {"arch": config["model_type"], "seed": seed, "dtype": dtype})
+    return path
+
+
 def _write_model(folder: Path, arch: str, seed: int, dtype: str, overrides: dict):
     """Write config, weights, tokenizer and (last) the marker into ``folder``."""
+    marker = {"arch": arch, "seed": seed, "dtype": dtype, "overrides": overrides}
+    _write_folder(folder, make_config(arch, dtype, **overrides), seed, dtype, marker)
+
+
+def _write_folder(folder: Path, config: dict, seed: int, dtype: str, marker: dict):
     tok_json = _tokenizer_json()
     ids = {t["content"]: t["id"] for t in json.loads(tok_json)["added_tokens"]}
-    config = make_config(arch, dtype, **overrides)
     config.update(
         bos_token_id=ids[BOS],
         eos_token_id=[ids[EOS], ids[EOT]],
@@ -283,7 +302,6 @@ def _write_model(folder: Path, arch: str, seed: int, dtype: str, overrides: dict
     mx.save_safetensors(str(folder / "model.safetensors"), weights, {"format": "mlx"})
     (folder / "tokenizer.json").write_text(tok_json)
     (folder / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(), indent=2))
-    marker = {"arch": arch, "seed": seed, "dtype": dtype, "overrides": overrides}
     (folder / COMPLETE_MARKER).write_text(json.dumps(marker, default=str))
 
 
@@ -328,6 +346,8 @@ def make_weights(config: dict, seed: int = 0, dtype: str = "float32") -> dict:
             value = np.ones(shape, np.float32)
         elif leaf == "bias":
             value = np.zeros(shape, np.float32)
+        elif not shape:  # a scalar parameter (apertus' activation)
+            value = np.ones(shape, np.float32)
         elif leaf == "sinks":
             value = rng.normal(0.0, 0.5, shape).astype(np.float32)
         elif "embed" in name or "lm_head" in name:
