@@ -259,27 +259,27 @@ def make_tiny_model(
     """
     if arch not in _CONFIGS:
         raise ValueError(f"Unknown arch {arch!r}; valid archs: {', '.join(ARCHS)}")
-    if dtype not in _DTYPES:
-        raise ValueError(f"Unknown dtype {dtype!r}; valid dtypes: {', '.join(_DTYPES)}")
-    path = Path(path)
-    if path.exists():
-        raise FileExistsError(f"{path} already exists")
-    with new_model_folder(path) as tmp:
-        _write_model(tmp, arch, seed, dtype, overrides)
-    return path
+    return _new_folder(path, dtype, lambda tmp: _write_model(tmp, arch, seed, dtype, overrides))
 
 
 def make_model_folder(path, config: dict, seed: int = 0, dtype: str = "float32") -> Path:
     """Write a model folder for any mlx-lm `config` (its "model_type" names the mlx-lm module) at ``path``, as
     ``make_tiny_model`` does for the architectures of ``ARCHS``: random weights (``make_weights``), the tiny
     tokenizer, its token ids in the config. ``benchmarks.arch_sweep`` builds mlx-lm's other architectures so."""
+    marker = {"arch": config["model_type"], "seed": seed, "dtype": dtype}
+    return _new_folder(path, dtype, lambda tmp: _write_folder(tmp, dict(config), seed, dtype, marker))
+
+
+def _new_folder(path, dtype: str, write) -> Path:
+    """`write(folder)` into a temporary sibling of ``path``, renamed to ``path`` once it succeeds; ValueError for an
+    unknown dtype, FileExistsError if ``path`` exists."""
     if dtype not in _DTYPES:
         raise ValueError(f"Unknown dtype {dtype!r}; valid dtypes: {', '.join(_DTYPES)}")
     path = Path(path)
     if path.exists():
         raise FileExistsError(f"{path} already exists")
     with new_model_folder(path) as tmp:
-        _write_folder(tmp, dict(config), seed, dtype, {"arch": config["model_type"], "seed": seed, "dtype": dtype})
+        write(tmp)
     return path
 
 
