@@ -78,9 +78,10 @@ class AgentCrashed(AgentError):
     commit after all, the retry returns its reply instead of running it twice.
     """
 
-    def __init__(self, turn_id: str | None, message: str):
-        super().__init__(f"turn {turn_id}: {message}" if turn_id else message)
+    def __init__(self, turn_id: str | None, message: str, advice: str = ""):
+        super().__init__(f"turn {turn_id}: {message}{advice}" if turn_id else f"{message}{advice}")
         self.turn_id = turn_id
+        self.detail = message  # what happened, without the advice on what to call next (an HTTP server words its own)
 
 
 class TurnTimeout(AgentCrashed):
@@ -90,8 +91,13 @@ class TurnTimeout(AgentCrashed):
     batcher's next step unless it had finished by then, in which case it commits as
     usual. Raised also by a reply future's `get(timeout=)` or `ask`'s wait when the wait
     runs out: then only the wait ended, and the turn goes on. Either way
-    `AgentRef.result(turn_id)` says whether it committed.
+    `AgentRef.result(turn_id)` says whether it committed. `dropped` is True where the turn had not started: it
+    never runs, and nothing of it is recorded.
     """
+
+    def __init__(self, turn_id: str | None, message: str, advice: str = "", dropped: bool = False):
+        super().__init__(turn_id, message, advice)
+        self.dropped = dropped
 
 
 class AgentStopped(AgentCrashed):
@@ -477,7 +483,7 @@ class AgentActor(SupervisedActor):
         else:
             error, why, retry = AgentCrashed, "the agent was stopped by its supervisor", "retry"
         if self.current is not None:
-            self._abandon(self.current, error(self.current.turn_id, f"{why} before the turn finished; {retry}"),
+            self._abandon(self.current, error(self.current.turn_id, f"{why} before the turn finished", f"; {retry}"),
                           f"{why} while recording this note")
         self._drop_work(f"{why} before this message; {retry}", error)
         self._drain_inbox(why, error, retry)
@@ -607,7 +613,7 @@ class AgentActor(SupervisedActor):
             rendered = render_chat(self.env.tokenizer, self.system, self.records + [user])
         except chat.ChatTemplateError as e:  # the conversation's fault, not the agent's: no crash, nothing recorded
             self.seq = user["seq"] - 1
-            error = chat.ChatTemplateError(str(e), turn_id)
+            error = chat.ChatTemplateError(e.detail, turn_id, e.advice)
             self._abandon(item, error, str(error))
             return
         cache, tokens, label, keep_ids, keep_ends, keep_text = self._reuse(rendered)
@@ -662,13 +668,13 @@ class AgentActor(SupervisedActor):
             self.work = collections.deque(w for w in self.work if w is not item)
             self._abandon(item, TurnTimeout(item.turn_id, "the turn did not start within its timeout (it waited "
                                                           "behind the agent's earlier work); it was dropped and never "
-                                                          "runs: retry it"), "timed out")
+                                                          "runs", ": retry it", dropped=True), "timed out")
             return
         item.given_up, item.watchdog = True, None
         where = ("it is being written and commits unless the write fails" if item.records is not None
                  else "it is cancelled at the batcher's next step unless it finished meanwhile")
-        _fail(item.future, TurnTimeout(item.turn_id, f"the turn did not finish within its timeout; {where}: "
-                                                     "ref.result(turn_id) says whether it committed"))
+        _fail(item.future, TurnTimeout(item.turn_id, f"the turn did not finish within its timeout; {where}",
+                                       ": ref.result(turn_id) says whether it committed"))
 
     def _too_long_advice(self, msg: dict, max_tokens: int, limit: int) -> tuple[str, str]:
         """What to do about a turn that does not fit (`TurnTooLong.fix`, then the advice in words): a reset only

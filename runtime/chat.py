@@ -49,12 +49,13 @@ class ChatTemplateError(KvactorsError, ValueError):
     """The model's chat template refuses a conversation (its own `raise_exception`, or any failure inside it).
 
     `turn_id` names the turn whose conversation it was (None outside a turn). Nothing was recorded: start
-    the conversation over (`ref.reset`) with messages the template takes.
+    the conversation over (`ref.reset`) with messages the template takes. `detail` is the message without
+    `advice`, its advice on what to call next (an HTTP server words its own).
     """
 
-    def __init__(self, message: str, turn_id: str | None = None):
-        super().__init__(f"turn {turn_id}: {message}" if turn_id else message)
-        self.turn_id = turn_id
+    def __init__(self, message: str, turn_id: str | None = None, advice: str = ""):
+        super().__init__(f"turn {turn_id}: {message}{advice}" if turn_id else f"{message}{advice}")
+        self.turn_id, self.detail, self.advice = turn_id, message, advice
 
 
 # for a tokenizer without a chat template (a base model): its BOS token, then plain "User:" / "Assistant:"
@@ -151,9 +152,9 @@ def render(tokenizer, messages: list[dict], add_generation_prompt: bool = True) 
         marked = [{**m, "content": _SENTINEL.format(i)} for i, m in enumerate(messages)]
         skeleton = _apply(tokenizer, marked, add_generation_prompt, habits.template)
     except Exception as e:  # noqa: BLE001 - jinja's TemplateError, or whatever the template's code raised
-        raise ChatTemplateError(f"the model's chat template refuses this conversation ({type(e).__name__}: {e}); "
-                                "start the conversation over with messages it takes (ref.reset, or a new "
-                                "conversation)") from e
+        raise ChatTemplateError(f"the model's chat template refuses this conversation ({type(e).__name__}: {e})",
+                                advice="; start the conversation over with messages it takes (ref.reset, or a new "
+                                       "conversation)") from e
     for shape in (lambda s: s, str.strip):
         spans, parts, pos, at = [], [], 0, 0
         for m in _SENTINEL_RE.finditer(skeleton):

@@ -140,9 +140,10 @@ class TurnResult:
 class TurnError(KvactorsError, RuntimeError):
     """A turn failed; `turn_id` says which. The engine stays usable."""
 
-    def __init__(self, turn_id: str, message: str):
-        super().__init__(f"turn {turn_id}: {message}")
+    def __init__(self, turn_id: str, message: str, advice: str = ""):
+        super().__init__(f"turn {turn_id}: {message}{advice}")
         self.turn_id = turn_id
+        self.detail = message  # what happened, without the advice on what to call next (an HTTP server words its own)
 
 
 class TurnAbandoned(TurnError):
@@ -325,8 +326,8 @@ class Engine:
         if need > self.memory_budget:
             raise TurnTooLarge(
                 turn.turn_id,
-                f"needs {need} bytes of KV cache but the whole budget is {self.memory_budget}; "
-                "lower max_tokens, shorten the history, or raise memory_budget",
+                f"needs {need} bytes of KV cache but the whole budget is {self.memory_budget}",
+                "; lower max_tokens, shorten the history, or raise memory_budget",
             )
         self.waiting.append(_Row(turn=turn, submitted=time.perf_counter(), reserved=need))
 

@@ -38,7 +38,15 @@ _TMP_SUFFIX = ".tmp"
 
 
 class InvalidAgentId(KvactorsError, ValueError):
-    """An agent id that is not `[A-Za-z0-9][A-Za-z0-9._-]{0,127}`."""
+    """An agent id that is not `[A-Za-z0-9][A-Za-z0-9._-]{0,127}`, or one that differs only in case from a running
+    or stored agent's, `twin` (else None).
+
+    `detail` is the message without its advice on what to call next (an HTTP server words its own).
+    """
+
+    def __init__(self, message: str, advice: str = "", twin: str | None = None):
+        super().__init__(message + advice)
+        self.detail, self.twin = message, twin
 
 
 class UnsafePath(KvactorsError, OSError):

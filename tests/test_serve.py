@@ -28,9 +28,9 @@ class Served:
     """A Runtime over `cache_dir` (on `model`, default the tests' model) behind a uvicorn server on a free loopback
     port, in a thread."""
 
-    def __init__(self, cache_dir, api_key=None, model=None):
-        self.rt = Runtime(model=model, cache_dir=cache_dir)
-        self.server = Server(self.rt, "kvactors-tiny", api_key=api_key, default_max_tokens=4)
+    def __init__(self, cache_dir, api_key=None, model=None, runtime_options=None, **server_options):
+        self.rt = Runtime(model=model, cache_dir=cache_dir, **(runtime_options or {}))
+        self.server = Server(self.rt, "kvactors-tiny", api_key=api_key, **{"default_max_tokens": 4, **server_options})
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -291,6 +291,7 @@ def test_a_conversation_the_chat_template_refuses_is_a_400_and_the_server_goes_o
         status, reply, _ = s.request("POST", "/v1/chat/completions", {"model": "m", "max_tokens": 2, "messages": [
             {"role": "assistant", "content": "I speak first."}, {"role": "user", "content": "hi"}]})
         assert status == 400 and "chat template refuses this conversation" in reply["error"]["message"]
+        assert "ref." not in reply["error"]["message"]  # the Python advice (ref.reset) means nothing over HTTP
         status, reply, _ = s.request("POST", "/v1/chat/completions", {"model": "m", "max_tokens": 2, "messages": [
             {"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]})
         assert status == 200 and reply["kvactors"]["cache"] == "cold"  # a system prompt the template has no role for
@@ -647,3 +648,56 @@ def test_an_int_too_long_to_read_or_print_is_a_400(served):
             status, reply, _ = served.request("POST", "/v1/chat/completions", body)
             assert status == 400 and reply["error"]["type"] == "invalid_request_error", (field, reply)
             assert len(reply["error"]["message"]) < 300, (field, digits)
+
+
+PYTHON_ADVICE = ("rt.", "ref.", "Runtime", "memory_budget", "turn_id", "reset=", "spawn it")
+
+
+def test_runtime_errors_over_http_advise_what_an_http_client_can_do(served, tmp_path):
+    """The runtime's errors end with advice on Python calls (rt.forget, ref.reset, ref.result(turn_id), raise
+    memory_budget, start a new Runtime), which an HTTP client cannot follow: the server words its own advice
+    after each error's `detail`."""
+    from runtime import AgentStopped, RuntimeEscalated, TurnTimeout
+    from runtime.api.serve import error_for
+
+    def python_free(message):
+        return not any(word in message for word in PYTHON_ADVICE)
+
+    chat = {"model": "kvactors-tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    assert served.request("POST", "/v1/chat/completions", chat, {"X-Agent-Id": "Twin"})[0] == 200
+    for path, body, headers in (("/v1/chat/completions", chat, {"X-Agent-Id": "twin"}),
+                                ("/v1/agents", {"name": "TWIN"}, {})):  # ids that differ only in case
+        status, reply, _ = served.request("POST", path, body, headers)
+        message = reply["error"]["message"]
+        assert status == 400 and "DELETE /v1/agents/Twin" in message and python_free(message), message
+
+    slow = Served(tmp_path / "slow", turn_timeout=1e-6)  # every turn runs past its timeout
+    try:
+        status, reply, _ = slow.request("POST", "/v1/chat/completions", chat, {"X-Agent-Id": "slow"})
+        message = reply["error"]["message"]
+        assert status == 504 and reply["error"]["code"] == "timeout" and python_free(message), message
+    finally:
+        slow.close()
+
+    small = Served(tmp_path / "small", runtime_options={"memory_budget": 1})  # no turn fits its KV budget
+    try:
+        status, reply, _ = small.request("POST", "/v1/chat/completions", chat, {"X-Agent-Id": "big"})
+        message = reply["error"]["message"]
+        assert status == 400 and reply["error"]["code"] == "turn_too_large" and python_free(message), message
+        assert "lower max_tokens" in message
+        small.rt.shutdown()  # the server still answers, its runtime gone
+        status, reply, _ = small.request("POST", "/v1/chat/completions", chat, {"X-Agent-Id": "big"})
+        message = reply["error"]["message"]
+        assert status == 503 and reply["error"]["code"] == "runtime_stopped" and python_free(message), message
+    finally:
+        small.close()
+
+    # errors no request here can bring about, made as the runtime makes them
+    errors = [TurnTimeout("a-1", "the turn did not finish within its timeout; it is being written", ": ref.result("
+                          "turn_id) says whether it committed"),
+              AgentStopped("a-1", "the agent was stopped before the turn finished", "; spawn it again and retry"),
+              RuntimeEscalated("supervision gave up after 'a' kept failing (boom)", "; start a new Runtime")]
+    for error in errors:
+        message = error_for(error, "a").message
+        assert python_free(message) and error.detail in message, message
+    assert "GET /v1/agents/a " in error_for(errors[0], "a").message  # names the agent to look at

@@ -476,7 +476,7 @@ class ClusterRuntime:
 
     def _check_running(self):
         if self._closed:
-            raise RuntimeClosed("the Runtime was shut down; start a new Runtime to talk to its agents")
+            raise RuntimeClosed("the Runtime was shut down", "; start a new Runtime to talk to its agents")
 
 
 def _kill(ray, actor) -> None:

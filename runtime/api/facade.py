@@ -73,11 +73,25 @@ def _shutdown_at_exit(runtime: "Runtime") -> None:
 
 
 class RuntimeEscalated(KvactorsError, RuntimeError):
-    """Supervision gave up (too many restarts in too short a time); the runtime is stopped."""
+    """Supervision gave up (too many restarts in too short a time); the runtime is stopped.
+
+    `detail` is the message without its advice on what to call next (an HTTP server words its own).
+    """
+
+    def __init__(self, message: str, advice: str = ""):
+        super().__init__(message + advice)
+        self.detail = message
 
 
 class RuntimeClosed(KvactorsError, RuntimeError):
-    """The Runtime was shut down; start a new one to talk to its agents again."""
+    """The Runtime was shut down; start a new one to talk to its agents again.
+
+    `detail` is the message without its advice on what to call next (an HTTP server words its own).
+    """
+
+    def __init__(self, message: str, advice: str = ""):
+        super().__init__(message + advice)
+        self.detail = message
 
 
 class WaitsInCallback(KvactorsError, RuntimeError):
@@ -298,7 +312,7 @@ class ReplyFuture(pykka.ThreadingFuture):
             return super().get(timeout=wait_seconds(timeout))
         except pykka.Timeout:
             raise TurnTimeout(getattr(self, "turn_id", None), f"no reply within {timeout}s; the turn may still "
-                              "finish: wait again, or retry with the same turn_id") from None
+                              "finish", ": wait again, or retry with the same turn_id") from None
 
     def add_done_callback(self, fn: Callable[["ReplyFuture"], None]) -> None:
         """Call `fn(self)` once the future is set: at once if it is, else on the setting thread (the Runtime's:
@@ -873,8 +887,8 @@ class Runtime:
             twin = store.case_twin(self.cache_dir, self.spec.fingerprint, name)
         if twin is not None:
             raise store.InvalidAgentId(f"agent id {name!r} differs from agent {twin!r}'s only in case; on a "
-                                       f"case-insensitive file system the two would share one folder of files: use "
-                                       f"another name, or rt.forget({twin!r}) first")
+                                       f"case-insensitive file system the two would share one folder of files",
+                                       f": use another name, or rt.forget({twin!r}) first", twin=twin)
 
     def _check_system(self, name: str, system: str, timeout: float) -> None:
         """Raise SystemPromptChanged if stored agent `name` has a conversation under another system prompt.
@@ -1174,11 +1188,11 @@ class Runtime:
 
     def _check_running(self):
         if self._closed and not self._escalation:
-            raise RuntimeClosed("the Runtime was shut down; start a new Runtime to talk to its agents")
+            raise RuntimeClosed("the Runtime was shut down", "; start a new Runtime to talk to its agents")
         if self._escalation:
             name, error = self._escalation
-            raise RuntimeEscalated(f"supervision gave up after {name!r} kept failing ({error}); "
-                                   "start a new Runtime") from error
+            raise RuntimeEscalated(f"supervision gave up after {name!r} kept failing ({error})",
+                                   "; start a new Runtime") from error
 
 
 # `__new__` takes (*args, **options) to hand them on; the signature that callers see is `__init__`'s.

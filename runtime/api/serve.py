@@ -52,9 +52,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from runtime import (AgentCrashed, AgentStopped, JournalError, Reply, Runtime, RuntimeClosed, RuntimeEscalated,
-                     SystemPromptChanged, TurnNotSaved, TurnTimeout, TurnTooLarge, TurnTooLong, UnknownAgent,
-                     WaitTimeout)
+from runtime import (AgentCrashed, AgentStopped, ChatTemplateError, JournalError, Reply, Runtime, RuntimeClosed,
+                     RuntimeEscalated, SystemPromptChanged, TurnNotSaved, TurnTimeout, TurnTooLarge, TurnTooLong,
+                     UnknownAgent, WaitTimeout)
 from runtime.api.facade import _number as _check_number, _positive, check_room, check_unicode
 from runtime.errors import InvalidArgument, KvactorsError, shown
 from runtime.store import InvalidAgentId, check_agent_id, conversation_prompt
@@ -485,27 +485,37 @@ _TOO_LONG_ADVICE = {
 }
 
 
-def error_for(e: BaseException) -> ApiError:
-    """The ApiError a runtime exception is answered with (never a 500 for a bad request)."""
+def error_for(e: BaseException, agent: str | None = None) -> ApiError:
+    """The ApiError a runtime exception is answered with (never a 500 for a bad request), its advice worded for an
+    HTTP client (the runtime's errors advise Python calls: the server adds its own to their `detail`); `agent`
+    is the agent the request went to, where known, for the advice to name."""
+    route = f"/v1/agents/{agent}" if agent else "/v1/agents/NAME"
     if isinstance(e, ApiError):
         return e
     if isinstance(e, InvalidAgentId):
-        return bad(str(e), "agent", "invalid_agent_id")
+        twin = getattr(e, "twin", None)  # an id that differs only in case from an agent's
+        return bad(f"{e.detail}: use another name, or DELETE /v1/agents/{twin} first" if twin else str(e), "agent",
+                   "invalid_agent_id")
     if isinstance(e, SystemPromptChanged):
         return ApiError(409, f"agent {e.agent!r} exists with another system prompt; forget it first "
-                        "(DELETE /v1/agents/NAME) or create it without one to resume it", "system",
+                        f"(DELETE /v1/agents/{e.agent}) or create it without one to resume it", "system",
                         "system_prompt_changed")
     if isinstance(e, UnknownAgent):
         return ApiError(404, str(e), None, "agent_not_found")
-    if isinstance(e, TurnTooLong):  # its own advice speaks of Python calls
+    if isinstance(e, TurnTooLong):
         return bad(f"{e.detail}; {_TOO_LONG_ADVICE[e.fix]}", "messages", "context_length_exceeded")
+    if isinstance(e, ChatTemplateError):
+        return bad(f"{e.detail}; send a conversation it takes (nothing of this request was recorded)", "messages",
+                   "invalid_value")
     if isinstance(e, TurnTimeout):
-        return ApiError(504, f"{e}; GET /v1/agents/NAME shows whether it committed", None, "timeout", "server_error")
+        if e.dropped:
+            return ApiError(504, f"{e.detail}: retry the request", None, "timeout", "server_error")
+        return ApiError(504, f"{e.detail}; GET {route} shows whether it committed", None, "timeout", "server_error")
     if isinstance(e, TurnNotSaved):
         return ApiError(503, f"{e}; the server could not write the turn (a full disk?): retry once it can", None,
                         "turn_not_saved", "server_error")
     if isinstance(e, AgentStopped):  # the agent was stopped (the server shutting down, forget): a retry spawns it
-        return ApiError(503, f"{e}; retry the request", None, "agent_stopped", "server_error")
+        return ApiError(503, f"{e.detail}; retry the request", None, "agent_stopped", "server_error")
     if isinstance(e, AgentCrashed):
         return ApiError(503, f"{e}; the agent restarts from its durable state, retry the request", None,
                         "agent_crashed", "server_error")
@@ -515,11 +525,15 @@ def error_for(e: BaseException) -> ApiError:
     if isinstance(e, (TypeError, ValueError)):  # the Runtime refused an option in the caller's thread
         return bad(str(e), None, "invalid_value")
     if isinstance(e, TurnTooLarge):
-        return bad(f"{e}", "max_tokens", "turn_too_large")
+        return bad(f"{e.detail}; lower max_tokens or send a shorter conversation", "max_tokens", "turn_too_large")
     if isinstance(e, WaitTimeout):
         return ApiError(504, f"{e}", None, "timeout", "server_error")
-    if isinstance(e, (RuntimeEscalated, RuntimeClosed)):
-        return ApiError(503, str(e), None, "runtime_stopped", "server_error")
+    if isinstance(e, RuntimeEscalated):
+        return ApiError(503, f"the server's runtime stopped: {e.detail}; the server must be restarted", None,
+                        "runtime_stopped", "server_error")
+    if isinstance(e, RuntimeClosed):
+        return ApiError(503, "the server is shutting down: retry once it runs again", None, "runtime_stopped",
+                        "server_error")
     log.exception("unexpected error", exc_info=e)
     return ApiError(500, f"internal error: {type(e).__name__}: {e}", None, "internal_error", "server_error")
 
@@ -590,7 +604,10 @@ def routes(server: Server) -> list[Route]:
         name = req.agent or derive_agent_id(req.user, req.system, req.messages[0][1])
         created = int(time.time())
         if not req.stream:
-            reply = await asyncio.shield(server.background(server.run_chat(req, name, None)))
+            try:
+                reply = await asyncio.shield(server.background(server.run_chat(req, name, None)))
+            except Exception as e:  # noqa: BLE001 - every error is answered, its advice naming the agent
+                raise error_for(e, name) from None
             return JSONResponse(server.completion(reply, created),
                                 headers={"X-Agent-Id": name, "X-KV-Cache": reply.cache})
         pieces: asyncio.Queue = asyncio.Queue()
@@ -603,7 +620,7 @@ def routes(server: Server) -> list[Route]:
             gone.set()
             raise
         if first is None and not task.cancelled() and task.exception() is not None:
-            raise error_for(task.exception())
+            raise error_for(task.exception(), name)
         cid = f"chatcmpl-{uuid.uuid4().hex}"
 
         async def events():
@@ -620,7 +637,7 @@ def routes(server: Server) -> list[Route]:
             try:
                 reply = task.result()
             except Exception as e:  # the stream has begun: the error goes in an event
-                err = error_for(e)
+                err = error_for(e, name)
                 yield f"data: {json.dumps({'error': {'message': err.message, 'type': err.type, 'param': err.param, 'code': err.code}})}\n\n"
                 return
             yield server.chunk(cid, created, {}, reply.finish_reason, kvactors=server.kvactors_info(reply))
