@@ -701,3 +701,20 @@ def test_runtime_errors_over_http_advise_what_an_http_client_can_do(served, tmp_
         message = error_for(error, "a").message
         assert python_free(message) and error.detail in message, message
     assert "GET /v1/agents/a " in error_for(errors[0], "a").message  # names the agent to look at
+
+
+def test_no_agent_lock_outlives_its_requests(served):
+    """The server kept a lock for every agent name a request ever named, dropped only when an idle agent was
+    evicted: each refused unnamed request (its agent forgotten) and each forgotten agent left one for good, so
+    a client could grow the server's memory without bound. A lock now lives while requests hold or await it."""
+    huge = "hello " * (served.rt.max_context + 10)
+    names = []
+    for n in range(3):
+        messages = [{"role": "user", "content": f"{n} {huge}"}]
+        names.append(derive_agent_id(None, None, messages[0]["content"]))
+        status, _, _ = served.request("POST", "/v1/chat/completions",
+                                      {"model": "kvactors-tiny", "max_tokens": 2, "messages": messages})
+        assert status == 400 and names[-1] not in served.rt.running()
+    served.request("POST", "/v1/agents", {"name": "fleeting"})
+    assert served.request("DELETE", "/v1/agents/fleeting")[1]["deleted"] is False  # never spoke: nothing stored
+    assert not set(names + ["fleeting"]) & set(served.server._locks)

@@ -32,6 +32,7 @@ A request body larger than any request the model's positions can hold is refused
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import json
@@ -333,7 +334,7 @@ class Server:
         self.rt, self.model_id, self.api_key = rt, model_id, api_key
         self.max_agents, self.default_max_tokens, self.turn_timeout = max_agents, default_max_tokens, turn_timeout
         self.started = int(time.time())
-        self._locks: dict[str, asyncio.Lock] = {}
+        self._locks: dict[str, list] = {}  # name: [its lock, the requests holding or awaiting it]
         self._used: OrderedDict[str, None] = OrderedDict()  # running agents, least recently used first
         self._spawning = asyncio.Lock()
         self._tasks: set = set()
@@ -342,9 +343,20 @@ class Server:
 
     # -- agents ------------------------------------------------------------------
 
-    def lock(self, name: str) -> asyncio.Lock:
-        """The lock held while a request maps onto agent `name` and runs its turn."""
-        return self._locks.setdefault(name, asyncio.Lock())
+    @contextlib.asynccontextmanager
+    async def lock(self, name: str):
+        """Hold agent `name`'s lock (`async with`) while a request maps onto it and runs its turn: requests to one
+        agent take turns. The lock exists while requests hold or await it, so names seen once (a refused unnamed
+        conversation, a forgotten agent) keep nothing; an agent whose lock exists is busy (see `agent`)."""
+        entry = self._locks.setdefault(name, [asyncio.Lock(), 0])
+        entry[1] += 1
+        try:
+            async with entry[0]:
+                yield
+        finally:
+            entry[1] -= 1
+            if not entry[1]:
+                del self._locks[name]
 
     async def agent(self, name: str, system: str = "", strict: bool = False):
         """The running agent `name`, spawned (resumed from disk if stored) if needed; evicts idle ones beyond max_agents.
@@ -365,9 +377,8 @@ class Server:
             for old in list(self._used):
                 if len(self._used) < self.max_agents:
                     break
-                if not self.lock(old).locked() and old != name:
+                if old not in self._locks and old != name:  # no request holds or awaits it
                     self._used.pop(old)
-                    self._locks.pop(old, None)
                     if old in self.rt.running():
                         await asyncio.to_thread(self.rt.agent(old).stop)  # its durable state stays
             try:
