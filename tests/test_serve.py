@@ -718,3 +718,19 @@ def test_no_agent_lock_outlives_its_requests(served):
     served.request("POST", "/v1/agents", {"name": "fleeting"})
     assert served.request("DELETE", "/v1/agents/fleeting")[1]["deleted"] is False  # never spoke: nothing stored
     assert not set(names + ["fleeting"]) & set(served.server._locks)
+
+
+def test_an_unnamed_conversation_whose_first_turn_is_dropped_leaves_no_agent_behind(tmp_path):
+    """A turn that times out before it starts is dropped and never runs (TurnTimeout.dropped): as for a refused
+    one, nothing of it is recorded, and the unnamed conversation it began was left running with no history."""
+    slow = Served(tmp_path / "c", turn_timeout=1e-6)  # every turn runs past its timeout before it starts
+    try:
+        messages = [{"role": "user", "content": "an early question"}, {"role": "assistant", "content": "an answer"},
+                    {"role": "user", "content": "too late"}]
+        name = derive_agent_id(None, None, messages[0]["content"])
+        status, reply, _ = slow.request("POST", "/v1/chat/completions",
+                                        {"model": "kvactors-tiny", "max_tokens": 2, "messages": messages})
+        assert status == 504 and "retry the request" in reply["error"]["message"], reply
+        assert name not in slow.rt.running() and not slow.rt.stored(name)
+    finally:
+        slow.close()

@@ -324,6 +324,12 @@ def check_server_options(max_agents, default_max_tokens, turn_timeout) -> None:
 REFUSED_TURNS = (ValueError, TypeError, TurnTooLong, TurnTooLarge)
 
 
+def recorded_nothing(e: BaseException) -> bool:
+    """Whether a turn that raised `e` recorded nothing: it was refused (REFUSED_TURNS), or it timed out before it
+    started and never runs (`TurnTimeout.dropped`)."""
+    return isinstance(e, REFUSED_TURNS) or (isinstance(e, TurnTimeout) and e.dropped)
+
+
 class Server:
     """The HTTP layer's state over one Runtime: agent locks, the running-agent LRU, the routes."""
 
@@ -403,9 +409,10 @@ class Server:
         """Map `req` onto agent `name` and run its turn, holding the agent's lock; stream pieces into `pieces`.
 
         `cancel()` returning True ends the turn at its next token (see `AgentRef.send`). A turn
-        refused without being recorded (`REFUSED_TURNS`) leaves the agent's conversation as it
-        was: the reset and notes the request made first are undone (a reset to the old history),
-        and an unnamed conversation that the request began is forgotten (no agent, no files).
+        that recorded nothing (`recorded_nothing`: refused, or dropped before it started) leaves the
+        agent's conversation as it was: the reset and notes the request made first are undone (a
+        reset to the old history), and an unnamed conversation that the request began is forgotten
+        (no agent, no files).
         """
         async with self.lock(name):
             ref = await self.agent(name, req.system or "")
@@ -415,15 +422,17 @@ class Server:
             try:
                 return await self._turn(ref, plan, dict(self.options(req), sender=plan.ask_sender, cancel=cancel),
                                         pieces)
-            except REFUSED_TURNS:
+            except Exception as e:
+                if not recorded_nothing(e):
+                    raise
                 try:
                     if req.agent is None and not _pairs(history):  # an unnamed conversation this request began
                         await asyncio.to_thread(self.rt.forget, name)
                         self.forgotten(name)
                     elif wrote:  # the request's earlier messages leave no trace either: a corrected resend is not doubled
                         await ref.reset(history)
-                except Exception as e:  # noqa: BLE001 - the client's answer is the refusal; this is the log's
-                    log.warning("agent %s keeps what a refused request began: undoing it failed: %r", name, e)
+                except Exception as undo:  # noqa: BLE001 - the client's answer is the refusal; this is the log's
+                    log.warning("agent %s keeps what a refused request began: undoing it failed: %r", name, undo)
                 raise
 
     @staticmethod
