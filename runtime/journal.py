@@ -342,12 +342,19 @@ def read_journal_bytes(path: Path) -> bytes | None:
         os.close(fd)
 
 
+def scan_folder(folder: Path) -> JournalScan | None:
+    """The scan of agent folder `folder`'s journal as the runtime reads it, with the folder's high-water mark
+    (`scan_journal`), or None where there is no journal; raises as `read_journal_bytes`."""
+    data = read_journal_bytes(folder / JOURNAL_FILE)
+    return None if data is None else scan_journal(data, high_seq(folder))
+
+
 def read_journal(cache_dir, spec, agent: str) -> list:
-    """All records of `agent`'s journal that check, oldest first ([] if none); see `scan_journal`."""
+    """All records of `agent`'s journal that check, oldest first ([] if none); see `scan_folder`."""
     folder = agent_dir(cache_dir, spec.fingerprint, agent)
     refuse_links(folder)
-    data = read_journal_bytes(folder / JOURNAL_FILE)
-    return [] if data is None else scan_journal(data, high_seq(folder)).records
+    scan = scan_folder(folder)
+    return [] if scan is None else scan.records
 
 
 def current_conversation(records) -> list:
@@ -521,11 +528,10 @@ def open_journal(folder: Path) -> tuple[JournalScan | None, int]:
     for name in (JOURNAL_FILE, HIGH_FILE):  # both are written in place: never shared with another agent's folder
         own_file(folder / name)
     path = folder / JOURNAL_FILE
-    data = read_journal_bytes(path)
-    if data is None:
+    scan = scan_folder(folder)
+    if scan is None:
         write_atomic(path, JOURNAL_MAGIC)
         return None, len(JOURNAL_MAGIC)
-    scan = scan_journal(data, high_seq(folder))
     if scan.needs_repair:
         repair_journal(path, scan)
     return scan, len(JOURNAL_MAGIC) + sum(b - a for a, b in scan.frames)

@@ -45,7 +45,7 @@ from runtime.journal import (JOURNAL_MAGIC, JournalError, JournalScan, append_fr
                              conversation_prompt, current_conversation, encode_records, fresh_records, high_seq,
                              journal_record, lost_records, open_journal, parse_journal, prompt_check, read_journal,
                              read_journal_bytes, record_high_seq, record_reported_loss, repair_journal, reported_loss,
-                             scan_journal)
+                             scan_folder, scan_journal)
 
 __all__ = [
     # runtime.files
@@ -68,7 +68,7 @@ __all__ = [
     "JOURNAL_MAGIC", "JournalError", "JournalScan", "append_frames", "append_journal", "check_record", "lost_records",
     "conversation_prompt", "current_conversation", "encode_records", "fresh_records", "high_seq", "journal_record",
     "open_journal", "parse_journal", "prompt_check", "read_journal", "read_journal_bytes", "record_high_seq", "record_reported_loss", "repair_journal",
-    "reported_loss", "scan_journal",
+    "reported_loss", "scan_folder", "scan_journal",
     # runtime.hotcache
     "HotCaches", "cache_nbytes",
     # this module
@@ -106,8 +106,8 @@ def stored_agent(folder: Path) -> StoredAgent:
     refuse_links(folder)
     cache = stat.S_ISREG(_mode(folder / CACHE_FILE) or 0)  # a regular file: a link is not followed
     try:
-        data = read_journal_bytes(folder / JOURNAL_FILE)
-        records = [] if data is None else scan_journal(data, high_seq(folder)).records
+        scan = scan_folder(folder)
+        records = [] if scan is None else scan.records
     except (JournalError, OSError):  # another format, a newer version, unreadable
         return StoredAgent(folder.name, None, None, 0, cache)
     history = current_conversation(records)
@@ -370,8 +370,8 @@ def _journal_health(folder: Path) -> tuple[list | None, list[str]]:
         return None, [f"journal unreadable: {JOURNAL_FILE} is {_kind(path, mode)}, which kvactors never follows, so "
                       "the agent cannot start: put the file itself in its place"]
     try:
-        data = read_journal_bytes(path)
-        scan = scan_journal(b"" if data is None else data, high_seq(path.parent))
+        scan = scan_folder(folder)
+        scan = scan_journal(b"") if scan is None else scan
     except JournalError as e:  # not a file, no permission, another format or a newer version: it says what to do
         return None, [f"journal unreadable: {e}"]
     notes = []

@@ -358,8 +358,8 @@ def read_records(folder: Path | None) -> list:
     high-water mark says which appends were acknowledged) ([] if there is none)."""
     if folder is None:
         return []
-    data = store.read_journal_bytes(folder / JOURNAL_FILE)
-    return [] if data is None else store.scan_journal(data, store.high_seq(folder)).records
+    scan = store.scan_folder(folder)
+    return [] if scan is None else scan.records
 
 
 # -- attacks while the child is down --------------------------------------------------------
