@@ -52,7 +52,7 @@ from actors.supervisor import SupervisedActor
 from runtime import chat, prefix, store
 from runtime.detok import AnchoredDetokenizer
 from runtime.engine import CallbackFailed, Sampling, Timings, Turn, TurnResult, TurnTooLarge
-from runtime.errors import KvactorsError
+from runtime.errors import AdvisedError, KvactorsError
 from runtime.q4cache import can_trim, can_trim_held
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ class AgentError(KvactorsError, RuntimeError):
     """Base class of the errors an agent's caller can get."""
 
 
-class AgentCrashed(AgentError):
+class AgentCrashed(AdvisedError, AgentError):
     """The agent crashed during turn `turn_id`; it restarts from its durable state.
 
     Retry with the same turn id (`send(..., turn_id=e.turn_id)`): if the turn did
@@ -79,9 +79,7 @@ class AgentCrashed(AgentError):
     """
 
     def __init__(self, turn_id: str | None, message: str, advice: str = ""):
-        super().__init__(f"turn {turn_id}: {message}{advice}" if turn_id else f"{message}{advice}")
-        self.turn_id = turn_id
-        self.detail = message  # what happened, without the advice on what to call next (an HTTP server words its own)
+        super().__init__(message, advice, turn_id)
 
 
 class TurnTimeout(AgentCrashed):
@@ -118,7 +116,7 @@ class TurnNotSaved(AgentCrashed):
     """
 
 
-class TurnTooLong(AgentError):
+class TurnTooLong(AdvisedError, AgentError):
     """Turn `turn_id` needs more positions than the model has (history + message + max_tokens).
 
     Nothing was recorded. Shorten the message, lower max_tokens, or start the
@@ -127,9 +125,7 @@ class TurnTooLong(AgentError):
     """
 
     def __init__(self, turn_id: str | None, message: str, fix: str = "message", advice: str = ""):
-        super().__init__(f"turn {turn_id}: {message}{advice}" if turn_id else f"{message}{advice}")
-        self.turn_id = turn_id
-        self.detail = message  # what does not fit, without the advice (an HTTP server words its own)
+        super().__init__(message, advice, turn_id)
         self.fix = fix  # what would make it fit: "message" (shorten it or lower max_tokens), "reset" (a shorter
         # conversation would do) or "system" (the system prompt alone leaves no room)
 

@@ -19,7 +19,7 @@ error the API raises, and the bad-argument errors) is imported at once.
 
 import importlib
 
-from runtime.errors import InvalidArgument, InvalidArgumentType, KvactorsError
+from runtime.errors import AdvisedError, InvalidArgument, InvalidArgumentType, KvactorsError
 
 # module -> the public names it defines, imported from there on first use
 _EXPORTS = {
@@ -45,7 +45,7 @@ _EXPORTS = {
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
-__all__ = ["KvactorsError", "InvalidArgument", "InvalidArgumentType", *_MODULE_OF]
+__all__ = ["KvactorsError", "AdvisedError", "InvalidArgument", "InvalidArgumentType", *_MODULE_OF]
 
 
 def __getattr__(name):

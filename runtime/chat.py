@@ -27,7 +27,7 @@ import threading
 import weakref
 from dataclasses import dataclass
 
-from runtime.errors import KvactorsError
+from runtime.errors import AdvisedError
 
 log = logging.getLogger(__name__)
 _SENTINEL = "\ue000{}\ue001"
@@ -45,7 +45,7 @@ class Rendered:
     spans: tuple = ()
 
 
-class ChatTemplateError(KvactorsError, ValueError):
+class ChatTemplateError(AdvisedError, ValueError):
     """The model's chat template refuses a conversation (its own `raise_exception`, or any failure inside it).
 
     `turn_id` names the turn whose conversation it was (None outside a turn). Nothing was recorded: start
@@ -54,8 +54,7 @@ class ChatTemplateError(KvactorsError, ValueError):
     """
 
     def __init__(self, message: str, turn_id: str | None = None, advice: str = ""):
-        super().__init__(f"turn {turn_id}: {message}{advice}" if turn_id else f"{message}{advice}")
-        self.turn_id, self.detail, self.advice = turn_id, message, advice
+        super().__init__(message, advice, turn_id)
 
 
 # for a tokenizer without a chat template (a base model): its BOS token, then plain "User:" / "Assistant:"

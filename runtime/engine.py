@@ -36,7 +36,7 @@ import mlx.core as mx
 
 from runtime import attention, cudacopy
 from runtime.detok import AnchoredDetokenizer
-from runtime.errors import KvactorsError
+from runtime.errors import AdvisedError
 from runtime.prepare import last_logits, record_decode
 from runtime.qgemv import available as on_cuda
 from runtime.q4cache import (
@@ -137,13 +137,11 @@ class TurnResult:
     timings: Timings
 
 
-class TurnError(KvactorsError, RuntimeError):
+class TurnError(AdvisedError, RuntimeError):
     """A turn failed; `turn_id` says which. The engine stays usable."""
 
     def __init__(self, turn_id: str, message: str, advice: str = ""):
-        super().__init__(f"turn {turn_id}: {message}{advice}")
-        self.turn_id = turn_id
-        self.detail = message  # what happened, without the advice on what to call next (an HTTP server words its own)
+        super().__init__(message, advice, turn_id)
 
 
 class TurnAbandoned(TurnError):

@@ -25,6 +25,15 @@ class InvalidArgumentType(KvactorsError, TypeError):
     """An argument of the wrong type; the message names it and the types it accepts."""
 
 
+class AdvisedError(KvactorsError):
+    """An error whose message ends in `advice` on what to call next: `detail` is the message without it (an HTTP
+    server words its own), `turn_id` the turn it is about, whose id then starts the message (None: none)."""
+
+    def __init__(self, message: str, advice: str = "", turn_id: str | None = None):
+        super().__init__(f"turn {turn_id}: {message}{advice}" if turn_id else f"{message}{advice}")
+        self.detail, self.advice, self.turn_id = message, advice, turn_id
+
+
 def shown(value) -> str:
     """`value` as an error message shows it: its repr, but an int of more than 40 digits by its digit count (Python
     refuses to turn an int of more than 4,300 digits into text at all)."""

@@ -39,7 +39,7 @@ from actors.supervisor import RESTART_TYPES, STRATEGIES, Backoff, ChildSpec, Sup
 from runtime import chat, store
 from runtime.deadlines import Deadlines, wait_seconds
 from runtime.engine import MAX_TOKENS, Sampling, default_hot_budget, passes_through, running, running_callback
-from runtime.errors import InvalidArgument, InvalidArgumentType, KvactorsError, shown
+from runtime.errors import AdvisedError, InvalidArgument, InvalidArgumentType, KvactorsError, shown
 from runtime.kvscheme import from_options as scheme_from_options
 from runtime.model import load_model
 from runtime.q4cache import ROUTES, check_route
@@ -72,26 +72,18 @@ def _shutdown_at_exit(runtime: "Runtime") -> None:
     threading._register_atexit(lambda: ref() is not None and ref().shutdown())
 
 
-class RuntimeEscalated(KvactorsError, RuntimeError):
+class RuntimeEscalated(AdvisedError, RuntimeError):
     """Supervision gave up (too many restarts in too short a time); the runtime is stopped.
 
     `detail` is the message without its advice on what to call next (an HTTP server words its own).
     """
 
-    def __init__(self, message: str, advice: str = ""):
-        super().__init__(message + advice)
-        self.detail = message
 
-
-class RuntimeClosed(KvactorsError, RuntimeError):
+class RuntimeClosed(AdvisedError, RuntimeError):
     """The Runtime was shut down; start a new one to talk to its agents again.
 
     `detail` is the message without its advice on what to call next (an HTTP server words its own).
     """
-
-    def __init__(self, message: str, advice: str = ""):
-        super().__init__(message + advice)
-        self.detail = message
 
 
 class WaitsInCallback(KvactorsError, RuntimeError):
