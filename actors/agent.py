@@ -130,8 +130,12 @@ class TurnTooLong(AdvisedError, AgentError):
         # conversation would do) or "system" (the system prompt alone leaves no room)
 
 
-class UnknownAgent(AgentError, KeyError):
-    """No agent has that name (never spawned, or stopped); spawn it first."""
+class UnknownAgent(AdvisedError, AgentError, KeyError):
+    """No agent has that name (never spawned, or stopped); spawn it first. `detail` says which, `advice` what to
+    call (the running agents' names, where the Runtime has them)."""
+
+    def __init__(self, message: str, advice: str = ""):
+        super().__init__(message, advice)
 
     def __str__(self):
         return str(self.args[0])
@@ -287,6 +291,13 @@ def render(tokenizer, system: str, records) -> str:
 def render_chat(tokenizer, system: str, records) -> chat.Rendered:
     """`render`, with the spans of message text that `chat.encode` keeps as text."""
     return chat.render(tokenizer, render_messages(system, records))
+
+
+def system_crowds_out(tokenizer, system: str, max_tokens: int, limit: int) -> int | None:
+    """The system prompt's token count where it and `max_tokens` leave no position of the model's `limit` for a
+    message (every turn would fail with TurnTooLong), else None."""
+    tokens = len(chat.encode_text(tokenizer, system)) if system else 0
+    return tokens if tokens + max_tokens >= limit else None
 
 
 REPLAYED = 32  # replies a cold turn prefills as generated (`replayed`); earlier ones from their text
@@ -680,8 +691,8 @@ class AgentActor(SupervisedActor):
         alone = len(chat.encode(tokenizer, fresh)) + max_tokens
         if alone <= limit:
             return "reset", "shorten the message, lower max_tokens, or start the conversation over (ref.reset([]))"
-        system = len(chat.encode_text(tokenizer, self.system))
-        if system + max_tokens >= limit:
+        system = system_crowds_out(tokenizer, self.system, max_tokens, limit)
+        if system is not None:
             return "system", (f"the system prompt alone is {system} tokens: forget the agent (rt.forget(name)) and "
                               "spawn it with a shorter one")
         return "message", f"even in a fresh conversation it would need {alone}: shorten the message or lower max_tokens"

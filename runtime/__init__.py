@@ -24,7 +24,8 @@ from runtime.errors import AdvisedError, InvalidArgument, InvalidArgumentType, K
 # module -> the public names it defines, imported from there on first use
 _EXPORTS = {
     "runtime.api.facade": ("Runtime", "AgentRef", "ReplyFuture", "DeadLetter", "AgentInfo",
-                           "RuntimeEscalated", "RuntimeClosed", "SystemPromptChanged", "WaitTimeout", "WaitsInCallback"),
+                           "RuntimeEscalated", "RuntimeClosed", "SystemPromptChanged", "SystemPromptTooLong", "WaitTimeout",
+                           "WaitsInCallback"),
     "actors.agent": ("Reply", "AgentError", "AgentCrashed", "AgentStopped", "TurnTimeout", "TurnNotSaved", "TurnTooLong",
                      "UnknownAgent"),
     "actors.batcher": ("BatcherStopped", "BatcherCrashed"),

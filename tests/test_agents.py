@@ -882,9 +882,9 @@ def test_a_turn_too_long_says_whether_a_reset_would_help(rt):
     reset's records): no help for an agent whose system prompt alone fills the model, nor for a message that
     fills it alone. Where a reset helps, the advice works as written."""
     words = rt.max_context + 10
-    stuck = rt.spawn("long-system", system="word " * words)
+    stuck = rt.spawn("long-system", system="word " * (rt.max_context - 200))  # room for a turn, not for this one
     with pytest.raises(TurnTooLong, match="the system prompt alone is .* spawn it with a shorter one"):
-        stuck.ask("Hello.", max_tokens=4)
+        stuck.ask("Hello.", max_tokens=400)
     talker = rt.spawn("long-talk", system="You are brief.")
     with pytest.raises(TurnTooLong, match="even in a fresh conversation"):
         talker.ask("word " * words, max_tokens=4)

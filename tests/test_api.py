@@ -92,7 +92,7 @@ def test_refs_names_and_group_sends_are_checked_before_anything_runs(tmp_path):
     """`broadcast` to a group with a stopped agent sent the earlier agents their turns (committed, their futures
     lost) before raising; a spawn's system prompt that can never fit was stored, and every turn failed; a
     200 MB conversation_id went into the journal; `running()` and `agent()` answered after `shutdown()`."""
-    from runtime import InvalidAgentId, InvalidArgument, Runtime, RuntimeClosed, UnknownAgent
+    from runtime import InvalidAgentId, InvalidArgument, Runtime, RuntimeClosed, SystemPromptTooLong, UnknownAgent
 
     rt = Runtime(model=None, cache_dir=tmp_path)
     a, b, c = rt.spawn("a"), rt.spawn("b"), rt.spawn("c")
@@ -100,7 +100,7 @@ def test_refs_names_and_group_sends_are_checked_before_anything_runs(tmp_path):
     with pytest.raises(UnknownAgent, match="'b'"):
         rt.broadcast([a, c, b], "Hello all.", max_tokens=4)
     assert a.history() == [] and c.history() == []  # nobody took a turn
-    with pytest.raises(InvalidArgument, match="system prompt has"):
+    with pytest.raises(SystemPromptTooLong, match="system prompt is .* characters"):
         rt.spawn("big", system="x" * (rt.max_context * rt.longest_token_chars + 1))
     assert not rt.stored("big")
     with pytest.raises(InvalidArgument, match="conversation_id has"):
@@ -111,6 +111,27 @@ def test_refs_names_and_group_sends_are_checked_before_anything_runs(tmp_path):
     for call in (rt.running, lambda: rt.agent("a")):
         with pytest.raises(RuntimeClosed):
             call()
+
+
+def test_a_system_prompt_whose_tokens_fill_the_model_is_refused_at_spawn_and_reset(tmp_path):
+    """A system prompt short enough in characters but not in tokens was accepted: the agent was stored with it and
+    every turn failed with TurnTooLong. Now spawn and reset refuse it before anything starts or is recorded; one a
+    token shorter is served."""
+    from runtime import Runtime, SystemPromptTooLong, chat
+
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        words = "plan " * rt.max_context
+        count = len(chat.encode_text(rt.tokenizer, words))
+        assert count >= rt.max_context and len(words) < rt.max_context * rt.longest_token_chars
+        with pytest.raises(SystemPromptTooLong, match=rf"system prompt is {count} tokens of the model's"):
+            rt.spawn("big", system=words)
+        assert not rt.stored("big") and "big" not in rt.running()
+        ref = rt.spawn("ok", system="Be brief.")
+        with pytest.raises(SystemPromptTooLong) as e:
+            ref.reset([], system=words)
+        assert e.value.tokens == count and e.value.limit == rt.max_context and isinstance(e.value, ValueError)
+        assert ref.ask("Hi.", max_tokens=2).text is not None
+        assert [r["text"] for r in ref.history() if r["role"] == "system"] == ["Be brief."]
 
 
 def test_unknown_name_is_an_attribute_error():

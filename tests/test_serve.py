@@ -320,6 +320,51 @@ def test_native_agent_routes_spawn_send_to_history_and_forget(served):
     assert served.request("POST", "/v1/agents", {"name": "no/slashes"})[0] == 400
 
 
+def test_a_system_prompt_that_fills_the_model_is_refused_with_400_and_no_agent(served):
+    """A system prompt whose tokens leave no room for a turn was taken by POST /v1/agents and by a chat request
+    (stored, then every turn refused); it is now refused first, as the context length it exceeds."""
+    import openai
+
+    words = "plan " * served.rt.max_context
+    status, body, _ = served.request("POST", "/v1/agents", {"name": "windy", "system": words})
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded" and body["error"]["param"] == "system"
+    assert "shorter system prompt" in body["error"]["message"] and not served.rt.stored("windy")
+    with pytest.raises(openai.BadRequestError) as e:
+        served.client().chat.completions.create(
+            model="kvactors-tiny", max_tokens=2, extra_headers={"X-Agent-Id": "windy2"},
+            messages=[{"role": "system", "content": words}, {"role": "user", "content": "Hi."}])
+    assert e.value.code == "context_length_exceeded" and not served.rt.stored("windy2")
+    assert "windy2" not in served.rt.running()
+
+
+def test_a_request_whose_messages_can_never_fit_is_refused_before_any_is_taken(served):
+    """Each earlier user message of a request is taken as a note before the turn; 20,000 of them took 23 s before
+    the turn was refused as too long. Whatever the agent holds, every message ends up in its conversation: more
+    messages than positions, or more characters than the positions can spell, are refused first."""
+    many = [{"role": "user", "content": f"m{i}"} for i in range(served.rt.max_context)]
+    half = "x" * (served.rt.max_context * served.rt.longest_token_chars // 2 + 1)
+    cases = [(many, "the request has 4096 messages"),
+             ([{"role": "user", "content": half}, {"role": "assistant", "content": "ok"},
+               {"role": "user", "content": half}], "characters: more tokens")]
+    for n, (messages, said) in enumerate(cases):
+        status, body, _ = served.request("POST", "/v1/chat/completions", {
+            "model": "kvactors-tiny", "max_tokens": 2, "messages": messages}, {"X-Agent-Id": f"crowd{n}"})
+        assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
+        assert said in body["error"]["message"] and not served.rt.stored(f"crowd{n}")
+
+
+def test_a_streamed_turn_cancelled_before_its_first_piece_is_a_503_not_a_broken_stream(served, monkeypatch):
+    """A stream's turn task cancelled (the server stopping) before its first piece began a 200 stream and then
+    raised CancelledError out of it: the client got a cut-off body. It now gets a 503 before any stream."""
+    async def cancelled(req, name, pieces, cancel=None):
+        raise asyncio.CancelledError
+
+    monkeypatch.setattr(served.server, "run_chat", cancelled)
+    status, body, _ = served.request("POST", "/v1/chat/completions", {
+        "model": "kvactors-tiny", "max_tokens": 2, "stream": True, "messages": [{"role": "user", "content": "hi"}]})
+    assert status == 503 and body["error"]["code"] == "runtime_stopped", body
+
+
 def test_a_refused_turn_leaves_no_trace_of_its_request_in_the_history(served):
     """A request refused with a 400 (too long for the model, a bad sender) had its earlier messages written as
     notes, or its conversation reset, before its turn was refused: a corrected resend then doubled them."""
@@ -617,13 +662,14 @@ def test_a_turn_too_long_over_http_gives_advice_an_http_client_can_follow(served
     the advice itself, by what would make the turn fit, and keeps the figures."""
     max_tokens = 2
     room = served.rt.max_context - max_tokens
-    cases = [  # (system prompt, message, advice expected)
-        ("You answer briefly.", "hello " * (served.rt.max_context + 10), "shorten the last message"),
-        ("word " * room, "hi", "the system prompt alone leaves no room"),
+    cases = [  # (system prompt, message, max_tokens, advice expected)
+        ("You answer briefly.", "hello " * (served.rt.max_context + 10), max_tokens, "shorten the last message"),
+        # a prompt that leaves room for a turn (spawn takes it), but not with this max_tokens
+        ("word " * (room - 400), "hi", 500, "the system prompt alone leaves no room"),
     ]
-    for n, (system, text, advice) in enumerate(cases):
+    for n, (system, text, tokens, advice) in enumerate(cases):
         status, body, _ = served.request("POST", "/v1/chat/completions", {
-            "model": "kvactors-tiny", "max_tokens": max_tokens, "messages": [
+            "model": "kvactors-tiny", "max_tokens": tokens, "messages": [
                 {"role": "system", "content": system}, {"role": "user", "content": text}]},
             {"X-Agent-Id": f"toolong{n}"})
         message = body["error"]["message"]
@@ -657,7 +703,8 @@ def test_runtime_errors_over_http_advise_what_an_http_client_can_do(served, tmp_
     """The runtime's errors end with advice on Python calls (rt.forget, ref.reset, ref.result(turn_id), raise
     memory_budget, start a new Runtime), which an HTTP client cannot follow: the server words its own advice
     after each error's `detail`."""
-    from runtime import AgentStopped, RuntimeEscalated, TurnTimeout
+    from runtime import AgentStopped, RuntimeEscalated, TurnTimeout, UnknownAgent
+    from runtime.api.facade import not_running
     from runtime.api.serve import error_for
 
     def python_free(message):
@@ -696,10 +743,12 @@ def test_runtime_errors_over_http_advise_what_an_http_client_can_do(served, tmp_
     errors = [TurnTimeout("a-1", "the turn did not finish within its timeout; it is being written", ": ref.result("
                           "turn_id) says whether it committed"),
               AgentStopped("a-1", "the agent was stopped before the turn finished", "; spawn it again and retry"),
-              RuntimeEscalated("supervision gave up after 'a' kept failing (boom)", "; start a new Runtime")]
+              RuntimeEscalated("supervision gave up after 'a' kept failing (boom)", "; start a new Runtime"),
+              UnknownAgent("agent 'a' exited and was not restarted", "; spawn it again"),
+              not_running("a", ["someone-elses"])]  # an agent stopped between the server's look and its call
     for error in errors:
         message = error_for(error, "a").message
-        assert python_free(message) and error.detail in message, message
+        assert python_free(message) and error.detail in message and "someone-elses" not in message, message
     assert "GET /v1/agents/a " in error_for(errors[0], "a").message  # names the agent to look at
 
 

@@ -92,12 +92,12 @@ class WaitsInCallback(KvactorsError, RuntimeError):
     agent's): it would wait for itself, and every agent with it, or for the very agent it runs on."""
 
 
-def _never_fits(runtime, text: str, reserved: int) -> bool:
-    """Whether `text` has more characters than the model's positions less `reserved` can hold as tokens of
-    `runtime`'s tokenizer, whatever they are (its longest token's characters each); False when either is
-    unknown. Such a text is refused before tokenizing it, which would hold every thread up for nothing."""
+def never_fits(runtime, chars: int, reserved: int) -> bool:
+    """Whether texts of `chars` characters in all are more than the model's positions less `reserved` can hold as
+    tokens of `runtime`'s tokenizer, whatever they are (its longest token's characters each); False when either is
+    unknown. Such texts are refused before tokenizing them, which would hold every thread up for nothing."""
     longest, positions = runtime.longest_token_chars, runtime.max_context
-    return bool(longest and positions) and len(text) > (positions - reserved) * longest
+    return bool(longest and positions) and chars > (positions - reserved) * longest
 
 
 def _not_in_callback(what: str) -> None:
@@ -112,6 +112,18 @@ def _not_in_callback(what: str) -> None:
 class WaitTimeout(KvactorsError, TimeoutError):
     """A wait on the Runtime (`flush`, `forget`, `agents`, `engine_stats`, `spawn`'s look at the stored agent) ran
     past its `timeout`; the work goes on: call again to wait longer."""
+
+
+class SystemPromptTooLong(AdvisedError, ValueError):
+    """A system prompt that leaves the model no position for a turn: every turn would fail with TurnTooLong.
+    `spawn` and `reset` raise it before anything starts or is recorded; `tokens` is the prompt's count (None where
+    it was refused by its length in characters, before tokenizing) and `limit` the model's positions."""
+
+    def __init__(self, tokens: int | None, chars: int, limit: int, advice: str = ": shorten it"):
+        size = f"{tokens} tokens" if tokens is not None else f"{chars} characters, more tokens whatever they are,"
+        super().__init__(f"the system prompt is {size} of the model's {limit} positions and leaves none for a "
+                         f"message and a reply", advice)
+        self.tokens, self.chars, self.limit = tokens, chars, limit
 
 
 class SystemPromptChanged(KvactorsError, ValueError):
@@ -455,8 +467,8 @@ class AgentRef:
             turn_id = new_turn_id(self.name)
         elif not isinstance(turn_id, str) or not TURN_ID.fullmatch(turn_id):
             raise InvalidArgument(f"turn_id must match {TURN_ID.pattern}, got {turn_id!r}")
-        # a message that can never fit is refused here (`_never_fits`)
-        if _never_fits(self.runtime, text, max_tokens):
+        # a message that can never fit is refused here (`never_fits`)
+        if never_fits(self.runtime, len(text), max_tokens):
             positions = self.runtime.max_context
             raise TurnTooLong(turn_id, f"the message has {len(text)} characters: more tokens, whatever they are, "
                                        f"than the {positions - max_tokens} positions the model has left after "
@@ -653,7 +665,7 @@ class AgentRef:
         turn would fail with TurnTooLong), TypeError for a sender that is not a str or None."""
         if not isinstance(text, str) or not text:
             raise InvalidArgument("a note needs a non-empty text")
-        if _never_fits(self.runtime, text, 1):
+        if never_fits(self.runtime, len(text), 1):
             raise InvalidArgument(f"the note has {len(text)} characters: more tokens, whatever they are, than the "
                                   f"model's {self.runtime.max_context} positions leave for it; shorten it")
         if sender is not None and not isinstance(sender, str):
@@ -676,8 +688,8 @@ class AgentRef:
         Queued after the agent's pending work. The journal keeps the old conversation; `history()` shows only the new one. The
         cache is kept and the next turn reuses the prefix of it that the new conversation still
         renders to, where that prefix is most of the cached text (`runtime.prefix`: 80%; else
-        the turn re-prefills). Raises ValueError for a malformed record, TypeError for records
-        that are not a list of dicts.
+        the turn re-prefills). Raises ValueError for a malformed record, SystemPromptTooLong for a `system` that
+        leaves the model no position for a turn, TypeError for records that are not a list of dicts.
         """
         if not isinstance(records, (list, tuple)) or not all(isinstance(r, dict) for r in records):
             raise InvalidArgumentType(f"records must be a list of dicts (the shape history() returns), "
@@ -706,6 +718,7 @@ class AgentRef:
             raise InvalidArgument(f"system must be a str or None, got {type(system).__name__}")
         if system is not None:
             check_unicode("system", system)
+            self.runtime._check_system_fits(system)
         future = ReplyFuture()
         payload = msgpack.packb({"system": system, "records": clean})
         self.runtime._deliver(self.name, Reset(payload, future), future)
@@ -830,18 +843,16 @@ class Runtime:
         restart: "permanent" (always restarted), "transient" (only after a crash) or
         "temporary" (never). Raises InvalidAgentId for a bad name or one that differs only in case from a
         running or stored agent's (a case-insensitive file system would give both one folder), ValueError if an
-        agent of that name is running (stop it first, or `forget` it), and TypeError or
-        ValueError for a bad option (system a str that could fit the model's positions, restart one of the three,
-        reset a bool, timeout finite and > 0), before anything starts.
+        agent of that name is running (stop it first, or `forget` it), SystemPromptTooLong (a ValueError) for a
+        system prompt that leaves the model no position for a turn, and TypeError or ValueError for a bad option
+        (system a str, restart one of the three, reset a bool, timeout finite and > 0), before anything starts.
         """
         self._check_running()
         store.check_agent_id(name)
         if not isinstance(system, str):
             raise InvalidArgumentType(f"system must be a str, got {type(system).__name__}")
         check_unicode("system", system)
-        if _never_fits(self, system, 1):  # every turn would fail, and the agent would be stored with it
-            raise InvalidArgument(f"the system prompt has {len(system)} characters: more tokens, whatever they are, "
-                                  f"than the model's {self.max_context} positions; shorten it")
+        self._check_system_fits(system)  # every turn would fail, and the agent would be stored with it
         _choice("restart", restart, RESTART_TYPES)
         if not isinstance(reset, bool):
             raise InvalidArgumentType(f"reset must be True or False, got {type(reset).__name__}")
@@ -858,6 +869,16 @@ class Runtime:
                               lambda sup: AgentActor.start(sup, self._env, name, system), restart)
             self._add_name(name)
         return AgentRef(self, name)
+
+    def _check_system_fits(self, system: str) -> None:
+        """Raise SystemPromptTooLong if `system` leaves the model no position for a message and one token of reply
+        (`agent.system_crowds_out`); a text too long whatever its tokens is refused before tokenizing it."""
+        if never_fits(self, len(system), 1):
+            raise SystemPromptTooLong(None, len(system), self.max_context)
+        if system and self.max_context:
+            tokens = agent_mod.system_crowds_out(self.tokenizer, system, 1, self.max_context)
+            if tokens is not None:
+                raise SystemPromptTooLong(tokens, len(system), self.max_context)
 
     def _add_name(self, name: str) -> None:
         """Count agent `name` as running (its actor started)."""
@@ -1084,7 +1105,7 @@ class Runtime:
                         self._env.refs.pop(name, None)
                         self._env.hot.discard(name)
                 if gone or name not in self._names:
-                    raise UnknownAgent(f"agent {name!r} exited and was not restarted; spawn it again")
+                    raise UnknownAgent(f"agent {name!r} exited and was not restarted", "; spawn it again")
                 continue  # spawned again meanwhile: its new actor
             if time.monotonic() > deadline or self._escalation:
                 self._check_running()
@@ -1244,7 +1265,7 @@ def not_running(name: str, running) -> UnknownAgent:
     running = list(running)
     shown = ", ".join(repr(n) for n in running[:SHOWN_NAMES]) or "none"
     more = f" and {len(running) - SHOWN_NAMES} more" if len(running) > SHOWN_NAMES else ""
-    return UnknownAgent(f"no running agent named {name!r}; running: {shown}{more}")
+    return UnknownAgent(f"no running agent named {name!r}", f"; running: {shown}{more}")
 
 
 def _choice(name: str, value, choices) -> None:

@@ -54,9 +54,9 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from runtime import (AgentCrashed, AgentStopped, ChatTemplateError, JournalError, Reply, Runtime, RuntimeClosed,
-                     RuntimeEscalated, SystemPromptChanged, TurnNotSaved, TurnTimeout, TurnTooLarge, TurnTooLong,
-                     UnknownAgent, WaitTimeout)
-from runtime.api.facade import _number as _check_number, _positive, check_room, check_unicode
+                     RuntimeEscalated, SystemPromptChanged, SystemPromptTooLong, TurnNotSaved, TurnTimeout, TurnTooLarge,
+                     TurnTooLong, UnknownAgent, WaitTimeout)
+from runtime.api.facade import _number as _check_number, _positive, check_room, check_unicode, never_fits
 from runtime.errors import InvalidArgument, KvactorsError, shown
 from runtime.store import InvalidAgentId, check_agent_id, conversation_prompt
 
@@ -308,6 +308,25 @@ def plan_turn(history: list[dict], req: ChatRequest, named: bool) -> Plan:
     return Plan(last[1], last[2], (), records, req.system if new_system else None)
 
 
+def check_messages_fit(rt: Runtime, req: ChatRequest, max_tokens: int) -> None:
+    """Raise a 400 (context_length_exceeded) for a request whose messages can never fit the model's positions
+    with `max_tokens`, whatever the agent holds: every message of it ends up in the conversation, and each takes
+    a position at least, its characters a token's longest at most (`facade.never_fits`). Checked before anything
+    runs: the agent would take each earlier message as a note first (tens of thousands took tens of seconds)."""
+    positions = rt.max_context
+    if positions is None:
+        return
+    if len(req.messages) > positions - max_tokens:
+        raise bad(f"the request has {len(req.messages)} messages, each at least one of the model's {positions} "
+                  f"positions, and max_tokens {max_tokens} takes more; send fewer messages", "messages",
+                  "context_length_exceeded")
+    chars = sum(len(m[1]) for m in req.messages) + len(req.system or "")
+    if never_fits(rt, chars, max_tokens):
+        raise bad(f"the request's messages have {chars} characters: more tokens, whatever they are, than the "
+                  f"model's {positions} positions leave after max_tokens {max_tokens}; send fewer or shorter "
+                  "messages", "messages", "context_length_exceeded")
+
+
 def check_server_options(max_agents, default_max_tokens, turn_timeout) -> None:
     """Raise TypeError or ValueError unless `max_agents` and `default_max_tokens` are ints >= 1 and `turn_timeout`
     a finite number > 0 (the Runtime's own checks): a server with another would refuse every request, blaming
@@ -520,8 +539,11 @@ def error_for(e: BaseException, agent: str | None = None) -> ApiError:
         return ApiError(409, f"agent {e.agent!r} exists with another system prompt; forget it first "
                         f"(DELETE /v1/agents/{e.agent}) or create it without one to resume it", "system",
                         "system_prompt_changed")
-    if isinstance(e, UnknownAgent):
-        return ApiError(404, str(e), None, "agent_not_found")
+    if isinstance(e, UnknownAgent):  # stopped or deleted meanwhile; other agents' names are not the client's
+        return ApiError(404, f"{e.detail}; retry the request, or create it with POST /v1/agents", None,
+                        "agent_not_found")
+    if isinstance(e, SystemPromptTooLong):
+        return bad(f"{e.detail}; send a shorter system prompt", "system", "context_length_exceeded")
     if isinstance(e, TurnTooLong):
         return bad(f"{e.detail}; {_TOO_LONG_ADVICE[e.fix]}", "messages", "context_length_exceeded")
     if isinstance(e, ChatTemplateError):
@@ -621,6 +643,7 @@ def routes(server: Server) -> list[Route]:
             check_room(req.max_tokens or server.default_max_tokens, rt.max_context)
         except InvalidArgument as e:
             raise bad(str(e), "max_tokens", "context_length_exceeded") from None
+        check_messages_fit(rt, req, req.max_tokens or server.default_max_tokens)
         name = req.agent or derive_agent_id(req.user, req.system, req.messages[0][1])
         created = int(time.time())
         if not req.stream:
@@ -639,7 +662,10 @@ def routes(server: Server) -> list[Route]:
         except asyncio.CancelledError:
             gone.set()
             raise
-        if first is None and not task.cancelled() and task.exception() is not None:
+        if first is None and task.cancelled():  # the server stopping: nothing began
+            raise ApiError(503, "the server stopped before the turn began: retry the request once it runs again",
+                           None, "runtime_stopped", "server_error")
+        if first is None and task.exception() is not None:
             raise error_for(task.exception(), name)
         cid = f"chatcmpl-{uuid.uuid4().hex}"
 
@@ -656,8 +682,9 @@ def routes(server: Server) -> list[Route]:
                     server.cancelled += 1
             try:
                 reply = task.result()
-            except Exception as e:  # the stream has begun: the error goes in an event
-                err = error_for(e, name)
+            except (Exception, asyncio.CancelledError) as e:  # the stream has begun: the error goes in an event
+                err = error_for(RuntimeClosed("the server stopped") if isinstance(e, asyncio.CancelledError) else e,
+                                name)
                 yield f"data: {json.dumps({'error': {'message': err.message, 'type': err.type, 'param': err.param, 'code': err.code}})}\n\n"
                 return
             yield server.chunk(cid, created, {}, reply.finish_reason, kvactors=server.kvactors_info(reply))
