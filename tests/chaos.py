@@ -63,7 +63,7 @@ CHILD = Path(__file__).resolve().parent / "chaos_child.py"
 REFUSED = {"TurnNotSaved", "JournalError", "TurnTooLong"}  # a turn refused so is not in the journal
 ALLOWED = {"kill": {"TurnTooLong"}, "damage": {"TurnTooLong"}, "disk-full": REFUSED, "permission": REFUSED}
 FULL_DISK_TURNS = 8  # answers a child must give on a full disk before it is freed or killed
-LOSS_LOGGED = ("damaged in the middle", "torn journal tail", "newer than its journal", "tail was cut off")
+LOSS_LOGGED = ("damaged in the middle", "did not read", "newer than its journal", "tail was cut off")
 DENIALS = (("journal", 0o000), ("journal", 0o400), ("folder", 0o500), ("folder", 0o000), ("cache", 0o000))
 
 
