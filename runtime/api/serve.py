@@ -327,6 +327,12 @@ def check_messages_fit(rt: Runtime, req: ChatRequest, max_tokens: int) -> None:
                   "messages", "messages", "context_length_exceeded")
 
 
+def failure(task: asyncio.Task) -> BaseException | None:
+    """What a done turn task failed with: its exception, RuntimeClosed where it was cancelled (the server
+    stopping), None where it returned."""
+    return RuntimeClosed("the server stopped") if task.cancelled() else task.exception()
+
+
 def check_server_options(max_agents, default_max_tokens, turn_timeout) -> None:
     """Raise TypeError or ValueError unless `max_agents` and `default_max_tokens` are ints >= 1 and `turn_timeout`
     a finite number > 0 (the Runtime's own checks): a server with another would refuse every request, blaming
@@ -662,11 +668,8 @@ def routes(server: Server) -> list[Route]:
         except asyncio.CancelledError:
             gone.set()
             raise
-        if first is None and task.cancelled():  # the server stopping: nothing began
-            raise ApiError(503, "the server stopped before the turn began: retry the request once it runs again",
-                           None, "runtime_stopped", "server_error")
-        if first is None and task.exception() is not None:
-            raise error_for(task.exception(), name)
+        if first is None and (error := failure(task)) is not None:
+            raise error_for(error, name)
         cid = f"chatcmpl-{uuid.uuid4().hex}"
 
         async def events():
@@ -680,13 +683,11 @@ def routes(server: Server) -> list[Route]:
                 if not task.done():
                     gone.set()
                     server.cancelled += 1
-            try:
-                reply = task.result()
-            except (Exception, asyncio.CancelledError) as e:  # the stream has begun: the error goes in an event
-                err = error_for(RuntimeClosed("the server stopped") if isinstance(e, asyncio.CancelledError) else e,
-                                name)
+            if (error := failure(task)) is not None:  # the stream has begun: the error goes in an event
+                err = error_for(error, name)
                 yield f"data: {json.dumps({'error': {'message': err.message, 'type': err.type, 'param': err.param, 'code': err.code}})}\n\n"
                 return
+            reply = task.result()
             yield server.chunk(cid, created, {}, reply.finish_reason, kvactors=server.kvactors_info(reply))
             if req.include_usage:
                 yield server.chunk(cid, created, None, usage=server.usage(reply))
