@@ -514,6 +514,14 @@ def lost_records(missing: bool, cache_seq: int | None, last: int, mark: int) -> 
             f"cut off and those records are lost; new turns continue after seq {mark}")
 
 
+def unread_tail(torn: int, acknowledged: bool) -> str:
+    """What a journal's last `torn` bytes that did not read were (`acknowledged`: the agent's other files used seqs
+    past its last kept record): damage to acknowledged records, whose loss `lost_records` says, or an append cut
+    short. One phrase, for the persistence actor's log and `kvactors inspect`."""
+    what = "damage to acknowledged records" if acknowledged else "a torn tail: an append cut short"
+    return f"the journal's last {torn} B did not read ({what})"
+
+
 def open_journal(folder: Path) -> tuple[JournalScan | None, int]:
     """Make `folder`'s journal ready for appends; return (its scan as found, the byte to append at).
 

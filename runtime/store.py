@@ -45,7 +45,7 @@ from runtime.journal import (JOURNAL_MAGIC, JournalError, JournalScan, append_fr
                              conversation_prompt, current_conversation, encode_records, fresh_records, high_seq,
                              journal_record, lost_records, open_journal, parse_journal, prompt_check, read_journal,
                              read_journal_bytes, record_high_seq, record_reported_loss, repair_journal, reported_loss,
-                             scan_folder, scan_journal)
+                             scan_folder, scan_journal, unread_tail)
 
 __all__ = [
     # runtime.files
@@ -68,7 +68,7 @@ __all__ = [
     "JOURNAL_MAGIC", "JournalError", "JournalScan", "append_frames", "append_journal", "check_record", "lost_records",
     "conversation_prompt", "current_conversation", "encode_records", "fresh_records", "high_seq", "journal_record",
     "open_journal", "parse_journal", "prompt_check", "read_journal", "read_journal_bytes", "record_high_seq", "record_reported_loss", "repair_journal",
-    "reported_loss", "scan_folder", "scan_journal",
+    "reported_loss", "scan_folder", "scan_journal", "unread_tail",
     # runtime.hotcache
     "HotCaches", "cache_nbytes",
     # this module
@@ -359,9 +359,9 @@ def _kind(path: Path, mode: int) -> str:
         return "a symlink"
 
 
-def _journal_health(folder: Path) -> tuple[list | None, list[str]]:
-    """(records, notes) of the journal in `folder`: records None when it cannot be read; notes say what is wrong and
-    what happens or what to do."""
+def _journal_health(folder: Path, used: int) -> tuple[list | None, list[str]]:
+    """(records, notes) of the journal in `folder`, whose agent's other files used seqs up to `used`: records None
+    when it cannot be read; notes say what is wrong and what happens or what to do."""
     path = folder / JOURNAL_FILE
     mode = _mode(path)
     if mode is None:
@@ -382,8 +382,8 @@ def _journal_health(folder: Path) -> tuple[list | None, list[str]]:
         notes.append(f"journal damaged ({sum(b - a for a, b in scan.damaged)} B unreadable, records lost): repaired at "
                      "the agent's next start, the damaged file kept as journal.damaged-*")
     if scan.torn:
-        notes.append(f"torn journal tail ({scan.torn} B dropped): moved aside to journal.torn-* at the agent's next "
-                     "start")
+        notes.append(f"{unread_tail(scan.torn, used > scan.last_seq)}: moved aside to journal.torn-* at the agent's "
+                     "next start")
     return scan.records, notes
 
 
@@ -457,20 +457,19 @@ def _delta_health(folder: Path, segment: Segment) -> list[str]:
     return []
 
 
-def _seq_notes(records: list, loaded: tuple | None, mark: int | None, folder: Path) -> list[str]:
-    """Notes comparing the seqs of a readable journal (`records`) with its cache and high-water mark `mark`.
+def _seq_notes(records: list, loaded: tuple | None, used: int, folder: Path) -> list[str]:
+    """Notes comparing the seqs of a readable journal (`records`) with its cache's and with `used`, the seqs its
+    agent's other files used (the cache's headers and the high-water mark, as the persistence actor counts them).
 
-    A cache behind the journal only costs a prefill; seqs used past the journal's last record (by the cache's
-    headers or the mark, as the persistence actor counts them) are records the journal lost.
+    A cache behind the journal only costs a prefill; seqs used past the journal's last record are records the
+    journal lost.
     """
     last = records[-1]["seq"] if records else -1
-    cached = cache_seq(folder)
-    used = max(x for x in (mark, cached, -1) if x is not None)
     lag = [] if loaded is None or loaded[1].seq >= last else \
         [f"cache at seq {loaded[1].seq}, journal at {last}: the agent's next turn prefills the turns after it"]
     if used <= last:
         return lag
-    return lag + [lost_records(not os.path.lexists(folder / JOURNAL_FILE), cached, last, used)]
+    return lag + [lost_records(not os.path.lexists(folder / JOURNAL_FILE), cache_seq(folder), last, used)]
 
 
 def _stray_folders(entries: list[os.DirEntry]) -> list[str]:
@@ -513,12 +512,13 @@ def _agent_row(folder: Path) -> list[str]:
     Raises OSError when the folder cannot be listed.
     """
     entries = _entries(folder)
-    records, notes = _journal_health(folder)
     mark, mark_notes = _mark_health(folder)
+    used = max(x for x in (mark, cache_seq(folder), -1) if x is not None)  # seqs the other files used
+    records, notes = _journal_health(folder, used)
     loaded, cache_notes = _cache_health(folder)
     notes += mark_notes + cache_notes + _stray_folders(entries)
     if records is not None:  # an unreadable journal's seqs are unknown: nothing to compare
-        notes += _seq_notes(records, loaded, mark, folder)
+        notes += _seq_notes(records, loaded, used, folder)
     tokens = "-" if loaded is None else str(loaded[0].n_tokens)
     return [folder.name, tokens, _human(_size(entries)), _last_turn(records or [], folder), "; ".join(notes) or "ok"]
 

@@ -784,8 +784,26 @@ def test_inspect_table(tmp_path):
     assert table.startswith(f"model {SPEC.fingerprint} (3 agents)")
     assert " 12 " in lines["alice"] and lines["alice"].endswith("ok") and "#3 assistant" in lines["alice"]
     assert "bad cache: TruncatedCache" in lines["bob"]
-    assert "torn journal tail (2 B dropped)" in lines["carol"] and "no cache" in lines["carol"]
+    assert "the journal's last 2 B did not read (a torn tail: an append cut short)" in lines["carol"]
+    assert "no cache" in lines["carol"]
     assert "no such folder" in store.inspect_table(tmp_path / "nope")
+
+
+def test_inspect_tells_damage_to_acknowledged_records_from_a_torn_append(tmp_path):
+    """A journal tail that did not read was always "a torn journal tail" in `kvactors inspect`, where the persistence
+    actor's log tells an append cut short from damage to records the high-water mark says were acknowledged: both
+    now say it in one wording (`journal.unread_tail`), the loss noted beside it."""
+    records = [store.journal_record(0, "user", "hi"), store.journal_record(1, "assistant", "hello there")]
+    for agent in ("erin", "fay"):
+        store.append_journal(tmp_path, SPEC, agent, records)
+        folder = tmp_path / SPEC.fingerprint / agent
+        journal = folder / store.JOURNAL_FILE
+        journal.write_bytes(journal.read_bytes()[:-3])  # the reply's frame cut (the append set the mark to 1)
+    store.record_high_seq(tmp_path / SPEC.fingerprint / "erin", 0)  # erin's reply was never acknowledged
+    lines = {line.split()[0]: line for line in store.inspect_table(tmp_path).splitlines()[3:]}
+    assert "did not read (a torn tail: an append cut short)" in lines["erin"] and "lost" not in lines["erin"]
+    assert "did not read (damage to acknowledged records)" in lines["fay"]
+    assert "records up to seq 1 were written" in lines["fay"] and "those records are lost" in lines["fay"]
 
 
 def test_inspect_names_the_model_recorded_beside_its_fingerprint(tmp_path):
