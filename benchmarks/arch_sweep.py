@@ -6,7 +6,8 @@ the tiny tokenizer, config fields from a table of small defaults by name plus pe
 child process, open a Runtime on it. The arch is either refused with ModelLoadError, or served: two agents
 take two turns each in one batch (greedy, 6 tokens), their first turns token-identical to each served alone,
 their hot second turns token-identical to the same turns served cold (a fresh Runtime, cache files deleted).
-A head dim that the default KV scheme refuses (KVSchemeError, documented) is retried under k6v4-g64.
+A head dim that the default KV scheme refuses (KVSchemeError, documented) is retried under k6v4-g64; a model
+the Runtime serves on "dequant_once" by itself (`ModelCacheSpec.dense_kv`) says so in its row.
 Anything else (a crash, a hang, other tokens) is a defect. CPU: about 2 s an arch.
 
 The token checks are exact on CPU. On CUDA the tiny models' float32 products run on MLX's matmuls, whose
@@ -216,6 +217,7 @@ def serve(model: Path, work: Path, scheme: str | None = None) -> dict:
         out["scheme"] = f"k6v4-g64 (the default: {e})"
         return out
     batched = {}
+    route = "dequant_once, the default for it: its code reads the cache as arrays" if rt.spec.dense_kv else None
     with rt:
         refs = {name: rt.spawn(name, system=system) for name, system, _ in agents}
         for text in TEXTS:
@@ -241,7 +243,7 @@ def serve(model: Path, work: Path, scheme: str | None = None) -> dict:
             problems.append(f"{name}: batched {t1} != alone {solo[name][0].tokens}")
         if t2 != solo[name][1].tokens:
             problems.append(f"{name}: hot {t2} != cold {solo[name][1].tokens}")
-    return {"outcome": "WRONG" if problems else "served", "why": "; ".join(problems)}
+    return {"outcome": "WRONG" if problems else "served", "why": "; ".join(problems), **({"route": route} if route else {})}
 
 
 def child(arch: str, root: Path) -> dict:
@@ -288,7 +290,8 @@ def main(argv=None) -> int:
                 out = {"outcome": "HANG", "why": f"past {args.timeout:.0f} s"}
             shutil.rmtree(Path(tmp) / "agents" / arch, ignore_errors=True)
             results[arch] = out
-            why = (out["why"] + (f" [{out['scheme']}]" if "scheme" in out else "")).replace("|", "/")
+            why = " ".join([out["why"]] * bool(out["why"]) + [f"[{out[k]}]" for k in ("scheme", "route") if k in out])
+            why = why.replace("|", "/")
             print(f"| {arch} | {out['outcome']} | {why[:300]} |", flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))

@@ -60,7 +60,10 @@ class ModelCacheSpec:
     keys of `kv_bits`, values of `kv_value_bits` (None: `kv_bits`), groups of
     `kv_group_size`, rotation `kv_rotation`. `fingerprint` names the model's folder in
     the store; `weights` (`weights_digest`, "" where unknown) joins it in the name
-    every cache file gives its model (`cacheformat.model_tag`).
+    every cache file gives its model (`cacheformat.model_tag`). `dense_kv`: the model's
+    own code reads the keys and values its cache hands back as arrays (phi's casts them),
+    so where no route is asked for it is served on "dequant_once" (`q4cache.route_for`;
+    set by `serving_spec`).
     """
 
     model_id: str
@@ -78,6 +81,7 @@ class ModelCacheSpec:
     kv_value_bits: int | None = None
     kv_rotation: str = "none"
     weights: str = ""
+    dense_kv: bool = False
 
     @property
     def kv_scheme(self) -> KVScheme:
@@ -197,7 +201,7 @@ def layers_attending_inline(model, caches, model_id="the model") -> list[int]:
         raise
     except Exception as e:  # noqa: BLE001 - whatever a model's own code raises on this device
         raise ModelLoadError(f"{model_id}: {_model_type(model)} models fail a forward pass here "
-                             f"({type(e).__name__}: {_first_line(e)}), so kvactors cannot serve them") from e
+                             f"({_failure(e)}), so kvactors cannot serve them") from e
     return [i for i in range(len(caches)) if not all(i in seen for seen in routed)]
 
 
@@ -262,12 +266,14 @@ def default_model_file() -> Path:
     )
 
 
-def load_model(model: str | Path | None = None, kv_scheme: KVScheme | None = None):
+def load_model(model: str | Path | None = None, kv_scheme: KVScheme | None = None, route: str | None = None):
     """Load `model` with `mlx_lm.load`; return (model, tokenizer, ModelCacheSpec).
 
     The KV cache is quantized under `kv_scheme` (None: `kvscheme.default_scheme`
     for the model); `ModelCacheSpec.from_model` raises KVSchemeError for one
-    that cannot serve it.
+    that cannot serve it. The model is checked as the engine will serve it on `route`
+    (None: the default, which a model whose code reads keys and values as arrays
+    gets as "dequant_once": `serving_spec`).
 
     The model is prepared for the engine (`runtime.prepare`: on CUDA, quantized
     linears take flattened inputs and decode through the batch-invariant GEMV).
@@ -295,18 +301,47 @@ def load_model(model: str | Path | None = None, kv_scheme: KVScheme | None = Non
                              "the tokenizer's files (a download cut short? fetch it again)") from e
     spec = ModelCacheSpec.from_model(net, path, kv_scheme)
     prepare_model(net)
-    check_batch_forward(net, spec, path)
-    return net, tokenizer, spec
+    return net, tokenizer, serving_spec(net, spec, path, route)
 
 
-def check_batch_forward(model, spec: ModelCacheSpec, model_id) -> None:
+def serving_spec(model, spec: ModelCacheSpec, model_id, route: str | None = None) -> ModelCacheSpec:
+    """`spec` as the engine serves `model` on `route`, checked by `check_batch_forward`.
+
+    Where no route is asked for and the default one fails while "dequant_once" serves the model (its code
+    reads the keys and values the cache hands back as arrays: phi, phixtral, stablelm), returns `spec` with
+    `dense_kv` set, so that the default becomes "dequant_once" for it. Raises ModelLoadError where the route
+    fails: naming "dequant_once" where that one serves the model, else saying no route does.
+    """
+    from runtime.q4cache import route_for
+
+    try:
+        check_batch_forward(model, spec, model_id, route)
+        return spec
+    except ModelLoadError as failed:
+        if route_for(spec, route) in ("dequant", "dequant_once"):
+            raise
+        dense = replace(spec, dense_kv=True)
+        try:
+            check_batch_forward(model, dense, model_id, "dequant_once")
+        except ModelLoadError:
+            raise failed from None
+        if route is None:
+            return dense
+        raise ModelLoadError(f"{model_id}: {_model_type(model)} models fail over kvactors' Q4 batch cache on the "
+                             f"{route!r} route ({_failure(failed.__cause__)}): their code reads "
+                             "the keys and values the cache hands back as arrays; leave the route unset, or pass "
+                             "route='dequant_once', which serves them") from failed.__cause__
+
+
+def check_batch_forward(model, spec: ModelCacheSpec, model_id, route: str | None = None) -> None:
     """Serve two agents of `model` as the engine will: prefill each over its own Q4 batch cache for `spec` (two
     tokens and three), join them into one batch of rows of unequal lengths, and run a decode step over both;
     raise ModelLoadError, naming the failure, where the model cannot take it: code that handles keys and values
     itself, or that takes the batch's positions for one number (gpt_bigcode's learned positions: it served one
     agent and failed every step of a batch of two), would otherwise fail every turn of every agent. It catches
-    failures, not wrong numbers, and only on this machine's route: the layers that compute attention in their own
-    code are found by `layers_attending_inline`, whatever the route hands them."""
+    failures, not wrong numbers, and only on `route` (None: the default for `spec`, `q4cache.route_for`): the
+    layers that compute attention in their own code are found by `layers_attending_inline`, whatever the route
+    hands them."""
     import mlx.core as mx
 
     from runtime import attention
@@ -314,9 +349,9 @@ def check_batch_forward(model, spec: ModelCacheSpec, model_id) -> None:
 
     attention.install()  # as the engine does: the model's attention over batch caches
     try:
-        batch = merge_caches(spec, [None])
+        batch = merge_caches(spec, [None], route)
         mx.eval(model(mx.array([[0, 1]]), cache=batch))
-        other = merge_caches(spec, [None])
+        other = merge_caches(spec, [None], route)
         mx.eval(model(mx.array([[2, 3, 4]]), cache=other))
         extend_cache(batch, other)
         mx.eval(model(mx.array([[5], [6]]), cache=batch))
@@ -324,13 +359,14 @@ def check_batch_forward(model, spec: ModelCacheSpec, model_id) -> None:
         raise
     except Exception as e:  # noqa: BLE001 - whatever the model's own code does with a batch it cannot take
         raise ModelLoadError(f"{model_id}: {_model_type(model)} models fail over kvactors' Q4 batch cache "
-                             f"({type(e).__name__}: {_first_line(e)}); their code handles keys, values or positions "
+                             f"({_failure(e)}); their code handles keys, values or positions "
                              "in its own way, which batches of agents cannot feed, so kvactors cannot serve them") from e
 
 
-def _first_line(error: BaseException) -> str:
-    """The first line of `error`'s message, at most 200 characters (MLX's type errors list every signature)."""
-    return (str(error).splitlines() or [""])[0][:200]
+def _failure(error: BaseException) -> str:
+    """`error` as the load errors name a failure: its type and its message's first line, at most 200 characters
+    (MLX's type errors list every signature)."""
+    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
 
 
 def _model_type(model) -> str:

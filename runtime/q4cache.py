@@ -988,8 +988,11 @@ def route_for(spec, route: str | None = None) -> str:
     model raises Q4CacheError; where it is the default, such models get "dequant_once".
     Where "q4kernel" is the default but its kernel cannot serve the model's decode
     (a layout `q4sdpa.serves` refuses, such as 8-bit keys or head dim 96; sinks),
-    the model gets "dequant_once" instead of dequantizing the whole cache every step.
+    the model gets "dequant_once" instead of dequantizing the whole cache every step. So does a model whose
+    own code reads keys and values as arrays (`spec.dense_kv`, found at load by `model.serving_spec`).
     """
+    if route is None and getattr(spec, "dense_kv", False):
+        return "dequant_once"
     chosen = check_route(route) if route else default_route()
     scheme = spec.kv_scheme
     if chosen == "q4kernel" and route is None and (

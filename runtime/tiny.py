@@ -8,7 +8,9 @@
   dense layers do not, lfm2, whose convolution layers keep no KV cache, and
   gemma4_text, whose last layers attend over an earlier layer's keys in their
   own code, and gpt_bigcode, whose learned positions take one offset for the
-  whole batch, only to test that the runtime refuses them),
+  whole batch, only to test that the runtime refuses them; phi, whose attention
+  reads the values the cache hands back as an array, to test that it is served
+  on the dequantizing route all the same),
 - ``model.safetensors`` with random weights, deterministic for a seed, named as
   the mlx-lm model class expects them after its ``sanitize``,
 - ``tokenizer.json`` / ``tokenizer_config.json``: a byte-level BPE tokenizer
@@ -59,7 +61,8 @@ __all__ = [
     "tokenizer_corpus",
 ]
 
-ARCHS = ("llama", "qwen2", "gemma3_text", "gpt_oss", "gemma2", "lfm2", "gemma4_text", "phi3small", "gpt_bigcode")
+ARCHS = ("llama", "qwen2", "gemma3_text", "gpt_oss", "gemma2", "lfm2", "gemma4_text", "phi3small", "gpt_bigcode",
+         "phi")
 
 VOCAB_SIZE = 2048
 BOS = "<|begin_of_text|>"
@@ -182,6 +185,11 @@ _CONFIGS = {
         "n_head": 2,
         "n_positions": 4096,
         "layer_norm_epsilon": 1e-5,
+    },
+    "phi": {  # reads the values its cache hands back as an array: served on "dequant_once" (model.serving_spec)
+        "architectures": ["PhiForCausalLM"],
+        "num_hidden_layers": 2,
+        "partial_rotary_factor": 0.5,
     },
     "gpt_oss": {
         "architectures": ["GptOssForCausalLM"],

@@ -126,6 +126,35 @@ def test_a_model_that_takes_one_position_for_the_whole_batch_is_refused_at_load(
         Runtime(model=tiny_model_path("gpt_bigcode"), cache_dir=tmp_path)
 
 
+def test_a_model_whose_code_reads_the_cache_as_arrays_is_served_on_the_dequantizing_route(tmp_path, tiny_model_path):
+    """phi casts the values its cache hands back (`values.dtype`): on the default route, which hands attention the
+    packed cache, the probe at load failed and the Runtime refused it, saying kvactors could not serve it, while
+    "dequant_once" serves it. With no route asked for it is now served there, its two agents batched giving each
+    one's tokens alone (CPU: the tiny model's float32 products round by batch shape on CUDA); a route asked for
+    that fails it is refused at load, naming the one that serves it."""
+    from runtime import Runtime
+    from runtime.q4cache import route_for
+
+    path = tiny_model_path("phi")
+    turns = {"a": ("You plan.", "Plan a bake sale."), "b": ("You count.", "Count the chairs, then the tables.")}
+    with Runtime(model=path, cache_dir=tmp_path / "batched", warmup=False) as rt:
+        assert rt.spec.dense_kv and route_for(rt.spec) == "dequant_once"
+        refs = {name: rt.spawn(name, system=system) for name, (system, _) in turns.items()}
+        futures = {name: refs[name].send(text, max_tokens=6) for name, (_, text) in turns.items()}
+        batched = {name: f.get(timeout=120).tokens for name, f in futures.items()}
+    with Runtime(model=path, cache_dir=tmp_path / "solo", warmup=False) as rt:
+        alone = {name: rt.spawn(name, system=system).ask(text, max_tokens=6).tokens
+                 for name, (system, text) in turns.items()}
+    assert all(len(t) == 6 for t in batched.values())
+    if not on_cuda():
+        assert batched == alone
+    route = "q4kernel" if on_cuda() else "quantized"
+    with pytest.raises(ModelLoadError, match=rf"phi models fail over kvactors' Q4 batch cache on the '{route}' route "
+                                             r"\(AttributeError: .*route='dequant_once', which serves them"):
+        Runtime(model=path, cache_dir=tmp_path / "asked", route=route)
+    assert not load_model(tiny_model_path("llama"))[2].dense_kv  # a model the default route serves keeps it
+
+
 def test_gpt_oss_sinks_and_alternating_window(specs, tiny_model_path):
     config = json.loads((tiny_model_path("gpt_oss") / "config.json").read_text())
     spec = specs["gpt_oss"]

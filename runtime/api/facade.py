@@ -755,7 +755,9 @@ class Runtime:
     is acknowledged once its journal records are fsynced; its cache file follows in
     the background, see `flush`) or "memory" (at once).
     route: how attention reads the Q4 cache, one of `q4cache.ROUTES` ("quantized",
-    "dequant", "dequant_once", "q4kernel"; None: the machine's default, `q4cache.route_for`).
+    "dequant", "dequant_once", "q4kernel"; None: the machine's default for the model, `q4cache.route_for`:
+    "dequant_once" for a model whose code reads keys and values as arrays, as phi's does). The model is
+    checked on it at load: a route that cannot serve it raises ModelLoadError, naming one that can.
     strategy / max_restarts / restart_period / backoff: agent supervision.
     retention_s: at start, delete the cache files (never the journals) of agents idle
     longer than this many seconds (None: keep them); such an agent re-prefills.
@@ -801,7 +803,7 @@ class Runtime:
         self._lowered: dict[str, str] = {}  # each running id lowercased -> the id (`_check_case`)
         self._naming, self._name_locks = threading.Lock(), {}  # see `_name_held`
         self.cache_dir = cache_folder(cache_dir)
-        self.model, self.tokenizer, self.spec = load_model(model, scheme)
+        self.model, self.tokenizer, self.spec = load_model(model, scheme, route)  # checked on the engine's route
         context = getattr(getattr(self.model, "args", None), "max_position_embeddings", None)
         self.max_context = context if isinstance(context, int) else None  # the model's positions, when it says
         # the most characters one token spells: a message longer than the positions left for it times this can
