@@ -206,7 +206,9 @@ def scan_journal(data, acknowledged: int | None = None) -> JournalScan:
 
     An append that the journal's last good frames start but do not finish (`_unfinished_append`) goes with the
     torn tail, unless `acknowledged` (the journal's high-water mark, `high_seq`) says it was acknowledged: then
-    its records that landed stay, and the mark reports the rest as lost.
+    its records that landed stay, and the mark reports the rest as lost. Where the mark is known, damage past
+    the last acknowledged frame starts the torn tail, good frames after it included (`_damage_past`): they were
+    never acknowledged.
 
     A damaged frame followed by good ones is mid-file damage: the good ones are kept
     and the span is reported in `damaged`; a damaged or incomplete frame with no good
@@ -240,6 +242,12 @@ def scan_journal(data, acknowledged: int | None = None) -> JournalScan:
     kept = _rising([r["seq"] for r in records])
     damaged = _merged(damaged + [f for i, f in enumerate(frames) if i not in kept])
     records, frames = [records[i] for i in sorted(kept)], [frames[i] for i in sorted(kept)]
+    if acknowledged is not None:
+        torn = _damage_past(records, frames, damaged[1:] if header else damaged, acknowledged)
+        if torn is not None:  # what follows was never acknowledged: it goes with the damage, as a torn tail
+            n = bisect.bisect_left([start for start, _ in frames], torn)
+            records, frames, pos = records[:n], frames[:n], torn
+            damaged = [d for d in damaged if d[0] < torn]
     cut = _unfinished_append(records, frames, pos, -1 if acknowledged is None else acknowledged)
     if cut is not None:
         # an append is acknowledged once all its records are on disk: one the journal ends inside (a turn's user
@@ -249,6 +257,18 @@ def scan_journal(data, acknowledged: int | None = None) -> JournalScan:
         pos = frames[cut][0]
         records, frames = records[:cut], frames[:cut]
     return JournalScan(records, frames, pos, damaged, len(view), header)
+
+
+def _damage_past(records: list, frames: list, damaged: list, acknowledged: int) -> int | None:
+    """The start of the first `damaged` span past the last frame acknowledged (seq up to `acknowledged`), or None.
+
+    Every frame after such damage is of an append that was never acknowledged: pages written out of order before
+    the append's fsync (a later frame landed, an earlier one did not) would otherwise leave, say, a turn's reply
+    without its user record, kept past mid-file damage. Such a tail goes whole, as a torn append does.
+    """
+    acked = bisect.bisect_right([r["seq"] for r in records], acknowledged)
+    start = frames[acked - 1][1] if acked else 0
+    return next((a for a, _ in damaged if a >= start), None)
 
 
 def _unfinished_append(records: list, frames: list, pos: int, acknowledged: int) -> int | None:

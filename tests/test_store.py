@@ -1297,3 +1297,27 @@ def test_an_append_the_journal_ends_inside_goes_unless_the_mark_says_it_was_ackn
         kept = store.scan_journal(data[:cut], 5)
         assert kept.records == recs[:5] and kept.end == frames[-1][0]  # acknowledged: the user record stays
     assert store.scan_journal(data, 3).records == recs  # a whole append stays, whatever the mark
+
+
+def test_an_unacknowledged_append_whose_later_frame_landed_goes_whole(tmp_path):
+    """An append's pages may reach the disk out of order before its fsync: a crash then leaves its reply's frame
+    whole and its user record's damaged. That was kept as mid-file damage, the reply an orphan in the history (and
+    the high-water mark raised over it at the next start), though the turn was never acknowledged. Where the mark
+    says what was acknowledged, damage past the last acknowledged frame starts the torn tail, what follows included;
+    damage to acknowledged records, or in a journal without a mark, stays mid-file damage."""
+    path, recs, frames = journal_of(tmp_path, 6)  # three turns, seqs 0-5
+    data = bytearray(path.read_bytes())
+    start = frames[4][0]
+    data[start + 12] ^= 0x40  # the last turn's user record damaged, its reply whole
+    scan = store.scan_journal(bytes(data), 3)
+    assert scan.records == recs[:4] and not scan.damaged and scan.end == start and scan.torn == len(data) - start
+    assert store.scan_journal(bytes(data)).records == recs[:4] + recs[5:]  # no mark: mid-file damage, as before
+    assert store.scan_journal(bytes(data), 5).records == recs[:4] + recs[5:]  # acknowledged: the reply stays
+    folder = path.parent
+    path.write_bytes(bytes(data))
+    store.record_high_seq(folder, 3)
+    assert [r["seq"] for r in store.read_journal(tmp_path, SPEC, "a")] == [0, 1, 2, 3]
+    assert "a torn tail: an append cut short" in store.inspect_table(tmp_path)
+    scan, end = store.open_journal(folder)  # the agent's next start: the tail moved aside, nothing reported lost
+    assert end == start and not scan.damaged and list(folder.glob("journal.torn-*"))
+    assert [r["seq"] for r in store.read_journal(tmp_path, SPEC, "a")] == [0, 1, 2, 3]
