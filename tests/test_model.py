@@ -127,18 +127,19 @@ def test_a_model_that_takes_one_position_for_the_whole_batch_is_refused_at_load(
 
 
 def test_a_model_whose_code_reads_the_cache_as_arrays_is_served_on_the_dequantizing_route(tmp_path, tiny_model_path):
-    """phi casts the values its cache hands back (`values.dtype`): on the default route, which hands attention the
-    packed cache, the probe at load failed and the Runtime refused it, saying kvactors could not serve it, while
+    """phi casts the values its cache hands back (`values.dtype`): on the CPU's default route, which hands attention
+    the packed cache, the probe at load failed and the Runtime refused it, saying kvactors could not serve it, while
     "dequant_once" serves it. With no route asked for it is now served there, its two agents batched giving each
-    one's tokens alone (CPU: the tiny model's float32 products round by batch shape on CUDA); a route asked for
-    that fails it is refused at load, naming the one that serves it."""
+    one's tokens alone (CPU: the tiny model's float32 products round by batch shape on CUDA, whose default route
+    serves phi as it is); a route asked for that fails it is refused at load, naming the one that serves it."""
     from runtime import Runtime
-    from runtime.q4cache import route_for
+    from runtime.q4cache import default_route, route_for
 
     path = tiny_model_path("phi")
     turns = {"a": ("You plan.", "Plan a bake sale."), "b": ("You count.", "Count the chairs, then the tables.")}
     with Runtime(model=path, cache_dir=tmp_path / "batched", warmup=False) as rt:
-        assert rt.spec.dense_kv and route_for(rt.spec) == "dequant_once"
+        fails = default_route() == "quantized"  # the route that hands phi's attention the packed cache
+        assert rt.spec.dense_kv == fails and route_for(rt.spec) == ("dequant_once" if fails else default_route())
         refs = {name: rt.spawn(name, system=system) for name, (system, _) in turns.items()}
         futures = {name: refs[name].send(text, max_tokens=6) for name, (_, text) in turns.items()}
         batched = {name: f.get(timeout=120).tokens for name, f in futures.items()}
@@ -148,10 +149,9 @@ def test_a_model_whose_code_reads_the_cache_as_arrays_is_served_on_the_dequantiz
     assert all(len(t) == 6 for t in batched.values())
     if not on_cuda():
         assert batched == alone
-    route = "q4kernel" if on_cuda() else "quantized"
-    with pytest.raises(ModelLoadError, match=rf"phi models fail over kvactors' Q4 batch cache on the '{route}' route "
-                                             r"\(AttributeError: .*route='dequant_once', which serves them"):
-        Runtime(model=path, cache_dir=tmp_path / "asked", route=route)
+        with pytest.raises(ModelLoadError, match=r"phi models fail over kvactors' Q4 batch cache on the 'quantized' "
+                                                 r"route \(AttributeError: .*route='dequant_once', which serves them"):
+            Runtime(model=path, cache_dir=tmp_path / "asked", route="quantized")
     assert not load_model(tiny_model_path("llama"))[2].dense_kv  # a model the default route serves keeps it
 
 
