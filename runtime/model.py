@@ -321,16 +321,23 @@ def serving_spec(model, spec: ModelCacheSpec, model_id, route: str | None = None
         if route_for(spec, route) in ("dequant", "dequant_once"):
             raise
         dense = replace(spec, dense_kv=True)
-        try:
-            check_batch_forward(model, dense, model_id, "dequant_once")
-        except ModelLoadError:
-            raise failed from None
+        if not _passes(model, dense, model_id, "dequant_once"):
+            raise
         if route is None:
             return dense
         raise ModelLoadError(f"{model_id}: {_model_type(model)} models fail over kvactors' Q4 batch cache on the "
                              f"{route!r} route ({_failure(failed.__cause__)}): their code reads "
                              "the keys and values the cache hands back as arrays; leave the route unset, or pass "
                              "route='dequant_once', which serves them") from failed.__cause__
+
+
+def _passes(model, spec: ModelCacheSpec, model_id, route: str) -> bool:
+    """Whether `check_batch_forward` passes on `route`."""
+    try:
+        check_batch_forward(model, spec, model_id, route)
+        return True
+    except ModelLoadError:
+        return False
 
 
 def check_batch_forward(model, spec: ModelCacheSpec, model_id, route: str | None = None) -> None:
