@@ -266,42 +266,77 @@ class GcPauses:
         return out
 
 
-class FinishProfile:
-    """A deterministic profile (cProfile) of every `Engine._finish` call while installed: where a finishing
-    step's hand-over spends the engine thread's time in place (Python functions; the C calls a function makes,
-    MLX's among them, count as its own time). Installed on the class, so every Runtime's engine is profiled."""
+class MethodProfile:
+    """Deterministic profiles (cProfile) of an `Engine` method's calls while installed, one per kind of call that
+    `kind(engine, *args)` names (None: not profiled): where the engine thread's time goes in place (Python
+    functions; the C calls a function makes, MLX's among them, count as its own time). Installed on the class, so
+    every Runtime's engine is profiled."""
 
-    def __init__(self):
+    def __init__(self, method: str, kind):
         from runtime.engine import Engine
 
-        self._engine, self._orig, self.calls = Engine, Engine._finish, 0
-        self.profile = cProfile.Profile()
+        self._engine, self._method, self._kind = Engine, method, kind
+        self._orig = getattr(Engine, method)
+        self.profiles: dict[str, cProfile.Profile] = {}
+        self.calls: collections.Counter = collections.Counter()
 
     def start(self):
-        orig, profile = self._orig, self.profile
+        orig, kind_of = self._orig, self._kind
 
-        def finish(engine, ending, fed):
-            if not ending:
-                return orig(engine, ending, fed)
-            self.calls += 1
+        def profiled(engine, *args):
+            kind = kind_of(engine, *args)
+            if kind is None:
+                return orig(engine, *args)
+            self.calls[kind] += 1
+            profile = self.profiles.setdefault(kind, cProfile.Profile())
             profile.enable()
             try:
-                return orig(engine, ending, fed)
+                return orig(engine, *args)
             finally:
                 profile.disable()
 
-        self._engine._finish = finish
+        setattr(self._engine, self._method, profiled)
 
     def stop(self):
-        self._engine._finish = self._orig
+        setattr(self._engine, self._method, self._orig)
 
-    def top(self, n: int = 25) -> list:
-        """The `n` functions with the most own time: [calls, own ms, cumulative ms, where], per `_finish` call."""
-        st = pstats.Stats(self.profile).stats
-        k = max(self.calls, 1)
+    def top(self, kind: str, n: int = 25) -> list:
+        """The `n` functions with the most own time in calls of `kind`: [calls, own ms, cumulative ms, where], per
+        call."""
+        st = pstats.Stats(self.profiles[kind]).stats
+        k = max(self.calls[kind], 1)
         rows = sorted(st.items(), key=lambda kv: -kv[1][2])[:n]
         return [[round(nc / k, 1), round(tt * 1e3 / k, 3), round(ct * 1e3 / k, 3), f"{f.split('/')[-1]}:{line} {fn}"]
                 for (f, line, fn), (_, nc, tt, ct, _) in rows]
+
+    def report(self, title: str) -> dict:
+        """{kind: {calls, top}} of every kind profiled, printed under `title`."""
+        out = {}
+        for kind in sorted(self.profiles):
+            out[kind] = dict(calls=self.calls[kind], top=self.top(kind))
+            print(f"\n{title} '{kind}': {self.calls[kind]} calls; per call: calls, own ms, cumulative ms, function",
+                  flush=True)
+            for n, own, cum, where in out[kind]["top"]:
+                print(f"  {n:7.1f} {own:8.3f} {cum:8.3f}  {where}", flush=True)
+        return out
+
+
+def finish_profile() -> MethodProfile:
+    """Every hand-over of ending rows (`Engine._finish` with rows ending)."""
+    return MethodProfile("_finish", lambda engine, ending, fed: "hand-over" if ending else None)
+
+
+def step_profile() -> MethodProfile:
+    """Every decode step (`Engine._decode_step`) but a batch's first, by what changed in the batch since the step
+    before: "join" where rows joined, "chunk" after a prefill chunk alone, "plain" where nothing changed."""
+
+    def kind(engine):
+        if engine._next is None:
+            return None
+        changes = engine._changes
+        return "join" if "join" in changes else "chunk" if "chunk" in changes else "plain" if not changes else None
+
+    return MethodProfile("_decode_step", kind)
 
 
 def calls_by_change(trace, steps, top: int = 10) -> dict:
@@ -357,6 +392,10 @@ def main(argv=None) -> int:
                     help="profile every hand-over of ending rows (Engine._finish) during (c) with cProfile and give "
                          "the functions with the most own time per hand-over (Python's profiler slows that code; from "
                          "Python 3.12 on it sees every thread's calls while it is on)")
+    ap.add_argument("--profile-steps", action="store_true",
+                    help="profile every decode step during (c) with cProfile, apart by what changed before it (a join, "
+                         "a chunk alone, nothing), and give the functions with the most own time per step of each "
+                         "kind (the profiler slows every step; compare the kinds within one run)")
     args = ap.parse_args(argv)
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
@@ -389,8 +428,9 @@ def main(argv=None) -> int:
         sampler = StackSampler(timeline=True) if args.sample else None
         trace = CudaCalls() if args.trace_cuda else None
         stats = ThreadStats() if args.thread_stats else None
-        finish = FinishProfile() if args.profile_finish else None
-        for tool in (sampler, trace, stats, finish):
+        finish = finish_profile() if args.profile_finish else None
+        stepped = step_profile() if args.profile_steps else None
+        for tool in (sampler, trace, stats, finish, stepped):
             if tool:
                 tool.start()
         pauses = GcPauses()
@@ -400,18 +440,16 @@ def main(argv=None) -> int:
                                                           messages, args.new, warm["shapes"])
         finally:
             gc.callbacks.remove(pauses)
-            for tool in (sampler, trace, stats, finish):
+            for tool in (sampler, trace, stats, finish, stepped):
                 if tool:
                     tool.stop()
         parts.pop("shapes")
         steps = parts.pop("steps")
         parts["gc_pauses"] = pauses.summary()
         if finish:
-            parts["finish_profile"] = dict(calls=finish.calls, top=finish.top())
-            print(f"\nhand-overs profiled: {finish.calls}; per hand-over: calls, own ms, cumulative ms, function",
-                  flush=True)
-            for n, own, cum, where in parts["finish_profile"]["top"]:
-                print(f"  {n:7.1f} {own:8.3f} {cum:8.3f}  {where}", flush=True)
+            parts["finish_profile"] = finish.report("hand-overs profiled")
+        if stepped:
+            parts["step_profile"] = stepped.report("decode steps profiled, after")
         if sampler:
             parts["where_threads_were"] = sampler.as_dict()
             print(sampler.table(), flush=True)
