@@ -388,14 +388,16 @@ def main(argv=None) -> int:
                     help="poll every thread's CPU time, run-queue wait, page faults and wait state (running, or the "
                          "system call it is blocked in: a futex names its lock) from /proc during (c), from a child "
                          "process, and give them for the slowest decode steps and for typical ones (Linux only)")
-    ap.add_argument("--profile-finish", action="store_true",
-                    help="profile every hand-over of ending rows (Engine._finish) during (c) with cProfile and give "
-                         "the functions with the most own time per hand-over (Python's profiler slows that code; from "
-                         "Python 3.12 on it sees every thread's calls while it is on)")
-    ap.add_argument("--profile-steps", action="store_true",
-                    help="profile every decode step during (c) with cProfile, apart by what changed before it (a join, "
-                         "a chunk alone, nothing), and give the functions with the most own time per step of each "
-                         "kind (the profiler slows every step; compare the kinds within one run)")
+    profiles = ap.add_mutually_exclusive_group()  # one profiler at a time (from Python 3.12 on, a second raises)
+    profiles.add_argument("--profile-finish", action="store_true",
+                          help="profile every hand-over of ending rows (Engine._finish) during (c) with cProfile and "
+                               "give the functions with the most own time per hand-over (Python's profiler slows that "
+                               "code; from Python 3.12 on it sees every thread's calls while it is on)")
+    profiles.add_argument("--profile-steps", action="store_true",
+                          help="profile every decode step during (c) with cProfile, apart by what changed before it (a "
+                               "join, a chunk alone, nothing), and give the functions with the most own time per step "
+                               "of each kind (hand-overs included; the profiler slows every step, so compare the kinds "
+                               "within one run; from Python 3.12 on it also counts other threads' calls meanwhile)")
     args = ap.parse_args(argv)
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
