@@ -225,6 +225,7 @@ def scan_journal(data, acknowledged: int | None = None) -> JournalScan:
         return JournalScan([], [], 0, [], len(view))  # creation was cut short: nothing was ever recorded
     header = bytes(view[: len(JOURNAL_MAGIC)]) != JOURNAL_MAGIC
     pos = _past_damaged_header(view) if header else len(JOURNAL_MAGIC)
+    first = pos  # where frames start: a damaged header's bytes before it are no lost records
     records, frames, damaged = [], [], [(len(JOURNAL_MAGIC), pos)] if pos > len(JOURNAL_MAGIC) else []
     while pos < len(view):
         found = _frame_at(view, pos)
@@ -243,32 +244,42 @@ def scan_journal(data, acknowledged: int | None = None) -> JournalScan:
     damaged = _merged(damaged + [f for i, f in enumerate(frames) if i not in kept])
     records, frames = [records[i] for i in sorted(kept)], [frames[i] for i in sorted(kept)]
     if acknowledged is not None:
-        torn = _damage_past(records, frames, damaged[1:] if header else damaged, acknowledged)
+        torn = _damage_past(records, frames, [d for d in damaged if d[0] >= first], acknowledged)
         if torn is not None:  # what follows was never acknowledged: it goes with the damage, as a torn tail
             n = bisect.bisect_left([start for start, _ in frames], torn)
             records, frames, pos = records[:n], frames[:n], torn
-            damaged = [d for d in damaged if d[0] < torn]
-    cut = _unfinished_append(records, frames, pos, -1 if acknowledged is None else acknowledged)
-    if cut is not None:
+    while True:
+        pos = min(pos, frames[-1][1] if frames else first)  # damage or dropped frames past the last kept one: torn
+        cut = _unfinished_append(records, frames, pos, -1 if acknowledged is None else acknowledged)
+        if cut is None:
+            break
         # an append is acknowledged once all its records are on disk: one the journal ends inside (a turn's user
         # record without its reply, a reset's system record without all its records), whether the cut fell inside
         # a frame or right between two, goes with the torn tail (else a retry would repeat it, or a reset leave
         # half a conversation)
         pos = frames[cut][0]
         records, frames = records[:cut], frames[:cut]
+    damaged = [d for d in damaged if d[0] < pos]  # spans in the torn tail are the tail's, not mid-file losses
     return JournalScan(records, frames, pos, damaged, len(view), header)
 
 
 def _damage_past(records: list, frames: list, damaged: list, acknowledged: int) -> int | None:
-    """The start of the first `damaged` span past the last frame acknowledged (seq up to `acknowledged`), or None.
+    """The start of the first `damaged` span past the last frame acknowledged (seq up to `acknowledged`) where the
+    good frames after it are one append's at most, or None.
 
-    Every frame after such damage is of an append that was never acknowledged: pages written out of order before
-    the append's fsync (a later frame landed, an earlier one did not) would otherwise leave, say, a turn's reply
-    without its user record, kept past mid-file damage. Such a tail goes whole, as a torn append does.
+    Only the journal's last append can be unacknowledged, and only its pages can have reached the disk out of
+    order (those before it were fsynced before they were acknowledged): a later frame landed, an earlier one did
+    not, which would otherwise leave, say, a turn's reply without its user record, kept past mid-file damage.
+    Such a tail goes whole, as a torn append does. More than one append after the damage means the mark is behind
+    (a mark that could not be written does not stop acknowledgements): that is mid-file damage, as before.
     """
     acked = bisect.bisect_right([r["seq"] for r in records], acknowledged)
     start = frames[acked - 1][1] if acked else 0
-    return next((a for a, _ in damaged if a >= start), None)
+    at = next((a for a, _ in damaged if a >= start), None)
+    if at is None:
+        return None
+    after = records[bisect.bisect_left([s for s, _ in frames], at):]
+    return at if not after or all(r["seq"] <= _append_reaches(after[0]) for r in after) else None
 
 
 def _unfinished_append(records: list, frames: list, pos: int, acknowledged: int) -> int | None:

@@ -1321,3 +1321,36 @@ def test_an_unacknowledged_append_whose_later_frame_landed_goes_whole(tmp_path):
     scan, end = store.open_journal(folder)  # the agent's next start: the tail moved aside, nothing reported lost
     assert end == start and not scan.damaged and list(folder.glob("journal.torn-*"))
     assert [r["seq"] for r in store.read_journal(tmp_path, SPEC, "a")] == [0, 1, 2, 3]
+
+
+def test_damage_past_a_mark_that_fell_behind_stays_mid_file_damage(tmp_path):
+    """A mark that could not be written does not stop acknowledgements, so damage past a mark behind the journal,
+    with more than one append after it, is damage to acknowledged records, not an unacknowledged append: the
+    records after it stay. A damaged header does not hide the damage past the mark from the rule."""
+    path, recs, frames = journal_of(tmp_path, 10)  # five turns, seqs 0-9
+    data = bytearray(path.read_bytes())
+    data[frames[4][0] + 12] ^= 0x40  # seq 4 damaged; turns 5-9 after it
+    assert [r["seq"] for r in store.scan_journal(bytes(data), 1).records] == [0, 1, 2, 3, 5, 6, 7, 8, 9]
+    data = bytearray(path.read_bytes())
+    data[frames[-2][0] + 12] ^= 0x40  # the last turn's user record damaged, its reply whole
+    data[0] ^= 0x01  # and the header's magic
+    scan = store.scan_journal(bytes(data), 7)
+    assert scan.header_damaged and scan.records == recs[:8] and scan.end == frames[-2][0]
+
+
+def test_damage_with_no_record_after_it_is_the_torn_tail(tmp_path):
+    """A frame that checks but breaks the rising seqs at the journal's end, or damage before a trailing user
+    record whose append goes with the torn tail, left a damaged span with no record after it: reporting its
+    losses raised IndexError where the persistence actor opens the journal. Such bytes are the torn tail."""
+    path, recs, frames = journal_of(tmp_path, 6)
+    data = path.read_bytes()
+    stray = data[frames[2][0]:frames[2][1]]  # seq 2's frame again, after seq 5: a frame out of order
+    scan = store.scan_journal(data + stray)
+    assert scan.records == recs and scan.end == len(data) and scan.torn == len(stray) and not scan.damaged
+    assert scan.losses() == []
+    cut = bytearray(data[:frames[5][0]])  # seqs 0-4: the last turn's user record alone
+    cut[frames[3][0] + 12] ^= 0x40  # and seq 3 (the turn before's reply) damaged before it
+    scan = store.scan_journal(bytes(cut))  # no mark: the turn whose reply did not read goes too, as a torn append
+    assert scan.records == recs[:2] and scan.end == frames[2][0] and scan.losses() == []
+    scan = store.scan_journal(bytes(cut), 3)  # the mark says that turn was acknowledged: its user record stays
+    assert scan.records == recs[:3] and scan.end == frames[3][0] and scan.losses() == []
