@@ -409,7 +409,7 @@ class PersistenceActor(SupervisedActor):
                       len(scan.records), folder)
         mark = max(-1 if cache_seq is None else cache_seq, -1 if high is None else high)  # seqs used, by other files
         if scan is not None and scan.torn:  # acknowledged records in it (the mark past the last kept) are no torn append
-            log.warning("agent %s: %s; moved aside to journal.torn-*%s", agent, store.unread_tail(scan.torn, mark > last),
+            log.warning("agent %s: %s%s", agent, store.unread_tail(scan, mark > last),
                         " (the loss is reported below)" if mark > last else "")
         lost = mark > last and await _io(store.reported_loss)(folder) != (last, mark)  # said once per loss
         if lost:

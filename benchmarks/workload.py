@@ -328,13 +328,16 @@ def finish_profile() -> MethodProfile:
 
 def step_profile() -> MethodProfile:
     """Every decode step (`Engine._decode_step`) but a batch's first, by what changed in the batch since the step
-    before: "join" where rows joined, "chunk" after a prefill chunk alone, "plain" where nothing changed."""
+    before: "join" where rows joined, "chunk" after a prefill chunk without a join, "other" where only finished
+    rows left or the buffers grew, "plain" where nothing changed (a growth the step itself makes counts with
+    the step's kind: it is decided inside it)."""
 
     def kind(engine):
         if engine._next is None:
             return None
         changes = engine._changes
-        return "join" if "join" in changes else "chunk" if "chunk" in changes else "plain" if not changes else None
+        return ("join" if "join" in changes else "chunk" if "chunk" in changes else "other" if changes
+                else "plain")
 
     return MethodProfile("_decode_step", kind)
 
@@ -395,9 +398,10 @@ def main(argv=None) -> int:
                                "code; from Python 3.12 on it sees every thread's calls while it is on)")
     profiles.add_argument("--profile-steps", action="store_true",
                           help="profile every decode step during (c) with cProfile, apart by what changed before it (a "
-                               "join, a chunk alone, nothing), and give the functions with the most own time per step "
-                               "of each kind (hand-overs included; the profiler slows every step, so compare the kinds "
-                               "within one run; from Python 3.12 on it also counts other threads' calls meanwhile)")
+                               "join, a chunk without one, rows leaving or growth, nothing), and give the functions "
+                               "with the most own time per step of each kind (hand-overs included; the profiler slows "
+                               "every step, so compare the kinds within one run; from Python 3.12 on it also counts "
+                               "other threads' calls meanwhile)")
     args = ap.parse_args(argv)
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)

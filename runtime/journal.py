@@ -545,12 +545,14 @@ def lost_records(missing: bool, cache_seq: int | None, last: int, mark: int) -> 
             f"cut off and those records are lost; new turns continue after seq {mark}")
 
 
-def unread_tail(torn: int, acknowledged: bool) -> str:
-    """What a journal's last `torn` bytes that did not read were (`acknowledged`: the agent's other files used seqs
-    past its last kept record): damage to acknowledged records, whose loss `lost_records` says, or an append cut
-    short. One phrase, for the persistence actor's log and `kvactors inspect`."""
+def unread_tail(scan: JournalScan, acknowledged: bool) -> str:
+    """What the torn tail of `scan` was (`acknowledged`: the agent's other files used seqs past its last kept
+    record) and where `repair_journal` puts it: damage to acknowledged records, whose loss `lost_records` says,
+    or an append cut short. One phrase, for the persistence actor's log and `kvactors inspect`."""
     what = "damage to acknowledged records" if acknowledged else "a torn tail: an append cut short"
-    return f"the journal's last {torn} B did not read ({what})"
+    where = ("kept with the whole file in journal.damaged-*" if scan.damaged or scan.header_damaged
+             else "moved aside to journal.torn-*")
+    return f"the journal's last {scan.torn} B did not read ({what}): {where}"
 
 
 def open_journal(folder: Path) -> tuple[JournalScan | None, int]:

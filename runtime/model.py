@@ -310,15 +310,18 @@ def serving_spec(model, spec: ModelCacheSpec, model_id, route: str | None = None
     Where no route is asked for and the default one fails while "dequant_once" serves the model (its code
     reads the keys and values the cache hands back as arrays: phi, phixtral, stablelm), returns `spec` with
     `dense_kv` set, so that the default becomes "dequant_once" for it. Raises ModelLoadError where the route
-    fails: naming "dequant_once" where that one serves the model, else saying no route does.
+    fails: naming "dequant_once" where that one serves the model, else saying no route does; Q4CacheError (a
+    ValueError) for a route the model's layout refuses (attention sinks on "quantized"), naming the ones that
+    serve it.
     """
     from runtime.q4cache import route_for
 
+    chosen = route_for(spec, route)  # a route the model's layout refuses (sinks on "quantized"): Q4CacheError
     try:
         check_batch_forward(model, spec, model_id, route)
         return spec
     except ModelLoadError as failed:
-        if route_for(spec, route) in ("dequant", "dequant_once"):
+        if chosen in ("dequant", "dequant_once"):
             raise
         dense = replace(spec, dense_kv=True)
         if not _passes(model, dense, model_id, "dequant_once"):

@@ -989,7 +989,8 @@ def route_for(spec, route: str | None = None) -> str:
     Where "q4kernel" is the default but its kernel cannot serve the model's decode
     (a layout `q4sdpa.serves` refuses, such as 8-bit keys or head dim 96; sinks),
     the model gets "dequant_once" instead of dequantizing the whole cache every step. So does a model whose
-    own code reads keys and values as arrays (`spec.dense_kv`, found at load by `model.serving_spec`).
+    own code reads keys and values as arrays (`spec.dense_kv`, found at load by `model.serving_spec`), whatever
+    KVACTORS_Q4_ROUTE says: the default route failed it.
     """
     if route is None and getattr(spec, "dense_kv", False):
         return "dequant_once"

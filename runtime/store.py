@@ -382,8 +382,7 @@ def _journal_health(folder: Path, used: int) -> tuple[list | None, list[str]]:
         notes.append(f"journal damaged ({sum(b - a for a, b in scan.damaged)} B unreadable, records lost): repaired at "
                      "the agent's next start, the damaged file kept as journal.damaged-*")
     if scan.torn:
-        notes.append(f"{unread_tail(scan.torn, used > scan.last_seq)}: moved aside to journal.torn-* at the agent's "
-                     "next start")
+        notes.append(f"{unread_tail(scan, used > scan.last_seq)} at the agent's next start")
     return scan.records, notes
 
 
@@ -399,9 +398,9 @@ def _mark_health(folder: Path) -> tuple[int | None, list[str]]:
     if not stat.S_ISREG(mode):
         return None, [f"{HIGH_FILE} is {_kind(path, mode)}, not a file: kvactors replaces it with the agent's "
                       "next turn"]
-    if not os.access(path, os.R_OK | os.W_OK):
-        return None, [f"{HIGH_FILE} cannot be read or written: the journal's high-water mark cannot be recorded (each "
-                      "turn logs an error); fix its permissions"]
+    if not os.access(path, os.R_OK | os.W_OK):  # a mark that still reads is the one the persistence actor counts
+        return high_seq(folder), [f"{HIGH_FILE} cannot be read or written: the journal's high-water mark cannot be "
+                                  "recorded (each turn logs an error); fix its permissions"]
     mark = high_seq(folder)
     if mark is None:
         return None, [f"{HIGH_FILE} damaged (no valid high-water mark in it): rewritten with the agent's next turn"]

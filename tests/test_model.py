@@ -155,6 +155,19 @@ def test_a_model_whose_code_reads_the_cache_as_arrays_is_served_on_the_dequantiz
     assert not load_model(tiny_model_path("llama"))[2].dense_kv  # a model the default route serves keeps it
 
 
+@pytest.mark.skipif(on_cuda(), reason="the quantized route is refused on CUDA before the model loads")
+def test_a_route_the_models_layout_refuses_says_so_at_load(tmp_path, tiny_model_path):
+    """gpt_oss's attention sinks cannot be served on the quantized route. Since the load probe runs on the
+    Runtime's route, that refusal surfaced as a ModelLoadError saying kvactors cannot serve gpt_oss models,
+    with the route's own error chained behind it; it is the route's error, naming the routes that serve them."""
+    from runtime import Runtime
+    from runtime.q4cache import Q4CacheError
+
+    with pytest.raises(Q4CacheError, match="cannot serve attention sinks; use 'dequant' or 'dequant_once'") as e:
+        Runtime(model=tiny_model_path("gpt_oss"), cache_dir=tmp_path, route="quantized")
+    assert e.value.__context__ is None
+
+
 def test_gpt_oss_sinks_and_alternating_window(specs, tiny_model_path):
     config = json.loads((tiny_model_path("gpt_oss") / "config.json").read_text())
     spec = specs["gpt_oss"]

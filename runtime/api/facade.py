@@ -757,7 +757,8 @@ class Runtime:
     route: how attention reads the Q4 cache, one of `q4cache.ROUTES` ("quantized",
     "dequant", "dequant_once", "q4kernel"; None: the machine's default for the model, `q4cache.route_for`:
     "dequant_once" for a model whose code reads keys and values as arrays, as phi's does). The model is
-    checked on it at load: a route that cannot serve it raises ModelLoadError, naming one that can.
+    checked on it at load: a route that fails it raises ModelLoadError (naming "dequant_once" where that one
+    serves it), one its layout refuses (attention sinks on "quantized") Q4CacheError.
     strategy / max_restarts / restart_period / backoff: agent supervision.
     retention_s: at start, delete the cache files (never the journals) of agents idle
     longer than this many seconds (None: keep them); such an agent re-prefills.
