@@ -141,7 +141,8 @@ class JournalScan:
         for start, stop in self.damaged:
             before = [r["seq"] for r, (_, e) in zip(self.records, self.frames) if e <= start]
             after = [r["seq"] for r, (s, _) in zip(self.records, self.frames) if s >= stop]
-            between = f"after seq {before[-1] if before else 'start'} and before {f'seq {after[0]}' if after else 'the end'}"
+            upto = f"seq {after[0]}" if after else "the end"
+            between = f"after seq {before[-1] if before else 'start'} and before {upto}"
             out.append(f"bytes {start}..{stop} ({stop - start} B) unreadable: records {between} lost")
         return out
 
