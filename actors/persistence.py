@@ -402,7 +402,7 @@ class PersistenceActor(SupervisedActor):
             await self._record_model(folder.parent)
         cache_seq, high = await _io(store.cache_seq)(folder), await _io(store.high_seq)(folder)
         last = -1 if scan is None else scan.last_seq
-        if scan is not None and (scan.damaged or scan.header_damaged):
+        if scan is not None and scan.rewritten:
             log.error("agent %s: its journal was damaged %s: %s. %d records that check were kept; "
                       "the damaged file is kept as journal.damaged-* in %s", agent,
                       "in the middle" if scan.damaged else "in its header", "; ".join(scan.losses()),

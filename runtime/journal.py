@@ -120,7 +120,13 @@ class JournalScan:
     @property
     def needs_repair(self) -> bool:
         """Whether `repair_journal` has anything to do: damage, a torn tail, a header to rewrite or to write."""
-        return bool(self.damaged or self.torn or self.header_damaged or self.end < len(JOURNAL_MAGIC))
+        return bool(self.rewritten or self.torn or self.end < len(JOURNAL_MAGIC))
+
+    @property
+    def rewritten(self) -> bool:
+        """Whether `repair_journal` rewrites the journal from its good frames, keeping the whole file as
+        journal.damaged-* (mid-file damage or a damaged header), rather than cutting a torn tail off alone."""
+        return bool(self.damaged or self.header_damaged)
 
     @property
     def last_seq(self) -> int:
@@ -247,8 +253,8 @@ def scan_journal(data, acknowledged: int | None = None) -> JournalScan:
     if acknowledged is not None:
         torn = _damage_past(records, frames, [d for d in damaged if d[0] >= first], acknowledged)
         if torn is not None:  # what follows was never acknowledged: it goes with the damage, as a torn tail
-            n = bisect.bisect_left([start for start, _ in frames], torn)
-            records, frames, pos = records[:n], frames[:n], torn
+            pos, n = torn
+            records, frames = records[:n], frames[:n]
     while True:
         pos = min(pos, frames[-1][1] if frames else first)  # damage or dropped frames past the last kept one: torn
         cut = _unfinished_append(records, frames, pos, -1 if acknowledged is None else acknowledged)
@@ -264,9 +270,9 @@ def scan_journal(data, acknowledged: int | None = None) -> JournalScan:
     return JournalScan(records, frames, pos, damaged, len(view), header)
 
 
-def _damage_past(records: list, frames: list, damaged: list, acknowledged: int) -> int | None:
-    """The start of the first `damaged` span past the last frame acknowledged (seq up to `acknowledged`) where the
-    good frames after it are one append's at most, or None.
+def _damage_past(records: list, frames: list, damaged: list, acknowledged: int) -> tuple[int, int] | None:
+    """(The start of the first `damaged` span past the last frame acknowledged (seq up to `acknowledged`), the
+    number of records before it) where the good frames after it are one append's at most, or None.
 
     Only the journal's last append can be unacknowledged, and only its pages can have reached the disk out of
     order (those before it were fsynced before they were acknowledged): a later frame landed, an earlier one did
@@ -279,8 +285,9 @@ def _damage_past(records: list, frames: list, damaged: list, acknowledged: int) 
     at = next((a for a, _ in damaged if a >= start), None)
     if at is None:
         return None
-    after = records[bisect.bisect_left([s for s, _ in frames], at):]
-    return at if not after or all(r["seq"] <= _append_reaches(after[0]) for r in after) else None
+    n = bisect.bisect_left([s for s, _ in frames], at)
+    after = records[n:]
+    return (at, n) if not after or all(r["seq"] <= _append_reaches(after[0]) for r in after) else None
 
 
 def _unfinished_append(records: list, frames: list, pos: int, acknowledged: int) -> int | None:
@@ -439,7 +446,7 @@ def repair_journal(path: Path, scan: JournalScan) -> None:
         if data:
             write_atomic(path.with_name(f"journal.torn-{time.time_ns()}"), data)
         write_atomic(path, JOURNAL_MAGIC)
-    elif scan.damaged or scan.header_damaged:
+    elif scan.rewritten:
         write_atomic(path.with_name(f"journal.damaged-{time.time_ns()}"), data)
         write_atomic(path, JOURNAL_MAGIC + b"".join(data[a:b] for a, b in scan.frames))
     elif scan.torn:
@@ -551,8 +558,7 @@ def unread_tail(scan: JournalScan, acknowledged: bool) -> str:
     record) and where `repair_journal` puts it: damage to acknowledged records, whose loss `lost_records` says,
     or an append cut short. One phrase, for the persistence actor's log and `kvactors inspect`."""
     what = "damage to acknowledged records" if acknowledged else "a torn tail: an append cut short"
-    where = ("kept with the whole file in journal.damaged-*" if scan.damaged or scan.header_damaged
-             else "moved aside to journal.torn-*")
+    where = "kept with the whole file in journal.damaged-*" if scan.rewritten else "moved aside to journal.torn-*"
     return f"the journal's last {scan.torn} B did not read ({what}): {where}"
 
 

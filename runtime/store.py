@@ -456,9 +456,10 @@ def _delta_health(folder: Path, segment: Segment) -> list[str]:
     return []
 
 
-def _seq_notes(records: list, loaded: tuple | None, used: int, folder: Path) -> list[str]:
-    """Notes comparing the seqs of a readable journal (`records`) with its cache's and with `used`, the seqs its
-    agent's other files used (the cache's headers and the high-water mark, as the persistence actor counts them).
+def _seq_notes(records: list, loaded: tuple | None, cached: int | None, used: int, folder: Path) -> list[str]:
+    """Notes comparing the seqs of a readable journal (`records`) with its cache's (`loaded`, and `cached` by the
+    headers, `cache_seq`) and with `used`, the seqs its agent's other files used (the cache's headers and the
+    high-water mark, as the persistence actor counts them).
 
     A cache behind the journal only costs a prefill; seqs used past the journal's last record are records the
     journal lost.
@@ -468,7 +469,7 @@ def _seq_notes(records: list, loaded: tuple | None, used: int, folder: Path) -> 
         [f"cache at seq {loaded[1].seq}, journal at {last}: the agent's next turn prefills the turns after it"]
     if used <= last:
         return lag
-    return lag + [lost_records(not os.path.lexists(folder / JOURNAL_FILE), cache_seq(folder), last, used)]
+    return lag + [lost_records(not os.path.lexists(folder / JOURNAL_FILE), cached, last, used)]
 
 
 def _stray_folders(entries: list[os.DirEntry]) -> list[str]:
@@ -512,12 +513,13 @@ def _agent_row(folder: Path) -> list[str]:
     """
     entries = _entries(folder)
     mark, mark_notes = _mark_health(folder)
-    used = max(x for x in (mark, cache_seq(folder), -1) if x is not None)  # seqs the other files used
+    cached = cache_seq(folder)
+    used = max(x for x in (mark, cached, -1) if x is not None)  # seqs the other files used
     records, notes = _journal_health(folder, used)
     loaded, cache_notes = _cache_health(folder)
     notes += mark_notes + cache_notes + _stray_folders(entries)
     if records is not None:  # an unreadable journal's seqs are unknown: nothing to compare
-        notes += _seq_notes(records, loaded, used, folder)
+        notes += _seq_notes(records, loaded, cached, used, folder)
     tokens = "-" if loaded is None else str(loaded[0].n_tokens)
     return [folder.name, tokens, _human(_size(entries)), _last_turn(records or [], folder), "; ".join(notes) or "ok"]
 
