@@ -27,6 +27,7 @@ import pstats
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -40,6 +41,7 @@ from benchmarks.cuda_calls import CudaCalls
 from benchmarks.sampler import StackSampler
 from benchmarks.threadstat import ThreadStats
 from benchmarks.ttft import long_text
+from actors import persistence
 from actors.agent import render
 from runtime import Runtime
 
@@ -197,7 +199,33 @@ def step_raw(s) -> list:
             round(s.queue_s, 5), s.ended, round(s.finish_s, 5), round(s.gap_s, 5), round(s.chunks_s, 5), s.end]
 
 
-def actors(model_path, cache_dir, systems, messages, new, seen=(), warmup=False):
+class WriteGate:
+    """A diagnostic: while installed and closed, cache-writer threads wait before each cache file (copying it off
+    the device included) until the gate opens; journal appends and acknowledgements go on as ever.
+
+    (c) opens it before each Runtime closes, so every cache is written then and the restart loads them: the run
+    shows what the engine's steps cost with no cache write beside them. Not a way to run kvactors (a crash while
+    closed loses every cache since, though no turn).
+    """
+
+    def __init__(self):
+        self.opened = threading.Event()
+        self._write = None
+
+    def install(self) -> None:
+        self._write = persistence._write_segment
+
+        def gated(*args):
+            self.opened.wait()
+            return self._write(*args)
+
+        persistence._write_segment = gated
+
+    def remove(self) -> None:
+        persistence._write_segment = self._write
+
+
+def actors(model_path, cache_dir, systems, messages, new, seen=(), warmup=False, gate=None):
     """Variant (c): all agents of a round at once; the Runtime restarts halfway.
 
     The measured Runtimes skip their start-up warm-up (`warmup=False`): the benchmark
@@ -211,7 +239,8 @@ def actors(model_path, cache_dir, systems, messages, new, seen=(), warmup=False)
     last token of the round), and the rest of each round (until every reply is
     durable: copying caches out, writing them, acking). `seen`: engine shapes met
     before in this process (see `engine_profile`); the shapes these Runtimes met are
-    returned in the parts as "shapes", and their `DecodeStep`s as "steps".
+    returned in the parts as "shapes", and their `DecodeStep`s as "steps". `gate`: a
+    closed `WriteGate` is opened before each Runtime closes, and closed again after.
     """
     turns = len(messages[0])
     ttfts, labels, prefilled, stats = [], [], [], []
@@ -234,6 +263,10 @@ def actors(model_path, cache_dir, systems, messages, new, seen=(), warmup=False)
                 labels += [r.cache for r in replies]
                 prefilled += [r.timings.prefill_tokens for r in replies]
             stats.append(rt.engine_stats())
+            if gate:
+                gate.opened.set()  # the Runtime's close writes every cache now
+        if gate:
+            gate.opened.clear()
     parts["prefilled"] = prefilled
     parts.update(engine_profile(stats, seen))
     parts["shapes"] = {shape for st in stats for shape in st.shapes}
@@ -391,6 +424,9 @@ def main(argv=None) -> int:
                     help="poll every thread's CPU time, run-queue wait, page faults and wait state (running, or the "
                          "system call it is blocked in: a futex names its lock) from /proc during (c), from a child "
                          "process, and give them for the slowest decode steps and for typical ones (Linux only)")
+    ap.add_argument("--defer-writes", action="store_true",
+                    help="diagnostic: (c)'s cache files wait until each Runtime closes (journals and acks as ever), "
+                         "to show what the decode steps cost with no cache write beside them; not a way to run")
     profiles = ap.add_mutually_exclusive_group()  # one profiler at a time (from Python 3.12 on, a second raises)
     profiles.add_argument("--profile-finish", action="store_true",
                           help="profile every hand-over of ending rows (Engine._finish) during (c) with cProfile and "
@@ -407,6 +443,7 @@ def main(argv=None) -> int:
         sys.setswitchinterval(args.switch_interval)
     env = environment()
     env["switch_interval_s"] = sys.getswitchinterval()
+    env["defer_writes"] = args.defer_writes
     print(env, flush=True)
     rows, curves = [], {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -441,10 +478,15 @@ def main(argv=None) -> int:
                 tool.start()
         pauses = GcPauses()
         gc.callbacks.append(pauses)
+        gate = WriteGate() if args.defer_writes else None
+        if gate:
+            gate.install()
         try:
             total, peak, (ttfts, labels, parts) = measure(actors, model_path, Path(tmp) / "agents", systems,
-                                                          messages, args.new, warm["shapes"])
+                                                          messages, args.new, warm["shapes"], False, gate)
         finally:
+            if gate:
+                gate.remove()
             gc.callbacks.remove(pauses)
             for tool in (sampler, trace, stats, finish, stepped):
                 if tool:
