@@ -24,7 +24,6 @@ import collections
 import cProfile
 import gc
 import pstats
-import os
 import statistics
 import sys
 import tempfile
@@ -226,35 +225,7 @@ class WriteGate:
         persistence._write_segment = self._write
 
 
-def pin_engine() -> dict:
-    """A diagnostic: the engine's thread (the batcher actor's) alone on one CPU, every other thread of the
-    process on the CPUs that share no core with it (Linux). Returns what it did, for the results."""
-    allowed = sorted(os.sched_getaffinity(0))
-    engine = [t for t in threading.enumerate() if "Batcher" in t.name]
-    if len(allowed) < 4 or len(engine) != 1:
-        return dict(pinned=False, allowed=len(allowed), engine_threads=len(engine))
-    cpu = allowed[-1]
-    siblings = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
-    core = _cpu_list(siblings.read_text()) if siblings.exists() else {cpu}
-    others = set(allowed) - core - {cpu}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), {cpu} if int(tid) == engine[0].native_id else others)
-        except OSError:  # a thread that ended meanwhile
-            pass
-    return dict(pinned=True, engine_cpu=cpu, core=sorted(core), others=len(others))
-
-
-def _cpu_list(text: str) -> set:
-    """The CPUs of a sysfs list such as "3,11" or "0-3"."""
-    out = set()
-    for part in text.strip().split(","):
-        lo, _, hi = part.partition("-")
-        out.update(range(int(lo), int(hi or lo) + 1))
-    return out
-
-
-def actors(model_path, cache_dir, systems, messages, new, seen=(), warmup=False, gate=None, pin=False):
+def actors(model_path, cache_dir, systems, messages, new, seen=(), warmup=False, gate=None):
     """Variant (c): all agents of a round at once; the Runtime restarts halfway.
 
     The measured Runtimes skip their start-up warm-up (`warmup=False`): the benchmark
@@ -270,7 +241,6 @@ def actors(model_path, cache_dir, systems, messages, new, seen=(), warmup=False,
     before in this process (see `engine_profile`); the shapes these Runtimes met are
     returned in the parts as "shapes", and their `DecodeStep`s as "steps". `gate`: a
     closed `WriteGate` is opened before each Runtime closes, and closed again after.
-    `pin`: `pin_engine` once each Runtime's agents are spawned.
     """
     turns = len(messages[0])
     ttfts, labels, prefilled, stats = [], [], [], []
@@ -280,8 +250,6 @@ def actors(model_path, cache_dir, systems, messages, new, seen=(), warmup=False,
         with Runtime(model=model_path, cache_dir=cache_dir, warmup=warmup) as rt:
             parts["open_s"] += time.perf_counter() - t0
             agents = [rt.spawn(f"agent{a}", system=s) for a, s in enumerate(systems)]
-            if pin:
-                parts.setdefault("pinned", []).append(pin_engine())
             for t in half:
                 start = time.perf_counter()
                 futures = [agent.send(messages[a][t], max_tokens=new, timeout=600) for a, agent in enumerate(agents)]
@@ -459,9 +427,6 @@ def main(argv=None) -> int:
     ap.add_argument("--defer-writes", action="store_true",
                     help="diagnostic: (c)'s cache files wait until each Runtime closes (journals and acks as ever), "
                          "to show what the decode steps cost with no cache write beside them; not a way to run")
-    ap.add_argument("--pin-engine", action="store_true",
-                    help="diagnostic: the engine's thread alone on one CPU during (c), the process's other threads on "
-                         "CPUs that share no core with it (Linux)")
     profiles = ap.add_mutually_exclusive_group()  # one profiler at a time (from Python 3.12 on, a second raises)
     profiles.add_argument("--profile-finish", action="store_true",
                           help="profile every hand-over of ending rows (Engine._finish) during (c) with cProfile and "
@@ -479,7 +444,6 @@ def main(argv=None) -> int:
     env = environment()
     env["switch_interval_s"] = sys.getswitchinterval()
     env["defer_writes"] = args.defer_writes
-    env["pin_engine"] = args.pin_engine
     print(env, flush=True)
     rows, curves = [], {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -519,8 +483,7 @@ def main(argv=None) -> int:
             gate.install()
         try:
             total, peak, (ttfts, labels, parts) = measure(actors, model_path, Path(tmp) / "agents", systems,
-                                                          messages, args.new, warm["shapes"], False, gate,
-                                                          args.pin_engine)
+                                                          messages, args.new, warm["shapes"], False, gate)
         finally:
             if gate:
                 gate.remove()
