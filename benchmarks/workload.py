@@ -29,6 +29,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -41,9 +42,11 @@ from benchmarks.cuda_calls import CudaCalls
 from benchmarks.sampler import StackSampler
 from benchmarks.threadstat import ThreadStats
 from benchmarks.ttft import long_text
+
 from actors import persistence
 from actors.agent import render
 from runtime import Runtime
+from runtime.hostcache import DeviceCache
 
 COLUMNS = ["variant", "total_s", "x_stateless", "ttft_mean_s", "ttft_p50_s", "ttft_max_s", "peak_mem_gb", "final_context"]
 
@@ -200,29 +203,48 @@ def step_raw(s) -> list:
 
 
 class WriteGate:
-    """A diagnostic: while installed and closed, cache-writer threads wait before each cache file (copying it off
-    the device included) until the gate opens; journal appends and acknowledgements go on as ever.
+    """A diagnostic: while installed and closed, cache-writer threads wait before each cache file until the gate
+    opens; journal appends and acknowledgements go on as ever.
 
-    (c) opens it before each Runtime closes, so every cache is written then and the restart loads them: the run
-    shows what the engine's steps cost with no cache write beside them. Not a way to run kvactors (a crash while
+    `stage` "all": the file waits whole (its copy off the device included); "encode": the rows are copied off
+    the device as ever, and their checksums, encoding and write wait. (c) opens the gate before each Runtime
+    closes, so every cache is written then and the restart loads them: the run shows what the engine's steps
+    cost with no cache write (or no write past the copy) beside them. Not a way to run kvactors (a crash while
     closed loses every cache since, though no turn).
     """
 
-    def __init__(self):
-        self.opened = threading.Event()
+    def __init__(self, stage: str = "all"):
+        self.opened, self.stage = threading.Event(), stage
         self._write = None
 
     def install(self) -> None:
         self._write = persistence._write_segment
 
-        def gated(*args):
-            self.opened.wait()
-            return self._write(*args)
+        def gated(folder, write, *rest):
+            if self.stage == "all" or not isinstance(write.cache, DeviceCache):
+                self.opened.wait()
+                return self._write(folder, write, *rest)
+            return self._write(folder, replace(write, cache=_CopiedThenGated(write.cache, self.opened)), *rest)
 
         persistence._write_segment = gated
 
     def remove(self) -> None:
         persistence._write_segment = self._write
+
+
+class _CopiedThenGated:
+    """A `DeviceCache` whose `rows` copies as ever, then waits for `opened` before handing the copy back."""
+
+    def __init__(self, cache: DeviceCache, opened: threading.Event):
+        self._cache, self._opened = cache, opened
+
+    def __getattr__(self, name):
+        return getattr(self._cache, name)
+
+    def rows(self, start: int = 0):
+        host = self._cache.rows(start)
+        self._opened.wait()
+        return host
 
 
 def actors(model_path, cache_dir, systems, messages, new, seen=(), warmup=False, gate=None):
@@ -424,9 +446,11 @@ def main(argv=None) -> int:
                     help="poll every thread's CPU time, run-queue wait, page faults and wait state (running, or the "
                          "system call it is blocked in: a futex names its lock) from /proc during (c), from a child "
                          "process, and give them for the slowest decode steps and for typical ones (Linux only)")
-    ap.add_argument("--defer-writes", action="store_true",
+    ap.add_argument("--defer-writes", choices=["all", "encode"], default=None,
                     help="diagnostic: (c)'s cache files wait until each Runtime closes (journals and acks as ever), "
-                         "to show what the decode steps cost with no cache write beside them; not a way to run")
+                         "to show what the decode steps cost with no cache write beside them: 'all' holds each file "
+                         "whole, 'encode' copies its rows off the device as ever and holds the checksums, encoding "
+                         "and write; not a way to run")
     profiles = ap.add_mutually_exclusive_group()  # one profiler at a time (from Python 3.12 on, a second raises)
     profiles.add_argument("--profile-finish", action="store_true",
                           help="profile every hand-over of ending rows (Engine._finish) during (c) with cProfile and "
@@ -478,7 +502,7 @@ def main(argv=None) -> int:
                 tool.start()
         pauses = GcPauses()
         gc.callbacks.append(pauses)
-        gate = WriteGate() if args.defer_writes else None
+        gate = WriteGate(args.defer_writes) if args.defer_writes else None
         if gate:
             gate.install()
         try:
