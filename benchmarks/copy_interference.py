@@ -14,6 +14,7 @@ device's queue, the allocator, the driver, the GIL, the kernel's page cache and 
 
     python -m benchmarks.copy_interference                                              # CPU, tiny model
     python -m benchmarks.copy_interference --model llama-8b-shape --context 4096 --copy-tokens 2300   # GPU
+    python -m benchmarks.copy_interference --model llama-8b-shape --context 2500 --copy-tokens 2600 --delta 264
 """
 
 from __future__ import annotations
@@ -37,13 +38,13 @@ PHASES = ("idle", "copy", "write")
 COLUMNS = ["phase", "steps", "p50_ms", "p99_ms", "max_ms", "wait_ms", "queue_ms", "copies_per_s", "copy_MB"]
 
 
-def copier(cache, stop: threading.Event, done: list, path: Path | None = None):
-    """Copy `cache` to the host until `stop` is set, and write each copy to `path` unless None (as the cache
-    writer writes a turn's cache); append each round's seconds to `done`."""
+def copier(cache, stop: threading.Event, done: list, path: Path | None = None, start: int = 0):
+    """Copy `cache` (its positions from `start` on) to the host until `stop` is set, and write each copy to `path`
+    unless None (as the cache writer writes a turn's cache); append each round's seconds to `done`."""
     try:
         while not stop.is_set():
             t0 = time.perf_counter()
-            host = cache_to_host(cache)
+            host = cache_to_host(cache, start)
             if path is not None:
                 n = host.n_tokens
                 meta = CacheMeta(seq=1, token_ids=[0] * n, token_ends=[-1] * n, text="")
@@ -53,11 +54,12 @@ def copier(cache, stop: threading.Event, done: list, path: Path | None = None):
         done.append(e)
 
 
-def phase(engine, steps: int, cache=None, path: Path | None = None) -> tuple[list, list]:
-    """(DecodeSteps, copy seconds) of `steps` engine steps, with `cache` copied meanwhile unless None (and
-    written to `path` unless None)."""
+def phase(engine, steps: int, cache=None, path: Path | None = None, start: int = 0) -> tuple[list, list]:
+    """(DecodeSteps, copy seconds) of `steps` engine steps, with `cache` (from position `start` on) copied
+    meanwhile unless None (and written to `path` unless None)."""
     stop, done = threading.Event(), []
-    thread = None if cache is None else threading.Thread(target=copier, args=(cache, stop, done, path), daemon=True)
+    thread = None if cache is None else threading.Thread(target=copier, args=(cache, stop, done, path, start),
+                                                         daemon=True)
     if thread:
         thread.start()
         time.sleep(0.05)  # the copier is under way
@@ -91,6 +93,8 @@ def main(argv=None):
     p.add_argument("--copy-tokens", type=int, default=512)
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--delta", type=int, default=0,
+                   help="copy only the cache's last DELTA positions, as a turn's delta file does (0: the whole cache)")
     args = p.parse_args(argv)
     env = environment()
     print(env)
@@ -104,7 +108,8 @@ def main(argv=None):
     while engine.has_work():
         for r in engine.step():
             cache = r.cache
-    copy_mb = sum(x.nbytes for x in cache_to_host(cache).tensors.values()) / 1e6
+    start = max(0, args.copy_tokens - args.delta) if args.delta else 0
+    copy_mb = sum(x.nbytes for x in cache_to_host(cache, start).tensors.values()) / 1e6
     rows = agent_turns(args.rows, args.context, len(PHASES) * args.rounds * args.steps + 64, vocab)
     for t in rows:
         engine.submit(t)
@@ -119,14 +124,14 @@ def main(argv=None):
             for name in results:
                 t0 = time.perf_counter()
                 steps, copies = phase(engine, args.steps, None if name == "idle" else cache,
-                                      Path(folder) / "cache.kvc" if name == "write" else None)
+                                      Path(folder) / "cache.kvc" if name == "write" else None, start)
                 s, c, secs = results[name]
                 results[name] = (s + steps, c + copies, secs + time.perf_counter() - t0)
     out = [summary(name, s, c, secs, copy_mb) for name, (s, c, secs) in results.items()]
     for row in out:
         print(row)
     notes = (f"model {args.model}; {args.rows} rows decoding at {args.context} tokens of context; the copied cache "
-             f"holds {args.copy_tokens} tokens; {args.rounds} rounds of {args.steps} steps a phase, alternating.")
+             f"holds {args.copy_tokens} tokens, copied from position {start} on; {args.rounds} rounds of {args.steps} steps a phase, alternating.")
     write_results(args.name or f"copy_interference-{args.model}", env, out, COLUMNS, args.out, notes)
 
 
