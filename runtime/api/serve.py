@@ -425,9 +425,13 @@ class Server:
         """Drop what the server tracks about agent `name`."""
         self._used.pop(name, None)
 
+    def max_tokens(self, req: ChatRequest) -> int:
+        """The tokens `req` may generate: its own bound, else the server's default."""
+        return req.max_tokens or self.default_max_tokens
+
     def options(self, req: ChatRequest) -> dict:
         """The turn options (`AgentRef.send`'s) of a request."""
-        return dict(max_tokens=req.max_tokens or self.default_max_tokens, temperature=req.temperature,
+        return dict(max_tokens=self.max_tokens(req), temperature=req.temperature,
                     top_p=req.top_p, seed=req.seed, stop=tuple(req.stop), timeout=self.turn_timeout)
 
     async def run_chat(self, req: ChatRequest, name: str, pieces: asyncio.Queue | None, cancel=None) -> Reply:
@@ -646,10 +650,10 @@ def routes(server: Server) -> list[Route]:
     async def chat(request):
         req = parse_chat(await _json(request, server.body_limit), request.headers.get("x-agent-id"))
         try:  # refused before a stream begins
-            check_room(req.max_tokens or server.default_max_tokens, rt.max_context)
+            check_room(server.max_tokens(req), rt.max_context)
         except InvalidArgument as e:
             raise bad(str(e), "max_tokens", "context_length_exceeded") from None
-        check_messages_fit(rt, req, req.max_tokens or server.default_max_tokens)
+        check_messages_fit(rt, req, server.max_tokens(req))
         name = req.agent or derive_agent_id(req.user, req.system, req.messages[0][1])
         created = int(time.time())
         if not req.stream:
