@@ -783,3 +783,58 @@ def test_an_unnamed_conversation_whose_first_turn_is_dropped_leaves_no_agent_beh
         assert name not in slow.rt.running() and not slow.rt.stored(name)
     finally:
         slow.close()
+
+
+HUGE_WORDS = "hello "
+
+
+def test_a_refused_request_does_not_leave_its_system_prompt_on_an_agent_that_had_none(served):
+    """A request to a named agent that has no system prompt, carrying a new system prompt and a message too long
+    for the model, is refused with a 400; the server undoes the reset the request made first, but the agent kept
+    the refused request's system prompt, and every later turn ran under it."""
+    agent = {"X-Agent-Id": "promptless"}
+
+    def chat(messages):
+        return served.request("POST", "/v1/chat/completions",
+                              {"model": "kvactors-tiny", "max_tokens": 2, "messages": messages}, agent)
+
+    assert chat([{"role": "user", "content": "hi"}])[0] == 200
+    before = served.request("GET", "/v1/agents/promptless")[1]
+    assert before["system"] == ""
+    huge = HUGE_WORDS * (served.rt.max_context + 10)
+    status, body, _ = chat([{"role": "system", "content": "You are a pirate."}, {"role": "user", "content": huge}])
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
+    after = served.request("GET", "/v1/agents/promptless")[1]
+    assert after["system"] == "", after["system"]  # was "You are a pirate."
+    assert [m["content"] for m in after["messages"]] == [m["content"] for m in before["messages"]]
+
+
+def test_conversations_that_open_with_one_assistant_greeting_are_not_one_agent(served):
+    """Without X-Agent-Id the agent is 'a hash of the user field, the system prompt and the first user message'
+    (README, module docstring). The server hashed the first message after the system prompt, whatever its role:
+    every conversation of a chat app that opens with the same assistant greeting landed on one agent, so they
+    waited for each other and reset each other's conversation (and cache) at every turn."""
+    greeting = {"role": "assistant", "content": "Hello! How can I help you today?"}
+    agents = set()
+    for question in ("What is the capital of France?", "Write me a haiku about rain."):
+        status, body, _ = served.request("POST", "/v1/chat/completions", {
+            "model": "kvactors-tiny", "max_tokens": 2, "messages": [greeting, {"role": "user", "content": question}]})
+        assert status == 200, body
+        agents.add(body["kvactors"]["agent"])
+    assert len(agents) == 2, agents
+
+
+def test_sampling_fields_the_server_cannot_honour_are_refused_not_ignored(served):
+    """REFUSED's rule is 'fields we cannot honour: refused rather than silently ignored', but logit_bias and the
+    frequency and presence penalties, which the runtime has no way to apply, were taken with a 200 and ignored:
+    a client banning a token with logit_bias -100 could get it. Their neutral values (0, {}), which some
+    clients always send, are still taken."""
+    hi = [{"role": "user", "content": "hi"}]
+    for field, value in (("logit_bias", {"42": -100}), ("frequency_penalty", 1.5), ("presence_penalty", -1)):
+        status, body, _ = served.request("POST", "/v1/chat/completions",
+                                         {"model": "kvactors-tiny", "max_tokens": 2, "messages": hi, field: value})
+        assert status == 400 and body["error"]["param"] == field, (field, status, body)
+    status, _, _ = served.request("POST", "/v1/chat/completions", {
+        "model": "kvactors-tiny", "max_tokens": 2, "messages": hi, "logit_bias": {}, "frequency_penalty": 0,
+        "presence_penalty": 0.0})
+    assert status == 200

@@ -61,8 +61,6 @@ from runtime.errors import InvalidArgument, KvactorsError, shown
 from runtime.store import InvalidAgentId, check_agent_id, conversation_prompt
 
 log = logging.getLogger(__name__)
-SUPPORTED = {"messages", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop",
-             "stream", "stream_options", "user", "n"}
 REFUSED = {  # fields we cannot honour: refused rather than silently ignored
     "tools": "tools (function calling) are not supported by kvactors serve",
     "functions": "functions (function calling) are not supported by kvactors serve",
@@ -71,6 +69,8 @@ REFUSED = {  # fields we cannot honour: refused rather than silently ignored
     "top_logprobs": "logprobs are not supported by kvactors serve",
     "audio": "audio output is not supported by kvactors serve",
 }
+NEUTRAL_ONLY = {"logit_bias": {}, "frequency_penalty": 0, "presence_penalty": 0}  # no sampler here has them: only
+# their no-op values, which some clients always send, are taken
 MAX_STOP = 4
 
 
@@ -216,6 +216,11 @@ def parse_chat(body, agent_header: str | None = None) -> ChatRequest:
     for name, why in REFUSED.items():
         if body.get(name) not in (None, False, [], "none"):
             raise bad(why, name, "unsupported_parameter")
+    for name, neutral in NEUTRAL_ONLY.items():
+        value = body.get(name)
+        if value is not None and (isinstance(value, bool) or value != neutral):
+            raise bad(f"{name} is not supported by kvactors serve (only {json.dumps(neutral)})", name,
+                      "unsupported_parameter")
     if not isinstance(body.get("model"), str):
         raise bad("model is required (a string; this server serves one model, see GET /v1/models)", "model",
                   "missing_required_parameter" if "model" not in body else "invalid_type")
@@ -459,7 +464,9 @@ class Server:
                         await asyncio.to_thread(self.rt.forget, name)
                         self.forgotten(name)
                     elif wrote:  # the request's earlier messages leave no trace either: a corrected resend is not doubled
-                        await ref.reset(history)
+                        # and its system prompt neither: a history without a system record says none (""), and
+                        # reset(history) alone would keep the one the request's reset set
+                        await ref.reset(history, system=conversation_prompt(history))
                 except Exception as undo:  # noqa: BLE001 - the client's answer is the refusal; this is the log's
                     log.warning("agent %s keeps what a refused request began: undoing it failed: %r", name, undo)
                 raise
@@ -654,7 +661,8 @@ def routes(server: Server) -> list[Route]:
         except InvalidArgument as e:
             raise bad(str(e), "max_tokens", "context_length_exceeded") from None
         check_messages_fit(rt, req, server.max_tokens(req))
-        name = req.agent or derive_agent_id(req.user, req.system, req.messages[0][1])
+        first_user = next(text for role, text, _ in req.messages if role == "user")  # the last one is, at least
+        name = req.agent or derive_agent_id(req.user, req.system, first_user)
         created = int(time.time())
         if not req.stream:
             try:
