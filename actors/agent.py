@@ -47,7 +47,7 @@ import msgpack
 import pykka
 
 from actors import persistence
-from actors.batcher import Submit
+from actors.batcher import BatcherCrashed, BatcherStopped, Submit
 from actors.supervisor import SupervisedActor
 from runtime import chat, prefix, store
 from runtime.detok import AnchoredDetokenizer
@@ -72,7 +72,8 @@ class AgentError(KvactorsError, RuntimeError):
 
 
 class AgentCrashed(AdvisedError, AgentError):
-    """The agent crashed during turn `turn_id`; it restarts from its durable state.
+    """The agent crashed during turn `turn_id` (it restarts from its durable state), or the batcher did while it
+    held the turn (the batcher restarts; the agent keeps its state and reloads its cache from disk).
 
     Retry with the same turn id (`send(..., turn_id=e.turn_id)`): if the turn did
     commit after all, the retry returns its reply instead of running it twice.
@@ -773,6 +774,14 @@ class AgentActor(SupervisedActor):
             # dropped: not a fault
             self.seq = item.pending["user"]["seq"] - 1  # the user record was never written
             self._abandon(item, outcome, str(outcome))
+            return
+        if isinstance(outcome, (BatcherCrashed, BatcherStopped)):
+            # the batcher's fault, not this agent's: the turn fails, nothing of it was recorded, no restart (a full
+            # batch of agents restarting at once would exceed the restart intensity and stop the Runtime)
+            self.seq = item.pending["user"]["seq"] - 1
+            self.env.hot.discard(self.name)  # the engine held the cache: the next turn reloads it from disk
+            self._abandon(item, AgentCrashed(turn_id, f"the turn failed: {outcome}", "; retry with the same turn_id"),
+                          str(outcome))
             return
         if isinstance(outcome, BaseException):
             raise AgentCrashed(turn_id, f"the turn failed: {outcome}") from outcome

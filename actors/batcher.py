@@ -4,8 +4,10 @@ Turns arrive as `Submit` messages; the actor answers each through the `reply`
 callable that came with it (called on the batcher's thread with a `TurnResult`
 or an exception carrying the turn id). It drives the engine with self-addressed
 step messages, so new turns interleave with steps and the mailbox never waits
-behind a busy loop; with no work it idles. Stopping or crashing fails every
-queued and in-flight turn, so no caller waits forever.
+behind a busy loop; with no work it idles. The engine knows a turn by its id,
+and ids are each agent's own: a turn whose id another agent's turn holds waits
+until that one ends. Stopping or crashing fails every queued, waiting and
+in-flight turn, so no caller waits forever.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class BatcherActor(SupervisedActor):
         super().__init__(supervisor)
         self.engine = Engine(model, tokenizer, spec, **engine_options)
         self.replies: dict[str, Callable] = {}
+        self.deferred: dict[str, list] = {}  # turn id -> Submits of other agents' turns of that id, for after it
         self.step_queued = False
 
     def on_start(self):
@@ -82,16 +85,26 @@ class BatcherActor(SupervisedActor):
 
     def _submit(self, msg: Submit):
         turn_id = msg.turn.turn_id
-        if turn_id in self.replies:
-            msg.reply(TurnError(turn_id, "a turn with this id is already running; use unique turn ids"))
+        if turn_id in self.replies:  # turn ids are each agent's own: another agent's turn of this id runs after it
+            self.deferred.setdefault(turn_id, []).append(msg)
             return
         try:
             self.engine.submit(msg.turn)
         except TurnError as e:
             msg.reply(e)
+            self._next_deferred(turn_id)
             return
         self.replies[turn_id] = msg.reply
         self._queue_step()
+
+    def _next_deferred(self, turn_id: str) -> None:
+        """Submit the oldest turn that waits for turn id `turn_id` to be free, if any."""
+        waiting = self.deferred.get(turn_id)
+        if waiting and turn_id not in self.replies:
+            msg = waiting.pop(0)
+            if not waiting:
+                del self.deferred[turn_id]
+            self._submit(msg)
 
     def _queue_step(self):
         if self.engine.has_work() and not self.step_queued:
@@ -102,6 +115,7 @@ class BatcherActor(SupervisedActor):
         reply = self.replies.pop(outcome.turn_id, None)
         if reply is not None:
             reply(outcome)
+        self._next_deferred(outcome.turn_id)
 
     def on_stop(self):
         self._fail_everything(lambda tid: BatcherStopped(tid, "the batcher stopped"))
@@ -111,6 +125,9 @@ class BatcherActor(SupervisedActor):
         self._fail_everything(lambda tid: BatcherCrashed(tid, why))
 
     def _fail_everything(self, make_error):
+        deferred, self.deferred = [m for msgs in self.deferred.values() for m in msgs], {}
+        for msg in deferred:
+            msg.reply(make_error(msg.turn.turn_id))
         for e in self.engine.fail_all(make_error):
             self._reply(e)
         for msg in self.take_leftover(Submit):

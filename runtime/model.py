@@ -379,6 +379,23 @@ def _failure(error: BaseException) -> str:
     return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
 
 
+def token_rows(model) -> int | None:
+    """The rows of `model`'s input embedding: every token id it takes is below this (an id past it would be read
+    out of the embedding's bounds). Its config's `vocab_size` where it says one, else the first embedding module's
+    rows; None where neither is found."""
+    import mlx.nn as nn
+
+    rows = getattr(getattr(model, "args", None), "vocab_size", None)
+    if isinstance(rows, int) and not isinstance(rows, bool):
+        return rows
+    for _, module in model.named_modules():
+        if isinstance(module, nn.QuantizedEmbedding):
+            return module.num_embeddings
+        if isinstance(module, nn.Embedding):
+            return module.weight.shape[0]
+    return None
+
+
 def _model_type(model) -> str:
     """An mlx-lm model's architecture name (its config's model_type), or its module's where it has none."""
     return getattr(getattr(model, "args", None), "model_type", None) or type(model).__module__

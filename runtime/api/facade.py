@@ -41,7 +41,7 @@ from runtime.deadlines import Deadlines, wait_seconds
 from runtime.engine import MAX_TOKENS, Sampling, default_hot_budget, passes_through, running, running_callback
 from runtime.errors import AdvisedError, InvalidArgument, InvalidArgumentType, KvactorsError, shown
 from runtime.kvscheme import from_options as scheme_from_options
-from runtime.model import load_model
+from runtime.model import load_model, token_rows
 from runtime.q4cache import ROUTES, check_route
 from runtime.qgemv import available as on_cuda
 
@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 DEFAULT_CACHE_DIR = "~/.cache/kvactors/agents"
 TURN_TIMEOUT = 60.0  # seconds a turn may take unless its caller says otherwise (None: no watchdog)
 MIN_IO_TIMEOUT = 1.0  # the shortest io_timeout: a shorter wait for a loaded disk crash-looped agents into escalation
+STOP_WAIT_S = 60.0  # seconds `shutdown` waits for each group of actors to stop before it raises WaitTimeout
 
 
 def _emit(item, held, future) -> tuple[list, bool]:
@@ -713,7 +714,7 @@ class AgentRef:
                 check_unicode("a record's sender", sender)
             clean.append({"role": r["role"], "text": r["text"], "sender": sender})
             if r["role"] == "assistant" and r.get("tokens") is not None:
-                clean[-1]["tokens"] = _token_ids(r["tokens"])
+                clean[-1]["tokens"] = _token_ids(r["tokens"], getattr(self.runtime, "vocab_size", None))
         if system is not None and not isinstance(system, str):
             raise InvalidArgument(f"system must be a str or None, got {type(system).__name__}")
         if system is not None:
@@ -810,6 +811,7 @@ class Runtime:
         # the most characters one token spells: a message longer than the positions left for it times this can
         # never fit, and is refused before it is tokenized (see `AgentRef.send`)
         self.longest_token_chars = chat.longest_token_chars(self.tokenizer)
+        self.vocab_size = token_rows(self.model)  # a token id of a reset's records is below it (None: not known)
         engine_options = dict(memory_budget=memory_budget, max_batch=max_batch, route=route)
         try:  # whatever fails from here on, nothing stays behind: no lock, no thread
             hot = default_hot_budget() if hot_budget is None else hot_budget
@@ -861,6 +863,7 @@ class Runtime:
             raise InvalidArgumentType(f"reset must be True or False, got {type(reset).__name__}")
         _positive("timeout", timeout)
         with self._name_held(name, timeout):
+            self._drop_if_exited(name)  # a temporary agent that crashed is not running any more
             if name in self._names:
                 raise InvalidArgument(f"agent {name!r} is already running; use rt.agent({name!r})")
             self._check_case(name)
@@ -965,7 +968,8 @@ class Runtime:
         """Names of the running agents, in spawn order (no disk access; see `agents` for the stored ones).
         Raises RuntimeClosed after `shutdown`."""
         self._check_running()
-        return list(self._names)
+        children = self._supervisor.proxy().children().get(timeout=10)
+        return [n for n in self._names if n in children]  # not a temporary agent that exited
 
     def forget(self, name: str, timeout: float = 60.0) -> bool:
         """Stop agent `name` if it runs and delete its cache and journal; return whether any were stored.
@@ -1043,7 +1047,10 @@ class Runtime:
 
         Also runs at interpreter exit for a Runtime that was never shut down, before
         Python waits for the actors' threads, so a forgotten Runtime never hangs the exit.
-        Raises WaitsInCallback inside a turn's callback (it waits for the engine to stop).
+        Raises WaitsInCallback inside a turn's callback (it waits for the engine to stop), and
+        WaitTimeout when the actors have not stopped within STOP_WAIT_S seconds (the engine
+        in a long step): the stop goes on, the cache folder stays locked until a later call
+        finishes it.
         """
         _not_in_callback("shutdown()")
         self._closed = True
@@ -1054,9 +1061,12 @@ class Runtime:
             if ref is None:
                 continue
             try:
-                ref.stop(timeout=60)
+                ref.stop(timeout=STOP_WAIT_S)
             except pykka.ActorDeadError:
                 pass
+            except pykka.Timeout:  # a long engine step (a big prefill chunk, a slow callback): the stop goes on
+                raise WaitTimeout(f"stopping the Runtime did not finish within {STOP_WAIT_S:g} s (the engine is in a "
+                                  "long step); it goes on: call shutdown() again to wait longer") from None
         if self._env is not None:
             self._env.close()
         if engine_thread is not None:
@@ -1186,6 +1196,8 @@ class Runtime:
         self._check_running()
         if name not in self._names:
             raise not_running(name, self._names)
+        if self._drop_if_exited(name):
+            return  # it exited and was not restarted: nothing to stop
         self._drop_name(name)
         self._env.stopping(name)
         try:
@@ -1194,6 +1206,16 @@ class Runtime:
             self._env.stopping(name, on=False)
         self._env.refs.pop(name, None)
         self._env.hot.discard(name)
+
+    def _drop_if_exited(self, name) -> bool:
+        """Count agent `name` as running no more if its supervisor dropped it (a temporary agent that crashed);
+        return whether it did. The caller holds `_name_held(name)`."""
+        if name in self._names and self._exited(name):
+            self._drop_name(name)
+            self._env.refs.pop(name, None)
+            self._env.hot.discard(name)
+            return True
+        return False
 
     def _escalated(self, name, error):
         self._escalation = (name, error)
@@ -1314,12 +1336,14 @@ def cache_folder(cache_dir) -> Path:
     return store.check_cache_folder(Path(cache_dir or DEFAULT_CACHE_DIR).expanduser())
 
 
-def _token_ids(tokens) -> list:
-    """`tokens` as a list of token ids (ints 0 to 2**31 - 1), or ValueError saying what a record's tokens must be."""
+def _token_ids(tokens, vocab_size: int | None = None) -> list:
+    """`tokens` as a list of token ids (ints 0 to 2**31 - 1, and below the model's `vocab_size` when known), or
+    ValueError saying what a record's tokens must be: an id past the embedding would be read out of its bounds."""
+    limit = min(2**31, vocab_size or 2**31)
     if not isinstance(tokens, (list, tuple)) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in tokens):
-        raise InvalidArgument(f"a record's tokens are a list of token ids (ints from 0), as history() gives them; "
-                              f"got {tokens!r:.100}")
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < limit for t in tokens):
+        raise InvalidArgument(f"a record's tokens are a list of token ids (ints from 0 to {limit - 1}, the model's), "
+                              f"as history() gives them; got {tokens!r:.100}")
     return [int(t) for t in tokens]
 
 

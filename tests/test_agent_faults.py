@@ -1,0 +1,201 @@
+"""Faults at the edges of supervision and the facade: a temporary agent that crashed, one turn id in two agents,
+token ids past the model's embedding, a batcher crash with a full batch in flight, a shutdown during a long
+engine step. Each promise: a clear error in the caller, no crash of a shared actor, no escalation for one fault."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from actors.batcher import Submit
+from actors.supervisor import Backoff
+from runtime import AgentCrashed, Runtime
+from runtime.api.testing import inject_crash
+from runtime.engine import Turn
+
+ROOT = Path(__file__).resolve().parent.parent
+FAST = Backoff(min=0.001, max=0.02, reset=10.0)
+
+
+def stalled_batcher(rt):
+    """Park the batcher's thread (inside the reply of a 1-token turn); return the event that releases it."""
+    entered, release = threading.Event(), threading.Event()
+
+    def reply(outcome):
+        entered.set()
+        release.wait(30)
+
+    tokens = rt.tokenizer.encode("gate", add_special_tokens=False)
+    rt._env.batcher().tell(Submit(Turn(f"gate-{uuid.uuid4().hex[:8]}", "gate", None, tokens, max_tokens=1), reply))
+    assert entered.wait(30), "the batcher never ran the gate turn"
+    return release
+
+
+# -- a temporary agent that crashed is not running -------------------------------------------------------------------
+
+
+def test_a_crashed_temporary_agent_can_be_spawned_again_and_forgotten(tmp_path):
+    with Runtime(model=None, cache_dir=tmp_path, backoff=FAST) as rt:
+        tmp = rt.spawn("tmp", system="You are T.", restart="temporary")
+        tmp.ask("One.", max_tokens=4)
+        inject_crash(tmp)
+        with pytest.raises(AgentCrashed):
+            tmp.ask("Crash.", max_tokens=4)
+        time.sleep(0.3)  # the supervisor has dropped it: it is not restarted
+        # InvalidArgument "agent 'tmp' is already running; use rt.agent('tmp')":
+        again = rt.spawn("tmp", system="You are T.")  # README: its durable history is still there
+        assert again.ask("Two.", max_tokens=4).agent == "tmp"
+
+
+def test_running_does_not_list_a_temporary_agent_that_crashed(tmp_path):
+    with Runtime(model=None, cache_dir=tmp_path, backoff=FAST) as rt:
+        tmp = rt.spawn("tmp", restart="temporary")
+        inject_crash(tmp)
+        with pytest.raises(AgentCrashed):
+            tmp.ask("Crash.", max_tokens=4)
+        time.sleep(0.3)
+        assert rt.running() == []  # ['tmp']
+
+
+def test_forget_deletes_a_crashed_temporary_agents_files(tmp_path):
+    with Runtime(model=None, cache_dir=tmp_path, backoff=FAST) as rt:
+        tmp = rt.spawn("tmp", system="You are T.", restart="temporary")
+        tmp.ask("One.", max_tokens=4)
+        inject_crash(tmp)
+        with pytest.raises(AgentCrashed):
+            tmp.ask("Crash.", max_tokens=4)
+        time.sleep(0.3)
+        assert rt.forget("tmp") is True  # raised UnknownChild, and the files stayed
+        assert not rt.stored("tmp")
+
+
+# -- turn ids are each agent's own -----------------------------------------------------------------------------------
+
+
+def test_two_agents_may_use_the_same_turn_id_at_once(tmp_path):
+    escalated = threading.Event()
+    with Runtime(model=None, cache_dir=tmp_path, backoff=FAST, max_restarts=0,
+                 on_escalate=lambda name, error: escalated.set()) as rt:
+        a, b = rt.spawn("a"), rt.spawn("b")
+        release = stalled_batcher(rt)  # both turns reach the batcher before either finishes
+        fa = a.send("Hello.", max_tokens=4, turn_id="req-1")
+        fb = b.send("Hello.", max_tokens=4, turn_id="req-1")  # turn ids are each agent's own idempotency keys
+        time.sleep(0.2)
+        release.set()
+        assert fa.get(timeout=60).turn_id == "req-1"
+        assert fb.get(timeout=60).turn_id == "req-1"  # AgentCrashed: "a turn with this id is already running"
+        assert not escalated.is_set()
+        assert a.ask("Again.", max_tokens=4).agent == "a"  # RuntimeEscalated with max_restarts=0
+
+
+def test_turns_waiting_for_one_id_each_run_when_one_of_them_is_refused(tmp_path):
+    """Three turns of one id at the batcher: the one waiting behind the running turn is refused at its submit (no
+    tokens), and the third still runs after it."""
+    from actors.batcher import submit
+
+    with Runtime(model=None, cache_dir=tmp_path, backoff=FAST) as rt:
+        tokens = rt.tokenizer.encode("hello", add_special_tokens=False)
+        release = stalled_batcher(rt)
+        batcher = rt._env.batcher()
+        first = submit(batcher, Turn("same", "x", None, tokens, max_tokens=2))
+        refused = submit(batcher, Turn("same", "y", None, [], max_tokens=2))
+        third = submit(batcher, Turn("same", "z", None, tokens, max_tokens=2))
+        release.set()
+        assert first.get(timeout=60).turn_id == "same"
+        with pytest.raises(Exception, match="no tokens"):
+            refused.get(timeout=60)
+        assert third.get(timeout=60).turn_id == "same"
+
+
+# -- reset records whose tokens the model does not have (read past its embedding, the process segfaulted) ------------
+
+
+CHILD = textwrap.dedent("""
+    import sys
+    from runtime import Runtime
+    with Runtime(model=None, cache_dir=sys.argv[1]) as rt:
+        a = rt.spawn("a", system="You are A.")
+        a.ask("Hello there.", max_tokens=4)
+        h = [r for r in a.history() if r["role"] != "system"]
+        tokens = list(h[-1]["tokens"])
+        h[-1] = dict(h[-1], tokens=tokens[:1] + [10**6] + tokens[1:])  # an id far past the vocabulary
+        try:
+            a.reset(h).get(timeout=60)
+        except ValueError as e:
+            print("refused:", e)
+            sys.exit(0)
+        print("reset accepted", flush=True)
+        print(a.ask("Again.", max_tokens=4).cache, flush=True)
+""")
+
+
+def test_reset_refuses_token_ids_past_the_vocabulary_instead_of_crashing_the_process(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path)], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, f"rc {p.returncode}: {p.stdout[-500:]} {p.stderr[-1500:]}"
+    assert "refused" in p.stdout
+
+
+# -- one batcher crash is one fault, however many turns it held ------------------------------------------------------
+
+
+def test_a_batcher_crash_with_a_full_batch_in_flight_does_not_escalate(tmp_path):
+    from actors import pykka_compat
+
+    escalated = threading.Event()
+    with Runtime(model=None, cache_dir=tmp_path, backoff=FAST,  # the defaults: max_restarts=3, restart_period=5
+                 on_escalate=lambda name, error: escalated.set()) as rt:
+        agents = [rt.spawn(f"a{i}") for i in range(4)]
+        for a in agents:
+            a.ask("One.", max_tokens=4)
+        old = rt._env.batcher()
+        release = stalled_batcher(rt)
+        futures = [a.send("Two.", max_tokens=4) for a in agents]
+        deadline = time.monotonic() + 10
+        while pykka_compat.queued(old) < len(agents) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        old.tell(object())  # an unknown message: the batcher crashes, failing the 4 turns in flight
+        release.set()
+        for f in futures:
+            with pytest.raises(AgentCrashed):
+                f.get(timeout=30)
+        time.sleep(0.5)
+        assert not escalated.is_set()  # the agents' supervisor counted 4 "crashes" and gave up
+        assert agents[0].ask("Three.", max_tokens=4).agent == "a0"  # RuntimeEscalated
+
+
+# -- shutdown while the batcher is in a long step --------------------------------------------------------------------
+
+
+def test_shutdown_during_a_long_engine_step_raises_a_kvactors_error_and_can_be_retried(tmp_path, monkeypatch):
+    from runtime import WaitTimeout
+    from runtime.api import facade
+
+    monkeypatch.setattr(facade, "STOP_WAIT_S", 1.0)
+    rt = Runtime(model=None, cache_dir=tmp_path)
+    entered, release = threading.Event(), threading.Event()
+
+    def reply(outcome):  # a step that takes long (a big prefill chunk on a CPU, a slow callback)
+        entered.set()
+        release.wait(120)
+
+    tokens = rt.tokenizer.encode("gate", add_special_tokens=False)
+    rt._env.batcher().tell(Submit(Turn("gate-1", "gate", None, tokens, max_tokens=1), reply))
+    assert entered.wait(30)
+    try:
+        with pytest.raises(WaitTimeout, match="shutdown"):  # was pykka.Timeout, not a KvactorsError
+            rt.shutdown()
+    finally:
+        release.set()
+    rt.shutdown()  # once the step is over, a second call finishes the job
+    with Runtime(model=None, cache_dir=tmp_path) as again:  # CacheDirInUse: the first one never let go
+        assert again.spawn("a").ask("Hi.", max_tokens=2).agent == "a"
