@@ -37,6 +37,7 @@ import mlx.core as mx
 from runtime import attention, cudacopy
 from runtime.detok import AnchoredDetokenizer
 from runtime.errors import AdvisedError
+from runtime.model import token_rows
 from runtime.prepare import last_logits, record_decode
 from runtime.qgemv import available as on_cuda
 from runtime.q4cache import (
@@ -287,6 +288,7 @@ class Engine:
         attention.install()  # the model's attention over batch caches: see runtime.attention
         cudacopy.reserve_pool()  # new buffer sizes carved from spare pool memory, not mapped each (CUDA only)
         self.model = model
+        self.token_rows = token_rows(model)  # every fed token id is below it (None: not known)
         self.tokenizer = tokenizer
         self.spec = spec
         self.route = route_for(spec, route)
@@ -317,9 +319,13 @@ class Engine:
     # -- public -------------------------------------------------------------------
 
     def submit(self, turn: Turn) -> None:
-        """Queue `turn` (FIFO). Raises TurnTooLarge at once if it can never fit."""
+        """Queue `turn` (FIFO). Raises TurnTooLarge at once if it can never fit, TurnError for no tokens or a token
+        id the model does not have (it would be read past the embedding's bounds)."""
         if not turn.tokens:
             raise TurnError(turn.turn_id, "no tokens to feed: a turn needs at least one new token")
+        if self.token_rows is not None and not 0 <= min(turn.tokens) <= max(turn.tokens) < self.token_rows:
+            bad = next(t for t in turn.tokens if not 0 <= t < self.token_rows)
+            raise TurnError(turn.turn_id, f"token id {bad} is not one of the model's {self.token_rows}")
         need = self.turn_bytes(turn)
         if need > self.memory_budget:
             raise TurnTooLarge(

@@ -382,13 +382,13 @@ def _failure(error: BaseException) -> str:
 def token_rows(model) -> int | None:
     """The rows of `model`'s input embedding: every token id it takes is below this (an id past it would be read
     out of the embedding's bounds). Its config's `vocab_size` where it says one, else the first embedding module's
-    rows; None where neither is found."""
+    rows; None where neither is found (or `model` is no `mlx.nn.Module`)."""
     import mlx.nn as nn
 
     rows = getattr(getattr(model, "args", None), "vocab_size", None)
     if isinstance(rows, int) and not isinstance(rows, bool):
         return rows
-    for _, module in model.named_modules():
+    for _, module in model.named_modules() if isinstance(model, nn.Module) else ():
         if isinstance(module, nn.QuantizedEmbedding):
             return module.num_embeddings
         if isinstance(module, nn.Embedding):

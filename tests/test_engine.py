@@ -415,6 +415,19 @@ def test_turn_that_can_never_fit_fails_at_once(llama):
     assert not engine.has_work()
 
 
+def test_a_token_id_the_model_does_not_have_fails_its_turn_at_once(llama):
+    """An id at or past the embedding's rows (or below 0) would be read out of its bounds: refused at submit."""
+    model, tokenizer, spec, opts = llama
+    engine = Engine(model, tokenizer, spec, **opts)
+    rows = model.args.vocab_size
+    assert engine.token_rows == rows
+    for bad in (rows, 10**6, -1):
+        with pytest.raises(TurnError, match=f"token id {bad} is not one of the model's {rows}"):
+            engine.submit(Turn("bad", "x", None, [5, bad, 7], max_tokens=2))
+    assert not engine.has_work()
+    assert run(engine, [Turn("edge", "x", None, [0, rows - 1], max_tokens=2)])["edge"].tokens
+
+
 def test_max_tokens_eos_and_stop_strings(llama):
     model, tokenizer, spec, opts = llama
     prompt = encode(tokenizer, "stop conditions are checked here")

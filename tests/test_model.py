@@ -329,3 +329,25 @@ def test_a_broken_model_folder_is_a_model_load_error_naming_the_folder(tmp_path)
 def test_group_size_must_divide_head_dim(load_tiny, tiny_model_path):
     with pytest.raises(KVSchemeError, match="multiple of the KV group size 128"):
         ModelCacheSpec.from_model(load_tiny("llama")[0], tiny_model_path("llama"), parse("k4v4-g128"))
+
+
+def test_token_rows_reads_the_config_else_the_first_embedding():
+    """`model.token_rows`: the config's vocab_size where it says one, else the rows of the first embedding module
+    (quantized or not), else None."""
+    import types
+
+    import mlx.nn as nn
+
+    from runtime.model import token_rows
+
+    class Outer(nn.Module):
+        def __init__(self, embedding):
+            super().__init__()
+            self.inner = [embedding, nn.Linear(4, 4)]
+
+    assert token_rows(Outer(nn.Embedding(37, 8))) == 37
+    assert token_rows(Outer(nn.QuantizedEmbedding(41, 64))) == 41
+    assert token_rows(nn.Linear(4, 4)) is None
+    with_args = Outer(nn.Embedding(37, 8))
+    with_args.args = types.SimpleNamespace(vocab_size=50)
+    assert token_rows(with_args) == 50
