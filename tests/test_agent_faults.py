@@ -10,7 +10,6 @@ import sys
 import textwrap
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -20,59 +19,42 @@ from actors.supervisor import Backoff
 from runtime import AgentCrashed, Runtime
 from runtime.api.testing import inject_crash
 from runtime.engine import Turn
+from test_agents import stalled_batcher
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = Backoff(min=0.001, max=0.02, reset=10.0)
 
 
-def stalled_batcher(rt):
-    """Park the batcher's thread (inside the reply of a 1-token turn); return the event that releases it."""
-    entered, release = threading.Event(), threading.Event()
-
-    def reply(outcome):
-        entered.set()
-        release.wait(30)
-
-    tokens = rt.tokenizer.encode("gate", add_special_tokens=False)
-    rt._env.batcher().tell(Submit(Turn(f"gate-{uuid.uuid4().hex[:8]}", "gate", None, tokens, max_tokens=1), reply))
-    assert entered.wait(30), "the batcher never ran the gate turn"
-    return release
-
-
 # -- a temporary agent that crashed is not running -------------------------------------------------------------------
+
+
+def crash_temporary(rt) -> None:
+    """Spawn agent "tmp" as temporary, give it a turn, crash it; its supervisor drops it (no restart)."""
+    tmp = rt.spawn("tmp", system="You are T.", restart="temporary")
+    tmp.ask("One.", max_tokens=4)
+    inject_crash(tmp)
+    with pytest.raises(AgentCrashed):
+        tmp.ask("Crash.", max_tokens=4)
+    time.sleep(0.3)
 
 
 def test_a_crashed_temporary_agent_can_be_spawned_again_and_forgotten(tmp_path):
     with Runtime(model=None, cache_dir=tmp_path, backoff=FAST) as rt:
-        tmp = rt.spawn("tmp", system="You are T.", restart="temporary")
-        tmp.ask("One.", max_tokens=4)
-        inject_crash(tmp)
-        with pytest.raises(AgentCrashed):
-            tmp.ask("Crash.", max_tokens=4)
-        time.sleep(0.3)  # the supervisor has dropped it: it is not restarted
-        # InvalidArgument "agent 'tmp' is already running; use rt.agent('tmp')":
-        again = rt.spawn("tmp", system="You are T.")  # README: its durable history is still there
+        crash_temporary(rt)
+        # was InvalidArgument "agent 'tmp' is already running; use rt.agent('tmp')":
+        again = rt.spawn("tmp", system="You are T.")  # its durable history is still there
         assert again.ask("Two.", max_tokens=4).agent == "tmp"
 
 
 def test_running_does_not_list_a_temporary_agent_that_crashed(tmp_path):
     with Runtime(model=None, cache_dir=tmp_path, backoff=FAST) as rt:
-        tmp = rt.spawn("tmp", restart="temporary")
-        inject_crash(tmp)
-        with pytest.raises(AgentCrashed):
-            tmp.ask("Crash.", max_tokens=4)
-        time.sleep(0.3)
-        assert rt.running() == []  # ['tmp']
+        crash_temporary(rt)
+        assert rt.running() == []  # was ['tmp']
 
 
 def test_forget_deletes_a_crashed_temporary_agents_files(tmp_path):
     with Runtime(model=None, cache_dir=tmp_path, backoff=FAST) as rt:
-        tmp = rt.spawn("tmp", system="You are T.", restart="temporary")
-        tmp.ask("One.", max_tokens=4)
-        inject_crash(tmp)
-        with pytest.raises(AgentCrashed):
-            tmp.ask("Crash.", max_tokens=4)
-        time.sleep(0.3)
+        crash_temporary(rt)
         assert rt.forget("tmp") is True  # raised UnknownChild, and the files stayed
         assert not rt.stored("tmp")
 
@@ -85,11 +67,10 @@ def test_two_agents_may_use_the_same_turn_id_at_once(tmp_path):
     with Runtime(model=None, cache_dir=tmp_path, backoff=FAST, max_restarts=0,
                  on_escalate=lambda name, error: escalated.set()) as rt:
         a, b = rt.spawn("a"), rt.spawn("b")
-        release = stalled_batcher(rt)  # both turns reach the batcher before either finishes
-        fa = a.send("Hello.", max_tokens=4, turn_id="req-1")
-        fb = b.send("Hello.", max_tokens=4, turn_id="req-1")  # turn ids are each agent's own idempotency keys
-        time.sleep(0.2)
-        release.set()
+        with stalled_batcher(rt):  # both turns reach the batcher before either finishes
+            fa = a.send("Hello.", max_tokens=4, turn_id="req-1")
+            fb = b.send("Hello.", max_tokens=4, turn_id="req-1")  # turn ids are each agent's own idempotency keys
+            time.sleep(0.2)
         assert fa.get(timeout=60).turn_id == "req-1"
         assert fb.get(timeout=60).turn_id == "req-1"  # AgentCrashed: "a turn with this id is already running"
         assert not escalated.is_set()
@@ -103,12 +84,11 @@ def test_turns_waiting_for_one_id_each_run_when_one_of_them_is_refused(tmp_path)
 
     with Runtime(model=None, cache_dir=tmp_path, backoff=FAST) as rt:
         tokens = rt.tokenizer.encode("hello", add_special_tokens=False)
-        release = stalled_batcher(rt)
-        batcher = rt._env.batcher()
-        first = submit(batcher, Turn("same", "x", None, tokens, max_tokens=2))
-        refused = submit(batcher, Turn("same", "y", None, [], max_tokens=2))
-        third = submit(batcher, Turn("same", "z", None, tokens, max_tokens=2))
-        release.set()
+        with stalled_batcher(rt):
+            batcher = rt._env.batcher()
+            first = submit(batcher, Turn("same", "x", None, tokens, max_tokens=2))
+            refused = submit(batcher, Turn("same", "y", None, [], max_tokens=2))
+            third = submit(batcher, Turn("same", "z", None, tokens, max_tokens=2))
         assert first.get(timeout=60).turn_id == "same"
         with pytest.raises(Exception, match="no tokens"):
             refused.get(timeout=60)
@@ -158,13 +138,12 @@ def test_a_batcher_crash_with_a_full_batch_in_flight_does_not_escalate(tmp_path)
         for a in agents:
             a.ask("One.", max_tokens=4)
         old = rt._env.batcher()
-        release = stalled_batcher(rt)
-        futures = [a.send("Two.", max_tokens=4) for a in agents]
-        deadline = time.monotonic() + 10
-        while pykka_compat.queued(old) < len(agents) and time.monotonic() < deadline:
-            time.sleep(0.005)
-        old.tell(object())  # an unknown message: the batcher crashes, failing the 4 turns in flight
-        release.set()
+        with stalled_batcher(rt):
+            futures = [a.send("Two.", max_tokens=4) for a in agents]
+            deadline = time.monotonic() + 10
+            while pykka_compat.queued(old) < len(agents) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            old.tell(object())  # an unknown message: the batcher crashes, failing the 4 turns in flight
         for f in futures:
             with pytest.raises(AgentCrashed):
                 f.get(timeout=30)
