@@ -96,7 +96,6 @@ class ClusterRuntime:
     converse = Runtime.converse  # the same round-robin and fan-out: they only use AgentRefs
     broadcast = Runtime.broadcast
     agent = Runtime.agent  # the same checks of the same names
-    running = Runtime.running
 
     def __init__(self, model=None, cache_dir=None, kv_bits=None, memory_budget=None, *, cluster: str | None = None,
                  address: str | None = None, **options):
@@ -192,6 +191,11 @@ class ClusterRuntime:
             self._restart[name] = restart
             self._names[name] = None
         return AgentRef(self, name)
+
+    def running(self) -> list[str]:
+        """Names of the running agents, in spawn order (no call to a host). Raises RuntimeClosed after `shutdown`."""
+        self._check_running()
+        return list(self._names)
 
     def placement(self) -> dict[str, str]:
         """Agent name -> the Ray node id it runs on now."""
