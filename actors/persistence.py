@@ -450,9 +450,15 @@ class PersistenceActor(SupervisedActor):
     async def _load(self, agent: str) -> store.Loaded:
         folder = store.agent_dir(self.cache_dir, self.spec.fingerprint, agent)
         await self._settle(agent)  # the newest acknowledged cache is the one to load
-        if agent not in self._journal_seq and await _io(os.path.lexists)(folder):
+        opened = agent not in self._journal_seq and await _io(os.path.lexists)(folder)
+        if opened:
             await self._open(agent, folder)  # repairs damage and says what was lost, once
         loaded = await _io(store.load_agent)(self.cache_dir, self.spec, agent)
+        on_disk = self._cache_seq.get(agent)
+        if opened and loaded.segment is not None and on_disk is not None and loaded.segment.seq < on_disk:
+            log.warning("agent %s: its cache files reach seq %d, but %s is damaged or does not fit: its cache loads "
+                        "at seq %d and the turns after it are re-prefilled from the journal", agent, on_disk,
+                        store.DELTA_FILE.format(loaded.segment.deltas + 1), loaded.segment.seq)
         if agent not in self._segment and loaded.segment is not None and loaded.segment.seq == self._cache_seq.get(agent):
             self._segment[agent] = loaded.segment  # the agent's next write continues the chain with a delta
         return replace(loaded, last_seq=max(loaded.last_seq, self._journal_seq.get(agent, -1)))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import re
 import shutil
 import stat
 import threading
@@ -278,8 +279,17 @@ def _subfolders(folder: Path) -> list[Path]:
 
 
 def _holds_agent(folder: Path) -> bool:
-    """Whether `folder` holds a cache or journal entry (of any kind: a link is not followed)."""
-    return any(os.path.lexists(folder / name) for name in (CACHE_FILE, JOURNAL_FILE))
+    """Whether `folder` holds a cache or journal entry (of any kind: a link is not followed), or may: a folder that
+    cannot be searched (no permission) is not taken for an empty one, so its agent is listed, not hidden."""
+    for name in (CACHE_FILE, JOURNAL_FILE):
+        try:
+            os.lstat(folder / name)
+            return True
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return True
+    return False
 
 
 def prune(cache_dir, max_age_s: float, *, journals: bool = False, now: float | None = None) -> list:
@@ -294,26 +304,36 @@ def prune(cache_dir, max_age_s: float, *, journals: bool = False, now: float | N
     now = time.time() if now is None else now
     deleted = []
     for folder in agent_folders(cache_dir):
-        remove_temps(folder)
-        deltas = list(folder.glob(DELTA_FILE.format("*")))
-        ours = [folder / CACHE_FILE, *deltas, folder / JOURNAL_FILE, folder / HIGH_FILE,
-                *folder.glob("journal.torn-*"), *folder.glob("journal.damaged-*")]
-        ours = [p for p in ours if os.path.lexists(p)]
-        newest = max((os.lstat(p).st_mtime for p in ours), default=0.0)  # a link's own time: never followed
-        if now - newest < max_age_s:
+        try:
+            deleted += _prune_folder(folder, max_age_s, journals, now)
+        except OSError:  # files no rule foresaw (a folder in a cache file's place): the other agents are still pruned
             continue
-        if journals:
-            for p in ours:
-                p.unlink(missing_ok=True)
-            try:
-                folder.rmdir()
-                deleted.append(folder)
-            except OSError:  # something not kvactors' is left in it (inspect names a stray temp folder)
-                deleted += ours
-        elif os.path.lexists(folder / CACHE_FILE) or deltas:
-            (folder / CACHE_FILE).unlink(missing_ok=True)
-            remove_deltas(folder)
-            deleted.append(folder / CACHE_FILE)
+    return deleted
+
+
+def _prune_folder(folder: Path, max_age_s: float, journals: bool, now: float) -> list:
+    """`prune` of one agent folder; returns what it deleted."""
+    deleted = []
+    remove_temps(folder)
+    deltas = list(folder.glob(DELTA_FILE.format("*")))
+    ours = [folder / CACHE_FILE, *deltas, folder / JOURNAL_FILE, folder / HIGH_FILE,
+            *folder.glob("journal.torn-*"), *folder.glob("journal.damaged-*")]
+    ours = [p for p in ours if os.path.lexists(p)]
+    newest = max((os.lstat(p).st_mtime for p in ours), default=0.0)  # a link's own time: never followed
+    if now - newest < max_age_s:
+        return deleted
+    if journals:
+        for p in ours:
+            p.unlink(missing_ok=True)
+        try:
+            folder.rmdir()
+            deleted.append(folder)
+        except OSError:  # something not kvactors' is left in it (inspect names a stray temp folder)
+            deleted += ours
+    elif os.path.lexists(folder / CACHE_FILE) or deltas:
+        (folder / CACHE_FILE).unlink(missing_ok=True)
+        remove_deltas(folder)
+        deleted.append(folder / CACHE_FILE)
     return deleted
 
 
@@ -349,8 +369,13 @@ def _mode(path: Path) -> int | None:
         return None
 
 
+_MODEL_HASH = re.compile(r"[0-9a-f]{32}")  # the name `model.fingerprint` gives a model's folder
+
+
 def _kind(path: Path, mode: int) -> str:
-    """What `path` (of st_mode `mode`, not a regular file) is, for people: "a folder", "a symlink (to X)", ..."""
+    """What `path` (of st_mode `mode`) is, for people: "a file", "a folder", "a symlink (to X)", ..."""
+    if stat.S_ISREG(mode):
+        return "a file"
     if not stat.S_ISLNK(mode):
         return _KINDS.get(stat.S_IFMT(mode), "not a regular file")
     try:
@@ -426,8 +451,9 @@ def _cache_health(folder: Path) -> tuple[tuple | None, list[str]]:
         return None, [f"bad cache: {type(e).__name__} ({CACHE_FILE} is {_CACHE_WHY.get(type(e), 'unusable')}): "
                       f"{_REPREFILL}, and its next turn rewrites the file"]
     notes = _delta_health(folder, loaded[2])
-    if tag_fingerprint(loaded[1].fingerprint) != folder.parent.name:
-        notes.append(f"cache of another model ({loaded[1].fingerprint}): {_REPREFILL}, and its next turn rewrites it")
+    if tag_fingerprint(loaded[1].fingerprint) != folder.parent.name:  # no agent of this folder loads it: no tokens
+        return None, notes + [f"cache of another model ({loaded[1].fingerprint}): {_REPREFILL}, and its next turn "
+                              "rewrites it"]
     return loaded, notes
 
 
@@ -531,6 +557,10 @@ def _safe_row(folder: Path) -> list[str]:
     if mode is not None and stat.S_ISLNK(mode):
         return [folder.name, "-", "-", "-", f"the agent folder is {_kind(folder, mode)}, which kvactors never follows: "
                 "it refuses the agent (UnsafePath); remove the link, or move the folder it points to here in its place"]
+    if mode is not None and not stat.S_ISDIR(mode):
+        what = "a file" if stat.S_ISREG(mode) else _kind(folder, mode)
+        return [folder.name, "-", "-", "-", f"{folder.name} is {what}, not an agent folder: the agent of that name "
+                "cannot start (its files cannot be made); move it aside"]
     try:
         return _agent_row(folder)
     except Exception as e:  # noqa: BLE001 - files no rule foresaw: said on their row, the other agents still listed
@@ -580,6 +610,9 @@ def inspect_table(cache_dir) -> str:
                        "in its place, or make the cache folder itself the link")
         elif e.is_dir(follow_symlinks=False):
             out += _model_table(root / e.name)
+        elif _MODEL_HASH.fullmatch(e.name):  # named like a model's folder (`model.fingerprint`), but not one
+            out.append(f"model {e.name}: {_kind(root / e.name, _mode(root / e.name) or 0)} in place of the model "
+                       "folder: no agent of that model can start (its files cannot be made); move it aside")
     return "\n\n".join(out) or f"{root}: no agents stored"
 
 
@@ -595,9 +628,9 @@ def _model_table(model: Path) -> list[str]:
         return [f"model {model.name}: cannot list the folder ({e.strerror or e}); fix its permissions"]
     agents = [model / e.name for e in entries
               if AGENT_ID.fullmatch(e.name) and e.is_dir(follow_symlinks=False) and _holds_agent(model / e.name)]
-    if agents or os.path.lexists(model / MODEL_FILE):
+    if agents or os.path.lexists(model / MODEL_FILE):  # links and files in the place of an agent folder
         agents += [model / e.name for e in entries
-                   if AGENT_ID.fullmatch(e.name) and e.is_symlink() and e.name != MODEL_FILE]
+                   if AGENT_ID.fullmatch(e.name) and not e.is_dir(follow_symlinks=False) and e.name != MODEL_FILE]
     if not agents:
         return []
     rows = [["agent", "tokens", "on disk", "last turn", "health"]] + [_safe_row(a) for a in sorted(agents)]

@@ -32,6 +32,8 @@ def _serve(args) -> int:
 def _inspect(args) -> int:
     from runtime.store import inspect_table
 
+    if not args.cache_dir:  # as Runtime(cache_dir="") and `serve --cache-dir ''` say, not the current folder
+        raise ValueError("cache_dir is empty: give a folder, or leave it out for the default")
     print(inspect_table(args.cache_dir))
     return 0
 
@@ -72,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "prints each turn's cache state (cold / hot / warm) and time to first token.",
     )
     demo.add_argument("--model", default=None,
-                      help="model folder, .gguf file, Hugging Face id or 'tiny' (default: SmolLM2-135M-Instruct)")
+                      help="model folder, .gguf file, Hugging Face id or 'tiny' (default: $KVACTORS_MODEL if set, "
+                           "else SmolLM2-135M-Instruct)")
     demo.add_argument("--cache-dir", default=None, help="where agent caches live (default: a fresh temporary folder)")
     demo.add_argument("--max-tokens", type=int, default=16, help="tokens generated per turn (default: 16)")
     kv = demo.add_mutually_exclusive_group()
@@ -90,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "derived from its user field, system prompt and first user message.",
     )
     srv.add_argument("--model", default=None,
-                     help="model folder, .gguf file, Hugging Face id or 'tiny' (default: SmolLM2-135M-Instruct)")
+                     help="model folder, .gguf file, Hugging Face id or 'tiny' (default: $KVACTORS_MODEL if set, "
+                           "else SmolLM2-135M-Instruct)")
     srv.add_argument("--cache-dir", default=None, help="where agent caches live (default: ~/.cache/kvactors/agents)")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
     srv.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
@@ -141,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `kvactors` console script; returns the process exit code."""
     argv = sys.argv[1:] if argv is None else argv
+    if hasattr(sys.stdout, "reconfigure"):  # paths that are not UTF-8 (os.fsdecode's surrogates) print as their bytes
+        sys.stdout.reconfigure(errors="surrogateescape")
     if argv[:1] == ["bench"]:  # everything after `bench` belongs to the benchmark driver
         return _bench(argparse.Namespace(bench_args=argv[1:]))
     parser = build_parser()
