@@ -308,7 +308,7 @@ def continued(tokenizer, held, rendered: chat.Rendered):
     """How a cache holding `held` (a `CacheMeta`: token ids, their ends, the text they spell) serves `rendered`:
     (tokens to feed, kept ids, kept ends, kept text), or None where it serves nothing (start over). Kept ids
     are the cache's first tokens (cut back to them), fed tokens what follows (`prefix.match_prefix`)."""
-    match = prefix.match_prefix(held.text, held.token_ids, held.token_ends, rendered.text)
+    match = prefix.match_prefix(held.text, held.token_ids, held.token_ends, rendered.text, spans=rendered.spans)
     if match.kind == prefix.COLD:
         return None
     fed = list(match.refeed) + (chat.encode(tokenizer, rendered, match.start) if match.suffix else [])

@@ -68,12 +68,31 @@ def last_boundary(token_ends, limit: int) -> int:
     return 0
 
 
-def match_prefix(cached_text: str, token_ids, token_ends, new_text: str, threshold: float = DEFAULT_THRESHOLD) -> Match:
+def segment_start(spans, at: int, end: int) -> int:
+    """Where a cut at offset `at` of a rendered text (of length `end`, message texts at `spans`) must move back to
+    so that what follows it is tokenized as a cold turn tokenizes it, one whole segment (a message's text, or the
+    template's text between two) at a time: the start of the message text that `at` lies in or ends (the old text
+    went on past it), or of the template text it lies inside; `at` itself at a message's start or at the end."""
+    before = 0
+    for a, b in spans:
+        if at <= a:
+            return at if at == a else before
+        if at <= b:
+            return a
+        before = b
+    return at if at == end else before
+
+
+def match_prefix(cached_text: str, token_ids, token_ends, new_text: str, threshold: float = DEFAULT_THRESHOLD,
+                 spans=None) -> Match:
     """Decide how much of a cache (`token_ids` spelling `cached_text`) serves `new_text`.
 
     Returns a `Match` of kind EXACT, EXTEND, DIVERGE or COLD (see the module doc).
     `token_ends` is as in `CacheMeta`; a cache whose last token does not end exactly at
-    the end of `cached_text` is only reused up to its last recorded boundary.
+    the end of `cached_text` is only reused up to its last recorded boundary. With `spans` (where the message
+    texts lie in `new_text`, `chat.Rendered.spans`), a cut where the texts differ goes back to the start of the
+    segment it falls in (`segment_start`): the cached tokens of a message the new text changed were split as
+    the old text was, not as the new one is.
     """
     n = len(token_ids)
     if len(token_ends) != n:
@@ -89,7 +108,10 @@ def match_prefix(cached_text: str, token_ids, token_ends, new_text: str, thresho
     common = common_prefix_len(cached_text, new_text)
     if common < threshold * len(cached_text):
         return cold
-    keep = last_boundary(token_ends, common)
+    limit = common
+    if spans and common < len(cached_text):
+        limit = segment_start(spans, common, len(new_text))
+    keep = last_boundary(token_ends, limit)
     if keep == 0:
         return cold
     start = token_ends[keep - 1]

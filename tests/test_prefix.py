@@ -336,3 +336,16 @@ def test_add_tokens_carries_a_held_back_token_across_calls_and_offsets_each_end_
     ends = many.add_tokens(ids[1:split + 1], start=100) + many.add_tokens(ids[split + 1:], start=100)
     assert ends == [e + 100 if e >= 0 else -1 for e in one_by_one]
     assert many.text == one.text == tokenizer.decode(ids)[len(tokenizer.decode(ids[:1])):]
+
+
+def test_a_cut_where_a_message_changed_goes_back_to_the_message_start():
+    """With the message spans, a DIVERGE inside a message's text keeps no token of it (its cached tokens were split
+    as the old text was: " for" where the new text reads " format"), on one-character tokens."""
+    old, new = "[u]Write a word: for[/u]ok", "[u]Write a word: format[/u]"
+    ids, ends = list(range(len(old))), list(range(1, len(old) + 1))
+    spans = ((3, 23),)  # "Write a word: format" in the new text
+    assert match_prefix(old, ids, ends, new, threshold=0.5).keep == 20  # without spans: inside " for"
+    m = match_prefix(old, ids, ends, new, threshold=0.5, spans=spans)
+    assert (m.kind, m.keep, m.suffix) == (DIVERGE, 3, new[3:])
+    # a new text that extends the cached one (the next turn of a conversation) is cut nowhere else
+    assert match_prefix(old, ids, ends, old + "[u]hi[/u]", spans=((3, 23), (len(old) + 3, len(old) + 5))).kind == EXTEND

@@ -187,3 +187,26 @@ def test_the_default_kv_scheme_answers_as_the_unquantized_cache(smol):
         assert greedy(model, prompt, make_batch_cache(spec, 1), 12) == reference, question
         if question.startswith("Who wrote"):  # benchmarks.quality: plain Q4 g64 changed 18 of its 20 answers
             assert greedy(model, prompt, make_batch_cache(spec.with_scheme(plain(4, 64)), 1), 12) != reference
+
+
+EDITOR = ("You are a friendly assistant who helps people with everyday questions about pets, food, travel and "
+          "science. Keep answers short.")
+
+
+def test_a_message_edited_after_reset_is_answered_as_a_cold_turn_answers_it(tmp_path):
+    """ask "…: for", reset([]) (start over), ask "…: format": the cache's text matches up to "for" (more than 80%
+    of it), so the hot turn keeps the cached " for" token and feeds "mat" after it, a tokenization that no cold
+    turn of this conversation makes (it reads " format", one token): the prompt differs and so does the reply."""
+    from runtime import Runtime
+
+    with Runtime(model=GGUF, cache_dir=tmp_path) as rt:
+        a = rt.spawn("editor", system=EDITOR)
+        a.ask("Write a word: for", max_tokens=6)
+        a.reset([]).get(timeout=60)
+        hot = a.ask("Write a word: format", max_tokens=16)
+        cold = rt.spawn("fresh", system=EDITOR).ask("Write a word: format", max_tokens=16)
+    assert (hot.cache, cold.cache) == ("hot", "cold")
+    assert hot.reused_tokens > 0
+    assert hot.tokens == cold.tokens, (hot.text, cold.text)
+    # the same prompt, token for token: as many tokens in all
+    assert hot.reused_tokens + hot.timings.prefill_tokens == cold.timings.prefill_tokens
