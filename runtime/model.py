@@ -379,21 +379,30 @@ def _failure(error: BaseException) -> str:
     return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
 
 
+TOKEN_TABLES = ("embed_tokens", "wte", "tok_embeddings", "word_embeddings")  # the names mlx-lm gives token embeddings
+
+
 def token_rows(model) -> int | None:
-    """The rows of `model`'s input embedding: every token id it takes is below this (an id past it would be read
-    out of the embedding's bounds). Its config's `vocab_size` where it says one, else the first embedding module's
-    rows; None where neither is found (or `model` is no `mlx.nn.Module`)."""
+    """The rows of `model`'s token embedding: every token id it takes is below this (an id past it would be read
+    out of the embedding's bounds). Its config's `vocab_size` (a multimodal wrapper's `text_config`'s) where it says
+    one; else the rows of the shallowest embedding named as mlx-lm names token embeddings (TOKEN_TABLES), or of
+    the model's only embedding; None where none of these is found (a vision tower's position table or a per-layer
+    table bounds no token id), or where `model` is no `mlx.nn.Module`."""
     import mlx.nn as nn
 
-    rows = getattr(getattr(model, "args", None), "vocab_size", None)
-    if isinstance(rows, int) and not isinstance(rows, bool):
-        return rows
-    for _, module in model.named_modules() if isinstance(model, nn.Module) else ():
-        if isinstance(module, nn.QuantizedEmbedding):
-            return module.num_embeddings
-        if isinstance(module, nn.Embedding):
-            return module.weight.shape[0]
-    return None
+    args = getattr(model, "args", None)
+    text = getattr(args, "text_config", None)
+    for rows in (getattr(args, "vocab_size", None),
+                 text.get("vocab_size") if isinstance(text, dict) else getattr(text, "vocab_size", None)):
+        if isinstance(rows, int) and not isinstance(rows, bool):
+            return rows
+    every = [(name, module) for name, module in (model.named_modules() if isinstance(model, nn.Module) else ())
+             if isinstance(module, (nn.Embedding, nn.QuantizedEmbedding))]
+    tables = [t for t in every if t[0].rsplit(".", 1)[-1] in TOKEN_TABLES] or (every if len(every) == 1 else [])
+    if not tables:
+        return None
+    module = min(tables, key=lambda t: t[0].count("."))[1]
+    return module.num_embeddings if isinstance(module, nn.QuantizedEmbedding) else module.weight.shape[0]
 
 
 def _model_type(model) -> str:

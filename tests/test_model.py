@@ -332,7 +332,7 @@ def test_group_size_must_divide_head_dim(load_tiny, tiny_model_path):
 
 
 def test_token_rows_reads_the_config_else_the_first_embedding():
-    """`model.token_rows`: the config's vocab_size where it says one, else the rows of the first embedding module
+    """`model.token_rows`: the config's vocab_size where it says one, else the rows of the only embedding module
     (quantized or not), else None."""
     import types
 
@@ -351,3 +351,37 @@ def test_token_rows_reads_the_config_else_the_first_embedding():
     with_args = Outer(nn.Embedding(37, 8))
     with_args.args = types.SimpleNamespace(vocab_size=50)
     assert token_rows(with_args) == 50
+
+
+def test_token_rows_of_a_multimodal_model_are_its_text_vocabulary_not_a_vision_table():
+    """muse_spark keeps its vocabulary in text_config; its first embedding module met is the vision tower's
+    position table (32 x 32 rows)."""
+    from mlx_lm.models import muse_spark
+
+    from runtime.model import token_rows
+
+    tc = dict(hidden_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=4, num_hidden_layers=1,
+              vocab_size=5000, rms_norm_eps=1e-6, post_norm_eps=1e-6, rope_parameters={"rope_theta": 1e4},
+              layer_rope_theta=[1e4], layer_types=["full_attention"], sliding_window=8, final_logit_softcapping=30.0,
+              output_multiplier=1.0, num_local_experts=2, num_experts_per_tok=1, moe_hidden_size=8,
+              moe_intermediate_size=8)
+    vc = dict(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2)
+    m = muse_spark.Model(muse_spark.ModelArgs(model_type="muse_spark", text_config=tc, vision_config=vc))
+    assert token_rows(m) == 5000
+
+
+def test_token_rows_of_gemma3n_are_its_vocabulary_not_the_per_layer_table():
+    """gemma3n's per-layer embedding (vocab_size_per_layer_input rows) is not its token table."""
+    from mlx_lm.models import gemma3n
+
+    from runtime.model import token_rows
+
+    tc = dict(model_type="gemma3n_text", hidden_size=8, num_hidden_layers=2, intermediate_size=[16, 16],
+              num_attention_heads=2, head_dim=4, rms_norm_eps=1e-6, vocab_size=300, num_key_value_heads=1,
+              num_kv_shared_layers=0, vocab_size_per_layer_input=256, sliding_window=8, max_position_embeddings=64,
+              rope_local_base_freq=1e4, rope_theta=1e6, final_logit_softcapping=30.0,
+              layer_types=["sliding_attention", "full_attention"], activation_sparsity_pattern=[0.0, 0.0],
+              hidden_size_per_layer_input=4, altup_num_inputs=2, altup_coef_clip=120.0, altup_correct_scale=True,
+              altup_active_idx=0, laurel_rank=2)
+    m = gemma3n.Model(gemma3n.ModelArgs(model_type="gemma3n", text_config=tc))
+    assert token_rows(m) == 300

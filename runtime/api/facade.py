@@ -965,11 +965,14 @@ class Runtime:
         return _within(what, timeout, lambda seconds: call(self._env.persistence().proxy()).get(timeout=seconds))
 
     def running(self) -> list[str]:
-        """Names of the running agents, in spawn order (no disk access; see `agents` for the stored ones).
-        Raises RuntimeClosed after `shutdown`."""
+        """Names of the running agents, in spawn order (no disk access; see `agents` for the stored ones): not a
+        temporary agent that exited. Raises RuntimeClosed after `shutdown`."""
         self._check_running()
-        children = self._supervisor.proxy().children().get(timeout=10)
-        return [n for n in self._names if n in children]  # not a temporary agent that exited
+        try:
+            children = self._supervisor.proxy().children().get(timeout=10)
+        except (pykka.ActorDeadError, pykka.Timeout):  # the supervisor stopping or busy: the names as spawned
+            return list(self._names)
+        return [n for n in self._names if n in children]
 
     def forget(self, name: str, timeout: float = 60.0) -> bool:
         """Stop agent `name` if it runs and delete its cache and journal; return whether any were stored.
