@@ -459,7 +459,7 @@ class PersistenceActor(SupervisedActor):
             log.warning("agent %s: its cache files reach seq %d, but %s is damaged or does not fit: its cache loads "
                         "at seq %d and the turns after it are re-prefilled from the journal", agent, on_disk,
                         store.DELTA_FILE.format(loaded.segment.deltas + 1), loaded.segment.seq)
-        if agent not in self._segment and loaded.segment is not None and loaded.segment.seq == self._cache_seq.get(agent):
+        if agent not in self._segment and loaded.segment is not None and loaded.segment.seq == on_disk:
             self._segment[agent] = loaded.segment  # the agent's next write continues the chain with a delta
         return replace(loaded, last_seq=max(loaded.last_seq, self._journal_seq.get(agent, -1)))
 

@@ -558,9 +558,8 @@ def _safe_row(folder: Path) -> list[str]:
         return [folder.name, "-", "-", "-", f"the agent folder is {_kind(folder, mode)}, which kvactors never follows: "
                 "it refuses the agent (UnsafePath); remove the link, or move the folder it points to here in its place"]
     if mode is not None and not stat.S_ISDIR(mode):
-        what = "a file" if stat.S_ISREG(mode) else _kind(folder, mode)
-        return [folder.name, "-", "-", "-", f"{folder.name} is {what}, not an agent folder: the agent of that name "
-                "cannot start (its files cannot be made); move it aside"]
+        return [folder.name, "-", "-", "-", f"{folder.name} is {_kind(folder, mode)}, not an agent folder: the agent "
+                "of that name cannot start (its files cannot be made); move it aside"]
     try:
         return _agent_row(folder)
     except Exception as e:  # noqa: BLE001 - files no rule foresaw: said on their row, the other agents still listed

@@ -1115,11 +1115,7 @@ class Runtime:
                 return ref
             if self._exited(name):  # a temporary (or transient) agent that was not restarted
                 with self._name_held(name, None):  # no spawn of this name between the check and the drop
-                    gone = name in self._names and self._exited(name)
-                    if gone:
-                        self._drop_name(name)
-                        self._env.refs.pop(name, None)
-                        self._env.hot.discard(name)
+                    gone = self._drop_if_exited(name)
                 if gone or name not in self._names:
                     raise UnknownAgent(f"agent {name!r} exited and was not restarted", "; spawn it again")
                 continue  # spawned again meanwhile: its new actor

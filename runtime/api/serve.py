@@ -661,8 +661,8 @@ def routes(server: Server) -> list[Route]:
         except InvalidArgument as e:
             raise bad(str(e), "max_tokens", "context_length_exceeded") from None
         check_messages_fit(rt, req, server.max_tokens(req))
-        first_user = next(text for role, text, _ in req.messages if role == "user")  # the last one is, at least
-        name = req.agent or derive_agent_id(req.user, req.system, first_user)
+        name = req.agent or derive_agent_id(req.user, req.system,  # the last message is a user's, at least
+                                            next(text for role, text, _ in req.messages if role == "user"))
         created = int(time.time())
         if not req.stream:
             try:
