@@ -485,6 +485,32 @@ def test_idle_agents_beyond_max_agents_stop_and_resume_from_disk(tmp_path):
         s.close()
 
 
+def test_a_burst_of_conversations_leaves_at_most_max_agents_running_once_it_ends(tmp_path):
+    """Busy agents are never stopped, and idle ones were stopped only when a new agent came: after a burst of
+    concurrent conversations, every agent of the burst stayed running until the next new one."""
+    s = Served(tmp_path)
+    s.server.max_agents = 2
+
+    async def burst():
+        client = openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        try:
+            return await asyncio.gather(*(client.chat.completions.create(
+                model="kvactors-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+                extra_headers={"X-Agent-Id": f"b{i}"}) for i in range(8)))
+        finally:
+            await client.close()
+
+    try:
+        replies = asyncio.run(burst())
+        assert sorted(extra(r)["agent"] for r in replies) == [f"b{i}" for i in range(8)]
+        assert len(s.rt.running()) <= 2, s.rt.running()
+        again = s.client().chat.completions.create(model="kvactors-tiny", messages=[{"role": "user", "content": "hm"}],
+                                                   max_tokens=2, extra_headers={"X-Agent-Id": "b0"})
+        assert extra(again)["cache"] in ("hot", "warm") and len(s.rt.running()) <= 2, s.rt.running()
+    finally:
+        s.close()
+
+
 def test_a_stored_agent_with_another_system_prompt_is_reset_by_chat_and_refused_by_spawn(tmp_path):
     s = Served(tmp_path)
     s.server.max_agents = 1

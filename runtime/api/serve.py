@@ -383,7 +383,8 @@ class Server:
     async def lock(self, name: str):
         """Hold agent `name`'s lock (`async with`) while a request maps onto it and runs its turn: requests to one
         agent take turns. The lock exists while requests hold or await it, so names seen once (a refused unnamed
-        conversation, a forgotten agent) keep nothing; an agent whose lock exists is busy (see `agent`)."""
+        conversation, a forgotten agent) keep nothing; an agent whose lock exists is busy (see `agent`). When the
+        last request lets go of it, idle agents beyond max_agents stop (more ran while more were busy)."""
         entry = self._locks.setdefault(name, [asyncio.Lock(), 0])
         entry[1] += 1
         try:
@@ -393,9 +394,10 @@ class Server:
             entry[1] -= 1
             if not entry[1]:
                 del self._locks[name]
+                await self._stop_idle_beyond_max()  # a burst's agents, once idle, are too many
 
     async def agent(self, name: str, system: str = "", strict: bool = False):
-        """The running agent `name`, spawned (resumed from disk if stored) if needed; evicts idle ones beyond max_agents.
+        """The running agent `name`, spawned (resumed from disk if stored) if needed, idle ones stopped to make room.
 
         A stored agent with another system prompt resumes with its own (the request's
         messages then reset it: see `plan_turn`), or with `strict` raises SystemPromptChanged.
@@ -410,13 +412,7 @@ class Server:
                 self._used[name] = None
                 self._used.move_to_end(name)
                 return ref
-            for old in list(self._used):
-                if len(self._used) < self.max_agents:
-                    break
-                if old not in self._locks and old != name:  # no request holds or awaits it
-                    self._used.pop(old)
-                    if old in self.rt.running():
-                        await asyncio.to_thread(self.rt.agent(old).stop)  # its durable state stays
+            await self._evict(self.max_agents - 1, name)  # room for `name`
             try:
                 ref = await asyncio.to_thread(self.rt.spawn, name, system)
             except SystemPromptChanged:
@@ -425,6 +421,28 @@ class Server:
                 ref = await asyncio.to_thread(self.rt.spawn, name)
             self._used[name] = None
             return ref
+
+    async def _evict(self, keep: int, spare: str | None = None) -> None:
+        """Stop the least recently used idle agents (no request holds or awaits them; never `spare`) until at most
+        `keep` run; busy ones run on. Their durable state stays: they resume from disk (warm). Hold `_spawning`."""
+        for old in list(self._used):
+            if len(self._used) <= keep:
+                break
+            if old not in self._locks and old != spare:
+                self._used.pop(old)
+                if old in self.rt.running():
+                    await asyncio.to_thread(self.rt.agent(old).stop)
+
+    async def _stop_idle_beyond_max(self) -> None:
+        """Stop idle agents beyond max_agents (see `lock`); a failure is logged: the request it follows has its
+        answer."""
+        if len(self._used) <= self.max_agents:
+            return
+        try:
+            async with self._spawning:
+                await self._evict(self.max_agents)
+        except Exception as e:  # noqa: BLE001 - housekeeping after the answer: never the request's error
+            log.warning("stopping idle agents beyond --max-agents failed: %r", e)
 
     def forgotten(self, name: str) -> None:
         """Drop what the server tracks about agent `name`."""
