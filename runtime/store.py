@@ -298,43 +298,45 @@ def prune(cache_dir, max_age_s: float, *, journals: bool = False, now: float | N
     With `journals=True` whole agent folders (history and its damaged or torn copies
     included) idle that long go; only kvactors' own files are deleted, and the folder if
     it is then empty. Times are the files' own (a symlink is never followed). Returns the
-    deleted paths: the folder, or its files where something else stays in it. Temp files
-    left by crashed writers are removed too.
+    deleted paths: the folder, or its files where something else stays in it (a cache's
+    delta files included), also those of an agent whose folder failed partway (a file
+    that cannot be deleted): that agent is left as it is then, and the others are
+    still pruned. Temp files left by crashed writers are removed too.
     """
     now = time.time() if now is None else now
     deleted = []
     for folder in agent_folders(cache_dir):
         try:
-            deleted += _prune_folder(folder, max_age_s, journals, now)
+            _prune_folder(folder, max_age_s, journals, now, deleted)
         except OSError:  # files no rule foresaw (a folder in a cache file's place): the other agents are still pruned
             continue
     return deleted
 
 
-def _prune_folder(folder: Path, max_age_s: float, journals: bool, now: float) -> list:
-    """`prune` of one agent folder; returns what it deleted."""
-    deleted = []
+def _prune_folder(folder: Path, max_age_s: float, journals: bool, now: float, deleted: list) -> None:
+    """`prune` of one agent folder; appends each path to `deleted` as it goes, so what went before an error is
+    listed too."""
     remove_temps(folder)
-    deltas = list(folder.glob(DELTA_FILE.format("*")))
-    ours = [folder / CACHE_FILE, *deltas, folder / JOURNAL_FILE, folder / HIGH_FILE,
+    cache = [folder / CACHE_FILE, *folder.glob(DELTA_FILE.format("*"))]
+    ours = [*cache, folder / JOURNAL_FILE, folder / HIGH_FILE,
             *folder.glob("journal.torn-*"), *folder.glob("journal.damaged-*")]
     ours = [p for p in ours if os.path.lexists(p)]
     newest = max((os.lstat(p).st_mtime for p in ours), default=0.0)  # a link's own time: never followed
     if now - newest < max_age_s:
-        return deleted
+        return
+    doomed = ours if journals else [p for p in ours if p in cache]
+    start = len(deleted)
+    for p in doomed:
+        p.unlink(missing_ok=True)
+        deleted.append(p)
     if journals:
-        for p in ours:
-            p.unlink(missing_ok=True)
         try:
             folder.rmdir()
-            deleted.append(folder)
+            deleted[start:] = [folder]  # the folder names its files
         except OSError:  # something not kvactors' is left in it (inspect names a stray temp folder)
-            deleted += ours
-    elif os.path.lexists(folder / CACHE_FILE) or deltas:
-        (folder / CACHE_FILE).unlink(missing_ok=True)
-        remove_deltas(folder)
-        deleted.append(folder / CACHE_FILE)
-    return deleted
+            pass
+    elif doomed:
+        fsync_dir(folder)
 
 
 # ---------------------------------------------------------------- kvactors inspect

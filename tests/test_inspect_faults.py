@@ -320,6 +320,21 @@ def test_retention_prunes_past_an_agent_whose_cache_is_a_folder(cache_dir):
     assert not [n for n in left if n.endswith(".delta.safetensors")], left
 
 
+# retention that fails partway through an agent's folder still lists what it deleted there (it listed none of it)
+
+@pytest.mark.parametrize("journals", [False, True])
+def test_retention_lists_what_it_deleted_before_a_file_it_could_not_delete(cache_dir, journals):
+    good, victim = folder(cache_dir, "good"), folder(cache_dir)  # "good" is pruned first
+    deltas = sorted(good.glob(store.DELTA_FILE.format("*")))
+    as_folder(good / store.HIGH_FILE if journals else deltas[-1])  # deleted after the cache file (and the journal)
+    before = {agent: list(agent.iterdir()) for agent in (good, victim)}
+    gone = store.prune(cache_dir, 0, journals=journals, now=float("inf"))
+    removed = {agent: [p for p in files if not os.path.lexists(p)] for agent, files in before.items()}
+    assert good / store.CACHE_FILE in removed[good] and good.exists()  # it failed partway through "good"
+    assert sorted(gone) == sorted(removed[good] + ([victim] if journals else removed[victim])), gone
+    assert not victim.exists() if journals else not list(victim.glob("cache.*"))  # and went on to "victim"
+
+
 # a cache folder whose path is not UTF-8 prints as its bytes (inspect and demo failed under a strict UTF-8 stdout)
 
 @pytest.mark.parametrize("command", ["inspect", "demo"])
