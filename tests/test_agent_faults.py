@@ -178,3 +178,33 @@ def test_shutdown_during_a_long_engine_step_raises_a_kvactors_error_and_can_be_r
     rt.shutdown()  # once the step is over, a second call finishes the job
     with Runtime(model=None, cache_dir=tmp_path) as again:  # CacheDirInUse: the first one never let go
         assert again.spawn("a").ask("Hi.", max_tokens=2).agent == "a"
+
+
+@pytest.mark.parametrize("raising", [True, False])
+def test_a_with_block_left_during_a_long_engine_step_raises_its_own_exception(tmp_path, monkeypatch, caplog, raising):
+    """__exit__'s shutdown raised WaitTimeout over the exception leaving the block (kept only as its __context__):
+    that exception goes on, the WaitTimeout is logged; a block that raised nothing still gets the WaitTimeout."""
+    from runtime import WaitTimeout
+    from runtime.api import facade
+
+    monkeypatch.setattr(facade, "STOP_WAIT_S", 1.0)
+    entered, release = threading.Event(), threading.Event()
+
+    def slow(piece):  # a slow callback: the engine's step lasts past the stop wait
+        entered.set()
+        release.wait(120)
+
+    expected = (KeyError, "the caller's own") if raising else (WaitTimeout, r"call shutdown\(\) again")
+    try:
+        with pytest.raises(expected[0], match=expected[1]):
+            with Runtime(model=None, cache_dir=tmp_path) as rt:
+                rt.spawn("a").send("Hi.", max_tokens=2, on_token=slow)
+                assert entered.wait(30)
+                if raising:
+                    raise KeyError("the caller's own")
+    finally:
+        release.set()
+    assert ("call shutdown() again" in caplog.text) is raising  # logged where it could not be raised
+    rt.shutdown()  # once the step is over, a second call finishes the job
+    with Runtime(model=None, cache_dir=tmp_path) as again:
+        assert again.spawn("a").ask("Hi.", max_tokens=2).agent == "a"

@@ -45,7 +45,7 @@ from actors.agent import AgentCrashed, Ask, Lookup, Note, Reset, UnknownAgent
 from runtime import store
 from runtime.api import rayhost
 from runtime.api.facade import (AgentInfo, AgentRef, DeadLetter, Runtime, RuntimeClosed, _check_options, _choice,
-                                cache_folder, not_running)
+                                cache_folder, not_running, shutdown_on_exit)
 from runtime.engine import CallbackFailed, passes_through
 from runtime.errors import InvalidArgument, InvalidArgumentType, KvactorsError
 from runtime.kvscheme import from_options as scheme_from_options
@@ -294,8 +294,8 @@ class ClusterRuntime:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.shutdown()
+    def __exit__(self, exc_type, exc, tb):
+        shutdown_on_exit(self.shutdown, exc)
 
     # -- what AgentRef calls ------------------------------------------------------------------
 

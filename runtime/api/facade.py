@@ -1081,8 +1081,8 @@ class Runtime:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.shutdown()
+    def __exit__(self, exc_type, exc, tb):
+        shutdown_on_exit(self.shutdown, exc)
 
     # -- internals ------------------------------------------------------------------
 
@@ -1281,6 +1281,18 @@ def _check_options(*, memory_budget, hot_budget, durability, max_batch, route, s
 SHOWN_NAMES = 10  # running agents an UnknownAgent's message names at most
 MAX_CONVERSATION_ID = 1024  # characters of a turn's conversation_id
 MAX_BATCH = 4096  # most rows a Runtime decodes together (far past a device's; start-up walks every size below it)
+
+
+def shutdown_on_exit(shutdown: Callable[[], None], exc: BaseException | None) -> None:
+    """A runtime's `__exit__`: call `shutdown()`. Its failure raises, unless the `with` block is already raising
+    `exc`: then the failure is logged as a warning (its message says what to do) and `exc` goes on, unmasked."""
+    if exc is None:
+        shutdown()
+        return
+    try:
+        shutdown()
+    except Exception as e:  # noqa: BLE001 - the block's own exception is the one to raise
+        log.warning("shutdown() on leaving a with block that raised %s failed: %s", type(exc).__name__, e)
 
 
 def not_running(name: str, running) -> UnknownAgent:
