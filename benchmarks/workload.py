@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import cProfile
 import gc
+import os
 import pstats
 import statistics
 import sys
@@ -195,6 +196,25 @@ def print_os(seen: dict | None) -> None:
               f"{kernel:5.1f} ms in the kernel  {kind}  {states}  on CPUs {cpus}", flush=True)
 
 
+def plain_spells(steps, least: int = 8, top: int = 6) -> dict:
+    """The `top` longest runs of at least `least` consecutive plain decode steps (nothing changed before them) whose
+    median is under the plain steps' median ("fast") and over it ("slow"), each run a list of steps in order."""
+    plain = [st.total_s for st in steps if not st.changes]
+    if not plain:
+        return {}
+    middle, runs, run = statistics.median(plain), [], []
+    for st in list(steps) + [None]:
+        if st is not None and not st.changes:
+            run.append(st)
+            continue
+        if len(run) >= least:
+            runs.append(run)
+        run = []
+    fast = [r for r in runs if statistics.median(st.total_s for st in r) < middle]
+    slow = [r for r in runs if statistics.median(st.total_s for st in r) > middle]
+    return {kind: sorted(rs, key=len, reverse=True)[:top] for kind, rs in (("fast", fast), ("slow", slow))}
+
+
 def step_raw(s) -> list:
     """A `DecodeStep` as the JSON's `steps_raw` stores it: rows, build, wait, total, changes, start, queue, ended,
     finish, gap, chunks, end."""
@@ -247,7 +267,30 @@ class _CopiedThenGated:
         return host
 
 
-def actors(model_path, cache_dir, systems, messages, new, seen=(), warmup=False, gate=None):
+def pin_engine(cpu: int) -> dict:
+    """A diagnostic: the engine's thread (the batcher actor's) on CPU `cpu` alone, every other thread of the
+    process on the other allowed CPUs (Linux). Returns what it did, for the results."""
+    tids = [int(tid) for tid in os.listdir("/proc/self/task")]
+    allowed = set().union(*(_affinity(tid) for tid in tids))  # as before any earlier pin
+    engine = [t for t in threading.enumerate() if "Batcher" in t.name]
+    if cpu not in allowed or len(allowed) < 2 or len(engine) != 1:
+        return dict(pinned=False, cpu=cpu, allowed=len(allowed), engine_threads=len(engine))
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, {cpu} if tid == engine[0].native_id else allowed - {cpu})
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return dict(pinned=True, cpu=cpu)
+
+
+def _affinity(tid: int) -> set:
+    try:
+        return os.sched_getaffinity(tid)
+    except OSError:  # a thread that ended meanwhile
+        return set()
+
+
+def actors(model_path, cache_dir, systems, messages, new, seen=(), warmup=False, gate=None, pin=None):
     """Variant (c): all agents of a round at once; the Runtime restarts halfway.
 
     The measured Runtimes skip their start-up warm-up (`warmup=False`): the benchmark
@@ -272,6 +315,8 @@ def actors(model_path, cache_dir, systems, messages, new, seen=(), warmup=False,
         with Runtime(model=model_path, cache_dir=cache_dir, warmup=warmup) as rt:
             parts["open_s"] += time.perf_counter() - t0
             agents = [rt.spawn(f"agent{a}", system=s) for a, s in enumerate(systems)]
+            if pin is not None:
+                parts.setdefault("pinned", []).append(pin_engine(pin))
             for t in half:
                 start = time.perf_counter()
                 futures = [agent.send(messages[a][t], max_tokens=new, timeout=600) for a, agent in enumerate(agents)]
@@ -445,7 +490,12 @@ def main(argv=None) -> int:
     ap.add_argument("--thread-stats", action="store_true",
                     help="poll every thread's CPU time, run-queue wait, page faults and wait state (running, or the "
                          "system call it is blocked in: a futex names its lock) from /proc during (c), from a child "
-                         "process, and give them for the slowest decode steps and for typical ones (Linux only)")
+                         "process, and give them for the slowest decode steps, for typical ones and for spells of plain steps in a row "
+                         "faster and slower than their median (Linux only)")
+    ap.add_argument("--pin-engine", type=int, default=None, metavar="CPU",
+                    help="diagnostic: the engine's thread alone on CPU number CPU during (c), the process's other "
+                         "threads on the other CPUs (Linux); `python -m benchmarks.cpu_speed` says which CPUs are "
+                         "fast here")
     ap.add_argument("--defer-writes", choices=["all", "encode"], default=None,
                     help="diagnostic: (c)'s cache files wait until each Runtime closes (journals and acks as ever), "
                          "to show what the decode steps cost with no cache write beside them: 'all' holds each file "
@@ -468,6 +518,7 @@ def main(argv=None) -> int:
     env = environment()
     env["switch_interval_s"] = sys.getswitchinterval()
     env["defer_writes"] = args.defer_writes
+    env["pin_engine"] = args.pin_engine
     print(env, flush=True)
     rows, curves = [], {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -507,7 +558,8 @@ def main(argv=None) -> int:
             gate.install()
         try:
             total, peak, (ttfts, labels, parts) = measure(actors, model_path, Path(tmp) / "agents", systems,
-                                                          messages, args.new, warm["shapes"], False, gate)
+                                                          messages, args.new, warm["shapes"], False, gate,
+                                                          args.pin_engine)
         finally:
             if gate:
                 gate.remove()
@@ -558,6 +610,14 @@ def main(argv=None) -> int:
             for st, (_, seen) in zip(typical, parts["typical_steps"]):
                 print(f"\ntypical step: rows {st.rows}, total {st.total_s * 1e3:.1f} ms", flush=True)
                 print_os(seen)
+            # spells of plain steps in a row, fast and slow against the plain median: what the OS saw over each
+            parts["plain_spells"] = {kind: [[len(run), round(statistics.median(st.total_s for st in run) * 1e3, 2),
+                                             stats.during(run[0].start, run[-1].start + run[-1].total_s)]
+                                            for run in runs] for kind, runs in plain_spells(steps).items()}
+            for kind, runs in parts["plain_spells"].items():
+                for n, p50, seen in runs:
+                    print(f"\n{kind} spell: {n} plain steps in a row, p50 {p50} ms", flush=True)
+                    print_os(seen)
             parts["futexes"] = stats.futexes()
             print("\nfutex addresses waited on by most kinds of thread (the GIL's among them):", flush=True)
             for addr, kinds in list(parts["futexes"].items())[:8]:

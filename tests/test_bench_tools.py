@@ -226,3 +226,33 @@ def test_sass_stalls_splits_a_kernel_at_its_largest_loop_and_counts_samples_by_r
     assert "loop          13 samples (48.1%),        320 warp instructions; wait 9\n" in text
     assert "epilogue       9 samples (33.3%),         20 warp instructions; barrier 9\n" in text
     assert "HFMA2 1/7" in text and text.endswith("lines: BAR.SYNC.DEFER_BLOCKING 0x0 (9: barrier 9)")
+
+
+def test_plain_spells_finds_runs_of_plain_steps_by_their_median():
+    """`workload.plain_spells` keeps runs of at least `least` consecutive plain steps, broken by any step after a
+    change, and sorts them into faster and slower than the plain steps' median, longest first."""
+    from benchmarks.workload import plain_spells
+
+    def step(total, changes=""):
+        return types.SimpleNamespace(total_s=total, changes=changes)
+
+    steps = ([step(0.004)] * 10 + [step(0.012, "join")] + [step(0.0085)] * 9 + [step(0.0042)] * 3
+             + [step(0.009, "grow")] + [step(0.0044)] * 12 + ([step(0.01, "leave")] + [step(0.007)] * 5) * 4)
+    spells = plain_spells(steps, least=8)  # the plain median: 7 ms (25 faster steps, 20 at 7 ms, 9 slower)
+    assert [len(r) for r in spells["fast"]] == [12, 10]
+    assert [len(r) for r in spells["slow"]] == [12]  # 9 slow steps and 3 fast ones after them: its median is slow
+    assert spells["slow"][0][0].total_s == 0.0085  # the runs of 5 are too short to count
+    assert all(not st.changes for runs in spells.values() for r in runs for st in r)
+    assert plain_spells([step(0.01, "join")]) == {}
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="pins threads to CPUs: Linux only")
+def test_cpu_speed_probes_every_cpu_and_restores_the_affinity():
+    from benchmarks.cpu_speed import probe
+
+    before = os.sched_getaffinity(0)
+    cpus = sorted(before)
+    seen = probe(cpus, rounds=2)
+    assert os.sched_getaffinity(0) == before
+    assert sorted(seen) == cpus
+    assert all(len(p) == 2 and len(m) == 2 and min(p) > 0 and min(m) > 0 for p, m in seen.values())
