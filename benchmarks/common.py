@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import faulthandler
 import importlib.util
 import io
 import json
@@ -38,7 +39,10 @@ LLAMA_8B = dict(
 
 
 def bench_parser(doc: str) -> argparse.ArgumentParser:
-    """An argument parser with the options every model benchmark takes: --model, --out, --name."""
+    """An argument parser with the options every model benchmark takes: --model, --out, --name. A crash in native
+    code (MLX, CUDA) during the benchmark then prints every thread's Python stack (faulthandler)."""
+    if not faulthandler.is_enabled():
+        faulthandler.enable()
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny", help="'tiny' (any machine) or 'llama-8b-shape' (GPU)")
     ap.add_argument("--out", type=Path, default=RESULTS, help="output folder for JSON, markdown and plots")

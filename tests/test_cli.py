@@ -118,3 +118,16 @@ def test_bench_passes_a_scenarios_own_options_to_it(tmp_path):
     both = kvactors("bench", "persistence", "actors", "--out", tmp_path / "both", "--tokens", "64")
     assert both.returncode == 2 and "name exactly one" in both.stderr
     assert not (tmp_path / "both").exists()
+
+
+def test_a_native_crash_after_the_cli_started_prints_every_threads_python_stack(tmp_path):
+    """A segfault inside MLX or CUDA (native code) under `kvactors serve` or `demo` would otherwise end the process
+    with no word of where: the CLI turns on faulthandler, so the Python stack of each thread is printed."""
+    code = ("import ctypes, sys; from runtime.api import cli; "
+            f"cli.main(['inspect', {str(tmp_path)!r}]); sys.stdout.flush(); ctypes.string_at(0)")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("PYTHONFAULTHANDLER", None)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode != 0
+    assert "Fatal Python error: Segmentation fault" in out.stderr
+    assert 'File "<string>", line 1' in out.stderr  # where it crashed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import sys
 
@@ -146,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `kvactors` console script; returns the process exit code."""
     argv = sys.argv[1:] if argv is None else argv
+    if not faulthandler.is_enabled():  # a crash in native code (MLX, CUDA) leaves every thread's Python stack
+        faulthandler.enable()
     if hasattr(sys.stdout, "reconfigure"):  # paths that are not UTF-8 (os.fsdecode's surrogates) print as their bytes
         sys.stdout.reconfigure(errors="surrogateescape")
     if argv[:1] == ["bench"]:  # everything after `bench` belongs to the benchmark driver
