@@ -84,7 +84,8 @@ def test_thread_stats_say_which_lock_a_thread_waits_on_and_who_else_waited_there
     spinning = states["SpinnerUnderTest"]
     ran_on = dict(zip([kind for kind, *_ in seen["threads"]], seen["cpus"]))["SpinnerUnderTest"]
     assert sum(ran_on.values()) >= sum(spinning.values()) and all(0 <= cpu < os.cpu_count() for cpu in ran_on)
-    assert spinning.get("running", 0) >= 10 and max(spinning, key=spinning.get) == "running"
+    # at least a few polls (40 are due; a loaded machine delays the poller, e.g. CI beside other jobs)
+    assert spinning.get("running", 0) >= 3 and max(spinning, key=spinning.get) == "running"
     # each waiter sleeps on a lock of its own (Condition.wait's), on which no other thread is seen
     assert sum(kinds == ["WaiterUnderTest"] for kinds in stats.futexes().values()) >= 2
     assert all(addr.startswith("futex@0x") for addr in stats.futexes())
