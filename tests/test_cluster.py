@@ -17,8 +17,8 @@ import time
 
 import pytest
 
-from runtime import (AgentCrashed, AgentInUse, CacheDirInUse, CallbackFailed, KvactorsError, RayMissing, Runtime,
-                     SystemPromptChanged, UnknownAgent)
+from runtime import (AgentCrashed, AgentInUse, CacheDirInUse, CallbackFailed, InvalidArgument, KvactorsError, RayMissing,
+                     Runtime, SystemPromptChanged, UnknownAgent)
 from runtime import store
 from runtime.api import testing
 
@@ -161,6 +161,23 @@ def test_errors_cross_nodes_with_their_types(rt):
         rt.spawn("errs", system="Another prompt.")
     assert isinstance(e.value, (KvactorsError, ValueError)) and e.value.stored == "Be brief."
     assert "errs" not in rt.running()
+
+
+def test_reset_refuses_token_ids_past_the_vocabulary_in_the_caller_as_on_one_machine(rt, tmp_path):
+    """An id past the embedding reached the host's engine, which refused the turn: the agent crashed instead of
+    the reset raising in the caller."""
+    a = rt.spawn("vocab", system="Be brief.")
+    a.ask("Hello.", **OPTS)
+    before = a.history()
+    with Runtime(model="tiny", cache_dir=tmp_path) as local:
+        records = [dict(r, tokens=[local.vocab_size]) if r["role"] == "assistant" else r
+                   for r in before if r["role"] != "system"]
+        with pytest.raises(InvalidArgument) as here:
+            local.spawn("vocab").reset(records)
+    with pytest.raises(InvalidArgument) as there:
+        a.reset(records)
+    assert str(there.value) == str(here.value)
+    assert a.history() == before and a.ask("Again?", **OPTS).cache == "hot"  # nothing reached the agent
 
 
 def test_streams_and_callbacks_give_what_one_machine_gives(rt, shared, tmp_path):

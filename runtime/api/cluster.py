@@ -131,6 +131,7 @@ class ClusterRuntime:
             raise
         self.max_context = self._info[0]["max_context"]
         self.longest_token_chars = self._info[0]["longest_token_chars"]
+        self.vocab_size = self._info[0]["vocab_size"]  # what `AgentRef.reset` checks a record's token ids against
         self.fingerprint = self._info[0]["fingerprint"]
 
     def _connect(self, address):

@@ -714,7 +714,7 @@ class AgentRef:
                 check_unicode("a record's sender", sender)
             clean.append({"role": r["role"], "text": r["text"], "sender": sender})
             if r["role"] == "assistant" and r.get("tokens") is not None:
-                clean[-1]["tokens"] = _token_ids(r["tokens"], getattr(self.runtime, "vocab_size", None))
+                clean[-1]["tokens"] = _token_ids(r["tokens"], self.runtime.vocab_size)
         if system is not None and not isinstance(system, str):
             raise InvalidArgument(f"system must be a str or None, got {type(system).__name__}")
         if system is not None:

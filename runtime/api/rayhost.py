@@ -206,15 +206,16 @@ class NodeHost:
         self.forwarder = ThreadPoolExecutor(1, thread_name_prefix="kvactors-forward")  # one: in send order
 
     def info(self) -> tuple:
-        """("ok", {incarnation, node_id, gpus, pid, fingerprint, max_context, longest_token_chars}): who and where this
-        host is, and what its model takes (`Runtime.max_context`, `Runtime.longest_token_chars`)."""
+        """("ok", {incarnation, node_id, gpus, pid, fingerprint, max_context, longest_token_chars, vocab_size}): who and
+        where this host is, and what its model takes (`Runtime.max_context`, `Runtime.longest_token_chars`,
+        `Runtime.vocab_size`)."""
         import ray
 
         context = ray.get_runtime_context()
         return "ok", dict(incarnation=self.incarnation, node_id=context.get_node_id(),
                           gpus=[str(g) for g in context.get_accelerator_ids().get("GPU", [])], pid=os.getpid(),
                           fingerprint=self.rt.spec.fingerprint, max_context=self.rt.max_context,
-                          longest_token_chars=self.rt.longest_token_chars)
+                          longest_token_chars=self.rt.longest_token_chars, vocab_size=self.rt.vocab_size)
 
     def spawn(self, name: str, system: str, restart: str, reset: bool, timeout: float) -> tuple:
         """Start agent `name` here (`Runtime.spawn`); ("ok", this host's incarnation)."""
