@@ -6,7 +6,9 @@ or an exception carrying the turn id). It drives the engine with self-addressed
 step messages, so new turns interleave with steps and the mailbox never waits
 behind a busy loop; with no work it idles. The engine knows a turn by its id,
 and ids are each agent's own: a turn whose id another agent's turn holds waits
-until that one ends. Stopping or crashing fails every queued, waiting and
+until that one ends, or until its caller gives up (`Turn.abandoned`, asked at each
+step as the engine asks its own turns): then it is dropped (`TurnAbandoned`), and the
+turn it waited behind goes on. Stopping or crashing fails every queued, waiting and
 in-flight turn, so no caller waits forever.
 """
 
@@ -20,7 +22,7 @@ from typing import Callable
 import pykka
 
 from actors.supervisor import SupervisedActor
-from runtime.engine import Engine, Turn, TurnError
+from runtime.engine import Engine, Turn, TurnAbandoned, TurnError
 
 
 class BatcherStopped(TurnError):
@@ -71,6 +73,7 @@ class BatcherActor(SupervisedActor):
     def on_receive(self, message):
         if message is _STEP:
             self.step_queued = False
+            self._drop_abandoned()
             for outcome in self.engine.step():
                 self._reply(outcome)
             self._queue_step()
@@ -105,6 +108,21 @@ class BatcherActor(SupervisedActor):
             if not waiting:
                 del self.deferred[turn_id]
             self._submit(msg)
+
+    def _drop_abandoned(self) -> None:
+        """Answer `TurnAbandoned` to each turn waiting for its id to be free whose caller gave up meanwhile."""
+        for turn_id, waiting in list(self.deferred.items()):
+            kept = []
+            for msg in waiting:
+                if msg.turn.abandoned is not None and msg.turn.abandoned():
+                    msg.reply(TurnAbandoned(turn_id, "its caller gave up while it waited for another agent's turn "
+                                                     "of the same id"))
+                else:
+                    kept.append(msg)
+            if kept:
+                self.deferred[turn_id] = kept
+            else:
+                del self.deferred[turn_id]
 
     def _queue_step(self):
         if self.engine.has_work() and not self.step_queued:

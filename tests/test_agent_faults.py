@@ -16,7 +16,7 @@ import pytest
 
 from actors.batcher import Submit
 from actors.supervisor import Backoff
-from runtime import AgentCrashed, Runtime
+from runtime import AgentCrashed, Runtime, TurnTimeout
 from runtime.api.testing import inject_crash
 from runtime.engine import Turn
 from test_agents import stalled_batcher
@@ -75,6 +75,30 @@ def test_two_agents_may_use_the_same_turn_id_at_once(tmp_path):
         assert fb.get(timeout=60).turn_id == "req-1"  # AgentCrashed: "a turn with this id is already running"
         assert not escalated.is_set()
         assert a.ask("Again.", max_tokens=4).agent == "a"  # RuntimeEscalated with max_restarts=0
+
+
+def test_a_turn_waiting_for_another_agents_turn_of_its_id_times_out_without_disturbing_it(tmp_path):
+    """b's turn "req-1" waits at the batcher while a's "req-1" decodes. Its caller got TurnTimeout at its deadline,
+    but the turn stayed at the batcher until a's ended, and every later message of b's waited behind it."""
+    with Runtime(model=None, cache_dir=tmp_path, backoff=FAST) as rt:
+        a, b = rt.spawn("a"), rt.spawn("b")
+        decoding = threading.Event()
+
+        def slowly(piece):  # about 5 s of decode for a's turn
+            decoding.set()
+            time.sleep(0.005)
+
+        long = a.send("Hello.", max_tokens=1000, turn_id="req-1", on_token=slowly, timeout=300)
+        assert decoding.wait(30)
+        with pytest.raises(TurnTimeout) as waited:
+            b.ask("Hello.", max_tokens=4, turn_id="req-1", timeout=0.5)
+        assert waited.value.turn_id == "req-1"
+        assert b.ask("Next.", max_tokens=4, timeout=3).agent == "b"  # b is free again while a's turn decodes
+        assert b.result("req-1", timeout=3) is None  # dropped: it never ran
+        with pytest.raises(TurnTimeout):
+            long.get(timeout=0)  # a's turn is still decoding
+        done = long.get(timeout=120)
+        assert (done.turn_id, done.finish_reason, len(done.tokens)) == ("req-1", "length", 1000)
 
 
 def test_turns_waiting_for_one_id_each_run_when_one_of_them_is_refused(tmp_path):
