@@ -223,9 +223,23 @@ class Lookup:
     future: Any
 
 
+@dataclass(frozen=True)
+class History:
+    """Envelope: resolve `future` with the conversation as journal records, oldest first (JournalError while the
+    journal cannot be read).
+
+    Queued like a turn, so it is answered once everything the agent took before it is
+    done: the notes and resets before it are in it, and the turns before it too unless
+    they failed.
+    """
+
+    future: Any
+
+
 @dataclass(eq=False)  # an item is itself: two with equal fields are still two items
 class _Item:
-    """One unit of an agent's work: a turn ("ask"), a note, a reset or a lookup ("result"), until it is answered."""
+    """One unit of an agent's work: a turn ("ask"), a note, a reset, a lookup ("result") or a "history" request,
+    until it is answered."""
 
     kind: str
     msg: dict
@@ -514,12 +528,14 @@ class AgentActor(SupervisedActor):
             _fail(item.future, error)
 
     def _drain_inbox(self, why, error=AgentCrashed, retry="retry it"):
-        for msg in self.take_leftover(Ask, Note, Reset, Lookup):
+        for msg in self.take_leftover(Ask, Note, Reset, Lookup, History):
             if isinstance(msg, Ask):
                 turn_id = msgpack.unpackb(msg.payload).get("turn_id")
                 _fail(msg.future, error(turn_id, f"{why} before this message; {retry}"))
             elif isinstance(msg, Lookup):
                 _fail(msg.future, error(msg.turn_id, f"{why} before this lookup; ask again"))
+            elif isinstance(msg, History):
+                _fail(msg.future, error(None, f"{why} before this request for its history; ask again"))
             elif isinstance(msg, Reset):
                 _fail(msg.future, error(None, f"{why} before this message; {retry}"))
             elif isinstance(msg, Note):
@@ -542,6 +558,8 @@ class AgentActor(SupervisedActor):
             self.work.append(_Item("reset", msgpack.unpackb(message.payload), message.future))
         elif isinstance(message, Lookup):
             self.work.append(_Item("result", {}, message.future, turn_id=message.turn_id))
+        elif isinstance(message, History):
+            self.work.append(_Item("history", {}, message.future))
         elif isinstance(message, _Done):
             self._finish_turn(message)
         elif isinstance(message, persistence.Ack):
@@ -554,30 +572,25 @@ class AgentActor(SupervisedActor):
             raise TypeError(f"agent {self.name} got an unknown message {message!r}")
         self._next()
 
-    def history(self) -> list[dict] | store.JournalError:
-        """The conversation as journal records (seq, role, text, sender, ...), oldest first.
-
-        It includes the records of a turn whose write is still in flight, which
-        become durable (or, after a crash, are dropped) once that write finishes.
-        While the agent's journal cannot be read it returns a JournalError for the
-        caller to raise (an empty list would pass for a conversation that never
-        happened; raised here, it would crash this supervised actor).
-        """
-        if isinstance(self.broken, store.JournalError) and self.current is None:
-            try:
-                self._restore()  # the file may have been fixed meanwhile
-            except Exception as e:  # noqa: BLE001 - a read that fails now (say, a slow disk) is no crash either
-                log.warning("agent %s: rereading its journal failed: %s", self.name, e)
+    def _answer_history(self, item: _Item):
+        """Answer history request `item` with the conversation as journal records (seq, role, text, sender, ...),
+        oldest first: everything taken before it is done, so they are durable (with durability="memory", handed to
+        the persistence actor). While the journal cannot be read it fails with JournalError (an empty list would
+        pass for a conversation that never happened)."""
         if isinstance(self.broken, store.JournalError):
-            return store.JournalError(f"agent {self.name}: {self.broken}")
-        return [dict(r) for r in self.records]
+            self._abandon(item, store.JournalError(f"agent {self.name}: {self.broken}"), str(self.broken))
+            return
+        item.reply = [dict(r) for r in self.records]
+        self._complete(item)
 
     def _next(self):
         while self.current is None and self.work:
             item = self.current = self.work.popleft()
             if self.broken is not None:
                 self._restore()  # the files may have been fixed meanwhile
-            if item.kind == "result" and not isinstance(self.broken, store.JournalError):
+            if item.kind == "history":
+                self._answer_history(item)
+            elif item.kind == "result" and not isinstance(self.broken, store.JournalError):
                 self._answer_if_committed(item)  # the history is loaded: it says
             elif self.broken is not None:
                 error = (store.JournalError(f"agent {self.name}: {self.broken}") if isinstance(self.broken, store.JournalError)

@@ -79,6 +79,25 @@ def test_notes_join_the_history_before_the_next_turn(tmp_path):
             ("user", "first", None), ("user", "second", "bob"), ("user", "third", None)]
 
 
+def test_history_shows_every_note_and_turn_sent_before_it(tmp_path):
+    """A note waiting behind another note's write, and a turn still running, were missing from a history() sent
+    after them: `reset(history())` right after notes dropped the later ones."""
+    with Runtime(cache_dir=tmp_path) as rt:
+        a = rt.spawn("scribe", system="You are S.")
+        a.note("first")
+        a.note("second", sender="bob")
+        assert turns(a.history()) == [("user", "first"), ("user", "second")]
+        future = a.send("third", max_tokens=3)
+        a.note("fourth")
+        assert turns(a.history()) == [("user", "first"), ("user", "second"), ("user", "third"),
+                                      ("assistant", future.get(timeout=60).text), ("user", "fourth")]
+        a.note("fifth")
+        a.note("sixth")
+        a.reset(a.history()).get(timeout=60)  # the conversation as sent so far, every note in it
+        assert [t for r, t in turns(a.history()) if r == "user"] == ["first", "second", "third", "fourth", "fifth",
+                                                                     "sixth"]
+
+
 def test_forget_deletes_a_stored_agent(tmp_path):
     with Runtime(cache_dir=tmp_path) as rt:
         rt.spawn("ephemeral", system="s").ask("hello", max_tokens=2)

@@ -366,8 +366,8 @@ class ClusterRuntime:
                 host.signal.remote(key, "fail", failure)
         raise rayhost.ClusterError(f"the events of turn {_turn_id(message)} ended without its outcome")
 
-    def _history(self, name):
-        return self._call(self._index(name), "history", name)
+    def _history(self, name, timeout):
+        return self._call(self._index(name), "history", name, timeout)
 
     def _stop_agent(self, name):
         self._check_running()

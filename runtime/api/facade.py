@@ -31,8 +31,8 @@ import msgpack
 import pykka
 
 from actors import agent as agent_mod
-from actors.agent import (DURABILITY, TURN_ID, AgentActor, AgentCrashed, AgentError, Ask, Lookup, Note, Reply, Reset,
-                          TurnTimeout, TurnTooLong, UnknownAgent, new_turn_id)
+from actors.agent import (DURABILITY, TURN_ID, AgentActor, AgentCrashed, AgentError, Ask, History, Lookup, Note, Reply,
+                          Reset, TurnTimeout, TurnTooLong, UnknownAgent, new_turn_id)
 from actors.batcher import STATS as _STATS, BatcherActor, BatcherStopped, Warmup
 from actors.persistence import PersistenceActor
 from actors.supervisor import RESTART_TYPES, STRATEGIES, Backoff, ChildSpec, Supervisor, UnknownChild
@@ -652,11 +652,19 @@ class AgentRef:
                 continue  # it crashed before answering: its next incarnation reloads the durable history
         raise AgentCrashed(turn_id, f"agent {self.name!r} kept crashing while asked about this turn; ask again")
 
-    def history(self) -> list[dict]:
-        """This agent's conversation as journal records, oldest first (see `AgentActor.history`).
+    def history(self, timeout: float = 60.0) -> list[dict]:
+        """This agent's conversation as journal records (seq, role, text, sender, ...), oldest first.
 
-        Raises JournalError while the agent's journal cannot be read (fix or move the file aside)."""
-        return self.runtime._history(self.name)
+        The agent answers once it has finished everything sent to it before this call, so
+        the history holds every note and reset sent before it, and every turn sent before
+        it that committed. Raises JournalError while the agent's journal cannot be read (fix
+        or move the file aside), UnknownAgent if the agent is not running, AgentError if no
+        answer came within `timeout` seconds (it is busy: ask again), and WaitsInCallback
+        inside a turn's callback.
+        """
+        _positive("timeout", timeout)
+        _not_in_callback("history()")
+        return self.runtime._history(self.name, timeout)
 
     def note(self, text: str, sender: str | None = None) -> None:
         """Append a user message to the history without taking a turn (in order with turns).
@@ -1124,18 +1132,19 @@ class Runtime:
                 raise AgentCrashed(None, f"agent {name!r} did not come back from a restart")
             self._env.wait_changed(0.05)  # woken when the restarted actor registers
 
-    def _history(self, name: str) -> list[dict]:
-        """Agent `name`'s conversation as journal records (what `AgentRef.history` returns)."""
+    def _history(self, name: str, timeout: float) -> list[dict]:
+        """Agent `name`'s conversation as journal records, once it has done all it was sent before (what
+        `AgentRef.history` returns, raising what it raises)."""
         for _ in range(3):
+            future = ReplyFuture()
+            self._deliver(name, History(future), future)
             try:
-                records = self._ref(name).proxy().history().get(timeout=30)
-            except pykka.ActorDeadError:
-                continue  # it crashed just now: ask its next incarnation
-            except pykka.Timeout:
-                raise AgentError(f"agent {name!r} did not answer history() within 30 s; it is busy, retry") from None
-            if isinstance(records, store.JournalError):
-                raise records
-            return records
+                return future.get(timeout=timeout)  # ReplyFuture.get caps the wait itself
+            except TurnTimeout:
+                raise AgentError(f"agent {name!r} did not answer history() within {timeout} s; it is busy with "
+                                 "what was sent to it before: ask again") from None
+            except AgentCrashed:
+                continue  # it crashed before answering: its next incarnation reloads the durable history
         raise AgentCrashed(None, f"agent {name!r} kept crashing while asked for its history; retry")
 
     def _lock_store(self) -> int | None:

@@ -304,9 +304,9 @@ class NodeHost:
         finally:
             self.futures.pop(key, None)
 
-    def history(self, name: str) -> tuple:
-        """Agent `name`'s conversation (`AgentRef.history`)."""
-        return outcome(self.rt._history, name)
+    def history(self, name: str, timeout: float) -> tuple:
+        """Agent `name`'s conversation, once it has done all it was sent before (`AgentRef.history`)."""
+        return outcome(self.rt._history, name, timeout)
 
     def stop(self, name: str) -> tuple:
         """Stop agent `name` for good and release its lock (`AgentRef.stop`)."""
