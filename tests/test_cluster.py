@@ -18,7 +18,7 @@ import time
 import pytest
 
 from runtime import (AgentCrashed, AgentInUse, CacheDirInUse, CallbackFailed, InvalidArgument, KvactorsError, RayMissing,
-                     Runtime, SystemPromptChanged, UnknownAgent)
+                     Runtime, SystemPromptChanged, SystemPromptTooLong, UnknownAgent)
 from runtime import store
 from runtime.api import testing
 
@@ -178,6 +178,25 @@ def test_reset_refuses_token_ids_past_the_vocabulary_in_the_caller_as_on_one_mac
         a.reset(records)
     assert str(there.value) == str(here.value)
     assert a.history() == before and a.ask("Again?", **OPTS).cache == "hot"  # nothing reached the agent
+
+
+def test_reset_to_the_history_or_to_a_new_system_prompt_works_as_on_one_machine(rt, tmp_path):
+    """reset(history()) (its system record) and reset(records, system=) raised AttributeError in the caller: the
+    cluster runtime had no check of a system prompt's room."""
+    a = rt.spawn("renewed", system="Be brief.")
+    a.ask("Hello.", **OPTS)
+    before = a.history()
+    a.reset(before).get(timeout=120)
+    assert _turns(a.history()) == _turns(before)
+    a.reset([], system="Be terse.").get(timeout=120)
+    assert _turns(a.history()) == [("system", "Be terse.", None)]
+    too_long = "word " * rt.max_context
+    with Runtime(model="tiny", cache_dir=tmp_path) as local:
+        with pytest.raises(SystemPromptTooLong) as here:
+            local.spawn("renewed").reset([], system=too_long)
+    with pytest.raises(SystemPromptTooLong) as there:
+        a.reset([], system=too_long)
+    assert str(there.value) == str(here.value)
 
 
 def test_streams_and_callbacks_give_what_one_machine_gives(rt, shared, tmp_path):

@@ -369,6 +369,11 @@ class ClusterRuntime:
     def _history(self, name, timeout):
         return self._call(self._index(name), "history", name, timeout)
 
+    def _check_system_fits(self, system: str) -> None:
+        """Raise SystemPromptTooLong here if `system` leaves the model no room for a turn: a host checks it, with
+        the model's tokenizer (`Runtime._check_system_fits`)."""
+        self._call(self._least_loaded(), "check_system_fits", system)
+
     def _stop_agent(self, name):
         self._check_running()
         with self._lock:

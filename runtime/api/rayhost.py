@@ -308,6 +308,11 @@ class NodeHost:
         """Agent `name`'s conversation, once it has done all it was sent before (`AgentRef.history`)."""
         return outcome(self.rt._history, name, timeout)
 
+    def check_system_fits(self, system: str) -> tuple:
+        """("ok", None) if system prompt `system` leaves the model room for a turn, else its SystemPromptTooLong
+        (`Runtime._check_system_fits`, which needs the model's tokenizer)."""
+        return outcome(self.rt._check_system_fits, system)
+
     def stop(self, name: str) -> tuple:
         """Stop agent `name` for good and release its lock (`AgentRef.stop`)."""
         return outcome(self.rt._stop_agent, name)
