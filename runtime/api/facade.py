@@ -639,18 +639,9 @@ class AgentRef:
             raise InvalidArgument(f"turn_id must match {TURN_ID.pattern}, got {turn_id!r}")
         _positive("timeout", timeout)
         _not_in_callback("result()")
-        for _ in range(3):
-            future = ReplyFuture()
-            future.turn_id = turn_id
-            self.runtime._deliver(self.name, Lookup(turn_id, future), future)
-            try:
-                return future.get(timeout=timeout)  # ReplyFuture.get caps the wait itself
-            except TurnTimeout:
-                raise AgentError(f"agent {self.name!r} did not say within {timeout}s whether turn {turn_id} "
-                                 "committed; it is busy: ask again") from None
-            except AgentCrashed:
-                continue  # it crashed before answering: its next incarnation reloads the durable history
-        raise AgentCrashed(turn_id, f"agent {self.name!r} kept crashing while asked about this turn; ask again")
+        return _queued_answer(self.runtime._deliver, self.name, lambda future: Lookup(turn_id, future), timeout,
+                              f"did not say within {timeout}s whether turn {turn_id} committed; it is busy: ask again",
+                              "about this turn; ask again", turn_id)
 
     def history(self, timeout: float = 60.0) -> list[dict]:
         """This agent's conversation as journal records (seq, role, text, sender, ...), oldest first.
@@ -1135,17 +1126,9 @@ class Runtime:
     def _history(self, name: str, timeout: float) -> list[dict]:
         """Agent `name`'s conversation as journal records, once it has done all it was sent before (what
         `AgentRef.history` returns, raising what it raises)."""
-        for _ in range(3):
-            future = ReplyFuture()
-            self._deliver(name, History(future), future)
-            try:
-                return future.get(timeout=timeout)  # ReplyFuture.get caps the wait itself
-            except TurnTimeout:
-                raise AgentError(f"agent {name!r} did not answer history() within {timeout} s; it is busy with "
-                                 "what was sent to it before: ask again") from None
-            except AgentCrashed:
-                continue  # it crashed before answering: its next incarnation reloads the durable history
-        raise AgentCrashed(None, f"agent {name!r} kept crashing while asked for its history; retry")
+        return _queued_answer(self._deliver, name, History, timeout,
+                              f"did not answer history() within {timeout} s; it is busy with what was sent to it "
+                              "before: ask again", "for its history; retry")
 
     def _lock_store(self) -> int | None:
         """Take the lock of `cache_dir` for this Runtime alone (CacheDirInUse if another has it); the fd."""
@@ -1290,6 +1273,23 @@ def _check_options(*, memory_budget, hot_budget, durability, max_batch, route, s
 SHOWN_NAMES = 10  # running agents an UnknownAgent's message names at most
 MAX_CONVERSATION_ID = 1024  # characters of a turn's conversation_id
 MAX_BATCH = 4096  # most rows a Runtime decodes together (far past a device's; start-up walks every size below it)
+
+
+def _queued_answer(deliver, name: str, envelope, timeout: float, busy: str, asked: str, turn_id: str | None = None):
+    """Send agent `name` the request `envelope(future)` (by `deliver`, a runtime's `_deliver`), queued behind all it
+    was sent before, and return its answer. AgentError (saying `busy`) if none came within `timeout` seconds; an
+    agent that crashes before answering is asked again, up to three times, then AgentCrashed (asked `asked`)."""
+    for _ in range(3):
+        future = ReplyFuture()
+        future.turn_id = turn_id
+        deliver(name, envelope(future), future)
+        try:
+            return future.get(timeout=timeout)  # ReplyFuture.get caps the wait itself
+        except TurnTimeout:
+            raise AgentError(f"agent {name!r} {busy}") from None
+        except AgentCrashed:
+            continue  # it crashed before answering: its next incarnation reloads the durable history
+    raise AgentCrashed(turn_id, f"agent {name!r} kept crashing while asked {asked}")
 
 
 def shutdown_on_exit(shutdown: Callable[[], None], exc: BaseException | None) -> None:
