@@ -59,6 +59,22 @@ def test_forget_deletes_a_crashed_temporary_agents_files(tmp_path):
         assert not rt.stored("tmp")
 
 
+def test_a_send_that_its_restarting_agent_never_takes_carries_the_turn_id_to_retry_with(tmp_path):
+    """AgentCrashed says to retry with the same turn_id, but a send that gave up waiting for its agent's restart
+    raised it with turn_id None, so a caller of a fresh id had none to retry with."""
+    slow = Backoff(min=11.0, max=11.0, reset=10.0)  # the restart comes after a send stops waiting for it (10 s)
+    with Runtime(model=None, cache_dir=tmp_path, backoff=slow) as rt:
+        a = rt.spawn("a")
+        inject_crash(a)
+        with pytest.raises(AgentCrashed):
+            a.ask("Crash.", max_tokens=2)
+        with pytest.raises(AgentCrashed) as e:
+            a.send("Again.", max_tokens=2)  # a fresh turn id, which only the error can tell
+        turn_id = e.value.turn_id
+        assert turn_id is not None and str(e.value).startswith(f"turn {turn_id}: ") and "retry" in str(e.value)
+        assert a.ask("Again.", max_tokens=2, turn_id=turn_id, timeout=60).turn_id == turn_id  # restarted by now
+
+
 # -- turn ids are each agent's own -----------------------------------------------------------------------------------
 
 

@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 DEFAULT_CACHE_DIR = "~/.cache/kvactors/agents"
 TURN_TIMEOUT = 60.0  # seconds a turn may take unless its caller says otherwise (None: no watchdog)
 MIN_IO_TIMEOUT = 1.0  # the shortest io_timeout: a shorter wait for a loaded disk crash-looped agents into escalation
+RESTART_WAIT_S = 10.0  # seconds a call waits for an agent's restart before it raises AgentCrashed
 STOP_WAIT_S = 60.0  # seconds `shutdown` waits for each group of actors to stop before it raises WaitTimeout
 
 
@@ -1102,12 +1103,13 @@ class Runtime:
 
         sup.proxy().start_child(ChildSpec(name, started, restart)).get(timeout=60)
 
-    def _ref(self, name: str) -> pykka.ActorRef:
-        """The current actor of agent `name`, waiting briefly while it restarts."""
+    def _ref(self, name: str, turn_id: str | None = None) -> pykka.ActorRef:
+        """The current actor of agent `name`, waiting briefly while it restarts; AgentCrashed, carrying the
+        `turn_id` the caller means to send (None: none), if it does not come back in that time."""
         self._check_running()
         if name not in self._names:
             raise not_running(name, self._names)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + RESTART_WAIT_S
         while True:
             ref = self._env.refs.get(name)
             if ref is not None and ref.is_alive():
@@ -1120,7 +1122,8 @@ class Runtime:
                 continue  # spawned again meanwhile: its new actor
             if time.monotonic() > deadline or self._escalation:
                 self._check_running()
-                raise AgentCrashed(None, f"agent {name!r} did not come back from a restart")
+                raise AgentCrashed(turn_id, f"agent {name!r} did not come back from a restart within "
+                                            f"{RESTART_WAIT_S:g} s", _retry(turn_id))
             self._env.wait_changed(0.05)  # woken when the restarted actor registers
 
     def _history(self, name: str, timeout: float) -> list[dict]:
@@ -1145,8 +1148,10 @@ class Runtime:
         return False
 
     def _deliver(self, name, message, future):
+        """Tell `message` to agent `name`'s current actor; an AgentCrashed here carries the turn id of `future`."""
+        turn_id = getattr(future, "turn_id", None)
         try:
-            ref = self._ref(name)
+            ref = self._ref(name, turn_id)
         except UnknownAgent as e:
             self._env.dead_letter(name, message, str(e))
             raise
@@ -1154,9 +1159,10 @@ class Runtime:
             ref.tell(message)
         except pykka.ActorDeadError:  # it crashed just now: give the next incarnation the message
             try:
-                self._ref(name).tell(message)
+                self._ref(name, turn_id).tell(message)
             except pykka.ActorDeadError:
-                raise AgentCrashed(None, f"agent {name!r} crashed twice while taking this message; retry") from None
+                raise AgentCrashed(turn_id, f"agent {name!r} crashed twice while taking this message",
+                                   _retry(turn_id)) from None
 
     @contextlib.contextmanager
     def _name_held(self, name: str, timeout: float | None):
@@ -1302,6 +1308,11 @@ def shutdown_on_exit(shutdown: Callable[[], None], exc: BaseException | None) ->
         shutdown()
     except Exception as e:  # noqa: BLE001 - the block's own exception is the one to raise
         log.warning("shutdown() on leaving a with block that raised %s failed: %s", type(exc).__name__, e)
+
+
+def _retry(turn_id: str | None) -> str:
+    """The advice of an AgentCrashed raised before the agent took the message: retry, with the turn's id if any."""
+    return "; retry with the same turn_id" if turn_id else "; retry"
 
 
 def not_running(name: str, running) -> UnknownAgent:
