@@ -16,7 +16,7 @@ import pytest
 
 from actors.batcher import Submit
 from actors.supervisor import Backoff
-from runtime import AgentCrashed, Runtime, TurnTimeout
+from runtime import AgentCrashed, Runtime, TurnTimeout, UnknownAgent
 from runtime.api.testing import inject_crash
 from runtime.engine import Turn
 from test_agents import stalled_batcher
@@ -28,14 +28,15 @@ FAST = Backoff(min=0.001, max=0.02, reset=10.0)
 # -- a temporary agent that crashed is not running -------------------------------------------------------------------
 
 
-def crash_temporary(rt) -> None:
-    """Spawn agent "tmp" as temporary, give it a turn, crash it; its supervisor drops it (no restart)."""
+def crash_temporary(rt):
+    """Spawn agent "tmp" as temporary, give it a turn, crash it; its supervisor drops it (no restart). Its ref."""
     tmp = rt.spawn("tmp", system="You are T.", restart="temporary")
     tmp.ask("One.", max_tokens=4)
     inject_crash(tmp)
     with pytest.raises(AgentCrashed):
         tmp.ask("Crash.", max_tokens=4)
     time.sleep(0.3)
+    return tmp
 
 
 def test_a_crashed_temporary_agent_can_be_spawned_again_and_forgotten(tmp_path):
@@ -50,6 +51,20 @@ def test_running_does_not_list_a_temporary_agent_that_crashed(tmp_path):
     with Runtime(model=None, cache_dir=tmp_path, backoff=FAST) as rt:
         crash_temporary(rt)
         assert rt.running() == []  # was ['tmp']
+
+
+def test_a_crashed_temporary_agent_is_not_running_for_agent_agents_or_broadcast(tmp_path):
+    """`running()` left it out, but `agent()` still returned its ref, `agents()` listed it as running, and
+    `broadcast` with it sent the other agents their turns (their futures lost) before raising UnknownAgent."""
+    with Runtime(model=None, cache_dir=tmp_path, backoff=FAST) as rt:
+        other = rt.spawn("other")
+        tmp = crash_temporary(rt)
+        with pytest.raises(UnknownAgent, match="'tmp'"):
+            rt.agent("tmp")
+        assert [(a.name, a.running) for a in rt.agents()] == [("other", True), ("tmp", False)]  # tmp: stored
+        with pytest.raises(UnknownAgent, match="'tmp'"):
+            rt.broadcast([other, tmp], "Hello all.", max_tokens=4)
+        assert other.history() == []  # nobody took a turn
 
 
 def test_forget_deletes_a_crashed_temporary_agents_files(tmp_path):

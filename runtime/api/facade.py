@@ -927,8 +927,9 @@ class Runtime:
         RuntimeClosed after `shutdown`)."""
         self._check_running()
         store.check_agent_id(name)
-        if name not in self._names:
-            raise not_running(name, self._names)
+        running = self.running()  # not a temporary agent that exited
+        if name not in running:
+            raise not_running(name, running)
         return AgentRef(self, name)
 
     def agents(self, timeout: float = 60.0) -> list[AgentInfo]:
@@ -940,7 +941,7 @@ class Runtime:
         """
         self._check_running()
         stored = {a.name: a for a in self._on_files("reading the stored agents", timeout, lambda p: p.stored_all())}
-        running = set(self._names)
+        running = set(self.running())
         infos = []
         for name in sorted(running | set(stored)):
             a = stored.get(name)
@@ -1022,9 +1023,10 @@ class Runtime:
         Raises TypeError or ValueError, before any turn, unless `group` holds AgentRefs of this Runtime, and
         UnknownAgent, before any turn too, if one of them is not running."""
         group = _agent_refs(self, group, "broadcast")
+        running = self.running()  # not a temporary agent that exited
         for a in group:
-            if a.name not in self._names:
-                raise not_running(a.name, self._names)
+            if a.name not in running:
+                raise not_running(a.name, running)
         return [a.send(text, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
                        timeout=timeout) for a in group]
 
