@@ -373,6 +373,22 @@ def test_text_with_a_lone_surrogate_is_refused_in_the_caller_with_what_to_do(tmp
         assert [r["role"] for r in a.history()] == ["system", "user", "assistant"]
 
 
+def test_a_text_of_the_wrong_type_is_an_invalid_argument_type_wherever_the_facade_takes_one(tmp_path):
+    """A wrong type raises InvalidArgumentType (a TypeError), as `runtime.errors` says: `ask(5)` and
+    `spawn(system=5)` did, but `note(5)` and `reset([], system=5)` raised InvalidArgument (a ValueError)."""
+    from runtime import InvalidArgument, InvalidArgumentType, Runtime
+
+    with Runtime(model="tiny", cache_dir=tmp_path) as rt:
+        a = rt.spawn("typed", system="Be brief.")
+        for call in (lambda: a.ask(5), lambda: rt.spawn("other", system=5), lambda: a.note(5),
+                     lambda: a.reset([], system=5)):
+            with pytest.raises(InvalidArgumentType, match="must be a str"):
+                call()
+        with pytest.raises(InvalidArgument):  # the right type, an empty value
+            a.note("")
+        assert [r["role"] for r in a.history()] == ["system"]  # nothing reached the agent
+
+
 def test_a_cache_dir_that_is_a_symlink_to_nothing_is_refused_with_where_it_points(tmp_path):
     """It failed with a bare FileExistsError; `kvactors inspect` said "no such folder"."""
     from runtime import NotAFolder, Runtime, store

@@ -662,9 +662,11 @@ class AgentRef:
         """Append a user message to the history without taking a turn (in order with turns).
 
         `sender` labels the message in the rendered conversation ("sender: text"), as in `reset`'s records.
-        Raises ValueError for an empty or non-str text, or one longer than any turn could hold (every later
-        turn would fail with TurnTooLong), TypeError for a sender that is not a str or None."""
-        if not isinstance(text, str) or not text:
+        Raises ValueError for an empty text, or one longer than any turn could hold (every later turn would fail
+        with TurnTooLong), TypeError for a text that is not a str or a sender that is not a str or None."""
+        if not isinstance(text, str):
+            raise InvalidArgumentType(f"a note's text must be a str, got {type(text).__name__} (decode bytes first)")
+        if not text:
             raise InvalidArgument("a note needs a non-empty text")
         if never_fits(self.runtime, len(text), 1):
             raise InvalidArgument(f"the note has {len(text)} characters: more tokens, whatever they are, than the "
@@ -690,7 +692,8 @@ class AgentRef:
         cache is kept and the next turn reuses the prefix of it that the new conversation still
         renders to, where that prefix is most of the cached text (`runtime.prefix`: 80%; else
         the turn re-prefills). Raises ValueError for a malformed record, SystemPromptTooLong for a `system` that
-        leaves the model no position for a turn, TypeError for records that are not a list of dicts.
+        leaves the model no position for a turn, TypeError for records that are not a list of dicts or a `system`
+        that is not a str or None.
         """
         if not isinstance(records, (list, tuple)) or not all(isinstance(r, dict) for r in records):
             raise InvalidArgumentType(f"records must be a list of dicts (the shape history() returns), "
@@ -716,7 +719,7 @@ class AgentRef:
             if r["role"] == "assistant" and r.get("tokens") is not None:
                 clean[-1]["tokens"] = _token_ids(r["tokens"], self.runtime.vocab_size)
         if system is not None and not isinstance(system, str):
-            raise InvalidArgument(f"system must be a str or None, got {type(system).__name__}")
+            raise InvalidArgumentType(f"system must be a str or None, got {type(system).__name__}")
         if system is not None:
             check_unicode("system", system)
             self.runtime._check_system_fits(system)
