@@ -57,6 +57,8 @@ def test_help(env):
     for name, p in zip(ALL, procs):
         out, _ = p.communicate(timeout=120)
         assert p.returncode == 0 and "--model" in out and "--cache-dir" in out and "--max-tokens" in out, name
+        # Runtime(model=None) takes $KVACTORS_MODEL first, as `kvactors demo --help` says; "SmolLM2" alone was wrong
+        assert "$KVACTORS_MODEL" in out, name
 
 
 def test_quickstart(env, tmp_path):
