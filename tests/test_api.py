@@ -89,8 +89,8 @@ def test_a_bad_argument_is_a_kvactors_error_that_keeps_its_builtin_kind(tmp_path
 
 
 def test_refs_names_and_group_sends_are_checked_before_anything_runs(tmp_path):
-    """`broadcast` to a group with a stopped agent sent the earlier agents their turns (committed, their futures
-    lost) before raising; a spawn's system prompt that can never fit was stored, and every turn failed; a
+    """`broadcast` (and `converse`) to a group with a stopped agent sent the earlier agents their turns (committed,
+    their futures lost) before raising; a spawn's system prompt that can never fit was stored, and every turn failed; a
     200 MB conversation_id went into the journal; `running()` and `agent()` answered after `shutdown()`."""
     from runtime import InvalidAgentId, InvalidArgument, Runtime, RuntimeClosed, SystemPromptTooLong, UnknownAgent
 
@@ -99,6 +99,8 @@ def test_refs_names_and_group_sends_are_checked_before_anything_runs(tmp_path):
     b.stop()
     with pytest.raises(UnknownAgent, match="'b'"):
         rt.broadcast([a, c, b], "Hello all.", max_tokens=4)
+    with pytest.raises(UnknownAgent, match="'b'"):  # a answered, and its reply was lost with the error
+        rt.converse([a, b], "Hello you two.", 1, max_tokens=4)
     assert a.history() == [] and c.history() == []  # nobody took a turn
     with pytest.raises(SystemPromptTooLong, match="system prompt is .* characters"):
         rt.spawn("big", system="x" * (rt.max_context * rt.longest_token_chars + 1))

@@ -1005,10 +1005,12 @@ class Runtime:
 
         Every message is attributed to the agent that wrote it. Every turn takes the
         options given (see `AgentRef.send`). Returns all replies in order. Raises TypeError or
-        ValueError, before any turn, unless `agents` are AgentRefs of this Runtime and `rounds` an int >= 0.
+        ValueError, before any turn, unless `agents` are AgentRefs of this Runtime and `rounds` an int >= 0, and
+        UnknownAgent, before any turn too, if one of them is not running.
         """
         agents = _agent_refs(self, agents, "converse")
         _at_least("rounds", rounds, 0, int)
+        _check_all_running(self, agents)
         replies, text, previous = [], opening, None
         for _ in range(rounds):
             for a in agents:
@@ -1026,10 +1028,7 @@ class Runtime:
         Raises TypeError or ValueError, before any turn, unless `group` holds AgentRefs of this Runtime, and
         UnknownAgent, before any turn too, if one of them is not running."""
         group = _agent_refs(self, group, "broadcast")
-        running = self.running()  # not a temporary agent that exited
-        for a in group:
-            if a.name not in running:
-                raise not_running(a.name, running)
+        _check_all_running(self, group)
         return [a.send(text, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
                        timeout=timeout) for a in group]
 
@@ -1354,6 +1353,15 @@ def _agent_refs(runtime, agents, what: str) -> list:
         if ref.runtime is not runtime:
             raise InvalidArgument(f"{what}: agent {ref.name!r} belongs to another Runtime")
     return refs
+
+
+def _check_all_running(runtime, refs) -> None:
+    """Raise UnknownAgent if an agent of `refs` is not running (`runtime.running()`), before a group call sends a
+    turn: the turns sent before it would run with their replies lost to the caller."""
+    running = runtime.running()
+    for ref in refs:
+        if ref.name not in running:
+            raise not_running(ref.name, running)
 
 
 def cache_folder(cache_dir) -> Path:
