@@ -20,16 +20,26 @@ llama.cpp's converter permutes the rows of llama's `attn_q` and `attn_k` (its
 rope layout); the import undoes that by whole rows of weights, scales and biases.
 Architectures: llama and qwen2. Tokenizers: byte-level BPE (`gpt2`) with the
 pre-tokenizers of SmolLM (digits split one by one), GPT-2, Qwen2 and Llama-3.
+
+What the import trusts: nothing. MLX's own GGUF parser believes the header's counts,
+lengths and types (a damaged one crashes the process), so the gguf package's reader
+parses and checks the file first (`_open`); the metadata read must be of the kind
+`_METADATA` says; the tensors must be exactly the weights, by name and shape, of the
+mlx-lm model the metadata describes. Anything else raises GGUFError (or
+UnsupportedGGUF) before anything is written.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shutil
+import stat
 from pathlib import Path
 
-from runtime.model import ModelLoadError, kvactors_home, new_model_folder
+from runtime.errors import shown
+from runtime.model import ModelLoadError, kvactors_home, model_folder_lock, new_model_folder
 
 __all__ = [
     "GGUFError",
@@ -73,6 +83,42 @@ PRE_TOKENIZERS = ("smollm", "gpt-2", "default", "qwen2", "llama-bpe")
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 _FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+_VERSIONS = (2, 3)  # GGUF versions whose layout this import reads (1 had 32-bit counts)
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+
+# The metadata this import reads, and the kind each must be where present ("{arch}": the file's architecture).
+_METADATA = {
+    "general.architecture": "text",
+    **{f"{{arch}}.{key}": "count" for key in (
+        "embedding_length", "feed_forward_length", "block_count", "attention.head_count", "attention.head_count_kv",
+        "attention.key_length", "rope.dimension_count", "vocab_size", "context_length")},
+    **{f"{{arch}}.{key}": "number" for key in ("attention.layer_norm_rms_epsilon", "rope.freq_base",
+                                                "rope.scaling.factor")},
+    "{arch}.rope.scaling.type": "text",
+    "tokenizer.ggml.model": "text",
+    "tokenizer.ggml.pre": "text",
+    "tokenizer.ggml.tokens": "texts",
+    "tokenizer.ggml.token_type": "integers",
+    "tokenizer.ggml.merges": "texts",
+    **{f"tokenizer.ggml.{key}_token_id": "index" for key in ("bos", "eos", "eot", "eom", "padding", "unknown")},
+    "tokenizer.ggml.add_bos_token": "flag",
+    "tokenizer.chat_template": "text",
+}
+
+
+def _integer(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+_KINDS = {  # kind: (as a message says it, its test)
+    "text": ("text", lambda v: isinstance(v, str)),
+    "count": ("an integer > 0", lambda v: _integer(v) and v > 0),
+    "index": ("an integer >= 0", lambda v: _integer(v) and v >= 0),
+    "number": ("a finite number", lambda v: (_integer(v) or isinstance(v, float)) and math.isfinite(v)),
+    "flag": ("true or false", lambda v: isinstance(v, bool)),
+    "texts": ("a list of texts", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)),
+    "integers": ("a list of integers", lambda v: isinstance(v, list) and all(_integer(x) for x in v)),
+}
 
 
 class GGUFError(ModelLoadError):
@@ -109,20 +155,23 @@ def gguf_model_path(path: str | Path, weights: str | None = None) -> Path:
     GGUFError / UnsupportedGGUF as `import_gguf` does.
     """
     path = Path(path).expanduser()
-    if not path.is_file():
-        raise GGUFError(f"{path}: no such GGUF file")
+    _check_file(path)
     weights = _check_weights(weights)
-    out = kvactors_home() / "models" / f"gguf-{file_digest(path)[:16]}-{weights}"
+    try:
+        digest = file_digest(path)
+    except OSError as e:
+        raise _cannot_read(path, e) from e
+    out = kvactors_home() / "models" / f"gguf-{digest[:16]}-{weights}"
     if (out / COMPLETE_MARKER).exists():
         return out
-    if out.exists():  # a leftover without its marker: not ours to trust
-        shutil.rmtree(out, ignore_errors=True)
     try:
-        import_gguf(path, out, weights)
-    except FileExistsError:
-        pass  # another process finished first
-    if not (out / COMPLETE_MARKER).exists():
-        raise GGUFError(f"could not convert {path} into {out}")
+        with model_folder_lock(out):  # one conversion at a time; it also removes what a killed one left
+            if not (out / COMPLETE_MARKER).exists():  # else another process converted it while this one waited
+                if out.exists():  # a folder without its marker was not made here: not ours to trust
+                    shutil.rmtree(out, ignore_errors=True)
+                import_gguf(path, out, weights)
+    except OSError as e:
+        raise _cannot_write(out, e) from e
     return out
 
 
@@ -132,38 +181,123 @@ def import_gguf(path: str | Path, out: str | Path, weights: str | None = None) -
     `weights` is "float32" (exactly dequantized) or "quantized" (the file's 4/8-bit
     triplets kept as they are); None picks `default_weights()`. The folder is built
     in a temporary sibling and renamed into place, so `out` either does not exist
-    or is complete. Raises FileExistsError if `out` exists, UnsupportedGGUF for an
+    or is complete.
+    Raises FileExistsError if `out` exists, UnsupportedGGUF for an
     architecture, tensor, quantization type or tokenizer this import cannot map,
-    and GGUFError for a file that is not GGUF.
+    and GGUFError for a file that is not GGUF, is damaged or cannot be read, and
+    for an `out` that cannot be written.
     """
     path, out = Path(path).expanduser(), Path(out).expanduser()
     weights = _check_weights(weights)
     if out.exists():
         raise FileExistsError(f"{out} already exists")
     meta, tensors = _read(path)
+    _check_metadata(meta, path)
     arch = meta.get("general.architecture")
     if arch not in ARCHS:
         raise UnsupportedGGUF(f"{path}: architecture {arch!r} is not supported; supported: {', '.join(ARCHS)}")
-    config = _config(meta, arch)
+    config = _config(meta, arch, path)
     config["tie_word_embeddings"] = "output.weight" not in tensors
+    tokenizer_json, tokenizer_config, template = _tokenizer(meta, path)
+    _check_tensors(tensors, config, path)
     mlx_weights, quantization = _mlx_weights(tensors, config, arch, weights)
     if quantization:
         config["quantization"] = quantization
     config["torch_dtype"] = "float32" if weights == "float32" else "float16"
-    tokenizer_json, tokenizer_config, template = _tokenizer(meta, path)
 
     import mlx.core as mx
 
-    with new_model_folder(out) as tmp:
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        mx.save_safetensors(str(tmp / "model.safetensors"), mlx_weights, {"format": "mlx"})
-        (tmp / "tokenizer.json").write_text(tokenizer_json)
-        (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
-        if template:
-            (tmp / "chat_template.jinja").write_text(template)
-        marker = {"source": str(path), "name": meta.get("general.name"), "weights": weights}
-        (tmp / COMPLETE_MARKER).write_text(json.dumps(marker))
+    try:
+        with new_model_folder(out) as tmp:
+            (tmp / "config.json").write_text(json.dumps(config, indent=2))
+            mx.save_safetensors(str(tmp / "model.safetensors"), mlx_weights, {"format": "mlx"})
+            (tmp / "tokenizer.json").write_text(tokenizer_json)
+            (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+            if template:
+                (tmp / "chat_template.jinja").write_text(template)
+            marker = {"source": str(path), "name": meta.get("general.name"), "weights": weights}
+            (tmp / COMPLETE_MARKER).write_text(json.dumps(marker))
+    except OSError as e:
+        if isinstance(e, FileExistsError) and out.exists():
+            raise  # another process made `out` meanwhile
+        raise _cannot_write(out, e) from e
+    except RuntimeError as e:  # MLX reports a failed write (a full disk) as a RuntimeError
+        raise _cannot_write(out, e) from e
     return out
+
+
+def _check_file(path: Path) -> None:
+    """Raise GGUFError unless `path` is a regular file (a pipe would block its reader forever)."""
+    try:
+        mode = path.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        raise GGUFError(f"{path}: no such GGUF file") from None
+    except OSError as e:
+        raise _cannot_read(path, e) from e
+    if stat.S_ISDIR(mode):
+        raise GGUFError(f"{path} is a folder, not a GGUF file: give the .gguf file itself")
+    if not stat.S_ISREG(mode):
+        raise GGUFError(f"{path} is not a regular file (a pipe or a device?): save the GGUF file to disk and give that")
+
+
+def _cannot_read(path: Path, e: OSError) -> GGUFError:
+    return GGUFError(f"cannot read {path}: {e.strerror or e}; check that it is a file you may read")
+
+
+def _cannot_write(out: Path, e: Exception) -> GGUFError:
+    reason = (e.strerror or str(e)) if isinstance(e, OSError) else str(e)
+    return GGUFError(f"cannot write the converted model {out}: {reason}; free some space there or convert into a "
+                     "folder you may write (import-gguf's OUT, or $KVACTORS_HOME for the model cache)")
+
+
+def _check_metadata(meta: dict, path: Path) -> None:
+    """Raise GGUFError for metadata this import reads (`_METADATA`) of the wrong kind, or no vocabulary."""
+    arch = meta.get("general.architecture")
+    for key, kind in _METADATA.items():
+        key = key.format(arch=arch)
+        what, test = _KINDS[kind]
+        if key in meta and not test(value := meta[key]):
+            seen = f"a list of {len(value)} items" if isinstance(value, list) else shown(value)[:80]
+            raise GGUFError(f"{path}: metadata {key} is {seen}, not {what}: the file is damaged or was not made by "
+                            "llama.cpp's converter; get the file again or convert the model again")
+    if "tokenizer.ggml.tokens" not in meta:
+        raise GGUFError(f"{path}: the file has no vocabulary (metadata tokenizer.ggml.tokens); convert the model "
+                        "again with llama.cpp's converter, which writes it")
+
+
+def _check_tensors(tensors: dict, config: dict, path: Path) -> None:
+    """Raise GGUFError unless `tensors` are exactly the weights, by name and shape, of the mlx-lm model `config`
+    describes: any other set would make a folder that mlx-lm refuses on every load."""
+    import importlib
+
+    from mlx.utils import tree_flatten
+
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    damaged = "the file is damaged or its metadata wrong; get the file again or convert the model again"
+    try:
+        model = module.Model(module.ModelArgs.from_dict(config))
+    except Exception as e:  # noqa: BLE001 - sizes the model's code refuses
+        raise GGUFError(f"{path}: its metadata describes no model mlx-lm can build ({type(e).__name__}: {e}); "
+                        f"{damaged}") from e
+    expected = {name: tuple(a.shape) for name, a in tree_flatten(model.parameters())}
+    found = set()
+    for gguf_name, (kind, value, bits, _) in tensors.items():
+        name = _mlx_name(gguf_name)
+        found.add(name)
+        if kind == "quant":
+            shape = (*value[0].shape[:-1], value[0].shape[-1] * 32 // bits)
+        else:
+            shape = tuple(value.shape)
+        if name not in expected:
+            raise GGUFError(f"{path}: tensor {gguf_name} is not a weight of the model its metadata describes "
+                            f"({config['num_hidden_layers']} layers); {damaged}")
+        if shape != expected[name]:
+            raise GGUFError(f"{path}: tensor {gguf_name} has shape {shape}, where the model its metadata describes "
+                            f"needs {expected[name]}; {damaged}")
+    if missing := sorted(expected.keys() - found):
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise GGUFError(f"{path}: tensors missing for the model its metadata describes: "
+                        f"{', '.join(_gguf_name(n) for n in missing[:3])}{more}; {damaged}")
 
 
 def _check_weights(weights: str | None) -> str:
@@ -173,13 +307,14 @@ def _check_weights(weights: str | None) -> str:
     return weights
 
 
-def _config(meta: dict, arch: str) -> dict:
-    """An mlx-lm config.json dict from the GGUF metadata of an `arch` model."""
+def _config(meta: dict, arch: str, path: Path) -> dict:
+    """An mlx-lm config.json dict from the GGUF metadata of an `arch` model (checked by `_check_metadata`)."""
 
     def get(key, default=None):
         value = meta.get(f"{arch}.{key}", default)
         if value is None:
-            raise GGUFError(f"GGUF metadata lacks {arch}.{key}")
+            raise GGUFError(f"{path}: its metadata lacks {arch}.{key}; convert the model again with llama.cpp's "
+                            "converter, which writes it")
         return value
 
     hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
@@ -223,21 +358,27 @@ def _f32(x) -> float:
 
 
 def _read(path: Path) -> tuple[dict, dict]:
-    """(metadata as plain Python values, tensors) of the GGUF file at `path`.
+    """(metadata as plain Python values, tensors) of the GGUF file at `path`, once `_open` has checked it.
 
     tensors: name -> (kind, value, bits, type). Kind "quant": an MLX (weight,
     scales, biases) triplet of `bits` bits, as `mx.load` returns Q4_0 / Q4_1 /
-    Q8_0 exactly; kind "float": one float array. When `mx.load` cannot read the
-    file (a quantization type MLX lacks), every tensor is read by the gguf
+    Q8_0 exactly; kind "float": one float array. When `mx.load` cannot read every
+    tensor (a quantization type MLX lacks), every tensor is read by the gguf
     package instead and dequantized to float32 (kind "dequant", with its type).
     """
     import mlx.core as mx
 
+    reader = _open(path)
+    meta = {}
+    for key, field in reader.fields.items():
+        try:
+            meta[key] = field.contents()
+        except Exception:  # noqa: BLE001 - a field we cannot decode (text that is not UTF-8) counts as absent
+            continue
     try:
-        loaded, raw = mx.load(str(path), return_metadata=True)
+        loaded = mx.load(str(path))
     except Exception:  # noqa: BLE001 - MLX refuses whole files with a type it lacks
-        return _read_with_gguf(path)
-    meta = {k: (v.item() if v.ndim == 0 else v.tolist()) if isinstance(v, mx.array) else v for k, v in raw.items()}
+        loaded = {}
     tensors = {}
     for name, w in loaded.items():
         stem = name.removesuffix(".weight")
@@ -249,25 +390,8 @@ def _read(path: Path) -> tuple[dict, dict]:
             tensors[name] = ("quant", (w, scales, loaded[f"{stem}.biases"]), bits, f"{bits}-bit")
         else:
             tensors[name] = ("float", w, None, str(w.dtype))
-    return meta, tensors
-
-
-def _read_with_gguf(path: Path) -> tuple[dict, dict]:
-    """`_read` through the gguf package's reader: every tensor dequantized to float32."""
-    try:
-        from gguf import GGUFReader
-    except ImportError as e:  # a declared dependency; only a broken install gets here
-        raise GGUFError("reading this GGUF file needs the gguf package: pip install gguf") from e
-    try:  # the reader fails on a damaged or truncated file with whatever its parsing meets (IndexError, ...)
-        reader = GGUFReader(str(path))
-    except Exception as e:  # noqa: BLE001
-        raise _unreadable(path, f"{type(e).__name__}: {e}") from e
-    meta = {}
-    for key, field in reader.fields.items():
-        try:
-            meta[key] = field.contents()
-        except Exception:  # noqa: BLE001 - a field we cannot decode is one we do not use
-            continue
+    if set(tensors) == {t.name for t in reader.tensors}:
+        return meta, tensors
     tensors = {}
     for t in reader.tensors:
         try:
@@ -277,9 +401,49 @@ def _read_with_gguf(path: Path) -> tuple[dict, dict]:
     return meta, tensors
 
 
+def _open(path: Path):
+    """The gguf package's reader of the GGUF file at `path`, its structure checked: GGUF version 2 or 3,
+    little-endian, every tensor of a type the package knows, of 1 to 4 dimensions none 0, its data aligned and
+    within the file, no tensor name twice. Only such a file may reach `mx.load`, whose parser trusts all that."""
+    try:
+        from gguf import GGUFReader
+    except ImportError as e:  # a declared dependency; only a broken install gets here
+        raise GGUFError("reading GGUF files needs the gguf package: pip install gguf") from e
+    _check_file(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except OSError as e:
+        raise _cannot_read(path, e) from e
+    if head[:4] != b"GGUF":
+        raise _unreadable(path, f"it starts with {head[:4]!r}, not b'GGUF': it is not a GGUF file")
+    if len(head) < 8:
+        raise _unreadable(path, "it ends within its header")
+    version = int.from_bytes(head[4:], "little")
+    if version not in _VERSIONS:
+        if int.from_bytes(head[4:], "big") in _VERSIONS:
+            raise UnsupportedGGUF(f"{path} is a big-endian GGUF file, which is not supported: convert the model "
+                                  "again without --bigendian")
+        raise UnsupportedGGUF(f"{path}: GGUF version {version} is not supported (only 2 and 3); convert the model "
+                              "again with a current llama.cpp")
+    try:  # the reader fails on a damaged or truncated file with whatever its parsing meets (IndexError, ...)
+        reader = GGUFReader(str(path))
+    except Exception as e:  # noqa: BLE001
+        raise _unreadable(path, f"{type(e).__name__}: {e}") from e
+    for t in reader.tensors:
+        if len(t.shape) > _MAX_DIMS or not all(t.shape):
+            raise _unreadable(path, f"tensor {t.name} has shape {[int(d) for d in t.shape]} (1 to {_MAX_DIMS} "
+                                    "dimensions, none of them 0)")
+        if (t.data_offset - reader.data_offset) % reader.alignment:
+            raise _unreadable(path, f"the data of tensor {t.name} is not aligned to {reader.alignment} bytes")
+    return reader
+
+
 def _unreadable(path: Path, why: str) -> GGUFError:
-    """The error for a file the gguf package cannot read, saying `why`."""
-    return GGUFError(f"{path} is not a readable GGUF file (damaged or cut short?): {why}")
+    """The error for a file that is not GGUF or is damaged, saying `why`."""
+    why = " ".join(why.split())
+    return GGUFError(f"{path} is not a readable GGUF file (damaged or cut short?): {why}; get the file again "
+                     "or convert the model again")
 
 
 def _dequantize(tensor, qtype: str):
@@ -306,7 +470,18 @@ def _mlx_name(gguf_name: str) -> str:
     parts = stem.split(".")
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
         return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
-    raise UnsupportedGGUF(f"GGUF tensor {gguf_name!r} has no mlx-lm counterpart in this import")
+    raise UnsupportedGGUF(f"GGUF tensor {gguf_name!r} has no mlx-lm counterpart: it is not supported by this import "
+                          f"(supported: the tensors of plain {', '.join(ARCHS)} models)")
+
+
+def _gguf_name(mlx_name: str) -> str:
+    """The llama.cpp name of an mlx-lm tensor name (`_mlx_name` reversed)."""
+    stem, _, suffix = mlx_name.rpartition(".")
+    for gguf_stem, name in _GLOBAL_NAMES.items():
+        if stem == name:
+            return f"{gguf_stem}.{suffix}"
+    _, _, layer, rest = stem.split(".", 3)
+    return f"blk.{layer}.{next(g for g, n in _LAYER_NAMES.items() if n == rest)}.{suffix}"
 
 
 def _unpermute(a, n_heads: int):
@@ -370,7 +545,11 @@ def _tokenizer(meta: dict, path: Path):
     tokens = list(meta["tokenizer.ggml.tokens"])
     types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+    try:  # merges of tokens the vocabulary lacks, a merge that is not two tokens
+        tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+    except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exception and TypeError here
+        raise GGUFError(f"{path}: its tokenizer (tokenizer.ggml.tokens and merges) cannot be built: "
+                        f"{' '.join(str(e).split())}; get the file again or convert the model again") from e
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre in ("smollm", "gpt-2", "default"))
     if pre == "smollm":
         tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])

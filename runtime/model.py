@@ -415,15 +415,21 @@ def kvactors_home() -> Path:
     return Path(os.environ.get("KVACTORS_HOME") or "~/.cache/kvactors").expanduser()
 
 
+def _partial_prefix(out: Path) -> str:
+    """The name prefix of `new_model_folder`'s temporary folders for `out`."""
+    return f".{out.name}.tmp-"
+
+
 @contextlib.contextmanager
 def new_model_folder(out: Path):
     """A temporary folder beside `out` to write a model folder into, renamed to `out` if the block succeeds.
 
-    Readers never see a half-written folder; the temporary folder is removed either way.
+    Readers never see a half-written folder; the temporary folder is removed either way (but
+    for a process killed inside the block: `model_folder_lock` removes what it left).
     Raises FileExistsError if `out` appeared meanwhile (another process built it).
     """
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=_partial_prefix(out), dir=out.parent))
     try:
         tmp.chmod(0o755)  # mkdtemp makes it 0700
         yield tmp
@@ -436,6 +442,27 @@ def new_model_folder(out: Path):
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def model_folder_lock(out: Path):
+    """Hold the lock of building the model folder `out` for the block, waiting while another process holds it.
+
+    The lock is the file `.<out's name>.lock` beside `out`; a process that dies releases it. On entry the
+    temporary folders of a `new_model_folder(out)` whose process was killed before its rename are removed:
+    whoever writes `out` holds this lock, so none of them is still being written.
+    """
+    import fcntl
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out.parent / f".{out.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        for partial in out.parent.glob(_partial_prefix(out) + "*"):
+            shutil.rmtree(partial, ignore_errors=True)
+        yield
+    finally:
+        os.close(fd)
 
 
 def fingerprint(path: str | Path) -> str:

@@ -7,9 +7,17 @@ must give the exact weights (or their exact dequantization), the same tokens and
 same logits, through the real `mlx_lm.load`.
 """
 
+import contextlib
 import json
+import os
+import resource
+import shutil
+import signal
+import struct
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -19,6 +27,7 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
+from gguf import GGUFValueType as V  # noqa: E402
 from gguf import quants  # noqa: E402
 
 from runtime.gguf import GGUFError, UnsupportedGGUF, gguf_model_path, import_gguf  # noqa: E402
@@ -271,3 +280,304 @@ def test_import_gguf_command(tmp_path, tiny):
     again = subprocess.run([sys.executable, "-m", "runtime.api.cli", "import-gguf", tmp_path / "m.gguf", tmp_path / "out"],
                            capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert again.returncode == 2 and "already exists" in again.stderr and "Traceback" not in again.stderr
+
+
+# ---- what a user can feed the import: damaged, odd and unwritable cases ----
+
+def rewrite(src, dst, meta=None, tensors=None):
+    """Copy the GGUF file `src` to `dst` through the gguf package, changing some of it.
+
+    `meta`: key -> None (left out) or (value, GGUFValueType[, item type]); `tensors`: name -> None (left out)
+    or (array, raw type or None), names not in `src` added.
+    """
+    meta, tensors = dict(meta or {}), dict(tensors or {})
+    r = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(dst), r.fields["general.architecture"].contents())
+    w.kv_data[0].pop("general.architecture")
+    for key, field in r.fields.items():
+        if not key.startswith("GGUF.") and key not in meta:
+            w.add_key_value(key, field.contents(), field.types[0], field.types[-1] if field.types[0] == V.ARRAY else None)
+    for key, value in meta.items():
+        if value is not None:
+            w.add_key_value(key, *value)
+    for t in r.tensors:
+        data, qtype = tensors.pop(t.name) if t.name in tensors else (np.array(t.data), t.tensor_type)
+        if data is not None:
+            w.add_tensor(t.name, data, raw_dtype=None if qtype == Q.F32 else qtype)
+    for name, (data, qtype) in tensors.items():
+        w.add_tensor(name, data, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def tensor_infos(path):
+    """{tensor name: (offsets of its name, its type field and its data-offset field)} in the GGUF file at `path`."""
+    r = gguf.GGUFReader(str(path))
+    out = {}
+    for t in r.tensors:
+        at = t.field.offset
+        name_len = struct.unpack_from("<Q", r.data, at)[0]
+        dims = struct.unpack_from("<I", r.data, at + 8 + name_len)[0]
+        type_at = at + 8 + name_len + 4 + 8 * dims
+        out[t.name] = (at + 8, type_at, type_at + 4)
+    return out
+
+
+@pytest.fixture(scope="module")
+def small(tiny, tmp_path_factory):
+    """A Q8_0 llama GGUF file (read by MLX) and a Q5_0 one (read by the gguf package)."""
+    folder = tmp_path_factory.mktemp("small")
+    for qtype in (Q.Q8_0, Q.Q5_0):
+        write_gguf(folder / f"{qtype.name}.gguf", tiny["llama"], qtype)
+    return {"Q8_0": folder / "Q8_0.gguf", "Q5_0": folder / "Q5_0.gguf"}
+
+
+def damaged_headers(src):
+    """{case: bytes of `src` with its header or tensor infos damaged}."""
+    data = src.read_bytes()
+    infos = tensor_infos(src)
+    first, (_, type_at, offset_at) = next(iter(infos.items()))
+    one, other = next((a, b) for a in infos for b in infos if a < b and len(a) == len(b))
+
+    def edit(at, fmt, value):
+        d = bytearray(data)
+        struct.pack_into(fmt, d, at, value)
+        return bytes(d)
+
+    renamed = bytearray(data)
+    renamed[infos[other][0]:infos[other][0] + len(one)] = one.encode()
+    return {
+        "wrong magic": b"GGML" + data[4:],
+        "version 1": edit(4, "<I", 1),
+        "version 4": edit(4, "<I", 4),
+        "big-endian": edit(4, ">I", 3),
+        "tensor count 10**12": edit(8, "<Q", 10**12),
+        "metadata count 10**12": edit(16, "<Q", 10**12),
+        "key length 2**62": edit(24, "<Q", 2**62),
+        "tensor type 99": edit(type_at, "<I", 99),
+        "tensor type 4 (removed Q4_2)": edit(type_at, "<I", 4),
+        "tensor of width 0": edit(infos[first][0] + len(first) + 4, "<Q", 0),
+        "tensor data misaligned": edit(offset_at, "<Q", 3),
+        "tensor data past the end": edit(offset_at, "<Q", 2**40),
+        "duplicate tensor name": bytes(renamed),
+    }
+
+
+def test_damaged_headers_are_refused_without_crashing(tmp_path, small):
+    """MLX's own GGUF parser trusts counts, lengths and types: such files must never reach it."""
+    cases = damaged_headers(small["Q8_0"])
+    for i, data in enumerate(cases.values()):
+        (tmp_path / f"{i}.gguf").write_bytes(data)
+    script = (
+        "import sys\nfrom runtime.gguf import import_gguf, GGUFError\n"
+        "for i in range(int(sys.argv[2])):\n"
+        "    try:\n"
+        "        import_gguf(f'{sys.argv[1]}/{i}.gguf', f'{sys.argv[1]}/out{i}', 'float32')\n"
+        "        print('converted', flush=True)\n"
+        "    except GGUFError as e:\n"
+        "        print(type(e).__name__, str(e).replace(chr(10), ' '), flush=True)\n"
+    )  # one child process for every case: a crash in native code ends it, not the test run
+    run = subprocess.run([sys.executable, "-c", script, str(tmp_path), str(len(cases))], capture_output=True,
+                         text=True, timeout=120, cwd=ROOT)
+    lines = run.stdout.splitlines()
+    done = dict(zip(cases, lines))
+    assert run.returncode == 0 and len(lines) == len(cases), (done, run.returncode, run.stderr[-2000:])
+    expected = {
+        "wrong magic": ("GGUFError", "not a GGUF file"),
+        "version 1": ("UnsupportedGGUF", "version 1"),
+        "version 4": ("UnsupportedGGUF", "version 4"),
+        "big-endian": ("UnsupportedGGUF", "big-endian"),
+        "tensor type 99": ("GGUFError", "(99) is not a valid GGMLQuantizationType"),
+        "tensor type 4 (removed Q4_2)": ("GGUFError", "(4) is not a valid GGMLQuantizationType"),
+        "tensor of width 0": ("GGUFError", "token_embd.weight has shape [0, "),
+        "tensor data misaligned": ("GGUFError", "token_embd.weight"),
+        "duplicate tensor name": ("GGUFError", "duplicate"),
+    }
+    for case, line in done.items():
+        kind, fragment = expected.get(case, ("GGUFError", "not a readable GGUF file"))
+        assert line.startswith(kind + " ") and fragment.lower() in line.lower(), (case, line)
+        assert "get the file again" in line or "supported" in line, (case, line)
+    assert not list(tmp_path.glob("out*")) and not list(tmp_path.glob(".out*"))
+
+
+def test_a_fifo_or_a_folder_is_refused_at_once(tmp_path, small):
+    os.mkfifo(tmp_path / "pipe.gguf")  # opening it for reading would wait for a writer forever
+    (tmp_path / "folder.gguf").mkdir()
+    script = ("import sys\nfrom runtime.gguf import import_gguf, gguf_model_path, GGUFError\n"
+              "for f in (import_gguf, gguf_model_path):\n"
+              "    for p in sys.argv[1:]:\n"
+              "        try: (f(p, p + '.out', 'float32') if f is import_gguf else f(p, 'float32')); print('converted')\n"
+              "        except GGUFError as e: print(type(e).__name__, e)\n")
+    run = subprocess.run([sys.executable, "-c", script, str(tmp_path / "pipe.gguf"), str(tmp_path / "folder.gguf")],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT,
+                         env={**os.environ, "KVACTORS_HOME": str(tmp_path / "home")})
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = run.stdout.splitlines()
+    assert len(lines) == 4 and all(line.startswith("GGUFError ") for line in lines), lines
+    assert "pipe.gguf is not a regular file" in lines[0] and "folder.gguf is a folder" in lines[1], lines
+    assert lines[2:] == lines[:2]
+
+
+BAD_METADATA = {
+    "no vocabulary": ({"tokenizer.ggml.tokens": None}, "tokenizer.ggml.tokens"),
+    "architecture as a list": ({"general.architecture": (["llama"], V.ARRAY, V.STRING)}, "general.architecture"),
+    "width as text": ({"llama.embedding_length": ("abc", V.STRING)}, "llama.embedding_length"),
+    "width as a list": ({"llama.embedding_length": ([1, 2], V.ARRAY, V.UINT32)}, "llama.embedding_length"),
+    "no heads": ({"llama.attention.head_count": (0, V.UINT32)}, "llama.attention.head_count"),
+    "epsilon as text": ({"llama.attention.layer_norm_rms_epsilon": ("x", V.STRING)}, "layer_norm_rms_epsilon"),
+    "context as text": ({"llama.context_length": ("x", V.STRING)}, "llama.context_length"),
+    "template as a number": ({"tokenizer.chat_template": (5, V.UINT32)}, "tokenizer.chat_template"),
+    "vocabulary of numbers": ({"tokenizer.ggml.tokens": ([1, 2, 3], V.ARRAY, V.INT32)}, "tokenizer.ggml.tokens"),
+    "merges of numbers": ({"tokenizer.ggml.merges": ([1, 2], V.ARRAY, V.INT32)}, "tokenizer.ggml.merges"),
+    "merge without a space": ({"tokenizer.ggml.merges": (["nospace"], V.ARRAY, V.STRING)}, "tokenizer"),
+    "bos id as text": ({"tokenizer.ggml.bos_token_id": ("x", V.STRING)}, "tokenizer.ggml.bos_token_id"),
+    "add_bos as text": ({"tokenizer.ggml.add_bos_token": ("no", V.STRING)}, "tokenizer.ggml.add_bos_token"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_METADATA)
+def test_metadata_of_the_wrong_type_or_missing_is_refused_by_key(tmp_path, small, case):
+    meta, key = BAD_METADATA[case]
+    rewrite(small["Q8_0"], tmp_path / "m.gguf", meta=meta)
+    with pytest.raises(GGUFError, match=key) as e:
+        import_gguf(tmp_path / "m.gguf", tmp_path / "m", "float32")
+    assert "convert the model again" in str(e.value) or "supported" in str(e.value)
+    assert not (tmp_path / "m").exists()
+
+
+def test_tensors_that_do_not_fit_the_metadata_are_refused_before_anything_is_written(tmp_path, small):
+    """Converted, such a file would make a folder that mlx-lm then refuses on every load."""
+    down = np.zeros((256, 128), dtype=np.float32)  # ffn_down is (hidden 128, intermediate 256)
+    cases = {
+        "more layers": ({"llama.block_count": (3, V.UINT32)}, {}, "missing"),
+        "fewer layers": ({"llama.block_count": (1, V.UINT32)}, {}, "blk.1."),
+        "wider": ({"llama.embedding_length": (96, V.UINT32)}, {}, "where the model its metadata describes needs"),
+        "key heads": ({"llama.attention.head_count_kv": (3, V.UINT32)}, {}, "attn_k.weight"),
+        "vocabulary": ({"llama.vocab_size": (7, V.UINT32)}, {}, "token_embd.weight"),
+        "a tensor missing": ({}, {"blk.0.ffn_down.weight": (None, None)}, "blk.0.ffn_down.weight"),
+        "a tensor transposed": ({}, {"blk.0.ffn_down.weight": (down, Q.F32)}, "blk.0.ffn_down.weight"),
+        "an unknown tensor": ({}, {"rope_freqs.weight": (np.ones(32, np.float32), Q.F32)}, "rope_freqs.weight"),
+    }
+    for case, (meta, tensors, fragment) in cases.items():
+        for qtype in ("Q8_0", "Q5_0"):
+            rewrite(small[qtype], tmp_path / "m.gguf", meta=meta, tensors=tensors)
+            with pytest.raises(GGUFError, match=fragment.replace(".", r"\.")) as e:
+                import_gguf(tmp_path / "m.gguf", tmp_path / "m", "float32")
+            assert not (tmp_path / "m").exists(), case
+            assert "convert the model again" in str(e.value) or "supported" in str(e.value), (case, str(e.value))
+
+
+@contextlib.contextmanager
+def as_another_user():
+    """Run the block as a user without root's right to read and write anything (root's tests run as nobody)."""
+    if os.geteuid() != 0:
+        yield
+        return
+    os.seteuid(65534)
+    try:
+        yield
+    finally:
+        os.seteuid(0)
+
+
+def test_an_unreadable_file_is_a_clear_error(tmp_path, small):
+    folder = Path(tempfile.mkdtemp())  # a folder any user may enter (pytest's are root's alone)
+    try:
+        folder.chmod(0o755)
+        shutil.copy(small["Q8_0"], folder / "m.gguf")
+        (folder / "m.gguf").chmod(0)
+        with as_another_user():
+            with pytest.raises(GGUFError, match="cannot read") as e1:
+                gguf_model_path(folder / "m.gguf", "float32")
+            with pytest.raises(GGUFError, match="cannot read") as e2:
+                import_gguf(folder / "m.gguf", folder / "out", "float32")
+        assert "m.gguf" in str(e1.value) and "permission" in str(e2.value).lower()
+    finally:
+        shutil.rmtree(folder)
+
+
+def test_an_unwritable_or_full_model_folder_is_a_clear_error(tmp_path, small, monkeypatch):
+    folder = Path(tempfile.mkdtemp())  # root's: another user may enter and read, not write
+    try:
+        folder.chmod(0o755)
+        shutil.copy(small["Q8_0"], folder / "m.gguf")
+        monkeypatch.setenv("KVACTORS_HOME", str(folder / "home"))
+        with as_another_user():
+            with pytest.raises(GGUFError, match="cannot write") as e:
+                gguf_model_path(folder / "m.gguf", "float32")
+            with pytest.raises(GGUFError, match="cannot write"):
+                import_gguf(folder / "m.gguf", folder / "out", "float32")
+        assert "KVACTORS_HOME" in str(e.value)
+    finally:
+        shutil.rmtree(folder)
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, limit[1]))  # a write past 100 kB fails, as on a full disk
+    try:
+        with pytest.raises(GGUFError, match="cannot write"):
+            import_gguf(small["Q8_0"], tmp_path / "full" / "out", "float32")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, handler)
+    assert os.listdir(tmp_path / "full") == []
+
+
+def models_in(home):
+    return sorted(p.name for p in (home / "models").iterdir() if not p.name.endswith(".lock"))
+
+
+def test_an_import_killed_midway_leaves_nothing_a_later_load_takes(tmp_path, tiny_model_path, monkeypatch):
+    """The child is SIGKILLed while its folder is half written; the next import converts afresh and cleans up."""
+    write_gguf(tmp_path / "big.gguf", tiny_model_path("llama", hidden_size=512, intermediate_size=1024,
+                                                      num_hidden_layers=4), Q.F32)
+    home = tmp_path / "home"
+    env = {**os.environ, "KVACTORS_HOME": str(home)}
+    script = "import sys\nfrom runtime.gguf import gguf_model_path\nprint(gguf_model_path(sys.argv[1], 'float32'))"
+    for _ in range(20):  # until the kill lands while the folder is being written
+        shutil.rmtree(home, ignore_errors=True)
+        child = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "big.gguf")], cwd=ROOT, env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and child.poll() is None:
+            if (home / "models").is_dir() and any(".tmp-" in n for n in os.listdir(home / "models")):
+                child.send_signal(signal.SIGKILL)
+                break
+            time.sleep(0.0005)
+        child.wait()
+        child.stdout.close()
+        child.stderr.close()
+        if child.returncode == -signal.SIGKILL and any(".tmp-" in n for n in models_in(home)):
+            break
+    else:
+        pytest.fail("never killed the child while it wrote")
+    assert not any(n.startswith("gguf-") for n in models_in(home))  # no folder of that name: nothing to trust
+    monkeypatch.setenv("KVACTORS_HOME", str(home))
+    out = gguf_model_path(tmp_path / "big.gguf", "float32")
+    assert models_in(home) == [out.name]  # the killed import's half-written folder is gone
+    assert mlx_lm.load(str(out))[0] is not None
+
+
+def test_two_processes_importing_one_file_at_once_share_one_folder(tmp_path, tiny):
+    write_gguf(tmp_path / "m.gguf", tiny["llama"], Q.Q8_0)
+    env = {**os.environ, "KVACTORS_HOME": str(tmp_path / "home")}
+    script = "import sys\nfrom runtime.gguf import gguf_model_path\nprint(gguf_model_path(sys.argv[1], 'float32'))"
+    children = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "m.gguf")], cwd=ROOT, env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    outs = [child.communicate(timeout=120) for child in children]
+    assert all(child.returncode == 0 for child in children), outs
+    folders = {out.strip() for out, _ in outs}
+    assert len(folders) == 1 and models_in(tmp_path / "home") == [Path(folders.pop()).name]
+
+
+def test_import_gguf_command_says_what_is_wrong_in_one_line(tmp_path, small):
+    (tmp_path / "bad.gguf").write_bytes(damaged_headers(small["Q8_0"])["tensor count 10**12"])
+    (tmp_path / "folder.gguf").mkdir()
+    for args in (["bad.gguf", "out"], ["folder.gguf", "out"], ["bad.gguf"]):
+        run = subprocess.run([sys.executable, "-m", "runtime.api.cli", "import-gguf", *args], capture_output=True,
+                             text=True, timeout=120, cwd=tmp_path,
+                             env={**os.environ, "PYTHONPATH": str(ROOT), "KVACTORS_HOME": str(tmp_path / "home")})
+        assert run.returncode == 2 and "Traceback" not in run.stderr, (args, run.returncode, run.stderr[-2000:])
+        assert len(run.stderr.strip().splitlines()) == 1 and run.stderr.startswith("kvactors import-gguf: "), run.stderr
+    assert not (tmp_path / "out").exists()
