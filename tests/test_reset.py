@@ -211,3 +211,22 @@ def test_a_reset_back_to_an_earlier_turn_answers_as_that_turn_did_hot(tmp_path):
             b.reset([{k: r[k] for k in ("role", "text", "tokens") if k in r} for r in b.history()[1:3]]).get(timeout=30)
             got = b.ask(follow, max_tokens=8)
             assert got.tokens == want.tokens
+
+
+def test_the_advice_of_system_prompt_changed_keeps_the_history_under_the_new_prompt(tmp_path):
+    """SystemPromptChanged says how to keep an agent's history under a new prompt; that call, as it says it,
+    works (a history() holds its system record, which reset refuses beside another system=)."""
+    with Runtime(cache_dir=tmp_path) as rt:
+        a = rt.spawn("persona", system="You are Ann.")
+        a.ask("hello", max_tokens=3)
+        kept = turns(a.history())
+    with Runtime(cache_dir=tmp_path) as rt:
+        with pytest.raises(SystemPromptChanged) as caught:
+            rt.spawn("persona", system="You are Bea.")
+        assert "ref.reset([r for r in ref.history() if r['role'] != 'system'], system=...)" in str(caught.value)
+        ref = rt.spawn("persona")
+        ref.reset([r for r in ref.history() if r["role"] != "system"], system="You are Bea.").get(timeout=30)
+        assert ref.history()[0]["role"] == "system" and ref.history()[0]["text"] == "You are Bea."
+        assert turns(ref.history()) == kept
+    with Runtime(cache_dir=tmp_path) as rt:
+        assert turns(rt.spawn("persona", system="You are Bea.").history()) == kept

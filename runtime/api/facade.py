@@ -144,7 +144,8 @@ class SystemPromptChanged(KvactorsError, ValueError):
         super().__init__(
             f"agent {agent!r} is stored with {held} {given!r:.120}: pass reset=True "
             f"to start it afresh with the new prompt (deleting its history), or no system prompt to resume it; to "
-            f"keep its history under a new prompt, resume it and call ref.reset(records, system=...)")
+            f"keep its history under a new prompt, resume it and call "
+            f"ref.reset([r for r in ref.history() if r['role'] != 'system'], system=...)")
         self.agent, self.stored, self.given = agent, stored, given
 
 
@@ -702,7 +703,8 @@ class AgentRef:
         if prompts:  # history()'s shape: its system record says the prompt
             if not isinstance(prompts[-1], str) or system not in (None, prompts[-1]):
                 raise InvalidArgument(f"records say the system prompt is {prompts[-1]!r:.100} and system= says "
-                                      f"{system!r:.100}; give one of them")
+                                      f"{system!r:.100}; give one of them (to set system=, leave the system record out: "
+                                      "[r for r in records if r['role'] != 'system'])")
             system = prompts[-1]
         for r in records:
             if r.get("role") == "system":
