@@ -76,6 +76,18 @@ def probe(cpus: list[int], rounds: int) -> dict[int, tuple[list, list]]:
     return seen
 
 
+def slow_cpus(rounds: int = 1, factor: float = 1.5) -> dict | None:
+    """A quick look at this machine's CPUs for a benchmark's record: {cpu: python ms} of those whose median is over
+    `factor` times the fastest's, and how many were probed; None where threads cannot be pinned (not Linux)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    seen = probe(sorted(os.sched_getaffinity(0)), rounds)
+    medians = {cpu: statistics.median(p) for cpu, (p, _) in seen.items()}
+    fastest = min(medians.values())
+    return dict(probed=len(medians), fastest_ms=round(fastest, 2),
+                slow={cpu: round(ms, 2) for cpu, ms in medians.items() if ms > factor * fastest})
+
+
 def main(argv=None) -> int:
     ap = bench_parser(__doc__)
     ap.add_argument("--rounds", type=int, default=5, help="visits to every CPU (default 5)")

@@ -39,6 +39,7 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 from benchmarks.common import bench_parser, bench_model_folder, environment, plot_lines, ranked, write_results
+from benchmarks.cpu_speed import slow_cpus
 from benchmarks.cuda_calls import CudaCalls
 from benchmarks.sampler import StackSampler
 from benchmarks.threadstat import ThreadStats
@@ -519,6 +520,7 @@ def main(argv=None) -> int:
     env["switch_interval_s"] = sys.getswitchinterval()
     env["defer_writes"] = args.defer_writes
     env["pin_engine"] = args.pin_engine
+    env["slow_cpus_at_start"] = slow_cpus()  # a host whose CPUs run at half speed at times slows host-bound steps
     print(env, flush=True)
     rows, curves = [], {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -632,6 +634,7 @@ def main(argv=None) -> int:
     for r in rows:
         r["x_stateless"] = rows[0]["total_s"] / r["total_s"] if "a" in args.variants else None
     name = args.name or f"workload-{args.model}"
+    env["slow_cpus_at_end"] = slow_cpus()
     write_results(name, env, rows, COLUMNS, args.out,
                   notes=f"model {args.model}; {args.agents} agents x {args.turns} turns, +{args.turn_tokens} tokens and "
                         f"{args.new} generated per turn, system prompt {args.system_tokens} tokens. "

@@ -257,3 +257,8 @@ def test_cpu_speed_probes_every_cpu_and_restores_the_affinity():
     assert os.sched_getaffinity(0) == before
     assert sorted(seen) == cpus
     assert all(len(p) == 2 and len(m) == 2 and min(p) > 0 and min(m) > 0 for p, m in seen.values())
+    from benchmarks.cpu_speed import slow_cpus
+
+    quick = slow_cpus(factor=1e9)  # no CPU is a billion times slower than the fastest
+    assert quick["probed"] == len(cpus) and quick["slow"] == {} and quick["fastest_ms"] > 0
+    assert set(slow_cpus(factor=0)["slow"]) == set(cpus)  # every CPU is slower than nothing
