@@ -263,3 +263,19 @@ def test_a_with_block_left_during_a_long_engine_step_raises_its_own_exception(tm
     rt.shutdown()  # once the step is over, a second call finishes the job
     with Runtime(model=None, cache_dir=tmp_path) as again:
         assert again.spawn("a").ask("Hi.", max_tokens=2).agent == "a"
+
+
+def test_agent_in_a_done_callback_does_not_wait_for_a_supervisor_stopping_that_agent(tmp_path):
+    """A reply's done callback runs on the agent's thread, also while its supervisor stops it (`stop`): there
+    `rt.agent(other)` asked the supervisor, which waited for this very thread, and both hung 10 s."""
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        a, b = rt.spawn("a"), rt.spawn("b")
+        a.ask("Warm up.", max_tokens=2)
+        got = []
+        future = a.send("Hello there.", max_tokens=200)
+        future.add_done_callback(lambda _: got.append(rt.agent("b").name))
+        time.sleep(0.05)
+        started = time.monotonic()
+        a.stop()
+        assert got == ["b"] and time.monotonic() - started < 3, (got, time.monotonic() - started)
+        assert rt.running() == ["b"] and b.name == "b"

@@ -932,9 +932,7 @@ class Runtime:
         RuntimeClosed after `shutdown`)."""
         self._check_running()
         store.check_agent_id(name)
-        running = self.running()  # not a temporary agent that exited
-        if name not in running:
-            raise not_running(name, running)
+        _check_all_running(self, [name])  # not a temporary agent that exited
         return AgentRef(self, name)
 
     def agents(self, timeout: float = 60.0) -> list[AgentInfo]:
@@ -1357,13 +1355,22 @@ def _agent_refs(runtime, agents, what: str) -> list:
     return refs
 
 
-def _check_all_running(runtime, refs) -> None:
-    """Raise UnknownAgent if an agent of `refs` is not running (`runtime.running()`), before a group call sends a
-    turn: the turns sent before it would run with their replies lost to the caller."""
-    running = runtime.running()
-    for ref in refs:
-        if ref.name not in running:
-            raise not_running(ref.name, running)
+def _check_all_running(runtime, agents) -> None:
+    """Raise UnknownAgent if an agent of `agents` (AgentRefs or names) is not running (`runtime.running()`), before
+    a group call sends a turn: the turns sent before it would run with their replies lost to the caller.
+
+    An agent whose actor is alive runs (a temporary agent that exited has none): only for the others is the
+    supervisor asked. A reply's done callback runs on an agent's thread, also while the supervisor waits for that
+    thread to stop its agent: asking it there for every agent hung both for `running()`'s 10 s."""
+    names = [a if isinstance(a, str) else a.name for a in agents]
+    refs = runtime._env.refs
+    doubtful = [n for n in names if not (n in runtime._names and (r := refs.get(n)) is not None and r.is_alive())]
+    if doubtful:
+        running = runtime.running()
+        listed = set(running)
+        for name in doubtful:
+            if name not in listed:
+                raise not_running(name, running)
 
 
 def cache_folder(cache_dir) -> Path:
