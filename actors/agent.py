@@ -583,11 +583,23 @@ class AgentActor(SupervisedActor):
         item.reply = [dict(r) for r in self.records]
         self._complete(item)
 
+    def _reread(self, item: _Item):
+        """`_restore` for an agent whose files were broken, before taking `item`. For a history request, a reread of
+        an unreadable journal that fails now (say, a slow disk) is no crash either: the journal is still unreadable,
+        and the request fails with JournalError (`_answer_history`)."""
+        broken = self.broken
+        try:
+            self._restore()
+        except Exception as e:  # noqa: BLE001 - re-raised unless it failed before changing anything
+            if item.kind != "history" or not isinstance(broken, store.JournalError) or self.broken is not broken:
+                raise
+            log.warning("agent %s: rereading its journal failed: %s", self.name, e)
+
     def _next(self):
         while self.current is None and self.work:
             item = self.current = self.work.popleft()
             if self.broken is not None:
-                self._restore()  # the files may have been fixed meanwhile
+                self._reread(item)  # the files may have been fixed meanwhile
             if item.kind == "history":
                 self._answer_history(item)
             elif item.kind == "result" and not isinstance(self.broken, store.JournalError):

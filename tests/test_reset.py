@@ -230,3 +230,30 @@ def test_the_advice_of_system_prompt_changed_keeps_the_history_under_the_new_pro
         assert turns(ref.history()) == kept
     with Runtime(cache_dir=tmp_path) as rt:
         assert turns(rt.spawn("persona", system="You are Bea.").history()) == kept
+
+
+def test_history_of_an_agent_whose_journal_cannot_be_reread_now_does_not_crash_it(tmp_path, monkeypatch):
+    """history() of an agent whose journal is unreadable rereads it first (the file may have been fixed). A reread
+    that fails there (a slow disk: the persistence actor's answer timed out) was logged, and history() raised the
+    JournalError; queued, the request crashed the agent instead (a restart, counted toward escalation)."""
+    import pykka
+
+    from actors.agent import AgentActor
+    from runtime import store
+
+    with Runtime(cache_dir=tmp_path) as rt:
+        rt.spawn("scribe", system="You are S.").stop()
+        path = store.agent_dir(tmp_path, rt.spec.fingerprint, "scribe") / JOURNAL_FILE
+        path.write_bytes(b"not a journal")
+        a = rt.spawn("scribe")
+        with pytest.raises(store.JournalError):
+            a.history()
+        actor = rt._env.refs["scribe"]
+
+        def slow_disk(self):
+            raise pykka.Timeout("no answer from the persistence actor within io_timeout")
+
+        monkeypatch.setattr(AgentActor, "_load_durable", slow_disk)
+        with pytest.raises(store.JournalError):
+            a.history()
+        assert rt._env.refs["scribe"] is actor and actor.is_alive()  # no crash, no restart
