@@ -148,7 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `kvactors` console script; returns the process exit code."""
     argv = sys.argv[1:] if argv is None else argv
     if not faulthandler.is_enabled():  # a crash in native code (MLX, CUDA) leaves every thread's Python stack
-        faulthandler.enable()
+        try:
+            faulthandler.enable()
+        except (RuntimeError, ValueError, OSError):  # no standard error to write it to (2>&-): run without it
+            pass
     if hasattr(sys.stdout, "reconfigure"):  # paths that are not UTF-8 (os.fsdecode's surrogates) print as their bytes
         sys.stdout.reconfigure(errors="surrogateescape")
     if argv[:1] == ["bench"]:  # everything after `bench` belongs to the benchmark driver
