@@ -363,8 +363,9 @@ def _read(path: Path) -> tuple[dict, dict]:
     tensors: name -> (kind, value, bits, type). Kind "quant": an MLX (weight,
     scales, biases) triplet of `bits` bits, as `mx.load` returns Q4_0 / Q4_1 /
     Q8_0 exactly; kind "float": one float array. When `mx.load` cannot read every
-    tensor (a quantization type MLX lacks), every tensor is read by the gguf
-    package instead and dequantized to float32 (kind "dequant", with its type).
+    tensor (a quantization type MLX lacks), or must not be given the file (a 64-bit
+    float value in its metadata, which crashes MLX's parser), every tensor is read by
+    the gguf package instead and dequantized to float32 (kind "dequant", with its type).
     """
     import mlx.core as mx
 
@@ -375,10 +376,15 @@ def _read(path: Path) -> tuple[dict, dict]:
             meta[key] = field.contents()
         except Exception:  # noqa: BLE001 - a field we cannot decode (text that is not UTF-8) counts as absent
             continue
-    try:
-        loaded = mx.load(str(path))
-    except Exception:  # noqa: BLE001 - MLX refuses whole files with a type it lacks
-        loaded = {}
+    from gguf import GGUFValueType
+
+    if any(GGUFValueType.FLOAT64 in field.types for field in reader.fields.values()):
+        loaded = {}  # valid GGUF, but MLX's parser crashes the process (SIGSEGV) on a 64-bit float value
+    else:
+        try:
+            loaded = mx.load(str(path))
+        except Exception:  # noqa: BLE001 - MLX refuses whole files with a type it lacks
+            loaded = {}
     tensors = {}
     for name, w in loaded.items():
         stem = name.removesuffix(".weight")

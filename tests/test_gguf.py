@@ -581,3 +581,18 @@ def test_import_gguf_command_says_what_is_wrong_in_one_line(tmp_path, small):
         assert run.returncode == 2 and "Traceback" not in run.stderr, (args, run.returncode, run.stderr[-2000:])
         assert len(run.stderr.strip().splitlines()) == 1 and run.stderr.startswith("kvactors import-gguf: "), run.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_metadata_of_64_bit_floats_is_read_without_crashing(tmp_path, small):
+    """GGUF's FLOAT64 values (a key, or an array, that this import never reads) are valid GGUF; MLX's parser
+    crashed the process on them (SIGSEGV) when the file reached `mx.load`."""
+    meta = {"general.some_value": (1.5, V.FLOAT64), "general.some_values": ([1.0, 2.0], V.ARRAY, V.FLOAT64)}
+    rewrite(small["Q8_0"], tmp_path / "m.gguf", meta=meta)
+    code = "import sys; from runtime.gguf import import_gguf; import_gguf(sys.argv[1], sys.argv[2], 'float32')"
+    run = subprocess.run([sys.executable, "-c", code, str(tmp_path / "m.gguf"), str(tmp_path / "m")],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
+    import_gguf(small["Q8_0"], tmp_path / "plain", "float32")
+    assert folder_weights(tmp_path / "m").keys() == folder_weights(tmp_path / "plain").keys()
+    for name, a in folder_weights(tmp_path / "plain").items():
+        assert np.array_equal(a, folder_weights(tmp_path / "m")[name]), name
