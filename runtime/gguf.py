@@ -274,6 +274,13 @@ def _check_tensors(tensors: dict, config: dict, path: Path) -> None:
 
     module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     damaged = "the file is damaged or its metadata wrong; get the file again or convert the model again"
+    # the layers are counted before a model of that many is built: a damaged count (say 10**8) hung the build
+    blocks = config["num_hidden_layers"]
+    present = {int(p[1]) for p in (n.split(".") for n in tensors) if p[0] == "blk" and p[1].isdigit()}
+    if lacking := blocks - sum(1 for i in present if i < blocks):
+        first = next(i for i in range(blocks) if i not in present)
+        raise GGUFError(f"{path}: tensors missing for the model its metadata describes ({blocks} layers): those of "
+                        f"{lacking} layers, the first blk.{first}.*; {damaged}")
     try:
         model = module.Model(module.ModelArgs.from_dict(config))
     except Exception as e:  # noqa: BLE001 - sizes the model's code refuses

@@ -596,3 +596,16 @@ def test_metadata_of_64_bit_floats_is_read_without_crashing(tmp_path, small):
     assert folder_weights(tmp_path / "m").keys() == folder_weights(tmp_path / "plain").keys()
     for name, a in folder_weights(tmp_path / "plain").items():
         assert np.array_equal(a, folder_weights(tmp_path / "m")[name]), name
+
+
+def test_a_damaged_layer_count_is_refused_at_once(tmp_path, small):
+    """The check of the tensors against the model the metadata describes built that model first: with a layer
+    count damaged to 10**8 it built layer objects for minutes, its memory growing, instead of refusing the file."""
+    rewrite(small["Q8_0"], tmp_path / "m.gguf", meta={"llama.block_count": (10**8, V.UINT32)})
+    code = ("import sys\nfrom runtime.gguf import import_gguf, GGUFError\n"
+            "try: import_gguf(sys.argv[1], sys.argv[2], 'float32')\nexcept GGUFError as e: print(e)\n")
+    run = subprocess.run([sys.executable, "-c", code, str(tmp_path / "m.gguf"), str(tmp_path / "m")],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "tensors missing" in run.stdout and "blk.2." in run.stdout, run.stdout
+    assert not (tmp_path / "m").exists()
