@@ -257,3 +257,20 @@ def test_history_of_an_agent_whose_journal_cannot_be_reread_now_does_not_crash_i
         with pytest.raises(store.JournalError):
             a.history()
         assert rt._env.refs["scribe"] is actor and actor.is_alive()  # no crash, no restart
+
+
+def test_history_of_a_stopped_agent_raises_unknown_agent_and_leaves_no_dead_letter(tmp_path):
+    """A history request is a question, not a message for the agent: asked of an agent that is not running it
+    raises UnknownAgent, as it did, and leaves nothing in `dead_letters` (which grew, with a warning logged, at
+    every such call once history() became a queued request)."""
+    from runtime import UnknownAgent
+
+    with Runtime(cache_dir=tmp_path) as rt:
+        a = rt.spawn("scribe", system="You are S.")
+        a.note("first")
+        assert turns(a.history()) == [("user", "first")]
+        a.stop()
+        for _ in range(3):
+            with pytest.raises(UnknownAgent):
+                a.history()
+        assert rt.dead_letters == []

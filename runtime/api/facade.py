@@ -1157,7 +1157,8 @@ class Runtime:
         try:
             ref = self._ref(name, turn_id)
         except UnknownAgent as e:
-            self._env.dead_letter(name, message, str(e))
+            if not isinstance(message, History):  # a question, not a message: its caller gets the error alone
+                self._env.dead_letter(name, message, str(e))
             raise
         try:
             ref.tell(message)
