@@ -198,6 +198,10 @@ class ClusterRuntime:
         self._check_running()
         return list(self._names)
 
+    def _actor_alive(self, name: str) -> bool:
+        """No actor here to look at (`Runtime._actor_alive`): `running()` says, without a call to a host."""
+        return False
+
     def placement(self) -> dict[str, str]:
         """Agent name -> the Ray node id it runs on now."""
         with self._lock:

@@ -978,6 +978,11 @@ class Runtime:
             return list(self._names)
         return [n for n in self._names if n in children]
 
+    def _actor_alive(self, name: str) -> bool:
+        """Whether agent `name`'s actor is alive now: then it runs (a temporary agent that exited has none)."""
+        ref = self._env.refs.get(name)
+        return name in self._names and ref is not None and ref.is_alive()
+
     def forget(self, name: str, timeout: float = 60.0) -> bool:
         """Stop agent `name` if it runs and delete its cache and journal; return whether any were stored.
 
@@ -1364,8 +1369,7 @@ def _check_all_running(runtime, agents) -> None:
     supervisor asked. A reply's done callback runs on an agent's thread, also while the supervisor waits for that
     thread to stop its agent: asking it there for every agent hung both for `running()`'s 10 s."""
     names = [a if isinstance(a, str) else a.name for a in agents]
-    refs = runtime._env.refs
-    doubtful = [n for n in names if not (n in runtime._names and (r := refs.get(n)) is not None and r.is_alive())]
+    doubtful = [n for n in names if not runtime._actor_alive(n)]
     if doubtful:
         running = runtime.running()
         listed = set(running)
