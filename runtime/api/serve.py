@@ -425,12 +425,15 @@ class Server:
     async def _evict(self, keep: int, spare: str | None = None) -> None:
         """Stop the least recently used idle agents (no request holds or awaits them; never `spare`) until at most
         `keep` run; busy ones run on. Their durable state stays: they resume from disk (warm). Hold `_spawning`."""
+        running = None  # asked once, off the event loop (`running()` asks the supervisor), and only if needed
         for old in list(self._used):
             if len(self._used) <= keep:
                 break
             if old not in self._locks and old != spare:
                 self._used.pop(old)
-                if old in self.rt.running():
+                if running is None:
+                    running = set(await asyncio.to_thread(self.rt.running))
+                if old in running:
                     await asyncio.to_thread(self.rt.agent(old).stop)
 
     async def _stop_idle_beyond_max(self) -> None:
