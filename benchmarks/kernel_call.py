@@ -1,10 +1,9 @@
 """What one call of a custom CUDA kernel costs the host, by how the kernel is handed to MLX.
 
-A decode step calls `q4sdpa`'s two kernels and `q4pack.pack_kv_into` 96 times outside
+A decode step calls `q4sdpa`'s kernel and `q4pack.pack_kv_into` 64 times outside
 its compiled graphs, and MLX builds each such call's kernel source text anew: its
 header, a signature, one constant per template argument, then the body
-(`mlx/backend/cuda/custom_kernel.cpp`). This times, for the decode attention's partial
-kernel at the engine's decode shape (8B: 32 query heads, 8 kv heads, head dim 128, 6-bit
+(`mlx/backend/cuda/custom_kernel.cpp`). This times, for the decode attention's kernel at the engine's decode shape (8B: 32 query heads, 8 kv heads, head dim 128, 6-bit
 rotated keys, one query a row), the host microseconds per call, built alone (the Python
 call, nothing evaluated) and built then launched (`mx.async_eval` of `--calls` independent
 calls), for:
@@ -26,6 +25,7 @@ Every variant's output is checked bitwise against the first's.
 from __future__ import annotations
 
 import argparse
+import itertools
 import re
 import statistics
 import sys
@@ -107,27 +107,34 @@ def main(argv=None) -> int:
     end = args.context
     meta = q4sdpa.meta(end, 0, 1)
     key = (args.rows, HQ, 1, HKV, D, kq[0].shape[-1], vq[0].shape[-1], q.dtype, GROUP, D ** -0.5, True, False)
-    partial, partial_args, _, _ = q4sdpa._launch(*key)
+    kernel0, kernel_args, needed = q4sdpa._launch(*key)
     positions, inv_freq = q4sdpa._no_rope()
-    inputs = [q, *kq, *vq, start, meta, q4sdpa._no_write(), positions, inv_freq]
-    template = partial_args["template"]
-    launch = {k: v for k, v in partial_args.items() if k != "template"}
-    variants = {"template": (partial, partial_args, len(q4sdpa._HEADER) + len(q4sdpa._PARTIAL))}
-    baked = baked_source(q4sdpa._PARTIAL, template)
-    padded = q4sdpa._PARTIAL + "\n// " + "x" * args.pad + "\n"
-    names, outputs = q4sdpa.PARTIAL_NAMES
+    # the calls launched together are independent, so each of them counts its blocks in zeros of its own
+    counters = [q4sdpa.block_counters(needed) for _ in range(args.calls)]
+    mx.eval(counters)
+    turn = itertools.cycle(range(args.calls))
+    inputs = [q, *kq, *vq, start, meta, None, positions, inv_freq]
+    template = kernel_args["template"]
+    launch = {k: v for k, v in kernel_args.items() if k != "template"}
+    variants = {"template": (kernel0, kernel_args, len(q4sdpa._HEADER) + len(q4sdpa._KERNEL))}
+    baked = baked_source(q4sdpa._KERNEL, template)
+    padded = q4sdpa._KERNEL + "\n// " + "x" * args.pad + "\n"
+    names, outputs = q4sdpa.KERNEL_NAMES
     for label, header, body, kw in (("baked", q4sdpa._HEADER, baked, launch),
                                     ("baked, bare", bare(q4sdpa._HEADER), bare(baked), launch),
-                                    ("template, compact", compact(q4sdpa._HEADER), compact(q4sdpa._PARTIAL),
-                                     partial_args),
-                                    ("template, padded", q4sdpa._HEADER, padded, partial_args)):
+                                    ("template, compact", compact(q4sdpa._HEADER), compact(q4sdpa._KERNEL),
+                                     kernel_args),
+                                    ("template, padded", q4sdpa._HEADER, padded, kernel_args)):
         kernel = mx.fast.cuda_kernel(name=f"kvactors_call_{label.replace(', ', '_')}", input_names=names,
                                      output_names=outputs, source=body, header=header, ensure_row_contiguous=True)
         variants[label] = (kernel, kw, len(header) + len(body))
     first = None
     rows = []
     for label, (kernel, kw, chars) in variants.items():
-        call = lambda kernel=kernel, kw=kw: kernel(inputs=inputs, **kw)  # noqa: E731
+        def call(kernel=kernel, kw=kw):
+            inputs[9] = counters[next(turn)]
+            return kernel(inputs=inputs, **kw)
+
         out = call()
         mx.eval(out)
         first = first or out
@@ -135,7 +142,7 @@ def main(argv=None) -> int:
         rows.append(dict(variant=label, build_us=per_call_us(call, args.calls, False),
                          build_launch_us=per_call_us(call, args.calls, True), source_chars=chars, same_output=same))
         print(rows[-1], file=sys.stderr, flush=True)
-    notes = (f"q4sdpa's partial kernel at {args.rows} rows x {args.context} keys (8B shape, 6-bit rotated keys, one "
+    notes = (f"q4sdpa's kernel at {args.rows} rows x {args.context} keys (8B shape, 6-bit rotated keys, one "
              f"query a row); host microseconds per call, the median of 7 rounds of {args.calls} calls: build_us the "
              "Python call alone (nothing evaluated), build_launch_us the calls then mx.async_eval of them all; "
              "source_chars: header and body as handed to MLX.")

@@ -14,7 +14,7 @@ shipping). A case is D/G/KEY_BITS/REP followed by flags: r (rotated), p (RoPE), 
         --include MLX_SOURCE --include .../nvidia/cu13/include --cases 128/64/6/4/rp,128/64/4/4
 
 `--nvdisasm .../nvidia/cu13/bin/nvdisasm` (the `nvidia-cuda-nvdisasm` wheel) reads each kernel's machine
-code as well and prints its instruction count and its largest loops by opcode: the partial kernel's key
+code as well and prints its instruction count and its largest loops by opcode: the kernel's key
 loop is what a 16-key tile issues with every branch in it taken (an upper bound on a tile's count), the
 figure to predict before a GPU session. `--module` compiles older copies of `runtime/q4sdpa.py` beside, and
 `--qgemm FILES` the product kernel of `runtime/qgemm.py` (or copies of it: bf16, one weight, 64 rows).
@@ -170,11 +170,17 @@ def main(argv=None) -> int:
     modules = [("", q4sdpa)] + [(Path(p).stem, load_copy(p)) for p in args.module.split(",") if p]
     for label, module in modules:
         for case in args.cases.split(","):
-            partial, reduce = module.templates(**parse_case(case))
+            tag = f"{label}:{case}" if label else case
+            if hasattr(module, "_KERNEL"):
+                text = source("kvactors_q4_decode", module.KERNEL_NAMES, module._KERNEL,
+                              module.templates(**parse_case(case)), mx.bfloat16, module._HEADER)
+                failed += _compiled(lib, text, tag, "kernel", args)
+                continue
+            partial, reduce = module.templates(**parse_case(case))  # a copy from before the kernels were one
             for name, names, body, template in (("partial", module.PARTIAL_NAMES, module._PARTIAL, partial),
                                                 ("reduce", module.REDUCE_NAMES, module._REDUCE, reduce)):
                 text = source(f"kvactors_q4_decode_{name}", names, body, template, mx.bfloat16, module._HEADER)
-                failed += _compiled(lib, text, f"{label}:{case}" if label else case, name, args)
+                failed += _compiled(lib, text, tag, name, args)
     for path in [p for p in args.qgemm.split(",") if p]:
         header, body, inputs, outputs = load_copy(path).product_kernel(1, 1)
         template = [("T", mx.bfloat16), ("G", 64), ("S", 4), ("MT", 8)]

@@ -1,7 +1,7 @@
 """Device time of decode attention, Q4 (`runtime.q4sdpa`) against MLX's fused bf16 SDPA, by Nsight Compute.
 
-Timing many calls from Python measures the host as well when a call is short (two kernel
-launches through `mx.fast.cuda_kernel` cost the host tens of microseconds), so this reads
+Timing many calls from Python measures the host as well when a call is short (a kernel
+launch through `mx.fast.cuda_kernel` costs the host microseconds), so this reads
 the kernels' own durations. `--run` executes one case three times (the kernels Nsight
 Compute should time); without it, the script runs Nsight Compute on every case and
 writes a table of device microseconds per call (the mean of three calls):
@@ -10,7 +10,8 @@ writes a table of device microseconds per call (the mean of three calls):
 
 `--key-bits 6 --rotated --rope` times the call as the engine makes it with the default
 scheme (k6v4-g64-hadamard): 6-bit keys, the Hadamard rotation and RoPE inside the kernels.
-The table gives the partial and the reduce kernel apart as well as their sum.
+The columns partial_us and reduce_us hold the two kernels a call made before they became one (a run on an
+older tree); now the one kernel's time is device_us.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def main(argv=None) -> int:
                              device_us=fp16, partial_us="-", reduce_us="-", x_fp16=1.0))
             for setting in args.settings.split(","):
                 us = device_us(context, n, setting, args.ncu, flags)
-                rows.append(dict(context=context, rows=n, kernel="q4sdpa (partial + reduce)", setting=setting,
+                rows.append(dict(context=context, rows=n, kernel="q4sdpa", setting=setting,
                                  device_us=us["total"], partial_us=us["partial"], reduce_us=us["reduce"],
                                  x_fp16=us["total"] / fp16))
             print(f"context {context} rows {n} done", file=sys.stderr, flush=True)

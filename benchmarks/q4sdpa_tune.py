@@ -93,7 +93,7 @@ def chained_us(fn, sets, q, reps: int = 40) -> tuple[float, float, dict]:
     cupti-python package is installed, else the wall time; it includes the gaps where the device waited
     for the host's launches. busy: the kernels' own durations added up (CUPTI; NaN without it), what the
     calls cost the device where the host runs ahead of it, as in a model's step; kernels: busy by kernel
-    ({'partial': 20.1, 'reduce': 5.2}; empty without CUPTI). Independent calls would
+    ({'q4sdpa': 20.1}, or an older module's {'partial': 20.1, 'reduce': 5.2}; empty without CUPTI). Independent calls would
     let MLX-CUDA run their kernels side by side, and adding up those kernels' durations then counts more
     time than either one call's latency or the calls' throughput.
     """
@@ -111,7 +111,8 @@ def chained_us(fn, sets, q, reps: int = 40) -> tuple[float, float, dict]:
         records = traced_kernels(run)
         parts = {}
         for name, s, e in records:
-            part = next((p for p in ("partial", "reduce") if f"q4_decode_{p}" in name), name.split("<")[0][:24])
+            part = next((p for p in ("partial", "reduce") if f"q4_decode_{p}" in name),
+                        "q4sdpa" if "q4_decode" in name else name.split("<")[0][:24])
             parts[part] = parts.get(part, 0.0) + (e - s) / reps / 1e3
         return (records[-1][2] - records[0][1]) / reps / 1e3, sum(parts.values()), parts
     t0 = time.perf_counter()
@@ -200,6 +201,8 @@ def main(argv=None) -> int:
             sets = input_sets(kq, vq)
             q = mx.random.normal((b, HQ, 1, D), key=mx.random.key(1)).astype(mx.bfloat16)
             start = row_array([0] * b)  # as a batch cache holds it
+            counters = q4sdpa.block_counters(q4sdpa.counters_for(b, HQ, HKV, 1))  # as pack_kv_into makes them: the
+            mx.eval(counters)  # chained calls share them (an older module takes them as its unused `after`)
             inv_freq = rope_inv_freq()
             extra = dict(rotated=args.rotated, rope=(row_array([context - 1] * b), inv_freq)
                          if args.rope else None)
@@ -222,7 +225,8 @@ def main(argv=None) -> int:
                     use(setting)
                     try:
                         runs[i].append(chained_us(
-                            lambda x, k, v, m=module: m.q4_decode_sdpa(x, k, v, start, context, D ** -0.5, GROUP,
+                            lambda x, k, v, m=module: m.q4_decode_sdpa(x, (*k, counters), v, start, context,
+                                                                       D ** -0.5, GROUP,
                                                                        **extra), sets, q))
                     except Exception as e:  # a launch setting the device refuses is reported, not fatal
                         failed[i] = e

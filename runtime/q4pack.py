@@ -139,7 +139,8 @@ _LOCATE_NEW = """
 """
 # into columns [meta[0] - N, meta[0]) of the cache's (B, H, W, ...) buffers, in place; any strides
 _LOCATE_INTO = """
-    if (w == 0 && lane == 0) written[0] = 0;
+    // `written`: zeros, the attention kernel's block counters (`q4sdpa.counters_for`), max(R, 4) of them
+    if (blockIdx.x * blockDim.x + threadIdx.x < max(R, 4)) written[blockIdx.x * blockDim.x + threadIdx.x] = 0u;
     const int H = keys_shape[1], N = keys_shape[2];
     const int b = v / (H * N), h = (v / N) % H, n = v % N;
     const long long col = meta[0] - N + n;
@@ -199,8 +200,9 @@ def pack_kv_into(keys, values, scheme: KVScheme, key_buffers, value_buffers, end
     written where they are: MLX sees them only as inputs, so nothing else may hold
     them (a batch cache owns its buffers), and whatever reads the new columns in the
     same evaluation must take the returned array as an input too: MLX-CUDA orders the
-    kernels of one evaluation by the arrays they share. Returns that array (one
-    uint32). One launch and no slice updates: a decode step saves six primitives a layer.
+    kernels of one evaluation by the arrays they share. Returns that array: max(B * H * N, 4)
+    uint32 zeros, which `q4sdpa.q4_decode_sdpa` counts its blocks in when it reads these
+    columns with at most `q4sdpa.HEADS` query heads a kv head. One launch and no slice updates: a decode step saves six primitives a layer.
     Raises ValueError for what it does not serve.
     """
     key = (keys.shape, values.shape, keys.dtype, values.dtype, scheme,
@@ -264,7 +266,7 @@ def _launch_into(keys, values, scheme: KVScheme, key_buffers, value_buffers, rop
                              f"as pack_kv lays out a token, scales in {t}; got "
                              f"{[(tuple(x.shape), x.dtype) for x in buffers]}")
     return dict(template=args["template"] + [("ROPE", rope is not None)], grid=args["grid"],
-                threadgroup=args["threadgroup"], output_shapes=[(1,)], output_dtypes=[mx.uint32])
+                threadgroup=args["threadgroup"], output_shapes=[(max(B * H * N, 4),)], output_dtypes=[mx.uint32])
 
 
 def _launch(keys, values, scheme: KVScheme) -> dict:

@@ -7,23 +7,26 @@ biases) keys (4 or 6 bits) and values (4 bits) of shape (B, Hkv, W, ...), row b
 using only columns [start[b], end). Keys and values are dequantized in registers;
 nothing 16-bit is stored.
 
-Two kernels (flash-decoding): the first gives every (row, kv head, tile of its
-queries, chunk of its keys) a block that computes, for the tile's (query, query
+One kernel (flash-decoding in one launch): it gives every (row, kv head, tile of
+its queries, chunk of its keys) a block that computes, for the tile's (query, query
 head) pairs (16 at most: the rows of one tensor-core product), the chunk's
 reference max, sum of exponentials and weighted sum of values (online softmax in
 float32; the reference moves only when a tile's max passes it by more than 8 in
-base 2, so the sums are rescaled in few tiles and no exponential exceeds 256); the second combines a query's chunks in order. Each warp of the first copies its tiles
-of 16 keys whole into shared memory by asynchronous copies, STAGES of them in flight, and
-reads its fragments from there. A row's chunks
-start at its own first column and their size follows from its own length (CHUNKS
-of them, at least MIN_CHUNK keys each), keys within a chunk are visited in a
-fixed order, and the combination order is fixed, so a row's output is bitwise
-the same whatever the other rows are and however much left padding it has.
+base 2, so the sums are rescaled in few tiles and no exponential exceeds 256).
+Each warp copies its tiles of 16 keys whole into shared memory by asynchronous
+copies, STAGES of them in flight, and reads its fragments from there. The last
+of a tile's blocks to finish (they count themselves in an array of zeros) combines
+the chunks in order, with no second launch (a decode step's host work grows with
+its launches). A row's chunks start at its own first column and their size follows
+from its own length (CHUNKS of them, at least MIN_CHUNK keys each), keys within a
+chunk are visited in a fixed order, and the combination order is fixed whichever
+block combines, so a row's output is bitwise the same whatever the other rows are
+and however much left padding it has.
 
 For caches stored Hadamard-rotated (`runtime.kvscheme`), `rotated=True` has the
-first kernel rotate the queries as it loads them (a warp a query: in registers,
-then across its lanes) and the second rotate the output back (in shared
-memory): no extra launches for the rotation.
+kernel rotate the queries as it loads them (a warp a query: in registers, then
+across its lanes) and the output back as it combines (a lane's dims, then across
+lanes): no extra launches for the rotation.
 """
 
 from __future__ import annotations
@@ -114,7 +117,7 @@ __device__ __forceinline__ void copies_wait() { asm volatile("cp.async.wait_grou
 
 """ + "#define BF 0\n" + MMA16816  # f16 products
 
-_PARTIAL = r"""
+_KERNEL = r"""
     // One block: row b, kv head h, keys [lo, hi), and a tile of 16 (query, head) pairs as the rows
     // of 16x8x16 tensor-core products: QPT of the row's QL queries (query l at column end - QL + l,
     // attending up to it) times query heads r0 .. r0 + RB - 1 of the kv head's REP (RB <= 16); tile
@@ -146,7 +149,17 @@ _PARTIAL = r"""
     const int end = meta[0], window = meta[1];
     const int first = window > 0 ? max(start[b], end - QL + 1 - window) : start[b];
     const int chunk = keys_per_chunk(end - first, CHUNKS, MIN_CHUNK);
-    if (first + c * chunk >= end) return;  // a chunk past the row's keys (short rows use fewer): none is read
+    if (first + c * chunk >= end) {  // a chunk past the row's keys (short rows use fewer): none is read
+        if (c == 0) {  // a row without keys: its output is zeros
+            for (int r = 0; r < NRV; ++r) {
+                const int ql = qt * QPT + r / RB;
+                if (r0 + r % RB >= REP || ql >= QL) continue;
+                const size_t o_ = (size_t)(b * Hq + h * REP + r0 + r % RB) * QL + ql;
+                for (int d = threadIdx.x; d < D; d += WARPS * 32) out[o_ * D + d] = static_cast<T>(0.0f);
+            }
+        }
+        return;
+    }
     // the tile's queries see keys up to its last query's column, and from its first query's window on
     const int ql0 = qt * QPT, ql1 = min(QL, ql0 + QPT) - 1;
     const int lo = window > 0 && QL > 1 ? max(first + c * chunk, end - QL + ql0 + 1 - window) : first + c * chunk;
@@ -533,86 +546,113 @@ _PARTIAL = r"""
             pacc[o_ * D + d] = A;
         }
     }
-"""
 
-_REDUCE = r"""
-    // One block per (row, query head and query), a thread per output dim, and a thread per chunk
-    // (CHUNKS <= D): every load is issued at the start, the partial sums (one a chunk) among them,
-    // so the block waits for memory once; the chunk weights go through shared memory, then every
-    // thread sums its dim over them; every sum runs in a fixed order.
-    static_assert(CHUNKS <= D, "a thread per chunk");
-    const int d = threadIdx.x, hq = blockIdx.y, b = blockIdx.z;
-    const int lane = d & 31, warp = d >> 5;
-    const int Hq = pm_shape[1], nc = pm_shape[2];  // Hq: query heads times QL
-    const int end = meta[0], window = meta[1], QL = PREFILL ? meta[2] : 1;
-    const int first = window > 0 ? max(start[b], end - QL + 1 - window) : start[b];
-    const int chunk = keys_per_chunk(end - first, CHUNKS, MIN_CHUNK);
-    const int mine = min(nc, (end - first + chunk - 1) / chunk);
-    const size_t base = ((size_t)(b * Hq + hq)) * nc;
-    float a[CHUNKS];
-    #pragma unroll
-    for (int i = 0; i < CHUNKS; ++i) a[i] = i < mine ? pacc[(base + i) * D + d] : 0.0f;
-    const float m = d < mine ? pm[base + d] : -INFINITY, l = d < mine ? pl[base + d] : 0.0f;
-    __shared__ float s_f[CHUNKS];
-    __shared__ float s_red[D / 32];
-    float M = m;
-    #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, off));
-    if (lane == 0) s_red[warp] = M;
+    // The last of a (row, kv head, query tile)'s `mine` blocks to finish combines their sums, so no
+    // second launch: once the block's sums are written, one thread counts the block in `counters`
+    // (zeros before the call) with a release (the block's writes before it, through the barrier) and
+    // acquire (the other blocks' writes after it); the block that counts last reads them all (from
+    // L2), in chunk order whichever block it is, and sets its counter back to zero.
+    const int mine = min(nc, (end - first + chunk - 1) / chunk);  // >= 1: this block has keys
+    __shared__ bool s_last;
     __syncthreads();
-    M = s_red[0];
-    #pragma unroll
-    for (int w = 1; w < D / 32; ++w) M = fmaxf(M, s_red[w]);
-    float L = 0.0f, A = 0.0f;
-    if (d < mine) {
-        const float f = m != -INFINITY ? exp2f(m - M) : 0.0f;
-        if (m != -INFINITY) L = fmaf(l, f, L);
-        s_f[d] = f;
+    if (threadIdx.x == 0) {
+        unsigned int* const counter = (unsigned int*)(counters) + (size_t)blockIdx.z * gridDim.y + blockIdx.y;
+        unsigned int seen;
+        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(seen) : "l"(counter) : "memory");
+        s_last = seen + 1u == static_cast<unsigned int>(mine);
+        if (s_last) *counter = 0u;  // every other block has counted: the array may serve a later call
     }
     __syncthreads();
-    #pragma unroll
-    for (int i = 0; i < CHUNKS; ++i) {
-        if (i < mine) A = fmaf(a[i], s_f[i], A);
-    }
-    #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) L += __shfl_xor_sync(0xffffffffu, L, off);
-    __syncthreads();
-    if (lane == 0) s_red[warp] = L;
-    __syncthreads();
-    L = s_red[0];
-    #pragma unroll
-    for (int w = 1; w < D / 32; ++w) L += s_red[w];
-    float r = L > 0.0f ? A / L : 0.0f;
-    if constexpr (ROT) {  // the output back from the rotated basis: r H along D, a butterfly whose strides
-        // under 32 pair lanes of one warp (shuffles) and the rest threads of two warps (shared memory)
+    if (!s_last) return;
+    // a warp a tile row; lane t takes chunk t's max and sum and dims DL t .. DL t + DL - 1 of the output,
+    // reading CB chunks' sums at once (independent loads: one wait on L2 for each CB chunks)
+    static_assert(CHUNKS <= 32, "a lane per chunk");
+    constexpr int DL = D / 32, CB = CHUNKS < 8 ? CHUNKS : 8;
+    for (int r = warp; r < NRV; r += WARPS) {
+        if (r0 + r % RB >= REP || ql0 + r / RB >= QL) continue;  // a tile row without a query
+        const size_t o_ = (size_t)(b * Hq + h * REP + r0 + r % RB) * QL + ql0 + r / RB, base = o_ * nc;
+        const float mc = lane < mine ? __ldcg(pm + base + lane) : -INFINITY;
+        const float lc = lane < mine ? __ldcg(pl + base + lane) : 0.0f;
+        float M = mc;
         #pragma unroll
-        for (int len = 1; len < 32; len <<= 1) {
-            const float z = __shfl_xor_sync(0xffffffffu, r, len);
-            r = (d & len) ? z - r : r + z;
-        }
-        __shared__ float s_o[D];
+        for (int off = 16; off > 0; off >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, off));
+        const float f = mc != -INFINITY ? exp2f(mc - M) : 0.0f;
+        float L = mc != -INFINITY ? lc * f : 0.0f;
         #pragma unroll
-        for (int len = 32; len < D; len <<= 1) {
-            s_o[d] = r;
-            __syncthreads();
-            const float z = s_o[d ^ len];
-            __syncthreads();  // every read done before the next stride's writes
-            r = (d & len) ? z - r : r + z;
+        for (int off = 16; off > 0; off >>= 1) L += __shfl_xor_sync(0xffffffffu, L, off);
+        float A[DL];
+        #pragma unroll
+        for (int j = 0; j < DL; ++j) A[j] = 0.0f;
+        #pragma unroll
+        for (int i0 = 0; i0 < CHUNKS; i0 += CB) {
+            if (i0 >= mine) break;  // the same for the warp's lanes
+            float a[CB][DL];
+            #pragma unroll
+            for (int i = 0; i < CB; ++i) {  // chunks past `mine` read the last one again (not used)
+                const float* const src = pacc + (base + min(i0 + i, mine - 1)) * D + DL * lane;
+                if constexpr (DL == 4) {
+                    const float4 v = __ldcg(reinterpret_cast<const float4*>(src));
+                    a[i][0] = v.x; a[i][1] = v.y; a[i][2] = v.z; a[i][3] = v.w;
+                } else {
+                    const float2 v = __ldcg(reinterpret_cast<const float2*>(src));
+                    a[i][0] = v.x; a[i][1] = v.y;
+                }
+            }
+            #pragma unroll
+            for (int i = 0; i < CB; ++i) {
+                const float fi = __shfl_sync(0xffffffffu, f, i0 + i);
+                #pragma unroll
+                for (int j = 0; j < DL; ++j) A[j] = i0 + i < mine ? fmaf(a[i][j], fi, A[j]) : A[j];
+            }
         }
-        r *= static_cast<float>(static_cast<T>(1.0f / sqrtf(static_cast<float>(D))));  // H's entries in T
+        #pragma unroll
+        for (int j = 0; j < DL; ++j) A[j] = L > 0.0f ? A[j] / L : 0.0f;
+        if constexpr (ROT) {  // the output back from the rotated basis: A H along D, a butterfly whose strides
+            // under DL pair a lane's own dims and the rest lanes of the warp (dim d at lane d / DL)
+            #pragma unroll
+            for (int len = 1; len < DL; len <<= 1) {
+                #pragma unroll
+                for (int j = 0; j < DL; ++j) {
+                    if ((j & len) == 0) {
+                        const float x = A[j], z = A[j + len];
+                        A[j] = x + z;
+                        A[j + len] = x - z;
+                    }
+                }
+            }
+            #pragma unroll
+            for (int len = 1; len < 32; len <<= 1) {
+                #pragma unroll
+                for (int j = 0; j < DL; ++j) {
+                    const float z = __shfl_xor_sync(0xffffffffu, A[j], len);
+                    A[j] = (lane & len) ? z - A[j] : A[j] + z;
+                }
+            }
+            #pragma unroll
+            for (int j = 0; j < DL; ++j) A[j] *= static_cast<float>(static_cast<T>(1.0f / sqrtf(static_cast<float>(D))));
+        }
+        #pragma unroll
+        for (int j = 0; j < DL; ++j) out[o_ * D + DL * lane + j] = static_cast<T>(A[j]);
     }
-    out[((size_t)(b * Hq + hq)) * D + d] = static_cast<T>(r);
 """
 
 _kernels = {}
 _launches = {}  # the arguments of `_launch`: made once per shape, looked up per call (a decode step makes 64)
 
 
-@functools.lru_cache(maxsize=1)
-def _no_write():
-    """What the partial kernel takes as `after` when nothing was written in place: pack_kv_into's dtype, so that
-    both cases share one compiled kernel. Made from a list, so any thread may evaluate it."""
-    return mx.array([0], dtype=mx.uint32)
+def counters_for(rows: int, query_heads: int, kv_heads: int, queries: int) -> int:
+    """How many uint32 counters (zeros) a call of `q4_decode_sdpa` with these shapes counts its blocks in: one a
+    (row, kv head, group of HEADS query heads, tile of queries), and at least 4 (MLX-CUDA keeps arrays of 8 bytes
+    or less in host memory)."""
+    return max(4, rows * kv_heads * -(-(query_heads // kv_heads) // HEADS)
+               * _query_tiles(queries, query_heads // kv_heads))
+
+
+def block_counters(n: int):
+    """`n` uint32 zeros for `q4_decode_sdpa`'s `keys`' fourth array. The kernel sets every counter it used back to
+    zero, so calls that run one after another (each depending on the one before, or in separate evaluations) may
+    share one such array; calls that may run at the same time (independent in one evaluation) may not."""
+    return mx.zeros((max(4, n),), dtype=mx.uint32)
 
 
 def _check_rope(rope, rows, head_dim):
@@ -684,15 +724,16 @@ def q4_decode_sdpa(queries, keys, values, start, end: int, scale: float, group_s
     `kvscheme.rotate` would (H's entries rounded to the queries' dtype).
     Returns (B, Hq, L, D) in the queries' dtype. A row's output depends on its own columns
     and L only: bitwise the same in any batch and under any left padding. Other bit widths raise
-    ValueError. `keys` may carry a fourth array: the result of `q4pack.pack_kv_into`, when it
-    wrote the newest columns in place in this evaluation (the kernel takes it as an input,
-    so that MLX runs the write first). `rope`: (positions, inv_freq) to rotate the queries by
+    ValueError. `keys` may carry a fourth array of uint32 zeros, which the kernel counts its
+    blocks in (`counters_for` of them; made here when not given, or too few): the result of
+    `q4pack.pack_kv_into` when it wrote the newest columns in place in this evaluation (the
+    kernel takes it as an input, so that MLX runs the write first), or `block_counters`. `rope`: (positions, inv_freq) to rotate the queries by
     RoPE first, at row b's position positions[b], as `q4pack.pack_kv_into` rotates keys (decode only).
     """
     if len(keys) == 4:
-        *keys, after = keys
+        *keys, counters = keys
     else:
-        after = _no_write()
+        counters = None
     B, Hq, L, D = queries.shape
     if not 1 <= L <= MAX_QUERIES or (rope is not None and L > 1):
         raise ValueError(f"q4_decode_sdpa takes 1 to {MAX_QUERIES} queries a row (RoPE inside for one only); "
@@ -706,11 +747,13 @@ def q4_decode_sdpa(queries, keys, values, start, end: int, scale: float, group_s
         _check_rope(rope, B, D)
     if launch is None:
         launch = _launches[key] = _launch(*key)
-    partial, partial_args, reduce, reduce_args = launch
+    kernel, args, needed = launch
+    if counters is None:
+        counters = block_counters(needed)
+    elif counters.size < needed:  # too few for this call (more than HEADS query heads a kv head)
+        counters = block_counters(needed) + counters[:1] * 0  # still ordered after the write it stands for
     positions, inv_freq = rope if rope is not None else _no_rope()
-    pm, pl, pacc = partial(inputs=[queries, *keys, *values, start, meta_array, after, positions, inv_freq],
-                           **partial_args)
-    return reduce(inputs=[pm, pl, pacc, start, meta_array], **reduce_args)[0]
+    return kernel(inputs=[queries, *keys, *values, start, meta_array, counters, positions, inv_freq], **args)[3]
 
 
 def _chunks(prefill: bool) -> int:
@@ -725,8 +768,7 @@ def _query_tiles(queries: int, rep: int) -> int:
 
 
 def _launch(B, Hq, L, Hkv, D, key_words, value_words, dtype, group_size, scale, rotated, rope):
-    """(the partial kernel and its launch arguments, the reduce kernel and its) for one shape of
-    `q4_decode_sdpa`."""
+    """(the kernel, its launch arguments, the counters it needs) for one shape of `q4_decode_sdpa`."""
     rep = Hq // Hkv
     key_bits, value_bits = key_words * 32 // D, value_words * 32 // D
     if not serves(key_bits, value_bits, D, group_size):
@@ -734,50 +776,37 @@ def _launch(B, Hq, L, Hkv, D, key_words, value_words, dtype, group_size, scale, 
                          f"groups of 32-128; got {key_bits}-bit keys, {value_bits}-bit values, head dim {D}, "
                          f"group {group_size}")
     chunks, tiles = _chunks(L > 1), _query_tiles(L, rep)
-    partial_template, reduce_template = templates(dtype, D, group_size, rep, key_bits, L > 1, rotated, rope, scale)
-    partial = dict(
-        template=partial_template,
+    args = dict(
+        template=templates(dtype, D, group_size, rep, key_bits, L > 1, rotated, rope, scale),
         grid=(chunks * WARPS * 32, Hkv * -(-rep // HEADS) * tiles, B),
         threadgroup=(WARPS * 32, 1, 1),
-        output_shapes=[(B, Hq * L, chunks), (B, Hq * L, chunks), (B, Hq * L, chunks, D)],
-        output_dtypes=[mx.float32, mx.float32, mx.float32],
+        output_shapes=[(B, Hq * L, chunks), (B, Hq * L, chunks), (B, Hq * L, chunks, D), (B, Hq, L, D)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32, dtype],
     )
-    reduce = dict(
-        template=reduce_template,
-        grid=(D, Hq * L, B),
-        threadgroup=(D, 1, 1),
-        output_shapes=[(B, Hq, L, D)],
-        output_dtypes=[dtype],
-    )
-    return (_get("kvactors_q4_decode_partial", *PARTIAL_NAMES, _PARTIAL), partial,
-            _get("kvactors_q4_decode_reduce", *REDUCE_NAMES, _REDUCE), reduce)
+    return _get("kvactors_q4_decode", *KERNEL_NAMES, _KERNEL), args, counters_for(B, Hq, Hkv, L)
 
 
-PARTIAL_NAMES = (["q", "kw", "ks", "kb", "vw", "vs", "vb", "start", "meta", "after", "pos", "inv_freq"],
-                 ["pm", "pl", "pacc"])  # the partial kernel's inputs and outputs
-REDUCE_NAMES = (["pm", "pl", "pacc", "start", "meta"], ["out"])  # the reduce kernel's
+# the kernel's inputs and outputs: pm, pl and pacc hold each block's max, sum and weighted sum of values
+KERNEL_NAMES = (["q", "kw", "ks", "kb", "vw", "vs", "vb", "start", "meta", "counters", "pos", "inv_freq"],
+                ["pm", "pl", "pacc", "out"])
 
 
 def templates(dtype, D: int, group_size: int, rep: int, key_bits: int, prefill: bool, rotated: bool, rope: bool,
               scale: float = 1.0):
-    """(the partial kernel's template arguments, the reduce kernel's) for queries of `dtype` and head dim `D` over a
-    cache of `group_size` groups and `key_bits`-bit keys with `rep` query heads a kv head; `prefill`: more than one
-    query a row; `scale`: the scores' scale. At the module's launch settings (CHUNKS, MIN_CHUNK, WARPS, STAGES) as
-    they are when called.
+    """The kernel's template arguments for queries of `dtype` and head dim `D` over a cache of `group_size` groups
+    and `key_bits`-bit keys with `rep` query heads a kv head; `prefill`: more than one query a row; `scale`: the
+    scores' scale. At the module's launch settings (CHUNKS, MIN_CHUNK, WARPS, STAGES) as they are when called.
 
     The scale is a constant of the compiled kernel (its float32 bits, SCALE), not an input: a parameter array that
     small would live in MLX-CUDA's pool for arrays of at most 8 bytes, in managed memory the GPU reads across
     PCIe, and each of a call's thousands of blocks waited for it (+17% at 16K x 8 rows on an H100)."""
-    chunks = _chunks(prefill)
-    partial = [("T", dtype), ("D", D), ("G", group_size), ("REP", rep), ("RB", min(rep, HEADS)), ("KB", key_bits),
-               ("CHUNKS", chunks), ("MIN_CHUNK", MIN_CHUNK), ("WARPS", WARPS), ("STAGES", STAGES), ("ROT", rotated),
-               ("ROPE", rope), ("PREFILL", prefill), ("SCALE", _scale_bits(dtype, D, scale, rotated))]
-    reduce = [("T", dtype), ("D", D), ("CHUNKS", chunks), ("MIN_CHUNK", MIN_CHUNK), ("ROT", rotated), ("PREFILL", prefill)]
-    return partial, reduce
+    return [("T", dtype), ("D", D), ("G", group_size), ("REP", rep), ("RB", min(rep, HEADS)), ("KB", key_bits),
+            ("CHUNKS", _chunks(prefill)), ("MIN_CHUNK", MIN_CHUNK), ("WARPS", WARPS), ("STAGES", STAGES),
+            ("ROT", rotated), ("ROPE", rope), ("PREFILL", prefill), ("SCALE", _scale_bits(dtype, D, scale, rotated))]
 
 
 def _scale_bits(dtype, D: int, scale: float, rotated: bool) -> int:
-    """The float32 bits of the factor the partial kernel multiplies queries by: scores in base 2, and a rotation's
+    """The float32 bits of the factor the kernel multiplies queries by: scores in base 2, and a rotation's
     1/sqrt(D) as H holds it (rounded to the queries' dtype)."""
     h = mx.array(1 / math.sqrt(D), dtype=dtype).item() if rotated else 1.0
     return struct.unpack("<i", struct.pack("<f", scale * math.log2(math.e) * h))[0]

@@ -126,15 +126,14 @@ def test_kernel_resources_writes_a_kernels_source_as_mlx_does():
 
     case = parse_case("128/64/6/4/rp")
     assert (case["D"], case["key_bits"], case["rotated"], case["rope"], case["prefill"]) == (128, 6, True, True, False)
-    partial, _ = q4sdpa.templates(**case)
-    text = source("k", q4sdpa.PARTIAL_NAMES, q4sdpa._PARTIAL, partial, mx.bfloat16)
+    text = source("k", q4sdpa.KERNEL_NAMES, q4sdpa._KERNEL, q4sdpa.templates(**case), mx.bfloat16)
     at = text.index("__global__ void k(")
     signature = text[at:text.index(") {", at)]
     assert signature.index("const __nv_bfloat16* q,") < signature.index("const uint32_t* kw,") < signature.index(
         "const __grid_constant__ Shape kw_shape,") < signature.index("const __nv_bfloat16* ks,")
-    assert "q_shape" not in signature and signature.rstrip().endswith("float* pacc")
+    assert "q_shape" not in signature and signature.rstrip().endswith("float* pacc,\n    __nv_bfloat16* out")
     assert "  constexpr int KB = 6;\n" in text and "  constexpr bool ROPE = true;\n" in text
-    assert "  using T = __nv_bfloat16;\n" in text and text.index("constexpr bool PREFILL") < text.index(q4sdpa._PARTIAL)
+    assert "  using T = __nv_bfloat16;\n" in text and text.index("constexpr bool PREFILL") < text.index(q4sdpa._KERNEL)
 
 
 def test_q4sdpa_tune_takes_each_figure_s_median_over_repeated_chains():
@@ -262,3 +261,24 @@ def test_cpu_speed_probes_every_cpu_and_restores_the_affinity():
     quick = slow_cpus(factor=1e9)  # no CPU is a billion times slower than the fastest
     assert quick["probed"] == len(cpus) and quick["slow"] == {} and quick["fastest_ms"] > 0
     assert set(slow_cpus(factor=0)["slow"]) == set(cpus)  # every CPU is slower than nothing
+
+
+def test_module_ab_times_both_versions_and_leaves_the_module_as_it_was(tmp_path):
+    """A copy of runtime.q4sdpa's function stands in for the tree's in the old rounds only; afterwards the tree's
+    function is back, and the table has a median per version and batch."""
+    import json
+
+    from benchmarks import module_ab
+    from runtime import q4sdpa
+
+    original = q4sdpa.q4_decode_sdpa
+    copy = tmp_path / "copy.py"
+    copy.write_text("from runtime.q4sdpa import q4_decode_sdpa as tree\n\n"
+                    "def q4_decode_sdpa(*args, **kwargs):\n    return tree(*args, **kwargs)\n")
+    assert module_ab.main(["--copy", str(copy), "--rounds", "1", "--batches", "2", "--context", "40",
+                           "--out", str(tmp_path), "--name", "ab"]) == 0
+    assert q4sdpa.q4_decode_sdpa is original
+    rows = json.loads((tmp_path / "ab.json").read_text())["rows"]
+    assert [(r["round"], r["version"]) for r in rows if r["round"] == "median"] == [("median", "old"),
+                                                                                    ("median", "new")]
+    assert all(r["pipelined_ms"] > 0 for r in rows)

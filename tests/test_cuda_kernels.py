@@ -298,6 +298,64 @@ def test_q4_decode_attention_of_a_row_is_the_same_in_any_batch(key_bits):
     assert mx.array_equal(shifted, full[:1]).item()
 
 
+@pytest.mark.parametrize("n", [1, 40])  # a decode step, a prefill chunk
+def test_q4_attention_leaves_its_counters_zero_so_calls_one_after_another_may_share_them(n):
+    """The last block of each tile combines the chunks and sets its counter back: the array is zeros again after a
+    call, and chained calls (each taking the one before's output) that share it match calls that each had their
+    own zeros, bitwise."""
+    b, hq, hkv, d, end = 3, 32, 8, 128, 2500  # several chunks a row
+    kq, vq = packed_cache(b, hkv, end, d, seed=31, key_bits=6)
+    start = mx.array([0, 1234, 2000], dtype=mx.int32)
+    counters = q4sdpa.block_counters(q4sdpa.counters_for(b, hq, hkv, n))
+    q = mx.random.normal((b, hq, n, d), key=mx.random.key(32)).astype(mx.bfloat16)
+    own, shared = q, q
+    for _ in range(4):
+        own = q4sdpa.q4_decode_sdpa(own, kq, vq, start, end, d ** -0.5, 64, rotated=True)
+        shared = q4sdpa.q4_decode_sdpa(shared, (*kq, counters), vq, start, end, d ** -0.5, 64, rotated=True)
+    mx.eval(own, shared)
+    assert mx.array_equal(own, shared).item()
+    assert not mx.any(counters).item()
+    ref = reference_attention(q, kq, vq, start, end, d ** -0.5)
+    first = q4sdpa.q4_decode_sdpa(q, (*kq, counters), vq, start, end, d ** -0.5, 64)
+    assert (mx.abs(first.astype(mx.float32) - ref).max()).item() < 2e-2
+
+
+def test_q4_decode_attention_of_a_row_without_columns_is_zeros():
+    """A row whose range is empty (start = end) has no block to combine it: its output is still written (zeros,
+    over poison), and the other rows are as without it."""
+    b, hq, hkv, d, end = 3, 32, 8, 128, 900
+    kq, vq = packed_cache(b, hkv, end + 16, d, seed=33)
+    start = mx.array([0, end, 300], dtype=mx.int32)
+    q = mx.random.normal((b, hq, 1, d), key=mx.random.key(34)).astype(mx.bfloat16)
+    for rotated in (False, True):
+        out = q4sdpa.q4_decode_sdpa(q, kq, vq, start, end, d ** -0.5, 64, rotated=rotated)
+        assert not mx.any(out[1]).item() and mx.all(mx.isfinite(out)).item()
+        pair = q4sdpa.q4_decode_sdpa(q[::2], tuple(x[::2] for x in kq), tuple(x[::2] for x in vq), start[::2], end,
+                                     d ** -0.5, 64, rotated=rotated)
+        assert mx.array_equal(out[::2], pair).item()
+
+
+@pytest.mark.parametrize("hq,hkv", [(32, 8), (32, 1), (64, 2)])  # 4, 32 and 32 query heads a kv head
+def test_pack_kv_into_gives_the_attention_zeros_to_count_in_or_attention_makes_its_own(hq, hkv):
+    """pack_kv_into's result is zeros, one per (row, kv head, new column): as many counters as the attention over
+    those columns needs with up to HEADS query heads a kv head; with more, the attention makes its own, still
+    after the write."""
+    from runtime.kvscheme import parse
+
+    scheme, d, b, end = parse("k6v4-g64-hadamard"), 128, 2, 700
+    kb, vb = cache_buffers(b, hkv, 1024, d, scheme, mx.bfloat16, seed=40)
+    k = mx.random.normal((b, hkv, 1, d), key=mx.random.key(41)).astype(mx.bfloat16)
+    v = mx.random.normal((b, hkv, 1, d), key=mx.random.key(42)).astype(mx.bfloat16)
+    q = mx.random.normal((b, hq, 1, d), key=mx.random.key(43)).astype(mx.bfloat16)
+    start = mx.array([0, 650], dtype=mx.int32)
+    written = q4pack.pack_kv_into(k, v, scheme, kb, vb, end)
+    out = q4sdpa.q4_decode_sdpa(q, (*kb, written), vb, start, end, d ** -0.5, 64, rotated=True)
+    mx.eval(out)
+    assert written.shape == (max(4, b * hkv),) and not mx.any(written).item()
+    again = q4sdpa.q4_decode_sdpa(q, kb, vb, start, end, d ** -0.5, 64, rotated=True)  # after the write
+    assert mx.array_equal(out, again).item()  # the attention read the new column (poison before the write)
+
+
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("hq,hkv", [(32, 8), (9, 3), (32, 1)])  # GQA 4, 3, 32
 @pytest.mark.parametrize("n", [2, 64, 200, 512])

@@ -1,0 +1,89 @@
+"""A runtime module against an older copy of it, in one process: decode steps' host and device time.
+
+Two processes of one tree differ by more than most changes to a step (which vCPU the
+engine's thread lands on sets the host's speed), so this times both versions in one
+process, on one thread, in alternating rounds: for each round and batch size, decode
+steps as `benchmarks.anatomy` times them (build, launch and wait of a step synchronized
+alone; a step queued as the engine queues them) with the module's functions `--names`
+as they are, then replaced by the copy's (`--copy`, e.g. `git show HEAD~1:runtime/q4sdpa.py`).
+The table gives every round and each version's median; pin the process to one CPU
+(`taskset -c N`) so that both versions run on the same one.
+
+    python -m benchmarks.module_ab --model llama-8b-shape --copy old_q4sdpa.py \\
+        --module runtime.q4sdpa --names q4_decode_sdpa --context 3072 --batches 5,8
+"""
+
+from __future__ import annotations
+
+import importlib
+import statistics
+
+import mlx.core as mx
+
+from benchmarks.anatomy import pipelined, split, step
+from benchmarks.common import bench_parser, environment, load_bench_model, write_results
+from benchmarks.profile import prefilled
+from benchmarks.q4sdpa_tune import load_copy
+from runtime.q4cache import merge_caches, route_for
+
+COLUMNS = ["round", "version", "batch", "build_ms", "launch_ms", "wait_ms", "pipelined_ms"]
+
+
+def swapped(module, copy, names):
+    """The module's current values of `names`, after setting each to the copy's."""
+    before = {n: getattr(module, n) for n in names}
+    for n in names:
+        setattr(module, n, getattr(copy, n))
+    return before
+
+
+def main(argv=None) -> int:
+    ap = bench_parser(__doc__)
+    ap.add_argument("--copy", required=True, help="file of the older copy of the module")
+    ap.add_argument("--module", default="runtime.q4sdpa", help="the module the copy stands in for")
+    ap.add_argument("--names", default="q4_decode_sdpa", help="comma-separated functions to take from the copy")
+    ap.add_argument("--context", type=int, default=3072, help="tokens in each row's cache (default: %(default)s)")
+    ap.add_argument("--batches", default="5,8", help="batch sizes (default: %(default)s)")
+    ap.add_argument("--rounds", type=int, default=6, help="rounds of both versions, alternating which goes first")
+    args = ap.parse_args(argv)
+    env = environment()
+    print(env, flush=True)
+    module, copy = importlib.import_module(args.module), load_copy(args.copy)
+    names = args.names.split(",")
+    model, _, spec = load_bench_model(args.model)
+    route = route_for(spec, None)
+    cache = prefilled(model, spec, "dequant", args.context, seed=1)
+    batches = [int(x) for x in args.batches.split(",")]
+    rows = []
+    for r in range(args.rounds + 1):  # round 0 compiles both versions' kernels and is left out
+        for version in (("new", "old") if r % 2 else ("old", "new")):
+            before = swapped(module, copy, names) if version == "old" else None
+            try:
+                for b in batches:
+                    batch = merge_caches(spec, [cache] * b, route)
+                    for _ in range(2):
+                        mx.eval(step(model, batch, mx.zeros((b, 1), dtype=mx.int32)))
+                    build, launch, wait = split(model, spec, cache, route, b)
+                    row = dict(round=r, version=version, batch=b, build_ms=round(build, 3), launch_ms=round(launch, 3),
+                               wait_ms=round(wait, 3), pipelined_ms=round(pipelined(model, spec, cache, route, b), 3))
+                    print(row, flush=True)
+                    if r:
+                        rows.append(row)
+            finally:
+                if before:
+                    for n, value in before.items():
+                        setattr(module, n, value)
+    for version in ("old", "new"):
+        for b in batches:
+            mine = [x for x in rows if x["version"] == version and x["batch"] == b]
+            rows.append(dict(round="median", version=version, batch=b,
+                             **{k: round(statistics.median(x[k] for x in mine), 3) for k in COLUMNS[3:]}))
+    write_results(args.name or "module_ab", env, rows, COLUMNS, args.out,
+                  notes=f"{args.module}.{args.names} from {args.copy} (old) against the tree's (new); route {route}, "
+                        f"KV scheme {spec.kv_scheme.name}, context {args.context}; per round and batch: anatomy's "
+                        "split (median of 20 steps after 4, each synchronized) and pipelined (mean of 40 steps after 4)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
