@@ -864,3 +864,34 @@ def test_sampling_fields_the_server_cannot_honour_are_refused_not_ignored(served
         "model": "kvactors-tiny", "max_tokens": 2, "messages": hi, "logit_bias": {}, "frequency_penalty": 0,
         "presence_penalty": 0.0})
     assert status == 200
+
+
+@pytest.mark.parametrize("method,path", [("GET", "/health"), ("GET", "/v1/agents"), ("GET", "/v1/agents/nobody"),
+                                         ("POST", "/v1/chat/completions")])
+def test_a_busy_supervisor_holds_its_own_request_and_not_the_others(served, monkeypatch, method, path):
+    """`rt.running()` asks the supervisor, which may be busy (restarting an agent, up to 10 s): asked on the event
+    loop, it stopped every other request meanwhile. While one request waits on it, another is answered."""
+    entered, release, returned = threading.Event(), threading.Event(), threading.Event()
+    real = served.rt.running
+
+    def busy():
+        entered.set()
+        release.wait(30)
+        returned.set()
+        return real()
+
+    monkeypatch.setattr(served.rt, "running", busy)
+    body = {"model": "kvactors-tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+    done = []
+    waiting = threading.Thread(target=lambda: done.append(served.request(method, path, body if method == "POST"
+                                                                         else None)[0]))
+    waiting.start()
+    try:
+        assert entered.wait(30)
+        status, listed, _ = served.request("GET", "/v1/models")
+        assert status == 200 and listed["data"][0]["id"] == "kvactors-tiny"
+        assert not returned.is_set()  # answered while the other request still waited on the supervisor
+    finally:
+        release.set()
+        waiting.join(60)
+    assert done and done[0] in (200, 404)

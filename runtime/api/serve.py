@@ -403,7 +403,7 @@ class Server:
         messages then reset it: see `plan_turn`), or with `strict` raises SystemPromptChanged.
         """
         async with self._spawning:
-            if name in self.rt.running():
+            if name in await asyncio.to_thread(self.rt.running):  # asks the supervisor: off the event loop
                 ref = self.rt.agent(name)
                 if strict and system:  # as a stored agent's spawn would refuse it
                     current = conversation_prompt(await asyncio.to_thread(ref.history))
@@ -667,8 +667,11 @@ def routes(server: Server) -> list[Route]:
     """The HTTP routes over `server` (see the module docstring)."""
     rt = server.rt
 
+    # `rt.running()` asks the supervisor (which may be busy restarting an agent) and `rt.stored()` reads the disk:
+    # both in a thread, never on the event loop that serves every other request
     async def health(request):
-        return JSONResponse({"status": "ok", "model": server.model_id, "agents": len(rt.running()),
+        agents = len(await asyncio.to_thread(rt.running))
+        return JSONResponse({"status": "ok", "model": server.model_id, "agents": agents,
                              "turns_cancelled": server.cancelled})
 
     async def models(request):
@@ -730,7 +733,8 @@ def routes(server: Server) -> list[Route]:
                                  headers={"X-Agent-Id": name, "Cache-Control": "no-cache"})
 
     async def list_agents(request):
-        return JSONResponse({"object": "list", "data": [{"id": n, "object": "agent"} for n in rt.running()]})
+        names = await asyncio.to_thread(rt.running)
+        return JSONResponse({"object": "list", "data": [{"id": n, "object": "agent"} for n in names]})
 
     def agent_view(name, history):
         system = conversation_prompt(history) or ""
@@ -754,14 +758,14 @@ def routes(server: Server) -> list[Route]:
             history = await asyncio.to_thread(ref.history)
         return JSONResponse(agent_view(name, history))
 
-    def known(name, param="name"):
+    async def known(name, param="name"):
         """`name`, or a 404 unless that agent runs or is stored."""
-        if name not in rt.running() and not rt.stored(name):
+        if not await asyncio.to_thread(lambda: name in rt.running() or rt.stored(name)):
             raise ApiError(404, f"no agent named {name!r}: create it with POST /v1/agents", param, "agent_not_found")
         return name
 
     async def history(request):
-        name = known(_agent_name(request))
+        name = await known(_agent_name(request))
         async with server.lock(name):
             ref = await server.agent(name)
             records = await asyncio.to_thread(ref.history)
@@ -783,8 +787,8 @@ def routes(server: Server) -> list[Route]:
             raise bad("content must be a non-empty string", "content")
         req = parse_chat({"model": server.model_id, "messages": [{"role": "user", "content": content}],
                           **{k: body[k] for k in ("max_tokens", "temperature", "top_p", "seed", "stop") if k in body}})
-        known(name)  # a misspelt name is a 404, as for GET, not a new agent
-        known(to, "to")
+        await known(name)  # a misspelt name is a 404, as for GET, not a new agent
+        await known(to, "to")
         first, second = sorted((name, to))
         async with server.lock(first), server.lock(second):
             sender, receiver = await server.agent(name), await server.agent(to)
