@@ -48,25 +48,7 @@ _SOURCE = r"""
     for (int e = 0; e < E; ++e) x[e] = static_cast<float>(src[e * step]);
     ROPE_HOOK
     if constexpr (ROT) {  // x H along D, H = Sylvester-Hadamard / sqrt(D) with entries in T
-        #pragma unroll
-        for (int len = 1; len < E; len <<= 1) {
-            #pragma unroll
-            for (int e = 0; e < E; ++e) {
-                if ((e & len) == 0) {
-                    const float a = x[e], z = x[e + len];
-                    x[e] = a + z;
-                    x[e + len] = a - z;
-                }
-            }
-        }
-        #pragma unroll
-        for (int bit = 1; bit < 32; bit <<= 1) {  // lane ^ bit holds the dims E * bit away
-            #pragma unroll
-            for (int e = 0; e < E; ++e) {
-                const float z = __shfl_xor_sync(0xffffffffu, x[e], bit);
-                x[e] = (lane & bit) ? z - x[e] : x[e] + z;
-            }
-        }
+        warp_hadamard(x, lane);
         const float h = static_cast<float>(static_cast<T>(1.0f / sqrtf(static_cast<float>(D))));
         #pragma unroll
         for (int e = 0; e < E; ++e) x[e] = static_cast<float>(static_cast<T>(x[e] * h));
@@ -247,7 +229,7 @@ def _kernel(into: bool):
         source = (_SOURCE.replace("LOCATE", _LOCATE_INTO if into else _LOCATE_NEW)
                   .replace("ROPE_HOOK", _ROPE if into else ""))
         _kernels[into] = cuda_kernel(f"kvactors_pack_kv{'_into' if into else ''}", inputs, outputs, source,
-                                     ensure_row_contiguous=not into)
+                                     header=q4sdpa.WARP_HADAMARD, ensure_row_contiguous=not into)
     return _kernels[into]
 
 

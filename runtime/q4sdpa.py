@@ -49,7 +49,35 @@ STAGES = 3  # tiles of 16 keys a warp has in flight (asynchronous copies into sh
 HEADS = 16  # query heads per block: the rows of one tensor-core product
 KEY_BITS = (4, 6)  # key widths the kernel reads (values are 4-bit)
 
-_HEADER = r"""
+# x H along D (H: Sylvester-Hadamard, unnormalized) for a warp's vector of D = 32 E elements, lane l holding dims
+# E l .. E l + E - 1: strides under E in registers, the rest across lanes. The kernels that rotate (`q4pack`'s
+# packing, this module's queries and output) all take it.
+WARP_HADAMARD = r"""
+template <int E>
+__device__ __forceinline__ void warp_hadamard(float (&x)[E], int lane) {
+    #pragma unroll
+    for (int len = 1; len < E; len <<= 1) {
+        #pragma unroll
+        for (int e = 0; e < E; ++e) {
+            if ((e & len) == 0) {
+                const float a = x[e], z = x[e + len];
+                x[e] = a + z;
+                x[e + len] = a - z;
+            }
+        }
+    }
+    #pragma unroll
+    for (int bit = 1; bit < 32; bit <<= 1) {  // lane ^ bit holds the dims E * bit away
+        #pragma unroll
+        for (int e = 0; e < E; ++e) {
+            const float z = __shfl_xor_sync(0xffffffffu, x[e], bit);
+            x[e] = (lane & bit) ? z - x[e] : x[e] + z;
+        }
+    }
+}
+"""
+
+_HEADER = WARP_HADAMARD + r"""
 // Keys per block for a row of `len` keys: its own length alone decides where its chunks split,
 // so a row's result does not depend on the batch; a multiple of 64 (16 keys x 4 warps).
 __device__ __forceinline__ int keys_per_chunk(int len, int chunks, int min_chunk) {
@@ -295,27 +323,7 @@ _KERNEL = r"""
             }
             #pragma unroll
             for (int j = 0; j < 2 * QWL; ++j) x[j] *= scale;
-            if constexpr (ROT) {  // x H along D (H's 1/sqrt(D) is in `scale`): a butterfly, strides 1, 2, ... D/2
-                #pragma unroll
-                for (int len = 1; len < 2 * QWL; len <<= 1) {
-                    #pragma unroll
-                    for (int j = 0; j < 2 * QWL; ++j) {
-                        if ((j & len) == 0) {
-                            const float a = x[j], z = x[j + len];
-                            x[j] = a + z;
-                            x[j + len] = a - z;
-                        }
-                    }
-                }
-                #pragma unroll
-                for (int bit = 1; bit < 32; bit <<= 1) {  // lane ^ bit holds the dims (D/32) bit away
-                    #pragma unroll
-                    for (int j = 0; j < 2 * QWL; ++j) {
-                        const float z = __shfl_xor_sync(0xffffffffu, x[j], bit);
-                        x[j] = (lane & bit) ? z - x[j] : x[j] + z;
-                    }
-                }
-            }
+            if constexpr (ROT) warp_hadamard(x, lane);  // x H along D (H's 1/sqrt(D) is in `scale`)
         }
         unsigned int* const qa = reinterpret_cast<unsigned int*>(s_qa);
         #pragma unroll
@@ -607,27 +615,8 @@ _KERNEL = r"""
         }
         #pragma unroll
         for (int j = 0; j < DL; ++j) A[j] = L > 0.0f ? A[j] / L : 0.0f;
-        if constexpr (ROT) {  // the output back from the rotated basis: A H along D, a butterfly whose strides
-            // under DL pair a lane's own dims and the rest lanes of the warp (dim d at lane d / DL)
-            #pragma unroll
-            for (int len = 1; len < DL; len <<= 1) {
-                #pragma unroll
-                for (int j = 0; j < DL; ++j) {
-                    if ((j & len) == 0) {
-                        const float x = A[j], z = A[j + len];
-                        A[j] = x + z;
-                        A[j + len] = x - z;
-                    }
-                }
-            }
-            #pragma unroll
-            for (int len = 1; len < 32; len <<= 1) {
-                #pragma unroll
-                for (int j = 0; j < DL; ++j) {
-                    const float z = __shfl_xor_sync(0xffffffffu, A[j], len);
-                    A[j] = (lane & len) ? z - A[j] : A[j] + z;
-                }
-            }
+        if constexpr (ROT) {  // the output back from the rotated basis: A H along D
+            warp_hadamard(A, lane);
             #pragma unroll
             for (int j = 0; j < DL; ++j) A[j] *= static_cast<float>(static_cast<T>(1.0f / sqrtf(static_cast<float>(D))));
         }
