@@ -221,6 +221,22 @@ def fsync_dir(folder) -> None:
         os.close(fd)
 
 
+def fsync_tree(folder) -> None:
+    """fsync every file and folder under `folder`, then `folder` itself: what was written into it is on disk,
+    so that a rename of `folder` that follows (then `fsync_dir` of its parent) never names partial files.
+
+    Files are opened as `open_file` opens them: a symlink or a file that is not regular raises OSError.
+    """
+    for root, _, names in os.walk(folder, topdown=False):
+        for name in names:
+            fd = open_file(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(root)
+
+
 def write_atomic(path: Path, data) -> None:
     """Replace `path` by `data`: temp file in the same folder, fsync, rename, fsync the folder.
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from runtime.errors import InvalidArgumentType, KvactorsError
+from runtime.files import fsync_dir, fsync_tree
 from runtime.kvscheme import KVScheme, default_scheme
 
 TOKENIZER_FILES = (
@@ -424,21 +425,25 @@ def _partial_prefix(out: Path) -> str:
 def new_model_folder(out: Path):
     """A temporary folder beside `out` to write a model folder into, renamed to `out` if the block succeeds.
 
-    Readers never see a half-written folder; the temporary folder is removed either way (but
-    for a process killed inside the block: `model_folder_lock` removes what it left).
-    Raises FileExistsError if `out` appeared meanwhile (another process built it).
+    Readers never see a half-written folder: before the rename every file and folder in it is fsynced
+    (`fsync_tree`), and the parent after it, so that a folder under the name `out` is complete even after a
+    power loss. The temporary folder is removed either way (but for a process killed inside the block:
+    `model_folder_lock` removes what it left). Raises FileExistsError if `out` appeared meanwhile (another
+    process built it).
     """
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=_partial_prefix(out), dir=out.parent))
     try:
         tmp.chmod(0o755)  # mkdtemp makes it 0700
         yield tmp
+        fsync_tree(tmp)
         try:
             os.rename(tmp, out)
         except OSError as e:
             if out.exists():
                 raise FileExistsError(f"{out} already exists") from e
             raise
+        fsync_dir(out.parent)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

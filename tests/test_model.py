@@ -1,12 +1,14 @@
 """load_model and ModelCacheSpec: geometry, layer kinds, sinks, sizes, fingerprint."""
 
 import json
+import os
 import shutil
+from pathlib import Path
 
 import pytest
 
 from runtime.kvscheme import KVSchemeError, default_scheme, parse
-from runtime.model import ModelCacheSpec, ModelLoadError, fingerprint, load_model
+from runtime.model import ModelCacheSpec, ModelLoadError, fingerprint, load_model, new_model_folder
 from runtime.qgemv import available as on_cuda
 from runtime.tiny import tiny_llama_path, make_tiny_model
 
@@ -385,3 +387,40 @@ def test_token_rows_of_gemma3n_are_its_vocabulary_not_the_per_layer_table():
               altup_active_idx=0, laurel_rank=2)
     m = gemma3n.Model(gemma3n.ModelArgs(model_type="gemma3n", text_config=tc))
     assert token_rows(m) == 300
+
+
+def test_a_model_folder_is_on_disk_before_it_has_its_name(tmp_path, monkeypatch):
+    """Every file and folder of a new model folder is fsynced before the rename that names it, and the parent
+    after: after a power loss a folder under its final name never holds empty or partial files."""
+    events = []
+    fsync = os.fsync
+
+    def record_fsync(fd):
+        st = os.fstat(fd)
+        events.append(("fsync", (st.st_dev, st.st_ino)))
+        fsync(fd)
+
+    def recording(rename):
+        def record_rename(src, dst, *args, **kwargs):
+            events.append(("rename", Path(dst)))
+            rename(src, dst, *args, **kwargs)
+        return record_rename
+
+    monkeypatch.setattr(os, "fsync", record_fsync)
+    monkeypatch.setattr(os, "rename", recording(os.rename))
+    monkeypatch.setattr(os, "replace", recording(os.replace))
+    out = tmp_path / "models" / "m"
+    with new_model_folder(out) as tmp:
+        (tmp / "config.json").write_text("{}")
+        (tmp / "sub").mkdir()
+        (tmp / "sub" / "weights.bin").write_bytes(b"w" * 4096)
+
+    def node(path):
+        st = path.stat()
+        return "fsync", (st.st_dev, st.st_ino)
+
+    renamed = events.index(("rename", out))
+    for path in (out / "config.json", out / "sub" / "weights.bin", out / "sub", out):
+        assert node(path) in events[:renamed], path
+    assert node(out.parent) in events[renamed + 1:]
+
