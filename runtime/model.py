@@ -453,20 +453,37 @@ def new_model_folder(out: Path):
 def model_folder_lock(out: Path):
     """Hold the lock of building the model folder `out` for the block, waiting while another process holds it.
 
-    The lock is the file `.<out's name>.lock` beside `out`; a process that dies releases it. On entry the
-    temporary folders of a `new_model_folder(out)` whose process was killed before its rename are removed:
-    whoever writes `out` holds this lock, so none of them is still being written.
+    The lock is `flock` on the file `.<out's name>.lock` beside `out`, which the holder deletes as it lets go,
+    so no file stays beside the folder; a process that dies releases the lock and leaves the file for the next
+    holder to delete. Deleting it is safe because only the lock of the file under that name counts: a process
+    that waited on the file and gets its lock once the holder has deleted it (the name missing, or naming a
+    newer file) lets go and starts over, so one process at a time holds the lock.
+    On entry the temporary folders of a `new_model_folder(out)` whose process was killed before its rename
+    are removed: whoever writes `out` holds this lock, so none of them is still being written.
     """
     import fcntl
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(out.parent / f".{out.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    lock = out.parent / f".{out.name}.lock"
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if os.path.samestat(os.fstat(fd), os.stat(lock)):
+                break
+        except FileNotFoundError:
+            pass  # the holder this process waited on deleted the file
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
         for partial in out.parent.glob(_partial_prefix(out) + "*"):
             shutil.rmtree(partial, ignore_errors=True)
         yield
     finally:
+        with contextlib.suppress(OSError):  # a file left behind is harmless: the next holder deletes it
+            lock.unlink()  # before the close: whoever gets this file's lock next finds it gone, and starts over
         os.close(fd)
 
 

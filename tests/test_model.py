@@ -3,12 +3,15 @@
 import json
 import os
 import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from runtime.kvscheme import KVSchemeError, default_scheme, parse
-from runtime.model import ModelCacheSpec, ModelLoadError, fingerprint, load_model, new_model_folder
+from runtime.model import ModelCacheSpec, ModelLoadError, fingerprint, load_model, model_folder_lock, new_model_folder
 from runtime.qgemv import available as on_cuda
 from runtime.tiny import tiny_llama_path, make_tiny_model
 
@@ -424,3 +427,24 @@ def test_a_model_folder_is_on_disk_before_it_has_its_name(tmp_path, monkeypatch)
         assert node(path) in events[:renamed], path
     assert node(out.parent) in events[renamed + 1:]
 
+
+def test_model_folder_lock_removes_its_file_and_still_excludes(tmp_path):
+    """The lock file goes with the lock, and the lock stays exclusive while holders come and go: one that
+    waited on a file its holder removed takes the lock again rather than share it with a newcomer."""
+    out = tmp_path / "models" / "m"
+    count, inside, most = threading.Lock(), [0], [0]
+
+    def hold(_):
+        for _ in range(25):
+            with model_folder_lock(out):
+                with count:
+                    inside[0] += 1
+                    most[0] = max(most[0], inside[0])
+                time.sleep(0.0005)
+                with count:
+                    inside[0] -= 1
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(hold, range(4)))
+    assert most[0] == 1
+    assert os.listdir(out.parent) == []
