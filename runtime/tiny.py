@@ -32,10 +32,8 @@ from __future__ import annotations
 import functools
 import importlib
 import json
-import os
 import random
 import shutil
-import tempfile
 import zlib
 from pathlib import Path
 
@@ -43,7 +41,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from runtime.model import kvactors_home, new_model_folder
+from runtime.model import kvactors_home, model_folder_lock, new_model_folder
 
 __all__ = [
     "ARCHS",
@@ -215,23 +213,18 @@ def tiny_llama_path() -> Path:
     The llama tiny model (seed 0, float32) lives in
     ``kvactors_home() / "models" / "tiny-llama-v1"``. A folder that holds
     ``COMPLETE_MARKER`` is reused as is; otherwise it is built in a temporary
-    sibling and renamed into place. Concurrent first use is safe: a process
-    that loses the rename race discards its own build and uses the winner's.
+    sibling and renamed into place, under ``model_folder_lock``: concurrent
+    first use builds it once, and what a build killed midway left is removed.
     """
     path = kvactors_home() / "models" / TINY_LLAMA_NAME
     marker = path / COMPLETE_MARKER
     if marker.exists():
         return path
-    # Complete folders appear by rename with their marker inside, so a folder
-    # seen to exist and then seen without a marker is a foreign leftover.
-    if path.exists() and not marker.exists():
-        _discard(path)
-    try:
-        make_tiny_model(path, arch="llama", seed=0, dtype="float32")
-    except FileExistsError:
-        pass  # another process finished first
-    if not marker.exists():
-        raise RuntimeError(f"Could not build the tiny llama in {path}")
+    with model_folder_lock(path):
+        if not marker.exists():  # else another process built it while this one waited
+            if path.exists():  # a folder without its marker was not made here: not ours to trust
+                shutil.rmtree(path)
+            make_tiny_model(path, arch="llama", seed=0, dtype="float32")
     return path
 
 
@@ -519,13 +512,3 @@ def tokenizer_corpus() -> list[str]:
         role = ("system", "user", "assistant")[i % 3]
         lines.append(f"{role}\n\n{rng.choice(lines)} (#{rng.randint(0, 999)})")
     return lines
-
-
-def _discard(path: Path) -> None:
-    """Move ``path`` aside atomically, then delete it (races tolerated)."""
-    trash = Path(tempfile.mkdtemp(prefix=f".{path.name}.trash-", dir=path.parent))
-    try:
-        os.rename(path, trash / "old")
-    except OSError:
-        pass
-    shutil.rmtree(trash, ignore_errors=True)

@@ -2,7 +2,13 @@
 
 import json
 import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import mlx.core as mx
 import mlx_lm
@@ -178,6 +184,32 @@ def test_default_model_rebuilds_an_incomplete_folder(tmp_path, monkeypatch):
     path = tiny_llama_path()
     assert path == half and (path / COMPLETE_MARKER).exists()
     assert json.loads((path / "config.json").read_text())["model_type"] == "llama"
+
+
+def test_default_model_build_killed_midway_leaves_nothing_behind(tmp_path, monkeypatch):
+    """A process SIGKILLed while it builds the tiny llama leaves its temporary folder; the next build removes it."""
+    models = tmp_path / "models"
+    env = {**os.environ, "KVACTORS_HOME": str(tmp_path)}
+    script = "from runtime.tiny import tiny_llama_path; tiny_llama_path()"
+    for _ in range(20):  # until the kill lands while the folder is being written
+        shutil.rmtree(models, ignore_errors=True)
+        child = subprocess.Popen([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[1], env=env,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and child.poll() is None:
+            if models.is_dir() and any(".tmp-" in n for n in os.listdir(models)):
+                child.send_signal(signal.SIGKILL)
+                break
+            time.sleep(0.001)
+        child.wait()
+        if child.returncode == -signal.SIGKILL and any(".tmp-" in n for n in os.listdir(models)):
+            break
+    else:
+        pytest.fail("never killed the child while it built")
+    monkeypatch.setenv("KVACTORS_HOME", str(tmp_path))
+    path = tiny_llama_path()
+    assert os.listdir(models) == [path.name]
+    assert json.loads((path / COMPLETE_MARKER).read_text())["arch"] == "llama"
 
 
 def test_tokenizer_is_not_compositional(load_tiny):
