@@ -17,7 +17,7 @@ import openai
 import pytest
 import uvicorn
 
-from runtime import Runtime
+from runtime import AgentRef, Runtime
 from runtime.api.serve import ChatRequest, Server, build_app, derive_agent_id, parse_chat, parse_messages, plan_turn
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -485,6 +485,15 @@ def test_idle_agents_beyond_max_agents_stop_and_resume_from_disk(tmp_path):
         s.close()
 
 
+def running_once(s, done, deadline_s=30):
+    """`s.rt.running()` once `done` of it is true (the idle agents beyond max_agents stop after the answers), or
+    as it is at the deadline."""
+    deadline = time.monotonic() + deadline_s
+    while not done(names := s.rt.running()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return names
+
+
 def test_a_burst_of_conversations_leaves_at_most_max_agents_running_once_it_ends(tmp_path):
     """Busy agents are never stopped, and idle ones were stopped only when a new agent came: after a burst of
     concurrent conversations, every agent of the burst stayed running until the next new one."""
@@ -503,11 +512,76 @@ def test_a_burst_of_conversations_leaves_at_most_max_agents_running_once_it_ends
     try:
         replies = asyncio.run(burst())
         assert sorted(extra(r)["agent"] for r in replies) == [f"b{i}" for i in range(8)]
-        assert len(s.rt.running()) <= 2, s.rt.running()
+        assert len(running_once(s, lambda names: len(names) <= 2)) <= 2, s.rt.running()  # stopped after the answers
         again = s.client().chat.completions.create(model="kvactors-tiny", messages=[{"role": "user", "content": "hm"}],
                                                    max_tokens=2, extra_headers={"X-Agent-Id": "b0"})
         assert extra(again)["cache"] in ("hot", "warm") and len(s.rt.running()) <= 2, s.rt.running()
     finally:
+        s.close()
+
+
+def test_a_response_does_not_wait_for_idle_agents_beyond_max_agents_to_stop(tmp_path, monkeypatch):
+    """Stopping the idle agents beyond max_agents when a request ends waits for their cache writes: it runs after
+    that request's response, which arrives while the stop is still under way."""
+    s = Served(tmp_path)
+    answered = threading.Event()
+    seen = []  # whether the response had arrived when each stop went on
+    stop = AgentRef.stop
+
+    def stop_after_the_answer(ref):
+        seen.append(answered.wait(30))  # False: no response in 30 s, as it waited for this stop
+        stop(ref)
+
+    try:
+        client = s.client()
+        for name in ("x1", "x2"):
+            client.chat.completions.create(model="kvactors-tiny", messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=2, extra_headers={"X-Agent-Id": name})
+        monkeypatch.setattr(AgentRef, "stop", stop_after_the_answer)
+        s.server.max_agents = 1  # x1 and x2 run, one too many: x2's next request, running, stops idle x1 as it ends
+        reply = client.chat.completions.create(model="kvactors-tiny", messages=[{"role": "user", "content": "again"}],
+                                               max_tokens=2, extra_headers={"X-Agent-Id": "x2"})
+        answered.set()
+        assert extra(reply)["agent"] == "x2"
+        assert running_once(s, lambda names: "x1" not in names) == ["x2"]
+        assert seen == [True], "the response waited for x1 to stop"
+    finally:
+        answered.set()
+        s.close()
+
+
+def test_the_server_shuts_down_once_the_idle_agents_it_is_stopping_have_stopped(tmp_path, monkeypatch):
+    """The idle agents beyond max_agents stop in a task of the server's: as it shuts down, the app waits for that
+    task (`Server.drain`), so the event loop never closes with the stops midway, nor the Runtime before them."""
+    s = Served(tmp_path)
+    draining = threading.Event()
+    seen = []  # whether the server was shutting down when each stop went on
+    stop, drain = AgentRef.stop, s.server.drain
+
+    def stop_once_draining(ref):
+        seen.append(draining.wait(30))  # False: 30 s passed without the shutdown waiting for this stop
+        stop(ref)
+
+    async def drain_noted():
+        draining.set()
+        await drain()
+
+    try:
+        client = s.client()
+        for name in ("y1", "y2", "y3"):
+            client.chat.completions.create(model="kvactors-tiny", messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=2, extra_headers={"X-Agent-Id": name})
+        monkeypatch.setattr(AgentRef, "stop", stop_once_draining)
+        monkeypatch.setattr(s.server, "drain", drain_noted)
+        s.server.max_agents = 1  # y3's next request stops idle y1 and y2 as it ends
+        client.chat.completions.create(model="kvactors-tiny", messages=[{"role": "user", "content": "again"}],
+                                       max_tokens=2, extra_headers={"X-Agent-Id": "y3"})
+        s.uvicorn.should_exit = True
+        s.thread.join(60)
+        assert not s.thread.is_alive()
+        assert s.rt.running() == ["y3"] and seen == [True, True], (s.rt.running(), seen)  # before rt.shutdown()
+    finally:
+        draining.set()
         s.close()
 
 

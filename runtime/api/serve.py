@@ -384,7 +384,8 @@ class Server:
         """Hold agent `name`'s lock (`async with`) while a request maps onto it and runs its turn: requests to one
         agent take turns. The lock exists while requests hold or await it, so names seen once (a refused unnamed
         conversation, a forgotten agent) keep nothing; an agent whose lock exists is busy (see `agent`). When the
-        last request lets go of it, idle agents beyond max_agents stop (more ran while more were busy)."""
+        last request lets go of it, idle agents beyond max_agents stop (more ran while more were busy) in a task of
+        their own: the request answers without waiting for them."""
         entry = self._locks.setdefault(name, [asyncio.Lock(), 0])
         entry[1] += 1
         try:
@@ -394,7 +395,8 @@ class Server:
             entry[1] -= 1
             if not entry[1]:
                 del self._locks[name]
-                await self._stop_idle_beyond_max()  # a burst's agents, once idle, are too many
+                if len(self._used) > self.max_agents:  # a burst's agents, once idle, are too many
+                    self.background(self._stop_idle_beyond_max())
 
     async def agent(self, name: str, system: str = "", strict: bool = False):
         """The running agent `name`, spawned (resumed from disk if stored) if needed, idle ones stopped to make room.
@@ -437,10 +439,8 @@ class Server:
                     await asyncio.to_thread(self.rt.agent(old).stop)
 
     async def _stop_idle_beyond_max(self) -> None:
-        """Stop idle agents beyond max_agents (see `lock`); a failure is logged: the request it follows has its
-        answer."""
-        if len(self._used) <= self.max_agents:
-            return
+        """Stop idle agents beyond max_agents (see `lock`; each stop waits for that agent's queued cache writes); a
+        failure is logged: the request it follows has its answer."""
         try:
             async with self._spawning:
                 await self._evict(self.max_agents)
@@ -509,17 +509,25 @@ class Server:
         raise AssertionError("a stream ends with its Reply")
 
     def background(self, coro) -> asyncio.Task:
-        """Run `coro` as a task that outlives the request (a turn finishes even if its client left)."""
+        """Run `coro` as a task that outlives the request (a turn finishes even if its client left; idle agents stop
+        after the answer); `drain` waits for it. Its failure is logged (at debug: a turn's is its request's answer)."""
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
 
         def done(t):
             self._tasks.discard(t)
             if not t.cancelled() and t.exception() is not None:
-                log.debug("a turn failed: %r", t.exception())
+                log.debug("a background task failed: %r", t.exception())
 
         task.add_done_callback(done)
         return task
+
+    async def drain(self) -> None:
+        """Return once every task `background` started has ended, those started while waiting included (a turn
+        whose end stops idle agents). The app awaits it as it shuts down, once no request is left: the event loop
+        then closes with none of them midway, and the Runtime shuts down after them."""
+        while self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
 
     # -- responses ------------------------------------------------------------------
 
@@ -834,7 +842,8 @@ class _Auth:
 
 
 def build_app(server: Server):
-    """The ASGI app of `server`: its routes, OpenAI-style error bodies, and the API key check."""
+    """The ASGI app of `server`: its routes, OpenAI-style error bodies, the API key check, and, as it shuts down,
+    `server.drain()`."""
 
     async def api_error(request, exc):
         return error_for(exc).response()
@@ -842,11 +851,16 @@ def build_app(server: Server):
     async def http_error(request, exc: HTTPException):
         return ApiError(exc.status_code, exc.detail or "", None, None).response()
 
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        await server.drain()
+
     # the runtime's errors are answers, not server faults: handled as such, they are not logged as "Exception in
     # ASGI application"; anything else (a builtin ValueError included) goes through error_for too, logged
     answers = {cls: api_error for cls in (ApiError, KvactorsError)}
     app = Starlette(routes=routes(server), exception_handlers={**answers, HTTPException: http_error,
-                                                               Exception: api_error})
+                                                               Exception: api_error}, lifespan=lifespan)
     return _Auth(app, server.api_key) if server.api_key else app
 
 
