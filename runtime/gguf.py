@@ -27,6 +27,16 @@ parses and checks the file first (`_open`); the metadata read must be of the kin
 `_METADATA` says; the tensors must be exactly the weights, by name and shape, of the
 mlx-lm model the metadata describes. Anything else raises GGUFError (or
 UnsupportedGGUF) before anything is written.
+
+Which error. GGUFError is a file that is not GGUF, is damaged or contradicts
+itself; UnsupportedGGUF (a GGUFError) is a well-formed file of a kind this import
+does not convert. A number in a field the format enumerates that this reader does
+not know is read as a format it does not know, not as damage: a GGUF version
+other than 2 and 3, and a tensor type id the gguf package does not define (one
+past the last it knows, which a newer llama.cpp or a fork of it writes, or one
+llama.cpp has removed) raise UnsupportedGGUF naming it. So do the types the
+package defines but neither it nor MLX turns into floats (Q8_1, Q8_K, F64, ...)
+and the integer types (I8 to I64), which hold no weights.
 """
 
 from __future__ import annotations
@@ -83,6 +93,7 @@ PRE_TOKENIZERS = ("smollm", "gpt-2", "default", "qwen2", "llama-bpe")
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 _FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+_INTEGER_TYPES = ("I8", "I16", "I32", "I64")  # GGUF's integer tensors: no weights; MLX reads them as integers
 _VERSIONS = (2, 3)  # GGUF versions whose layout this import reads (1 had 32-bit counts)
 _MAX_DIMS = 4  # GGML_MAX_DIMS
 
@@ -122,11 +133,13 @@ _KINDS = {  # kind: (as a message says it, its test)
 
 
 class GGUFError(ModelLoadError):
-    """A GGUF file could not be read or converted."""
+    """A GGUF file could not be read or converted: it is not GGUF, is damaged or contradicts itself, or the
+    converted folder cannot be written."""
 
 
 class UnsupportedGGUF(GGUFError):
-    """A GGUF file uses an architecture, tensor, quantization type or tokenizer the import does not support."""
+    """A well-formed GGUF file of a kind the import does not convert: its GGUF version, architecture, tensors,
+    tensor types (one the gguf package does not define included) or tokenizer."""
 
 
 def default_weights() -> str:
@@ -417,11 +430,8 @@ def _read(path: Path) -> tuple[dict, dict]:
 def _open(path: Path):
     """The gguf package's reader of the GGUF file at `path`, its structure checked: GGUF version 2 or 3,
     little-endian, every tensor of a type the package knows, of 1 to 4 dimensions none 0, its data aligned and
-    within the file, no tensor name twice. Only such a file may reach `mx.load`, whose parser trusts all that."""
-    try:
-        from gguf import GGUFReader
-    except ImportError as e:  # a declared dependency; only a broken install gets here
-        raise GGUFError("reading GGUF files needs the gguf package: pip install gguf") from e
+    within the file, no tensor name twice. Only such a file may reach `mx.load`, whose parser trusts all that.
+    A tensor type the package does not define, or an integer type, raises UnsupportedGGUF; the rest GGUFError."""
     _check_file(path)
     try:
         with open(path, "rb") as f:
@@ -440,7 +450,9 @@ def _open(path: Path):
         raise UnsupportedGGUF(f"{path}: GGUF version {version} is not supported (only 2 and 3); convert the model "
                               "again with a current llama.cpp")
     try:  # the reader fails on a damaged or truncated file with whatever its parsing meets (IndexError, ...)
-        reader = GGUFReader(str(path))
+        reader = _reader(path)
+    except GGUFError:  # no gguf package, or a tensor type it does not define
+        raise
     except Exception as e:  # noqa: BLE001
         raise _unreadable(path, f"{type(e).__name__}: {e}") from e
     for t in reader.tensors:
@@ -449,7 +461,36 @@ def _open(path: Path):
                                     "dimensions, none of them 0)")
         if (t.data_offset - reader.data_offset) % reader.alignment:
             raise _unreadable(path, f"the data of tensor {t.name} is not aligned to {reader.alignment} bytes")
+        if t.tensor_type.name in _INTEGER_TYPES:
+            raise UnsupportedGGUF(f"{path}: tensor {t.name} is of integer type {t.tensor_type.name}, which holds no "
+                                  "weights and is not supported; convert the model again with a float or quantized "
+                                  "type (such as Q4_0, Q8_0, Q4_K or F16)")
     return reader
+
+
+def _reader(path: Path):
+    """The gguf package's GGUFReader of `path`, but raising UnsupportedGGUF for a tensor type id the package does
+    not define, where GGUFReader fails with a bare ValueError that reads as damage."""
+    try:
+        from gguf import GGMLQuantizationType, GGUFReader
+    except ImportError as e:  # a declared dependency; only a broken install gets here
+        raise GGUFError("reading GGUF files needs the gguf package: pip install gguf") from e
+    known = {t.value for t in GGMLQuantizationType}
+
+    class Reader(GGUFReader):
+        def _build_tensors(self, start_offs, fields):  # where the reader turns each tensor's type id into its type
+            for field in fields:
+                type_id = int(field.parts[4][0])  # a tensor info's parts: name length, name, dims, shape, type, offset
+                if type_id not in known:
+                    raise UnsupportedGGUF(
+                        f"{path}: tensor {field.name} has GGML type id {type_id}, which is not supported: the "
+                        f"installed gguf package does not define it (its last is {max(known)}), so the file was "
+                        "written by a llama.cpp version or fork with tensor types this reader does not know; "
+                        "convert the model again with a common type (such as Q4_0, Q8_0, Q4_K or F16), or upgrade "
+                        "the gguf package")
+            super()._build_tensors(start_offs, fields)
+
+    return Reader(str(path))
 
 
 def _unreadable(path: Path, why: str) -> GGUFError:

@@ -224,6 +224,34 @@ def test_unreadable_quantization_type_is_refused_by_name(tmp_path, tiny):
     assert not (tmp_path / "m").exists()
 
 
+def test_a_tensor_type_id_gguf_does_not_define_is_unsupported_not_damage(tmp_path, small):
+    """An id past the last type the gguf package defines (200; llama.cpp and its forks add types) or one llama.cpp
+    has removed (33, Q4_0_8_8) is a tensor type this reader does not know, as a GGUF version other than 2 and 3
+    is: UnsupportedGGUF naming the tensor and the id, not GGUFError's "damaged or cut short"."""
+    _, type_at, _ = tensor_infos(small["Q8_0"])["blk.0.ffn_down.weight"]
+    for type_id in (200, 33):
+        data = bytearray(small["Q8_0"].read_bytes())
+        struct.pack_into("<I", data, type_at, type_id)
+        (tmp_path / "m.gguf").write_bytes(bytes(data))
+        with pytest.raises(UnsupportedGGUF, match=rf"tensor blk\.0\.ffn_down\.weight has GGML type id {type_id}, "
+                                                  "which is not supported") as e:
+            import_gguf(tmp_path / "m.gguf", tmp_path / "m", "float32")
+        assert "damaged" not in str(e.value) and "convert the model again" in str(e.value)
+        assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.parametrize("itype", [Q.I8, Q.I16, Q.I32, Q.I64])
+def test_an_integer_tensor_is_unsupported_whichever_reader_reads_the_file(tmp_path, small, itype):
+    """GGUF's integer types hold no weights: MLX read an I8, I16 or I32 tensor as integers, which the import cast
+    to float weights, while the same tensor beside a type MLX lacks (read by the gguf package) was refused."""
+    down = np.zeros((128, 256), dtype={Q.I8: np.int8, Q.I16: np.int16, Q.I32: np.int32, Q.I64: np.int64}[itype])
+    for qtype in ("Q8_0", "Q5_0"):
+        rewrite(small[qtype], tmp_path / "m.gguf", tensors={"blk.0.ffn_down.weight": (down, itype)})
+        with pytest.raises(UnsupportedGGUF, match=rf"tensor blk\.0\.ffn_down\.weight is of integer type {itype.name}"):
+            import_gguf(tmp_path / "m.gguf", tmp_path / "m", "float32")
+        assert not (tmp_path / "m").exists()
+
+
 def test_unsupported_architecture_and_non_gguf_files_are_clear_errors(tmp_path, tiny):
     write_gguf(tmp_path / "m.gguf", tiny["llama"], arch="phi3")
     with pytest.raises(UnsupportedGGUF, match="'phi3'.*supported: llama, qwen2"):
@@ -389,8 +417,8 @@ def test_damaged_headers_are_refused_without_crashing(tmp_path, small):
         "version 1": ("UnsupportedGGUF", "version 1"),
         "version 4": ("UnsupportedGGUF", "version 4"),
         "big-endian": ("UnsupportedGGUF", "big-endian"),
-        "tensor type 99": ("GGUFError", "(99) is not a valid GGMLQuantizationType"),
-        "tensor type 4 (removed Q4_2)": ("GGUFError", "(4) is not a valid GGMLQuantizationType"),
+        "tensor type 99": ("UnsupportedGGUF", "type id 99"),
+        "tensor type 4 (removed Q4_2)": ("UnsupportedGGUF", "type id 4"),
         "tensor of width 0": ("GGUFError", "token_embd.weight has shape [0, "),
         "tensor data misaligned": ("GGUFError", "token_embd.weight"),
         "duplicate tensor name": ("GGUFError", "duplicate"),
