@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from runtime.errors import InvalidArgumentType, KvactorsError
+from runtime.errors import InvalidArgumentType, KvactorsError, shown
 from runtime.files import fsync_dir, fsync_tree
 from runtime.kvscheme import KVScheme, default_scheme
 
@@ -281,7 +281,8 @@ def load_model(model: str | Path | None = None, kv_scheme: KVScheme | None = Non
 
     `model` is anything `resolve_model_path` takes: a folder, a `.gguf` file, "tiny",
     a Hugging Face id, or None for the default (SmolLM2-135M-Instruct). Raises
-    ModelLoadError (or a subclass) when the model cannot be found, converted or loaded.
+    ModelLoadError (or a subclass) when the model cannot be found, converted or loaded, and when its folder names
+    an end or start token the model does not have (`check_token_ids`).
     """
     import mlx_lm
 
@@ -300,9 +301,51 @@ def load_model(model: str | Path | None = None, kv_scheme: KVScheme | None = Non
         raise ModelLoadError(f"mlx-lm cannot load the model folder {path}: {type(e).__name__}: {e}; it needs a "
                              "valid config.json of an architecture mlx-lm supports, complete weight files and "
                              "the tokenizer's files (a download cut short? fetch it again)") from e
+    check_token_ids(path, tokenizer, token_rows(net))
     spec = ModelCacheSpec.from_model(net, path, kv_scheme)
     prepare_model(net)
     return net, tokenizer, serving_spec(net, spec, path, route)
+
+
+def check_token_ids(path: Path, tokenizer, rows: int | None) -> None:
+    """Raise ModelLoadError, naming the id, its file and `rows`, where the model folder at `path` names an end or
+    start token outside the model's vocabulary, ids 0 to rows - 1 (`rows`: `token_rows`, the bound the engine puts
+    on the ids it feeds; None, not known: nothing is checked). Checked: the eos_token_id of config.json and of
+    generation_config.json (one id or a list; mlx-lm stops on generation_config.json's where it names one, else on
+    config.json's), and the eos_token and bos_token of `tokenizer` (mlx-lm's, loaded from that folder, which stops
+    on its eos too). The model can never produce an eos outside its
+    vocabulary, so a turn waiting on it would run to max_tokens; a bos outside it starts every prompt, which the
+    engine would refuse turn after turn. Not checked, as neither mlx-lm nor the engine feeds or waits on them: pad
+    ids (released models name one past their embedding, or -1) and config.json's bos_token_id (the tokenizer's
+    bos is the one fed)."""
+    if rows is None:
+        return
+    stop = "the model can never produce it, so a turn would not stop on it"
+    named = []  # (what names the id, the id, what it would do, where to correct it)
+    for file in ("config.json", "generation_config.json"):
+        ids = _json_object(path / file).get("eos_token_id")
+        named += [(f"{file} names eos_token_id {shown(i)}", i, stop, file)
+                  for i in (ids if isinstance(ids, list) else [ids]) if i is not None]
+    files = "the tokenizer's files (tokenizer_config.json or special_tokens_map.json name it, tokenizer.json numbers it)"
+    for role, harm in (("eos", stop), ("bos", "every prompt would start with it, and the engine refuses such an id")):
+        i = getattr(tokenizer, f"{role}_token_id", None)
+        if i is not None:
+            named.append((f"the tokenizer's {role}_token {getattr(tokenizer, f'{role}_token')!r} is id {shown(i)}",
+                          i, harm, files))
+    for what, i, harm, where in named:
+        if not (isinstance(i, int) and not isinstance(i, bool) and 0 <= i < rows):
+            raise ModelLoadError(f"{path}: {what}, which is not a token of this model: its vocabulary has {rows} "
+                                 f"token ids (0 to {rows - 1}); {harm}; correct {where}, or fetch the model again")
+
+
+def _json_object(file: Path) -> dict:
+    """The JSON object in `file`; {} where the file is missing or holds none (mlx-lm skips such a
+    generation_config.json)."""
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def serving_spec(model, spec: ModelCacheSpec, model_id, route: str | None = None) -> ModelCacheSpec:

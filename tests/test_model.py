@@ -331,6 +331,55 @@ def test_a_broken_model_folder_is_a_model_load_error_naming_the_folder(tmp_path)
             load_model(folder)
 
 
+def test_a_folder_naming_an_end_or_start_token_the_model_lacks_is_refused_at_load(tmp_path, tiny_model_path):
+    """An eos id outside the model's vocabulary (its embedding's rows, the engine's bound on token ids) can never be
+    sampled: a turn waiting on it alone ran to max_tokens; a bos outside it is fed with every prompt, and every
+    turn was refused. load_model refuses such a folder, naming the id, the file and the vocabulary size."""
+    from runtime.tiny import BOS
+
+    rows = json.loads((tiny_model_path() / "config.json").read_text())["vocab_size"]  # 2048 rows in its embedding
+
+    def folder(name, edit):
+        path = tmp_path / name
+        shutil.copytree(tiny_model_path(), path)
+        edit(path)
+        return path
+
+    def edit_json(name, **changes):
+        def edit(path):
+            data = json.loads((path / name).read_text()) if (path / name).exists() else {}
+            (path / name).write_text(json.dumps({**data, **changes}))
+        return edit
+
+    def far_token(role):  # the tokenizer names as its `role` token one it numbers `rows`, past the embedding
+        def edit(path):
+            tok = json.loads((path / "tokenizer.json").read_text())
+            tok["added_tokens"].append({"id": rows, "content": "<|far|>", "single_word": False, "lstrip": False,
+                                        "rstrip": False, "normalized": False, "special": True})
+            (path / "tokenizer.json").write_text(json.dumps(tok))
+            edit_json("tokenizer_config.json", **{f"{role}_token": "<|far|>"})(path)
+        return edit
+
+    cases = {
+        "eos": (edit_json("config.json", eos_token_id=[1, rows + 5]), rf"config\.json names eos_token_id {rows + 5}"),
+        "eos at the size": (edit_json("config.json", eos_token_id=rows), rf"config\.json names eos_token_id {rows}"),
+        "negative eos": (edit_json("config.json", eos_token_id=-1), r"config\.json names eos_token_id -1"),
+        "generation eos": (edit_json("generation_config.json", eos_token_id=[4, 99999]),
+                           r"generation_config\.json names eos_token_id 99999"),
+        "tokenizer eos": (far_token("eos"), rf"the tokenizer's eos_token '<\|far\|>' is id {rows}"),
+        "tokenizer bos": (far_token("bos"), rf"the tokenizer's bos_token '<\|far\|>' is id {rows}"),
+    }
+    for name, (edit, message) in cases.items():
+        path = folder(name.replace(" ", "-"), edit)
+        with pytest.raises(ModelLoadError, match=message) as e:
+            load_model(path)
+        assert str(path) in str(e.value) and f"{rows} token ids (0 to {rows - 1})" in str(e.value), (name, e.value)
+    # a pad id is never fed or waited on (released models name one past their embedding, or -1): it loads
+    for pad in (rows, -1):
+        load_model(folder(f"pad{pad}", edit_json("config.json", pad_token_id=pad)))
+    assert load_model(folder("bos-config", edit_json("config.json", bos_token_id=rows)))[1].bos_token == BOS
+
+
 def test_group_size_must_divide_head_dim(load_tiny, tiny_model_path):
     with pytest.raises(KVSchemeError, match="multiple of the KV group size 128"):
         ModelCacheSpec.from_model(load_tiny("llama")[0], tiny_model_path("llama"), parse("k4v4-g128"))
