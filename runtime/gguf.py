@@ -44,6 +44,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 import shutil
 import stat
 from pathlib import Path
@@ -470,27 +471,23 @@ def _open(path: Path):
 
 def _reader(path: Path):
     """The gguf package's GGUFReader of `path`, but raising UnsupportedGGUF for a tensor type id the package does
-    not define, where GGUFReader fails with a bare ValueError that reads as damage."""
+    not define, where GGUFReader fails with a bare ValueError (the type enum's own) that reads as damage."""
     try:
         from gguf import GGMLQuantizationType, GGUFReader
     except ImportError as e:  # a declared dependency; only a broken install gets here
         raise GGUFError("reading GGUF files needs the gguf package: pip install gguf") from e
-    known = {t.value for t in GGMLQuantizationType}
-
-    class Reader(GGUFReader):
-        def _build_tensors(self, start_offs, fields):  # where the reader turns each tensor's type id into its type
-            for field in fields:
-                type_id = int(field.parts[4][0])  # a tensor info's parts: name length, name, dims, shape, type, offset
-                if type_id not in known:
-                    raise UnsupportedGGUF(
-                        f"{path}: tensor {field.name} has GGML type id {type_id}, which is not supported: the "
-                        f"installed gguf package does not define it (its last is {max(known)}), so the file was "
-                        "written by a llama.cpp version or fork with tensor types this reader does not know; "
-                        "convert the model again with a common type (such as Q4_0, Q8_0, Q4_K or F16), or upgrade "
-                        "the gguf package")
-            super()._build_tensors(start_offs, fields)
-
-    return Reader(str(path))
+    try:
+        return GGUFReader(str(path))
+    except ValueError as e:
+        unknown = re.fullmatch(r"(?:np\.\w+\()?(\d+)\)? is not a valid GGMLQuantizationType", str(e))  # numpy 1 or 2
+        if unknown is None:
+            raise
+        last = max(t.value for t in GGMLQuantizationType)
+        raise UnsupportedGGUF(
+            f"{path}: a tensor has GGML type id {unknown[1]}, which is not supported: the installed gguf package "
+            f"does not define it (its last is {last}), so the file was written by a llama.cpp version or fork with "
+            "tensor types this reader does not know; convert the model again with a common type (such as Q4_0, "
+            "Q8_0, Q4_K or F16), or upgrade the gguf package") from e
 
 
 def _unreadable(path: Path, why: str) -> GGUFError:
