@@ -310,9 +310,8 @@ def load_model(model: str | Path | None = None, kv_scheme: KVScheme | None = Non
 def check_token_ids(path: Path, tokenizer, rows: int | None) -> None:
     """Raise ModelLoadError, naming the id, its file and `rows`, where the model folder at `path` names an end or
     start token outside the model's vocabulary, ids 0 to rows - 1 (`rows`: `token_rows`, the bound the engine puts
-    on the ids it feeds; None, not known: nothing is checked). Checked: the eos_token_id of config.json and of
-    generation_config.json (one id or a list; mlx-lm stops on generation_config.json's where it names one, else on
-    config.json's), and the eos_token and bos_token of `tokenizer` (mlx-lm's, loaded from that folder, which stops
+    on the ids it feeds; None, not known: nothing is checked). Checked: the eos_token_id mlx-lm stops on (one id
+    or a list: generation_config.json's where it names one, else config.json's), and the eos_token and bos_token of `tokenizer` (mlx-lm's, loaded from that folder, which stops
     on its eos too). The model can never produce an eos outside its
     vocabulary, so a turn waiting on it would run to max_tokens; a bos outside it starts every prompt, which the
     engine would refuse turn after turn. Not checked, as neither mlx-lm nor the engine feeds or waits on them: pad
@@ -322,10 +321,12 @@ def check_token_ids(path: Path, tokenizer, rows: int | None) -> None:
         return
     stop = "the model can never produce it, so a turn would not stop on it"
     named = []  # (what names the id, the id, what it would do, where to correct it)
-    for file in ("config.json", "generation_config.json"):
+    for file in ("generation_config.json", "config.json"):  # the first that names one is the one mlx-lm stops on
         ids = _json_object(path / file).get("eos_token_id")
-        named += [(f"{file} names eos_token_id {shown(i)}", i, stop, file)
-                  for i in (ids if isinstance(ids, list) else [ids]) if i is not None]
+        if ids is not None:
+            named += [(f"{file} names eos_token_id {shown(i)}", i, stop, file)
+                      for i in (ids if isinstance(ids, list) else [ids]) if i is not None]
+            break
     files = "the tokenizer's files (tokenizer_config.json or special_tokens_map.json name it, tokenizer.json numbers it)"
     for role, harm in (("eos", stop), ("bos", "every prompt would start with it, and the engine refuses such an id")):
         i = getattr(tokenizer, f"{role}_token_id", None)

@@ -379,6 +379,12 @@ def test_a_folder_naming_an_end_or_start_token_the_model_lacks_is_refused_at_loa
         load_model(folder(f"pad{pad}", edit_json("config.json", pad_token_id=pad)))
     assert load_model(folder("bos-config", edit_json("config.json", bos_token_id=rows)))[1].bos_token == BOS
 
+    def both(path):  # mlx-lm stops on generation_config.json's eos where it names one: config.json's is not read
+        edit_json("config.json", eos_token_id=rows + 5)(path)
+        edit_json("generation_config.json", eos_token_id=2)(path)
+
+    load_model(folder("eos-overridden", both))
+
 
 def test_group_size_must_divide_head_dim(load_tiny, tiny_model_path):
     with pytest.raises(KVSchemeError, match="multiple of the KV group size 128"):
