@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -637,6 +638,23 @@ def test_a_stopped_agent_is_unknown_and_messages_to_it_are_dead_letters(rt):
     assert [d.recipient for d in letters] == ["gone-a", "never-spawned"]
     assert note_of(letters[0])["text"] == "Anyone there?"
     assert all(d.reason for d in letters)
+
+
+def test_result_of_a_stopped_agent_raises_unknown_agent_and_leaves_no_dead_letter(rt, caplog):
+    """A lookup is a question, as a history request is: asked of an agent that is not running, result() raises the
+    UnknownAgent history() raises, and records no dead letter (each call appended one, with a warning logged)."""
+    a = rt.spawn("result-gone", system="You are A.")
+    reply = a.ask("Hello.", max_tokens=2)
+    a.stop()
+    with pytest.raises(UnknownAgent) as asked_history:
+        a.history()
+    with caplog.at_level(logging.WARNING, logger="runtime.api.facade"):
+        for _ in range(3):
+            with pytest.raises(UnknownAgent) as asked_result:
+                a.result(reply.turn_id)
+            assert str(asked_result.value) == str(asked_history.value)
+    assert [d for d in rt.dead_letters if d.recipient == "result-gone"] == []
+    assert "dead letter to result-gone" not in caplog.text
 
 
 def test_a_reply_to_an_agent_stopped_meanwhile_is_a_dead_letter(rt):

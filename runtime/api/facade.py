@@ -1157,12 +1157,15 @@ class Runtime:
         return False
 
     def _deliver(self, name, message, future):
-        """Tell `message` to agent `name`'s current actor; an AgentCrashed here carries the turn id of `future`."""
+        """Tell `message` to agent `name`'s current actor; an AgentCrashed here carries the turn id of `future`.
+
+        For an agent that is not running it raises UnknownAgent; a message (a turn, a note, a reset) also goes to
+        the dead letters, a question (`History`, `Lookup`) does not: its caller has the answer, the error."""
         turn_id = getattr(future, "turn_id", None)
         try:
             ref = self._ref(name, turn_id)
         except UnknownAgent as e:
-            if not isinstance(message, History):  # a question, not a message: its caller gets the error alone
+            if not isinstance(message, (History, Lookup)):  # a question, not a message: its caller gets the error
                 self._env.dead_letter(name, message, str(e))
             raise
         try:
