@@ -1134,6 +1134,39 @@ def test_a_done_callback_that_would_wait_on_its_agent_raises_and_send_chains_the
         assert [r["text"] for r in alice.history() if r["role"] == "user"] == ["First.", "Chained."]
 
 
+def test_a_done_callback_of_an_agent_being_stopped_is_answered_without_its_supervisor(tmp_path):
+    """`stop` has the supervisor wait for the agent's thread, and that thread fails the turn in flight
+    (AgentStopped) and runs the turn's done callbacks. There `rt.agent` of that very agent, `broadcast` to it,
+    `running()` and `agents()` asked the supervisor, which could not answer before the callback returned: each
+    gave its answer only after a 10 s timeout. An agent being stopped is not running, which the Runtime knows
+    without asking: no request is left queued for the supervisor."""
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        a, b = rt.spawn("a", system="You are A."), rt.spawn("b", system="You are B.")
+        calls = {"agent": lambda: rt.agent("a"), "broadcast": lambda: rt.broadcast([a], "Hi.", max_tokens=1),
+                 "running": rt.running, "agents": lambda: [(i.name, i.running) for i in rt.agents()]}
+        seen, asked = {}, {}
+
+        def done(future):
+            for what, call in calls.items():
+                try:
+                    seen[what] = call()
+                except Exception as e:  # noqa: BLE001 - recorded, asserted below
+                    seen[what] = e
+                asked[what] = pykka_compat.queued(rt._supervisor)  # a request the supervisor could not answer yet
+
+        with stalled_batcher(rt):
+            future = a.send("Hello there.", max_tokens=4)
+            future.add_done_callback(done)
+            a.stop()  # the batcher holds the turn: the stop fails it, on a's thread
+        assert asked == dict.fromkeys(calls, 0), asked
+        for what in ("agent", "broadcast"):
+            assert isinstance(seen[what], UnknownAgent) and "no running agent named 'a'" in str(seen[what])
+        assert seen["running"] == ["b"] and seen["agents"] == [("a", False), ("b", True)]
+        with pytest.raises(AgentStopped):
+            future.get(timeout=0)
+        assert rt.running() == ["b"] and b.ask("Still there?", max_tokens=2).agent == "b"
+
+
 def test_a_queued_turn_whose_deadline_passed_before_it_started_never_runs(tmp_path):
     """The timeout counts from send: a turn stuck behind its agent's earlier work times out
     there, and is dropped when its turn comes, not run for a caller who stopped waiting."""

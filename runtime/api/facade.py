@@ -970,13 +970,19 @@ class Runtime:
 
     def running(self) -> list[str]:
         """Names of the running agents, in spawn order (no disk access; see `agents` for the stored ones): not a
-        temporary agent that exited. Raises RuntimeClosed after `shutdown`."""
+        temporary agent that exited. Raises RuntimeClosed after `shutdown`.
+
+        The supervisor is asked only while an agent's actor is not alive (it restarts, or it exited): a reply's done
+        callback runs on an agent's thread, which the supervisor may be waiting for (`stop`)."""
         self._check_running()
+        names = list(self._names)
+        if all(self._actor_alive(n) for n in names):
+            return names
         try:
             children = self._supervisor.proxy().children().get(timeout=10)
         except (pykka.ActorDeadError, pykka.Timeout):  # the supervisor stopping or busy: the names as spawned
-            return list(self._names)
-        return [n for n in self._names if n in children]
+            return names
+        return [n for n in names if n in children]
 
     def _actor_alive(self, name: str) -> bool:
         """Whether agent `name`'s actor is alive now: then it runs (a temporary agent that exited has none)."""
@@ -1368,10 +1374,14 @@ def _check_all_running(runtime, agents) -> None:
     """Raise UnknownAgent if an agent of `agents` (AgentRefs or names) is not running (`runtime.running()`), before
     a group call sends a turn: the turns sent before it would run with their replies lost to the caller.
 
-    An agent whose actor is alive runs (a temporary agent that exited has none): only for the others is the
-    supervisor asked. A reply's done callback runs on an agent's thread, also while the supervisor waits for that
-    thread to stop its agent: asking it there for every agent hung both for `running()`'s 10 s."""
+    An agent the runtime does not count as running (never spawned, stopped, or being stopped) is not; one whose
+    actor is alive is (a temporary agent that exited has none): only for the others is the supervisor asked. A
+    reply's done callback runs on an agent's thread, also while the supervisor waits for that thread to stop its
+    agent: asking the supervisor there hung both for `running()`'s 10 s."""
     names = [a if isinstance(a, str) else a.name for a in agents]
+    for name in names:
+        if name not in runtime._names:
+            raise not_running(name, runtime._names)
     doubtful = [n for n in names if not runtime._actor_alive(n)]
     if doubtful:
         running = runtime.running()
