@@ -11,6 +11,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
@@ -582,6 +583,42 @@ def test_the_server_shuts_down_once_the_idle_agents_it_is_stopping_have_stopped(
         assert s.rt.running() == ["y3"] and seen == [True, True], (s.rt.running(), seen)  # before rt.shutdown()
     finally:
         draining.set()
+        s.close()
+
+
+def test_the_least_recently_used_agent_is_the_one_whose_last_request_ended_first(tmp_path, monkeypatch):
+    """An agent is as recent as the end of its last request: one whose long turn just ended stays running, and one
+    whose request ended while that turn ran stops first. (Recency was set as a request began: the long turn's
+    agent, which began first, was stopped the moment it finished.)"""
+    s = Served(tmp_path)
+    s.server.max_agents = 2
+    started, finish = threading.Event(), threading.Event()
+    turn = s.server._turn
+
+    async def long_turn(ref, plan, options, pieces):
+        if ref.name == "long":
+            started.set()
+            await asyncio.to_thread(finish.wait, 30)
+        return await turn(ref, plan, options, pieces)
+
+    monkeypatch.setattr(s.server, "_turn", long_turn)
+    client = s.client()
+
+    def chat(name):
+        return client.chat.completions.create(model="kvactors-tiny", messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=2, extra_headers={"X-Agent-Id": name})
+
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            long = pool.submit(chat, "long")
+            assert started.wait(30)
+            chat("short")  # begins after "long" began, ends before it ends
+            finish.set()
+            assert extra(long.result(timeout=60))["agent"] == "long"
+        chat("new")  # room for it: "short", whose request ended first, stops
+        assert sorted(s.rt.running()) == ["long", "new"], s.rt.running()
+    finally:
+        finish.set()
         s.close()
 
 

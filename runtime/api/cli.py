@@ -103,8 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="require 'Authorization: Bearer KEY' on every request but /health "
                           "(default: $KVACTORS_API_KEY, else none)")
     srv.add_argument("--max-agents", type=int, default=256,
-                     help="agents kept running once their requests end (a busy one is never stopped); the least "
-                          "recently used idle ones stop beyond it and resume from disk when needed "
+                     help="agents kept running once their requests end (a busy one is never stopped); beyond it the "
+                          "idle ones whose last request ended longest ago stop, and resume from disk when needed "
                           "(default: %(default)s)")
     srv.add_argument("--max-tokens", type=int, default=512,
                      help="tokens generated when a request gives no max_tokens (default: %(default)s)")

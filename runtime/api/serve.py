@@ -371,7 +371,8 @@ class Server:
         self.max_agents, self.default_max_tokens, self.turn_timeout = max_agents, default_max_tokens, turn_timeout
         self.started = int(time.time())
         self._locks: dict[str, list] = {}  # name: [its lock, the requests holding or awaiting it]
-        self._used: OrderedDict[str, None] = OrderedDict()  # running agents, least recently used first
+        # running agents, least recently used first: the one whose last request ended earliest (see `lock`)
+        self._used: OrderedDict[str, None] = OrderedDict()
         self._spawning = asyncio.Lock()
         self._tasks: set = set()
         self.cancelled = 0  # streamed turns cut short because their client hung up
@@ -383,15 +384,19 @@ class Server:
     async def lock(self, name: str):
         """Hold agent `name`'s lock (`async with`) while a request maps onto it and runs its turn: requests to one
         agent take turns. The lock exists while requests hold or await it, so names seen once (a refused unnamed
-        conversation, a forgotten agent) keep nothing; an agent whose lock exists is busy (see `agent`). When the
-        last request lets go of it, idle agents beyond max_agents stop (more ran while more were busy) in a task of
-        their own: the request answers without waiting for them."""
+        conversation, a forgotten agent) keep nothing; an agent whose lock exists is busy (see `agent`). A request
+        that lets go of it makes the agent the most recently used: recency counts from the end of an agent's last
+        request, so the idle agent stopped first is the one idle longest. When the last request lets go of it, idle
+        agents beyond max_agents stop (more ran while more were busy) in a task of their own: the request answers
+        without waiting for them."""
         entry = self._locks.setdefault(name, [asyncio.Lock(), 0])
         entry[1] += 1
         try:
             async with entry[0]:
                 yield
         finally:
+            if name in self._used:  # not an agent the request forgot
+                self._used.move_to_end(name)
             entry[1] -= 1
             if not entry[1]:
                 del self._locks[name]
@@ -411,8 +416,7 @@ class Server:
                     current = conversation_prompt(await asyncio.to_thread(ref.history))
                     if current is not None and current != system:  # None: lost to journal damage, the agent's call
                         raise SystemPromptChanged(name, current, system)
-                self._used[name] = None
-                self._used.move_to_end(name)
+                self._used[name] = None  # its recency is set as its request ends (see `lock`)
                 return ref
             await self._evict(self.max_agents - 1, name)  # room for `name`
             try:
