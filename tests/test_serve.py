@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
+import pykka
 import pytest
 import uvicorn
 
@@ -619,6 +620,43 @@ def test_the_least_recently_used_agent_is_the_one_whose_last_request_ended_first
         assert sorted(s.rt.running()) == ["long", "new"], s.rt.running()
     finally:
         finish.set()
+        s.close()
+
+
+def test_an_idle_agent_whose_stop_failed_stays_tracked_and_stops_when_room_is_next_needed(tmp_path, monkeypatch,
+                                                                                         caplog):
+    """A stop that fails is logged and the agent stays among those the server stops beyond max_agents: the next
+    idle agent stops in its place, and it stops itself when room is next needed. (It was dropped from the server's
+    list before its stop: it ran on, never stopped again, past max_agents for good; and the request that needed the
+    room failed with a 500.)"""
+    s = Served(tmp_path)
+    s.server.max_agents = 2
+    stop, failed = AgentRef.stop, []
+
+    def stop_fails_once(ref):
+        if not failed:
+            failed.append(ref.name)
+            raise pykka.Timeout("the supervisor did not answer")
+        stop(ref)
+
+    client = s.client()
+
+    def chat(name):
+        return client.chat.completions.create(model="kvactors-tiny", messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=2, extra_headers={"X-Agent-Id": name})
+
+    try:
+        chat("f1")
+        chat("f2")
+        monkeypatch.setattr(AgentRef, "stop", stop_fails_once)
+        with caplog.at_level(logging.WARNING, logger="runtime.api.serve"):
+            assert extra(chat("f3"))["agent"] == "f3"  # f1's stop fails: f2 stops in its place
+        assert failed == ["f1"] and sorted(s.rt.running()) == ["f1", "f3"], s.rt.running()
+        assert any("f1" in r.getMessage() and "the supervisor did not answer" in r.getMessage()
+                   for r in caplog.records), caplog.text
+        chat("f4")  # f1, the least recently used, stops now
+        assert sorted(s.rt.running()) == ["f3", "f4"], s.rt.running()
+    finally:
         s.close()
 
 

@@ -430,17 +430,27 @@ class Server:
 
     async def _evict(self, keep: int, spare: str | None = None) -> None:
         """Stop the least recently used idle agents (no request holds or awaits them; never `spare`) until at most
-        `keep` run; busy ones run on. Their durable state stays: they resume from disk (warm). Hold `_spawning`."""
+        `keep` run; busy ones run on. Their durable state stays: they resume from disk (warm). An agent whose stop
+        fails and that still runs is logged and stays tracked: the next idle one stops in its place, and it is
+        stopped again when room is next needed. Hold `_spawning`."""
         running = None  # asked once, off the event loop (`running()` asks the supervisor), and only if needed
         for old in list(self._used):
             if len(self._used) <= keep:
                 break
-            if old not in self._locks and old != spare:
-                self._used.pop(old)
-                if running is None:
-                    running = set(await asyncio.to_thread(self.rt.running))
-                if old in running:
+            if old in self._locks or old == spare:
+                continue
+            if running is None:
+                running = set(await asyncio.to_thread(self.rt.running))
+            if old in running:
+                try:
                     await asyncio.to_thread(self.rt.agent(old).stop)
+                except Exception as e:  # noqa: BLE001 - whatever failed, what runs decides whether it is still tracked
+                    if old in await asyncio.to_thread(self.rt.running):
+                        log.warning("agent %s runs on: stopping it to keep to --max-agents failed: %r; another "
+                                    "idle agent stops in its place, and it is stopped again when room is next needed",
+                                    old, e)
+                        continue
+            self._used.pop(old, None)
 
     async def _stop_idle_beyond_max(self) -> None:
         """Stop idle agents beyond max_agents (see `lock`; each stop waits for that agent's queued cache writes); a
