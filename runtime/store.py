@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import os
 import re
 import shutil
@@ -76,6 +77,8 @@ __all__ = [
     "Loaded", "StoredAgent", "agent_folders", "delete", "inspect_table", "load_agent", "prune", "record_model",
     "recorded_model", "stored_agent",
 ]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -300,7 +303,8 @@ def prune(cache_dir, max_age_s: float, *, journals: bool = False, now: float | N
     it is then empty. Times are the files' own (a symlink is never followed). Returns the
     deleted paths: the folder, or its files where something else stays in it (a cache's
     delta files included), also those of an agent whose folder failed partway (a file
-    that cannot be deleted): that agent is left as it is then, and the others are
+    that cannot be deleted, a folder that cannot be searched): that agent is left as
+    it is then, logged as a warning (its folder, the file and why), and the others are
     still pruned. Temp files left by crashed writers are removed too.
     """
     now = time.time() if now is None else now
@@ -308,8 +312,9 @@ def prune(cache_dir, max_age_s: float, *, journals: bool = False, now: float | N
     for folder in agent_folders(cache_dir):
         try:
             _prune_folder(folder, max_age_s, journals, now, deleted)
-        except OSError:  # files no rule foresaw (a folder in a cache file's place): the other agents are still pruned
-            continue
+        except OSError as e:  # a read-only folder, files no rule foresaw (a folder in a cache file's place)
+            log.warning("prune left the rest of agent folder %s: %s; fix that folder's permissions or move that path "
+                        "aside, for the next prune to take the agent", folder, e)
     return deleted
 
 
@@ -320,7 +325,7 @@ def _prune_folder(folder: Path, max_age_s: float, journals: bool, now: float, de
     cache = [folder / CACHE_FILE, *folder.glob(DELTA_FILE.format("*"))]
     ours = [*cache, folder / JOURNAL_FILE, folder / HIGH_FILE,
             *folder.glob("journal.torn-*"), *folder.glob("journal.damaged-*")]
-    ours = [p for p in ours if os.path.lexists(p)]
+    ours = [p for p in ours if _mode(p) is not None]  # a folder that cannot be searched raises: not taken for empty
     newest = max((os.lstat(p).st_mtime for p in ours), default=0.0)  # a link's own time: never followed
     if now - newest < max_age_s:
         return

@@ -7,7 +7,10 @@ import errno
 import json
 import os
 import random
+import shutil
 import stat
+import subprocess
+import sys
 import threading
 import types
 import zlib
@@ -21,6 +24,8 @@ from safetensors import TensorSpec, serialize
 
 from runtime import cachechain, cacheformat, hostcache, journal, store
 from runtime.store import CacheMeta
+
+ROOT = Path(__file__).resolve().parent.parent
 
 SPEC = types.SimpleNamespace(
     fingerprint="fp-test", n_layers=2, n_kv_heads=2, k_head_dim=64, v_head_dim=64, kv_bits=4, kv_group_size=64
@@ -747,6 +752,38 @@ def test_prune_reads_the_files_own_times_and_says_what_it_deleted_when_the_folde
     gone = store.prune(tmp_path, 600, journals=True)
     assert folder.exists() and gone and all(p.parent == folder for p in gone)
     assert sorted(p.name for p in folder.iterdir()) == ["someone-else's"]
+
+
+def test_prune_logs_each_agent_it_could_not_prune_with_the_reason_and_goes_on(tmp_path):
+    """An agent folder prune cannot delete in (a read-only folder) or search is left as it is and logged as a
+    warning that names it, the file and why; the other agents are still pruned. (It was skipped without a word:
+    nothing said that agent's cache stayed; a folder that cannot be searched was even taken for an empty one.) Run
+    in a process of its own, where root obeys the folders' permissions."""
+    for agent in ("hidden", "locked", "open"):
+        saved(tmp_path, agent=agent)
+    folder = tmp_path / SPEC.fingerprint
+    script = ("import logging, sys; from runtime import store; logging.basicConfig(format='%(levelname)s %(message)s')"
+              "; print(*store.prune(sys.argv[1], 0, now=float('inf')), sep='\\n')")
+    cmd = [sys.executable, "-c", script, str(tmp_path)]
+    if os.geteuid() == 0:  # root searches and deletes in any folder: drop the capabilities that let it
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            pytest.skip("root deletes in a read-only folder and setpriv is not here to drop that")
+        cmd = [setpriv, "--bounding-set=-dac_override,-dac_read_search", *cmd]
+    (folder / "hidden").chmod(0)
+    (folder / "locked").chmod(0o555)
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    finally:
+        (folder / "hidden").chmod(0o755)
+        (folder / "locked").chmod(0o755)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [str(folder / "open" / store.CACHE_FILE)], out.stdout
+    assert (folder / "hidden" / store.CACHE_FILE).exists() and (folder / "locked" / store.CACHE_FILE).exists()
+    warnings = [line for line in out.stderr.splitlines() if line.startswith("WARNING")]
+    assert len(warnings) == 2, out.stderr
+    for warning, agent in zip(warnings, ("hidden", "locked")):
+        assert f"{folder / agent}/{store.CACHE_FILE}" in warning and "Permission denied" in warning, warning
 
 
 def test_delete_and_retention(tmp_path):
