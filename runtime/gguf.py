@@ -13,8 +13,10 @@ requantized by MLX where the folder keeps quantized weights); types neither can
 read are refused with `UnsupportedGGUF` naming the type. The folder stores
 either `"float32"` weights (every tensor exactly dequantized: fastest on MLX's
 CPU build, where quantized matmuls with 16-bit activations are very slow) or
-`"quantized"` ones (the file's own 4/8-bit triplets, float16 elsewhere: four to
-eight times smaller, for GPUs). `default_weights()` picks by device.
+`"quantized"` ones (the file's own 4/8-bit triplets, float16 elsewhere but
+bfloat16 for BF16 tensors, whose range float16 lacks: four to eight times
+smaller, for GPUs). `default_weights()` picks by device. BF16 tensors are read
+from their own bits, never through `mx.load`, which makes float16 of them.
 
 llama.cpp's converter permutes the rows of llama's `attn_q` and `attn_k` (its
 rope layout); the import undoes that by whole rows of weights, scales and biases.
@@ -193,9 +195,9 @@ def import_gguf(path: str | Path, out: str | Path, weights: str | None = None) -
     """Convert the GGUF file at `path` into a new mlx-lm model folder `out`; return `out`.
 
     `weights` is "float32" (exactly dequantized) or "quantized" (the file's 4/8-bit
-    triplets kept as they are); None picks `default_weights()`. The folder is built
-    in a temporary sibling and renamed into place, so `out` either does not exist
-    or is complete.
+    triplets kept as they are, other tensors float16, BF16 ones bfloat16); None
+    picks `default_weights()`. The folder is built in a temporary sibling and
+    renamed into place, so `out` either does not exist or is complete.
     Raises FileExistsError if `out` exists, UnsupportedGGUF for an
     architecture, tensor, quantization type or tokenizer this import cannot map,
     and GGUFError for a file that is not GGUF, is damaged or cannot be read, and
@@ -387,6 +389,8 @@ def _read(path: Path) -> tuple[dict, dict]:
     tensor (a quantization type MLX lacks), or must not be given the file (a 64-bit
     float value in its metadata, which crashes MLX's parser), every tensor is read by
     the gguf package instead and dequantized to float32 (kind "dequant", with its type).
+    BF16 tensors are read by neither: `mx.load` turns them into float16, losing range
+    and precision, so their bits are taken as they are (`_bfloat16`; kind "float").
     """
     import mlx.core as mx
 
@@ -406,6 +410,7 @@ def _read(path: Path) -> tuple[dict, dict]:
             loaded = mx.load(str(path))
         except Exception:  # noqa: BLE001 - MLX refuses whole files with a type it lacks
             loaded = {}
+    bf16 = {t.name: ("float", _bfloat16(t), None, "BF16") for t in reader.tensors if t.tensor_type.name == "BF16"}
     tensors = {}
     for name, w in loaded.items():
         stem = name.removesuffix(".weight")
@@ -417,10 +422,13 @@ def _read(path: Path) -> tuple[dict, dict]:
             tensors[name] = ("quant", (w, scales, loaded[f"{stem}.biases"]), bits, f"{bits}-bit")
         else:
             tensors[name] = ("float", w, None, str(w.dtype))
+    tensors.update(bf16)
     if set(tensors) == {t.name for t in reader.tensors}:
         return meta, tensors
-    tensors = {}
+    tensors = dict(bf16)
     for t in reader.tensors:
+        if t.name in bf16:
+            continue
         try:
             tensors[t.name] = ("dequant", _dequantize(t, t.tensor_type.name), None, t.tensor_type.name)
         except (ValueError, IndexError) as e:  # its data shorter than its shape: the file was cut short
@@ -514,6 +522,15 @@ def _dequantize(tensor, qtype: str):
     return mx.array(np.ascontiguousarray(data, dtype=np.float32).reshape(shape))
 
 
+def _bfloat16(tensor):
+    """A BF16 GGUF tensor as an MLX bfloat16 array of its very bits."""
+    import mlx.core as mx
+    import numpy as np
+
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    return mx.array(np.ascontiguousarray(tensor.data).view(np.uint16).reshape(shape)).view(mx.bfloat16)
+
+
 def _mlx_name(gguf_name: str) -> str:
     stem, _, suffix = gguf_name.rpartition(".")
     if stem in _GLOBAL_NAMES:
@@ -571,7 +588,8 @@ def _mlx_weights(tensors: dict, config: dict, arch: str, weights: str):
             out[target], out[f"{prefix}.scales"], out[f"{prefix}.biases"] = w, scales, biases
             layer_bits[prefix] = bits
             continue
-        out[target] = a.astype(mx.float32 if weights == "float32" else mx.float16)
+        keep = mx.bfloat16 if a.dtype == mx.bfloat16 else mx.float16  # float16 would lose BF16's range
+        out[target] = a.astype(mx.float32 if weights == "float32" else keep)
     mx.eval(out)
     if not layer_bits:
         return out, None
