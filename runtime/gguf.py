@@ -26,8 +26,9 @@ pre-tokenizers of SmolLM (digits split one by one), GPT-2, Qwen2 and Llama-3.
 What the import trusts: nothing. MLX's own GGUF parser believes the header's counts,
 lengths and types (a damaged one crashes the process), so the gguf package's reader
 parses and checks the file first (`_open`); the metadata read must be of the kind
-`_METADATA` says; the tensors must be exactly the weights, by name and shape, of the
-mlx-lm model the metadata describes. Anything else raises GGUFError (or
+`_METADATA` says, and its start and end token ids tokens of the model's vocabulary;
+the tensors must be exactly the weights, by name and shape, of the mlx-lm model the
+metadata describes. Anything else raises GGUFError (or
 UnsupportedGGUF) before anything is written.
 
 Which error. GGUFError is a file that is not GGUF, is damaged or contradicts
@@ -52,7 +53,7 @@ import stat
 from pathlib import Path
 
 from runtime.errors import shown
-from runtime.model import ModelLoadError, kvactors_home, model_folder_lock, new_model_folder
+from runtime.model import ModelLoadError, in_vocabulary, kvactors_home, model_folder_lock, new_model_folder
 
 __all__ = [
     "GGUFError",
@@ -200,8 +201,9 @@ def import_gguf(path: str | Path, out: str | Path, weights: str | None = None) -
     renamed into place, so `out` either does not exist or is complete.
     Raises FileExistsError if `out` exists, UnsupportedGGUF for an
     architecture, tensor, quantization type or tokenizer this import cannot map,
-    and GGUFError for a file that is not GGUF, is damaged or cannot be read, and
-    for an `out` that cannot be written.
+    and GGUFError for a file that is not GGUF, is damaged, contradicts itself (a
+    start or end token id outside its vocabulary, named by its metadata key) or
+    cannot be read, and for an `out` that cannot be written.
     """
     path, out = Path(path).expanduser(), Path(out).expanduser()
     weights = _check_weights(weights)
@@ -216,6 +218,7 @@ def import_gguf(path: str | Path, out: str | Path, weights: str | None = None) -
     config["tie_word_embeddings"] = "output.weight" not in tensors
     tokenizer_json, tokenizer_config, template = _tokenizer(meta, path)
     _check_tensors(tensors, config, path)
+    _check_token_ids(meta, config, path)
     mlx_weights, quantization = _mlx_weights(tensors, config, arch, weights)
     if quantization:
         config["quantization"] = quantization
@@ -321,6 +324,23 @@ def _check_tensors(tensors: dict, config: dict, path: Path) -> None:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise GGUFError(f"{path}: tensors missing for the model its metadata describes: "
                         f"{', '.join(_gguf_name(n) for n in missing[:3])}{more}; {damaged}")
+
+
+def _check_token_ids(meta: dict, config: dict, path: Path) -> None:
+    """Raise GGUFError, naming the metadata key, the id and the vocabulary's size, where the file's start token
+    (tokenizer.ggml.bos_token_id) or an end token (eos, eot, eom) is not a token of the model (`in_vocabulary`):
+    such an end token would make a folder that `load_model` refuses (`check_token_ids`), and such a start token
+    would be left out of every prompt. The vocabulary is the ids that both the tokenizer names
+    (tokenizer.ggml.tokens) and the embedding has rows for (config's vocab_size, which `_check_tensors` has
+    matched to token_embd); llama.cpp's converter makes the two equal."""
+    rows = min(config["vocab_size"], len(meta["tokenizer.ggml.tokens"]))
+    for key, what in (("bos", "start"), ("eos", "end"), ("eot", "end-of-turn"), ("eom", "end-of-message")):
+        name = f"tokenizer.ggml.{key}_token_id"
+        if name in meta and not in_vocabulary(meta[name], rows):
+            raise GGUFError(f"{path}: metadata {name} is {meta[name]}, which is not a token of this model: its "
+                            f"vocabulary has {rows} token ids (0 to {rows - 1}); set the key to the id of the "
+                            f"model's {what} token (the gguf package's `gguf-set-metadata FILE {name} ID` edits the "
+                            "file in place), or convert the model again with llama.cpp's converter")
 
 
 def _check_weights(weights: str | None) -> str:

@@ -334,9 +334,16 @@ def check_token_ids(path: Path, tokenizer, rows: int | None) -> None:
             named.append((f"the tokenizer's {role}_token {getattr(tokenizer, f'{role}_token')!r} is id {shown(i)}",
                           i, harm, files))
     for what, i, harm, where in named:
-        if not (isinstance(i, int) and not isinstance(i, bool) and 0 <= i < rows):
+        if not in_vocabulary(i, rows):
             raise ModelLoadError(f"{path}: {what}, which is not a token of this model: its vocabulary has {rows} "
                                  f"token ids (0 to {rows - 1}); {harm}; correct {where}, or fetch the model again")
+
+
+def in_vocabulary(token_id, rows: int) -> bool:
+    """Whether `token_id` is a token id of a model whose vocabulary has `rows` ids: an integer (not a bool) from 0
+    to rows - 1. The rule `check_token_ids` applies to a folder's end and start tokens, and the GGUF import to a
+    file's."""
+    return isinstance(token_id, int) and not isinstance(token_id, bool) and 0 <= token_id < rows
 
 
 def _json_object(file: Path) -> dict:

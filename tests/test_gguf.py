@@ -662,3 +662,18 @@ def test_bf16_tensors_convert_bit_exactly_whichever_reader_reads_the_file(tmp_pa
                 assert np.array_equal(np.array(a.view(mx.uint16)), bits), (qtype, weights)
         model, tok = mlx_lm.load(str(tmp_path / f"{qtype}-quantized"))
         assert model(mx.array([tok.encode("hello")])).shape[-1] == model.args.vocab_size
+
+
+@pytest.mark.parametrize("key", ["eos", "eot", "eom", "bos"])
+def test_a_special_token_id_outside_the_vocabulary_is_refused_at_import_by_its_metadata_key(tmp_path, small, key):
+    """Copied into config.json unchecked, an eos, eot or eom id past the vocabulary made a folder that load_model then
+    refused, naming the folder's config.json rather than the file's metadata; a bos id past it was dropped."""
+    rows = int(gguf.GGUFReader(str(small["Q8_0"])).fields["llama.vocab_size"].contents())
+    name = f"tokenizer.ggml.{key}_token_id"
+    rewrite(small["Q8_0"], tmp_path / "bad.gguf", meta={name: (rows, V.UINT32)})
+    with pytest.raises(GGUFError, match=rf"metadata {name} is {rows}, .*vocabulary has {rows} token ids") as e:
+        import_gguf(tmp_path / "bad.gguf", tmp_path / "bad", "float32")
+    assert "config.json" not in str(e.value) and "convert the model again" in str(e.value)
+    assert not (tmp_path / "bad").exists()
+    rewrite(small["Q8_0"], tmp_path / "last.gguf", meta={name: (rows - 1, V.UINT32)})  # the last id is a token
+    load_model(import_gguf(tmp_path / "last.gguf", tmp_path / "last", "float32"))
