@@ -38,8 +38,9 @@ not know is read as a format it does not know, not as damage: a GGUF version
 other than 2 and 3, and a tensor type id the gguf package does not define (one
 past the last it knows, which a newer llama.cpp or a fork of it writes, or one
 llama.cpp has removed) raise UnsupportedGGUF naming it. So do the types the
-package defines but neither it nor MLX turns into floats (Q8_1, Q8_K, F64, ...)
-and the integer types (I8 to I64), which hold no weights.
+package defines but neither it nor MLX turns into floats (Q8_1, Q8_K, ...), the
+integer types (I8 to I64), which hold no weights, and 64-bit float tensors (F64),
+which no folder this import writes holds exactly.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ _LLAMA3_REGEX = (
 PRE_TOKENIZERS = ("smollm", "gpt-2", "default", "qwen2", "llama-bpe")
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
-_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+_FLOAT_TYPES = ("F32", "F16", "BF16")
 _INTEGER_TYPES = ("I8", "I16", "I32", "I64")  # GGUF's integer tensors: no weights; MLX reads them as integers
 _VERSIONS = (2, 3)  # GGUF versions whose layout this import reads (1 had 32-bit counts)
 _MAX_DIMS = 4  # GGML_MAX_DIMS
@@ -460,7 +461,7 @@ def _open(path: Path):
     """The gguf package's reader of the GGUF file at `path`, its structure checked: GGUF version 2 or 3,
     little-endian, every tensor of a type the package knows, of 1 to 4 dimensions none 0, its data aligned and
     within the file, no tensor name twice. Only such a file may reach `mx.load`, whose parser trusts all that.
-    A tensor type the package does not define, or an integer type, raises UnsupportedGGUF; the rest GGUFError."""
+    A tensor type the package does not define, an integer type or F64 raises UnsupportedGGUF; the rest GGUFError."""
     _check_file(path)
     try:
         with open(path, "rb") as f:
@@ -494,6 +495,11 @@ def _open(path: Path):
             raise UnsupportedGGUF(f"{path}: tensor {t.name} is of integer type {t.tensor_type.name}, which holds no "
                                   "weights and is not supported; convert the model again with a float or quantized "
                                   "type (such as Q4_0, Q8_0, Q4_K or F16)")
+        if t.tensor_type.name == "F64":
+            raise UnsupportedGGUF(f"{path}: tensor {t.name} is a 64-bit float tensor (F64), which is not supported: "
+                                  "a converted folder holds 32-bit floats at most, so it would not convert "
+                                  "exactly; convert the model again with 32-bit, 16-bit or quantized weights "
+                                  "(llama.cpp's converter's --outtype f32, f16, bf16 or q8_0)")
     return reader
 
 

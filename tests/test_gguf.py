@@ -677,3 +677,14 @@ def test_a_special_token_id_outside_the_vocabulary_is_refused_at_import_by_its_m
     assert not (tmp_path / "bad").exists()
     rewrite(small["Q8_0"], tmp_path / "last.gguf", meta={name: (rows - 1, V.UINT32)})  # the last id is a token
     load_model(import_gguf(tmp_path / "last.gguf", tmp_path / "last", "float32"))
+
+
+def test_an_f64_tensor_is_refused_as_a_64_bit_float_tensor(tmp_path, small):
+    """F64 was refused as a "quantization type" neither MLX nor the gguf package can read."""
+    down = np.zeros((128, 256), dtype=np.float64)
+    for qtype in ("Q8_0", "Q5_0"):
+        rewrite(small[qtype], tmp_path / "m.gguf", tensors={"blk.0.ffn_down.weight": (down, Q.F64)})
+        with pytest.raises(UnsupportedGGUF, match=r"tensor blk\.0\.ffn_down\.weight is a 64-bit float tensor") as e:
+            import_gguf(tmp_path / "m.gguf", tmp_path / "m", "float32")
+        assert "quantization type" not in str(e.value) and "convert the model again" in str(e.value)
+        assert not (tmp_path / "m").exists()
