@@ -13,10 +13,10 @@ requantized by MLX where the folder keeps quantized weights); types neither can
 read are refused with `UnsupportedGGUF` naming the type. The folder stores
 either `"float32"` weights (every tensor exactly dequantized: fastest on MLX's
 CPU build, where quantized matmuls with 16-bit activations are very slow) or
-`"quantized"` ones (the file's own 4/8-bit triplets, float16 elsewhere but
-bfloat16 for BF16 tensors, whose range float16 lacks: four to eight times
-smaller, for GPUs). `default_weights()` picks by device. BF16 tensors are read
-from their own bits, never through `mx.load`, which makes float16 of them.
+`"quantized"` ones (the file's own 4/8-bit triplets, float16 elsewhere: four to
+eight times smaller, for GPUs). `default_weights()` picks by device. BF16 tensors
+are read from their own bits, never through `mx.load`, which makes float16 of them:
+exact in a float32 folder.
 
 llama.cpp's converter permutes the rows of llama's `attn_q` and `attn_k` (its
 rope layout); the import undoes that by whole rows of weights, scales and biases.
@@ -197,7 +197,7 @@ def import_gguf(path: str | Path, out: str | Path, weights: str | None = None) -
     """Convert the GGUF file at `path` into a new mlx-lm model folder `out`; return `out`.
 
     `weights` is "float32" (exactly dequantized) or "quantized" (the file's 4/8-bit
-    triplets kept as they are, other tensors float16, BF16 ones bfloat16); None
+    triplets kept as they are, other tensors float16); None
     picks `default_weights()`. The folder is built in a temporary sibling and
     renamed into place, so `out` either does not exist or is complete.
     Raises FileExistsError if `out` exists, UnsupportedGGUF for an
@@ -614,8 +614,9 @@ def _mlx_weights(tensors: dict, config: dict, arch: str, weights: str):
             out[target], out[f"{prefix}.scales"], out[f"{prefix}.biases"] = w, scales, biases
             layer_bits[prefix] = bits
             continue
-        keep = mx.bfloat16 if a.dtype == mx.bfloat16 else mx.float16  # float16 would lose BF16's range
-        out[target] = a.astype(mx.float32 if weights == "float32" else keep)
+        # float16 for every one in a quantized folder (BF16's too: a model of one float type; float16 beside
+        # bfloat16 makes MLX compute in float32), which loses what float16 cannot hold; a float32 folder keeps all
+        out[target] = a.astype(mx.float32 if weights == "float32" else mx.float16)
     mx.eval(out)
     if not layer_bits:
         return out, None
