@@ -167,8 +167,9 @@ def main(argv=None) -> int:
     parser = bench_parser(__doc__)
     parser.add_argument("--contexts", default="4096,16384,32768,65536")
     parser.add_argument("--batches", default="1,8")
-    parser.add_argument("--settings", default="32/256/4,64/256/4,128/256/4,64/512/4,64/256/2",
-                        help="settings CHUNKS/MIN_CHUNK/WARPS[/STAGES] of runtime.q4sdpa to time, comma-separated")
+    parser.add_argument("--settings", default="32/256/4,16/256/4,24/256/4,32/512/4,32/256/2",
+                        help="settings CHUNKS/MIN_CHUNK/WARPS[/STAGES] of runtime.q4sdpa to time, comma-separated "
+                        "(CHUNKS at most 32)")
     parser.add_argument("--key-bits", type=int, default=4, help="bits of the keys (4 or 6; values are 4-bit)")
     parser.add_argument("--rotated", action="store_true", help="time calls on a Hadamard-rotated cache (as the default "
                         "scheme's); errors are measured unrotated")

@@ -40,7 +40,7 @@ import mlx.core as mx
 
 from runtime.qgemv import MMA16816, cuda_kernel
 
-CHUNKS = 32  # blocks that share a row's keys (per kv head), whatever its length, when decoding
+CHUNKS = 32  # blocks that share a row's keys (per kv head), whatever its length, when decoding (at most 32)
 PREFILL_CHUNKS = 4  # the same for a prefill chunk, whose query tiles make many blocks already
 MAX_QUERIES = 512  # queries per row the kernel takes at most (longer prefill chunks have faster routes)
 MIN_CHUNK = 256  # fewest keys a block takes (short rows use fewer blocks)
