@@ -73,6 +73,27 @@ def stalled_batcher(rt):
         release.set()
 
 
+@contextlib.contextmanager
+def busy_supervisor(rt, monkeypatch):
+    """Park the agents' supervisor's thread (inside a `children()` call) until the block exits."""
+    entered, release = threading.Event(), threading.Event()
+    supervisor = pykka_compat.actor_of(rt._supervisor)
+    children = supervisor.children
+
+    def parked():
+        entered.set()
+        release.wait(30)
+        return children()
+
+    monkeypatch.setattr(supervisor, "children", parked)
+    rt._supervisor.proxy().children()  # not waited for: the supervisor runs it, and waits there
+    assert entered.wait(30), "the supervisor never took the call"
+    try:
+        yield release
+    finally:
+        release.set()
+
+
 def wait_for(predicate, timeout=10.0, what="condition"):
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -928,6 +949,52 @@ def test_waits_on_the_files_check_their_timeout_and_run_out_with_wait_timeout(tm
             rt.flush(timeout=0.05)
         release.set()
         rt.flush()
+
+
+def test_a_spawn_its_busy_supervisor_has_not_begun_within_its_timeout_raises_wait_timeout(tmp_path, monkeypatch):
+    """spawn waited for the agents' supervisor with pykka's get(timeout=60): a supervisor busy past that (stopping
+    an agent whose thread is held up) let pykka.Timeout out, no KvactorsError. spawn's timeout bounds the wait, the
+    WaitTimeout says to call again, and the start it gave up on never runs."""
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        rt.spawn("a")
+        with busy_supervisor(rt, monkeypatch):
+            advice = r"spawn\(\) waited 0.2 s .* to start 'b'.*nothing was started: call spawn\(\) again"
+            with pytest.raises(WaitTimeout, match=advice):
+                rt.spawn("b", system="You are B.", timeout=0.2)
+            assert rt.running() == ["a"]
+        assert list(rt._supervisor.proxy().children().get(timeout=30)) == ["a"]  # asked after the start it gave up
+        assert "b" not in rt._env.refs
+        assert rt.spawn("b", system="You are B.").ask("Hi.", max_tokens=2).agent == "b"  # the advice works
+
+
+@pytest.mark.parametrize("call", ["stop", "forget"])
+def test_a_stop_its_busy_supervisor_has_not_done_within_its_wait_raises_wait_timeout_and_goes_on(tmp_path, monkeypatch,
+                                                                                                 call):
+    """stop() and forget() waited for the agents' supervisor with pykka's get(timeout=60): past that, pykka.Timeout
+    got out. STOP_WAIT_S (stop) or forget's timeout bounds the wait, and the WaitTimeout says to call again. The
+    stop goes on: the agent takes no more messages, its turn in flight fails with AgentStopped once it stops, and
+    the call made again waits for it (forget then deletes the agent's files)."""
+    from runtime.api import facade
+
+    monkeypatch.setattr(facade, "STOP_WAIT_S", 0.2)
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        a, b = rt.spawn("a", system="You are A."), rt.spawn("b")
+        stop = {"stop": a.stop, "forget": lambda: rt.forget("a", timeout=0.2)}[call]
+        with stalled_batcher(rt):
+            future = a.send("Hello there.", max_tokens=4)
+            with busy_supervisor(rt, monkeypatch):
+                advice = rf"{call}\(\) waited 0.2 s .* agent 'a'.*the stop goes on.*call {call}\(\) again"
+                with pytest.raises(WaitTimeout, match=advice):
+                    stop()
+                assert rt.running() == ["b"]
+                with pytest.raises(UnknownAgent):
+                    a.send("Anyone there?", max_tokens=2)
+            monkeypatch.setattr(facade, "STOP_WAIT_S", 60.0)
+            {"stop": a.stop, "forget": lambda: rt.forget("a")}[call]()  # made again, it waits for the stop
+            with pytest.raises(AgentStopped):
+                future.get(timeout=0)
+        assert rt.stored("a") is (call == "stop") and "a" not in rt._env.refs and rt.running() == ["b"]
+        assert rt.spawn("a").ask("Hi.", max_tokens=2).agent == "a" and b.ask("Hi.", max_tokens=2).agent == "b"
 
 
 def test_more_bad_arguments_are_refused_in_the_callers_thread(rt):

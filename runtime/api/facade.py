@@ -50,7 +50,7 @@ DEFAULT_CACHE_DIR = "~/.cache/kvactors/agents"
 TURN_TIMEOUT = 60.0  # seconds a turn may take unless its caller says otherwise (None: no watchdog)
 MIN_IO_TIMEOUT = 1.0  # the shortest io_timeout: a shorter wait for a loaded disk crash-looped agents into escalation
 RESTART_WAIT_S = 10.0  # seconds a call waits for an agent's restart before it raises AgentCrashed
-STOP_WAIT_S = 60.0  # seconds `shutdown` waits for each group of actors to stop before it raises WaitTimeout
+STOP_WAIT_S = 60.0  # seconds `shutdown` waits for each group of actors to stop, and `AgentRef.stop` for its agent
 
 
 def _emit(item, held, future) -> tuple[list, bool]:
@@ -112,8 +112,8 @@ def _not_in_callback(what: str) -> None:
 
 
 class WaitTimeout(KvactorsError, TimeoutError):
-    """A wait on the Runtime (`flush`, `forget`, `agents`, `engine_stats`, `spawn`'s look at the stored agent) ran
-    past its `timeout`; the work goes on: call again to wait longer."""
+    """A wait on the Runtime (`flush`, `forget`, `agents`, `engine_stats`, `spawn`, `AgentRef.stop`, `shutdown`) ran
+    past its `timeout`; the message says what goes on, and to call again to wait longer."""
 
 
 class SystemPromptTooLong(AdvisedError, ValueError):
@@ -737,7 +737,9 @@ class AgentRef:
         `AgentStopped` (not acknowledged, not in the history), and its waiting notes go
         to the dead letters. (An agent its supervisor stops to restart it with a crashed
         sibling fails such turns with `AgentCrashed`: it comes back by itself.)
-        Raises WaitsInCallback inside a turn's callback.
+        Raises WaitsInCallback inside a turn's callback, and WaitTimeout if the agents' supervisor has not stopped
+        it within STOP_WAIT_S seconds (busy with another agent's stop): the stop goes on and the agent takes no more
+        messages; a call again waits for the stop.
         """
         _not_in_callback(f"stopping agent {self.name!r}")
         self.runtime._stop_agent(self.name)
@@ -809,6 +811,7 @@ class Runtime:
         self._names: dict[str, None] = {}  # running agents' ids, in spawn order (`_add_name`, `_drop_name`)
         self._lowered: dict[str, str] = {}  # each running id lowercased -> the id (`_check_case`)
         self._naming, self._name_locks = threading.Lock(), {}  # see `_name_held`
+        self._stops: dict[str, pykka.Future] = {}  # agent -> its stop, while one goes on past its wait (`_stop_held`)
         self.cache_dir = cache_folder(cache_dir)
         self.model, self.tokenizer, self.spec = load_model(model, scheme, route)  # checked on the engine's route
         context = getattr(getattr(self.model, "args", None), "max_position_embeddings", None)
@@ -856,6 +859,8 @@ class Runtime:
         agent of that name is running (stop it first, or `forget` it), SystemPromptTooLong (a ValueError) for a
         system prompt that leaves the model no position for a turn, and TypeError or ValueError for a bad option
         (system a str, restart one of the three, reset a bool, timeout finite and > 0), before anything starts.
+        timeout: seconds each wait may take (for another call on this name, the stored agent's files, the agents'
+        supervisor): past it, WaitTimeout, and nothing was started (call again to wait longer).
         """
         self._check_running()
         store.check_agent_id(name)
@@ -868,6 +873,8 @@ class Runtime:
             raise InvalidArgumentType(f"reset must be True or False, got {type(reset).__name__}")
         _positive("timeout", timeout)
         with self._name_held(name, timeout):
+            if name in self._stops:  # its earlier actor first: a stop of it that ran past its wait
+                self._finish_stop(name, timeout, "spawn()")
             self._drop_if_exited(name)  # a temporary agent that crashed is not running any more
             if name in self._names:
                 raise InvalidArgument(f"agent {name!r} is already running; use rt.agent({name!r})")
@@ -877,7 +884,7 @@ class Runtime:
             elif system:
                 self._check_system(name, system, timeout)
             self._start_child(self._supervisor, name,
-                              lambda sup: AgentActor.start(sup, self._env, name, system), restart)
+                              lambda sup: AgentActor.start(sup, self._env, name, system), restart, timeout, "spawn()")
             self._add_name(name)
         return AgentRef(self, name)
 
@@ -993,15 +1000,17 @@ class Runtime:
         """Stop agent `name` if it runs and delete its cache and journal; return whether any were stored.
 
         Its queued writes land first, then its folder goes. Raises InvalidAgentId for a bad name,
-        WaitTimeout if that takes more than `timeout` seconds, and WaitsInCallback inside a turn's callback.
+        WaitTimeout if a wait (for another call on this name, the agent's stop, the files) takes more than `timeout`
+        seconds (a stop goes on, and the files stay until a call again finds it done), and WaitsInCallback inside a
+        turn's callback.
         """
         self._check_running()
         store.check_agent_id(name)
         _positive("timeout", timeout)
         _not_in_callback(f"forgetting agent {name!r}")
         with self._name_held(name, timeout):  # no spawn of this name between its stop and its files' deletion
-            if name in self._names:
-                self._stop_held(name)
+            if name in self._names or name in self._stops:
+                self._stop_held(name, timeout, "forget()")
             return self._on_files(f"deleting agent {name!r}", timeout, lambda p: p.delete(name))
 
     def stored(self, name: str) -> bool:
@@ -1108,15 +1117,35 @@ class Runtime:
         except Exception:  # noqa: BLE001 - no batcher (never started, restarting, stopped): nothing to wait for
             return None
 
-    def _start_child(self, sup, name, start, restart="permanent"):
-        env = self._env
+    def _start_child(self, sup, name, start, restart="permanent", timeout=60.0, call="Runtime()"):
+        """Have supervisor `sup` start child `name` (`start(sup)`, again at each restart) and register its ref.
+
+        WaitTimeout, naming `call`, if `sup` has not begun the start within `timeout` seconds (it is busy, such as
+        stopping an agent whose thread is held up): the start is then called off, so nothing starts."""
+        env, lock, state = self._env, threading.Lock(), ["queued"]  # then "begun" (by `sup`) or "called off"
 
         def started():
+            with lock:
+                if state[0] == "called off":
+                    raise WaitTimeout(f"{call} of {name!r} was called off: it ran past its wait")
+                state[0] = "begun"
             ref = start(sup)
             env.register(name, ref)
             return ref
 
-        sup.proxy().start_child(ChildSpec(name, started, restart)).get(timeout=60)
+        future = sup.proxy().start_child(ChildSpec(name, started, restart))
+        try:
+            future.get(timeout=wait_seconds(timeout))
+            return
+        except pykka.Timeout:
+            with lock:
+                if state[0] == "queued":
+                    state[0] = "called off"
+        if state[0] == "called off":
+            raise WaitTimeout(f"{call} waited {timeout:g} s for the supervisor to start {name!r}, and it has not "
+                              "begun: it is busy (such as stopping an agent whose thread is held up, e.g. by a done "
+                              f"callback that blocks); nothing was started: call {call} again to wait longer")
+        future.get()  # `sup` is starting it now: an actor's thread starts at once
 
     def _ref(self, name: str, turn_id: str | None = None) -> pykka.ActorRef:
         """The current actor of agent `name`, waiting briefly while it restarts; AgentCrashed, carrying the
@@ -1203,23 +1232,42 @@ class Runtime:
             lock.release()
 
     def _stop_agent(self, name):
-        """Stop running agent `name` (`AgentRef.stop`)."""
+        """Stop running agent `name` (`AgentRef.stop`), waiting STOP_WAIT_S seconds for it."""
         with self._name_held(name, None):
-            self._stop_held(name)
+            self._stop_held(name, STOP_WAIT_S, "stop()")
 
-    def _stop_held(self, name):
-        """`_stop_agent` for a caller that holds `_name_held(name)`."""
+    def _stop_held(self, name, timeout, call):
+        """`_stop_agent` for a caller, named `call`, that holds `_name_held(name)`; it waits `timeout` seconds for the
+        agent to stop (`_finish_stop`). Also finishes a stop of `name` that ran past its wait before."""
         self._check_running()
-        if name not in self._names:
+        if name not in self._names and name not in self._stops:
             raise not_running(name, self._names)
-        if self._drop_if_exited(name):
-            return  # it exited and was not restarted: nothing to stop
-        self._drop_name(name)
-        self._env.stopping(name)
+        if name in self._names:
+            if self._drop_if_exited(name):
+                return  # it exited and was not restarted: nothing to stop
+            self._drop_name(name)
+            self._env.stopping(name)
+            self._stops[name] = self._supervisor.proxy().stop_child(name)
+        self._finish_stop(name, timeout, call)
+
+    def _finish_stop(self, name, timeout, call):
+        """Wait for the stop of agent `name` that `_stop_held` asked the supervisor for, at most `timeout` seconds.
+
+        Past that, WaitTimeout naming `call`: the stop goes on, the agent still counts as being stopped by the user,
+        and the next stop, forget or spawn of the name (which holds `_name_held(name)`) waits for it again."""
         try:
-            self._supervisor.proxy().stop_child(name).get(timeout=60)
-        finally:
+            self._stops[name].get(timeout=wait_seconds(timeout))
+        except pykka.Timeout:
+            raise WaitTimeout(f"{call} waited {timeout:g} s for the supervisor to stop agent {name!r}, and it has not: "
+                              "it is busy (such as stopping another agent whose thread is held up, e.g. by a done "
+                              "callback that blocks); the stop goes on and the agent takes no more messages: call "
+                              f"{call} again to wait longer") from None
+        except BaseException:
+            self._stops.pop(name)
             self._env.stopping(name, on=False)
+            raise
+        self._stops.pop(name)
+        self._env.stopping(name, on=False)
         self._env.refs.pop(name, None)
         self._env.hot.discard(name)
 
