@@ -38,6 +38,7 @@ from __future__ import annotations
 import collections
 import logging
 import re
+import threading
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -58,6 +59,13 @@ from runtime.q4cache import can_trim, can_trim_held
 log = logging.getLogger(__name__)
 DURABILITY = ("durable", "memory")
 TURN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")  # what a turn id looks like (the caller's or one made here)
+_thread = threading.local()  # `agent`: (env, name) of the agent whose actor runs on this thread, set in its on_start
+
+
+def agent_here() -> tuple[Any, str] | None:
+    """(env, name) of the agent whose actor runs on this thread, else None. A reply's done callback runs on the
+    thread of the agent that answered the turn: this says whose."""
+    return getattr(_thread, "agent", None)
 
 
 def new_turn_id(agent: str, *parts) -> str:
@@ -428,6 +436,7 @@ class AgentActor(SupervisedActor):
     # -- life cycle ------------------------------------------------------------------
 
     def on_start(self):
+        _thread.agent = (self.env, self.name)  # this actor's own thread, for its whole life
         t0 = time.perf_counter()
         self._restore()
         self.load_s = time.perf_counter() - t0

@@ -1234,6 +1234,59 @@ def test_a_done_callback_of_an_agent_being_stopped_is_answered_without_its_super
         assert rt.running() == ["b"] and b.ask("Still there?", max_tokens=2).agent == "b"
 
 
+def test_a_done_callback_spawns_an_agent(tmp_path):
+    """A reply's done callback runs on its agent's thread; a spawn there works: the supervisor it waits for does not
+    wait for that thread."""
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        a = rt.spawn("a", system="You are A.")
+        spawned, called = [], threading.Event()
+
+        def done(future):
+            spawned.append((threading.current_thread() is threading.main_thread(), rt.spawn("b", system="You are B.")))
+            called.set()
+
+        with stalled_batcher(rt):  # the turn is in flight: its callback runs on the agent's thread, not here
+            future = a.send("Hello there.", max_tokens=2)
+            future.add_done_callback(done)
+        assert future.get(timeout=60).agent == "a" and called.wait(60)
+        on_main, b = spawned[0]
+        assert not on_main and b.ask("Hi.", max_tokens=2).agent == "b" and rt.running() == ["a", "b"]
+
+
+def test_a_spawn_in_the_done_callback_of_an_agent_being_stopped_raises_at_once(tmp_path):
+    """stop() has the supervisor wait for the agent's thread, which fails the turn in flight and runs its done
+    callbacks. A spawn there waited for that supervisor: callback and stop hung 60 s each, then pykka.Timeout got
+    out of both. The spawn raises WaitsInCallback at once, before it asks the supervisor anything (a spawn of the
+    agent being stopped too, whose name the stop holds), and the stop returns."""
+    from runtime import WaitsInCallback
+
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        a = rt.spawn("a", system="You are A.")
+        rt.spawn("b", system="You are B.")
+        seen, asked = {}, {}
+
+        def done(future):
+            for name in ("c", "a"):
+                try:
+                    seen[name] = rt.spawn(name)
+                except Exception as e:  # noqa: BLE001 - recorded, asserted below
+                    seen[name] = e
+                asked[name] = pykka_compat.queued(rt._supervisor)  # a request the supervisor could not answer yet
+
+        with stalled_batcher(rt):
+            future = a.send("Hello there.", max_tokens=4)
+            future.add_done_callback(done)
+            a.stop()  # the batcher holds the turn: the stop fails it, on a's thread
+        assert asked == {"c": 0, "a": 0}, asked
+        for name in ("c", "a"):
+            assert isinstance(seen[name], WaitsInCallback), seen[name]
+            assert f"spawn() of agent {name!r}" in str(seen[name]) and "stopping agent 'a'" in str(seen[name])
+        with pytest.raises(AgentStopped):
+            future.get(timeout=0)
+        assert rt.running() == ["b"] and "c" not in rt._env.refs
+        assert rt.spawn("c").ask("Hi.", max_tokens=2).agent == "c"  # outside the callback it starts
+
+
 def test_a_queued_turn_whose_deadline_passed_before_it_started_never_runs(tmp_path):
     """The timeout counts from send: a turn stuck behind its agent's earlier work times out
     there, and is dropped when its turn comes, not run for a caller who stopped waiting."""

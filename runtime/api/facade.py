@@ -861,6 +861,10 @@ class Runtime:
         (system a str, restart one of the three, reset a bool, timeout finite and > 0), before anything starts.
         timeout: seconds each wait may take (for another call on this name, the stored agent's files, the agents'
         supervisor): past it, WaitTimeout, and nothing was started (call again to wait longer).
+
+        A reply's done callback may spawn: it runs on the thread of the agent that answered the turn, which the
+        supervisor does not wait for, except while the user stops that agent (`AgentRef.stop`, `forget`): there
+        a spawn would wait for the supervisor waiting for this very thread, so it raises WaitsInCallback at once.
         """
         self._check_running()
         store.check_agent_id(name)
@@ -872,6 +876,11 @@ class Runtime:
         if not isinstance(reset, bool):
             raise InvalidArgumentType(f"reset must be True or False, got {type(reset).__name__}")
         _positive("timeout", timeout)
+        here = agent_mod.agent_here()  # the agent whose thread runs this call (in its done callback), if any
+        if here is not None and here[0] is self._env and self._env.stopped_by_user(here[1]):
+            raise WaitsInCallback(f"spawn() of agent {name!r} waits for the agents' supervisor, which is stopping "
+                                  f"agent {here[1]!r} and waits for its thread: this one, running a done callback. "
+                                  "Spawn from a thread of your own (hand it the name, e.g. through a queue.Queue)")
         with self._name_held(name, timeout):
             if name in self._stops:  # its earlier actor first: a stop of it that ran past its wait
                 self._finish_stop(name, timeout, "spawn()")
