@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from actors import pykka_compat
 from actors.batcher import Submit
 from actors.supervisor import Backoff
 from runtime import AgentCrashed, Runtime, TurnTimeout, UnknownAgent
@@ -184,8 +185,6 @@ def test_reset_refuses_token_ids_past_the_vocabulary_instead_of_crashing_the_pro
 
 
 def test_a_batcher_crash_with_a_full_batch_in_flight_does_not_escalate(tmp_path):
-    from actors import pykka_compat
-
     escalated = threading.Event()
     with Runtime(model=None, cache_dir=tmp_path, backoff=FAST,  # the defaults: max_restarts=3, restart_period=5
                  on_escalate=lambda name, error: escalated.set()) as rt:
@@ -267,15 +266,19 @@ def test_a_with_block_left_during_a_long_engine_step_raises_its_own_exception(tm
 
 def test_agent_in_a_done_callback_does_not_wait_for_a_supervisor_stopping_that_agent(tmp_path):
     """A reply's done callback runs on the agent's thread, also while its supervisor stops it (`stop`): there
-    `rt.agent(other)` asked the supervisor, which waited for this very thread, and both hung 10 s."""
+    `rt.agent(other)` asked the supervisor, which waited for this very thread, and both hung 10 s. The batcher
+    holds the turn, so the stop fails it and runs its callback within the stop: `rt.agent` answers there without
+    leaving a request for the supervisor."""
     with Runtime(model=None, cache_dir=tmp_path) as rt:
         a, b = rt.spawn("a"), rt.spawn("b")
-        a.ask("Warm up.", max_tokens=2)
         got = []
-        future = a.send("Hello there.", max_tokens=200)
-        future.add_done_callback(lambda _: got.append(rt.agent("b").name))
-        time.sleep(0.05)
-        started = time.monotonic()
-        a.stop()
-        assert got == ["b"] and time.monotonic() - started < 3, (got, time.monotonic() - started)
+
+        def done(_):
+            got.append((rt.agent("b").name, rt._env.stopped_by_user("a"), pykka_compat.queued(rt._supervisor)))
+
+        with stalled_batcher(rt):
+            future = a.send("Hello there.", max_tokens=4)
+            future.add_done_callback(done)
+            a.stop()
+        assert got == [("b", True, 0)], got  # within the stop, and nothing queued for the supervisor
         assert rt.running() == ["b"] and b.name == "b"
