@@ -13,6 +13,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -248,6 +249,34 @@ def test_a_cancelled_stream_ends_early_and_is_stored_and_a_failing_callback_fail
         a.ask("Another long story.", max_tokens=400, timeout=120, turn_id="boom-1", on_token=boom)
     assert e.value.turn_id == "boom-1"
     assert a.ask("Still there?", **OPTS).cache in ("hot", "warm")  # the agent answers on
+
+
+def test_a_done_callback_spawns_and_sends_as_on_one_machine(rt):
+    """A reply future's done callback ran on Ray's own callback thread, where a call that waits for Ray never returns:
+    a spawn or a send there (each a call to a host) hung the callback, and Ray with it, for good. It runs on a thread
+    of the runtime's: both work as on one machine, and a call that waits for a reply still raises WaitsInCallback."""
+    from runtime import WaitsInCallback
+
+    a = rt.spawn("done-a", system="You are A.")
+    seen, called = [], threading.Event()
+
+    def follow_up(future):
+        try:
+            b = rt.spawn("done-b", system="You are B.")
+            seen.append(b.send("Chained.", **OPTS))
+            b.ask("And then?", **OPTS)
+        except Exception as e:  # noqa: BLE001 - recorded, asserted below
+            seen.append(e)
+        called.set()
+
+    first = a.send("First.", **OPTS)
+    first.add_done_callback(follow_up)
+    assert first.get(timeout=120).agent == "done-a"
+    assert called.wait(120), "the done callback hung"
+    chained, refused = seen
+    assert chained.get(timeout=120).agent == "done-b"
+    assert isinstance(refused, WaitsInCallback) and "done callback" in str(refused)
+    assert [r["text"] for r in rt.agent("done-b").history() if r["role"] == "user"] == ["Chained."]
 
 
 def test_state_machine_invariants_on_the_cluster(rt, shared):

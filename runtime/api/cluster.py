@@ -29,8 +29,10 @@ on one machine (the same pieces, then the same Reply), but the callbacks run in 
 process, on a thread of the runtime's, not on the batcher's thread: the host relays
 the turn's pieces and progress as they come (see `NodeHost.events`). `cancel` is asked
 after each piece that arrives here, so a cancelled turn ends a few tokens later than on
-one machine. `agents()` and `flush()` cover every host; `engine_stats()` gives one
-snapshot per host. Not on a cluster: `on_escalate`.
+one machine. A reply future's done callbacks run on a thread of the runtime's too (never
+on Ray's own, where a call that waits for Ray would never return): `spawn` and `send`
+work there, as on one machine. `agents()` and `flush()` cover every host;
+`engine_stats()` gives one snapshot per host. Not on a cluster: `on_escalate`.
 """
 
 from __future__ import annotations
@@ -330,9 +332,11 @@ class ClusterRuntime:
         if callbacks:
             threading.Thread(target=self._settle, args=(future, lambda: self._relay(index, key, message), name, index,
                                                         turn_id), daemon=True, name="kvactors-stream").start()
-        else:
+        else:  # Ray calls back on its own thread, where a call that waits for Ray never returns: settle on ours
             ref = self._hosts[index].wait.remote(key)
-            ref.future().add_done_callback(lambda done: self._settle(future, done.result, name, index, turn_id))
+            ref.future().add_done_callback(lambda done: threading.Thread(
+                target=self._settle, args=(future, done.result, name, index, turn_id), daemon=True,
+                name="kvactors-settle").start())
 
     def _relay(self, index, key, message) -> tuple:
         """Call `message`'s callbacks with streamed turn `key`'s events from host `index`, in order; its outcome.
@@ -387,7 +391,8 @@ class ClusterRuntime:
     # -- internals ------------------------------------------------------------------
 
     def _settle(self, future, result, name, index, turn_id):
-        """Resolve the caller's `future` from `result()`: a host's `wait` (on Ray's callback thread) or `_relay`."""
+        """Resolve the caller's `future` from `result()`, a host's `wait` or `_relay`, on a thread of this runtime's:
+        the future's done callbacks run there, and may call this runtime (`spawn`, `send`), as on one machine."""
         try:
             status, value = result()
         except _host_gone(self._ray):
