@@ -1044,3 +1044,42 @@ def test_a_busy_supervisor_holds_its_own_request_and_not_the_others(served, monk
         release.set()
         waiting.join(60)
     assert done and done[0] in (200, 404)
+
+
+def test_a_request_for_an_agent_whose_actor_restarts_does_not_hold_the_other_requests(tmp_path, monkeypatch):
+    """While an agent's actor is not alive (its supervisor restarts it), `rt.agent(name)` asks the supervisor
+    whether it still runs, as `rt.running()` does, and the supervisor may be busy (stopping another agent, up to
+    its 10 s). The request for that agent waits for the answer in a thread: every other request is answered
+    meanwhile. (`rt.agent` was called on the event loop, which held every request until the supervisor answered.)"""
+    s = Served(tmp_path)
+    entered, release, returned = threading.Event(), threading.Event(), threading.Event()
+    real, alive = s.rt.running, s.rt._actor_alive
+    calls = []
+
+    def busy_once_the_agent_is_known():  # the request's first question runs as ever; the next one waits
+        calls.append(threading.current_thread().name)
+        if len(calls) > 1:
+            entered.set()
+            release.wait(30)
+            returned.set()
+        return real()
+
+    body = {"model": "kvactors-tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+    done = []
+    waiting = threading.Thread(target=lambda: done.append(s.request("POST", "/v1/chat/completions", body,
+                                                                    {"X-Agent-Id": "r1"})[0]))
+    try:
+        assert s.request("POST", "/v1/chat/completions", body, {"X-Agent-Id": "r1"})[0] == 200
+        monkeypatch.setattr(s.rt, "running", busy_once_the_agent_is_known)
+        monkeypatch.setattr(s.rt, "_actor_alive", lambda name: name != "r1" and alive(name))  # r1 restarts
+        waiting.start()
+        assert entered.wait(30)
+        status, listed, _ = s.request("GET", "/v1/models")
+        assert status == 200 and listed["data"][0]["id"] == "kvactors-tiny"
+        assert not returned.is_set()  # answered while the request for r1 still waited on the supervisor
+    finally:
+        release.set()
+        if waiting.ident is not None:  # started
+            waiting.join(60)
+        s.close()
+    assert done == [200]

@@ -410,8 +410,8 @@ class Server:
         messages then reset it: see `plan_turn`), or with `strict` raises SystemPromptChanged.
         """
         async with self._spawning:
-            if name in await asyncio.to_thread(self.rt.running):  # asks the supervisor: off the event loop
-                ref = self.rt.agent(name)
+            ref = await asyncio.to_thread(self._running_ref, name)  # may ask the supervisor: off the event loop
+            if ref is not None:
                 if strict and system:  # as a stored agent's spawn would refuse it
                     current = conversation_prompt(await asyncio.to_thread(ref.history))
                     if current is not None and current != system:  # None: lost to journal damage, the agent's call
@@ -428,6 +428,11 @@ class Server:
             self._used[name] = None
             return ref
 
+    def _running_ref(self, name: str):
+        """The ref of agent `name` if it runs, else None. Both `rt.running()` and `rt.agent()` ask the supervisor
+        while an agent's actor is not alive (it restarts), and the supervisor may be busy: call it in a thread."""
+        return self.rt.agent(name) if name in self.rt.running() else None
+
     async def _evict(self, keep: int, spare: str | None = None) -> None:
         """Stop the least recently used idle agents (no request holds or awaits them; never `spare`) until at most
         `keep` run; busy ones run on. Their durable state stays: they resume from disk (warm). An agent whose stop
@@ -442,8 +447,8 @@ class Server:
             if running is None:
                 running = set(await asyncio.to_thread(self.rt.running))
             if old in running:
-                try:
-                    await asyncio.to_thread(self.rt.agent(old).stop)
+                try:  # rt.agent may ask the supervisor, as stop does: both off the event loop
+                    await asyncio.to_thread(lambda: self.rt.agent(old).stop())
                 except Exception as e:  # noqa: BLE001 - whatever failed, what runs decides whether it is still tracked
                     if old in await asyncio.to_thread(self.rt.running):
                         log.warning("agent %s runs on: stopping it to keep to --max-agents failed: %r; another "
