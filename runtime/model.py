@@ -311,7 +311,8 @@ def check_token_ids(path: Path, tokenizer, rows: int | None) -> None:
     """Raise ModelLoadError, naming the id, its file and `rows`, where the model folder at `path` names an end or
     start token outside the model's vocabulary, ids 0 to rows - 1 (`rows`: `token_rows`, the bound the engine puts
     on the ids it feeds; None, not known: nothing is checked). Checked: the eos_token_id mlx-lm stops on (one id
-    or a list: generation_config.json's where it names one, else config.json's), and the eos_token and bos_token of `tokenizer` (mlx-lm's, loaded from that folder, which stops
+    or a list: generation_config.json's where it names one, as mlx-lm reads it (a truthy value), else
+    config.json's), and the eos_token and bos_token of `tokenizer` (mlx-lm's, loaded from that folder, which stops
     on its eos too). The model can never produce an eos outside its
     vocabulary, so a turn waiting on it would run to max_tokens; a bos outside it starts every prompt, which the
     engine would refuse turn after turn. Not checked, as neither mlx-lm nor the engine feeds or waits on them: pad
@@ -321,9 +322,11 @@ def check_token_ids(path: Path, tokenizer, rows: int | None) -> None:
         return
     stop = "the model can never produce it, so a turn would not stop on it"
     named = []  # (what names the id, the id, what it would do, where to correct it)
-    for file in ("generation_config.json", "config.json"):  # the first that names one is the one mlx-lm stops on
+    # the first file that names one is the one mlx-lm stops on; generation_config.json names one only where its
+    # value is truthy (mlx-lm's `load_config` takes it so: 0, [] or false leave config.json's)
+    for file, names in (("generation_config.json", bool), ("config.json", lambda ids: ids is not None)):
         ids = _json_object(path / file).get("eos_token_id")
-        if ids is not None:
+        if names(ids):
             named += [(f"{file} names eos_token_id {shown(i)}", i, stop, file)
                       for i in (ids if isinstance(ids, list) else [ids]) if i is not None]
             break

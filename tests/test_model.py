@@ -385,6 +385,13 @@ def test_a_folder_naming_an_end_or_start_token_the_model_lacks_is_refused_at_loa
 
     load_model(folder("eos-overridden", both))
 
+    def zero(path):  # mlx-lm takes generation_config.json's eos only where it is truthy: 0 leaves config.json's
+        edit_json("config.json", eos_token_id=rows + 5)(path)
+        edit_json("generation_config.json", eos_token_id=0)(path)
+
+    with pytest.raises(ModelLoadError, match=rf"config\.json names eos_token_id {rows + 5}"):
+        load_model(folder("eos-zero-generation", zero))
+
 
 def test_group_size_must_divide_head_dim(load_tiny, tiny_model_path):
     with pytest.raises(KVSchemeError, match="multiple of the KV group size 128"):
