@@ -1201,6 +1201,27 @@ def test_a_done_callback_that_would_wait_on_its_agent_raises_and_send_chains_the
         assert [r["text"] for r in alice.history() if r["role"] == "user"] == ["First.", "Chained."]
 
 
+def in_the_callback_of_a_stop(rt, agent, calls):
+    """Run each of `calls` (name: function) in the done callback of `agent`'s turn, which `agent.stop()` fails on the
+    agent's own thread (the batcher holds the turn): (what each call gave or raised, the requests left unanswered at
+    the supervisor after each, the turn's future)."""
+    seen, asked = {}, {}
+
+    def done(future):
+        for what, call in calls.items():
+            try:
+                seen[what] = call()
+            except Exception as e:  # noqa: BLE001 - recorded for the caller's asserts
+                seen[what] = e
+            asked[what] = pykka_compat.queued(rt._supervisor)  # a request the supervisor could not answer yet
+
+    with stalled_batcher(rt):
+        future = agent.send("Hello there.", max_tokens=4)
+        future.add_done_callback(done)
+        agent.stop()
+    return seen, asked, future
+
+
 def test_a_done_callback_of_an_agent_being_stopped_is_answered_without_its_supervisor(tmp_path):
     """`stop` has the supervisor wait for the agent's thread, and that thread fails the turn in flight
     (AgentStopped) and runs the turn's done callbacks. There `rt.agent` of that very agent, `broadcast` to it,
@@ -1211,20 +1232,7 @@ def test_a_done_callback_of_an_agent_being_stopped_is_answered_without_its_super
         a, b = rt.spawn("a", system="You are A."), rt.spawn("b", system="You are B.")
         calls = {"agent": lambda: rt.agent("a"), "broadcast": lambda: rt.broadcast([a], "Hi.", max_tokens=1),
                  "running": rt.running, "agents": lambda: [(i.name, i.running) for i in rt.agents()]}
-        seen, asked = {}, {}
-
-        def done(future):
-            for what, call in calls.items():
-                try:
-                    seen[what] = call()
-                except Exception as e:  # noqa: BLE001 - recorded, asserted below
-                    seen[what] = e
-                asked[what] = pykka_compat.queued(rt._supervisor)  # a request the supervisor could not answer yet
-
-        with stalled_batcher(rt):
-            future = a.send("Hello there.", max_tokens=4)
-            future.add_done_callback(done)
-            a.stop()  # the batcher holds the turn: the stop fails it, on a's thread
+        seen, asked, future = in_the_callback_of_a_stop(rt, a, calls)
         assert asked == dict.fromkeys(calls, 0), asked
         for what in ("agent", "broadcast"):
             assert isinstance(seen[what], UnknownAgent) and "no running agent named 'a'" in str(seen[what])
@@ -1263,20 +1271,8 @@ def test_a_spawn_in_the_done_callback_of_an_agent_being_stopped_raises_at_once(t
     with Runtime(model=None, cache_dir=tmp_path) as rt:
         a = rt.spawn("a", system="You are A.")
         rt.spawn("b", system="You are B.")
-        seen, asked = {}, {}
-
-        def done(future):
-            for name in ("c", "a"):
-                try:
-                    seen[name] = rt.spawn(name)
-                except Exception as e:  # noqa: BLE001 - recorded, asserted below
-                    seen[name] = e
-                asked[name] = pykka_compat.queued(rt._supervisor)  # a request the supervisor could not answer yet
-
-        with stalled_batcher(rt):
-            future = a.send("Hello there.", max_tokens=4)
-            future.add_done_callback(done)
-            a.stop()  # the batcher holds the turn: the stop fails it, on a's thread
+        spawns = {name: lambda name=name: rt.spawn(name) for name in ("c", "a")}
+        seen, asked, future = in_the_callback_of_a_stop(rt, a, spawns)
         assert asked == {"c": 0, "a": 0}, asked
         for name in ("c", "a"):
             assert isinstance(seen[name], WaitsInCallback), seen[name]
