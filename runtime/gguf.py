@@ -49,12 +49,11 @@ import hashlib
 import json
 import math
 import re
-import shutil
 import stat
 from pathlib import Path
 
 from runtime.errors import shown
-from runtime.model import ModelLoadError, in_vocabulary, kvactors_home, model_folder_lock, new_model_folder
+from runtime.model import COMPLETE_MARKER, ModelLoadError, build_once, in_vocabulary, kvactors_home, new_model_folder
 
 __all__ = [
     "GGUFError",
@@ -69,7 +68,6 @@ __all__ = [
 WEIGHTS = ("float32", "quantized")
 ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 GROUP = 32  # GGUF's block size for Q4_0 / Q4_1 / Q8_0
-COMPLETE_MARKER = ".kvactors-complete"
 
 # Names of llama.cpp tensors (before ".weight" / ".bias") as mlx-lm names them.
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -180,17 +178,10 @@ def gguf_model_path(path: str | Path, weights: str | None = None) -> Path:
     except OSError as e:
         raise _cannot_read(path, e) from e
     out = kvactors_home() / "models" / f"gguf-{digest[:16]}-{weights}"
-    if (out / COMPLETE_MARKER).exists():
-        return out
     try:
-        with model_folder_lock(out):  # one conversion at a time; it also removes what a killed one left
-            if not (out / COMPLETE_MARKER).exists():  # else another process converted it while this one waited
-                if out.exists():  # a folder without its marker was not made here: not ours to trust
-                    shutil.rmtree(out, ignore_errors=True)
-                import_gguf(path, out, weights)
+        return build_once(out, lambda out: import_gguf(path, out, weights))  # one conversion at a time
     except OSError as e:
         raise _cannot_write(out, e) from e
-    return out
 
 
 def import_gguf(path: str | Path, out: str | Path, weights: str | None = None) -> Path:

@@ -470,6 +470,25 @@ def kvactors_home() -> Path:
     return Path(os.environ.get("KVACTORS_HOME") or "~/.cache/kvactors").expanduser()
 
 
+COMPLETE_MARKER = ".kvactors-complete"  # in a model folder the project built: the build finished (`build_once`)
+
+
+def build_once(out: Path, build) -> Path:
+    """The model folder `out` the project builds itself (a converted GGUF file, the default tiny model): as it
+    is if it holds COMPLETE_MARKER, else built by `build(out)` (which makes it through `new_model_folder`, the
+    marker inside), under `model_folder_lock`: concurrent first use builds it once, and what a build killed
+    midway left is removed. A folder without the marker was not made here, and is removed first. OSError where
+    it cannot be removed or written."""
+    if (out / COMPLETE_MARKER).exists():
+        return out
+    with model_folder_lock(out):
+        if not (out / COMPLETE_MARKER).exists():  # else another process built it while this one waited
+            if out.exists():  # a folder without its marker was not made here: not ours to trust
+                shutil.rmtree(out)
+            build(out)
+    return out
+
+
 def _partial_prefix(out: Path) -> str:
     """The name prefix of `new_model_folder`'s temporary folders for `out`."""
     return f".{out.name}.tmp-"

@@ -33,7 +33,6 @@ import functools
 import importlib
 import json
 import random
-import shutil
 import zlib
 from pathlib import Path
 
@@ -41,7 +40,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from runtime.model import kvactors_home, model_folder_lock, new_model_folder
+from runtime.model import COMPLETE_MARKER, build_once, kvactors_home, new_model_folder
 
 __all__ = [
     "ARCHS",
@@ -74,7 +73,6 @@ SPECIAL_TOKENS = (BOS, EOS, "<|start_header_id|>", "<|end_header_id|>", EOT)
 NON_COMPOSITIONAL = ("The plan", "ner")
 
 # File written last into a finished model folder; its presence means complete.
-COMPLETE_MARKER = ".kvactors-complete"
 
 TINY_LLAMA_NAME = "tiny-llama-v1"
 
@@ -213,19 +211,11 @@ def tiny_llama_path() -> Path:
     The llama tiny model (seed 0, float32) lives in
     ``kvactors_home() / "models" / "tiny-llama-v1"``. A folder that holds
     ``COMPLETE_MARKER`` is reused as is; otherwise it is built in a temporary
-    sibling and renamed into place, under ``model_folder_lock``: concurrent
-    first use builds it once, and what a build killed midway left is removed.
+    sibling and renamed into place (``model.build_once``): concurrent first use
+    builds it once, and what a build killed midway left is removed.
     """
-    path = kvactors_home() / "models" / TINY_LLAMA_NAME
-    marker = path / COMPLETE_MARKER
-    if marker.exists():
-        return path
-    with model_folder_lock(path):
-        if not marker.exists():  # else another process built it while this one waited
-            if path.exists():  # a folder without its marker was not made here: not ours to trust
-                shutil.rmtree(path)
-            make_tiny_model(path, arch="llama", seed=0, dtype="float32")
-    return path
+    return build_once(kvactors_home() / "models" / TINY_LLAMA_NAME,
+                      lambda path: make_tiny_model(path, arch="llama", seed=0, dtype="float32"))
 
 
 def is_tiny_model(path) -> bool:
