@@ -631,16 +631,22 @@ _launches = {}  # the arguments of `_launch`: made once per shape, looked up per
 
 def counters_for(rows: int, query_heads: int, kv_heads: int, queries: int) -> int:
     """How many uint32 counters (zeros) a call of `q4_decode_sdpa` with these shapes counts its blocks in: one a
-    (row, kv head, group of HEADS query heads, tile of queries), and at least 4 (MLX-CUDA keeps arrays of 8 bytes
-    or less in host memory)."""
-    return max(4, rows * kv_heads * -(-(query_heads // kv_heads) // HEADS)
-               * _query_tiles(queries, query_heads // kv_heads))
+    (row, kv head, group of HEADS query heads, tile of queries), the rows times `_tiles_a_row`."""
+    return rows * _tiles_a_row(query_heads, kv_heads, queries)
+
+
+def _tiles_a_row(query_heads: int, kv_heads: int, queries: int) -> int:
+    """The kernel's blocks a row and chunk of keys (its grid's y): a (kv head, group of HEADS query heads, tile of
+    queries) each."""
+    rep = query_heads // kv_heads
+    return kv_heads * -(-rep // HEADS) * _query_tiles(queries, rep)
 
 
 def block_counters(n: int):
-    """`n` uint32 zeros for `q4_decode_sdpa`'s `keys`' fourth array. The kernel sets every counter it used back to
-    zero, so calls that run one after another (each depending on the one before, or in separate evaluations) may
-    share one such array; calls that may run at the same time (independent in one evaluation) may not."""
+    """`n` uint32 zeros (at least 4: MLX-CUDA keeps arrays of 8 bytes or less in host memory) for
+    `q4_decode_sdpa`'s `keys`' fourth array. The kernel sets every counter it used back to zero, so calls that run
+    one after another (each depending on the one before, or in separate evaluations) may share one such array;
+    calls that may run at the same time (independent in one evaluation) may not."""
     return mx.zeros((max(4, n),), dtype=mx.uint32)
 
 
@@ -764,10 +770,10 @@ def _launch(B, Hq, L, Hkv, D, key_words, value_words, dtype, group_size, scale, 
         raise ValueError(f"q4_decode_sdpa reads keys of {KEY_BITS} bits, 4-bit values, head dim 64 or 128 and "
                          f"groups of 32-128; got {key_bits}-bit keys, {value_bits}-bit values, head dim {D}, "
                          f"group {group_size}")
-    chunks, tiles = _chunks(L > 1), _query_tiles(L, rep)
+    chunks = _chunks(L > 1)
     args = dict(
         template=templates(dtype, D, group_size, rep, key_bits, L > 1, rotated, rope, scale),
-        grid=(chunks * WARPS * 32, Hkv * -(-rep // HEADS) * tiles, B),
+        grid=(chunks * WARPS * 32, _tiles_a_row(Hq, Hkv, L), B),
         threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(B, Hq * L, chunks), (B, Hq * L, chunks), (B, Hq * L, chunks, D), (B, Hq, L, D)],
         output_dtypes=[mx.float32, mx.float32, mx.float32, dtype],
