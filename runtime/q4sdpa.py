@@ -177,19 +177,21 @@ _KERNEL = r"""
     const int end = meta[0], window = meta[1];
     const int first = window > 0 ? max(start[b], end - QL + 1 - window) : start[b];
     const int chunk = keys_per_chunk(end - first, CHUNKS, MIN_CHUNK);
+    const int ql0 = qt * QPT;  // the tile's first query
+    // tile row r: whether it holds a (query head, query) pair, and that pair's row of the outputs (B, Hq, QL, ...)
+    auto has_query = [&](int r) { return r0 + r % RB < REP && ql0 + r / RB < QL; };
+    auto out_row = [&](int r) { return (size_t)(b * Hq + h * REP + r0 + r % RB) * QL + ql0 + r / RB; };
     if (first + c * chunk >= end) {  // a chunk past the row's keys (short rows use fewer): none is read
         if (c == 0) {  // a row without keys: its output is zeros
             for (int r = 0; r < NRV; ++r) {
-                const int ql = qt * QPT + r / RB;
-                if (r0 + r % RB >= REP || ql >= QL) continue;
-                const size_t o_ = (size_t)(b * Hq + h * REP + r0 + r % RB) * QL + ql;
-                for (int d = threadIdx.x; d < D; d += WARPS * 32) out[o_ * D + d] = static_cast<T>(0.0f);
+                if (!has_query(r)) continue;
+                for (int d = threadIdx.x; d < D; d += WARPS * 32) out[out_row(r) * D + d] = static_cast<T>(0.0f);
             }
         }
         return;
     }
     // the tile's queries see keys up to its last query's column, and from its first query's window on
-    const int ql0 = qt * QPT, ql1 = min(QL, ql0 + QPT) - 1;
+    const int ql1 = min(QL, ql0 + QPT) - 1;
     const int lo = window > 0 && QL > 1 ? max(first + c * chunk, end - QL + ql0 + 1 - window) : first + c * chunk;
     const int hi = min(min(end, end - QL + ql1 + 1), first + (c + 1) * chunk);
     const float scale = __int_as_float(SCALE);  // a constant: a read of it would wait on memory
@@ -536,8 +538,8 @@ _KERNEL = r"""
             L = fmaf(s_l[w][r], f, L);
             s_f[r][w] = f;
         }
-        if (r0 + r % RB < REP && ql0 + r / RB < QL) {
-            const size_t o_ = ((size_t)(b * Hq + h * REP + r0 + r % RB) * QL + ql0 + r / RB) * nc + c;
+        if (has_query(r)) {
+            const size_t o_ = out_row(r) * nc + c;
             pm[o_] = M;
             pl[o_] = L;
         }
@@ -545,8 +547,8 @@ _KERNEL = r"""
     __syncthreads();
     #pragma unroll
     for (int r = 0; r < NRV; ++r) {
-        if (r0 + r % RB >= REP || ql0 + r / RB >= QL) continue;  // a tile row without a query
-        const size_t o_ = ((size_t)(b * Hq + h * REP + r0 + r % RB) * QL + ql0 + r / RB) * nc + c;
+        if (!has_query(r)) continue;
+        const size_t o_ = out_row(r) * nc + c;
         for (int d = threadIdx.x; d < D; d += WARPS * 32) {
             float A = 0.0f;
             #pragma unroll
@@ -577,8 +579,8 @@ _KERNEL = r"""
     static_assert(CHUNKS <= 32, "a lane per chunk");
     constexpr int DL = D / 32, CB = CHUNKS < 8 ? CHUNKS : 8;
     for (int r = warp; r < NRV; r += WARPS) {
-        if (r0 + r % RB >= REP || ql0 + r / RB >= QL) continue;  // a tile row without a query
-        const size_t o_ = (size_t)(b * Hq + h * REP + r0 + r % RB) * QL + ql0 + r / RB, base = o_ * nc;
+        if (!has_query(r)) continue;
+        const size_t o_ = out_row(r), base = o_ * nc;
         const float mc = lane < mine ? __ldcg(pm + base + lane) : -INFINITY;
         const float lc = lane < mine ? __ldcg(pl + base + lane) : 0.0f;
         float M = mc;
