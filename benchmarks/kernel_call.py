@@ -15,7 +15,9 @@ calls), for:
 - template, compact: as q4sdpa calls it, with header and body stripped of comments, indentation and blank
   lines (`compact`);
 - template, padded: as q4sdpa calls it, with --pad characters of comment added to the body: with the compact
-  variant, what each character of source costs a call.
+  variant, what each character of source costs a call;
+- compiled: the call with its template arguments as an `mx.compile`d function of its inputs
+  (`qgemv.compiled_launch`), which MLX records once and replays: how `q4sdpa` calls it now.
 
 Every variant's output is checked bitwise against the first's.
 
@@ -37,6 +39,7 @@ import mlx.core as mx
 from benchmarks.common import RESULTS, environment, write_results
 from runtime import q4sdpa
 from runtime.q4cache import row_array
+from runtime.qgemv import compiled_launch
 
 COLUMNS = ["variant", "build_us", "build_launch_us", "source_chars", "same_output"]
 HQ, HKV, D, GROUP = 32, 8, 128, 64
@@ -107,7 +110,7 @@ def main(argv=None) -> int:
     end = args.context
     meta = q4sdpa.meta(end, 0, 1)
     key = (args.rows, HQ, 1, HKV, D, kq[0].shape[-1], vq[0].shape[-1], q.dtype, GROUP, D ** -0.5, True, False)
-    kernel0, kernel_args, needed = q4sdpa._launch(*key)
+    kernel0, kernel_args, needed = q4sdpa.kernel(), q4sdpa.launch_arguments(*key), q4sdpa.counters_for(args.rows, HQ, HKV, 1)
     positions, inv_freq = q4sdpa._no_rope()
     # the calls launched together are independent, so each of them counts its blocks in zeros of its own
     counters = [q4sdpa.block_counters(needed) for _ in range(args.calls)]
@@ -128,12 +131,13 @@ def main(argv=None) -> int:
         kernel = mx.fast.cuda_kernel(name=f"kvactors_call_{label.replace(', ', '_')}", input_names=names,
                                      output_names=outputs, source=body, header=header, ensure_row_contiguous=True)
         variants[label] = (kernel, kw, len(header) + len(body))
+    variants["compiled"] = (compiled_launch(kernel0, kernel_args), None, variants["template"][2])
     first = None
     rows = []
     for label, (kernel, kw, chars) in variants.items():
         def call(kernel=kernel, kw=kw):
             inputs[9] = counters[next(turn)]
-            return kernel(inputs=inputs, **kw)
+            return kernel(*inputs) if kw is None else kernel(inputs=inputs, **kw)
 
         out = call()
         mx.eval(out)

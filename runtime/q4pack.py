@@ -25,7 +25,7 @@ import mlx.core as mx
 
 from runtime import q4sdpa
 from runtime.kvscheme import KVScheme
-from runtime.qgemv import cuda_kernel
+from runtime.qgemv import compiled_launch, cuda_kernel
 
 BITS = (4, 6, 8)  # element widths the kernel packs
 HEAD_DIMS = (64, 128)
@@ -141,6 +141,7 @@ _LOCATE_INTO = """
 
 _kernels = {}  # in place or not -> the kernel
 _launches = {}  # (shape, dtype, scheme[, buffer shapes]) -> the launch arguments: made once, looked up per call
+_runs = {}  # the same keys of pack_kv_into -> its call as a compiled function of its inputs (`compiled_launch`)
 # (a decode step makes 32)
 
 
@@ -196,9 +197,11 @@ def pack_kv_into(keys, values, scheme: KVScheme, key_buffers, value_buffers, end
     check_rope(rope, keys.shape[0], keys.shape[3])
     if not N <= end <= W:
         raise ValueError(f"pack_kv_into writes columns [end - {N}, end) of buffers {W} wide; got end {end}")
+    run = _runs.get(key)
+    if run is None:
+        run = _runs[key] = compiled_launch(_kernel(True), args, 0)
     positions, inv_freq = rope if rope is not None else no_rope()
-    return _kernel(True)(inputs=[keys, values, *key_buffers, *value_buffers, q4sdpa.meta(end, 0, 1), positions, inv_freq],
-                         **args)[0]
+    return run(keys, values, *key_buffers, *value_buffers, q4sdpa.meta(end, 0, 1), positions, inv_freq)
 
 
 @functools.lru_cache(maxsize=1)

@@ -38,7 +38,7 @@ import threading
 
 import mlx.core as mx
 
-from runtime.qgemv import MMA16816, cuda_kernel
+from runtime.qgemv import MMA16816, compiled_launch, cuda_kernel
 
 CHUNKS = 32  # blocks that share a row's keys (per kv head), whatever its length, when decoding (at most 32)
 PREFILL_CHUNKS = 4  # the same for a prefill chunk, whose query tiles make many blocks already
@@ -666,12 +666,6 @@ def _no_rope():
     return no_rope()
 
 
-def _get(name, inputs, outputs, source):
-    if name not in _kernels:
-        _kernels[name] = cuda_kernel(name, inputs, outputs, source, header=_HEADER)
-    return _kernels[name]
-
-
 def serves(key_bits: int, value_bits: int, head_dim: int, group_size: int) -> bool:
     """Whether `q4_decode_sdpa` reads caches of this layout: keys of KEY_BITS, 4-bit values,
     head dim 64 or 128, and a group size that divides it (32, 64 or 128)."""
@@ -744,13 +738,13 @@ def q4_decode_sdpa(queries, keys, values, start, end: int, scale: float, group_s
         _check_rope(rope, B, D)
     if launch is None:
         launch = _launches[key] = _launch(*key)
-    kernel, args, needed = launch
+    run, needed = launch
     if counters is None:
         counters = block_counters(needed)
     elif counters.size < needed:  # too few for this call (more than HEADS query heads a kv head)
         counters = block_counters(needed) + counters[:1] * 0  # still ordered after the write it stands for
     positions, inv_freq = rope if rope is not None else _no_rope()
-    return kernel(inputs=[queries, *keys, *values, start, meta_array, counters, positions, inv_freq], **args)[3]
+    return run(queries, *keys, *values, start, meta_array, counters, positions, inv_freq)
 
 
 def _chunks(prefill: bool) -> int:
@@ -765,7 +759,21 @@ def _query_tiles(queries: int, rep: int) -> int:
 
 
 def _launch(B, Hq, L, Hkv, D, key_words, value_words, dtype, group_size, scale, rotated, rope):
-    """(the kernel, its launch arguments, the counters it needs) for one shape of `q4_decode_sdpa`."""
+    """(the kernel's call as a function of its inputs, the counters it needs) for one shape of `q4_decode_sdpa`."""
+    args = launch_arguments(B, Hq, L, Hkv, D, key_words, value_words, dtype, group_size, scale, rotated, rope)
+    return compiled_launch(kernel(), args, 3), counters_for(B, Hq, Hkv, L)
+
+
+def kernel():
+    """The attention kernel (`mx.fast.cuda_kernel`), made once."""
+    if "q4_decode" not in _kernels:
+        _kernels["q4_decode"] = cuda_kernel("kvactors_q4_decode", *KERNEL_NAMES, _KERNEL, header=_HEADER)
+    return _kernels["q4_decode"]
+
+
+def launch_arguments(B, Hq, L, Hkv, D, key_words, value_words, dtype, group_size, scale, rotated, rope) -> dict:
+    """The kernel's launch arguments (template, grid, threadgroup, output shapes and dtypes) for one shape of
+    `q4_decode_sdpa`; ValueError for a cache layout it does not read."""
     rep = Hq // Hkv
     key_bits, value_bits = key_words * 32 // D, value_words * 32 // D
     if not serves(key_bits, value_bits, D, group_size):
@@ -773,14 +781,13 @@ def _launch(B, Hq, L, Hkv, D, key_words, value_words, dtype, group_size, scale, 
                          f"groups of 32-128; got {key_bits}-bit keys, {value_bits}-bit values, head dim {D}, "
                          f"group {group_size}")
     chunks = _chunks(L > 1)
-    args = dict(
+    return dict(
         template=templates(dtype, D, group_size, rep, key_bits, L > 1, rotated, rope, scale),
         grid=(chunks * WARPS * 32, _tiles_a_row(Hq, Hkv, L), B),
         threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(B, Hq * L, chunks), (B, Hq * L, chunks), (B, Hq * L, chunks, D), (B, Hq, L, D)],
         output_dtypes=[mx.float32, mx.float32, mx.float32, dtype],
     )
-    return _get("kvactors_q4_decode", *KERNEL_NAMES, _KERNEL), args, counters_for(B, Hq, Hkv, L)
 
 
 # the kernel's inputs and outputs: pm, pl and pacc hold each block's max, sum and weighted sum of values

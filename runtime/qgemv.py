@@ -451,6 +451,22 @@ def cuda_kernel(name: str, input_names, output_names, source: str, header: str =
                                source=source, header=header, ensure_row_contiguous=ensure_row_contiguous)
 
 
+def compiled_launch(kernel, args: dict, output: int | None = None):
+    """`kernel` (from `cuda_kernel`) called with launch arguments `args` (template, grid, threadgroup, output shapes
+    and dtypes), as an `mx.compile`d function of its inputs alone: f(*inputs) returns the kernel's outputs (a list),
+    or output `output` alone. Every argument but the inputs must be fixed for the shapes the function is called with.
+
+    A plain call converts every argument anew and has MLX write the kernel's whole source text (header,
+    signature, a line per template argument, body) into a new primitive; the compiled function records the call
+    once per thread and input shapes and then replays it. For the kernels a decode step calls outside its compiled
+    graphs (`q4pack.pack_kv_into`, `q4sdpa.q4_decode_sdpa`: 64 calls a step on the 8B shape)."""
+    def launch(*inputs):
+        out = kernel(inputs=list(inputs), **args)
+        return out if output is None else out[output]
+
+    return mx.compile(launch)
+
+
 def launch_bounds(threads: int, blocks: int) -> str:
     """A kernel header that gives the kernel after it CUDA's launch bounds: at most `threads` a block and at least
     `blocks` blocks a multiprocessor (so the compiler keeps a thread within 65536 / (threads * blocks) registers).
