@@ -19,7 +19,7 @@ calls), for:
 - compiled: the call with its template arguments as an `mx.compile`d function of its inputs
   (`qgemv.compiled_launch`), which MLX records once and replays: how `q4sdpa` calls it now.
 
-Every variant's output is checked bitwise against the first's.
+Every variant's attention output is checked bitwise against the first's.
 
     python -m benchmarks.kernel_call --rows 5 --context 3072      # CUDA
 """
@@ -142,7 +142,8 @@ def main(argv=None) -> int:
         out = call()
         mx.eval(out)
         first = first or out
-        same = all(mx.array_equal(a, b).item() for a, b in zip(out, first))
+        same = mx.array_equal(out[3], first[3]).item()  # the attention's output: a chunk past a row's keys
+        # leaves its slots of the partial sums (outputs 0-2) unwritten
         rows.append(dict(variant=label, build_us=per_call_us(call, args.calls, False),
                          build_launch_us=per_call_us(call, args.calls, True), source_chars=chars, same_output=same))
         print(rows[-1], file=sys.stderr, flush=True)
