@@ -26,9 +26,11 @@ pre-tokenizers of SmolLM (digits split one by one), GPT-2, Qwen2 and Llama-3.
 What the import trusts: nothing. MLX's own GGUF parser believes the header's counts,
 lengths and types (a damaged one crashes the process), so the gguf package's reader
 parses and checks the file first (`_open`); the metadata read must be of the kind
-`_METADATA` says, and its start and end token ids tokens of the model's vocabulary;
-the tensors must be exactly the weights, by name and shape, of the mlx-lm model the
-metadata describes. Anything else raises GGUFError (or
+`_METADATA` says; the tensors must be exactly the weights, by name and shape, of the
+mlx-lm model the metadata describes; the tokenizer may not have more tokens than the
+token embedding has rows (fewer is a padded embedding, and converts); its start, end
+and unknown token ids must be tokens of the model's vocabulary (a padding id outside
+it is left out, with a warning). Anything else raises GGUFError (or
 UnsupportedGGUF) before anything is written.
 
 Which error. GGUFError is a file that is not GGUF, is damaged or contradicts
@@ -47,6 +49,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import re
 import stat
@@ -54,6 +57,8 @@ from pathlib import Path
 
 from runtime.errors import shown
 from runtime.model import COMPLETE_MARKER, ModelLoadError, build_once, in_vocabulary, kvactors_home, new_model_folder
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "GGUFError",
@@ -194,8 +199,10 @@ def import_gguf(path: str | Path, out: str | Path, weights: str | None = None) -
     Raises FileExistsError if `out` exists, UnsupportedGGUF for an
     architecture, tensor, quantization type or tokenizer this import cannot map,
     and GGUFError for a file that is not GGUF, is damaged, contradicts itself (a
-    start or end token id outside its vocabulary, named by its metadata key) or
-    cannot be read, and for an `out` that cannot be written.
+    tokenizer with more tokens than the embedding has rows; a start, end or unknown
+    token id outside its vocabulary, named by its metadata key) or cannot be read,
+    and for an `out` that cannot be written. A padding token id outside the
+    vocabulary is left out of the folder, with a warning.
     """
     path, out = Path(path).expanduser(), Path(out).expanduser()
     weights = _check_weights(weights)
@@ -319,20 +326,47 @@ def _check_tensors(tensors: dict, config: dict, path: Path) -> None:
 
 
 def _check_token_ids(meta: dict, config: dict, path: Path) -> None:
-    """Raise GGUFError, naming the metadata key, the id and the vocabulary's size, where the file's start token
-    (tokenizer.ggml.bos_token_id) or an end token (eos, eot, eom) is not a token of the model (`in_vocabulary`):
-    such an end token would make a folder that `load_model` refuses (`check_token_ids`), and such a start token
-    would be left out of every prompt. The vocabulary is the ids that both the tokenizer names
-    (tokenizer.ggml.tokens) and the embedding has rows for (config's vocab_size, which `_check_tensors` has
-    matched to token_embd); llama.cpp's converter makes the two equal."""
-    rows = min(config["vocab_size"], len(meta["tokenizer.ggml.tokens"]))
-    for key, what in (("bos", "start"), ("eos", "end"), ("eot", "end-of-turn"), ("eom", "end-of-message")):
+    """Raise GGUFError where the file's tokenizer and model disagree on the vocabulary, or where one of its special
+    token ids is not a token of that vocabulary; drop an out-of-range padding id from `config`, with a warning.
+
+    The vocabulary. The tokenizer built from tokenizer.ggml.tokens gives ids 0 to tokens - 1; the model embeds
+    and scores ids 0 to rows - 1, rows being config's vocab_size ({arch}.vocab_size, else the token count), which
+    `_check_tensors` has matched to token_embd (and output). More tokens than rows is refused, naming both counts:
+    the tokenizer would give ids the model has no row for. Fewer is allowed: released models pad their embedding
+    (to a multiple of 64 or 128) past their tokenizer, as mlx-lm and llama.cpp's older loaders take them (its
+    converter pads the token list instead, so its files have the two equal); the model never produces those ids
+    and the tokenizer decodes none. The ids the tokenizer names are therefore the vocabulary.
+
+    The special ids (`in_vocabulary`, the rule `check_token_ids` applies at load). An end token (eos, eot, eom)
+    outside the vocabulary would make a folder that `load_model` refuses, a start token (bos) would be left out
+    of every prompt and an unknown token (unk) out of the tokenizer: each is refused, naming its metadata key, the
+    id and the vocabulary's size. A padding id outside it is dropped instead: nothing feeds or waits on a pad id,
+    released models carry out-of-range ones (one past the embedding, or -1 in config.json), and llama.cpp itself
+    ignores any out-of-range special id with a warning ("bad special token") and loads the model; refusing would
+    turn away a model that runs. `_tokenizer` names only in-vocabulary tokens, so the tokenizer's config has no
+    pad_token then either."""
+    tokens, rows = len(meta["tokenizer.ggml.tokens"]), config["vocab_size"]
+    if tokens > rows:
+        raise GGUFError(f"{path}: its tokenizer has {tokens} tokens (metadata tokenizer.ggml.tokens) but the model's "
+                        f"token embedding (token_embd.weight) only {rows} rows, so ids {rows} to {tokens - 1} would "
+                        "be fed to the model with no embedding: the file is damaged or its vocabulary or weights "
+                        "were edited; get the file again or convert the model again with llama.cpp's converter, "
+                        "which writes a token for every embedding row")
+    keys = (("bos", "start"), ("eos", "end"), ("eot", "end-of-turn"), ("eom", "end-of-message"),
+            ("unknown", "unknown"), ("padding", "padding"))
+    for key, what in keys:
         name = f"tokenizer.ggml.{key}_token_id"
-        if name in meta and not in_vocabulary(meta[name], rows):
-            raise GGUFError(f"{path}: metadata {name} is {meta[name]}, which is not a token of this model: its "
-                            f"vocabulary has {rows} token ids (0 to {rows - 1}); set the key to the id of the "
-                            f"model's {what} token (the gguf package's `gguf-set-metadata FILE {name} ID` edits the "
-                            "file in place), or convert the model again with llama.cpp's converter")
+        if name not in meta or in_vocabulary(meta[name], tokens):
+            continue
+        said = (f"metadata {name} is {meta[name]}, which is not a token of this model: its vocabulary has {tokens} "
+                f"token ids (0 to {tokens - 1})")
+        if key == "padding":
+            log.warning("%s: %s; converting it without a padding token (nothing feeds or waits on one)", path, said)
+            config.pop("pad_token_id", None)
+            continue
+        raise GGUFError(f"{path}: {said}; set the key to the id of the model's {what} token (the gguf package's "
+                        f"`gguf-set-metadata FILE {name} ID` edits the file in place), or convert the model again "
+                        "with llama.cpp's converter")
 
 
 def _check_weights(weights: str | None) -> str:
@@ -654,7 +688,7 @@ def _tokenizer(meta: dict, path: Path):
 
     def token(key):
         i = meta.get(f"tokenizer.ggml.{key}_token_id")
-        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
+        return tokens[i] if in_vocabulary(i, len(tokens)) else None
 
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and token("bos") is not None
     if add_bos:

@@ -664,10 +664,11 @@ def test_bf16_tensors_convert_bit_exactly_whichever_reader_reads_the_file(tmp_pa
         assert model(mx.array([tok.encode("hello")])).shape[-1] == model.args.vocab_size
 
 
-@pytest.mark.parametrize("key", ["eos", "eot", "eom", "bos"])
+@pytest.mark.parametrize("key", ["eos", "eot", "eom", "bos", "unknown"])
 def test_a_special_token_id_outside_the_vocabulary_is_refused_at_import_by_its_metadata_key(tmp_path, small, key):
     """Copied into config.json unchecked, an eos, eot or eom id past the vocabulary made a folder that load_model then
-    refused, naming the folder's config.json rather than the file's metadata; a bos id past it was dropped."""
+    refused, naming the folder's config.json rather than the file's metadata; a bos or unknown id past it was
+    silently dropped from the tokenizer's config."""
     rows = int(gguf.GGUFReader(str(small["Q8_0"])).fields["llama.vocab_size"].contents())
     name = f"tokenizer.ggml.{key}_token_id"
     rewrite(small["Q8_0"], tmp_path / "bad.gguf", meta={name: (rows, V.UINT32)})
@@ -677,6 +678,53 @@ def test_a_special_token_id_outside_the_vocabulary_is_refused_at_import_by_its_m
     assert not (tmp_path / "bad").exists()
     rewrite(small["Q8_0"], tmp_path / "last.gguf", meta={name: (rows - 1, V.UINT32)})  # the last id is a token
     load_model(import_gguf(tmp_path / "last.gguf", tmp_path / "last", "float32"))
+
+
+def test_an_out_of_range_padding_id_is_dropped_with_a_warning_not_refused(tmp_path, small, caplog):
+    """A padding id past the vocabulary was copied into config.json. Nothing feeds or waits on a pad id, released
+    models name such ids, and llama.cpp itself ignores an out-of-range special id with a warning: the import leaves
+    it out of the folder, says so, and converts the model."""
+    rows = int(gguf.GGUFReader(str(small["Q8_0"])).fields["llama.vocab_size"].contents())
+    name = "tokenizer.ggml.padding_token_id"
+    rewrite(small["Q8_0"], tmp_path / "pad.gguf", meta={name: (rows, V.UINT32)})
+    with caplog.at_level("WARNING", logger="runtime.gguf"):
+        out = import_gguf(tmp_path / "pad.gguf", tmp_path / "pad", "float32")
+    assert f"{name} is {rows}" in caplog.text and f"{rows} token ids" in caplog.text, caplog.text
+    assert "pad_token_id" not in json.loads((out / "config.json").read_text())
+    assert "pad_token" not in json.loads((out / "tokenizer_config.json").read_text())
+    load_model(out)
+    rewrite(small["Q8_0"], tmp_path / "last.gguf", meta={name: (rows - 1, V.UINT32)})  # the last id is a token: kept
+    out = import_gguf(tmp_path / "last.gguf", tmp_path / "last", "float32")
+    assert json.loads((out / "config.json").read_text())["pad_token_id"] == rows - 1
+    assert "pad_token" in json.loads((out / "tokenizer_config.json").read_text())
+
+
+def test_a_tokenizer_with_more_tokens_than_embedding_rows_is_refused_and_a_shorter_one_converts(tmp_path, small):
+    """A token list longer than the embedding converted silently: the tokenizer then gave ids past the embedding's
+    rows. An embedding with more rows than tokens (a vocabulary padded to a multiple of 64) is a real model's and
+    converts: the model's extra ids are ones it never produces."""
+    r = gguf.GGUFReader(str(small["Q8_0"]))
+    tokens, types = r.fields["tokenizer.ggml.tokens"].contents(), r.fields["tokenizer.ggml.token_type"].contents()
+    rows = int(r.fields["llama.vocab_size"].contents())
+    assert len(tokens) == rows
+    longer = {"tokenizer.ggml.tokens": (tokens + ["[EXTRA0]", "[EXTRA1]"], V.ARRAY, V.STRING),
+              "tokenizer.ggml.token_type": (types + [1, 1], V.ARRAY, V.INT32)}
+    for qtype in ("Q8_0", "Q5_0"):
+        rewrite(small[qtype], tmp_path / "long.gguf", meta=longer)
+        with pytest.raises(GGUFError, match=rf"{rows + 2} tokens .*{rows} rows") as e:
+            import_gguf(tmp_path / "long.gguf", tmp_path / "long", "float32")
+        assert "convert the model again" in str(e.value) and "tokenizer.ggml.tokens" in str(e.value)
+        assert not (tmp_path / "long").exists()
+    embd = next(t for t in r.tensors if t.name == "token_embd.weight")
+    table = quants.dequantize(embd.data, embd.tensor_type).reshape(rows, -1)
+    padded = np.concatenate([table, np.zeros((64, table.shape[1]), np.float32)])
+    rewrite(small["Q8_0"], tmp_path / "padded.gguf", meta={"llama.vocab_size": (rows + 64, V.UINT32)},
+            tensors={"token_embd.weight": (padded, Q.F32)})
+    out = import_gguf(tmp_path / "padded.gguf", tmp_path / "padded", "float32")
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == rows + 64
+    model, tok, _ = load_model(out)
+    assert len(tok._tokenizer) == rows
+    assert model(mx.array([tok.encode("hello")])).shape[-1] == rows + 64
 
 
 def test_an_f64_tensor_is_refused_as_a_64_bit_float_tensor(tmp_path, small):
