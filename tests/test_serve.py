@@ -19,8 +19,9 @@ import pykka
 import pytest
 import uvicorn
 
-from runtime import AgentRef, Runtime
-from runtime.api.serve import ChatRequest, Server, build_app, derive_agent_id, parse_chat, parse_messages, plan_turn
+from runtime import AgentCrashed, AgentRef, Runtime
+from runtime.api.serve import ChatRequest, Plan, Server, build_app, derive_agent_id, parse_chat, parse_messages, plan_turn
+from runtime.api.testing import inject_crash
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEM = {"role": "system", "content": "You answer briefly."}
@@ -1083,3 +1084,39 @@ def test_a_request_for_an_agent_whose_actor_restarts_does_not_hold_the_other_req
             waiting.join(60)
         s.close()
     assert done == [200]
+
+
+@pytest.mark.parametrize("what", ["note", "reset"])
+def test_a_requests_messages_to_an_agent_that_restarts_wait_for_it_off_the_event_loop(tmp_path, monkeypatch, what):
+    """A request's plan sends a note or a reset before its turn. Sent to an agent that crashed and whose restart
+    waits behind its busy supervisor, the message waits for the restart (up to RESTART_WAIT_S) in a thread: a 10 ms
+    ticker keeps ticking, and once the supervisor is free the message and the turn go to the restarted agent. (They
+    were sent on the event loop, which held every request meanwhile, and here the supervisor's release with them:
+    the request failed with AgentCrashed after 10 s.)"""
+    from test_agents import FAST, busy_supervisor, wait_for
+
+    with Runtime(model=None, cache_dir=tmp_path, backoff=FAST) as rt:
+        a = rt.spawn("a", system="You are A.")
+        old = rt._env.refs["a"]
+        records = [{"role": "user", "text": "Hi.", "sender": None},
+                   {"role": "assistant", "text": "Hello.", "sender": None}]
+        plan = Plan(ask="Tick.", notes=(("A note.", "bob"),)) if what == "note" else Plan(ask="Tick.", reset=records)
+
+        async def main(release):
+            task, ticks = asyncio.create_task(Server._turn(a, plan, {"max_tokens": 4}, None)), 0
+            while ticks < 5:  # the message's send runs meanwhile, waiting for the restart
+                await asyncio.sleep(0.01)
+                ticks += 1
+                assert not task.done(), task
+            release.set()  # the supervisor restarts the agent: the message and the turn go to it
+            return await task
+
+        with busy_supervisor(rt, monkeypatch) as release:
+            inject_crash(a)
+            with pytest.raises(AgentCrashed):
+                a.ask("Crash.", max_tokens=4)
+            wait_for(lambda: not old.is_alive(), what="the agent's crash")
+            reply = asyncio.run(main(release))
+        sent = [(r["text"], r["sender"]) for r in a.history() if r["role"] == "user"]
+    assert len(reply.tokens) == 4 and rt._env.refs["a"] is not old
+    assert sent[-2:] == ([("A note.", "bob")] if what == "note" else [("Hi.", None)]) + [("Tick.", None)]

@@ -431,7 +431,9 @@ class AgentRef:
         UnknownAgent if the agent is gone, TurnTooLong if the turn needs more positions than
         the model has (raised here at once for a message that could never fit, before it is
         tokenized). `sender` attributes the message to another
-        agent; `conversation_id` is recorded with the turn's journal records.
+        agent; `conversation_id` is recorded with the turn's journal records. While the
+        agent restarts, `send` itself waits for it, up to RESTART_WAIT_S seconds (then
+        AgentCrashed): asyncio code uses `ask_async` or `astream`, which send off the event loop.
 
         `on_token(piece)` gets the reply's text piece by piece while it decodes (the
         last pieces may hold the start of a stop string the reply then drops), and
@@ -519,11 +521,14 @@ class AgentRef:
                         cancel: Callable[[], bool] | None = None) -> Reply:
         """`ask` for asyncio code: awaits the reply without blocking the event loop; the options are `send`'s.
 
-        No thread waits for the reply: it is handed to the running loop when it is set.
+        `send` runs in a thread of the loop's default executor (`asyncio.to_thread`), as it waits while the agent
+        restarts (up to RESTART_WAIT_S seconds): the loop runs on meanwhile, and its errors raise here. No thread
+        waits for the reply: it is handed to the running loop when it is set.
         """
-        reply = self.send(text, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
-                          timeout=timeout, sender=sender, conversation_id=conversation_id, turn_id=turn_id,
-                          on_token=on_token, on_progress=on_progress, cancel=cancel)
+        reply = await asyncio.to_thread(self.send, text, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                        seed=seed, stop=stop, timeout=timeout, sender=sender,
+                                        conversation_id=conversation_id, turn_id=turn_id, on_token=on_token,
+                                        on_progress=on_progress, cancel=cancel)
         try:
             return await asyncio.wait_for(_on_loop(reply, asyncio.get_running_loop()),
                                           None if timeout is None else timeout + 5)
@@ -570,9 +575,9 @@ class AgentRef:
                       cancel: Callable[[], bool] | None = None) -> AsyncIterator[str | Reply]:
         """`stream` for asyncio code: `async for piece in ref.astream(text)`; the last item is the `Reply`.
 
-        The options are `send`'s (except `on_token`). Pieces reach the running loop
-        through `call_soon_threadsafe`: no thread waits. Bad options raise when the
-        iteration starts.
+        The options are `send`'s (except `on_token`); `send` runs off the event loop, as in
+        `ask_async`. Pieces reach the running loop through `call_soon_threadsafe`: no thread
+        waits for them. Bad options raise when the iteration starts.
         """
         loop = asyncio.get_running_loop()
         pieces: asyncio.Queue = asyncio.Queue()
@@ -583,9 +588,10 @@ class AgentRef:
             except RuntimeError:  # the loop was closed: nobody is listening any more
                 pass
 
-        future = self.send(text, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=stop,
-                           timeout=timeout, sender=sender, conversation_id=conversation_id, turn_id=turn_id,
-                           on_token=put, on_progress=on_progress, cancel=cancel)
+        future = await asyncio.to_thread(self.send, text, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                         seed=seed, stop=stop, timeout=timeout, sender=sender,
+                                         conversation_id=conversation_id, turn_id=turn_id, on_token=put,
+                                         on_progress=on_progress, cancel=cancel)
         future.add_done_callback(lambda _: put(_END))
         held, wait_s = _Pieces(future.stop), None if timeout is None else timeout + 5
         while True:

@@ -506,19 +506,22 @@ class Server:
                     elif wrote:  # the request's earlier messages leave no trace either: a corrected resend is not doubled
                         # and its system prompt neither: a history without a system record says none (""), and
                         # reset(history) alone would keep the one the request's reset set
-                        await ref.reset(history, system=conversation_prompt(history))
+                        await (await asyncio.to_thread(ref.reset, history, system=conversation_prompt(history)))
                 except Exception as undo:  # noqa: BLE001 - the client's answer is the refusal; this is the log's
                     log.warning("agent %s keeps what a refused request began: undoing it failed: %r", name, undo)
                 raise
 
     @staticmethod
     async def _turn(ref, plan: Plan, options: dict, pieces: asyncio.Queue | None) -> Reply:
-        """Apply `plan` to `ref` (reset, notes) and run its turn; stream pieces into `pieces` (see `run_chat`)."""
+        """Apply `plan` to `ref` (reset, notes) and run its turn; stream pieces into `pieces` (see `run_chat`).
+
+        Each message is sent in a thread, as `ask_async` and `astream` send theirs: sending waits while the agent
+        restarts (up to RESTART_WAIT_S seconds), and every other request is served meanwhile."""
         if plan.reset is not None:
-            await ref.reset(plan.reset, system=plan.system)
+            await (await asyncio.to_thread(ref.reset, plan.reset, system=plan.system))
         for text, sender in plan.notes:
             if text:
-                ref.note(text, sender)
+                await asyncio.to_thread(ref.note, text, sender)
         if pieces is None:
             return await ref.ask_async(plan.ask, **options)
         async for item in ref.astream(plan.ask, **options):
@@ -819,7 +822,8 @@ def routes(server: Server) -> list[Route]:
         first, second = sorted((name, to))
         async with server.lock(first), server.lock(second):
             sender, receiver = await server.agent(name), await server.agent(to)
-            reply = await sender.send_to(receiver, content, **server.options(req))
+            # sent in a thread: sending waits while `to` restarts (`server.agent` does not wait for it)
+            reply = await (await asyncio.to_thread(sender.send_to, receiver, content, **server.options(req)))
         return JSONResponse({"from": name, "to": to, "content": reply.text, "finish_reason": reply.finish_reason,
                              "usage": server.usage(reply), "kvactors": server.kvactors_info(reply)},
                             headers={"X-Agent-Id": to, "X-KV-Cache": reply.cache})
