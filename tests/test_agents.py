@@ -612,6 +612,32 @@ def test_a_turn_to_an_agent_that_restarts_waits_for_it_off_the_event_loop(tmp_pa
         assert isinstance(reply, Reply) and len(reply.tokens) == 4 and rt._env.refs["a"] is not old
 
 
+def test_turns_started_in_order_on_a_loop_reach_a_restarting_agent_in_that_order(tmp_path, monkeypatch):
+    """Eight ask_async calls started one after another while the agent's restart waits: each sends from a thread
+    (`_send_off_loop`), yet the agent's journal has the eight messages in the order the calls were made, as when
+    `send` ran on the loop itself."""
+    with Runtime(model=None, cache_dir=tmp_path, backoff=FAST) as rt:
+        a = rt.spawn("a", system="You are A.")
+        old = rt._env.refs["a"]
+
+        async def main(release):
+            tasks = [asyncio.create_task(a.ask_async(f"Message {i}.", max_tokens=2)) for i in range(8)]
+            for _ in range(5):  # every call is under way, waiting for the restart
+                await asyncio.sleep(0.01)
+            release.set()
+            return await asyncio.gather(*tasks)
+
+        with busy_supervisor(rt, monkeypatch) as release:
+            inject_crash(a)
+            with pytest.raises(AgentCrashed):
+                a.ask("Crash.", max_tokens=4)
+            wait_for(lambda: not old.is_alive(), what="the agent's crash")
+            replies = asyncio.run(main(release))
+        assert len(replies) == 8
+        said = [r["text"] for r in a.history() if r["role"] == "user" and r["text"].startswith("Message")]
+        assert said == [f"Message {i}." for i in range(8)]
+
+
 def test_64_concurrent_ask_async_calls_fill_the_batch_with_no_thread_each(tmp_path):
     with Runtime(model=None, cache_dir=tmp_path, max_batch=8) as rt:
         agents = [rt.spawn(f"c{i}", system="You are brief.") for i in range(16)]

@@ -403,6 +403,9 @@ class _Pieces:
 _END = object()
 
 
+_async_sends: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> {(runtime, agent): its last send}
+
+
 class AgentRef:
     """A stable handle on an agent, valid across restarts of its actor."""
 
@@ -411,6 +414,27 @@ class AgentRef:
 
     def __repr__(self):
         return f"AgentRef({self.name!r})"
+
+    async def _send_off_loop(self, text: str, **options) -> ReplyFuture:
+        """`send` in a thread of the running loop's default executor, after every earlier `_send_off_loop` to this
+        agent on this loop has sent: turns started in one order on a loop reach the agent in that order, as they did
+        when `send` ran on the loop, while a send that waits for a restart holds up no other agent's."""
+        loop = asyncio.get_running_loop()
+        queued = _async_sends.setdefault(loop, {})
+        key = (id(self.runtime), self.name)
+        before, mine = queued.get(key), loop.create_future()
+        queued[key] = mine
+        try:
+            if before is not None:
+                await asyncio.shield(before)
+            return await asyncio.to_thread(self.send, text, **options)
+        finally:  # cancelled while waiting: the next send still waits for the one before
+            if before is None or before.done():
+                mine.set_result(None)
+            else:
+                before.add_done_callback(lambda _: mine.set_result(None))
+            if queued.get(key) is mine:
+                del queued[key]
 
     def send(self, text: str, *, max_tokens: int = MAX_TOKENS, temperature: float = Sampling.temperature,
              top_p: float = Sampling.top_p, seed: int = Sampling.seed, stop: str | Iterable[str] = (),
@@ -525,10 +549,9 @@ class AgentRef:
         restarts (up to RESTART_WAIT_S seconds): the loop runs on meanwhile, and its errors raise here. No thread
         waits for the reply: it is handed to the running loop when it is set.
         """
-        reply = await asyncio.to_thread(self.send, text, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                        seed=seed, stop=stop, timeout=timeout, sender=sender,
-                                        conversation_id=conversation_id, turn_id=turn_id, on_token=on_token,
-                                        on_progress=on_progress, cancel=cancel)
+        reply = await self._send_off_loop(text, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                                          stop=stop, timeout=timeout, sender=sender, conversation_id=conversation_id,
+                                          turn_id=turn_id, on_token=on_token, on_progress=on_progress, cancel=cancel)
         try:
             return await asyncio.wait_for(_on_loop(reply, asyncio.get_running_loop()),
                                           None if timeout is None else timeout + 5)
@@ -588,10 +611,9 @@ class AgentRef:
             except RuntimeError:  # the loop was closed: nobody is listening any more
                 pass
 
-        future = await asyncio.to_thread(self.send, text, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                         seed=seed, stop=stop, timeout=timeout, sender=sender,
-                                         conversation_id=conversation_id, turn_id=turn_id, on_token=put,
-                                         on_progress=on_progress, cancel=cancel)
+        future = await self._send_off_loop(text, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                                           stop=stop, timeout=timeout, sender=sender, conversation_id=conversation_id,
+                                           turn_id=turn_id, on_token=put, on_progress=on_progress, cancel=cancel)
         future.add_done_callback(lambda _: put(_END))
         held, wait_s = _Pieces(future.stop), None if timeout is None else timeout + 5
         while True:
