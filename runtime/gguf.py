@@ -56,7 +56,8 @@ import stat
 from pathlib import Path
 
 from runtime.errors import shown
-from runtime.model import COMPLETE_MARKER, ModelLoadError, build_once, in_vocabulary, kvactors_home, new_model_folder
+from runtime.model import (COMPLETE_MARKER, ModelLoadError, build_once, in_vocabulary, kvactors_home, new_model_folder,
+                           refuse_existing)
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +185,7 @@ def gguf_model_path(path: str | Path, weights: str | None = None) -> Path:
         raise _cannot_read(path, e) from e
     out = kvactors_home() / "models" / f"gguf-{digest[:16]}-{weights}"
     try:
-        return build_once(out, lambda out: import_gguf(path, out, weights))  # one conversion at a time
+        return build_once(out, lambda out: _converter(path, weights)(out))  # one conversion at a time
     except OSError as e:
         raise _cannot_write(out, e) from e
 
@@ -195,8 +196,13 @@ def import_gguf(path: str | Path, out: str | Path, weights: str | None = None) -
     `weights` is "float32" (exactly dequantized) or "quantized" (the file's 4/8-bit
     triplets kept as they are, other tensors float16); None
     picks `default_weights()`. The folder is built in a temporary sibling and
-    renamed into place, so `out` either does not exist or is complete.
-    Raises FileExistsError if `out` exists, UnsupportedGGUF for an
+    renamed into place, under the lock of `model.build_once` (reuse=False), so
+    `out` either does not exist or is complete, even after a SIGKILL, and the
+    next import into `out` removes what a killed one left; of two imports into
+    one `out` at once, one converts and the other, once it has waited for it,
+    refuses the folder.
+    Raises FileExistsError if `out` exists (never touched, whatever it holds),
+    UnsupportedGGUF for an
     architecture, tensor, quantization type or tokenizer this import cannot map,
     and GGUFError for a file that is not GGUF, is damaged, contradicts itself (a
     tokenizer with more tokens than the embedding has rows; a start, end or unknown
@@ -206,8 +212,19 @@ def import_gguf(path: str | Path, out: str | Path, weights: str | None = None) -
     """
     path, out = Path(path).expanduser(), Path(out).expanduser()
     weights = _check_weights(weights)
-    if out.exists():
-        raise FileExistsError(f"{out} already exists")
+    refuse_existing(out)  # before reading the file; `build_once` checks again, under the lock
+    write = _converter(path, weights)
+    try:
+        return build_once(out, write, reuse=False)
+    except FileExistsError:
+        raise
+    except OSError as e:  # the lock beside `out`
+        raise _cannot_write(out, e) from e
+
+
+def _converter(path: Path, weights: str):
+    """Read, check and convert the GGUF file at `path` (as `import_gguf`); return `write(out)`, which writes the
+    model folder `out` through `new_model_folder`."""
     meta, tensors = _read(path)
     _check_metadata(meta, path)
     arch = meta.get("general.architecture")
@@ -225,23 +242,25 @@ def import_gguf(path: str | Path, out: str | Path, weights: str | None = None) -
 
     import mlx.core as mx
 
-    try:
-        with new_model_folder(out) as tmp:
-            (tmp / "config.json").write_text(json.dumps(config, indent=2))
-            mx.save_safetensors(str(tmp / "model.safetensors"), mlx_weights, {"format": "mlx"})
-            (tmp / "tokenizer.json").write_text(tokenizer_json)
-            (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
-            if template:
-                (tmp / "chat_template.jinja").write_text(template)
-            marker = {"source": str(path), "name": meta.get("general.name"), "weights": weights}
-            (tmp / COMPLETE_MARKER).write_text(json.dumps(marker))
-    except OSError as e:
-        if isinstance(e, FileExistsError) and out.exists():
-            raise  # another process made `out` meanwhile
-        raise _cannot_write(out, e) from e
-    except RuntimeError as e:  # MLX reports a failed write (a full disk) as a RuntimeError
-        raise _cannot_write(out, e) from e
-    return out
+    def write(out: Path) -> None:
+        try:
+            with new_model_folder(out) as tmp:
+                (tmp / "config.json").write_text(json.dumps(config, indent=2))
+                mx.save_safetensors(str(tmp / "model.safetensors"), mlx_weights, {"format": "mlx"})
+                (tmp / "tokenizer.json").write_text(tokenizer_json)
+                (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+                if template:
+                    (tmp / "chat_template.jinja").write_text(template)
+                marker = {"source": str(path), "name": meta.get("general.name"), "weights": weights}
+                (tmp / COMPLETE_MARKER).write_text(json.dumps(marker))
+        except OSError as e:
+            if isinstance(e, FileExistsError) and out.exists():
+                raise  # another process made `out` meanwhile
+            raise _cannot_write(out, e) from e
+        except RuntimeError as e:  # MLX reports a failed write (a full disk) as a RuntimeError
+            raise _cannot_write(out, e) from e
+
+    return write
 
 
 def _check_file(path: Path) -> None:

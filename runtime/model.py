@@ -9,6 +9,7 @@ fingerprint that every stored cache is tagged with.
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import importlib.util
 import json
@@ -473,20 +474,34 @@ def kvactors_home() -> Path:
 COMPLETE_MARKER = ".kvactors-complete"  # in a model folder the project built: the build finished (`build_once`)
 
 
-def build_once(out: Path, build) -> Path:
-    """The model folder `out` the project builds itself (a converted GGUF file, the default tiny model): as it
-    is if it holds COMPLETE_MARKER, else built by `build(out)` (which makes it through `new_model_folder`, the
-    marker inside), under `model_folder_lock`: concurrent first use builds it once, and what a build killed
-    midway left is removed. A folder without the marker was not made here, and is removed first. OSError where
-    it cannot be removed or written."""
-    if (out / COMPLETE_MARKER).exists():
+def build_once(out: Path, build, reuse: bool = True) -> Path:
+    """The model folder `out`, built by `build(out)` (which makes it through `new_model_folder`, the marker
+    inside) under `model_folder_lock`: builds of one folder take turns, and what a build killed midway left is
+    removed. OSError where it cannot be removed or written.
+
+    reuse=True, for a folder in the models folder, which the project owns (a converted GGUF file, the default
+    tiny model): `out` as it is if it holds COMPLETE_MARKER (another process may have built it while this one
+    waited), else built; a folder without the marker was not made here, and is removed first.
+    reuse=False, for a folder a user names (`import_gguf`'s OUT, `make_tiny_model`'s path): built only where
+    nothing is under that name, which is never touched: FileExistsError (`refuse_existing`), also for a
+    concurrent build's folder once it has waited for that build."""
+    if reuse and (out / COMPLETE_MARKER).exists():
         return out
     with model_folder_lock(out):
-        if not (out / COMPLETE_MARKER).exists():  # else another process built it while this one waited
+        if not reuse:
+            refuse_existing(out)
+            build(out)
+        elif not (out / COMPLETE_MARKER).exists():  # else another process built it while this one waited
             if out.exists():  # a folder without its marker was not made here: not ours to trust
                 shutil.rmtree(out)
             build(out)
     return out
+
+
+def refuse_existing(out: Path) -> None:
+    """FileExistsError, saying what to do, where something is under the name `out` (a folder a user names)."""
+    if out.exists():
+        raise FileExistsError(f"{out} already exists: give a folder that does not exist yet, or remove it first")
 
 
 def _partial_prefix(out: Path) -> str:
@@ -551,7 +566,7 @@ def model_folder_lock(out: Path):
             raise
         os.close(fd)
     try:
-        for partial in out.parent.glob(_partial_prefix(out) + "*"):
+        for partial in out.parent.glob(glob.escape(_partial_prefix(out)) + "*"):  # a user's name may hold [ or *
             shutil.rmtree(partial, ignore_errors=True)
         yield
     finally:

@@ -214,8 +214,8 @@ def tiny_llama_path() -> Path:
     sibling and renamed into place (``model.build_once``): concurrent first use
     builds it once, and what a build killed midway left is removed.
     """
-    return build_once(kvactors_home() / "models" / TINY_LLAMA_NAME,
-                      lambda path: make_tiny_model(path, arch="llama", seed=0, dtype="float32"))
+    return _new_folder(kvactors_home() / "models" / TINY_LLAMA_NAME, "float32",
+                       lambda tmp: _write_model(tmp, "llama", 0, "float32", {}), reuse=True)
 
 
 def is_tiny_model(path) -> bool:
@@ -243,10 +243,13 @@ def make_tiny_model(
     overrides)``: the same arguments give byte-identical ``model.safetensors``.
     The tokenizer does not depend on the seed or the arch.
 
-    The folder is built in a temporary sibling and renamed into place, so
-    ``path`` either does not exist or holds a complete model (marked by
-    ``COMPLETE_MARKER``). Raises ``ValueError`` for an unknown arch or dtype
-    and ``FileExistsError`` if ``path`` already exists.
+    The folder is built in a temporary sibling and renamed into place, under
+    the lock of ``model.build_once`` (reuse=False), so ``path`` either does not
+    exist or holds a complete model (marked by ``COMPLETE_MARKER``), even after
+    a SIGKILL, and the next build of ``path`` removes what a killed one left.
+    Raises ``ValueError`` for an unknown arch or dtype and ``FileExistsError``
+    if ``path`` already exists (it is never touched; of two builds of one
+    ``path`` at once, the second, once it has waited for the first).
     """
     if arch not in _CONFIGS:
         raise ValueError(f"Unknown arch {arch!r}; valid archs: {', '.join(ARCHS)}")
@@ -261,17 +264,18 @@ def make_model_folder(path, config: dict, seed: int = 0, dtype: str = "float32")
     return _new_folder(path, dtype, lambda tmp: _write_folder(tmp, dict(config), seed, dtype, marker))
 
 
-def _new_folder(path, dtype: str, write) -> Path:
-    """`write(folder)` into a temporary sibling of ``path``, renamed to ``path`` once it succeeds; ValueError for an
-    unknown dtype, FileExistsError if ``path`` exists."""
+def _new_folder(path, dtype: str, write, reuse: bool = False) -> Path:
+    """`write(folder)` into a temporary sibling of ``path``, renamed to ``path`` once it succeeds, by
+    ``model.build_once`` (``reuse`` as there); ValueError for an unknown dtype, FileExistsError if ``path`` exists
+    (reuse=False)."""
     if dtype not in _DTYPES:
         raise ValueError(f"Unknown dtype {dtype!r}; valid dtypes: {', '.join(_DTYPES)}")
-    path = Path(path)
-    if path.exists():
-        raise FileExistsError(f"{path} already exists")
-    with new_model_folder(path) as tmp:
-        write(tmp)
-    return path
+
+    def build(path: Path) -> None:
+        with new_model_folder(path) as tmp:
+            write(tmp)
+
+    return build_once(Path(path), build, reuse=reuse)
 
 
 def _write_model(folder: Path, arch: str, seed: int, dtype: str, overrides: dict):

@@ -1,6 +1,11 @@
 """Shared test fixtures: tiny local models, offline, in session temp folders."""
 
 import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
 
 import pytest
 
@@ -71,3 +76,31 @@ def load_tiny(tiny_model_path):
         return loaded[arch]
 
     return get
+
+
+@pytest.fixture
+def kill_mid_build():
+    """``kill_mid_build(command, folder, env=None)``: run ``command`` (a process that builds a model folder in
+    ``folder``, emptied first) and SIGKILL it while its temporary folder (``.<name>.tmp-*``) is there, trying
+    again until a kill lands so (at most 20 times; then the test fails). The killed build's leftovers stay."""
+    def writing(folder):
+        return folder.is_dir() and any(".tmp-" in n for n in os.listdir(folder))
+
+    def kill(command, folder, env=None):
+        folder = Path(folder)
+        for _ in range(20):
+            shutil.rmtree(folder, ignore_errors=True)
+            child = subprocess.Popen(command, cwd=Path(__file__).resolve().parents[1], env=env,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and child.poll() is None:
+                if writing(folder):
+                    child.send_signal(signal.SIGKILL)
+                    break
+                time.sleep(0.0005)
+            child.wait()
+            if child.returncode == -signal.SIGKILL and writing(folder):
+                return
+        pytest.fail("never killed the child while it wrote")
+
+    return kill

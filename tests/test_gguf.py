@@ -17,7 +17,6 @@ import struct
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -556,35 +555,70 @@ def models_in(home):
     return sorted(os.listdir(home / "models"))
 
 
-def test_an_import_killed_midway_leaves_nothing_a_later_load_takes(tmp_path, tiny_model_path, monkeypatch):
+@pytest.fixture(scope="module")
+def big(tiny_model_path, tmp_path_factory):
+    """A float32 llama GGUF file large enough that a kill lands while its conversion writes."""
+    path = tmp_path_factory.mktemp("big") / "big.gguf"
+    write_gguf(path, tiny_model_path("llama", hidden_size=512, intermediate_size=1024, num_hidden_layers=4), Q.F32)
+    return path
+
+
+def test_an_import_killed_midway_leaves_nothing_a_later_load_takes(tmp_path, big, kill_mid_build, monkeypatch):
     """The child is SIGKILLed while its folder is half written; the next import converts afresh and cleans up."""
-    write_gguf(tmp_path / "big.gguf", tiny_model_path("llama", hidden_size=512, intermediate_size=1024,
-                                                      num_hidden_layers=4), Q.F32)
     home = tmp_path / "home"
     env = {**os.environ, "KVACTORS_HOME": str(home)}
     script = "import sys\nfrom runtime.gguf import gguf_model_path\nprint(gguf_model_path(sys.argv[1], 'float32'))"
-    for _ in range(20):  # until the kill lands while the folder is being written
-        shutil.rmtree(home, ignore_errors=True)
-        child = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "big.gguf")], cwd=ROOT, env=env,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and child.poll() is None:
-            if (home / "models").is_dir() and any(".tmp-" in n for n in os.listdir(home / "models")):
-                child.send_signal(signal.SIGKILL)
-                break
-            time.sleep(0.0005)
-        child.wait()
-        child.stdout.close()
-        child.stderr.close()
-        if child.returncode == -signal.SIGKILL and any(".tmp-" in n for n in models_in(home)):
-            break
-    else:
-        pytest.fail("never killed the child while it wrote")
+    kill_mid_build([sys.executable, "-c", script, str(big)], home / "models", env)
     assert not any(n.startswith("gguf-") for n in models_in(home))  # no folder of that name: nothing to trust
     monkeypatch.setenv("KVACTORS_HOME", str(home))
-    out = gguf_model_path(tmp_path / "big.gguf", "float32")
+    out = gguf_model_path(big, "float32")
     assert models_in(home) == [out.name]  # the killed import's half-written folder is gone
     assert mlx_lm.load(str(out))[0] is not None
+
+
+def import_command(file, out):
+    return [sys.executable, "-m", "runtime.api.cli", "import-gguf", str(file), str(out), "--weights", "float32"]
+
+
+def test_import_gguf_command_killed_midway_leaves_no_out_and_the_next_run_cleans_up(tmp_path, big, kill_mid_build):
+    """`kvactors import-gguf FILE OUT` SIGKILLed while it writes leaves no OUT; the next run into OUT removes the
+    killed one's leftovers and converts. They stayed forever: only conversions into the model cache took the lock
+    whose holder removes them."""
+    dest = tmp_path / "dest"
+    kill_mid_build(import_command(big, dest / "out"), dest)
+    assert "out" not in os.listdir(dest)  # never a half-written OUT
+    run = subprocess.run(import_command(big, dest / "out"), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == str(dest / "out") and os.listdir(dest) == ["out"]  # no temporary folder, no lock
+    assert load_model(dest / "out")[0] is not None
+
+
+def test_two_import_gguf_commands_into_one_out_convert_once(tmp_path, small):
+    """Run at once, one converts and the other, having waited for it, refuses the OUT that now exists."""
+    children = [subprocess.Popen(import_command(small["Q8_0"], tmp_path / "out"), cwd=ROOT, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [child.communicate(timeout=300) for child in children]
+    assert sorted(child.returncode for child in children) == [0, 2], outs
+    refused = outs[[child.returncode for child in children].index(2)][1]
+    assert "already exists" in refused and "does not exist yet" in refused and "Traceback" not in refused, refused
+    assert sorted(os.listdir(tmp_path)) == ["out"]
+    assert load_model(tmp_path / "out")[0] is not None
+
+
+def test_import_gguf_command_never_touches_an_existing_out(tmp_path, small):
+    """A folder the project did not build (a user's, or an empty one, which a rename would replace) is refused
+    in one line that says what to do, and left as it was."""
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    (tmp_path / "empty").mkdir()
+    for out in ("mine", "empty"):
+        run = subprocess.run(import_command(small["Q8_0"], tmp_path / out), capture_output=True, text=True,
+                             timeout=120, cwd=ROOT)
+        assert run.returncode == 2 and len(run.stderr.strip().splitlines()) == 1, run.stderr[-2000:]
+        assert f"{tmp_path / out} already exists" in run.stderr and "does not exist yet" in run.stderr, run.stderr
+    assert sorted(os.listdir(tmp_path)) == ["empty", "mine"]
+    assert os.listdir(tmp_path / "mine") == ["notes.txt"] and (tmp_path / "mine" / "notes.txt").read_text() == "keep"
+    assert os.listdir(tmp_path / "empty") == []
 
 
 def test_two_processes_importing_one_file_at_once_share_one_folder(tmp_path, tiny):

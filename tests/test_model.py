@@ -510,3 +510,14 @@ def test_model_folder_lock_removes_its_file_and_still_excludes(tmp_path):
         list(pool.map(hold, range(4)))
     assert most[0] == 1
     assert os.listdir(out.parent) == []
+
+
+def test_model_folder_lock_removes_its_own_leftovers_only_whatever_the_name(tmp_path):
+    """A user names the folder (import-gguf's OUT, make_tiny_model's path): a name with glob characters in it
+    matched another folder's temporary folders, which may be being written, and missed its own."""
+    out = tmp_path / "m[1]"
+    (tmp_path / ".m[1].tmp-abc").mkdir()  # a killed build of `out`
+    (tmp_path / ".m1.tmp-abc").mkdir()  # a build of the folder m1
+    with model_folder_lock(out):
+        assert sorted(os.listdir(tmp_path)) == [".m1.tmp-abc", ".m[1].lock"]
+    assert os.listdir(tmp_path) == [".m1.tmp-abc"]

@@ -2,13 +2,8 @@
 
 import json
 import os
-import shutil
-import signal
-import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import mlx.core as mx
 import mlx_lm
@@ -17,6 +12,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlx_lm.sample_utils import make_sampler
 
 from runtime import tiny
+from runtime.model import load_model
 from runtime.tiny import (
     ARCHS,
     COMPLETE_MARKER,
@@ -186,30 +182,29 @@ def test_default_model_rebuilds_an_incomplete_folder(tmp_path, monkeypatch):
     assert json.loads((path / "config.json").read_text())["model_type"] == "llama"
 
 
-def test_default_model_build_killed_midway_leaves_nothing_behind(tmp_path, monkeypatch):
+def test_default_model_build_killed_midway_leaves_nothing_behind(tmp_path, kill_mid_build, monkeypatch):
     """A process SIGKILLed while it builds the tiny llama leaves its temporary folder; the next build removes it."""
     models = tmp_path / "models"
     env = {**os.environ, "KVACTORS_HOME": str(tmp_path)}
     script = "from runtime.tiny import tiny_llama_path; tiny_llama_path()"
-    for _ in range(20):  # until the kill lands while the folder is being written
-        shutil.rmtree(models, ignore_errors=True)
-        child = subprocess.Popen([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[1], env=env,
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and child.poll() is None:
-            if models.is_dir() and any(".tmp-" in n for n in os.listdir(models)):
-                child.send_signal(signal.SIGKILL)
-                break
-            time.sleep(0.001)
-        child.wait()
-        if child.returncode == -signal.SIGKILL and any(".tmp-" in n for n in os.listdir(models)):
-            break
-    else:
-        pytest.fail("never killed the child while it built")
+    kill_mid_build([sys.executable, "-c", script], models, env)
     monkeypatch.setenv("KVACTORS_HOME", str(tmp_path))
     path = tiny_llama_path()
     assert os.listdir(models) == [path.name]
     assert json.loads((path / COMPLETE_MARKER).read_text())["arch"] == "llama"
+
+
+def test_make_tiny_model_killed_midway_leaves_no_folder_and_the_next_build_cleans_up(tmp_path, kill_mid_build):
+    """`make_tiny_model` into a folder the caller names, SIGKILLed while it writes: no folder under that name, and
+    the next build of it removes the killed one's leftovers. They stayed forever: only the default model's
+    build took the lock whose holder removes them."""
+    dest = tmp_path / "dest"
+    script = "import sys\nfrom runtime.tiny import make_tiny_model\nmake_tiny_model(sys.argv[1])"
+    kill_mid_build([sys.executable, "-c", script, str(dest / "m")], dest)
+    assert "m" not in os.listdir(dest)  # never a half-written folder under the name
+    path = make_tiny_model(dest / "m")
+    assert os.listdir(dest) == ["m"]  # no temporary folder, no lock file
+    assert load_model(path)[0] is not None  # the whole folder, as the project loads it
 
 
 def test_tokenizer_is_not_compositional(load_tiny):

@@ -129,10 +129,14 @@ def build_parser() -> argparse.ArgumentParser:
         "import-gguf", help="convert a GGUF file (llama, qwen2) into an mlx-lm model folder",
         description="Converts FILE into the mlx-lm folder OUT (default: the model cache under $KVACTORS_HOME/models, "
                     "where Runtime(model=FILE) finds the folder of this machine's default --weights) and prints the folder. "
-                    "Runtime(model=FILE) converts on first use by itself.",
+                    "Runtime(model=FILE) converts on first use by itself. OUT must not exist: an existing one is "
+                    "refused and left as it is. The folder appears only once complete; a conversion killed midway "
+                    "leaves no OUT, and the next one into OUT removes what it left. Of two conversions into one OUT "
+                    "at once, the second waits for the first, then refuses OUT.",
     )
     imp.add_argument("file", help="the .gguf file")
-    imp.add_argument("out", nargs="?", default=None, help="the new model folder (default: the model cache)")
+    imp.add_argument("out", nargs="?", default=None,
+                     help="the new model folder, which must not exist yet (default: the model cache)")
     imp.add_argument("--weights", choices=("float32", "quantized"), default=None,
                      help="exactly dequantized float32, or the file's 4/8-bit weights (default: float32 on CPU, "
                           "quantized on a GPU)")
