@@ -19,7 +19,7 @@ import time
 import pytest
 
 from runtime import (AgentCrashed, AgentInUse, CacheDirInUse, CallbackFailed, InvalidArgument, KvactorsError, RayMissing,
-                     Runtime, SystemPromptChanged, SystemPromptTooLong, UnknownAgent)
+                     Runtime, SystemPromptChanged, SystemPromptTooLong, UnknownAgent, WaitTimeout)
 from runtime import store
 from runtime.api import testing
 
@@ -150,6 +150,49 @@ def test_one_live_actor_per_name_across_the_cluster(rt, shared):
     with pytest.raises(UnknownAgent):
         a.ask("Anyone?", **OPTS)
     assert rt.spawn("single").ask("Back?", **OPTS).cache == "warm"  # wherever it lands, it reloads
+
+
+def test_forget_of_a_running_agent_lets_its_name_start_again(rt, shared):
+    """forget stopped a running agent and deleted its files, but its host kept the agent's lock: spawning the name
+    again (there, or on any host) raised AgentInUse although the agent was gone."""
+    a = rt.spawn("forgotten", system="Be brief.")
+    a.ask("Hello?", **OPTS)
+    assert rt.forget("forgotten") is True and not rt.stored("forgotten") and "forgotten" not in rt.running()
+    assert rt.spawn("forgotten", system="Be brief.").ask("Hello again?", **OPTS).cache == "cold"  # a fresh start
+    rt.forget("forgotten")
+    os.close(store.lock_agent(shared, rt.fingerprint, "forgotten"))  # no host holds it
+
+
+@pytest.mark.parametrize("call", ["stop", "forget"])
+def test_a_stop_past_its_wait_keeps_the_agent_locked_until_its_actor_has_stopped(rt, shared, call):
+    """A stop on a host that ran past its wait (WaitTimeout) released the agent's lock while its actor still ran, so
+    another process could start a second actor of the name beside it, both writing its files. The host holds the
+    lock until the actor has stopped, as one machine holds the name: meanwhile the name is refused elsewhere, the
+    agent takes no messages, and a spawn of it waits for the stop (WaitTimeout saying to call it again); the call
+    made again waits for the stop and releases the lock (forget then deletes the files)."""
+    name = f"lingering-{call}"
+    a = rt.spawn(name, system="Be brief.")
+    first = a.ask("Hello?", **OPTS)
+    with testing.held_stops(rt, rt.placement()[name], wait_s=0.5):
+        with pytest.raises(WaitTimeout, match=rf"{call}\(\) waited .*the stop goes on.*call {call}\(\) again"):
+            {"stop": a.stop, "forget": lambda: rt.forget(name, timeout=0.5)}[call]()
+        with pytest.raises(AgentInUse, match="one live actor"):  # its actor may still run: no other one starts
+            store.lock_agent(shared, rt.fingerprint, name)
+        assert name not in rt.running()
+        with pytest.raises(UnknownAgent):
+            a.ask("Anyone there?", **OPTS)
+        advice = rf"spawn\(\) waited 0.5 s .* stop agent '{name}'.*call spawn\(\) again"
+        with pytest.raises(WaitTimeout, match=advice):  # its spawn waits for the stop, on the host that stops it
+            rt.spawn(name, timeout=0.5)
+        with pytest.raises(AgentInUse, match="one live actor"):
+            store.lock_agent(shared, rt.fingerprint, name)
+    {"stop": a.stop, "forget": lambda: rt.forget(name)}[call]()  # made again, it waits for the stop to finish
+    os.close(store.lock_agent(shared, rt.fingerprint, name))  # released once stopped
+    assert rt.stored(name) is (call == "stop") and name not in rt.running()
+    again = rt.spawn(name, system="Be brief.")
+    assert again.ask("Back?", **OPTS).cache == ("warm" if call == "stop" else "cold")
+    assert ([r["turn_id"] for r in again.history() if r["role"] == "assistant"][0] == first.turn_id) is (call == "stop")
+    again.stop()
 
 
 def test_errors_cross_nodes_with_their_types(rt):

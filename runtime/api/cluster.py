@@ -14,7 +14,10 @@ fewest agents and stays there; its cache stays on that node, its messages cross.
 
 `cache_dir` must be a folder every node sees at the same path (a shared file
 system): it holds the journals and caches in the format of one machine, and the
-per-agent locks that keep one live actor per agent name across the cluster.
+per-agent locks that keep one live actor per agent name across the cluster. A host
+holds an agent's lock until its actor has stopped: a stop that ran past its wait
+(WaitTimeout) keeps it, and the next spawn, stop or forget of the name goes to that
+host and waits for the stop there, as on one machine.
 
 When a host's node dies, Ray reports its actor dead: the turns in flight there fail
 with AgentCrashed (retry them with the same turn id: a turn that had committed
@@ -46,8 +49,8 @@ import uuid
 from actors.agent import AgentCrashed, Ask, Lookup, Note, Reset, UnknownAgent
 from runtime import store
 from runtime.api import rayhost
-from runtime.api.facade import (AgentInfo, AgentRef, DeadLetter, Runtime, RuntimeClosed, _check_options, _choice,
-                                cache_folder, not_running, shutdown_on_exit)
+from runtime.api.facade import (AgentInfo, AgentRef, DeadLetter, Runtime, RuntimeClosed, WaitTimeout, _check_options,
+                                _choice, cache_folder, not_running, shutdown_on_exit)
 from runtime.engine import CallbackFailed, passes_through
 from runtime.errors import InvalidArgument, InvalidArgumentType, KvactorsError
 from runtime.kvscheme import from_options as scheme_from_options
@@ -122,6 +125,7 @@ class ClusterRuntime:
         self._names: dict[str, None] = {}  # running agents' ids, in spawn order
         self._where: dict[str, int] = {}  # agent -> host index
         self._restart: dict[str, str] = {}  # agent -> its restart type
+        self._stopping: dict[str, int] = {}  # agent -> the host where its stop ran past its wait (`_on_host_of`)
         self._hosts: list = []
         self._info: list[dict] = []
         self._dead: set[int] = set()
@@ -176,16 +180,18 @@ class ClusterRuntime:
               timeout: float = 60.0) -> AgentRef:
         """Start agent `name` on the host with the fewest agents (resuming it from `cache_dir`); return its ref.
 
-        As `Runtime.spawn`; also raises AgentInUse if a process outside this runtime runs it.
+        As `Runtime.spawn`; also raises AgentInUse if a process outside this runtime runs it. An agent whose
+        stop ran past its wait starts on the host that stops it, once that stop is done (WaitTimeout meanwhile).
         """
         self._check_running()
         store.check_agent_id(name)
         with self._lock:
             if name in self._names:
                 raise InvalidArgument(f"agent {name!r} is already running; use rt.agent({name!r})")
-            index = self._least_loaded()
+            index = self._stopping_on(name)
+            index = self._least_loaded() if index is None else index
             try:
-                self._call(index, "spawn", name, system, restart, reset, timeout)
+                self._on_host_of(name, index, "spawn", system, restart, reset, timeout)
             except NodeDown:
                 self._recover(index)
                 index = self._least_loaded()
@@ -222,12 +228,17 @@ class ClusterRuntime:
         return [info["node_id"] for i, info in enumerate(self._info) if i not in self._dead]
 
     def forget(self, name: str, timeout: float = 60.0) -> bool:
-        """Stop agent `name` if it runs and delete its cache and journal; return whether any were stored."""
+        """Stop agent `name` if it runs and delete its cache and journal; return whether any were stored.
+
+        As `Runtime.forget`: WaitTimeout if the agent's stop (or another wait) takes more than `timeout` seconds;
+        the stop goes on, and the files stay until a call again finds it done.
+        """
         self._check_running()
         store.check_agent_id(name)
         with self._lock:
-            index = self._where.get(name, self._least_loaded())
-            found = self._call(index, "forget", name, timeout)
+            index = self._where.get(name, self._stopping_on(name))
+            index = self._least_loaded() if index is None else index
+            found = self._on_host_of(name, index, "forget", timeout)
             self._unplace(name)
         return found
 
@@ -385,8 +396,31 @@ class ClusterRuntime:
     def _stop_agent(self, name):
         self._check_running()
         with self._lock:
-            self._call(self._index(name), "stop", name)
+            index = self._stopping_on(name)
+            self._on_host_of(name, self._index(name) if index is None else index, "stop")
             self._unplace(name)
+
+    def _on_host_of(self, name, index, method, *args):
+        """Host `index`'s `method(name, *args)`, a spawn, stop or forget of agent `name`; the caller holds `_lock`.
+
+        A WaitTimeout of a stop or a forget (or of a spawn that waited for such a stop) says that the agent's stop
+        goes on past its wait: the agent runs no more (as on one machine), and that host keeps its lock until its
+        actor has stopped, so the next spawn, stop or forget of the name goes there and waits for the stop
+        (`_stopping_on`). A spawn's own WaitTimeout started nothing, and leaves the placement as it was.
+        """
+        stopping = self._stopping.pop(name, None)
+        try:
+            return self._call(index, method, name, *args)
+        except WaitTimeout:
+            if method != "spawn" or stopping is not None:
+                self._unplace(name)
+                self._stopping[name] = index
+            raise
+
+    def _stopping_on(self, name) -> int | None:
+        """The live host where a stop of agent `name` went on past its wait, if any (a dead host's lock is gone)."""
+        index = self._stopping.get(name)
+        return None if index is None or index in self._dead else index
 
     # -- internals ------------------------------------------------------------------
 

@@ -1256,10 +1256,11 @@ class Runtime:
         A stop lets go of the name before its actor has stopped and its ref is dropped: a
         spawn of that name in between started an agent whose ref the stop then dropped,
         and the agent was unreachable. Raises WaitTimeout if another such call holds the
-        name for more than `timeout` seconds (None: no limit).
+        name for more than `timeout` seconds (None: no limit). The thread that holds it may
+        take it again (a subclass's call around this class's, as `rayhost.HostedRuntime`'s).
         """
         with self._naming:  # one lock for ids that differ only in case (see `_check_case`)
-            lock = self._name_locks.setdefault(name.lower(), threading.Lock())
+            lock = self._name_locks.setdefault(name.lower(), threading.RLock())
         if not lock.acquire(timeout=-1 if timeout is None else wait_seconds(timeout)):
             raise WaitTimeout(f"agent {name!r} was being started or stopped by another call for over {timeout} s; "
                               "try again")

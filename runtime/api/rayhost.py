@@ -44,7 +44,7 @@ import msgpack
 
 from actors.agent import Ask, Lookup, Note, Reset, UnknownAgent
 from runtime import store
-from runtime.api.facade import DeadLetter, ReplyFuture, Runtime
+from runtime.api.facade import DeadLetter, ReplyFuture, Runtime, _positive
 from runtime.engine import CallbackFailed
 from runtime.errors import KvactorsError
 
@@ -130,8 +130,11 @@ class _Streamed:
 class HostedRuntime(Runtime):
     """A Runtime that shares its cache folder with other processes: it locks agents one by one.
 
-    Takes the options of `Runtime`. `spawn` raises AgentInUse when another process
-    (another node's host) runs the agent; stopping or forgetting an agent releases it.
+    Takes the options of `Runtime`. It holds agent `name`'s lock (`store.lock_agent`) from
+    its `spawn` until its actor has stopped, and while `forget` deletes its files; so
+    `spawn` and `forget` raise AgentInUse while another process (another node's host)
+    runs the agent. A stop that ran past its wait (WaitTimeout) keeps the lock: the actor
+    may still run, and the next stop, forget or spawn of the name here waits for it.
     """
 
     def __init__(self, *args, **options):
@@ -145,38 +148,49 @@ class HostedRuntime(Runtime):
     def spawn(self, name: str, system: str = "", restart: str = "permanent", *, reset: bool = False,
               timeout: float = 60.0):
         """`Runtime.spawn`, holding agent `name`'s lock while it runs here (AgentInUse if another process runs it)."""
-        if name in self._names:
-            return super().spawn(name, system, restart, reset=reset, timeout=timeout)  # raises: already running
-        fd = store.lock_agent(self.cache_dir, self.spec.fingerprint, name)
-        try:
-            ref = super().spawn(name, system, restart, reset=reset, timeout=timeout)
-        except BaseException:
-            os.close(fd)
-            raise
-        with self._locks_guard:
-            self._agent_locks[name] = fd
-        return ref
+        store.check_agent_id(name)
+        _positive("timeout", timeout)
+        with self._name_held(name, timeout):  # Runtime.spawn takes it again: the lock and the start as one
+            self._lock_agent(name)
+            try:
+                return super().spawn(name, system, restart, reset=reset, timeout=timeout)
+            finally:
+                self._unlock_if_gone(name)
 
     def forget(self, name: str, timeout: float = 60.0) -> bool:
-        """`Runtime.forget`; an agent not running here is locked while its files go (AgentInUse if it runs elsewhere)."""
-        if name in self._names:
-            return super().forget(name, timeout)
-        fd = store.lock_agent(self.cache_dir, self.spec.fingerprint, name)
-        try:
-            return super().forget(name, timeout)
-        finally:
-            os.close(fd)
+        """`Runtime.forget`, holding agent `name`'s lock until its files are gone (AgentInUse if it runs elsewhere)."""
+        store.check_agent_id(name)
+        _positive("timeout", timeout)
+        with self._name_held(name, timeout):
+            self._lock_agent(name)
+            try:
+                return super().forget(name, timeout)
+            finally:
+                self._unlock_if_gone(name)
 
     def _stop_agent(self, name):
-        try:
-            super()._stop_agent(name)
-        finally:
-            self._unlock(name)
+        with self._name_held(name, None):
+            try:
+                super()._stop_agent(name)
+            finally:
+                self._unlock_if_gone(name)
 
     def shutdown(self) -> None:
         """`Runtime.shutdown`, then release every agent's lock."""
         super().shutdown()
         for name in list(getattr(self, "_agent_locks", {})):
+            self._unlock(name)
+
+    def _lock_agent(self, name):
+        """Hold agent `name`'s lock, if this process does not already; the caller holds `_name_held(name)`."""
+        with self._locks_guard:
+            if name not in self._agent_locks:
+                self._agent_locks[name] = store.lock_agent(self.cache_dir, self.spec.fingerprint, name)
+
+    def _unlock_if_gone(self, name):
+        """Release agent `name`'s lock unless its actor runs here or is still stopping (a stop past its wait); the
+        caller holds `_name_held(name)`."""
+        if name not in self._names and name not in self._stops:
             self._unlock(name)
 
     def _unlock(self, name):
@@ -314,7 +328,8 @@ class NodeHost:
         return outcome(self.rt._check_system_fits, system)
 
     def stop(self, name: str) -> tuple:
-        """Stop agent `name` for good and release its lock (`AgentRef.stop`)."""
+        """Stop agent `name` for good and release its lock (`AgentRef.stop`); past STOP_WAIT_S, WaitTimeout, and the
+        lock stays until the stop is done."""
         return outcome(self.rt._stop_agent, name)
 
     def forget(self, name: str, timeout: float) -> tuple:

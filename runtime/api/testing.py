@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import pykka
 
 from actors import agent as agent_mod
+from actors import pykka_compat
 from actors.agent import AgentCrashed
 
 
@@ -26,7 +30,63 @@ def host_pid(runtime, node_id: str) -> int:
 
     Raises KeyError if no host of `runtime` lives on that node.
     """
-    for info in runtime._info:
+    return runtime._info[_host_index(runtime, node_id)]["pid"]
+
+
+@contextlib.contextmanager
+def held_stops(runtime, node_id: str, wait_s: float):
+    """Hold up the stops of agents on the host of `runtime` (a `ClusterRuntime`) on Ray node `node_id` in the block.
+
+    That host's agents' supervisor is kept busy, so a stop there (`AgentRef.stop`, `forget`) does not finish and
+    raises WaitTimeout after `wait_s` seconds (instead of STOP_WAIT_S); when the block exits, the stops go on.
+    The host runs this through Ray's `__ray_call__` (its developer API for running a function on an actor).
+    Raises KeyError if no host of `runtime` lives on that node.
+    """
+    host = runtime._hosts[_host_index(runtime, node_id)]
+    runtime._ray.get(host.__ray_call__.remote(_hold_stops, wait_s))
+    try:
+        yield
+    finally:
+        runtime._ray.get(host.__ray_call__.remote(_release_stops))
+
+
+def _host_index(runtime, node_id: str) -> int:
+    for i, info in enumerate(runtime._info):
         if info["node_id"] == node_id:
-            return info["pid"]
+            return i
     raise KeyError(f"no host of this runtime on node {node_id}")
+
+
+_HELD: dict = {}  # in a host's process, while `held_stops` holds it: what `_release_stops` undoes
+
+
+def _hold_stops(host, wait_s: float) -> None:
+    """On `host` (a NodeHost): park its agents' supervisor inside a `children()` call; stops there wait `wait_s`."""
+    from runtime.api import facade
+
+    supervisor = pykka_compat.actor_of(host.rt._supervisor)
+    entered, release = threading.Event(), threading.Event()
+    children = supervisor.children
+
+    def parked():
+        entered.set()
+        release.wait(120)
+        return children()
+
+    supervisor.children = parked
+    host.rt._supervisor.proxy().children()  # not waited for: the supervisor runs it, and waits there
+    try:
+        if not entered.wait(30):
+            raise RuntimeError("the host's supervisor never took the call")
+    finally:
+        del supervisor.children  # the class's method again; the parked call goes on
+    _HELD.update(release=release, stop_wait_s=facade.STOP_WAIT_S)
+    facade.STOP_WAIT_S = wait_s
+
+
+def _release_stops(host) -> None:
+    """On `host`: undo `_hold_stops`."""
+    from runtime.api import facade
+
+    facade.STOP_WAIT_S = _HELD.pop("stop_wait_s")
+    _HELD.pop("release").set()
