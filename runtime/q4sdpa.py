@@ -628,7 +628,7 @@ _KERNEL = r"""
 """
 
 _kernels = {}
-_launches = {}  # the arguments of `_launch`: made once per shape, looked up per call (a decode step makes 64)
+_launches = {}  # `_launch`'s (compiled call, counters) per shape: made once, looked up per call (a decode step makes 32)
 
 
 def counters_for(rows: int, query_heads: int, kv_heads: int, queries: int) -> int:
