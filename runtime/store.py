@@ -10,7 +10,7 @@ agent back (a bad cache never raises: the agent re-prefills from its journal),
 on a folder for people (`kvactors inspect`). Retention: `prune(cache_dir, max_age_s)`
 deletes caches (and, if asked, whole agent folders with their journals) unused for
 `max_age_s` seconds; the persistence actor runs it at start with its `retention_s`
-setting (default None: keep everything).
+setting (default None: keep everything), and `kvactors prune` runs `prune_agents`.
 
 Caches in memory are "hot" (`runtime.hotcache.HotCaches`), those on disk "warm".
 Every public name of those modules is importable from here too.
@@ -27,7 +27,7 @@ import shutil
 import stat
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from runtime.cachechain import (MAX_DELTAS, Segment, cache_seq, load_cache, load_chain, load_segment, next_segment,
@@ -74,7 +74,8 @@ __all__ = [
     # runtime.hotcache
     "HotCaches", "cache_nbytes",
     # this module
-    "Loaded", "StoredAgent", "agent_folders", "delete", "inspect_table", "load_agent", "prune", "record_model",
+    "Loaded", "Pruned", "StoredAgent", "agent_folders", "delete", "inspect_table", "load_agent", "prune",
+    "prune_agents", "record_model",
     "recorded_model", "stored_agent",
 ]
 
@@ -295,6 +296,18 @@ def _holds_agent(folder: Path) -> bool:
     return False
 
 
+@dataclass
+class Pruned:
+    """What `prune_agents` did in one agent folder, or in a model folder it could not list: `paths` deleted (with
+    `dry_run`, that would be), `nbytes` their bytes, and `error`, the OSError that left the rest of the folder as it
+    was (logged as a warning), else None."""
+
+    folder: Path
+    paths: list = field(default_factory=list)
+    nbytes: int = 0
+    error: OSError | None = None
+
+
 def prune(cache_dir, max_age_s: float, *, journals: bool = False, now: float | None = None) -> list:
     """Retention: delete caches of every model not written for `max_age_s` seconds.
 
@@ -305,23 +318,47 @@ def prune(cache_dir, max_age_s: float, *, journals: bool = False, now: float | N
     delta files included), also those of an agent whose folder failed partway (a file
     that cannot be deleted, a folder that cannot be searched): that agent is left as
     it is then, logged as a warning (its folder, the file and why), and the others are
-    still pruned. Temp files left by crashed writers are removed too.
+    still pruned (a model folder that cannot be listed is logged too). Temp files left by
+    crashed writers are removed too. `prune_agents` says the same agent by agent.
     """
+    return [p for r in prune_agents(cache_dir, max_age_s, journals=journals, now=now) for p in r.paths]
+
+
+def prune_agents(cache_dir, max_age_s: float, *, journals: bool = False, now: float | None = None,
+                 dry_run: bool = False) -> list[Pruned]:
+    """`prune`, agent by agent: a `Pruned` per agent folder that lost files or failed (and per model folder that
+    cannot be listed), sorted by path. `dry_run=True` deletes nothing, temp files included, and returns what would
+    go (a folder's files, never the folder). The caller holds the `cache_dir` lock (`lock_cache_dir`)."""
     now = time.time() if now is None else now
-    deleted = []
-    for folder in agent_folders(cache_dir):
+    done = []
+    for model in _subfolders(Path(cache_dir).expanduser()):
         try:
-            _prune_folder(folder, max_age_s, journals, now, deleted)
-        except OSError as e:  # a read-only folder, files no rule foresaw (a folder in a cache file's place)
-            log.warning("prune left the rest of agent folder %s: %s; fix that folder's permissions or move that path "
-                        "aside, for the next prune to take the agent", folder, e)
-    return deleted
+            agents = [model / e.name for e in _entries(model)
+                      if AGENT_ID.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
+        except OSError as e:
+            if FINGERPRINT.fullmatch(model.name):  # named like a model's folder: its agents may be in it
+                log.warning("prune cannot list model folder %s: %s; fix that folder's permissions, for the next prune "
+                            "to take its agents", model, e)
+                done.append(Pruned(model, error=e))
+            continue
+        for folder in filter(_holds_agent, agents):
+            pruned = Pruned(folder)
+            try:
+                _prune_folder(folder, max_age_s, journals, now, dry_run, pruned)
+            except OSError as e:  # a read-only folder, files no rule foresaw (a folder in a cache file's place)
+                pruned.error = e
+                log.warning("prune left the rest of agent folder %s: %s; fix that folder's permissions or move that "
+                            "path aside, for the next prune to take the agent", folder, e)
+            if pruned.paths or pruned.error:
+                done.append(pruned)
+    return done
 
 
-def _prune_folder(folder: Path, max_age_s: float, journals: bool, now: float, deleted: list) -> None:
-    """`prune` of one agent folder; appends each path to `deleted` as it goes, so what went before an error is
+def _prune_folder(folder: Path, max_age_s: float, journals: bool, now: float, dry_run: bool, pruned: Pruned) -> None:
+    """`prune_agents` of one agent folder; adds each path to `pruned` as it goes, so what went before an error is
     listed too."""
-    remove_temps(folder)
+    if not dry_run:
+        remove_temps(folder)
     cache = [folder / CACHE_FILE, *folder.glob(DELTA_FILE.format("*"))]
     ours = [*cache, folder / JOURNAL_FILE, folder / HIGH_FILE,
             *folder.glob("journal.torn-*"), *folder.glob("journal.damaged-*")]
@@ -330,14 +367,21 @@ def _prune_folder(folder: Path, max_age_s: float, journals: bool, now: float, de
     if now - newest < max_age_s:
         return
     doomed = ours if journals else [p for p in ours if p in cache]
-    start = len(deleted)
     for p in doomed:
-        p.unlink(missing_ok=True)
-        deleted.append(p)
+        try:
+            size = os.lstat(p).st_size  # a link's own size: never followed
+        except FileNotFoundError:
+            continue
+        if not dry_run:
+            p.unlink(missing_ok=True)
+        pruned.paths.append(p)
+        pruned.nbytes += size
+    if dry_run:
+        return
     if journals:
         try:
             folder.rmdir()
-            deleted[start:] = [folder]  # the folder names its files
+            pruned.paths = [folder]  # the folder names its files
         except OSError:  # something not kvactors' is left in it (inspect names a stray temp folder)
             pass
     elif doomed:

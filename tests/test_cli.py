@@ -1,11 +1,17 @@
-"""The `kvactors` command: help, inspect on a real cache folder, the bench driver (its help, a scenario's own options)."""
+"""The `kvactors` command: help, inspect and prune on a real cache folder, the bench driver (its help, a scenario's own
+options)."""
 
 import os
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import pytest
+
 from runtime import Runtime
+from runtime.api.cli import duration_s
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -27,7 +33,7 @@ def test_the_console_script_is_this_cli():
 def test_help_lists_the_commands():
     out = kvactors()
     assert out.returncode == 0
-    for command in ("demo", "serve", "inspect", "import-gguf", "bench"):
+    for command in ("demo", "serve", "inspect", "prune", "import-gguf", "bench"):
         assert command in out.stdout
 
 
@@ -89,6 +95,127 @@ def test_inspect_shows_stored_agents_and_their_health(tmp_path):
     damaged = next(line for line in kvactors("inspect", tmp_path).stdout.splitlines() if line.startswith("archivist"))
     assert "ok" not in damaged.split()[-1:]
     assert "no such folder" in kvactors("inspect", tmp_path / "missing").stdout
+
+
+def stored(cache_dir, *agents) -> dict:
+    """Agent folders made by a real Runtime, one turn each: {agent: folder}."""
+    with Runtime(cache_dir=cache_dir) as rt:
+        for agent in agents:
+            rt.spawn(agent).ask(f"remember {agent}", max_tokens=3)
+    return {agent: next(Path(cache_dir).glob(f"*/{agent}")) for agent in agents}
+
+
+def age(folder, days=2):
+    """Set the times of every file in `folder` `days` back: what prune reads for idleness."""
+    past = time.time() - days * 86400
+    for f in folder.iterdir():
+        os.utime(f, (past, past), follow_symlinks=False)
+
+
+def files(folder) -> dict:
+    return {f.name: (f.stat().st_size, f.stat().st_mtime_ns) for f in folder.iterdir()}
+
+
+def test_prune_deletes_idle_caches_keeps_their_journals_and_says_what_it_freed(tmp_path):
+    agents = stored(tmp_path, "old", "recent")
+    old, recent = agents["old"], agents["recent"]
+    age(old)
+    with Runtime(cache_dir=tmp_path) as rt:  # the history the agent resumes from
+        history = rt.spawn("old").history()
+    age(old)  # the spawn may have touched it
+    cache = {f.name: f.stat().st_size for f in old.iterdir() if f.name.startswith("cache.")}
+    assert "cache.safetensors" in cache
+    before_old, before_recent = files(old), files(recent)
+
+    dry = kvactors("prune", tmp_path, "--older-than", "1d", "--dry-run")
+    assert dry.returncode == 0 and dry.stderr == "", dry.stderr
+    assert files(old) == before_old and files(recent) == before_recent  # nothing deleted
+    out = kvactors("prune", tmp_path, "--older-than", "1d")
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+
+    *rows, summary = out.stdout.splitlines()
+    assert rows == [line.replace("would delete", "deleted") for line in dry.stdout.splitlines()[:-1]]  # the same list
+    assert len(rows) == 1 and rows[0].startswith(f"{old.parent.name}/old: deleted ")
+    assert sorted(rows[0].split(": deleted ")[1].rsplit(" (", 1)[0].split(", ")) == sorted(cache)
+    assert f"({sum(cache.values())} bytes) freed" in summary and "1 agents" in summary, summary
+    assert f"({sum(cache.values())} bytes) would be freed" in dry.stdout.splitlines()[-1]
+    assert sorted(os.listdir(old)) == ["journal.msgpack", "journal.seq"]  # the history stays
+    assert files(recent) == before_recent  # not idle long enough: untouched
+
+    with Runtime(cache_dir=tmp_path) as rt:  # the pruned agent resumes from its journal
+        ref = rt.spawn("old")
+        assert ref.history() == history
+        assert ref.ask("what did I say?", max_tokens=2).cache == "cold"
+        assert rt.spawn("recent").ask("and you?", max_tokens=2).cache == "warm"
+    again = kvactors("prune", tmp_path, "--older-than", "1d")  # nothing idle left: says so
+    assert again.returncode == 0 and "nothing to delete" in again.stdout, again.stdout
+
+
+def test_prune_refuses_a_folder_a_running_runtime_holds(tmp_path):
+    with Runtime(cache_dir=tmp_path) as rt:
+        rt.spawn("busy").ask("hello", max_tokens=2)
+        rt.flush()
+        before = files(next(tmp_path.glob("*/busy")))
+        for dry_run in ((), ("--dry-run",)):
+            out = kvactors("prune", tmp_path, "--older-than", "0", *dry_run)
+            assert out.returncode == 2 and out.stdout == "", out.stdout
+            assert out.stderr.splitlines() == [f"kvactors prune: {tmp_path} is in use by a running Runtime (or "
+                                               "kvactors serve): shut it down first, or give it retention_s to prune "
+                                               "at its start"], out.stderr
+        assert files(next(tmp_path.glob("*/busy"))) == before
+
+
+def test_prune_refuses_a_bad_duration_or_folder_in_one_line(tmp_path):
+    assert [duration_s(t) for t in ("90", "0", "1.5", "30s", "30m", "12h", "30d", "2D")] == \
+        [90, 0, 1.5, 30, 1800, 43200, 2592000, 172800]
+    for bad in ("30x", "-1", "-1d", "d", "", "abc", "inf", "nan", "1 d", " 1"):
+        out = kvactors("prune", tmp_path, f"--older-than={bad}")  # "-1d" alone reads as an option
+        assert out.returncode == 2 and out.stderr.splitlines() == [
+            f"kvactors prune: bad duration {bad!r}: give seconds, or a number >= 0 with s, m, h or d after it "
+            "(90, 30m, 12h, 30d)"], (bad, out.stderr)
+    out = kvactors("prune", tmp_path / "missing", "--older-than", "1d")
+    assert out.returncode == 2 and out.stderr == f"kvactors prune: {tmp_path / 'missing'}: no such folder\n", out.stderr
+    assert not (tmp_path / "missing").exists()  # not made
+    out = kvactors("prune", Path(__file__), "--older-than", "1d")
+    assert out.returncode == 2 and "is a file, not a cache folder" in out.stderr and "Traceback" not in out.stderr
+    out = kvactors("prune", "--help")
+    assert out.returncode == 0 and "--older-than" in out.stdout and "--dry-run" in out.stdout
+    assert "example: kvactors prune" in out.stdout
+
+
+def test_prune_reports_what_it_cannot_delete_or_list_fails_and_prunes_the_others(tmp_path):
+    """A read-only agent folder and a model folder that cannot be listed: the store's warning names each and why,
+    the exit status is 1, the other agent goes. Run in a process of its own, where root obeys the folders'
+    permissions."""
+    agents = stored(tmp_path, "locked", "open")
+    for folder in agents.values():
+        age(folder)
+    hidden = tmp_path / ("f" * 32)  # named like a model's folder, its agent out of sight
+    shutil.copytree(agents["open"], hidden / "open")
+    cmd = [sys.executable, "-m", "runtime.api.cli", "prune", str(tmp_path), "--older-than", "1d"]
+    if os.geteuid() == 0:  # root deletes in any folder: drop the capabilities that let it
+        if shutil.which("setpriv") is None:
+            pytest.skip("root deletes in a read-only folder and setpriv is not here to drop that")
+        cmd = [shutil.which("setpriv"), "--bounding-set=-dac_override,-dac_read_search", *cmd]
+    agents["locked"].chmod(0o555)
+    hidden.chmod(0)
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    finally:
+        agents["locked"].chmod(0o700)
+        hidden.chmod(0o700)
+    assert out.returncode == 1, (out.stdout, out.stderr)
+    assert "Traceback" not in out.stderr
+    locked, unlisted = sorted(out.stderr.splitlines(), key=lambda w: "model folder" in w)
+    assert locked.startswith(f"kvactors prune: prune left the rest of agent folder {agents['locked']}: ")
+    assert "Permission denied" in locked and f"{agents['locked']}/cache.safetensors" in locked, locked
+    assert unlisted.startswith(f"kvactors prune: prune cannot list model folder {hidden}: ") and \
+        "Permission denied" in unlisted, unlisted
+    assert (agents["locked"] / "cache.safetensors").exists() and (hidden / "open" / "cache.safetensors").exists()
+    assert not (agents["open"] / "cache.safetensors").exists()
+    *rows, summary = out.stdout.splitlines()
+    assert [r.split(":")[0] for r in rows] == [f"{agents['open'].parent.name}/open"]
+    assert "2 folders could not be pruned" in summary, summary
 
 
 def test_bench_help_comes_from_the_driver():

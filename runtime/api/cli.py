@@ -1,11 +1,14 @@
-"""The `kvactors` command line: demo, serve, inspect, import-gguf, bench."""
+"""The `kvactors` command line: demo, serve, inspect, prune, import-gguf, bench."""
 
 from __future__ import annotations
 
 import argparse
 import faulthandler
+import logging
+import math
 import os
 import sys
+from pathlib import Path
 
 from runtime.errors import KvactorsError
 
@@ -37,6 +40,58 @@ def _inspect(args) -> int:
         raise ValueError("cache_dir is empty: give a folder, or leave it out for the default")
     print(inspect_table(args.cache_dir))
     return 0
+
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def duration_s(text: str) -> float:
+    """Seconds in `text`: a number of seconds, or one with the suffix s, m, h or d ("90", "30m", "12h", "30d");
+    ValueError saying the form otherwise."""
+    number, unit = (text[:-1], text[-1]) if text[-1:].lower() in _UNITS else (text, "s")
+    try:
+        seconds = float(number) * _UNITS[unit.lower()]
+    except ValueError:
+        seconds = math.nan
+    if number.strip() != number or not math.isfinite(seconds) or seconds < 0:  # float() allows spaces, nan, inf
+        raise ValueError(f"bad duration {text!r}: give seconds, or a number >= 0 with s, m, h or d after it "
+                         "(90, 30m, 12h, 30d)")
+    return seconds
+
+
+def _prune(args) -> int:
+    from runtime.store import CacheDirInUse, _human, check_cache_folder, lock_cache_dir, prune_agents
+
+    if not args.cache_dir:  # as inspect says
+        raise ValueError("cache_dir is empty: give a folder, or leave it out for the default")
+    max_age = duration_s(args.older_than)
+    logging.basicConfig(format="kvactors prune: %(message)s")  # the store's warning per agent it cannot prune
+    root = check_cache_folder(Path(args.cache_dir).expanduser())
+    if not root.is_dir():  # lock_cache_dir would make it
+        raise FileNotFoundError(f"{root}: no such folder")
+    try:
+        lock = lock_cache_dir(root)  # the lock a Runtime holds on it: never prune under a running one
+    except CacheDirInUse:
+        raise CacheDirInUse(f"{root} is in use by a running Runtime (or kvactors serve): shut it down first, or give "
+                            "it retention_s to prune at its start") from None
+    try:
+        pruned = prune_agents(root, max_age, dry_run=args.dry_run)
+    finally:
+        os.close(lock)
+    verb = "would delete" if args.dry_run else "deleted"
+    if not pruned:
+        print(f"no agent's cache idle over {args.older_than} in {root}: nothing to delete")
+        return 0
+    for p in pruned:
+        if p.paths:
+            print(f"{p.folder.relative_to(root)}: {verb} {', '.join(f.name for f in p.paths)} ({_human(p.nbytes)})")
+    done = [p for p in pruned if p.paths and not p.error]
+    failed = [p for p in pruned if p.error]
+    freed = sum(p.nbytes for p in pruned)
+    print(f"{verb} the caches of {len(done)} agents idle over {args.older_than}: "
+          f"{_human(freed)} ({freed} bytes) {'would be ' if args.dry_run else ''}freed; journals kept"
+          + (f"; {len(failed)} folders could not be pruned (the warnings say why)" if failed else ""))
+    return 1 if failed else 0
 
 
 def _import_gguf(args) -> int:
@@ -124,6 +179,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ins.add_argument("cache_dir", nargs="?", default="~/.cache/kvactors/agents", help="cache folder (default: %(default)s)")
     ins.set_defaults(func=_inspect)
+
+    prn = sub.add_parser(
+        "prune", help="delete the caches of agents idle longer than a duration (journals stay)",
+        description="Deletes the cache files (never the journals) of the agents in a cache folder, of every model, "
+                    "whose files were not written for --older-than: what Runtime(retention_s=...) deletes at its "
+                    "start, without loading a model. Such an agent resumes from its journal (re-prefilled) at its "
+                    "next turn. Prints one line per agent (what it deleted and the bytes) and a summary. Refused "
+                    "while a Runtime (or kvactors serve) runs on the folder. Exit status 0, 1 when an agent's files "
+                    "could not be deleted (a warning says which and why; the others are still pruned), 2 when "
+                    "nothing could start (no such folder, a bad duration, the folder in use).",
+        epilog="example: kvactors prune ~/.cache/kvactors/agents --older-than 30d --dry-run",
+    )
+    prn.add_argument("cache_dir", nargs="?", default="~/.cache/kvactors/agents", help="cache folder (default: %(default)s)")
+    prn.add_argument("--older-than", required=True, metavar="DURATION",
+                     help="idle time: seconds, or a number with s, m, h or d (90, 30m, 12h, 30d)")
+    prn.add_argument("--dry-run", action="store_true", help="delete nothing: print what would be deleted")
+    prn.set_defaults(func=_prune)
 
     imp = sub.add_parser(
         "import-gguf", help="convert a GGUF file (llama, qwen2) into an mlx-lm model folder",
