@@ -19,6 +19,7 @@ Every public name of those modules is importable from here too.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import os
@@ -213,9 +214,17 @@ def agent_folders(cache_dir) -> list[Path]:
 
     Symlinked model or agent folders are left out, and never listed: nothing follows them.
     """
-    root = Path(cache_dir).expanduser()
-    return sorted(d for m in _subfolders(root) for d in _subfolders(m)
-                  if AGENT_ID.fullmatch(d.name) and _holds_agent(d))
+    found = []
+    for model in _subfolders(Path(cache_dir).expanduser()):
+        with contextlib.suppress(OSError):  # a model folder that cannot be listed holds none we can see
+            found += _agents_in(model)
+    return sorted(found)
+
+
+def _agents_in(model: Path) -> list[Path]:
+    """The agent folders in model folder `model` (`agent_folders`' rule); OSError where it cannot be listed."""
+    return [model / e.name for e in _entries(model)
+            if AGENT_ID.fullmatch(e.name) and e.is_dir(follow_symlinks=False) and _holds_agent(model / e.name)]
 
 
 def case_twin(cache_dir, fingerprint: str, agent: str) -> str | None:
@@ -333,15 +342,14 @@ def prune_agents(cache_dir, max_age_s: float, *, journals: bool = False, now: fl
     done = []
     for model in _subfolders(Path(cache_dir).expanduser()):
         try:
-            agents = [model / e.name for e in _entries(model)
-                      if AGENT_ID.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
+            agents = _agents_in(model)
         except OSError as e:
             if FINGERPRINT.fullmatch(model.name):  # named like a model's folder: its agents may be in it
                 log.warning("prune cannot list model folder %s: %s; fix that folder's permissions, for the next prune "
                             "to take its agents", model, e)
                 done.append(Pruned(model, error=e))
             continue
-        for folder in filter(_holds_agent, agents):
+        for folder in agents:
             pruned = Pruned(folder)
             try:
                 _prune_folder(folder, max_age_s, journals, now, dry_run, pruned)
