@@ -356,6 +356,8 @@ def _check_token_ids(meta: dict, config: dict, path: Path) -> None:
     converter pads the token list instead, so its files have the two equal); the model never produces those ids
     and the tokenizer decodes none. The ids the tokenizer names are therefore the vocabulary.
 
+    The token kinds (tokenizer.ggml.token_type), where given, are one per token; another count is refused.
+
     The special ids (`in_vocabulary`, the rule `check_token_ids` applies at load). An end token (eos, eot, eom)
     outside the vocabulary would make a folder that `load_model` refuses, a start token (bos) would be left out
     of every prompt and an unknown token (unk) out of the tokenizer: each is refused, naming its metadata key, the
@@ -365,6 +367,11 @@ def _check_token_ids(meta: dict, config: dict, path: Path) -> None:
     turn away a model that runs. `_tokenizer` names only in-vocabulary tokens, so the tokenizer's config has no
     pad_token then either."""
     tokens, rows = len(meta["tokenizer.ggml.tokens"]), config["vocab_size"]
+    types = meta.get("tokenizer.ggml.token_type")
+    if types is not None and len(types) != tokens:
+        raise GGUFError(f"{path}: metadata tokenizer.ggml.token_type has {len(types)} entries for {tokens} tokens "
+                        "(tokenizer.ggml.tokens): each token's kind (control, user-defined...) would be lost or "
+                        "misplaced; get the file again or convert the model again with llama.cpp's converter")
     if tokens > rows:
         raise GGUFError(f"{path}: its tokenizer has {tokens} tokens (metadata tokenizer.ggml.tokens) but the model's "
                         f"token embedding (token_embd.weight) only {rows} rows, so ids {rows} to {tokens - 1} would "

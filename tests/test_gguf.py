@@ -761,6 +761,20 @@ def test_a_tokenizer_with_more_tokens_than_embedding_rows_is_refused_and_a_short
     assert model(mx.array([tok.encode("hello")])).shape[-1] == rows + 64
 
 
+def test_a_token_type_list_of_another_length_than_the_tokens_is_refused(tmp_path, small):
+    """tokenizer.ggml.token_type says each token's kind (control, user-defined...); a list of another length was
+    zipped with the tokens and cut short, so tokens past it silently lost their kind (a control token became a
+    plain one the tokenizer would split)."""
+    r = gguf.GGUFReader(str(small["Q8_0"]))
+    tokens, types = r.fields["tokenizer.ggml.tokens"].contents(), r.fields["tokenizer.ggml.token_type"].contents()
+    for wrong in (types[:-3], types + [1]):
+        rewrite(small["Q8_0"], tmp_path / "t.gguf", meta={"tokenizer.ggml.token_type": (wrong, V.ARRAY, V.INT32)})
+        with pytest.raises(GGUFError, match=rf"{len(wrong)} entries .*{len(tokens)} tokens") as e:
+            import_gguf(tmp_path / "t.gguf", tmp_path / "t", "float32")
+        assert "convert the model again" in str(e.value)
+        assert not (tmp_path / "t").exists()
+
+
 def test_an_f64_tensor_is_refused_as_a_64_bit_float_tensor(tmp_path, small):
     """F64 was refused as a "quantization type" neither MLX nor the gguf package can read."""
     down = np.zeros((128, 256), dtype=np.float64)
