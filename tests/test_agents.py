@@ -95,6 +95,29 @@ def busy_supervisor(rt, monkeypatch):
         release.set()
 
 
+def run_while_restarting(rt, monkeypatch, agent, main):
+    """Crash `agent` and hold its restart (its supervisor parked); run `main(release)` on a new event loop, the
+    restart going on once `main` sets `release`. Returns what `main` returns."""
+    old = rt._env.refs[agent.name]
+    with busy_supervisor(rt, monkeypatch) as release:
+        inject_crash(agent)
+        with pytest.raises(AgentCrashed):
+            agent.ask("Crash.", max_tokens=4)
+        wait_for(lambda: not old.is_alive(), what="the agent's crash")
+        return asyncio.run(main(release))
+
+
+async def ticking_until_released(call, release):
+    """Run awaitable `call` and tick every 10 ms five times while it waits for a restart (each tick asserting it
+    still waits), then set `release` and return its result: a call that held the event loop stops the ticker."""
+    task = asyncio.ensure_future(call)
+    for _ in range(5):
+        await asyncio.sleep(0.01)
+        assert not task.done(), task
+    release.set()
+    return await task
+
+
 def wait_for(predicate, timeout=10.0, what="condition"):
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -594,21 +617,8 @@ def test_a_turn_to_an_agent_that_restarts_waits_for_it_off_the_event_loop(tmp_pa
                 return await a.ask_async("Tick.", max_tokens=4)
             return [x async for x in a.astream("Tick.", max_tokens=4)][-1]
 
-        async def main(release):
-            task, ticks = asyncio.create_task(turn()), 0
-            while ticks < 5:  # the turn's call runs meanwhile, waiting for the restart
-                await asyncio.sleep(0.01)
-                ticks += 1
-                assert not task.done(), task
-            release.set()  # the supervisor restarts the agent: the turn goes to it
-            return await task
-
-        with busy_supervisor(rt, monkeypatch) as release:
-            inject_crash(a)
-            with pytest.raises(AgentCrashed):
-                a.ask("Crash.", max_tokens=4)
-            wait_for(lambda: not old.is_alive(), what="the agent's crash")
-            reply = asyncio.run(main(release))
+        reply = run_while_restarting(rt, monkeypatch, a,
+                                     lambda release: ticking_until_released(turn(), release))
         assert isinstance(reply, Reply) and len(reply.tokens) == 4 and rt._env.refs["a"] is not old
 
 
@@ -618,21 +628,12 @@ def test_turns_started_in_order_on_a_loop_reach_a_restarting_agent_in_that_order
     `send` ran on the loop itself."""
     with Runtime(model=None, cache_dir=tmp_path, backoff=FAST) as rt:
         a = rt.spawn("a", system="You are A.")
-        old = rt._env.refs["a"]
 
         async def main(release):
             tasks = [asyncio.create_task(a.ask_async(f"Message {i}.", max_tokens=2)) for i in range(8)]
-            for _ in range(5):  # every call is under way, waiting for the restart
-                await asyncio.sleep(0.01)
-            release.set()
-            return await asyncio.gather(*tasks)
+            return await ticking_until_released(asyncio.gather(*tasks), release)
 
-        with busy_supervisor(rt, monkeypatch) as release:
-            inject_crash(a)
-            with pytest.raises(AgentCrashed):
-                a.ask("Crash.", max_tokens=4)
-            wait_for(lambda: not old.is_alive(), what="the agent's crash")
-            replies = asyncio.run(main(release))
+        replies = run_while_restarting(rt, monkeypatch, a, main)
         assert len(replies) == 8
         said = [r["text"] for r in a.history() if r["role"] == "user" and r["text"].startswith("Message")]
         assert said == [f"Message {i}." for i in range(8)]

@@ -19,9 +19,8 @@ import pykka
 import pytest
 import uvicorn
 
-from runtime import AgentCrashed, AgentRef, Runtime
+from runtime import AgentRef, Runtime
 from runtime.api.serve import ChatRequest, Plan, Server, build_app, derive_agent_id, parse_chat, parse_messages, plan_turn
-from runtime.api.testing import inject_crash
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEM = {"role": "system", "content": "You answer briefly."}
@@ -1093,7 +1092,7 @@ def test_a_requests_messages_to_an_agent_that_restarts_wait_for_it_off_the_event
     ticker keeps ticking, and once the supervisor is free the message and the turn go to the restarted agent. (They
     were sent on the event loop, which held every request meanwhile, and here the supervisor's release with them:
     the request failed with AgentCrashed after 10 s.)"""
-    from test_agents import FAST, busy_supervisor, wait_for
+    from test_agents import FAST, run_while_restarting, ticking_until_released
 
     with Runtime(model=None, cache_dir=tmp_path, backoff=FAST) as rt:
         a = rt.spawn("a", system="You are A.")
@@ -1102,21 +1101,8 @@ def test_a_requests_messages_to_an_agent_that_restarts_wait_for_it_off_the_event
                    {"role": "assistant", "text": "Hello.", "sender": None}]
         plan = Plan(ask="Tick.", notes=(("A note.", "bob"),)) if what == "note" else Plan(ask="Tick.", reset=records)
 
-        async def main(release):
-            task, ticks = asyncio.create_task(Server._turn(a, plan, {"max_tokens": 4}, None)), 0
-            while ticks < 5:  # the message's send runs meanwhile, waiting for the restart
-                await asyncio.sleep(0.01)
-                ticks += 1
-                assert not task.done(), task
-            release.set()  # the supervisor restarts the agent: the message and the turn go to it
-            return await task
-
-        with busy_supervisor(rt, monkeypatch) as release:
-            inject_crash(a)
-            with pytest.raises(AgentCrashed):
-                a.ask("Crash.", max_tokens=4)
-            wait_for(lambda: not old.is_alive(), what="the agent's crash")
-            reply = asyncio.run(main(release))
+        reply = run_while_restarting(rt, monkeypatch, a, lambda release: ticking_until_released(
+            Server._turn(a, plan, {"max_tokens": 4}, None), release))
         sent = [(r["text"], r["sender"]) for r in a.history() if r["role"] == "user"]
     assert len(reply.tokens) == 4 and rt._env.refs["a"] is not old
     assert sent[-2:] == ([("A note.", "bob")] if what == "note" else [("Hi.", None)]) + [("Tick.", None)]
