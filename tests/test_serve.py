@@ -4,6 +4,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -716,6 +717,100 @@ def test_the_command_line_server_checks_the_api_key(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+class ServeProcess:
+    """`kvactors serve` over `cache_dir` on the tests' model (the tiny one), in a subprocess on a free loopback port;
+    its log is collected line by line, in a thread."""
+
+    def __init__(self, cache_dir):
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        sock.close()
+        self.proc = subprocess.Popen([sys.executable, "-m", "runtime.api.cli", "serve", "--cache-dir", str(cache_dir),
+                                      "--port", str(self.port)], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                                     cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines = []
+
+        def read():
+            for line in self.proc.stdout:
+                self.lines.append(line)
+
+        threading.Thread(target=read, daemon=True).start()
+        self.wait_until(lambda: self.get("/health").get("status") == "ok", "the server to listen")
+
+    def log(self):
+        return "".join(self.lines)
+
+    def get(self, path):
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as r:
+                return json.loads(r.read())
+        except (urllib.error.URLError, ConnectionError):
+            return {}
+
+    def wait_until(self, done, what):
+        for _ in range(1200):  # bounded: 2 minutes at most, a model load included
+            if done():
+                return
+            assert self.proc.poll() is None, f"the server exited waiting for {what}:\n{self.log()}"
+            time.sleep(0.1)
+        raise AssertionError(f"waited too long for {what}:\n{self.log()}")
+
+    def leave_a_turn_running(self, agent, max_tokens):
+        """Ask `agent` for a long greedy reply (the tiny model runs it to max_tokens) without streaming, and hang up
+        once the turn runs: it goes on without its client."""
+        body = json.dumps({"model": "kvactors-tiny", "messages": [{"role": "user", "content": "hi"}],
+                           "max_tokens": max_tokens, "temperature": 0}).encode()
+        with socket.create_connection(("127.0.0.1", self.port)) as client:
+            client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"X-Agent-Id: %s\r\nContent-Length: %d\r\n\r\n%s" % (agent.encode(), len(body), body))
+            self.wait_until(lambda: {"id": agent, "object": "agent"} in self.get("/v1/agents").get("data", []),
+                            f"agent {agent} to take its turn")
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=60)
+
+
+def replies_stored(cache_dir, agent):
+    """How many replies `agent` has in its journal in `cache_dir` (0: none, or no agent)."""
+    with Runtime(cache_dir=cache_dir) as rt:
+        return {a.name: a.turns for a in rt.agents()}.get(agent, 0)
+
+
+def test_ctrl_c_lets_a_turn_whose_client_left_finish(tmp_path):
+    """One Ctrl-C is graceful: the server stops taking requests and waits for the turn that still runs, its client
+    gone, to end and be recorded, then exits as Ctrl-C ends a process."""
+    server = ServeProcess(tmp_path)
+    try:
+        server.leave_a_turn_running("long", max_tokens=1000)
+        server.proc.send_signal(signal.SIGINT)
+        assert server.proc.wait(timeout=120) == -signal.SIGINT, server.log()
+        assert "Waiting for background tasks to complete" in server.log()  # the turn ran on past the Ctrl-C
+    finally:
+        server.close()
+    assert replies_stored(tmp_path, "long") == 1
+
+
+def test_a_second_ctrl_c_stops_the_server_without_waiting_for_a_turn_whose_client_left(tmp_path):
+    """A second Ctrl-C while the server waits for a long turn whose client left (3900 tokens: seconds on the tiny
+    model) stops it then: it exits as one Ctrl-C does, that turn unfinished and unrecorded (nobody was answered),
+    and the Runtime opens the folder again. The wait is uvicorn's own, for the request's task, which awaits its turn
+    whether or not its client is there, and uvicorn's second Ctrl-C (`force_exit`) ends it; the app's lifespan
+    shutdown (`Server.drain`), which it then skips, never waits for such a turn."""
+    server = ServeProcess(tmp_path)
+    try:
+        server.leave_a_turn_running("long", max_tokens=3900)
+        server.proc.send_signal(signal.SIGINT)
+        server.wait_until(lambda: "Waiting for background tasks to complete" in server.log(), "the shutdown to wait")
+        server.proc.send_signal(signal.SIGINT)
+        assert server.proc.wait(timeout=120) == -signal.SIGINT, server.log()
+    finally:
+        server.close()
+    assert replies_stored(tmp_path, "long") == 0
 
 
 # -- the mapping of a request onto an agent's history (no server) ---------------------------------
