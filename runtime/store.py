@@ -75,9 +75,8 @@ __all__ = [
     # runtime.hotcache
     "HotCaches", "cache_nbytes",
     # this module
-    "Loaded", "Pruned", "StoredAgent", "agent_folders", "delete", "inspect_table", "load_agent", "prune",
-    "prune_agents", "record_model",
-    "recorded_model", "stored_agent",
+    "Loaded", "Pruned", "StoredAgent", "agent_folders", "delete", "human_bytes", "inspect_table", "load_agent",
+    "prune", "prune_agents", "record_model", "recorded_model", "stored_agent",
 ]
 
 log = logging.getLogger(__name__)
@@ -399,7 +398,8 @@ def _prune_folder(folder: Path, max_age_s: float, journals: bool, now: float, dr
 # ---------------------------------------------------------------- kvactors inspect
 
 
-def _human(n: int) -> str:
+def human_bytes(n: int) -> str:
+    """`n` bytes for people: "512 B", "17.3 KiB", "1.2 GiB" (kvactors inspect and prune)."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -606,7 +606,7 @@ def _agent_row(folder: Path) -> list[str]:
     if records is not None:  # an unreadable journal's seqs are unknown: nothing to compare
         notes += _seq_notes(records, loaded, cached, used, folder)
     tokens = "-" if loaded is None else str(loaded[0].n_tokens)
-    return [folder.name, tokens, _human(_size(entries)), _last_turn(records or [], folder), "; ".join(notes) or "ok"]
+    return [folder.name, tokens, human_bytes(_size(entries)), _last_turn(records or [], folder), "; ".join(notes) or "ok"]
 
 
 def _safe_row(folder: Path) -> list[str]:
