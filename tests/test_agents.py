@@ -639,6 +639,68 @@ def test_turns_started_in_order_on_a_loop_reach_a_restarting_agent_in_that_order
         assert said == [f"Message {i}." for i in range(8)]
 
 
+@pytest.mark.parametrize("how", ["wait_for", "task.cancel", "astream"])
+def test_a_call_cancelled_while_its_send_waits_for_a_restart_never_sends_its_turn(tmp_path, monkeypatch, how):
+    """A call cancelled (its `wait_for` ran out, or its task was cancelled) while its send waited in a thread for
+    the agent's restart: the turn is never sent, so nothing of it is in the journal, and a later call goes on.
+    (The thread sent it once the restart was done: the turn ran for nobody and was recorded as if asked.)"""
+    with Runtime(model=None, cache_dir=tmp_path, backoff=FAST) as rt:
+        a = rt.spawn("a", system="You are A.")
+
+        async def cancelled():
+            if how == "astream":
+                return [x async for x in a.astream("Never sent.", max_tokens=2)]
+            return await a.ask_async("Never sent.", max_tokens=2)
+
+        async def main(release):
+            if how == "wait_for":
+                with pytest.raises(asyncio.TimeoutError):
+                    await asyncio.wait_for(cancelled(), 0.05)  # the restart is held: it can only time out
+            else:
+                task = asyncio.create_task(cancelled())
+                for _ in range(5):
+                    await asyncio.sleep(0.01)
+                    assert not task.done(), task
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            return await ticking_until_released(a.ask_async("After.", max_tokens=2), release)
+
+        reply = run_while_restarting(rt, monkeypatch, a, main)  # asyncio.run joins the executor's threads
+        assert isinstance(reply, Reply)
+        said = [r["text"] for r in a.history() if r["role"] == "user"]
+        assert "After." in said and "Never sent." not in said, said
+
+
+@pytest.mark.parametrize("how", ["ask_async", "astream"])
+def test_a_call_cancelled_after_its_turn_was_sent_lets_the_turn_finish_and_be_recorded(rt, how):
+    """Cancelling an ask_async or astream whose turn was already sent ends only the wait, as for any awaited
+    turn: the turn runs on, and it is recorded with its reply."""
+    a = rt.spawn(f"sent-{how}", system="You are A.")
+    batcher = rt._env.batcher()
+
+    async def turn():
+        if how == "ask_async":
+            return await a.ask_async("Sent.", max_tokens=2)
+        return [x async for x in a.astream("Sent.", max_tokens=2)]
+
+    async def main():
+        with stalled_batcher(rt):
+            task = asyncio.create_task(turn())
+            while pykka_compat.queued(batcher) < 1:  # the turn reached the parked batcher: it was sent
+                await asyncio.sleep(0.005)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        return await a.ask_async("After.", max_tokens=2)
+
+    assert isinstance(asyncio.run(main()), Reply)
+    records = a.history()
+    said = [r["text"] for r in records if r["role"] == "user"]
+    assert said == ["Sent.", "After."], said
+    assert [r["role"] for r in records if r["role"] != "system"] == ["user", "assistant"] * 2
+
+
 def test_64_concurrent_ask_async_calls_fill_the_batch_with_no_thread_each(tmp_path):
     with Runtime(model=None, cache_dir=tmp_path, max_batch=8) as rt:
         agents = [rt.spawn(f"c{i}", system="You are brief.") for i in range(16)]

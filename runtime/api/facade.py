@@ -418,21 +418,43 @@ class AgentRef:
     async def _send_off_loop(self, text: str, **options) -> ReplyFuture:
         """`send` in a thread of the running loop's default executor, after every earlier `_send_off_loop` to this
         agent on this loop has sent: turns started in one order on a loop reach the agent in that order, as they did
-        when `send` ran on the loop, while a send that waits for a restart holds up no other agent's."""
+        when `send` ran on the loop, while a send that waits for a restart holds up no other agent's.
+
+        A call cancelled before its turn is sent never sends it: the thread asks right before it tells the agent
+        (after any wait for a restart), and the cancellation and that question take one lock, so the turn is
+        either sent whole or not at all. One cancelled after that goes on, as any awaited turn whose await ends."""
         loop = asyncio.get_running_loop()
         queued = _async_sends.setdefault(loop, {})
         key = (id(self.runtime), self.name)
         before, mine = queued.get(key), loop.create_future()
         queued[key] = mine
+        state, lock, sending = ["waiting"], threading.Lock(), None  # "waiting", then "sending" or "called off"
+
+        def called_off() -> bool:  # on the thread, right before it tells the agent
+            with lock:
+                if state[0] == "waiting":
+                    state[0] = "sending"
+                return state[0] == "called off"
+
         try:
             if before is not None:
                 await asyncio.shield(before)
-            return await asyncio.to_thread(self.send, text, **options)
-        finally:  # cancelled while waiting: the next send still waits for the one before
-            if before is None or before.done():
+            sending = asyncio.ensure_future(asyncio.to_thread(self._send, text, called_off=called_off, **options))
+            return await asyncio.shield(sending)
+        except asyncio.CancelledError:
+            with lock:
+                if state[0] == "waiting":
+                    state[0] = "called off"
+            raise
+        finally:  # cancelled while waiting: the next send still waits for the one before, or for this one's tell
+            after = before if before is not None and not before.done() else None
+            if state[0] == "sending" and not sending.done():
+                after = sending
+                sending.add_done_callback(lambda done: done.cancelled() or done.exception())  # nobody awaits it
+            if after is None:
                 mine.set_result(None)
             else:
-                before.add_done_callback(lambda _: mine.set_result(None))
+                after.add_done_callback(lambda _: mine.set_result(None))
             if queued.get(key) is mine:
                 del queued[key]
 
@@ -486,8 +508,9 @@ class AgentRef:
                           on_token=on_token, on_progress=on_progress, cancel=cancel)
 
     def _send(self, text, *, max_tokens, temperature, top_p, seed, stop, timeout, sender, conversation_id, turn_id,
-              on_token, on_progress, cancel, reply_to_agent=None) -> ReplyFuture:
-        """`send`, and `send_to`'s way in: `reply_to_agent` also gets the reply, as a message (see `send_to`)."""
+              on_token, on_progress, cancel, reply_to_agent=None, called_off=None) -> ReplyFuture:
+        """`send`, and `send_to`'s way in: `reply_to_agent` also gets the reply, as a message (see `send_to`).
+        `called_off()`, asked right before the turn is told to the agent, True: it is not sent (CancelledError)."""
         stop = check_turn_options(text, max_tokens, temperature, top_p, seed, stop, timeout,
                                   self.runtime.max_context)
         if sender is not None:
@@ -519,6 +542,7 @@ class AgentRef:
         )
         future = ReplyFuture()
         future.turn_id, future.stop = turn_id, stop  # the stop strings as checked: a str is one of them
+        future.called_off = called_off  # `Runtime._deliver` asks it right before it tells the agent
         self.runtime._deliver(self.name, Ask(payload, future, on_token, on_progress, cancel), future)
         return future
 
@@ -547,7 +571,9 @@ class AgentRef:
 
         `send` runs in a thread of the loop's default executor (`asyncio.to_thread`), as it waits while the agent
         restarts (up to RESTART_WAIT_S seconds): the loop runs on meanwhile, and its errors raise here. No thread
-        waits for the reply: it is handed to the running loop when it is set.
+        waits for the reply: it is handed to the running loop when it is set. A call cancelled (`wait_for`,
+        `task.cancel()`) before its turn was sent never sends it; once sent, the turn goes on and is recorded,
+        as when an `await` of `send`'s future is cancelled.
         """
         reply = await self._send_off_loop(text, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
                                           stop=stop, timeout=timeout, sender=sender, conversation_id=conversation_id,
@@ -599,8 +625,8 @@ class AgentRef:
         """`stream` for asyncio code: `async for piece in ref.astream(text)`; the last item is the `Reply`.
 
         The options are `send`'s (except `on_token`); `send` runs off the event loop, as in
-        `ask_async`. Pieces reach the running loop through `call_soon_threadsafe`: no thread
-        waits for them. Bad options raise when the iteration starts.
+        `ask_async`, and a cancellation acts as there. Pieces reach the running loop through
+        `call_soon_threadsafe`: no thread waits for them. Bad options raise when the iteration starts.
         """
         loop = asyncio.get_running_loop()
         pieces: asyncio.Queue = asyncio.Queue()
@@ -1233,13 +1259,15 @@ class Runtime:
 
         For an agent that is not running it raises UnknownAgent; a message (a turn, a note, a reset) also goes to
         the dead letters, a question (`History`, `Lookup`) does not: its caller has the answer, the error."""
-        turn_id = getattr(future, "turn_id", None)
+        turn_id, called_off = getattr(future, "turn_id", None), getattr(future, "called_off", None)
         try:
             ref = self._ref(name, turn_id)
         except UnknownAgent as e:
             if not isinstance(message, (History, Lookup)):  # a question, not a message: its caller gets the error
                 self._env.dead_letter(name, message, str(e))
             raise
+        if called_off is not None and called_off():  # its asyncio call was cancelled while this waited
+            raise asyncio.CancelledError(f"turn {turn_id}: its call was cancelled before it was sent")
         try:
             ref.tell(message)
         except pykka.ActorDeadError:  # it crashed just now: give the next incarnation the message
