@@ -163,6 +163,46 @@ def test_forget_of_a_running_agent_lets_its_name_start_again(rt, shared):
     os.close(store.lock_agent(shared, rt.fingerprint, "forgotten"))  # no host holds it
 
 
+def crash_temporary(rt, name) -> tuple:
+    """Spawn agent `name` as temporary, give it a turn, crash it on its host; its supervisor there drops it (no
+    restart). Its ref and first reply."""
+    a = rt.spawn(name, system="Be brief.", restart="temporary")
+    first = a.ask("Hello?", **OPTS)
+    testing.inject_crash(a)
+    with pytest.raises(AgentCrashed):
+        a.ask("Crash.", **OPTS)
+    return a, first
+
+
+@pytest.mark.parametrize("noticed_by", ["ask", "running"])
+def test_a_temporary_agent_that_crashed_is_gone_and_its_name_starts_again_on_any_host(rt, shared, noticed_by):
+    """A temporary agent that crashed was dropped by its host's supervisor, as on one machine, but the cluster still
+    listed it in `running()` and refused to spawn the name ("already running"), and its host kept the agent's lock,
+    so no other host or process could run it either. The cluster asks the host, as one machine asks its supervisor:
+    the agent is not running, its host lets go of its lock once it finds it gone, and the name starts again."""
+    name = f"fleeting-{noticed_by}"
+    a, first = crash_temporary(rt, name)
+    if noticed_by == "ask":
+        with pytest.raises(UnknownAgent, match=repr(name)):
+            a.ask("Anyone?", **OPTS)
+        assert name not in rt.running()
+    else:  # the supervisor drops it soon after the crash; only `running()` asks
+        deadline = time.monotonic() + 60
+        while name in rt.running() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert name not in rt.running()
+    with pytest.raises(UnknownAgent, match=repr(name)):
+        rt.agent(name)
+    os.close(store.lock_agent(shared, rt.fingerprint, name))  # its host let go: another process or host may run it
+    again = rt.spawn(name, system="Be brief.")  # was InvalidArgument "already running"
+    assert name in rt.running()
+    assert again.ask("Back?", **OPTS).agent == name
+    assert [r["turn_id"] for r in again.history() if r["role"] == "assistant"][0] == first.turn_id  # resumed
+    with pytest.raises(AgentInUse, match="one live actor"):
+        store.lock_agent(shared, rt.fingerprint, name)
+    again.stop()
+
+
 @pytest.mark.parametrize("call", ["stop", "forget"])
 def test_a_stop_past_its_wait_keeps_the_agent_locked_until_its_actor_has_stopped(rt, shared, call):
     """A stop on a host that ran past its wait (WaitTimeout) released the agent's lock while its actor still ran, so

@@ -15,7 +15,11 @@ fewest agents and stays there; its cache stays on that node, its messages cross.
 `cache_dir` must be a folder every node sees at the same path (a shared file
 system): it holds the journals and caches in the format of one machine, and the
 per-agent locks that keep one live actor per agent name across the cluster. A host
-holds an agent's lock until its actor has stopped: a stop that ran past its wait
+holds an agent's lock until its actor has stopped, or has exited and was not
+restarted (a temporary agent that crashed): `running()` asks the hosts, as one machine
+asks its supervisor, so such an agent is not running, its host lets go of its lock
+once it finds it gone (`running()`, a call to it, a spawn), and the name starts again
+on any host. A stop that ran past its wait
 (WaitTimeout) keeps it, and the next spawn, stop or forget of the name goes to that
 host and waits for the stop there, as on one machine.
 
@@ -186,6 +190,8 @@ class ClusterRuntime:
         self._check_running()
         store.check_agent_id(name)
         with self._lock:
+            if name in self._names and name not in self.running():
+                self._unplace(name)  # it exited there and was not restarted (a temporary agent that crashed)
             if name in self._names:
                 raise InvalidArgument(f"agent {name!r} is already running; use rt.agent({name!r})")
             index = self._stopping_on(name)
@@ -202,12 +208,24 @@ class ClusterRuntime:
         return AgentRef(self, name)
 
     def running(self) -> list[str]:
-        """Names of the running agents, in spawn order (no call to a host). Raises RuntimeClosed after `shutdown`."""
+        """Names of the running agents, in spawn order: not a temporary agent that exited. Raises RuntimeClosed after
+        `shutdown`.
+
+        As on one machine, where the supervisor is asked: each host with agents placed on it is asked which of them
+        run there (`Runtime.running`), and lets go of the lock of any that exited. An agent whose host does not
+        answer (it is down: its agents start again) counts as running."""
         self._check_running()
-        return list(self._names)
+        names, where = list(self._names), dict(self._where)
+        on_host = {}
+        for index in sorted(set(where.values()) - self._dead):
+            try:
+                on_host[index] = set(self._call(index, "running"))
+            except (AgentCrashed, rayhost.ClusterError):
+                pass  # a host that just died: its agents start again elsewhere
+        return [n for n in names if where.get(n) not in on_host or n in on_host[where[n]]]
 
     def _actor_alive(self, name: str) -> bool:
-        """No actor here to look at (`Runtime._actor_alive`): `running()` says, without a call to a host."""
+        """No actor here to look at (`Runtime._actor_alive`): `running()` asks the hosts."""
         return False
 
     def placement(self) -> dict[str, str]:

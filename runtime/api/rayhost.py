@@ -44,7 +44,7 @@ import msgpack
 
 from actors.agent import Ask, Lookup, Note, Reset, UnknownAgent
 from runtime import store
-from runtime.api.facade import DeadLetter, ReplyFuture, Runtime, _positive
+from runtime.api.facade import DeadLetter, ReplyFuture, Runtime, WaitTimeout, _positive
 from runtime.engine import CallbackFailed
 from runtime.errors import KvactorsError
 
@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 KINDS = ("ask", "note", "reset", "result")  # the envelopes `NodeHost.deliver` takes
 CALLBACKS = ("on_token", "on_progress", "cancel")  # an ask's callbacks that `NodeHost.events` carries to its caller
 SIGNALS = ("cancel", "fail")  # what `NodeHost.signal` tells a streamed turn
+NAME_POLL_S = 0.01  # how long `HostedRuntime._release_if_exited` waits for a call that holds the name: it is left to it
 
 
 class ClusterError(KvactorsError, RuntimeError):
@@ -133,7 +134,9 @@ class HostedRuntime(Runtime):
     Takes the options of `Runtime`. It holds agent `name`'s lock (`store.lock_agent`) from
     its `spawn` until its actor has stopped, and while `forget` deletes its files; so
     `spawn` and `forget` raise AgentInUse while another process (another node's host)
-    runs the agent. A stop that ran past its wait (WaitTimeout) keeps the lock: the actor
+    runs the agent. An agent that its supervisor dropped (a temporary agent that crashed) lets go of its lock once
+    this Runtime finds it gone: in `running()`, a message to it (UnknownAgent), or the next spawn, stop or forget
+    of the name. A stop that ran past its wait (WaitTimeout) keeps the lock: the actor
     may still run, and the next stop, forget or spawn of the name here waits for it.
     """
 
@@ -174,6 +177,35 @@ class HostedRuntime(Runtime):
                 super()._stop_agent(name)
             finally:
                 self._unlock_if_gone(name)
+
+    def running(self) -> list[str]:
+        """`Runtime.running`; also releases the lock of each agent that its supervisor dropped (a temporary agent
+        that crashed), unless a spawn, stop or forget of its name goes on (that call releases it)."""
+        names = super().running()
+        with self._locks_guard:
+            locked = [n for n in self._agent_locks if n not in names]
+        for name in locked:
+            self._release_if_exited(name)
+        return names
+
+    def _deliver(self, name, message, future):
+        """`Runtime._deliver`; an agent found gone (UnknownAgent: it exited and was not restarted) lets go of its
+        lock."""
+        try:
+            super()._deliver(name, message, future)
+        except UnknownAgent:
+            self._release_if_exited(name)
+            raise
+
+    def _release_if_exited(self, name):
+        """Release agent `name`'s lock if its supervisor dropped it or it stopped, counting it as running no more
+        (`Runtime._drop_if_exited`); left to the call that holds `_name_held(name)` if one does."""
+        try:
+            with self._name_held(name, NAME_POLL_S):
+                self._drop_if_exited(name)
+                self._unlock_if_gone(name)
+        except WaitTimeout:
+            pass  # a spawn, stop or forget of the name: it releases the lock if the agent is gone
 
     def shutdown(self) -> None:
         """`Runtime.shutdown`, then release every agent's lock."""

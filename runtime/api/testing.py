@@ -13,16 +13,36 @@ from actors.agent import AgentCrashed
 
 
 def inject_crash(ref) -> None:
-    """Make the agent behind `ref` (an `AgentRef`) crash at the end of its next turn.
+    """Make the agent behind `ref` (an `AgentRef`, of a Runtime or a `ClusterRuntime`) crash at the end of its next
+    turn.
 
     The crash comes before anything of that turn is written, so supervision restarts the
     agent and the turn's caller gets `AgentCrashed`. Raises `AgentCrashed` at once if the
-    agent is restarting now (retry).
+    agent is restarting now (retry). On a cluster, the agent's host runs this through Ray's
+    `__ray_call__` (as `held_stops` does).
     """
+    runtime = ref.runtime
+    if hasattr(runtime, "_hosts"):  # a ClusterRuntime: crash it on its host
+        from runtime.api import cluster
+
+        host = runtime._hosts[runtime._index(ref.name)]
+        cluster._value(runtime._ray.get(host.__ray_call__.remote(_crash_on_host, ref.name)))
+        return
+    _crash(runtime, ref.name)
+
+
+def _crash_on_host(host, name) -> tuple:
+    """On `host` (a NodeHost): `_crash` its agent `name`; ("ok", None) or ("error", packed), as host methods answer."""
+    from runtime.api import rayhost
+
+    return rayhost.outcome(_crash, host.rt, name)
+
+
+def _crash(runtime, name) -> None:
     try:
-        ref.runtime._ref(ref.name).tell(agent_mod._Fault())
+        runtime._ref(name).tell(agent_mod._Fault())
     except pykka.ActorDeadError:
-        raise AgentCrashed(None, f"agent {ref.name!r} is restarting; retry") from None
+        raise AgentCrashed(None, f"agent {name!r} is restarting; retry") from None
 
 
 def host_pid(runtime, node_id: str) -> int:
