@@ -225,8 +225,18 @@ class ClusterRuntime:
         return [n for n in names if where.get(n) not in on_host or n in on_host[where[n]]]
 
     def _actor_alive(self, name: str) -> bool:
-        """No actor here to look at (`Runtime._actor_alive`): `running()` asks the hosts."""
-        return False
+        """Whether agent `name` runs on its host (`Runtime._actor_alive`): that host alone is asked, so a group
+        call or `agent()` asks one host an agent rather than every host (`running()`); a host that does not answer
+        (it is down: its agents start again) counts its agents as alive."""
+        index = self._where.get(name)
+        if index is None:
+            return False
+        if index in self._dead:
+            return True
+        try:
+            return name in self._call(index, "running")
+        except (AgentCrashed, rayhost.ClusterError):
+            return True
 
     def placement(self) -> dict[str, str]:
         """Agent name -> the Ray node id it runs on now."""
