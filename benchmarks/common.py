@@ -70,36 +70,44 @@ def bench_model_folder(name: str, workdir: Path) -> Path:
     "tiny": the embedded tiny llama (float32, CPU). "llama-8b-shape": Llama-3.1-8B's
     architecture with random weights, 4-bit weights (group 64), bf16 activations and
     the local 2048-token tokenizer (so its vocabulary is 2048, not 128256). No download.
+    Both are built as `runtime.model.build_once` builds the project's own folders: a build
+    killed midway leaves nothing the next run takes for a model, and the next run builds again.
     """
+    from runtime.model import COMPLETE_MARKER, build_once
     from runtime.tiny import make_tiny_model
 
-    workdir = Path(os.environ.get("KVACTORS_BENCH_MODELS") or workdir)  # reuse across scenarios
-    path = workdir / name
-    if (path / "config.json").exists():
-        return path
-    if name == "tiny":
-        return make_tiny_model(path, "llama")
-    if name != "llama-8b-shape":
+    if name not in ("tiny", "llama-8b-shape"):
         raise SystemExit(f"unknown model {name!r}: use 'tiny' or 'llama-8b-shape'")
+    path = Path(os.environ.get("KVACTORS_BENCH_MODELS") or workdir) / name  # reuse across scenarios
+    if name == "tiny":  # make_tiny_model builds under build_once's lock itself
+        return path if (path / COMPLETE_MARKER).exists() else make_tiny_model(path, "llama")
+    return build_once(path, _write_8b_shape)
+
+
+def _write_8b_shape(out: Path) -> None:
+    """Write the "llama-8b-shape" folder `out` (see `bench_model_folder`) through `new_model_folder`, marked complete."""
     import mlx.nn as nn
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
 
-    tiny = make_tiny_model(Path(workdir) / "tokenizer-donor", "llama")
-    path.mkdir(parents=True)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        (path / f).write_bytes((tiny / f).read_bytes())
-    config = dict(LLAMA_8B, vocab_size=json.loads((tiny / "config.json").read_text())["vocab_size"])
-    config["eos_token_id"] = json.loads((tiny / "config.json").read_text()).get("eos_token_id")
-    config["quantization"] = {"group_size": 64, "bits": 4}
-    mx.random.seed(0)
-    model = llama.Model(llama.ModelArgs.from_dict(config))
-    model.set_dtype(mx.bfloat16)
-    nn.quantize(model, group_size=64, bits=4)
-    mx.eval(model.parameters())
-    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    (path / "config.json").write_text(json.dumps(config))
-    return path
+    from runtime.model import COMPLETE_MARKER, new_model_folder
+    from runtime.tiny import make_tiny_model
+
+    with tempfile.TemporaryDirectory() as donor, new_model_folder(out) as tmp:
+        tiny = make_tiny_model(Path(donor) / "tokenizer-donor", "llama")
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            (tmp / f).write_bytes((tiny / f).read_bytes())
+        tiny_config = json.loads((tiny / "config.json").read_text())
+        config = dict(LLAMA_8B, vocab_size=tiny_config["vocab_size"], eos_token_id=tiny_config.get("eos_token_id"),
+                      quantization={"group_size": 64, "bits": 4})
+        mx.random.seed(0)
+        model = llama.Model(llama.ModelArgs.from_dict(config))
+        model.set_dtype(mx.bfloat16)
+        nn.quantize(model, group_size=64, bits=4)
+        mx.eval(model.parameters())
+        mx.save_safetensors(str(tmp / "model.safetensors"), dict(tree_flatten(model.parameters())))
+        (tmp / "config.json").write_text(json.dumps(config))
+        (tmp / COMPLETE_MARKER).write_text("")
 
 
 def load_bench_model(name: str):
