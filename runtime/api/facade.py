@@ -406,6 +406,29 @@ _END = object()
 _async_sends: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> {(runtime, agent): its last send}
 
 
+class _BeginOrCallOff:
+    """Work that one thread begins and another may call off, whichever comes first: once begun it cannot be called
+    off, once called off it never begins. The start of a spawn the supervisor has not begun within its wait, and a
+    send an asyncio call cancelled before it told the agent."""
+
+    def __init__(self):
+        self._lock, self.state = threading.Lock(), "pending"  # then "begun" or "called off"
+
+    def begin(self) -> bool:
+        """Begin the work unless it was called off; whether it may go on."""
+        with self._lock:
+            if self.state == "pending":
+                self.state = "begun"
+            return self.state == "begun"
+
+    def call_off(self) -> bool:
+        """Call the work off unless it has begun; whether it was called off."""
+        with self._lock:
+            if self.state == "pending":
+                self.state = "called off"
+            return self.state == "called off"
+
+
 class AgentRef:
     """A stable handle on an agent, valid across restarts of its actor."""
 
@@ -428,27 +451,18 @@ class AgentRef:
         key = (id(self.runtime), self.name)
         before, mine = queued.get(key), loop.create_future()
         queued[key] = mine
-        state, lock, sending = ["waiting"], threading.Lock(), None  # "waiting", then "sending" or "called off"
-
-        def called_off() -> bool:  # on the thread, right before it tells the agent
-            with lock:
-                if state[0] == "waiting":
-                    state[0] = "sending"
-                return state[0] == "called off"
-
+        tell, sending = _BeginOrCallOff(), None  # begun by the thread right before it tells the agent
         try:
             if before is not None:
                 await asyncio.shield(before)
-            sending = asyncio.ensure_future(asyncio.to_thread(self._send, text, called_off=called_off, **options))
+            sending = asyncio.ensure_future(asyncio.to_thread(self._send, text, tell=tell, **options))
             return await asyncio.shield(sending)
         except asyncio.CancelledError:
-            with lock:
-                if state[0] == "waiting":
-                    state[0] = "called off"
+            tell.call_off()
             raise
         finally:  # cancelled while waiting: the next send still waits for the one before, or for this one's tell
             after = before if before is not None and not before.done() else None
-            if state[0] == "sending" and not sending.done():
+            if tell.state == "begun" and not sending.done():
                 after = sending
                 sending.add_done_callback(lambda done: done.cancelled() or done.exception())  # nobody awaits it
             if after is None:
@@ -508,9 +522,10 @@ class AgentRef:
                           on_token=on_token, on_progress=on_progress, cancel=cancel)
 
     def _send(self, text, *, max_tokens, temperature, top_p, seed, stop, timeout, sender, conversation_id, turn_id,
-              on_token, on_progress, cancel, reply_to_agent=None, called_off=None) -> ReplyFuture:
+              on_token, on_progress, cancel, reply_to_agent=None, tell=None) -> ReplyFuture:
         """`send`, and `send_to`'s way in: `reply_to_agent` also gets the reply, as a message (see `send_to`).
-        `called_off()`, asked right before the turn is told to the agent, True: it is not sent (CancelledError)."""
+        `tell` (a `_BeginOrCallOff`) is begun right before the turn is told to the agent; called off, it is not sent
+        (CancelledError)."""
         stop = check_turn_options(text, max_tokens, temperature, top_p, seed, stop, timeout,
                                   self.runtime.max_context)
         if sender is not None:
@@ -542,7 +557,7 @@ class AgentRef:
         )
         future = ReplyFuture()
         future.turn_id, future.stop = turn_id, stop  # the stop strings as checked: a str is one of them
-        future.called_off = called_off  # `Runtime._deliver` asks it right before it tells the agent
+        future.tell = tell  # `Runtime._deliver` begins it right before it tells the agent
         self.runtime._deliver(self.name, Ask(payload, future, on_token, on_progress, cancel), future)
         return future
 
@@ -1185,13 +1200,11 @@ class Runtime:
 
         WaitTimeout, naming `call`, if `sup` has not begun the start within `timeout` seconds (it is busy, such as
         stopping an agent whose thread is held up): the start is then called off, so nothing starts."""
-        env, lock, state = self._env, threading.Lock(), ["queued"]  # then "begun" (by `sup`) or "called off"
+        env, begin = self._env, _BeginOrCallOff()  # begun by `sup`, or called off past the wait
 
         def started():
-            with lock:
-                if state[0] == "called off":
-                    raise WaitTimeout(f"{call} of {name!r} was called off: it ran past its wait")
-                state[0] = "begun"
+            if not begin.begin():
+                raise WaitTimeout(f"{call} of {name!r} was called off: it ran past its wait")
             ref = start(sup)
             env.register(name, ref)
             return ref
@@ -1201,13 +1214,11 @@ class Runtime:
             future.get(timeout=wait_seconds(timeout))
             return
         except pykka.Timeout:
-            with lock:
-                if state[0] == "queued":
-                    state[0] = "called off"
-        if state[0] == "called off":
-            raise WaitTimeout(f"{call} waited {timeout:g} s for the supervisor to start {name!r}, and it has not "
-                              "begun: it is busy (such as stopping an agent whose thread is held up, e.g. by a done "
-                              f"callback that blocks); nothing was started: call {call} again to wait longer")
+            if begin.call_off():
+                raise WaitTimeout(f"{call} waited {timeout:g} s for the supervisor to start {name!r}, and it has not "
+                                  "begun: it is busy (such as stopping an agent whose thread is held up, e.g. by a "
+                                  f"done callback that blocks); nothing was started: call {call} again to wait "
+                                  "longer") from None
         future.get()  # `sup` is starting it now: an actor's thread starts at once
 
     def _ref(self, name: str, turn_id: str | None = None) -> pykka.ActorRef:
@@ -1259,14 +1270,14 @@ class Runtime:
 
         For an agent that is not running it raises UnknownAgent; a message (a turn, a note, a reset) also goes to
         the dead letters, a question (`History`, `Lookup`) does not: its caller has the answer, the error."""
-        turn_id, called_off = getattr(future, "turn_id", None), getattr(future, "called_off", None)
+        turn_id, tell = getattr(future, "turn_id", None), getattr(future, "tell", None)
         try:
             ref = self._ref(name, turn_id)
         except UnknownAgent as e:
             if not isinstance(message, (History, Lookup)):  # a question, not a message: its caller gets the error
                 self._env.dead_letter(name, message, str(e))
             raise
-        if called_off is not None and called_off():  # its asyncio call was cancelled while this waited
+        if tell is not None and not tell.begin():  # its asyncio call was cancelled while this waited
             raise asyncio.CancelledError(f"turn {turn_id}: its call was cancelled before it was sent")
         try:
             ref.tell(message)
