@@ -190,7 +190,7 @@ class ClusterRuntime:
         self._check_running()
         store.check_agent_id(name)
         with self._lock:
-            if name in self._names and name not in self.running():
+            if name in self._names and not self._actor_alive(name):
                 self._unplace(name)  # it exited there and was not restarted (a temporary agent that crashed)
             if name in self._names:
                 raise InvalidArgument(f"agent {name!r} is already running; use rt.agent({name!r})")
@@ -216,27 +216,27 @@ class ClusterRuntime:
         answer (it is down: its agents start again) counts as running."""
         self._check_running()
         names, where = list(self._names), dict(self._where)
-        on_host = {}
-        for index in sorted(set(where.values()) - self._dead):
-            try:
-                on_host[index] = set(self._call(index, "running"))
-            except (AgentCrashed, rayhost.ClusterError):
-                pass  # a host that just died: its agents start again elsewhere
-        return [n for n in names if where.get(n) not in on_host or n in on_host[where[n]]]
+        on_host = {index: self._runs_on(index) for index in set(where.values())}
+        return [n for n in names if on_host.get(where.get(n)) is None or n in on_host[where[n]]]
 
     def _actor_alive(self, name: str) -> bool:
         """Whether agent `name` runs on its host (`Runtime._actor_alive`): that host alone is asked, so a group
-        call or `agent()` asks one host an agent rather than every host (`running()`); a host that does not answer
-        (it is down: its agents start again) counts its agents as alive."""
+        call or `agent()` asks one host an agent rather than every host (`running()`)."""
         index = self._where.get(name)
         if index is None:
             return False
+        runs = self._runs_on(index)
+        return runs is None or name in runs
+
+    def _runs_on(self, index: int) -> set | None:
+        """The agents host `index` runs (its `Runtime.running`, which lets go of the locks of agents that exited),
+        or None where it is down and does not answer: its agents start again, and count as running meanwhile."""
         if index in self._dead:
-            return True
+            return None
         try:
-            return name in self._call(index, "running")
-        except (AgentCrashed, rayhost.ClusterError):
-            return True
+            return set(self._call(index, "running"))
+        except (AgentCrashed, rayhost.ClusterError):  # a host that just died
+            return None
 
     def placement(self) -> dict[str, str]:
         """Agent name -> the Ray node id it runs on now."""

@@ -32,6 +32,7 @@ This module never imports Ray: its classes become Ray actors in `runtime.api.clu
 from __future__ import annotations
 
 import builtins
+import contextlib
 import importlib
 import logging
 import os
@@ -151,23 +152,25 @@ class HostedRuntime(Runtime):
     def spawn(self, name: str, system: str = "", restart: str = "permanent", *, reset: bool = False,
               timeout: float = 60.0):
         """`Runtime.spawn`, holding agent `name`'s lock while it runs here (AgentInUse if another process runs it)."""
-        store.check_agent_id(name)
-        _positive("timeout", timeout)
-        with self._name_held(name, timeout):  # Runtime.spawn takes it again: the lock and the start as one
-            self._lock_agent(name)
-            try:
-                return super().spawn(name, system, restart, reset=reset, timeout=timeout)
-            finally:
-                self._unlock_if_gone(name)
+        with self._agent_locked(name, timeout):  # Runtime.spawn takes the name again: the lock and the start as one
+            return super().spawn(name, system, restart, reset=reset, timeout=timeout)
 
     def forget(self, name: str, timeout: float = 60.0) -> bool:
         """`Runtime.forget`, holding agent `name`'s lock until its files are gone (AgentInUse if it runs elsewhere)."""
+        with self._agent_locked(name, timeout):
+            return super().forget(name, timeout)
+
+    @contextlib.contextmanager
+    def _agent_locked(self, name, timeout):
+        """Hold `_name_held(name)` and agent `name`'s lock for the block (AgentInUse if another process holds it);
+        after it, the lock goes unless the agent runs here or is still stopping. InvalidAgentId and a bad `timeout`
+        raise first, as `Runtime.spawn` and `forget` raise them."""
         store.check_agent_id(name)
         _positive("timeout", timeout)
         with self._name_held(name, timeout):
             self._lock_agent(name)
             try:
-                return super().forget(name, timeout)
+                yield
             finally:
                 self._unlock_if_gone(name)
 
