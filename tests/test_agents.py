@@ -40,7 +40,7 @@ from runtime import (AgentCrashed, AgentStopped, CallbackFailed, Reply, Runtime,
                      UnknownAgent, WaitTimeout, chat, q4cache, store)
 from runtime.engine import Turn
 from runtime.api.facade import AgentRef
-from runtime.api.testing import inject_crash
+from runtime.api.testing import inject_crash, park_supervisor
 
 TESTS = Path(__file__).resolve().parent
 FAST = Backoff(min=0.001, max=0.02, reset=10.0)
@@ -75,31 +75,20 @@ def stalled_batcher(rt):
 
 
 @contextlib.contextmanager
-def busy_supervisor(rt, monkeypatch):
+def busy_supervisor(rt):
     """Park the agents' supervisor's thread (inside a `children()` call) until the block exits."""
-    entered, release = threading.Event(), threading.Event()
-    supervisor = pykka_compat.actor_of(rt._supervisor)
-    children = supervisor.children
-
-    def parked():
-        entered.set()
-        release.wait(30)
-        return children()
-
-    monkeypatch.setattr(supervisor, "children", parked)
-    rt._supervisor.proxy().children()  # not waited for: the supervisor runs it, and waits there
-    assert entered.wait(30), "the supervisor never took the call"
+    release = park_supervisor(rt, 30)
     try:
         yield release
     finally:
         release.set()
 
 
-def run_while_restarting(rt, monkeypatch, agent, main):
+def run_while_restarting(rt, agent, main):
     """Crash `agent` and hold its restart (its supervisor parked); run `main(release)` on a new event loop, the
     restart going on once `main` sets `release`. Returns what `main` returns."""
     old = rt._env.refs[agent.name]
-    with busy_supervisor(rt, monkeypatch) as release:
+    with busy_supervisor(rt) as release:
         inject_crash(agent)
         with pytest.raises(AgentCrashed):
             agent.ask("Crash.", max_tokens=4)
@@ -603,7 +592,7 @@ def test_awaiting_a_turn_never_blocks_the_event_loop(rt, how):
 
 
 @pytest.mark.parametrize("how", ["ask_async", "astream"])
-def test_a_turn_to_an_agent_that_restarts_waits_for_it_off_the_event_loop(tmp_path, monkeypatch, how):
+def test_a_turn_to_an_agent_that_restarts_waits_for_it_off_the_event_loop(tmp_path, how):
     """An agent crashed, and its restart waits behind its busy supervisor: the turn's call waits for the restart
     (up to RESTART_WAIT_S) in a thread, so a 10 ms ticker keeps ticking; once the supervisor is free, the turn
     goes to the restarted agent. (The call waited on the event loop, which held every coroutine meanwhile, and
@@ -617,12 +606,12 @@ def test_a_turn_to_an_agent_that_restarts_waits_for_it_off_the_event_loop(tmp_pa
                 return await a.ask_async("Tick.", max_tokens=4)
             return [x async for x in a.astream("Tick.", max_tokens=4)][-1]
 
-        reply = run_while_restarting(rt, monkeypatch, a,
+        reply = run_while_restarting(rt, a,
                                      lambda release: ticking_until_released(turn(), release))
         assert isinstance(reply, Reply) and len(reply.tokens) == 4 and rt._env.refs["a"] is not old
 
 
-def test_turns_started_in_order_on_a_loop_reach_a_restarting_agent_in_that_order(tmp_path, monkeypatch):
+def test_turns_started_in_order_on_a_loop_reach_a_restarting_agent_in_that_order(tmp_path):
     """Eight ask_async calls started one after another while the agent's restart waits: each sends from a thread
     (`_send_off_loop`), yet the agent's journal has the eight messages in the order the calls were made, as when
     `send` ran on the loop itself."""
@@ -633,14 +622,14 @@ def test_turns_started_in_order_on_a_loop_reach_a_restarting_agent_in_that_order
             tasks = [asyncio.create_task(a.ask_async(f"Message {i}.", max_tokens=2)) for i in range(8)]
             return await ticking_until_released(asyncio.gather(*tasks), release)
 
-        replies = run_while_restarting(rt, monkeypatch, a, main)
+        replies = run_while_restarting(rt, a, main)
         assert len(replies) == 8
         said = [r["text"] for r in a.history() if r["role"] == "user" and r["text"].startswith("Message")]
         assert said == [f"Message {i}." for i in range(8)]
 
 
 @pytest.mark.parametrize("how", ["wait_for", "task.cancel", "astream"])
-def test_a_call_cancelled_while_its_send_waits_for_a_restart_never_sends_its_turn(tmp_path, monkeypatch, how):
+def test_a_call_cancelled_while_its_send_waits_for_a_restart_never_sends_its_turn(tmp_path, how):
     """A call cancelled (its `wait_for` ran out, or its task was cancelled) while its send waited in a thread for
     the agent's restart: the turn is never sent, so nothing of it is in the journal, and a later call goes on.
     (The thread sent it once the restart was done: the turn ran for nobody and was recorded as if asked.)"""
@@ -666,7 +655,7 @@ def test_a_call_cancelled_while_its_send_waits_for_a_restart_never_sends_its_tur
                     await task
             return await ticking_until_released(a.ask_async("After.", max_tokens=2), release)
 
-        reply = run_while_restarting(rt, monkeypatch, a, main)  # asyncio.run joins the executor's threads
+        reply = run_while_restarting(rt, a, main)  # asyncio.run joins the executor's threads
         assert isinstance(reply, Reply)
         said = [r["text"] for r in a.history() if r["role"] == "user"]
         assert "After." in said and "Never sent." not in said, said
@@ -1076,13 +1065,13 @@ def test_waits_on_the_files_check_their_timeout_and_run_out_with_wait_timeout(tm
         rt.flush()
 
 
-def test_a_spawn_its_busy_supervisor_has_not_begun_within_its_timeout_raises_wait_timeout(tmp_path, monkeypatch):
+def test_a_spawn_its_busy_supervisor_has_not_begun_within_its_timeout_raises_wait_timeout(tmp_path):
     """spawn waited for the agents' supervisor with pykka's get(timeout=60): a supervisor busy past that (stopping
     an agent whose thread is held up) let pykka.Timeout out, no KvactorsError. spawn's timeout bounds the wait, the
     WaitTimeout says to call again, and the start it gave up on never runs."""
     with Runtime(model=None, cache_dir=tmp_path) as rt:
         rt.spawn("a")
-        with busy_supervisor(rt, monkeypatch):
+        with busy_supervisor(rt):
             advice = r"spawn\(\) waited 0.2 s .* to start 'b'.*nothing was started: call spawn\(\) again"
             with pytest.raises(WaitTimeout, match=advice):
                 rt.spawn("b", system="You are B.", timeout=0.2)
@@ -1107,7 +1096,7 @@ def test_a_stop_its_busy_supervisor_has_not_done_within_its_wait_raises_wait_tim
         stop = {"stop": a.stop, "forget": lambda: rt.forget("a", timeout=0.2)}[call]
         with stalled_batcher(rt):
             future = a.send("Hello there.", max_tokens=4)
-            with busy_supervisor(rt, monkeypatch):
+            with busy_supervisor(rt):
                 advice = rf"{call}\(\) waited 0.2 s .* agent 'a'.*the stop goes on.*call {call}\(\) again"
                 with pytest.raises(WaitTimeout, match=advice):
                     stop()

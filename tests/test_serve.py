@@ -1181,7 +1181,7 @@ def test_a_request_for_an_agent_whose_actor_restarts_does_not_hold_the_other_req
 
 
 @pytest.mark.parametrize("what", ["note", "reset"])
-def test_a_requests_messages_to_an_agent_that_restarts_wait_for_it_off_the_event_loop(tmp_path, monkeypatch, what):
+def test_a_requests_messages_to_an_agent_that_restarts_wait_for_it_off_the_event_loop(tmp_path, what):
     """A request's plan sends a note or a reset before its turn. Sent to an agent that crashed and whose restart
     waits behind its busy supervisor, the message waits for the restart (up to RESTART_WAIT_S) in a thread: a 10 ms
     ticker keeps ticking, and once the supervisor is free the message and the turn go to the restarted agent. (They
@@ -1196,7 +1196,7 @@ def test_a_requests_messages_to_an_agent_that_restarts_wait_for_it_off_the_event
                    {"role": "assistant", "text": "Hello.", "sender": None}]
         plan = Plan(ask="Tick.", notes=(("A note.", "bob"),)) if what == "note" else Plan(ask="Tick.", reset=records)
 
-        reply = run_while_restarting(rt, monkeypatch, a, lambda release: ticking_until_released(
+        reply = run_while_restarting(rt, a, lambda release: ticking_until_released(
             Server._turn(a, plan, {"max_tokens": 4}, None), release))
         sent = [(r["text"], r["sender"]) for r in a.history() if r["role"] == "user"]
     assert len(reply.tokens) == 4 and rt._env.refs["a"] is not old

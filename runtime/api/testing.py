@@ -80,27 +80,34 @@ def _host_index(runtime, node_id: str) -> int:
 _HELD: dict = {}  # in a host's process, while `held_stops` holds it: what `_release_stops` undoes
 
 
-def _hold_stops(host, wait_s: float) -> None:
-    """On `host` (a NodeHost): park its agents' supervisor inside a `children()` call; stops there wait `wait_s`."""
-    from runtime.api import facade
-
-    supervisor = pykka_compat.actor_of(host.rt._supervisor)
+def park_supervisor(runtime, hold_s: float = 120.0) -> threading.Event:
+    """Park the agents' supervisor of `runtime` (a Runtime) inside a `children()` call until the returned event is
+    set (or `hold_s` seconds pass): meanwhile it starts, restarts and stops no agent. Returns once it is parked;
+    RuntimeError if it does not take the call within 30 s."""
+    supervisor = pykka_compat.actor_of(runtime._supervisor)
     entered, release = threading.Event(), threading.Event()
     children = supervisor.children
 
     def parked():
         entered.set()
-        release.wait(120)
+        release.wait(hold_s)
         return children()
 
     supervisor.children = parked
-    host.rt._supervisor.proxy().children()  # not waited for: the supervisor runs it, and waits there
+    runtime._supervisor.proxy().children()  # not waited for: the supervisor runs it, and waits there
     try:
         if not entered.wait(30):
-            raise RuntimeError("the host's supervisor never took the call")
+            raise RuntimeError("the agents' supervisor never took the call")
     finally:
         del supervisor.children  # the class's method again; the parked call goes on
-    _HELD.update(release=release, stop_wait_s=facade.STOP_WAIT_S)
+    return release
+
+
+def _hold_stops(host, wait_s: float) -> None:
+    """On `host` (a NodeHost): park its agents' supervisor (`park_supervisor`); stops there wait `wait_s`."""
+    from runtime.api import facade
+
+    _HELD.update(release=park_supervisor(host.rt), stop_wait_s=facade.STOP_WAIT_S)
     facade.STOP_WAIT_S = wait_s
 
 
