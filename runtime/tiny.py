@@ -72,8 +72,6 @@ SPECIAL_TOKENS = (BOS, EOS, "<|start_header_id|>", "<|end_header_id|>", EOT)
 # tests/test_tiny_models.py; the tokenizer training is deterministic.
 NON_COMPOSITIONAL = ("The plan", "ner")
 
-# File written last into a finished model folder; its presence means complete.
-
 TINY_LLAMA_NAME = "tiny-llama-v1"
 
 CHAT_TEMPLATE = (
