@@ -22,7 +22,7 @@ import numpy as np
 from runtime.cacheformat import (MAX_HEADER, CacheError, CacheMissing, CorruptCache, UnreadableCache, check_spec,
                                  decode_file, encode_file, model_tag, parts_size)
 from runtime.files import (CACHE_FILE, DELTA_FILE, agent_dir, fsync_dir, make_dirs, map_file, open_file, refuse_links,
-                           write_atomic)
+                           removed_if_failed, write_atomic)
 from runtime.hostcache import CacheMeta, DeviceCache, HostCache, layer_names
 
 MAX_DELTAS = 32
@@ -31,13 +31,13 @@ MAX_DELTAS = 32
 def save_cache(cache_dir, spec, agent: str, host: HostCache, meta: CacheMeta) -> Path:
     """Atomically write `agent`'s full cache (`host` + `meta`) for model `spec` (tagged `model_tag(spec)`); return its path.
 
-    Any delta files of an older chain are removed.
+    Any delta files of an older chain are removed. Where the write fails, the folders it made are removed again.
     """
     folder = agent_dir(cache_dir, spec.fingerprint, agent)
     parts = encode_file(host, meta, model_tag(spec))[0]
-    make_dirs(folder)
     path = folder / CACHE_FILE
-    write_atomic(path, parts)
+    with removed_if_failed(make_dirs(folder)):  # a cache that cannot be written leaves no empty agent folder
+        write_atomic(path, parts)
     remove_deltas(folder)
     return path
 

@@ -17,7 +17,9 @@ as a symlink: files are opened with O_NOFOLLOW, folders are checked (`refuse_lin
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import itertools
 import mmap
 import os
 import re
@@ -153,20 +155,56 @@ def refuse_links(folder: Path) -> None:
             raise UnsafePath(f"{d} is a symlink inside the store; kvactors never follows one there: remove it")
 
 
-def make_dirs(folder: Path) -> None:
-    """Create `folder` and its two parents (model folder, cache_dir) as needed, mode 0700.
+def make_dirs(folder: Path) -> list[Path]:
+    """Create `folder` and its two parents (model folder, cache_dir) as needed, mode 0700 (cache_dir's own
+    parents as `mkdir -p` makes them); return the folders this call created, outermost first, for `remove_empty`
+    to remove again where the write they were made for fails.
 
     Raises UnsafePath if the model or agent folder is a symlink.
     """
     refuse_links(folder)
+    made = make_missing(folder.parent.parent.parent)
     for d in (folder.parent.parent, folder.parent, folder):
         if not d.is_dir():
-            try:
-                d.mkdir(mode=0o700, parents=True)
-            except FileExistsError:
-                if not d.is_dir():
-                    raise
+            made += make_missing(d, 0o700)
             os.chmod(d, 0o700)
+    return made
+
+
+def make_missing(folder: Path, mode: int = 0o777) -> list[Path]:
+    """Create `folder` and those of its parents that are missing, each with `mode` (less the umask), as
+    `mkdir -p` does; return the folders this call created, outermost first (one another process made meanwhile
+    is not among them). FileExistsError where a file is in the way."""
+    missing = list(itertools.takewhile(lambda d: not d.is_dir(), (folder, *folder.parents)))
+    made = []
+    for d in reversed(missing):
+        try:
+            d.mkdir(mode)
+        except FileExistsError:
+            if not d.is_dir():
+                raise
+            continue
+        made.append(d)
+    return made
+
+
+def remove_empty(folders: list[Path]) -> None:
+    """Remove those of `folders` (outermost first, as `make_missing` returns them) that are empty, innermost first,
+    so that a failed write leaves none of the folders made for it; one that holds anything, or cannot be removed,
+    stays."""
+    for d in reversed(folders):
+        with contextlib.suppress(OSError):
+            d.rmdir()
+
+
+@contextlib.contextmanager
+def removed_if_failed(folders: list[Path]):
+    """Run the block; if it raises, `remove_empty(folders)` (the folders made for it) before the error goes on."""
+    try:
+        yield
+    except BaseException:
+        remove_empty(folders)
+        raise
 
 
 def temp_path(path: Path) -> Path:

@@ -36,7 +36,7 @@ import msgpack
 
 from runtime.errors import KvactorsError
 from runtime.files import (HIGH_FILE, JOURNAL_FILE, agent_dir, make_dirs, open_file, own_file, refuse_links,
-                           remove_temps, write_atomic)
+                           remove_temps, removed_if_failed, write_atomic)
 
 JOURNAL_MAGIC = b"kvactors-journal-1\n"
 _FRAME = struct.Struct("<II")
@@ -566,20 +566,20 @@ def open_journal(folder: Path) -> tuple[JournalScan | None, int]:
     """Make `folder`'s journal ready for appends; return (its scan as found, the byte to append at).
 
     The scan is None when there was no journal. Creates the folders and an empty
-    journal as needed, removes temp files of crashed writers, gives the journal and its mark
+    journal as needed (where that fails, the folders it made are removed again), removes temp files of crashed writers, gives the journal and its mark
     their own copies where they had other hard links (`own_file`), and repairs damage
     (`repair_journal`). Raises JournalError for a journal that cannot be read (it is
     left untouched) and UnsafePath for a symlink in the store.
     """
-    make_dirs(folder)
-    remove_temps(folder)
-    for name in (JOURNAL_FILE, HIGH_FILE):  # both are written in place: never shared with another agent's folder
-        own_file(folder / name)
-    path = folder / JOURNAL_FILE
-    scan = scan_folder(folder)
-    if scan is None:
-        write_atomic(path, JOURNAL_MAGIC)
-        return None, len(JOURNAL_MAGIC)
+    with removed_if_failed(make_dirs(folder)):  # a journal that cannot be made leaves no empty agent folder
+        remove_temps(folder)
+        for name in (JOURNAL_FILE, HIGH_FILE):  # both are written in place: never shared with another agent's folder
+            own_file(folder / name)
+        path = folder / JOURNAL_FILE
+        scan = scan_folder(folder)
+        if scan is None:
+            write_atomic(path, JOURNAL_MAGIC)
+            return None, len(JOURNAL_MAGIC)
     if scan.needs_repair:
         repair_journal(path, scan)
     return scan, len(JOURNAL_MAGIC) + sum(b - a for a, b in scan.frames)

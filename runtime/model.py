@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from runtime.errors import InvalidArgumentType, KvactorsError, shown
-from runtime.files import fsync_dir, fsync_tree
+from runtime.files import fsync_dir, fsync_tree, make_missing, removed_if_failed
 from runtime.kvscheme import KVScheme, default_scheme
 
 TOKENIZER_FILES = (
@@ -547,31 +547,42 @@ def model_folder_lock(out: Path):
     that waited on the file and gets its lock once the holder has deleted it (the name missing, or naming a
     newer file) lets go and starts over, so one process at a time holds the lock.
     On entry the temporary folders of a `new_model_folder(out)` whose process was killed before its rename
-    are removed: whoever writes `out` holds this lock, so none of them is still being written.
+    are removed: whoever writes `out` holds this lock, so none of them is still being written. The folders it
+    makes for the lock's file (`out`'s missing parents) are removed again, where empty, when the block raises.
     """
+    with removed_if_failed(make_missing(out.parent)):  # after the lock's file is gone, so they are empty
+        lock = out.parent / f".{out.name}.lock"
+        fd = _take_lock(lock)
+        try:
+            for partial in out.parent.glob(glob.escape(_partial_prefix(out)) + "*"):  # a user's name may hold [ or *
+                shutil.rmtree(partial, ignore_errors=True)
+            yield
+        finally:
+            with contextlib.suppress(OSError):  # a file left behind is harmless: the next holder deletes it
+                lock.unlink()  # before the close: whoever gets this file's lock next finds it gone, and starts over
+            os.close(fd)
+
+
+def _take_lock(lock: Path) -> int:
+    """The fd of the file `lock` holding its `flock`, once no other process holds it (`model_folder_lock`'s rule:
+    the lock counts only while the file is under that name)."""
     import fcntl
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    lock = out.parent / f".{out.name}.lock"
     while True:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        lock.parent.mkdir(parents=True, exist_ok=True)  # again after a wait: a holder whose build failed removed it
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except FileNotFoundError:
+            continue  # removed between the two
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             if os.path.samestat(os.fstat(fd), os.stat(lock)):
-                break
+                return fd
         except FileNotFoundError:
             pass  # the holder this process waited on deleted the file
         except BaseException:
             os.close(fd)
             raise
-        os.close(fd)
-    try:
-        for partial in out.parent.glob(glob.escape(_partial_prefix(out)) + "*"):  # a user's name may hold [ or *
-            shutil.rmtree(partial, ignore_errors=True)
-        yield
-    finally:
-        with contextlib.suppress(OSError):  # a file left behind is harmless: the next holder deletes it
-            lock.unlink()  # before the close: whoever gets this file's lock next finds it gone, and starts over
         os.close(fd)
 
 

@@ -512,6 +512,36 @@ def test_model_folder_lock_removes_its_file_and_still_excludes(tmp_path):
     assert os.listdir(out.parent) == []
 
 
+def test_a_failed_build_removes_the_folders_made_for_its_lock_and_a_waiter_still_builds(tmp_path):
+    """`import-gguf FILE new/place/out` that failed (a full disk, a damaged file) left new/place behind, made for
+    the lock's file and empty; a build waiting on the lock meanwhile makes them again, and folders that were
+    there stay."""
+    out = tmp_path / "new" / "place" / "m"
+    with pytest.raises(OSError, match="the build failed"), model_folder_lock(out):
+        raise OSError("the build failed")
+    assert os.listdir(tmp_path) == []
+
+    waited = threading.Event()
+
+    def wait_and_build():
+        waited.set()
+        with model_folder_lock(out):
+            (out.parent / "built").write_text("")
+
+    with pytest.raises(OSError, match="the build failed"), model_folder_lock(out):
+        waiter = threading.Thread(target=wait_and_build)
+        waiter.start()
+        waited.wait()
+        time.sleep(0.2)  # at the lock, most likely: the test passes either way
+        raise OSError("the build failed")
+    waiter.join()
+    assert os.listdir(out.parent) == ["built"]
+    (out.parent / "built").unlink()
+    with pytest.raises(OSError, match="the build failed"), model_folder_lock(out):
+        raise OSError("the build failed")
+    assert os.listdir(out.parent) == []  # not made by this build: kept
+
+
 def test_model_folder_lock_removes_its_own_leftovers_only_whatever_the_name(tmp_path):
     """A user names the folder (import-gguf's OUT, make_tiny_model's path): a name with glob characters in it
     matched another folder's temporary folders, which may be being written, and missed its own."""

@@ -2,12 +2,15 @@
 journal torn tails, agent ids, permissions, retention, inspect, the hot tier."""
 
 import ast
+import contextlib
 import dataclasses
 import errno
 import json
 import os
 import random
+import resource
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -1445,3 +1448,39 @@ def test_randomly_damaged_journals_scan_report_and_repair_consistently(tmp_path)
         assert [r["seq"] for r in repaired.records] == seqs and not repaired.needs_repair and repaired.end == end
         shutil.rmtree(folder)
 
+
+
+@contextlib.contextmanager
+def writes_fail():
+    """Every write of a file's bytes in this process fails with EFBIG for the block, as on a full disk."""
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (0, limit[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, handler)
+
+
+def test_a_first_write_that_fails_leaves_no_empty_folder_behind(tmp_path):
+    """A first journal or cache write that failed (a full disk) left the agent's folder, and its model's, made for
+    it and empty: a later spawn of the name in another case was refused as the case twin of an agent that was never
+    stored. Folders that were there stay."""
+    cache = tmp_path / "agents"
+    cache.mkdir()
+    host, records = store.cache_to_host(q4_cache(3)), [store.journal_record(0, "user", "hi")]
+    with writes_fail():
+        with pytest.raises(OSError, match="too large"):
+            store.append_journal(cache, SPEC, "Bob", records)
+        with pytest.raises(OSError, match="too large"):
+            store.save_cache(cache, SPEC, "Bob", host, meta_for(3))
+        with pytest.raises(OSError, match="too large"):  # cache_dir and its parents made for the write go too
+            store.append_journal(tmp_path / "new" / "agents", SPEC, "Bob", records)
+    assert sorted(os.listdir(tmp_path)) == ["agents"] and os.listdir(cache) == []
+    assert store.case_twin(cache, SPEC.fingerprint, "bob") is None
+    store.append_journal(cache, SPEC, "alice", records)
+    with writes_fail(), pytest.raises(OSError, match="too large"):
+        store.save_cache(cache, SPEC, "Bob", host, meta_for(3))
+    assert os.listdir(cache / SPEC.fingerprint) == ["alice"]  # the model's folder was there: it stays
+    assert store.read_journal(cache, SPEC, "alice") == records
