@@ -200,7 +200,7 @@ def import_gguf(path: str | Path, out: str | Path, weights: str | None = None) -
     `out` either does not exist or is complete, even after a SIGKILL, and the
     next import into `out` removes what a killed one left; of two imports into
     one `out` at once, one converts and the other, once it has waited for it,
-    refuses the folder.
+    refuses the folder without reading the file.
     Raises FileExistsError if `out` exists (never touched, whatever it holds),
     UnsupportedGGUF for an
     architecture, tensor, quantization type or tokenizer this import cannot map,
@@ -213,9 +213,9 @@ def import_gguf(path: str | Path, out: str | Path, weights: str | None = None) -
     path, out = Path(path).expanduser(), Path(out).expanduser()
     weights = _check_weights(weights)
     refuse_existing(out)  # before reading the file; `build_once` checks again, under the lock
-    write = _converter(path, weights)
-    try:
-        return build_once(out, write, reuse=False)
+    _check_head(path)  # a file that is missing, unreadable or no GGUF is said at once, not after a wait for the lock
+    try:  # read and converted under the lock: an import waiting for another into `out` never converts for nothing
+        return build_once(out, lambda out: _converter(path, weights)(out), reuse=False)
     except FileExistsError:
         raise
     except OSError as e:  # the lock beside `out`
@@ -513,23 +513,7 @@ def _open(path: Path):
     little-endian, every tensor of a type the package knows, of 1 to 4 dimensions none 0, its data aligned and
     within the file, no tensor name twice. Only such a file may reach `mx.load`, whose parser trusts all that.
     A tensor type the package does not define, an integer type or F64 raises UnsupportedGGUF; the rest GGUFError."""
-    _check_file(path)
-    try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-    except OSError as e:
-        raise _cannot_read(path, e) from e
-    if head[:4] != b"GGUF":
-        raise _unreadable(path, f"it starts with {head[:4]!r}, not b'GGUF': it is not a GGUF file")
-    if len(head) < 8:
-        raise _unreadable(path, "it ends within its header")
-    version = int.from_bytes(head[4:], "little")
-    if version not in _VERSIONS:
-        if int.from_bytes(head[4:], "big") in _VERSIONS:
-            raise UnsupportedGGUF(f"{path} is a big-endian GGUF file, which is not supported: convert the model "
-                                  "again without --bigendian")
-        raise UnsupportedGGUF(f"{path}: GGUF version {version} is not supported (only 2 and 3); convert the model "
-                              "again with a current llama.cpp")
+    _check_head(path)
     try:  # the reader fails on a damaged or truncated file with whatever its parsing meets (IndexError, ...)
         reader = _reader(path)
     except GGUFError:  # no gguf package, or a tensor type it does not define
@@ -552,6 +536,29 @@ def _open(path: Path):
                                   "exactly; convert the model again with 32-bit, 16-bit or quantized weights "
                                   "(llama.cpp's converter's --outtype f32, f16, bf16 or q8_0)")
     return reader
+
+
+def _check_head(path: Path) -> None:
+    """Raise GGUFError unless `path` is a regular file this process may read that starts as GGUF does (its
+    magic), UnsupportedGGUF for a GGUF version other than 2 and 3 or a big-endian file: its first 8 bytes, read at
+    once, before any wait for a folder's lock."""
+    _check_file(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except OSError as e:
+        raise _cannot_read(path, e) from e
+    if head[:4] != b"GGUF":
+        raise _unreadable(path, f"it starts with {head[:4]!r}, not b'GGUF': it is not a GGUF file")
+    if len(head) < 8:
+        raise _unreadable(path, "it ends within its header")
+    version = int.from_bytes(head[4:], "little")
+    if version not in _VERSIONS:
+        if int.from_bytes(head[4:], "big") in _VERSIONS:
+            raise UnsupportedGGUF(f"{path} is a big-endian GGUF file, which is not supported: convert the model "
+                                  "again without --bigendian")
+        raise UnsupportedGGUF(f"{path}: GGUF version {version} is not supported (only 2 and 3); convert the model "
+                              "again with a current llama.cpp")
 
 
 def _reader(path: Path):

@@ -17,6 +17,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -30,7 +31,7 @@ from gguf import GGUFValueType as V  # noqa: E402
 from gguf import quants  # noqa: E402
 
 from runtime.gguf import GGUFError, UnsupportedGGUF, gguf_model_path, import_gguf  # noqa: E402
-from runtime.model import load_model  # noqa: E402
+from runtime.model import load_model, model_folder_lock  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXTS = ["Hello world, 1234 tokens!", "naïve café 日本語 🙂", "  two  spaces\n\nand a tab\t.", "The plan"]
@@ -603,6 +604,31 @@ def test_two_import_gguf_commands_into_one_out_convert_once(tmp_path, small):
     assert "already exists" in refused and "does not exist yet" in refused and "Traceback" not in refused, refused
     assert sorted(os.listdir(tmp_path)) == ["out"]
     assert load_model(tmp_path / "out")[0] is not None
+
+
+def waiting_for_a_lock(pid):
+    """Whether process `pid` waits for a `flock` (a blocked entry of /proc/locks)."""
+    return any(line.split()[1:3] == ["->", "FLOCK"] and line.split()[5] == str(pid)
+               for line in Path("/proc/locks").read_text().splitlines())
+
+
+@pytest.mark.skipif(not Path("/proc/locks").exists(), reason="needs /proc/locks to see a process wait for a lock")
+def test_the_second_import_gguf_into_one_out_waits_before_it_reads_the_file(tmp_path, small):
+    """Both of two imports into one OUT read and converted the whole file, the second only then waiting for the
+    first to refuse the OUT it made: the memory and time of a conversion for nothing. The second now waits
+    first; a file it cannot convert (past its first bytes, which are checked at once) shows that it never read it."""
+    (tmp_path / "bad.gguf").write_bytes(damaged_headers(small["Q8_0"])["tensor count 10**12"])
+    out = tmp_path / "out"
+    with model_folder_lock(out):  # the first import, converting
+        child = subprocess.Popen(import_command(tmp_path / "bad.gguf", out), cwd=ROOT, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while child.poll() is None and not waiting_for_a_lock(child.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        out.mkdir()  # what the first import made
+    _, err = child.communicate(timeout=60)
+    assert child.returncode == 2 and err.splitlines() == [
+        f"kvactors import-gguf: {out} already exists: give a folder that does not exist yet, or remove it first"], err
 
 
 def test_import_gguf_command_never_touches_an_existing_out(tmp_path, small):
