@@ -13,9 +13,10 @@ requantized by MLX where the folder keeps quantized weights); types neither can
 read are refused with `UnsupportedGGUF` naming the type. The folder stores
 either `"float32"` weights (every tensor exactly dequantized: fastest on MLX's
 CPU build, where quantized matmuls with 16-bit activations are very slow) or
-`"quantized"` ones (the file's own 4/8-bit triplets, float16 elsewhere: four to
-eight times smaller, for GPUs). `default_weights()` picks by device. BF16 tensors
-are read from their own bits, never through `mx.load`, which makes float16 of them:
+`"quantized"` ones (the file's own 4/8-bit triplets, float16 elsewhere but for a
+tensor past float16's range, which keeps its own type: four to eight times
+smaller, for GPUs). `default_weights()` picks by device. BF16 tensors are read
+from their own bits, never through `mx.load`, which makes float16 of them:
 exact in a float32 folder.
 
 llama.cpp's converter permutes the rows of llama's `attn_q` and `attn_k` (its
@@ -194,7 +195,8 @@ def import_gguf(path: str | Path, out: str | Path, weights: str | None = None) -
     """Convert the GGUF file at `path` into a new mlx-lm model folder `out`; return `out`.
 
     `weights` is "float32" (exactly dequantized) or "quantized" (the file's 4/8-bit
-    triplets kept as they are, other tensors float16); None
+    triplets kept as they are, other tensors float16 but for one past float16's
+    range, which keeps its own type, exactly); None
     picks `default_weights()`. The folder is built in a temporary sibling and
     renamed into place, under the lock of `model.build_once` (reuse=False), so
     `out` either does not exist or is complete, even after a SIGKILL, and the
@@ -672,9 +674,7 @@ def _mlx_weights(tensors: dict, config: dict, arch: str, weights: str):
             out[target], out[f"{prefix}.scales"], out[f"{prefix}.biases"] = w, scales, biases
             layer_bits[prefix] = bits
             continue
-        # float16 for every one in a quantized folder (BF16's too: a model of one float type; float16 beside
-        # bfloat16 makes MLX compute in float32), which loses what float16 cannot hold; a float32 folder keeps all
-        out[target] = a.astype(mx.float32 if weights == "float32" else mx.float16)
+        out[target] = a.astype(_float_type(a, weights, name, qtype))
     mx.eval(out)
     if not layer_bits:
         return out, None
@@ -684,6 +684,26 @@ def _mlx_weights(tensors: dict, config: dict, arch: str, weights: str):
         if bits != common:
             quantization[prefix] = {"group_size": GROUP, "bits": bits, "mode": "affine"}
     return out, quantization
+
+
+def _float_type(a, weights: str, name: str, qtype: str):
+    """The MLX type a folder of `weights` stores the float tensor `a` (GGUF tensor `name`, of type `qtype`) in.
+
+    float32 in a float32 folder, which holds every one exactly. float16 in a quantized one (BF16's too: a model of
+    one float type, as float16 beside bfloat16 makes MLX compute in float32), which rounds what is below its
+    precision, but never makes inf of a finite value: a tensor past float16's range (+-65504) keeps its own type
+    there, exactly, with a warning (the model then computes in float32).
+    """
+    import mlx.core as mx
+
+    if weights == "float32":
+        return mx.float32
+    if not mx.any(mx.isinf(a.astype(mx.float16)) & ~mx.isinf(a)).item():
+        return mx.float16
+    log.warning("GGUF tensor %s (%s) holds values past float16's range (+-65504): the quantized folder keeps it "
+                "as %s, which MLX computes the model in float32 beside float16 (slower); convert with "
+                "weights='float32' (--weights float32) for a folder of one type", name, qtype, a.dtype)
+    return a.dtype
 
 
 def _tokenizer(meta: dict, path: Path):

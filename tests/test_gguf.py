@@ -702,26 +702,54 @@ def test_a_damaged_layer_count_is_refused_at_once(tmp_path, small):
 def test_bf16_tensors_convert_bit_exactly_whichever_reader_reads_the_file(tmp_path, small):
     """MLX's GGUF reader turns BF16 into float16: 1e10 became inf, 3e-8 5.96e-8, -2.5e38 -inf. A BF16 tensor keeps
     its bits, in a file MLX reads (Q8_0) and in one the gguf package reads (Q5_0): float32 in a "float32" folder;
-    a "quantized" one holds float16 of them, as of its other unquantized tensors (one float type for the model)."""
+    bfloat16 in a "quantized" one, since float16, its other unquantized tensors' type, cannot hold these."""
     down = np.random.default_rng(0).standard_normal((128, 256)).astype(np.float32) / 16
     down[0, :3] = [1e10, 3e-8, -2.5e38]  # past float16's range, or below its precision
     data = quants.quantize(down, Q.BF16)
+    bits = data.view(np.uint16)
     exact = quants.dequantize(data, Q.BF16).reshape(down.shape)  # the float32 values of those bits
     with np.errstate(over="ignore"):
         assert not np.array_equal(exact[0, :3].astype(np.float16).astype(np.float32), exact[0, :3])
     for qtype in ("Q8_0", "Q5_0"):
         rewrite(small[qtype], tmp_path / f"{qtype}.gguf", tensors={"blk.0.ffn_down.weight": (data, Q.BF16)})
-        for weights, dtype in (("float32", mx.float32), ("quantized", mx.float16)):
+        for weights, dtype in (("float32", mx.float32), ("quantized", mx.bfloat16)):
             out = import_gguf(tmp_path / f"{qtype}.gguf", tmp_path / f"{qtype}-{weights}", weights)
             a = mx.load(str(out / "model.safetensors"))["model.layers.0.mlp.down_proj.weight"]
             assert a.dtype == dtype, (qtype, weights)
             if dtype == mx.float32:
                 assert np.array_equal(np.array(a), exact), (qtype, weights)
             else:
-                with np.errstate(over="ignore"):
-                    assert np.array_equal(np.array(a), exact.astype(np.float16), equal_nan=True), (qtype, weights)
+                assert np.array_equal(np.array(a.view(mx.uint16)), bits), (qtype, weights)
         model, tok = mlx_lm.load(str(tmp_path / f"{qtype}-quantized"))
         assert model(mx.array([tok.encode("hello")])).shape[-1] == model.args.vocab_size
+
+
+def test_a_quantized_folder_keeps_a_float_tensor_past_float16s_range_as_it_is(tmp_path, small, caplog):
+    """A quantized folder stores its float tensors as float16 (one float type for the model), and made inf of a
+    value float16 cannot hold: a BF16 weight of 1e5, an F32 norm of 1e5. Such a tensor keeps its own type there,
+    exactly, and mlx-lm runs the model (in float32); a BF16 tensor within float16's range is float16 as before."""
+    rng = np.random.default_rng(0)
+    down = rng.standard_normal((128, 256)).astype(np.float32) / 16
+    down[0, 0] = 1e5
+    up = rng.standard_normal((256, 128)).astype(np.float32) / 16
+    norm = np.ones(128, np.float32)
+    norm[1] = 1e5
+    data = {name: quants.quantize(a, Q.BF16) for name, a in (("down", down), ("up", up))}
+    exact = {name: quants.dequantize(d, Q.BF16).reshape(d.shape[0], -1) for name, d in data.items()}
+    rewrite(small["Q8_0"], tmp_path / "m.gguf", tensors={"blk.0.ffn_down.weight": (data["down"], Q.BF16),
+                                                       "blk.0.ffn_up.weight": (data["up"], Q.BF16),
+                                                       "blk.0.attn_norm.weight": (norm, Q.F32)})
+    out = import_gguf(tmp_path / "m.gguf", tmp_path / "q", "quantized")
+    warned = [r.getMessage() for r in caplog.records if "past float16's range" in r.getMessage()]
+    assert sorted(w.split()[2] for w in warned) == ["blk.0.attn_norm.weight", "blk.0.ffn_down.weight"], warned
+    model, tok = mlx_lm.load(str(out))
+    layer = model.model.layers[0]
+    for param, dtype, want in ((layer.mlp.down_proj.weight, mx.bfloat16, exact["down"]),
+                               (layer.input_layernorm.weight, mx.float32, norm),
+                               (layer.mlp.up_proj.weight, mx.float16, exact["up"])):
+        assert param.dtype == dtype and np.array_equal(np.array(param.astype(mx.float32)), want), dtype
+    logits = model(mx.array([tok.encode("hello")]))
+    assert logits.shape[-1] == model.args.vocab_size and mx.all(mx.isfinite(logits)).item()
 
 
 @pytest.mark.parametrize("key", ["eos", "eot", "eom", "bos", "unknown"])
