@@ -430,6 +430,64 @@ def test_ray_is_imported_only_when_a_cluster_is_asked_for():
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
 
 
+def spawn_where(rt, prefix, wanted, **options) -> object:
+    """Spawn agents named `prefix`0, 1, ... (with `options`) until one lands on a Ray node that `wanted(node)` accepts
+    (each goes to the least loaded host, so the others fill up), then stop the others; its ref."""
+    refs = []
+    try:
+        for i in range(40):
+            refs.append(rt.spawn(f"{prefix}{i}", system="Be brief.", **options))
+            if wanted(rt.placement()[refs[-1].name]):
+                return refs.pop()
+        raise AssertionError("no agent landed where wanted")
+    finally:
+        for ref in refs:
+            ref.stop()
+
+
+def test_an_exited_temporary_agent_leaves_the_placement_and_the_hosts(rt, shared):
+    """A temporary agent that crashed was dropped by its host's supervisor, yet `placement()` and `hosts()` listed it
+    until its name was used again. They ask the hosts, as `running()` does, and an agent found exited is unplaced."""
+    name = "exited-listed"
+    crash_temporary(rt, name)
+    deadline = time.monotonic() + 20
+    while name in rt.placement() and time.monotonic() < deadline:  # the supervisor drops it soon after the crash
+        time.sleep(0.1)
+    assert name not in rt.placement()
+    assert all(name not in h["agents"] for h in rt.hosts())
+    os.close(store.lock_agent(shared, rt.fingerprint, name))  # its host let go of it
+
+
+@pytest.mark.slow
+def test_a_hosts_recovery_does_not_start_an_exited_temporary_agent_again(rt, shared):
+    """A temporary agent that crashed, and that its caller found gone (UnknownAgent), stayed placed on its host: when
+    that host's process died and Ray restarted it, the recovery started the agent again, running and holding its
+    name, though it had exited for good. The recovery starts the host's running agents only."""
+    node = rt.nodes()[0]  # each test that kills a host kills another one: Ray restarts each one max_restarts times
+    a = spawn_where(rt, "exited-recovered", lambda n: n == node, restart="temporary")
+    name = a.name
+    a.ask("Hello?", **OPTS)
+    testing.inject_crash(a)
+    with pytest.raises(AgentCrashed):
+        a.ask("Crash.", **OPTS)
+    deadline = time.monotonic() + 20
+    while True:  # the supervisor drops it soon after the crash: until then a turn waits for a restart
+        try:
+            a.ask("Anyone?", **OPTS)
+        except UnknownAgent:
+            break
+        except AgentCrashed:
+            assert time.monotonic() < deadline
+    peer = spawn_where(rt, "exited-peer", lambda n: n == node)
+    peer.ask("Hello?", **OPTS)
+    os.kill(testing.host_pid(rt, node), 9)
+    assert peer.ask("Still there?", **OPTS).agent == peer.name  # the host comes back, and the peer with it
+    assert rt.placement()[peer.name] == node
+    assert name not in rt.running() and name not in rt.placement()
+    os.close(store.lock_agent(shared, rt.fingerprint, name))  # no host runs it
+    peer.stop()
+
+
 @pytest.mark.slow
 def test_a_host_process_killed_is_restarted_by_ray_and_its_agents_reload_warm(rt, shared):
     a = rt.spawn("phoenix", system="Be brief.")

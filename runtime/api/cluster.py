@@ -16,10 +16,13 @@ fewest agents and stays there; its cache stays on that node, its messages cross.
 system): it holds the journals and caches in the format of one machine, and the
 per-agent locks that keep one live actor per agent name across the cluster. A host
 holds an agent's lock until its actor has stopped, or has exited and was not
-restarted (a temporary agent that crashed): `running()` asks the hosts, as one machine
-asks its supervisor, so such an agent is not running, its host lets go of its lock
-once it finds it gone (`running()`, a call to it, a spawn), and the name starts again
-on any host. A stop that ran past its wait
+restarted (a temporary agent that crashed): `running()`, `placement()` and `hosts()` ask
+the hosts, as one machine asks its supervisor, so such an agent is not running; once
+one of them, a call to it or a spawn of its name finds it gone, its host lets go of
+its lock, the cluster forgets where it was (a recovery of that host does not start it
+again), and the name starts again on any host. (An exit that nothing asked about before
+its host's process died cannot be told from an agent that ran: the recovery starts it.)
+A stop that ran past its wait
 (WaitTimeout) keeps it, and the next spawn, stop or forget of the name goes to that
 host and waits for the stop there, as on one machine.
 
@@ -45,6 +48,7 @@ work there, as on one machine. `agents()` and `flush()` cover every host;
 from __future__ import annotations
 
 import inspect
+import itertools
 import logging
 import threading
 import time
@@ -128,6 +132,8 @@ class ClusterRuntime:
         self._lock = threading.RLock()  # placement: held while agents move
         self._names: dict[str, None] = {}  # running agents' ids, in spawn order
         self._where: dict[str, int] = {}  # agent -> host index
+        self._serials: dict[str, int] = {}  # agent -> its placement's serial number (`_place`): which placement it is
+        self._serial = itertools.count()
         self._restart: dict[str, str] = {}  # agent -> its restart type
         self._stopping: dict[str, int] = {}  # agent -> the host where its stop ran past its wait (`_on_host_of`)
         self._hosts: list = []
@@ -190,9 +196,7 @@ class ClusterRuntime:
         self._check_running()
         store.check_agent_id(name)
         with self._lock:
-            if name in self._names and not self._actor_alive(name):
-                self._unplace(name)  # it exited there and was not restarted (a temporary agent that crashed)
-            if name in self._names:
+            if self._actor_alive(name):  # not one that exited there and was not restarted (it is unplaced)
                 raise InvalidArgument(f"agent {name!r} is already running; use rt.agent({name!r})")
             index = self._stopping_on(name)
             index = self._least_loaded() if index is None else index
@@ -212,43 +216,73 @@ class ClusterRuntime:
         `shutdown`.
 
         As on one machine, where the supervisor is asked: each host with agents placed on it is asked which of them
-        run there (`Runtime.running`), and lets go of the lock of any that exited. An agent whose host does not
-        answer (it is down: its agents start again) counts as running."""
+        run there (`Runtime.running`), and lets go of the lock of any that exited (`_running_where`). An agent whose
+        host does not answer (it is down: its agents start again) counts as running."""
         self._check_running()
-        names, where = list(self._names), dict(self._where)
-        on_host = {index: self._runs_on(index) for index in set(where.values())}
-        return [n for n in names if on_host.get(where.get(n)) is None or n in on_host[where[n]]]
+        return list(self._running_where())
+
+    def _running_where(self) -> dict[str, int]:
+        """Running agent -> its host index, in spawn order, as the hosts with agents placed on them answer
+        (`_runs_on`). An agent its host no longer runs (it exited and was not restarted: a temporary agent that
+        crashed) is unplaced: no longer listed, and not started again by its host's recovery."""
+        with self._lock:
+            placed = [(n, self._where[n], self._serials[n]) for n in self._names]
+        on_host = {index: self._runs_on(index) for index in {i for _, i, _ in placed}}
+        where = {}
+        for name, index, serial in placed:
+            if on_host[index] is None or name in on_host[index]:
+                where[name] = index
+            else:
+                self._unplace_exited(name, serial)
+        return where
 
     def _actor_alive(self, name: str) -> bool:
         """Whether agent `name` runs on its host (`Runtime._actor_alive`): that host alone is asked, so a group
-        call or `agent()` asks one host an agent rather than every host (`running()`)."""
-        index = self._where.get(name)
+        call or `agent()` asks one host an agent rather than every host (`running()`). One that exited there is
+        unplaced (`_running_where`)."""
+        with self._lock:
+            index, serial = self._where.get(name), self._serials.get(name)
         if index is None:
             return False
         runs = self._runs_on(index)
-        return runs is None or name in runs
+        if runs is None or name in runs:
+            return True
+        self._unplace_exited(name, serial)
+        return False
 
     def _runs_on(self, index: int) -> set | None:
         """The agents host `index` runs (its `Runtime.running`, which lets go of the locks of agents that exited),
-        or None where it is down and does not answer: its agents start again, and count as running meanwhile."""
+        or None where it is down and does not answer, or answers as a new incarnation that is not yet recovered:
+        its agents start again, and count as running meanwhile."""
         if index in self._dead:
             return None
         try:
-            return set(self._call(index, "running"))
+            names, incarnation = self._call(index, "running")
         except (AgentCrashed, rayhost.ClusterError):  # a host that just died
             return None
+        return set(names) if incarnation == self._info[index]["incarnation"] else None
+
+    def _unplace_exited(self, name: str, serial: int) -> None:
+        """Unplace agent `name`, which its host answered it no longer runs, unless it was placed again since that
+        placement (`serial`): spawned again, or started again by a recovery."""
+        with self._lock:
+            if self._serials.get(name) == serial:
+                self._unplace(name)
 
     def placement(self) -> dict[str, str]:
-        """Agent name -> the Ray node id it runs on now."""
+        """Running agent name -> the Ray node id it runs on now, in spawn order; the hosts are asked, as in
+        `running()`: an agent that exited is not listed."""
+        where = self._running_where()
         with self._lock:
-            return {name: self._info[i]["node_id"] for name, i in self._where.items()}
+            return {name: self._info[i]["node_id"] for name, i in where.items()}
 
     def hosts(self) -> list[dict]:
         """The live hosts, in host order: each {"node_id", "gpus" (the GPU ids Ray gave it; [] on CPU), "pid",
-        "agents" (the names placed on it, in spawn order)}."""
+        "agents" (the running agents on it, in spawn order)}; the hosts are asked, as in `running()`."""
+        where = self._running_where()
         with self._lock:
             return [dict(node_id=info["node_id"], gpus=list(info["gpus"]), pid=info["pid"],
-                         agents=[n for n in self._names if self._where.get(n) == i])
+                         agents=[n for n, at in where.items() if at == i])
                     for i, info in enumerate(self._info) if i not in self._dead]
 
     def nodes(self) -> list[str]:
@@ -361,6 +395,7 @@ class ClusterRuntime:
                 self._recover(index)
             except UnknownAgent:  # the host restarted without it: start it there again
                 if attempt or name not in self._names:
+                    self._actor_alive(name)  # or it exited there: unplaced, not started again by a recovery
                     raise
                 self._recover(index)
         else:
@@ -503,11 +538,13 @@ class ClusterRuntime:
 
     def _place(self, name, index):
         self._where[name] = index
+        self._serials[name] = next(self._serial)
         self._ray.get(self._directory.set.remote(name, self._hosts[index]))
 
     def _unplace(self, name):
         self._names.pop(name, None)
         self._where.pop(name, None)
+        self._serials.pop(name, None)
         self._restart.pop(name, None)
         self._ray.get(self._directory.set.remote(name, None))
 

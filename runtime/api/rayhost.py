@@ -372,8 +372,9 @@ class NodeHost:
         return outcome(self.rt.forget, name, timeout)
 
     def running(self) -> tuple:
-        """The agents running here, in spawn order."""
-        return outcome(self.rt.running)
+        """("ok", (the agents running here, in spawn order; this host's incarnation)): the incarnation says whether
+        the caller's view of this host is of this process, or of one before Ray restarted it."""
+        return outcome(lambda: (self.rt.running(), self.incarnation))
 
     def agents(self, timeout: float) -> tuple:
         """`Runtime.agents()` as this host sees it: every stored agent, and those running here."""
