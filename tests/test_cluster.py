@@ -488,6 +488,37 @@ def test_a_hosts_recovery_does_not_start_an_exited_temporary_agent_again(rt, sha
     peer.stop()
 
 
+def test_a_slow_stop_on_one_host_holds_up_no_other_agent(rt, shared):
+    """The cluster held its placement lock while a host stopped an agent, which may wait STOP_WAIT_S: every ask,
+    spawn and stop of any other agent, on any host, waited behind it. Only calls on the same name wait for it."""
+    name = "slow-stop"
+    a = rt.spawn(name, system="Be brief.")
+    node = rt.placement()[name]
+    other = spawn_where(rt, "slow-stop-other", lambda n: n != node)
+    other.ask("Hello?", **OPTS)
+    errors = []
+
+    def stop():
+        try:
+            a.stop()
+        except Exception as e:  # noqa: BLE001 - asserted below
+            errors.append(e)
+
+    with testing.held_stops(rt, node, wait_s=20):
+        stopping = threading.Thread(target=stop)
+        stopping.start()
+        time.sleep(1)  # the stop waits on its host
+        assert other.ask("Still there?", **OPTS).agent == other.name
+        assert name not in rt.placement() and other.name in rt.placement()
+        with pytest.raises(WaitTimeout, match="being started or stopped by another call"):
+            rt.spawn(name, timeout=0.5)  # the same name waits for its stop
+        assert stopping.is_alive(), "the other agent's calls waited for the stop"
+    stopping.join(60)
+    assert not stopping.is_alive() and errors == []
+    os.close(store.lock_agent(shared, rt.fingerprint, name))  # stopped: its host let go of it
+    other.stop()
+
+
 @pytest.mark.slow
 def test_a_host_process_killed_is_restarted_by_ray_and_its_agents_reload_warm(rt, shared):
     a = rt.spawn("phoenix", system="Be brief.")

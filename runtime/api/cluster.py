@@ -58,7 +58,7 @@ from actors.agent import AgentCrashed, Ask, Lookup, Note, Reset, UnknownAgent
 from runtime import store
 from runtime.api import rayhost
 from runtime.api.facade import (AgentInfo, AgentRef, DeadLetter, Runtime, RuntimeClosed, WaitTimeout, _check_options,
-                                _choice, cache_folder, not_running, shutdown_on_exit)
+                                _choice, _positive, cache_folder, not_running, shutdown_on_exit)
 from runtime.engine import CallbackFailed, passes_through
 from runtime.errors import InvalidArgument, InvalidArgumentType, KvactorsError
 from runtime.kvscheme import from_options as scheme_from_options
@@ -109,6 +109,7 @@ class ClusterRuntime:
     converse = Runtime.converse  # the same round-robin and fan-out: they only use AgentRefs
     broadcast = Runtime.broadcast
     agent = Runtime.agent  # the same checks of the same names
+    _name_held = Runtime._name_held  # the same rule: one spawn, stop or forget of a name at a time
 
     def __init__(self, model=None, cache_dir=None, kv_bits=None, memory_budget=None, *, cluster: str | None = None,
                  address: str | None = None, **options):
@@ -129,7 +130,10 @@ class ClusterRuntime:
         _check_options(**{k: runtime_options[k] for k in inspect.signature(_check_options).parameters})
         self.cache_dir = cache_folder(cache_dir)
         self._ray, self._owns_ray, self._closed = ray, False, False
-        self._lock = threading.RLock()  # placement: held while agents move
+        self._lock = threading.RLock()  # the placement tables below: held while agents move, never for a stop
+        self._naming = threading.Lock()  # `_name_held`: one lock per agent name, held while a host starts or stops it
+        self._name_locks: dict[str, threading.RLock] = {}
+        self._pending: dict[str, int] = {}  # agent -> the host that a spawn is starting it on (`_least_loaded`)
         self._names: dict[str, None] = {}  # running agents' ids, in spawn order
         self._where: dict[str, int] = {}  # agent -> host index
         self._serials: dict[str, int] = {}  # agent -> its placement's serial number (`_place`): which placement it is
@@ -192,24 +196,41 @@ class ClusterRuntime:
 
         As `Runtime.spawn`; also raises AgentInUse if a process outside this runtime runs it. An agent whose
         stop ran past its wait starts on the host that stops it, once that stop is done (WaitTimeout meanwhile).
+        Another spawn, stop or forget of the name waits for this one (`_name_held`; WaitTimeout past `timeout`);
+        calls on other agents do not.
         """
         self._check_running()
         store.check_agent_id(name)
-        with self._lock:
+        _positive("timeout", timeout)
+        with self._name_held(name, timeout):
             if self._actor_alive(name):  # not one that exited there and was not restarted (it is unplaced)
                 raise InvalidArgument(f"agent {name!r} is already running; use rt.agent({name!r})")
-            index = self._stopping_on(name)
-            index = self._least_loaded() if index is None else index
+            with self._lock:
+                index = self._stopping_on(name)
+                self._pending[name] = index = self._least_loaded() if index is None else index
             try:
-                self._on_host_of(name, index, "spawn", system, restart, reset, timeout)
-            except NodeDown:
-                self._recover(index)
-                index = self._least_loaded()
-                self._call(index, "spawn", name, system, restart, reset, timeout)
-            self._place(name, index)
-            self._restart[name] = restart
-            self._names[name] = None
-        return AgentRef(self, name)
+                for attempt in range(2):
+                    try:
+                        started = self._on_host_of(name, index, "spawn", system, restart, reset, timeout)
+                    except NodeDown:
+                        if attempt:
+                            raise
+                        self._recover(index)
+                    else:
+                        with self._lock:
+                            if index not in self._dead and self._info[index]["incarnation"] == started:
+                                self._place(name, index)
+                                self._restart[name] = restart
+                                self._names[name] = None
+                                return AgentRef(self, name)
+                        if attempt:  # its host was recovered, without it, as it started it there
+                            raise NodeDown(index, f"it was restarted as it started agent {name!r}")
+                    with self._lock:
+                        self._pending.pop(name, None)
+                        self._pending[name] = index = self._least_loaded()
+            finally:
+                with self._lock:
+                    self._pending.pop(name, None)
 
     def running(self) -> list[str]:
         """Names of the running agents, in spawn order: not a temporary agent that exited. Raises RuntimeClosed after
@@ -293,16 +314,14 @@ class ClusterRuntime:
         """Stop agent `name` if it runs and delete its cache and journal; return whether any were stored.
 
         As `Runtime.forget`: WaitTimeout if the agent's stop (or another wait) takes more than `timeout` seconds;
-        the stop goes on, and the files stay until a call again finds it done.
+        the stop goes on, and the files stay until a call again finds it done. Only calls on this name wait for it
+        (`_leave`).
         """
         self._check_running()
         store.check_agent_id(name)
-        with self._lock:
-            index = self._where.get(name, self._stopping_on(name))
-            index = self._least_loaded() if index is None else index
-            found = self._on_host_of(name, index, "forget", timeout)
-            self._unplace(name)
-        return found
+        _positive("timeout", timeout)
+        with self._name_held(name, timeout):
+            return self._leave(name, "forget", timeout)
 
     def stored(self, name: str) -> bool:
         """Whether agent `name` has a journal or cache in `cache_dir` (running or not)."""
@@ -457,27 +476,57 @@ class ClusterRuntime:
         self._call(self._least_loaded(), "check_system_fits", system)
 
     def _stop_agent(self, name):
+        """Stop running agent `name` (`AgentRef.stop`) on its host, which waits STOP_WAIT_S for it (`_leave`)."""
         self._check_running()
+        with self._name_held(name, None):
+            self._leave(name, "stop")
+
+    def _leave(self, name, method, *args):
+        """Host's `method(name, *args)`, a "stop" or "forget" of agent `name`; the caller holds `_name_held(name)`.
+
+        The agent counts as running no more from the start, as on one machine, where a stop drops the name before
+        it waits for the actor: its calls raise UnknownAgent meanwhile, and no recovery starts it again. The host
+        may wait up to STOP_WAIT_S (or `timeout`) for the stop: only calls on this name wait with it, as `_lock` is
+        not held meanwhile. An error that says nothing of the agent's stop (not a WaitTimeout, `_on_host_of`, nor
+        UnknownAgent: it was not running there) places it back where it was.
+        """
         with self._lock:
             index = self._stopping_on(name)
-            self._on_host_of(name, self._index(name) if index is None else index, "stop")
+            index = self._where.get(name) if index is None else index
+            if index is None:
+                if method == "stop":
+                    raise not_running(name, self._names)
+                index = self._least_loaded()
+            restart = self._restart.get(name) if name in self._names else None
             self._unplace(name)
+        try:
+            return self._on_host_of(name, index, method, *args)
+        except BaseException as e:
+            if restart is not None and not isinstance(e, (WaitTimeout, UnknownAgent)):
+                with self._lock:
+                    self._place(name, index)
+                    self._restart[name] = restart
+                    self._names[name] = None
+            raise
 
     def _on_host_of(self, name, index, method, *args):
-        """Host `index`'s `method(name, *args)`, a spawn, stop or forget of agent `name`; the caller holds `_lock`.
+        """Host `index`'s `method(name, *args)`, a spawn, stop or forget of agent `name`; the caller holds
+        `_name_held(name)`, not `_lock`.
 
         A WaitTimeout of a stop or a forget (or of a spawn that waited for such a stop) says that the agent's stop
         goes on past its wait: the agent runs no more (as on one machine), and that host keeps its lock until its
         actor has stopped, so the next spawn, stop or forget of the name goes there and waits for the stop
         (`_stopping_on`). A spawn's own WaitTimeout started nothing, and leaves the placement as it was.
         """
-        stopping = self._stopping.pop(name, None)
+        with self._lock:
+            stopping = self._stopping.pop(name, None)
         try:
             return self._call(index, method, name, *args)
         except WaitTimeout:
             if method != "spawn" or stopping is not None:
-                self._unplace(name)
-                self._stopping[name] = index
+                with self._lock:
+                    self._unplace(name)
+                    self._stopping[name] = index
             raise
 
     def _stopping_on(self, name) -> int | None:
@@ -527,14 +576,16 @@ class ClusterRuntime:
             return self._where[name]
 
     def _least_loaded(self) -> int:
-        live = [i for i in range(len(self._hosts)) if i not in self._dead]
-        if not live:
-            raise rayhost.ClusterError("no host of the cluster is alive; start a new Runtime")
-        load = {i: 0 for i in live}
-        for i in self._where.values():
-            if i in load:
-                load[i] += 1
-        return min(live, key=lambda i: (load[i], i))
+        """The live host with the fewest agents, counting those that a spawn is starting there."""
+        with self._lock:
+            live = [i for i in range(len(self._hosts)) if i not in self._dead]
+            if not live:
+                raise rayhost.ClusterError("no host of the cluster is alive; start a new Runtime")
+            load = {i: 0 for i in live}
+            for i in [*self._where.values(), *self._pending.values()]:
+                if i in load:
+                    load[i] += 1
+            return min(live, key=lambda i: (load[i], i))
 
     def _place(self, name, index):
         self._where[name] = index
