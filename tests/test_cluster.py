@@ -520,6 +520,44 @@ def test_a_slow_stop_on_one_host_holds_up_no_other_agent(rt, shared):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("call", ["stop", "forget"])
+def test_a_host_that_dies_during_a_stop_is_recovered_and_the_call_completes(rt, shared, call):
+    """A host whose process died while it stopped or forgot an agent raised NodeDown to the caller, and the host's
+    other agents waited for another call to recover it. The cluster recovers the host, as for any other call, and
+    the stop is done (the agent's actor died with the process; its files stay), or the forget deletes the files."""
+    node = rt.nodes()[1 if call == "stop" else 2]  # each test that kills a host kills another one
+    a = spawn_where(rt, f"stop-down-{call}", lambda n: n == node)
+    name = a.name
+    first = a.ask("Hello?", **OPTS)
+    rt.flush()
+    peer = spawn_where(rt, f"stop-down-{call}-peer", lambda n: n == node)
+    pid, outcome = testing.host_pid(rt, node), []
+
+    def leave():
+        try:
+            outcome.append(a.stop() if call == "stop" else rt.forget(name))
+        except Exception as e:  # noqa: BLE001 - asserted below
+            outcome.append(e)
+
+    with testing.held_stops(rt, node, wait_s=60):
+        leaving = threading.Thread(target=leave)
+        leaving.start()
+        time.sleep(1)  # the call waits on the host
+        os.kill(pid, 9)
+        leaving.join(120)
+    assert outcome == [None if call == "stop" else True]
+    assert name not in rt.running() and name not in rt.placement()
+    assert rt.placement()[peer.name] == node  # the host was recovered, its other agents with it
+    assert rt.stored(name) is (call == "stop")
+    os.close(store.lock_agent(shared, rt.fingerprint, name))
+    again = rt.spawn(name, system="Be brief.")
+    assert again.ask("Back?", **OPTS).cache == ("warm" if call == "stop" else "cold")
+    assert ([r["turn_id"] for r in again.history() if r["role"] == "assistant"][0] == first.turn_id) is (call == "stop")
+    again.stop()
+    peer.stop()
+
+
+@pytest.mark.slow
 def test_a_host_process_killed_is_restarted_by_ray_and_its_agents_reload_warm(rt, shared):
     a = rt.spawn("phoenix", system="Be brief.")
     first = a.ask("Before.", **OPTS)

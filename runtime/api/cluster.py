@@ -31,8 +31,10 @@ with AgentCrashed (retry them with the same turn id: a turn that had committed
 answers "committed", nothing runs twice), and its agents are started again on the
 other hosts, where they reload their durable state from the shared folder ("warm").
 When only a host's process dies, Ray restarts it in place (`max_restarts`) and its
-agents are started again there. What was acknowledged is on the shared disk, so
-nothing acknowledged is lost.
+agents are started again there. A stop or forget of an agent whose host died so
+recovers it too: the agent's actor died with the process and its files stay on the
+shared disk, so the stop is done (a forget then deletes the files on a live host).
+What was acknowledged is on the shared disk, so nothing acknowledged is lost.
 
 `stream`/`astream` and the `on_token`, `on_progress` and `cancel` callbacks work as
 on one machine (the same pieces, then the same Reply), but the callbacks run in this
@@ -487,8 +489,14 @@ class ClusterRuntime:
         The agent counts as running no more from the start, as on one machine, where a stop drops the name before
         it waits for the actor: its calls raise UnknownAgent meanwhile, and no recovery starts it again. The host
         may wait up to STOP_WAIT_S (or `timeout`) for the stop: only calls on this name wait with it, as `_lock` is
-        not held meanwhile. An error that says nothing of the agent's stop (not a WaitTimeout, `_on_host_of`, nor
-        UnknownAgent: it was not running there) places it back where it was.
+        not held meanwhile.
+
+        A host that does not answer (NodeDown), or answers UnknownAgent, is recovered as for any other call
+        (`_recover`). If its process died (Ray restarted it, or its node is gone), the agent's actor died with it,
+        its lock with it, and its files are on the shared disk: the stop is done, and a forget deletes the files on
+        a live host. If the host lives on as it was, it is asked once more (NodeDown again reaches the caller).
+        An error that says nothing of the agent's stop (not a WaitTimeout, `_on_host_of`, nor UnknownAgent: it was
+        not running there) from a host that lives on as it was places the agent back there.
         """
         with self._lock:
             index = self._stopping_on(name)
@@ -498,11 +506,30 @@ class ClusterRuntime:
                     raise not_running(name, self._names)
                 index = self._least_loaded()
             restart = self._restart.get(name) if name in self._names else None
+            incarnation = self._info[index]["incarnation"]
             self._unplace(name)
+
+        def as_it_was() -> bool:
+            with self._lock:
+                return index not in self._dead and self._info[index]["incarnation"] == incarnation
+
         try:
-            return self._on_host_of(name, index, method, *args)
+            try:
+                return self._on_host_of(name, index, method, *args)
+            except (NodeDown, UnknownAgent) as e:
+                self._recover(index)
+                if as_it_was():
+                    if isinstance(e, UnknownAgent):
+                        raise
+                    try:  # a passing failure: the first call may have stopped it
+                        return self._on_host_of(name, index, method, *args)
+                    except UnknownAgent:
+                        if method == "stop" and restart is not None:
+                            return None
+                        raise
+            return None if method == "stop" else self._on_host_of(name, self._least_loaded(), method, *args)
         except BaseException as e:
-            if restart is not None and not isinstance(e, (WaitTimeout, UnknownAgent)):
+            if restart is not None and not isinstance(e, (WaitTimeout, UnknownAgent)) and as_it_was():
                 with self._lock:
                     self._place(name, index)
                     self._restart[name] = restart

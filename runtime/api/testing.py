@@ -112,8 +112,9 @@ def _hold_stops(host, wait_s: float) -> None:
 
 
 def _release_stops(host) -> None:
-    """On `host`: undo `_hold_stops`."""
+    """On `host`: undo `_hold_stops`, if it holds them (a host that Ray restarted meanwhile holds nothing)."""
     from runtime.api import facade
 
-    facade.STOP_WAIT_S = _HELD.pop("stop_wait_s")
-    _HELD.pop("release").set()
+    if _HELD:
+        facade.STOP_WAIT_S = _HELD.pop("stop_wait_s")
+        _HELD.pop("release").set()
