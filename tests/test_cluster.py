@@ -557,6 +557,34 @@ def test_a_host_that_dies_during_a_stop_is_recovered_and_the_call_completes(rt, 
     peer.stop()
 
 
+def test_an_async_ask_cancelled_while_its_host_waits_for_the_agents_restart_is_never_sent(rt):
+    """An ask_async cancelled before its turn was told to the agent sent it all the same on a cluster: the wait for
+    the agent's restart is on its host, which told the agent regardless. The host asks, right before it tells the
+    agent, whether the call was cancelled, as one machine does: a call cancelled before then sends nothing."""
+    name = "called-off"
+    a = rt.spawn(name, system="Be brief.")
+    a.ask("Hello?", **OPTS)
+    node = rt.placement()[name]
+
+    async def cancelled():
+        with testing.held_stops(rt, node, wait_s=1):  # the host's supervisor is parked: the agent's restart waits
+            testing.inject_crash(a)
+            with pytest.raises(AgentCrashed):
+                a.ask("Crash.", **OPTS)
+            task = asyncio.ensure_future(a.ask_async("Never sent.", turn_id="called-off-1", **OPTS))
+            await asyncio.sleep(1.5)  # its host waits for the restart
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        # the supervisor restarts the agent; the host then finds the call called off
+
+    asyncio.run(cancelled())
+    assert a.ask("After.", **OPTS).agent == name
+    assert a.result("called-off-1") is None
+    assert "Never sent." not in [r["text"] for r in a.history() if r["role"] == "user"]
+    a.stop()
+
+
 @pytest.mark.slow
 def test_a_host_process_killed_is_restarted_by_ray_and_its_agents_reload_warm(rt, shared):
     a = rt.spawn("phoenix", system="Be brief.")

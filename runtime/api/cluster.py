@@ -44,7 +44,11 @@ after each piece that arrives here, so a cancelled turn ends a few tokens later 
 one machine. A reply future's done callbacks run on a thread of the runtime's too (never
 on Ray's own, where a call that waits for Ray would never return): `spawn` and `send`
 work there, as on one machine. `agents()` and `flush()` cover every host;
-`engine_stats()` gives one snapshot per host. Not on a cluster: `on_escalate`.
+`engine_stats()` gives one snapshot per host. `ask_async` and `astream` cancelled before
+their turn is told to the agent send nothing, as on one machine: the host, which waits
+for an agent that restarts, asks right before it tells the agent whether the call was
+cancelled (a cancellation that reaches it later goes on as a sent turn). Not on a
+cluster: `on_escalate`.
 """
 
 from __future__ import annotations
@@ -59,8 +63,8 @@ import uuid
 from actors.agent import AgentCrashed, Ask, Lookup, Note, Reset, UnknownAgent
 from runtime import store
 from runtime.api import rayhost
-from runtime.api.facade import (AgentInfo, AgentRef, DeadLetter, Runtime, RuntimeClosed, WaitTimeout, _check_options,
-                                _choice, _positive, cache_folder, not_running, shutdown_on_exit)
+from runtime.api.facade import (AgentInfo, AgentRef, DeadLetter, Runtime, RuntimeClosed, WaitTimeout, _begin_send,
+                                _check_options, _choice, _positive, cache_folder, not_running, shutdown_on_exit)
 from runtime.engine import CallbackFailed, passes_through
 from runtime.errors import InvalidArgument, InvalidArgumentType, KvactorsError
 from runtime.kvscheme import from_options as scheme_from_options
@@ -405,12 +409,22 @@ class ClusterRuntime:
 
         An ask with callbacks (`on_token`, `on_progress`, `cancel`) is relayed: a thread
         of this process calls them as its host's `events` arrive, then sets `future`.
+
+        A turn of `ask_async` or `astream` (its `future.tell`) is begun right before it leaves for its host
+        (`_begin_send`: called off before, it is not sent), and its host begins it again right before it tells the
+        agent, after any wait there for the agent's restart: a cancellation meanwhile reaches the host
+        (`NodeHost.signal` "call_off"), which then does not tell it, as one machine would not.
         """
         kind, data, callbacks = _envelope(message)
+        tell = getattr(future, "tell", None)
+        call_off = None if tell is None else uuid.uuid4().hex  # the host's name for this send, to call it off
         for attempt in range(2):
             index = self._index(name)
+            if tell is not None:
+                tell.late = lambda host=self._hosts[index]: host.signal.remote(call_off, "call_off")
+            _begin_send(future)
             try:
-                key = self._call(index, "deliver", name, kind, data, future is not None, callbacks)
+                key = self._call(index, "deliver", name, kind, data, future is not None, callbacks, call_off)
                 break
             except NodeDown:
                 self._recover(index)
@@ -419,6 +433,9 @@ class ClusterRuntime:
                     self._actor_alive(name)  # or it exited there: unplaced, not started again by a recovery
                     raise
                 self._recover(index)
+            finally:
+                if tell is not None:
+                    tell.late = None  # the host has told the agent, or not: nothing there to call off
         else:
             raise AgentCrashed(_turn_id(message), f"agent {name!r} could not be reached on its node; retry")
         if future is None:

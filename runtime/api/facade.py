@@ -413,6 +413,7 @@ class _BeginOrCallOff:
 
     def __init__(self):
         self._lock, self.state = threading.Lock(), "pending"  # then "begun" or "called off"
+        self.late: Callable[[], None] | None = None  # what a call-off that came once the work had begun calls
 
     def begin(self) -> bool:
         """Begin the work unless it was called off; whether it may go on."""
@@ -422,11 +423,25 @@ class _BeginOrCallOff:
             return self.state == "begun"
 
     def call_off(self) -> bool:
-        """Call the work off unless it has begun; whether it was called off."""
+        """Call the work off unless it has begun; whether it was called off. Once it has begun, `late()` is called
+        if set: the work may still be called off further on, where it goes on (a cluster's host, which tells the
+        agent)."""
         with self._lock:
             if self.state == "pending":
                 self.state = "called off"
-            return self.state == "called off"
+            called_off, late = self.state == "called off", self.late
+        if not called_off and late is not None:
+            late()
+        return called_off
+
+
+def _begin_send(future) -> None:
+    """Begin `future.tell` (its `_BeginOrCallOff`, if any) right before its turn is told to the agent: CancelledError
+    if the asyncio call that sends it was cancelled before, and nothing is sent."""
+    tell = getattr(future, "tell", None)
+    if tell is not None and not tell.begin():
+        raise asyncio.CancelledError(f"turn {getattr(future, 'turn_id', None)}: its call was cancelled before it was "
+                                     "sent")
 
 
 class AgentRef:
@@ -1270,15 +1285,14 @@ class Runtime:
 
         For an agent that is not running it raises UnknownAgent; a message (a turn, a note, a reset) also goes to
         the dead letters, a question (`History`, `Lookup`) does not: its caller has the answer, the error."""
-        turn_id, tell = getattr(future, "turn_id", None), getattr(future, "tell", None)
+        turn_id = getattr(future, "turn_id", None)
         try:
             ref = self._ref(name, turn_id)
         except UnknownAgent as e:
             if not isinstance(message, (History, Lookup)):  # a question, not a message: its caller gets the error
                 self._env.dead_letter(name, message, str(e))
             raise
-        if tell is not None and not tell.begin():  # its asyncio call was cancelled while this waited
-            raise asyncio.CancelledError(f"turn {turn_id}: its call was cancelled before it was sent")
+        _begin_send(future)  # its asyncio call may have been cancelled while this waited
         try:
             ref.tell(message)
         except pykka.ActorDeadError:  # it crashed just now: give the next incarnation the message

@@ -31,6 +31,7 @@ This module never imports Ray: its classes become Ray actors in `runtime.api.clu
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import contextlib
 import importlib
@@ -45,14 +46,14 @@ import msgpack
 
 from actors.agent import Ask, Lookup, Note, Reset, UnknownAgent
 from runtime import store
-from runtime.api.facade import DeadLetter, ReplyFuture, Runtime, WaitTimeout, _positive
+from runtime.api.facade import DeadLetter, ReplyFuture, Runtime, WaitTimeout, _BeginOrCallOff, _positive
 from runtime.engine import CallbackFailed
 from runtime.errors import KvactorsError
 
 log = logging.getLogger(__name__)
 KINDS = ("ask", "note", "reset", "result")  # the envelopes `NodeHost.deliver` takes
 CALLBACKS = ("on_token", "on_progress", "cancel")  # an ask's callbacks that `NodeHost.events` carries to its caller
-SIGNALS = ("cancel", "fail")  # what `NodeHost.signal` tells a streamed turn
+SIGNALS = ("cancel", "fail", "call_off")  # what `NodeHost.signal` tells a streamed turn, or a send
 NAME_POLL_S = 0.01  # how long `HostedRuntime._release_if_exited` waits for a call that holds the name: it is left to it
 
 
@@ -252,6 +253,7 @@ class NodeHost:
         self.rt._env.forward = self._forward
         self.futures: dict[str, ReplyFuture] = {}
         self.streams: dict[str, _Streamed] = {}  # key -> a streamed turn's callbacks, until `events` ends
+        self.sends: dict[str, _BeginOrCallOff] = {}  # call-off key -> a send that `deliver` has not yet told
         self.forwarder = ThreadPoolExecutor(1, thread_name_prefix="kvactors-forward")  # one: in send order
 
     def info(self) -> tuple:
@@ -270,18 +272,25 @@ class NodeHost:
         """Start agent `name` here (`Runtime.spawn`); ("ok", this host's incarnation)."""
         return outcome(lambda: (self.rt.spawn(name, system, restart, reset=reset, timeout=timeout), self.incarnation)[1])
 
-    def deliver(self, name: str, kind: str, data, answer: bool = True, callbacks: tuple = ()) -> tuple:
+    def deliver(self, name: str, kind: str, data, answer: bool = True, callbacks: tuple = (),
+                call_off: str | None = None) -> tuple:
         """Put one envelope (`KINDS`: ask / note / reset payload, or a lookup's turn id) in agent `name`'s mailbox.
 
         Returns ("ok", key) once it is there: with `answer`, `wait(key)` answers it
         (without, the key is None). Callers deliver one envelope at a time, so an agent
         takes each sender's messages in order. `callbacks` (an ask's, of `CALLBACKS`,
         with `answer`) are the ones its caller holds: then `events(key)`, not `wait`,
-        carries the turn's pieces and progress and answers it.
+        carries the turn's pieces and progress and answers it. With a `call_off` key,
+        `signal(call_off, "call_off")` before the envelope is told to the agent (it may
+        wait for the agent's restart) calls it off: then it raises CancelledError and
+        nothing is sent.
         """
-        return outcome(self._deliver, name, kind, data, answer, tuple(callbacks))
+        try:
+            return outcome(self._deliver, name, kind, data, answer, tuple(callbacks), call_off)
+        except asyncio.CancelledError as e:  # called off: a BaseException, which `outcome` leaves alone
+            return "error", pack_error(e)
 
-    def _deliver(self, name, kind, data, answer, callbacks):
+    def _deliver(self, name, kind, data, answer, callbacks, call_off):
         if kind not in KINDS:
             raise ValueError(f"unknown envelope kind {kind!r}; one of {KINDS}")
         unknown = set(callbacks) - set(CALLBACKS)
@@ -300,12 +309,17 @@ class NodeHost:
         if streamed is not None:
             self.streams[key] = streamed
             future.add_done_callback(lambda _: streamed.events.put(_Streamed.END))
+        if call_off is not None:
+            future.tell = self.sends[call_off] = _BeginOrCallOff()  # `Runtime._deliver` begins it: `_begin_send`
         try:
             self.rt._deliver(name, envelope, future)
         except BaseException:
             self.futures.pop(key, None)
             self.streams.pop(key, None)
             raise
+        finally:
+            if call_off is not None:
+                self.sends.pop(call_off, None)
         return key if answer else None
 
     def events(self, key: str):
@@ -328,12 +342,17 @@ class NodeHost:
 
     def signal(self, key: str, what: str, why: str = "") -> tuple:
         """Tell streamed turn `key` (`SIGNALS`): "cancel" ends it at its next token, as `cancel()` returning True
-        does; "fail" fails it there with `why` (a callback on the caller's side raised). ("ok", whether it runs here)."""
+        does; "fail" fails it there with `why` (a callback on the caller's side raised). ("ok", whether it runs here).
+        Or "call_off": call off the send that `deliver` was given call-off key `key` for, unless it has told the
+        agent; ("ok", whether it was called off)."""
         return outcome(self._signal, key, what, why)
 
     def _signal(self, key, what, why):
         if what not in SIGNALS:
             raise ValueError(f"unknown signal {what!r}; one of {SIGNALS}")
+        if what == "call_off":
+            send = self.sends.get(key)
+            return send is not None and send.call_off()
         streamed = self.streams.get(key)
         if streamed is None:
             return False
