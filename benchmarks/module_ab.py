@@ -9,8 +9,14 @@ as they are, then replaced by the copy's (`--copy`, e.g. `git show HEAD~1:runtim
 The table gives every round and each version's median; pin the process to one CPU
 (`taskset -c N`) so that both versions run on the same one.
 
+With `--chunk TOKENS` it times hot prefill chunks instead (`benchmarks.hot_chunk`'s pieces: a
+chunk of TOKENS tokens after the cache, as `--batches` turns share it, to its end, median of 5
+runs after 2, and for one turn the host's share of it: build and queue).
+
     python -m benchmarks.module_ab --model llama-8b-shape --copy old_q4sdpa.py \\
         --module runtime.q4sdpa --names q4_decode_sdpa --context 3072 --batches 5,8
+    python -m benchmarks.module_ab --model llama-8b-shape --copy old_prepare.py \\
+        --module runtime.prepare --names _quantized_matmul --chunk 256 --batches 1,2
 """
 
 from __future__ import annotations
@@ -22,11 +28,13 @@ import mlx.core as mx
 
 from benchmarks.anatomy import pipelined, split, step
 from benchmarks.common import bench_parser, environment, load_bench_model, write_results
+from benchmarks.hot_chunk import chunk_runner, shared_runner, timed_runs
 from benchmarks.profile import prefilled
 from benchmarks.q4sdpa_tune import load_copy
 from runtime.q4cache import merge_caches, route_for
 
 COLUMNS = ["round", "version", "batch", "build_ms", "launch_ms", "wait_ms", "pipelined_ms"]
+CHUNK_COLUMNS = ["round", "version", "batch", "chunk_ms", "host_ms"]
 
 
 def swapped(module, copy, names):
@@ -45,6 +53,8 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=3072, help="tokens in each row's cache (default: %(default)s)")
     ap.add_argument("--batches", default="5,8", help="batch sizes (default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=6, help="rounds of both versions, alternating which goes first")
+    ap.add_argument("--chunk", type=int, default=0,
+                    help="time hot prefill chunks of this many tokens, shared by each of --batches turns, instead")
     args = ap.parse_args(argv)
     env = environment()
     print(env, flush=True)
@@ -60,12 +70,8 @@ def main(argv=None) -> int:
             before = swapped(module, copy, names) if version == "old" else None
             try:
                 for b in batches:
-                    batch = merge_caches(spec, [cache] * b, route)
-                    for _ in range(2):
-                        mx.eval(step(model, batch, mx.zeros((b, 1), dtype=mx.int32)))
-                    build, launch, wait = split(model, spec, cache, route, b)
-                    row = dict(round=r, version=version, batch=b, build_ms=round(build, 3), launch_ms=round(launch, 3),
-                               wait_ms=round(wait, 3), pipelined_ms=round(pipelined(model, spec, cache, route, b), 3))
+                    times = (chunk_times if args.chunk else step_times)(model, spec, route, cache, b, args.chunk)
+                    row = dict(round=r, version=version, batch=b, **times)
                     print(row, flush=True)
                     if r:
                         rows.append(row)
@@ -73,16 +79,40 @@ def main(argv=None) -> int:
                 if before:
                     for n, value in before.items():
                         setattr(module, n, value)
+    columns = CHUNK_COLUMNS if args.chunk else COLUMNS
     for version in ("old", "new"):
         for b in batches:
             mine = [x for x in rows if x["version"] == version and x["batch"] == b]
             rows.append(dict(round="median", version=version, batch=b,
-                             **{k: round(statistics.median(x[k] for x in mine), 3) for k in COLUMNS[3:]}))
-    write_results(args.name or "module_ab", env, rows, COLUMNS, args.out,
+                             **{k: round(statistics.median(x[k] for x in mine if x[k] is not None), 3)
+                                if any(x[k] is not None for x in mine) else None for k in columns[3:]}))
+    measured = (f"chunks of {args.chunk} tokens shared by `batch` turns (median of 5 after 2; host_ms for one turn)"
+                if args.chunk else "anatomy's split (median of 20 steps after 4, each synchronized) and pipelined "
+                                   "(mean of 40 steps after 4)")
+    write_results(args.name or "module_ab", env, rows, columns, args.out,
                   notes=f"{args.module}.{args.names} from {args.copy} (old) against the tree's (new); route {route}, "
-                        f"KV scheme {spec.kv_scheme.name}, context {args.context}; per round and batch: anatomy's "
-                        "split (median of 20 steps after 4, each synchronized) and pipelined (mean of 40 steps after 4)")
+                        f"KV scheme {spec.kv_scheme.name}, context {args.context}; per round and batch: {measured}")
     return 0
+
+
+def step_times(model, spec, route, cache, rows: int, _chunk: int) -> dict:
+    """A decode step of `rows` rows after `cache`: build, launch and device wait (`anatomy.split`), pipelined."""
+    batch = merge_caches(spec, [cache] * rows, route)
+    for _ in range(2):
+        mx.eval(step(model, batch, mx.zeros((rows, 1), dtype=mx.int32)))
+    build, launch, wait = split(model, spec, cache, route, rows)
+    return dict(build_ms=round(build, 3), launch_ms=round(launch, 3), wait_ms=round(wait, 3),
+                pipelined_ms=round(pipelined(model, spec, cache, route, rows), 3))
+
+
+def chunk_times(model, spec, route, cache, turns: int, tokens: int) -> dict:
+    """A hot chunk of `tokens` tokens after `cache`, shared by `turns` turns, to its end; for one turn also the
+    host's share (build and queue)."""
+    message = mx.random.randint(3, model.args.vocab_size, (tokens,), key=mx.random.key(2))
+    if turns == 1:
+        return dict(chunk_ms=round(timed_runs(chunk_runner(model, spec, route, cache, message)), 3),
+                    host_ms=round(timed_runs(chunk_runner(model, spec, route, cache, message, host_only=True)), 3))
+    return dict(chunk_ms=round(timed_runs(shared_runner(model, spec, route, cache, message, turns)), 3), host_ms=None)
 
 
 if __name__ == "__main__":

@@ -282,3 +282,26 @@ def test_module_ab_times_both_versions_and_leaves_the_module_as_it_was(tmp_path)
     assert [(r["round"], r["version"]) for r in rows if r["round"] == "median"] == [("median", "old"),
                                                                                     ("median", "new")]
     assert all(r["pipelined_ms"] > 0 for r in rows)
+
+
+def test_module_ab_times_hot_chunks_with_the_copy_in_the_old_rounds_only(tmp_path):
+    """With --chunk, both versions time hot chunks (one turn with the host's share, two turns sharing one); the
+    copy's function runs in the old rounds alone and the tree's is back afterwards."""
+    import json
+
+    from benchmarks import module_ab
+    from runtime import prepare
+
+    original = prepare._quantized_matmul
+    copy = tmp_path / "copy.py"
+    copy.write_text("from runtime.prepare import _quantized_matmul as tree\ncalls = []\n\n"
+                    "def _quantized_matmul(module, x):\n    calls.append(x.shape)\n    return tree(module, x)\n")
+    assert module_ab.main(["--copy", str(copy), "--module", "runtime.prepare", "--names", "_quantized_matmul",
+                           "--chunk", "8", "--rounds", "1", "--batches", "1,2", "--context", "40",
+                           "--out", str(tmp_path), "--name", "ab"]) == 0
+    assert prepare._quantized_matmul is original
+    rows = json.loads((tmp_path / "ab.json").read_text())["rows"]
+    medians = [(r["version"], r["batch"]) for r in rows if r["round"] == "median"]
+    assert medians == [("old", 1), ("old", 2), ("new", 1), ("new", 2)]
+    assert all(r["chunk_ms"] > 0 for r in rows)
+    assert all((r["host_ms"] is not None) == (r["batch"] == 1) for r in rows)
