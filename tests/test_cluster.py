@@ -430,6 +430,21 @@ def test_ray_is_imported_only_when_a_cluster_is_asked_for():
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
 
 
+def in_thread(call) -> tuple[threading.Thread, list]:
+    """Start `call()` on a thread of its own; (the thread, a list that gets its result or the exception it raised)."""
+    outcome = []
+
+    def run():
+        try:
+            outcome.append(call())
+        except Exception as e:  # noqa: BLE001 - the caller asserts on it
+            outcome.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, outcome
+
+
 def spawn_where(rt, prefix, wanted, **options) -> object:
     """Spawn agents named `prefix`0, 1, ... (with `options`) until one lands on a Ray node that `wanted(node)` accepts
     (each goes to the least loaded host, so the others fill up), then stop the others; its ref."""
@@ -496,17 +511,8 @@ def test_a_slow_stop_on_one_host_holds_up_no_other_agent(rt, shared):
     node = rt.placement()[name]
     other = spawn_where(rt, "slow-stop-other", lambda n: n != node)
     other.ask("Hello?", **OPTS)
-    errors = []
-
-    def stop():
-        try:
-            a.stop()
-        except Exception as e:  # noqa: BLE001 - asserted below
-            errors.append(e)
-
     with testing.held_stops(rt, node, wait_s=20):
-        stopping = threading.Thread(target=stop)
-        stopping.start()
+        stopping, outcome = in_thread(a.stop)
         time.sleep(1)  # the stop waits on its host
         assert other.ask("Still there?", **OPTS).agent == other.name
         assert name not in rt.placement() and other.name in rt.placement()
@@ -514,7 +520,7 @@ def test_a_slow_stop_on_one_host_holds_up_no_other_agent(rt, shared):
             rt.spawn(name, timeout=0.5)  # the same name waits for its stop
         assert stopping.is_alive(), "the other agent's calls waited for the stop"
     stopping.join(60)
-    assert not stopping.is_alive() and errors == []
+    assert not stopping.is_alive() and outcome == [None]
     os.close(store.lock_agent(shared, rt.fingerprint, name))  # stopped: its host let go of it
     other.stop()
 
@@ -531,17 +537,9 @@ def test_a_host_that_dies_during_a_stop_is_recovered_and_the_call_completes(rt, 
     first = a.ask("Hello?", **OPTS)
     rt.flush()
     peer = spawn_where(rt, f"stop-down-{call}-peer", lambda n: n == node)
-    pid, outcome = testing.host_pid(rt, node), []
-
-    def leave():
-        try:
-            outcome.append(a.stop() if call == "stop" else rt.forget(name))
-        except Exception as e:  # noqa: BLE001 - asserted below
-            outcome.append(e)
-
+    pid = testing.host_pid(rt, node)
     with testing.held_stops(rt, node, wait_s=60):
-        leaving = threading.Thread(target=leave)
-        leaving.start()
+        leaving, outcome = in_thread(a.stop if call == "stop" else lambda: rt.forget(name))
         time.sleep(1)  # the call waits on the host
         os.kill(pid, 9)
         leaving.join(120)
