@@ -21,7 +21,8 @@ import pytest
 import uvicorn
 
 from runtime import AgentRef, Runtime
-from runtime.api.serve import ChatRequest, Plan, Server, build_app, derive_agent_id, parse_chat, parse_messages, plan_turn
+from runtime.api.serve import (FORCED_STOP, ChatRequest, Plan, Server, build_app, derive_agent_id, parse_chat,
+                                parse_messages, plan_turn)
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEM = {"role": "system", "content": "You answer briefly."}
@@ -737,11 +738,17 @@ class ServeProcess:
             for line in self.proc.stdout:
                 self.lines.append(line)
 
-        threading.Thread(target=read, daemon=True).start()
+        self.reader = threading.Thread(target=read, daemon=True)
+        self.reader.start()
         self.wait_until(lambda: self.get("/health").get("status") == "ok", "the server to listen")
 
     def log(self):
         return "".join(self.lines)
+
+    def exit_log(self):
+        """The whole log of a server that has exited, its last lines included."""
+        self.reader.join(timeout=30)
+        return self.log()
 
     def get(self, path):
         try:
@@ -790,6 +797,7 @@ def test_ctrl_c_lets_a_turn_whose_client_left_finish(tmp_path):
         server.proc.send_signal(signal.SIGINT)
         assert server.proc.wait(timeout=120) == -signal.SIGINT, server.log()
         assert "Waiting for background tasks to complete" in server.log()  # the turn ran on past the Ctrl-C
+        assert "Traceback" not in server.exit_log() and FORCED_STOP not in server.log(), server.log()
     finally:
         server.close()
     assert replies_stored(tmp_path, "long") == 1
@@ -798,9 +806,10 @@ def test_ctrl_c_lets_a_turn_whose_client_left_finish(tmp_path):
 def test_a_second_ctrl_c_stops_the_server_without_waiting_for_a_turn_whose_client_left(tmp_path):
     """A second Ctrl-C while the server waits for a long turn whose client left (3900 tokens: seconds on the tiny
     model) stops it then: it exits as one Ctrl-C does, that turn unfinished and unrecorded (nobody was answered),
-    and the Runtime opens the folder again. The wait is uvicorn's own, for the request's task, which awaits its turn
-    whether or not its client is there, and uvicorn's second Ctrl-C (`force_exit`) ends it; the app's lifespan
-    shutdown (`Server.drain`), which it then skips, never waits for such a turn."""
+    with one line that says so and no traceback, and the Runtime opens the folder again. The wait is uvicorn's own,
+    for the request's task, which awaits its turn whether or not its client is there, and uvicorn's second Ctrl-C
+    (`force_exit`) ends it; the app's lifespan shutdown (`Server.drain`), which it then skips, never waits for such
+    a turn."""
     server = ServeProcess(tmp_path)
     try:
         server.leave_a_turn_running("long", max_tokens=3900)
@@ -808,6 +817,7 @@ def test_a_second_ctrl_c_stops_the_server_without_waiting_for_a_turn_whose_clien
         server.wait_until(lambda: "Waiting for background tasks to complete" in server.log(), "the shutdown to wait")
         server.proc.send_signal(signal.SIGINT)
         assert server.proc.wait(timeout=120) == -signal.SIGINT, server.log()
+        assert "Traceback" not in server.exit_log() and server.log().count(FORCED_STOP) == 1, server.log()
     finally:
         server.close()
     assert replies_stored(tmp_path, "long") == 0

@@ -40,7 +40,9 @@ import logging
 import os
 import re
 import secrets
+import signal
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -890,7 +892,10 @@ def build_app(server: Server):
 def serve(model=None, cache_dir=None, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           max_agents: int = 256, default_max_tokens: int = 512, turn_timeout: float = 600.0,
           log_level: str = "info", **runtime_options) -> int:
-    """Run `kvactors serve` until interrupted: a Runtime on `model` over `cache_dir`, served by uvicorn."""
+    """Run `kvactors serve`: a Runtime on `model` over `cache_dir`, served by uvicorn until a stop signal (see
+    `run_uvicorn`). Once the Runtime has shut down, the process ends by the first signal it got (`end_by_signal`),
+    after a warning that says what was cut short if a second one forced the stop. Returns 0 if it stopped
+    otherwise."""
     import uvicorn
 
     check_server_options(max_agents, default_max_tokens, turn_timeout)  # before the model loads
@@ -904,8 +909,61 @@ def serve(model=None, cache_dir=None, host: str = "127.0.0.1", port: int = 8000,
         bound, bound_port = sock.getsockname()[:2]
         logging.getLogger("uvicorn.error").info("kvactors serving %s on http://%s:%d (press CTRL+C to quit)",
                                                 server.model_id, f"[{bound}]" if ":" in bound else bound, bound_port)
-        uvicorn.Server(config).run(sockets=[sock])
-    return 0
+        stopped_by = run_uvicorn(config, sock)
+    if not stopped_by:
+        return 0
+    if len(stopped_by) > 1:  # said once the Runtime has shut down, which saved every turn it had answered
+        logging.getLogger("uvicorn.error").warning(FORCED_STOP)
+    return end_by_signal(stopped_by[0])
+
+
+FORCED_STOP = ("forced stop (a second signal): the requests still open were cut short; a turn that had not finished "
+               "is not saved, though a streamed one may keep what it had sent, as when its client hangs up; every "
+               "turn already answered is saved")
+
+
+def run_uvicorn(config, sock: socket.socket) -> list[int]:
+    """Serve `config` (a uvicorn.Config) on `sock` until a stop signal, and return the signals received, in order
+    (none: it stopped otherwise). The first stops it gracefully: no new connection, the requests still open
+    waited for, then the app's lifespan shutdown. A second Ctrl-C (SIGINT) forces it: nothing more is waited for,
+    and the tasks still running are cancelled as uvicorn's event loop closes; what uvicorn would log of those
+    cancellations (a traceback each) is not logged. The signals are not raised again as uvicorn does once it
+    has stopped (a SIGINT would then be a KeyboardInterrupt and its traceback): the caller ends as they say.
+
+    The one place that relies on uvicorn's signal handling: its `Server.handle_exit(sig, frame)`, the handler it
+    installs for SIGINT and SIGTERM, and the flags `should_exit` and `force_exit` that its shutdown reads."""
+    import uvicorn
+
+    server = uvicorn.Server(config)
+    received: list[int] = []
+    errors = logging.getLogger("uvicorn.error")
+
+    def handle_exit(sig: int, frame) -> None:
+        received.append(sig)
+        if server.should_exit and sig == signal.SIGINT:
+            server.force_exit = True
+            errors.disabled = True  # an attribute set: safe in a signal handler, where logging is not
+        else:
+            server.should_exit = True
+
+    server.handle_exit = handle_exit
+    try:
+        server.run(sockets=[sock])
+    finally:
+        errors.disabled = False
+    return received
+
+
+def end_by_signal(sig: int) -> int:
+    """End this process as signal `sig` ends one by default (a shell shows its status as 128 + sig: 130 for
+    Ctrl-C), so that what started it (a shell, a supervisor) sees that it was stopped; standard output and error
+    are flushed first. Returns 128 + sig, the status to exit with, if the process is still there after it."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed or broken stream: nothing more to write there
+            stream.flush()
+    signal.signal(sig, signal.SIG_DFL)
+    signal.raise_signal(sig)
+    return 128 + sig
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
