@@ -788,35 +788,40 @@ def replies_stored(cache_dir, agent):
         return {a.name: a.turns for a in rt.agents()}.get(agent, 0)
 
 
-def test_ctrl_c_lets_a_turn_whose_client_left_finish(tmp_path):
-    """One Ctrl-C is graceful: the server stops taking requests and waits for the turn that still runs, its client
-    gone, to end and be recorded, then exits as Ctrl-C ends a process."""
+STOP_SIGNALS = pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+
+
+@STOP_SIGNALS
+def test_a_stop_signal_lets_a_turn_whose_client_left_finish(tmp_path, stop):
+    """One Ctrl-C (or SIGTERM) is graceful: the server stops taking requests and waits for the turn that still runs,
+    its client gone, to end and be recorded, then exits as that signal ends a process."""
     server = ServeProcess(tmp_path)
     try:
         server.leave_a_turn_running("long", max_tokens=1000)
-        server.proc.send_signal(signal.SIGINT)
-        assert server.proc.wait(timeout=120) == -signal.SIGINT, server.log()
-        assert "Waiting for background tasks to complete" in server.log()  # the turn ran on past the Ctrl-C
+        server.proc.send_signal(stop)
+        assert server.proc.wait(timeout=120) == -stop, server.log()
+        assert "Waiting for background tasks to complete" in server.log()  # the turn ran on past the signal
         assert "Traceback" not in server.exit_log() and FORCED_STOP not in server.log(), server.log()
     finally:
         server.close()
     assert replies_stored(tmp_path, "long") == 1
 
 
-def test_a_second_ctrl_c_stops_the_server_without_waiting_for_a_turn_whose_client_left(tmp_path):
-    """A second Ctrl-C while the server waits for a long turn whose client left (3900 tokens: seconds on the tiny
-    model) stops it then: it exits as one Ctrl-C does, that turn unfinished and unrecorded (nobody was answered),
-    with one line that says so and no traceback, and the Runtime opens the folder again. The wait is uvicorn's own,
-    for the request's task, which awaits its turn whether or not its client is there, and uvicorn's second Ctrl-C
-    (`force_exit`) ends it; the app's lifespan shutdown (`Server.drain`), which it then skips, never waits for such
+@STOP_SIGNALS
+def test_a_second_stop_signal_stops_the_server_without_waiting_for_a_turn_whose_client_left(tmp_path, stop):
+    """A second Ctrl-C (or SIGTERM) while the server waits for a long turn whose client left (3900 tokens: seconds
+    on the tiny model) stops it then: it exits as one such signal does, that turn unfinished and unrecorded (nobody
+    was answered), with one line that says so and no traceback, and the Runtime opens the folder again. The wait is
+    uvicorn's own, for the request's task, which awaits its turn whether or not its client is there, and uvicorn's
+    `force_exit` ends it; the app's lifespan shutdown (`Server.drain`), which it then skips, never waits for such
     a turn."""
     server = ServeProcess(tmp_path)
     try:
         server.leave_a_turn_running("long", max_tokens=3900)
-        server.proc.send_signal(signal.SIGINT)
+        server.proc.send_signal(stop)
         server.wait_until(lambda: "Waiting for background tasks to complete" in server.log(), "the shutdown to wait")
-        server.proc.send_signal(signal.SIGINT)
-        assert server.proc.wait(timeout=120) == -signal.SIGINT, server.log()
+        server.proc.send_signal(stop)
+        assert server.proc.wait(timeout=120) == -stop, server.log()
         assert "Traceback" not in server.exit_log() and server.log().count(FORCED_STOP) == 1, server.log()
     finally:
         server.close()

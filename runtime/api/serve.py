@@ -924,11 +924,12 @@ FORCED_STOP = ("forced stop (a second signal): the requests still open were cut 
 
 def run_uvicorn(config, sock: socket.socket) -> list[int]:
     """Serve `config` (a uvicorn.Config) on `sock` until a stop signal, and return the signals received, in order
-    (none: it stopped otherwise). The first stops it gracefully: no new connection, the requests still open
-    waited for, then the app's lifespan shutdown. A second Ctrl-C (SIGINT) forces it: nothing more is waited for,
-    and the tasks still running are cancelled as uvicorn's event loop closes; what uvicorn would log of those
-    cancellations (a traceback each) is not logged. The signals are not raised again as uvicorn does once it
-    has stopped (a SIGINT would then be a KeyboardInterrupt and its traceback): the caller ends as they say.
+    (none: it stopped otherwise). SIGINT (Ctrl-C) and SIGTERM alike: the first stops it gracefully (no new
+    connection, the requests still open waited for, then the app's lifespan shutdown); a second, of either kind,
+    forces it: nothing more is waited for, and the tasks still running are cancelled as uvicorn's event loop
+    closes; what uvicorn would log of those cancellations (a traceback each) is not logged. The signals are not
+    raised again as uvicorn does once it has stopped (a SIGINT would then be a KeyboardInterrupt and its
+    traceback): the caller ends as they say.
 
     The one place that relies on uvicorn's signal handling: its `Server.handle_exit(sig, frame)`, the handler it
     installs for SIGINT and SIGTERM, and the flags `should_exit` and `force_exit` that its shutdown reads."""
@@ -940,7 +941,7 @@ def run_uvicorn(config, sock: socket.socket) -> list[int]:
 
     def handle_exit(sig: int, frame) -> None:
         received.append(sig)
-        if server.should_exit and sig == signal.SIGINT:
+        if server.should_exit:  # SIGINT or SIGTERM alike (uvicorn forces on a second SIGINT only)
             server.force_exit = True
             errors.disabled = True  # an attribute set: safe in a signal handler, where logging is not
         else:
