@@ -584,6 +584,20 @@ def test_an_async_ask_cancelled_while_its_host_waits_for_the_agents_restart_is_n
 
 
 @pytest.mark.slow
+def test_a_spawn_on_a_host_that_ray_restarted_unnoticed_starts_the_agent_there(rt):
+    """A spawn that landed on a host whose process Ray had restarted, with no call there since, started the agent on
+    the new process, took that process for one the runtime did not know, and started it there again: InvalidArgument
+    ("already running"), and the agent ran there unplaced, holding its name. The spawn recovers the host, as any
+    call that finds it restarted, and places the agent it started."""
+    node = rt.nodes()[0]  # each test that kills a host kills another one, and one kills this one already
+    testing.restarted_unnoticed(rt, node)
+    a = spawn_where(rt, "unnoticed", lambda n: n == node)  # each spawn goes to the least loaded host: one goes there
+    assert a.ask("Hello?", **OPTS).agent == a.name
+    assert a.name in rt.running()
+    a.stop()
+
+
+@pytest.mark.slow
 def test_a_host_process_killed_is_restarted_by_ray_and_its_agents_reload_warm(rt, shared):
     a = rt.spawn("phoenix", system="Be brief.")
     first = a.ask("Before.", **OPTS)

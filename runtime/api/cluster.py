@@ -223,12 +223,11 @@ class ClusterRuntime:
                             raise
                         self._recover(index)
                     else:
-                        with self._lock:
-                            if index not in self._dead and self._info[index]["incarnation"] == started:
-                                self._place(name, index)
-                                self._restart[name] = restart
-                                self._names[name] = None
-                                return AgentRef(self, name)
+                        if self._place_running(name, index, started, restart):
+                            return AgentRef(self, name)
+                        self._recover(index)  # Ray may have restarted it before this spawn, and nothing noticed
+                        if self._place_running(name, index, started, restart):
+                            return AgentRef(self, name)
                         if attempt:  # its host was recovered, without it, as it started it there
                             raise NodeDown(index, f"it was restarted as it started agent {name!r}")
                     with self._lock:
@@ -237,6 +236,19 @@ class ClusterRuntime:
             finally:
                 with self._lock:
                     self._pending.pop(name, None)
+
+    def _place_running(self, name, index, incarnation, restart) -> bool:
+        """Place agent `name` (restart type `restart`) on host `index`, where it runs on the host's `incarnation`,
+        if that is the host as this runtime knows it (alive, and not restarted since: a recovery brings an earlier
+        view up to date); whether it did. Otherwise the agent died with that incarnation, or its host is not yet
+        recovered (`_recover`)."""
+        with self._lock:
+            if index in self._dead or self._info[index]["incarnation"] != incarnation:
+                return False
+            self._place(name, index)
+            self._restart[name] = restart
+            self._names[name] = None
+            return True
 
     def running(self) -> list[str]:
         """Names of the running agents, in spawn order: not a temporary agent that exited. Raises RuntimeClosed after
@@ -546,11 +558,8 @@ class ClusterRuntime:
                         raise
             return None if method == "stop" else self._on_host_of(name, self._least_loaded(), method, *args)
         except BaseException as e:
-            if restart is not None and not isinstance(e, (WaitTimeout, UnknownAgent)) and as_it_was():
-                with self._lock:
-                    self._place(name, index)
-                    self._restart[name] = restart
-                    self._names[name] = None
+            if restart is not None and not isinstance(e, (WaitTimeout, UnknownAgent)):
+                self._place_running(name, index, incarnation, restart)
             raise
 
     def _on_host_of(self, name, index, method, *args):

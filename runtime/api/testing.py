@@ -53,6 +53,28 @@ def host_pid(runtime, node_id: str) -> int:
     return runtime._info[_host_index(runtime, node_id)]["pid"]
 
 
+def restarted_unnoticed(runtime, node_id: str, timeout: float = 60.0) -> None:
+    """Kill the process of the host of `runtime` (a `ClusterRuntime`) on Ray node `node_id`, and return once Ray has
+    restarted it: the new process answers Ray, and `runtime` is not told (it learns of it at its next call there).
+
+    Raises KeyError if no host of `runtime` lives on that node, TimeoutError if it is not back within `timeout` s.
+    """
+    import os
+    import time
+
+    index = _host_index(runtime, node_id)
+    pid = runtime._info[index]["pid"]
+    os.kill(pid, 9)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if runtime._ray.get(runtime._hosts[index].info.remote(), timeout=5)[1]["pid"] != pid:
+                return
+        except Exception:  # noqa: BLE001 - not back yet
+            time.sleep(0.2)
+    raise TimeoutError(f"the host on node {node_id} was not restarted within {timeout:g} s")
+
+
 @contextlib.contextmanager
 def held_stops(runtime, node_id: str, wait_s: float):
     """Hold up the stops of agents on the host of `runtime` (a `ClusterRuntime`) on Ray node `node_id` in the block.
