@@ -598,6 +598,32 @@ def test_a_spawn_on_a_host_that_ray_restarted_unnoticed_starts_the_agent_there(r
 
 
 @pytest.mark.slow
+def test_an_async_ask_cancelled_while_its_host_is_recovered_is_never_sent(rt):
+    """An ask_async whose host answered that it did not run the agent (Ray had restarted the host) waited for the
+    host's recovery to start the agent again, then sent its turn there: a cancellation meanwhile, when no host held
+    the send, went nowhere, and the turn was sent all the same. It is heard of before the send goes to a host again."""
+    node = rt.nodes()[1]  # each test that kills a host kills another one
+    a = spawn_where(rt, "called-off-recovered", lambda n: n == node)
+    a.ask("Hello?", **OPTS)
+    testing.restarted_unnoticed(rt, node)
+
+    async def cancelled():
+        with testing.held_stops(rt, node, wait_s=1):  # the host's supervisor is parked: the recovery's start waits
+            task = asyncio.ensure_future(a.ask_async("Never sent.", turn_id="called-off-recovered-1", **OPTS))
+            await asyncio.sleep(1.5)  # the host did not run the agent: its recovery starts it again
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        # the supervisor starts the agent, the recovery ends, and the send finds its call cancelled
+
+    asyncio.run(cancelled())
+    assert a.ask("After.", **OPTS).agent == a.name
+    assert a.result("called-off-recovered-1") is None
+    assert "Never sent." not in [r["text"] for r in a.history() if r["role"] == "user"]
+    a.stop()
+
+
+@pytest.mark.slow
 def test_a_host_process_killed_is_restarted_by_ray_and_its_agents_reload_warm(rt, shared):
     a = rt.spawn("phoenix", system="Be brief.")
     first = a.ask("Before.", **OPTS)

@@ -425,16 +425,18 @@ class ClusterRuntime:
         A turn of `ask_async` or `astream` (its `future.tell`) is begun right before it leaves for its host
         (`_begin_send`: called off before, it is not sent), and its host begins it again right before it tells the
         agent, after any wait there for the agent's restart: a cancellation meanwhile reaches the host
-        (`NodeHost.signal` "call_off"), which then does not tell it, as one machine would not.
+        (`NodeHost.signal` "call_off"), which then does not tell it, as one machine would not. One that comes
+        while no host holds it (a recovery between two attempts) is kept here: the next attempt sends nothing.
         """
         kind, data, callbacks = _envelope(message)
         tell = getattr(future, "tell", None)
         call_off = None if tell is None else uuid.uuid4().hex  # the host's name for this send, to call it off
+        called_off = threading.Event()  # a cancellation once the send had begun: no attempt sends it again
         for attempt in range(2):
             index = self._index(name)
             if tell is not None:
-                tell.late = lambda host=self._hosts[index]: host.signal.remote(call_off, "call_off")
-            _begin_send(future)
+                tell.late = lambda host=self._hosts[index]: (called_off.set(), host.signal.remote(call_off, "call_off"))
+            _begin_send(future, called_off.is_set())
             try:
                 key = self._call(index, "deliver", name, kind, data, future is not None, callbacks, call_off)
                 break
@@ -446,8 +448,8 @@ class ClusterRuntime:
                     raise
                 self._recover(index)
             finally:
-                if tell is not None:
-                    tell.late = None  # the host has told the agent, or not: nothing there to call off
+                if tell is not None:  # no host holds the send now: a cancellation is kept for the next attempt
+                    tell.late = called_off.set
         else:
             raise AgentCrashed(_turn_id(message), f"agent {name!r} could not be reached on its node; retry")
         if future is None:

@@ -435,11 +435,12 @@ class _BeginOrCallOff:
         return called_off
 
 
-def _begin_send(future) -> None:
+def _begin_send(future, called_off: bool = False) -> None:
     """Begin `future.tell` (its `_BeginOrCallOff`, if any) right before its turn is told to the agent: CancelledError
-    if the asyncio call that sends it was cancelled before, and nothing is sent."""
+    if the asyncio call that sends it was cancelled before (or `called_off`: the sender heard of a cancellation after
+    an earlier begin, such as a cluster's call that is sent again), and nothing is sent."""
     tell = getattr(future, "tell", None)
-    if tell is not None and not tell.begin():
+    if tell is not None and (not tell.begin() or called_off):
         raise asyncio.CancelledError(f"turn {getattr(future, 'turn_id', None)}: its call was cancelled before it was "
                                      "sent")
 
