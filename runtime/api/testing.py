@@ -71,7 +71,8 @@ def restarted_unnoticed(runtime, node_id: str, timeout: float = 60.0) -> None:
             if runtime._ray.get(runtime._hosts[index].info.remote(), timeout=5)[1]["pid"] != pid:
                 return
         except Exception:  # noqa: BLE001 - not back yet
-            time.sleep(0.2)
+            pass
+        time.sleep(0.2)
     raise TimeoutError(f"the host on node {node_id} was not restarted within {timeout:g} s")
 
 
