@@ -169,6 +169,30 @@ def test_a_default_max_tokens_the_model_cannot_hold_is_refused_at_start(served):
         Server(served.rt, "kvactors-tiny", default_max_tokens=served.rt.max_context)
 
 
+def test_an_api_key_no_client_can_send_is_refused_at_start(served, tmp_path):
+    """An empty --api-key served every request without one (anyone could use and forget the agents); a key with a
+    space at an end, or a character an HTTP header cannot carry (a line end read with it from a file), started a
+    server that answered every request with a 401 blaming its client."""
+    from runtime import InvalidArgument
+
+    for key in ("", "sesame ", " sesame", "sesame\n", "sesame\r", "s\x00same", "sésame"):
+        with pytest.raises(InvalidArgument, match="api_key"):
+            Server(served.rt, "kvactors-tiny", api_key=key)
+    key = "s3s-ame_.~+/=!"  # what a header carries as it is: the key that was set is the one that works
+    s = Served(tmp_path, api_key=key)
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            s.client().models.list()
+        ok = openai.OpenAI(base_url=s.url + "/v1", api_key=key, max_retries=0)
+        assert [m.id for m in ok.models.list()] == ["kvactors-tiny"]
+    finally:
+        s.close()
+    out = subprocess.run([sys.executable, "-m", "runtime.api.cli", "serve", "--model", tmp_path / "no-model",
+                          "--api-key", ""], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 2 and "api_key is empty" in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
 def test_the_openai_client_raises_its_own_errors(served):
     client = served.client()
     with pytest.raises(openai.BadRequestError) as e:

@@ -27,8 +27,10 @@ def _serve(args) -> int:
         print(f"kvactors serve needs the serve extra ({e.name} is missing): pip install 'kvactors[serve]'",
               file=sys.stderr)
         return 2
+    # an empty --api-key is refused (serve's check), not taken as none; an empty $KVACTORS_API_KEY is unset
+    api_key = args.api_key if args.api_key is not None else os.environ.get("KVACTORS_API_KEY") or None
     return serve(model=args.model, cache_dir=args.cache_dir, host=args.host, port=args.port,
-                 api_key=args.api_key or os.environ.get("KVACTORS_API_KEY") or None, max_agents=args.max_agents,
+                 api_key=api_key, max_agents=args.max_agents,
                  default_max_tokens=args.max_tokens, turn_timeout=args.turn_timeout, log_level=args.log_level,
                  durability=args.durability, max_batch=args.max_batch)
 

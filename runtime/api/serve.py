@@ -59,7 +59,7 @@ from runtime import (AgentCrashed, AgentStopped, ChatTemplateError, JournalError
                      RuntimeEscalated, SystemPromptChanged, SystemPromptTooLong, TurnNotSaved, TurnTimeout, TurnTooLarge,
                      TurnTooLong, UnknownAgent, WaitTimeout)
 from runtime.api.facade import _number as _check_number, _positive, check_room, check_unicode, never_fits
-from runtime.errors import InvalidArgument, KvactorsError, shown
+from runtime.errors import InvalidArgument, InvalidArgumentType, KvactorsError, shown
 from runtime.store import InvalidAgentId, check_agent_id, conversation_prompt
 
 log = logging.getLogger(__name__)
@@ -340,15 +340,27 @@ def failure(task: asyncio.Task) -> BaseException | None:
     return RuntimeClosed("the server stopped") if task.cancelled() else task.exception()
 
 
-def check_server_options(max_agents, default_max_tokens, turn_timeout) -> None:
-    """Raise TypeError or ValueError unless `max_agents` and `default_max_tokens` are ints >= 1 and `turn_timeout`
-    a finite number > 0 (the Runtime's own checks): a server with another would refuse every request, blaming
-    its clients."""
+def check_server_options(max_agents, default_max_tokens, turn_timeout, api_key=None) -> None:
+    """Raise TypeError or ValueError unless `max_agents` and `default_max_tokens` are ints >= 1, `turn_timeout`
+    a finite number > 0 (the Runtime's own checks) and `api_key` None or a non-empty str of printable ASCII with no
+    space at either end: a server with another would refuse every request, blaming its clients (a client cannot
+    send a key an HTTP header cannot carry, and HTTP drops the spaces at a header's ends), or, with an empty key,
+    serve every request without one."""
     for name, value in (("max_agents", max_agents), ("max_tokens", default_max_tokens)):
         _check_number(name, value, int)
         if value < 1:
             raise InvalidArgument(f"{name} must be an int >= 1, got {shown(value)}")
     _positive("turn_timeout", turn_timeout)
+    if api_key is None:
+        return
+    if not isinstance(api_key, str):
+        raise InvalidArgumentType(f"api_key must be a str or None, got {type(api_key).__name__}")
+    if not api_key:
+        raise InvalidArgument("api_key is empty: give a key, or none (None, no --api-key) to serve without one")
+    if not (api_key.isascii() and api_key.isprintable()) or api_key != api_key.strip():
+        raise InvalidArgument("api_key must be printable ASCII with no space or line end at either end (an HTTP "
+                              "header carries no other, so every request would be refused); got one of "
+                              f"{len(api_key)} characters that is not: strip what was read with it")
 
 
 # a turn that raised one of these recorded nothing (refused options, too long or large for the model, a chat
@@ -367,7 +379,7 @@ class Server:
 
     def __init__(self, rt: Runtime, model_id: str, *, api_key: str | None = None, max_agents: int = 256,
                  default_max_tokens: int = 512, turn_timeout: float = 600.0):
-        check_server_options(max_agents, default_max_tokens, turn_timeout)
+        check_server_options(max_agents, default_max_tokens, turn_timeout, api_key)
         check_room(default_max_tokens, rt.max_context)  # else each request without max_tokens would be refused
         self.rt, self.model_id, self.api_key = rt, model_id, api_key
         self.max_agents, self.default_max_tokens, self.turn_timeout = max_agents, default_max_tokens, turn_timeout
@@ -898,7 +910,7 @@ def serve(model=None, cache_dir=None, host: str = "127.0.0.1", port: int = 8000,
     otherwise."""
     import uvicorn
 
-    check_server_options(max_agents, default_max_tokens, turn_timeout)  # before the model loads
+    check_server_options(max_agents, default_max_tokens, turn_timeout, api_key)  # before the model loads
     sock = bind_socket(host, port)
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         log.warning("serving on %s without --api-key: anyone who can reach it can use and forget your agents", host)
