@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from runtime.errors import InvalidArgumentType, KvactorsError, shown
+from runtime.errors import InvalidArgument, InvalidArgumentType, KvactorsError, shown
 from runtime.files import fsync_dir, fsync_tree, make_missing, removed_if_failed
 from runtime.kvscheme import KVScheme, default_scheme
 
@@ -221,12 +221,16 @@ def resolve_model_path(model: str | Path | None) -> Path:
     `huggingface_hub.snapshot_download` if not cached, which needs network access); or None for the default: the
     model named by $KVACTORS_MODEL if set, else the embedded SmolLM2-135M-Instruct
     (`default_model_file`). Raises ModelLoadError (DefaultModelMissing when the
-    default's package is not installed; GGUFError for a GGUF that cannot be converted).
+    default's package is not installed; GGUFError for a GGUF that cannot be converted), and InvalidArgument for an
+    empty or blank str (as a path it would name the current folder: "." names that one).
     """
     if model is None:
         model = os.environ.get("KVACTORS_MODEL") or default_model_file()
     if not isinstance(model, (str, os.PathLike)):
         raise InvalidArgumentType(f"model must be a str, a path or None, got {type(model).__name__}")
+    if isinstance(model, str) and not model.strip():
+        raise InvalidArgument(f"model is empty ({model!r}): give a model folder, a .gguf file, a Hugging Face id or "
+                              "'tiny', or None (no --model) for the default")
     path = Path(model).expanduser()
     if str(model) == TINY and not path.exists():
         from runtime.tiny import tiny_llama_path
@@ -283,7 +287,8 @@ def load_model(model: str | Path | None = None, kv_scheme: KVScheme | None = Non
     `model` is anything `resolve_model_path` takes: a folder, a `.gguf` file, "tiny",
     a Hugging Face id, or None for the default (SmolLM2-135M-Instruct). Raises
     ModelLoadError (or a subclass) when the model cannot be found, converted or loaded, and when its folder names
-    an end or start token the model does not have (`check_token_ids`).
+    an end or start token the model does not have (`check_token_ids`); InvalidArgument(Type) for a `model` that
+    names none (`resolve_model_path`).
     """
     import mlx_lm
 

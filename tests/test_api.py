@@ -416,3 +416,16 @@ def test_a_cache_dir_that_is_a_file_is_refused_before_the_model_loads(tmp_path):
         with pytest.raises(NotAFolder, match="is a file, not a cache folder") as e:
             Runtime(model="no-such-model-is-loaded", cache_dir=path)
         assert isinstance(e.value, (KvactorsError, NotADirectoryError))
+
+
+def test_an_empty_model_is_refused_not_read_as_the_current_folder(tmp_path, monkeypatch, tiny_model_path):
+    """model="" (`--model "$MODEL"` with MODEL unset) loaded the current folder: a model folder there was served
+    under the default model's name, and anywhere else it failed saying ". has no config.json"."""
+    from runtime import InvalidArgument, Runtime
+
+    monkeypatch.chdir(tiny_model_path())
+    for model in ("", "  "):
+        with pytest.raises(InvalidArgument, match="model is empty"):
+            Runtime(model=model, cache_dir=tmp_path / "c")
+    rt = Runtime(model=".", cache_dir=tmp_path / "c")  # the current folder, named: served
+    rt.shutdown()
