@@ -69,6 +69,32 @@ def test_reset_refuses_malformed_records_in_the_caller(tmp_path):
             a.note("")
 
 
+def test_a_reset_to_a_conversation_no_turn_could_hold_is_refused_in_the_caller(tmp_path):
+    """A reset's records all end up in the next turn's prompt. Records with more characters than the model's
+    positions can spell (a long conversation brought over from a bigger model), or more records than it has
+    positions, were recorded, and every later turn failed with TurnTooLong; a sender's name is rendered with its
+    message and counts too. They are refused as a note and an HTTP request that could never fit are."""
+    from runtime import InvalidArgument
+
+    with Runtime(cache_dir=tmp_path) as rt:
+        a = rt.spawn("crowded", system="be brief")
+        a.ask("Hello.", max_tokens=2)
+        before = a.history()
+        half = "x" * (rt.max_context * rt.longest_token_chars // 2)
+        many = [{"role": "user", "text": "m"}] * (rt.max_context - 1)
+        named = [{"role": "user", "text": half, "sender": "y" * len(half)}]
+        for records, says in (([{"role": "user", "text": half}, {"role": "assistant", "text": half}], "characters"),
+                              (many, f"has {len(many)} messages"), (named, "characters")):
+            with pytest.raises(InvalidArgument, match=says):
+                a.reset(records)
+        most = "x" * ((rt.max_context - 2) * rt.longest_token_chars - 10)  # fits, but not with a system prompt
+        with pytest.raises(InvalidArgument, match="characters"):
+            a.reset([{"role": "user", "text": most}], system="z" * 20)
+        assert a.history() == before  # nothing was recorded
+        a.reset([{"role": "user", "text": "x" * 100}]).get(timeout=30)  # one that fits is taken
+        assert a.ask("Hi.", max_tokens=2).agent == "crowded"
+
+
 def test_notes_join_the_history_before_the_next_turn(tmp_path):
     with Runtime(cache_dir=tmp_path) as rt:
         a = rt.spawn("listener")

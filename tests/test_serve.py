@@ -381,6 +381,18 @@ def test_a_request_whose_messages_can_never_fit_is_refused_before_any_is_taken(s
         assert said in body["error"]["message"] and not served.rt.stored(f"crowd{n}")
 
 
+def test_a_user_name_counts_toward_what_can_never_fit(served):
+    """A user message's name is rendered with its text ("name: text"); names were not counted, so a request that
+    could never fit spawned and stored its agent, reset it and took its notes before its turn was refused."""
+    half = "x" * (served.rt.max_context * served.rt.longest_token_chars // 2 + 1)
+    status, body, _ = served.request("POST", "/v1/chat/completions", {
+        "model": "kvactors-tiny", "max_tokens": 2, "messages": [
+            {"role": "user", "content": "a", "name": half}, {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": half}]}, {"X-Agent-Id": "named-crowd"})
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
+    assert "characters: more tokens" in body["error"]["message"] and not served.rt.stored("named-crowd")
+
+
 def test_a_streamed_turn_cancelled_before_its_first_piece_is_a_503_not_a_broken_stream(served, monkeypatch):
     """A stream's turn task cancelled (the server stopping) before its first piece began a 200 stream and then
     raised CancelledError out of it: the client got a cut-off body. It now gets a 503 before any stream."""

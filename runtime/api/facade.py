@@ -102,6 +102,22 @@ def never_fits(runtime, chars: int, reserved: int) -> bool:
     return bool(longest and positions) and chars > (positions - reserved) * longest
 
 
+def check_conversation_fits(runtime, what: str, messages: int, chars: int, reserved: int, leaving: str) -> None:
+    """Raise InvalidArgument if a conversation (`what`, the subject of the message) of `messages` messages holding
+    `chars` characters in all can never fit the model's positions with `reserved` of them left (`leaving` says for
+    what), whatever the tokens: each message takes a position at least, and its characters a token's longest at
+    most (`never_fits`). Nothing is refused where the model does not say its positions."""
+    positions = runtime.max_context
+    if positions is None:
+        return
+    if messages > positions - reserved:
+        raise InvalidArgument(f"{what} has {messages} messages, each at least one of the model's {positions} "
+                              f"positions, leaving none for {leaving}")
+    if never_fits(runtime, chars, reserved):
+        raise InvalidArgument(f"{what} has messages of {chars} characters: more tokens, whatever they are, than the "
+                              f"model's {positions} positions leave after {leaving}")
+
+
 def _not_in_callback(what: str) -> None:
     """Raise WaitsInCallback if this thread is running a turn's callback (see `engine.running_callback`)."""
     name = running_callback()
@@ -778,8 +794,9 @@ class AgentRef:
         cache is kept and the next turn reuses the prefix of it that the new conversation still
         renders to, where that prefix is most of the cached text (`runtime.prefix`: 80%; else
         the turn re-prefills). Raises ValueError for a malformed record, SystemPromptTooLong for a `system` that
-        leaves the model no position for a turn, TypeError for records that are not a list of dicts or a `system`
-        that is not a str or None.
+        leaves the model no position for a turn, InvalidArgument for records (with `system`) that can never fit the
+        model's positions with a message and a reply (`check_conversation_fits`), TypeError for records that are
+        not a list of dicts or a `system` that is not a str or None.
         """
         if not isinstance(records, (list, tuple)) or not all(isinstance(r, dict) for r in records):
             raise InvalidArgumentType(f"records must be a list of dicts (the shape history() returns), "
@@ -810,6 +827,11 @@ class AgentRef:
         if system is not None:
             check_unicode("system", system)
             self.runtime._check_system_fits(system)
+        # every record ends up in the next turn's prompt, a user message's sender with its text (`render_messages`):
+        # a conversation that can never fit would fail every later turn
+        chars = sum(len(r["text"]) + len(r["role"] == "user" and r["sender"] or "") for r in clean)
+        check_conversation_fits(self.runtime, "the conversation", len(clean), chars + len(system or ""), 2,
+                                "a message and a token of reply; drop or shorten records")
         future = ReplyFuture()
         payload = msgpack.packb({"system": system, "records": clean})
         self.runtime._deliver(self.name, Reset(payload, future), future)

@@ -58,7 +58,8 @@ from starlette.routing import Route
 from runtime import (AgentCrashed, AgentStopped, ChatTemplateError, JournalError, Reply, Runtime, RuntimeClosed,
                      RuntimeEscalated, SystemPromptChanged, SystemPromptTooLong, TurnNotSaved, TurnTimeout, TurnTooLarge,
                      TurnTooLong, UnknownAgent, WaitTimeout)
-from runtime.api.facade import _number as _check_number, _positive, check_room, check_unicode, never_fits
+from runtime.api.facade import (_number as _check_number, _positive, check_conversation_fits, check_room,
+                                check_unicode)
 from runtime.errors import InvalidArgument, InvalidArgumentType, KvactorsError, shown
 from runtime.store import InvalidAgentId, check_agent_id, conversation_prompt
 
@@ -317,21 +318,14 @@ def plan_turn(history: list[dict], req: ChatRequest, named: bool) -> Plan:
 
 def check_messages_fit(rt: Runtime, req: ChatRequest, max_tokens: int) -> None:
     """Raise a 400 (context_length_exceeded) for a request whose messages can never fit the model's positions
-    with `max_tokens`, whatever the agent holds: every message of it ends up in the conversation, and each takes
-    a position at least, its characters a token's longest at most (`facade.never_fits`). Checked before anything
+    with `max_tokens`, whatever the agent holds: every message of it ends up in the conversation, a user's name
+    with its text (`facade.check_conversation_fits`). Checked before anything
     runs: the agent would take each earlier message as a note first (tens of thousands took tens of seconds)."""
-    positions = rt.max_context
-    if positions is None:
-        return
-    if len(req.messages) > positions - max_tokens:
-        raise bad(f"the request has {len(req.messages)} messages, each at least one of the model's {positions} "
-                  f"positions, and max_tokens {max_tokens} takes more; send fewer messages", "messages",
-                  "context_length_exceeded")
-    chars = sum(len(m[1]) for m in req.messages) + len(req.system or "")
-    if never_fits(rt, chars, max_tokens):
-        raise bad(f"the request's messages have {chars} characters: more tokens, whatever they are, than the "
-                  f"model's {positions} positions leave after max_tokens {max_tokens}; send fewer or shorter "
-                  "messages", "messages", "context_length_exceeded")
+    chars = sum(len(text) + len(sender or "") for _, text, sender in req.messages) + len(req.system or "")
+    try:
+        check_conversation_fits(rt, "the request", len(req.messages), chars, max_tokens, f"max_tokens {max_tokens}")
+    except InvalidArgument as e:
+        raise bad(f"{e}; send fewer or shorter messages", "messages", "context_length_exceeded") from None
 
 
 def failure(task: asyncio.Task) -> BaseException | None:
