@@ -1023,6 +1023,8 @@ def test_a_message_that_could_never_fit_is_refused_before_it_is_tokenized(rt):
     beyond = (rt.max_context - 1) * rt.longest_token_chars + 1  # as a note, which had been taken, failing
     with pytest.raises(ValueError, match=f"the note has {beyond} characters"):  # every later turn
         a.note("x" * beyond)
+    with pytest.raises(ValueError, match=f"the note has {beyond} characters with its sender"):  # rendered with it
+        a.note("x", sender="s" * (beyond - 1))
     assert [r["role"] for r in a.history()] == ["system"]
     assert a.ask("Short.", max_tokens=4).agent == "huge"
 

@@ -764,17 +764,19 @@ class AgentRef:
         """Append a user message to the history without taking a turn (in order with turns).
 
         `sender` labels the message in the rendered conversation ("sender: text"), as in `reset`'s records.
-        Raises ValueError for an empty text, or one longer than any turn could hold (every later turn would fail
-        with TurnTooLong), TypeError for a text that is not a str or a sender that is not a str or None."""
+        Raises ValueError for an empty text, or one longer (with its sender) than any turn could hold (every later
+        turn would fail with TurnTooLong), TypeError for a text that is not a str or a sender that is not a str or
+        None."""
         if not isinstance(text, str):
             raise InvalidArgumentType(f"a note's text must be a str, got {type(text).__name__} (decode bytes first)")
         if not text:
             raise InvalidArgument("a note needs a non-empty text")
-        if never_fits(self.runtime, len(text), 1):
-            raise InvalidArgument(f"the note has {len(text)} characters: more tokens, whatever they are, than the "
-                                  f"model's {self.runtime.max_context} positions leave for it; shorten it")
         if sender is not None and not isinstance(sender, str):
             raise InvalidArgumentType(f"sender must be a str or None, got {type(sender).__name__}")
+        chars = len(text) + len(sender or "")  # rendered as "sender: text" (`render_messages`)
+        if never_fits(self.runtime, chars, 1):
+            raise InvalidArgument(f"the note has {chars} characters with its sender: more tokens, whatever they are, "
+                                  f"than the model's {self.runtime.max_context} positions leave for it; shorten it")
         check_unicode("a note's text", text)
         if sender is not None:
             check_unicode("sender", sender)
