@@ -624,6 +624,35 @@ def test_an_async_ask_cancelled_while_its_host_is_recovered_is_never_sent(rt):
 
 
 @pytest.mark.slow
+def test_an_agent_its_hosts_recovery_could_not_start_again_is_started_by_its_next_call(rt, shared):
+    """A permanent agent that its host's recovery could not start again (here another process held its lock) was
+    logged as "the next call retries", but nothing retried: the next call found it not running there, and it was
+    unplaced as if it had exited, gone from `running()` with no error. It counts as running until a call starts it
+    again (AgentCrashed, saying to retry, while that fails; a stop of it is done), and its next call starts it, warm."""
+    node = rt.nodes()[2]  # each test that kills a host kills another one, and one kills this one already
+    a = spawn_where(rt, "unstarted", lambda n: n == node)
+    peer = spawn_where(rt, "unstarted-peer", lambda n: n == node)
+    first = a.ask("Hello?", **OPTS)
+    rt.flush()
+    testing.restarted_unnoticed(rt, node)
+    held = [store.lock_agent(shared, rt.fingerprint, r.name) for r in (a, peer)]  # the recovery cannot start them
+    try:
+        with pytest.raises(AgentCrashed, match="could not be started again.*retry"):
+            a.ask("Anyone?", **OPTS)
+        assert {a.name, peer.name} <= set(rt.running())
+        assert peer.stop() is None and peer.name not in rt.running()  # it ran nowhere: the stop is done
+    finally:
+        for fd in held:
+            os.close(fd)
+    after = a.ask("Back?", turn_id="unstarted-back", **OPTS)
+    assert after.cache == "warm" and rt.placement()[a.name] == node
+    assert [r["turn_id"] for r in a.history() if r["role"] == "assistant"] == [first.turn_id, "unstarted-back"]
+    with pytest.raises(UnknownAgent):
+        rt.agent(peer.name)
+    a.stop()
+
+
+@pytest.mark.slow
 def test_a_host_process_killed_is_restarted_by_ray_and_its_agents_reload_warm(rt, shared):
     a = rt.spawn("phoenix", system="Be brief.")
     first = a.ask("Before.", **OPTS)

@@ -31,9 +31,12 @@ with AgentCrashed (retry them with the same turn id: a turn that had committed
 answers "committed", nothing runs twice), and its agents are started again on the
 other hosts, where they reload their durable state from the shared folder ("warm").
 When only a host's process dies, Ray restarts it in place (`max_restarts`) and its
-agents are started again there. A stop or forget of an agent whose host died so
-recovers it too: the agent's actor died with the process and its files stay on the
-shared disk, so the stop is done (a forget then deletes the files on a live host).
+agents are started again there. An agent that a recovery could not start again (such as
+one whose lock another process holds) still counts as running: each call on it, and each
+recovery of its host, starts it again (a call raises AgentCrashed, saying to retry,
+while that fails), and a stop of it is done at once. A stop or forget of an agent whose
+host died so recovers it too: the agent's actor died with the process and its files stay
+on the shared disk, so the stop is done (a forget then deletes the files on a live host).
 What was acknowledged is on the shared disk, so nothing acknowledged is lost.
 
 `stream`/`astream` and the `on_token`, `on_progress` and `cancel` callbacks work as
@@ -146,6 +149,7 @@ class ClusterRuntime:
         self._serial = itertools.count()
         self._restart: dict[str, str] = {}  # agent -> its restart type
         self._stopping: dict[str, int] = {}  # agent -> the host where its stop ran past its wait (`_on_host_of`)
+        self._unstarted: dict[str, None] = {}  # placed agents that a recovery could not start again (`_recover`)
         self._hosts: list = []
         self._info: list[dict] = []
         self._dead: set[int] = set()
@@ -269,7 +273,7 @@ class ClusterRuntime:
         on_host = {index: self._runs_on(index) for index in {i for _, i, _ in placed}}
         where = {}
         for name, index, serial in placed:
-            if on_host[index] is None or name in on_host[index]:
+            if self._counts_as_running(name, on_host[index]):
                 where[name] = index
             else:
                 self._unplace_exited(name, serial)
@@ -283,11 +287,16 @@ class ClusterRuntime:
             index, serial = self._where.get(name), self._serials.get(name)
         if index is None:
             return False
-        runs = self._runs_on(index)
-        if runs is None or name in runs:
+        if self._counts_as_running(name, self._runs_on(index)):
             return True
         self._unplace_exited(name, serial)
         return False
+
+    def _counts_as_running(self, name: str, runs: set | None) -> bool:
+        """Whether placed agent `name` counts as running, its host answering that it runs `runs` (`_runs_on`): if
+        it runs there, if its host did not answer (its agents start again), or if a recovery could not start it
+        again (`_recover`: its next call does)."""
+        return runs is None or name in runs or name in self._unstarted
 
     def _runs_on(self, index: int) -> set | None:
         """The agents host `index` runs (its `Runtime.running`, which lets go of the locks of agents that exited),
@@ -447,6 +456,9 @@ class ClusterRuntime:
                     self._actor_alive(name)  # or it exited there: unplaced, not started again by a recovery
                     raise
                 self._recover(index)
+                if name in self._unstarted:
+                    raise AgentCrashed(_turn_id(message), f"agent {name!r} could not be started again on a node "
+                                                          "(see the log); retry") from None
             finally:
                 if tell is not None:  # no host holds the send now: a cancellation is kept for the next attempt
                     tell.late = called_off.set
@@ -527,7 +539,8 @@ class ClusterRuntime:
         its lock with it, and its files are on the shared disk: the stop is done, and a forget deletes the files on
         a live host. If the host lives on as it was, it is asked once more (NodeDown again reaches the caller).
         An error that says nothing of the agent's stop (not a WaitTimeout, `_on_host_of`, nor UnknownAgent: it was
-        not running there) from a host that lives on as it was places the agent back there.
+        not running there) from a host that lives on as it was places the agent back there. A stop of an agent that a
+        recovery could not start again (`_recover`) is done at once: it runs nowhere.
         """
         with self._lock:
             index = self._stopping_on(name)
@@ -537,8 +550,11 @@ class ClusterRuntime:
                     raise not_running(name, self._names)
                 index = self._least_loaded()
             restart = self._restart.get(name) if name in self._names else None
+            unstarted = name in self._unstarted
             incarnation = self._info[index]["incarnation"]
             self._unplace(name)
+        if unstarted and method == "stop":
+            return None  # a recovery could not start it again: it runs nowhere
 
         def as_it_was() -> bool:
             with self._lock:
@@ -561,7 +577,8 @@ class ClusterRuntime:
             return None if method == "stop" else self._on_host_of(name, self._least_loaded(), method, *args)
         except BaseException as e:
             if restart is not None and not isinstance(e, (WaitTimeout, UnknownAgent)):
-                self._place_running(name, index, incarnation, restart)
+                if self._place_running(name, index, incarnation, restart) and unstarted:
+                    self._unstarted[name] = None  # placed back as it was: still to be started again
             raise
 
     def _on_host_of(self, name, index, method, *args):
@@ -644,11 +661,13 @@ class ClusterRuntime:
 
     def _place(self, name, index):
         self._where[name] = index
+        self._unstarted.pop(name, None)
         self._serials[name] = next(self._serial)
         self._ray.get(self._directory.set.remote(name, self._hosts[index]))
 
     def _unplace(self, name):
         self._names.pop(name, None)
+        self._unstarted.pop(name, None)
         self._where.pop(name, None)
         self._serials.pop(name, None)
         self._restart.pop(name, None)
@@ -660,30 +679,34 @@ class ClusterRuntime:
         Restarted in place (a new incarnation): its agents start there again. Dead (its
         node died), or not back within RECOVER_S: it is given up, and its agents start
         on the live hosts with the fewest agents. Either way each agent reloads its
-        durable state from the shared folder. Callers wait meanwhile (the placement lock).
+        durable state from the shared folder. As it was (a passing failure): only its
+        agents that a recovery could not start again start there. An agent whose start
+        fails stays placed, to be started again by the next recovery of its host, which
+        the next call on it runs (`_deliver`). Callers wait meanwhile (the placement lock).
         """
         with self._lock:
             if self._closed:
                 return
-            restarted = False
+            names = [n for n, i in self._where.items() if i == index]
             if index not in self._dead:
                 info = self._probe(index)
-                if info is not None and info["incarnation"] == self._info[index]["incarnation"]:
-                    return  # it was a passing failure: the host and its agents are as they were
                 if info is None:
                     log.warning("host %d (node %s) is dead: moving its agents", index, self._info[index]["node_id"])
                     self._dead.add(index)
+                elif info["incarnation"] == self._info[index]["incarnation"]:
+                    names = [n for n in names if n in self._unstarted]  # a passing failure: the others run there
                 else:
                     log.warning("host %d was restarted by Ray: starting its agents again", index)
-                    self._info[index], restarted = info, True
-            for name in [n for n, i in self._where.items() if i == index]:
-                target = index if restarted else self._least_loaded()
+                    self._info[index] = info
+            for name in names:
+                target = self._least_loaded() if index in self._dead else index
                 try:
                     self._call(target, "spawn", name, "", self._restart[name], False, 60.0)
                     self._place(name, target)
                 except Exception as e:  # noqa: BLE001 - one agent that cannot move must not strand the others
-                    log.error("agent %s could not be started again on host %d (the next call retries): %s",
-                              name, target, e)
+                    self._unstarted[name] = None
+                    log.error("agent %s could not be started again on host %d (the next call on it tries again): "
+                              "%s", name, target, e)
 
     def _probe(self, index) -> dict | None:
         """Host `index`'s info once it answers; None once Ray reports it dead or after RECOVER_S."""
