@@ -583,6 +583,16 @@ def test_an_async_ask_cancelled_while_its_host_waits_for_the_agents_restart_is_n
     a.stop()
 
 
+def test_a_send_called_off_on_its_host_raises_cancelled_error_as_on_one_machine():
+    """A host answers a send called off before it told the agent (`NodeHost.deliver`) with asyncio's CancelledError,
+    as one machine raises it; it came back to the caller as a ClusterError naming it, which asyncio code does not
+    take for a cancellation."""
+    from runtime.api import rayhost
+
+    error = rayhost.unpack_error(rayhost.pack_error(asyncio.CancelledError("turn t-1: its call was cancelled")))
+    assert type(error) is asyncio.CancelledError and str(error) == "turn t-1: its call was cancelled"
+
+
 @pytest.mark.slow
 def test_a_spawn_on_a_host_that_ray_restarted_unnoticed_starts_the_agent_there(rt):
     """A spawn that landed on a host whose process Ray had restarted, with no call there since, started the agent on

@@ -69,7 +69,8 @@ def pack_error(e: BaseException) -> tuple:
 
 
 def unpack_error(packed: tuple) -> BaseException:
-    """The error `pack_error` packed: the same type with the same message and fields for kvactors' errors and builtins.
+    """The error `pack_error` packed: the same type with the same message and fields for kvactors' errors and builtins,
+    and asyncio's CancelledError (a send called off: `NodeHost.deliver`), as one machine raises it.
 
     Any other type becomes a ClusterError naming it.
     """
@@ -84,7 +85,7 @@ def unpack_error(packed: tuple) -> BaseException:
         BaseException.__init__(error, message)
         error.__dict__.update(fields)
         return error
-    if isinstance(cls, type) and issubclass(cls, Exception) and module == "builtins":
+    if (isinstance(cls, type) and issubclass(cls, Exception) and module == "builtins") or cls is asyncio.CancelledError:
         return cls(message)
     return ClusterError(f"{module}.{name} on a node of the cluster: {message}")
 
