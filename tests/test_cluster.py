@@ -583,6 +583,31 @@ def test_an_async_ask_cancelled_while_its_host_waits_for_the_agents_restart_is_n
     a.stop()
 
 
+def test_an_async_ask_whose_call_off_reaches_its_host_before_the_turn_is_never_sent(rt, monkeypatch):
+    """Ray does not order the calls to a host, which runs them on many threads: the call-off of an async call that
+    was cancelled as its turn left could run there before the turn's delivery, found no send to call off and was
+    dropped, and the turn was sent all the same. The host keeps a call-off that finds no send, for the delivery
+    that comes after it, which it calls off: nothing is sent, and the caller gets CancelledError."""
+    name = "called-off-early"
+    a = rt.spawn(name, system="Be brief.")
+    a.ask("Hello?", **OPTS)
+    call = rt._call
+
+    def call_off_first(index, method, *args):  # the order Ray may run them in: the call-off, then the delivery
+        if method == "deliver" and args[-1] is not None:
+            rt._ray.get(rt._hosts[index].signal.remote(args[-1], "call_off"))
+        return call(index, method, *args)
+
+    monkeypatch.setattr(rt, "_call", call_off_first)
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(a.ask_async("Never sent.", turn_id="called-off-early-1", **OPTS))
+    monkeypatch.undo()
+    assert a.ask("After.", **OPTS).agent == name
+    assert a.result("called-off-early-1") is None
+    assert "Never sent." not in [r["text"] for r in a.history() if r["role"] == "user"]
+    a.stop()
+
+
 def test_a_send_called_off_on_its_host_raises_cancelled_error_as_on_one_machine():
     """A host answers a send called off before it told the agent (`NodeHost.deliver`) with asyncio's CancelledError,
     as one machine raises it; it came back to the caller as a ClusterError naming it, which asyncio code does not

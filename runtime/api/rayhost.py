@@ -39,6 +39,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -55,6 +56,8 @@ KINDS = ("ask", "note", "reset", "result")  # the envelopes `NodeHost.deliver` t
 CALLBACKS = ("on_token", "on_progress", "cancel")  # an ask's callbacks that `NodeHost.events` carries to its caller
 SIGNALS = ("cancel", "fail", "call_off")  # what `NodeHost.signal` tells a streamed turn, or a send
 NAME_POLL_S = 0.01  # how long `HostedRuntime._release_if_exited` waits for a call that holds the name: it is left to it
+EARLY_CALL_OFF_S = 60.0  # how long a host keeps a call-off that found no send, for a delivery that comes after it
+EARLY_CALL_OFFS = 1024  # how many such call-offs a host keeps at most (the oldest go first)
 
 
 class ClusterError(KvactorsError, RuntimeError):
@@ -255,6 +258,8 @@ class NodeHost:
         self.futures: dict[str, ReplyFuture] = {}
         self.streams: dict[str, _Streamed] = {}  # key -> a streamed turn's callbacks, until `events` ends
         self.sends: dict[str, _BeginOrCallOff] = {}  # call-off key -> a send that `deliver` has not yet told
+        self.early_call_offs: dict[str, float] = {}  # call-off key -> when it came, finding no send (`signal`)
+        self.sends_lock = threading.Lock()  # `sends` and `early_call_offs`: a send and its call-off meet once
         self.forwarder = ThreadPoolExecutor(1, thread_name_prefix="kvactors-forward")  # one: in send order
 
     def info(self) -> tuple:
@@ -284,7 +289,8 @@ class NodeHost:
         carries the turn's pieces and progress and answers it. With a `call_off` key,
         `signal(call_off, "call_off")` before the envelope is told to the agent (it may
         wait for the agent's restart) calls it off: then it raises CancelledError and
-        nothing is sent.
+        nothing is sent. So does such a signal that Ray ran here before this call, up to
+        EARLY_CALL_OFF_S earlier (Ray does not order the calls to a host).
         """
         try:
             return outcome(self._deliver, name, kind, data, answer, tuple(callbacks), call_off)
@@ -311,7 +317,12 @@ class NodeHost:
             self.streams[key] = streamed
             future.add_done_callback(lambda _: streamed.events.put(_Streamed.END))
         if call_off is not None:
-            future.tell = self.sends[call_off] = _BeginOrCallOff()  # `Runtime._deliver` begins it: `_begin_send`
+            future.tell = tell = _BeginOrCallOff()  # `Runtime._deliver` begins it: `_begin_send`
+            with self.sends_lock:
+                self.sends[call_off] = tell
+                called_off = self.early_call_offs.pop(call_off, None) is not None
+            if called_off:
+                tell.call_off()
         try:
             self.rt._deliver(name, envelope, future)
         except BaseException:
@@ -320,7 +331,8 @@ class NodeHost:
             raise
         finally:
             if call_off is not None:
-                self.sends.pop(call_off, None)
+                with self.sends_lock:
+                    self.sends.pop(call_off, None)
         return key if answer else None
 
     def events(self, key: str):
@@ -345,15 +357,21 @@ class NodeHost:
         """Tell streamed turn `key` (`SIGNALS`): "cancel" ends it at its next token, as `cancel()` returning True
         does; "fail" fails it there with `why` (a callback on the caller's side raised). ("ok", whether it runs here).
         Or "call_off": call off the send that `deliver` was given call-off key `key` for, unless it has told the
-        agent; ("ok", whether it was called off)."""
+        agent; ("ok", whether it was called off). A call-off that finds no such send (Ray may run it before that
+        `deliver`, or after it told the agent) is kept for EARLY_CALL_OFF_S, the last EARLY_CALL_OFFS of them, for a
+        `deliver` of that key to come: ("ok", None)."""
         return outcome(self._signal, key, what, why)
 
     def _signal(self, key, what, why):
         if what not in SIGNALS:
             raise ValueError(f"unknown signal {what!r}; one of {SIGNALS}")
         if what == "call_off":
-            send = self.sends.get(key)
-            return send is not None and send.call_off()
+            with self.sends_lock:
+                send = self.sends.get(key)
+                if send is None:
+                    self._keep_call_off(key)
+                    return None
+            return send.call_off()
         streamed = self.streams.get(key)
         if streamed is None:
             return False
@@ -362,6 +380,17 @@ class NodeHost:
         else:
             streamed.failure = why or "a callback on the caller's side raised"
         return True
+
+    def _keep_call_off(self, key):
+        """Keep call-off `key`, which found no send, for `deliver`; the oldest go past EARLY_CALL_OFF_S or
+        EARLY_CALL_OFFS. The caller holds `sends_lock`."""
+        now, kept = time.monotonic(), self.early_call_offs
+        while kept:
+            oldest = next(iter(kept))  # a dict keeps its keys in the order they came
+            if kept[oldest] > now - EARLY_CALL_OFF_S and len(kept) < EARLY_CALL_OFFS:
+                break
+            del kept[oldest]
+        kept[key] = now
 
     def wait(self, key: str) -> tuple:
         """("ok", the answer) to the envelope `deliver` returned `key` for, once the agent gives it; or ("error", ...)."""
