@@ -235,6 +235,27 @@ def test_a_stop_past_its_wait_keeps_the_agent_locked_until_its_actor_has_stopped
     again.stop()
 
 
+def test_a_stop_past_its_wait_is_still_waited_for_after_a_spawn_of_its_name_failed(rt, shared):
+    """A spawn of a name whose stop ran past its wait goes to the host that stops it; one that failed there before
+    waiting for that stop (here its system prompt did not fit) made the cluster forget where the stop went on: a
+    stop of the name then raised UnknownAgent, and a spawn went to any host (AgentInUse there), while the old actor
+    still stopped. The stop is still waited for on its host until a call there succeeds."""
+    name = "lingering-refused"
+    a = rt.spawn(name, system="Be brief.")
+    a.ask("Hello?", **OPTS)
+    with testing.held_stops(rt, rt.placement()[name], wait_s=0.5):
+        with pytest.raises(WaitTimeout):
+            a.stop()
+        with pytest.raises(SystemPromptTooLong):
+            rt.spawn(name, system="word " * rt.max_context, timeout=0.5)
+        with pytest.raises(WaitTimeout, match=r"stop\(\) waited .*the stop goes on"):  # was UnknownAgent
+            a.stop()
+    a.stop()  # made again, it waits for the stop to finish
+    os.close(store.lock_agent(shared, rt.fingerprint, name))  # released once stopped
+    assert rt.spawn(name).ask("Back?", **OPTS).cache == "warm"
+    rt.agent(name).stop()
+
+
 def test_errors_cross_nodes_with_their_types(rt):
     a = rt.spawn("errs", system="Be brief.")
     with pytest.raises(UnknownAgent):

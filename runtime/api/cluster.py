@@ -216,8 +216,7 @@ class ClusterRuntime:
             if self._actor_alive(name):  # not one that exited there and was not restarted (it is unplaced)
                 raise InvalidArgument(f"agent {name!r} is already running; use rt.agent({name!r})")
             with self._lock:
-                index = self._stopping_on(name)
-                self._pending[name] = index = self._least_loaded() if index is None else index
+                self._pending[name] = index = self._spawn_host(name)
             try:
                 for attempt in range(2):
                     try:
@@ -236,7 +235,7 @@ class ClusterRuntime:
                             raise NodeDown(index, f"it was restarted as it started agent {name!r}")
                     with self._lock:
                         self._pending.pop(name, None)
-                        self._pending[name] = index = self._least_loaded()
+                        self._pending[name] = index = self._spawn_host(name)
             finally:
                 with self._lock:
                     self._pending.pop(name, None)
@@ -588,18 +587,29 @@ class ClusterRuntime:
         A WaitTimeout of a stop or a forget (or of a spawn that waited for such a stop) says that the agent's stop
         goes on past its wait: the agent runs no more (as on one machine), and that host keeps its lock until its
         actor has stopped, so the next spawn, stop or forget of the name goes there and waits for the stop
-        (`_stopping_on`). A spawn's own WaitTimeout started nothing, and leaves the placement as it was.
+        (`_stopping_on`), until one of them succeeds there: any other error may have come before the wait (a
+        spawn's bad system prompt, a host that did not answer), and keeps it so. A spawn's own WaitTimeout started
+        nothing, and leaves the placement as it was.
         """
         with self._lock:
-            stopping = self._stopping.pop(name, None)
+            stopping = self._stopping.get(name)
         try:
-            return self._call(index, method, name, *args)
+            value = self._call(index, method, name, *args)
         except WaitTimeout:
             if method != "spawn" or stopping is not None:
                 with self._lock:
                     self._unplace(name)
                     self._stopping[name] = index
             raise
+        with self._lock:
+            self._stopping.pop(name, None)
+        return value
+
+    def _spawn_host(self, name) -> int:
+        """The host a spawn of agent `name` goes to: the one where its stop went on past its wait, if it lives
+        (`_stopping_on`), else the live host with the fewest agents (`_least_loaded`)."""
+        index = self._stopping_on(name)
+        return self._least_loaded() if index is None else index
 
     def _stopping_on(self, name) -> int | None:
         """The live host where a stop of agent `name` went on past its wait, if any (a dead host's lock is gone)."""
