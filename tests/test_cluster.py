@@ -186,6 +186,8 @@ def test_a_temporary_agent_that_crashed_is_gone_and_its_name_starts_again_on_any
         with pytest.raises(UnknownAgent, match=repr(name)):
             a.ask("Anyone?", **OPTS)
         assert name not in rt.running()
+        # one dead letter, as on one machine: its host, asked again after a recovery, recorded it each time
+        assert [d.message["text"] for d in rt.dead_letters if d.recipient == name] == ["Anyone?"]
     else:  # the supervisor drops it soon after the crash; only `running()` asks
         deadline = time.monotonic() + 60
         while name in rt.running() and time.monotonic() < deadline:
@@ -615,8 +617,8 @@ def test_an_async_ask_whose_call_off_reaches_its_host_before_the_turn_is_never_s
     call = rt._call
 
     def call_off_first(index, method, *args):  # the order Ray may run them in: the call-off, then the delivery
-        if method == "deliver" and args[-1] is not None:
-            rt._ray.get(rt._hosts[index].signal.remote(args[-1], "call_off"))
+        if method == "deliver" and args[5] is not None:  # its call-off key
+            rt._ray.get(rt._hosts[index].signal.remote(args[5], "call_off"))
         return call(index, method, *args)
 
     monkeypatch.setattr(rt, "_call", call_off_first)
@@ -684,7 +686,9 @@ def test_an_agent_its_hosts_recovery_could_not_start_again_is_started_by_its_nex
     """A permanent agent that its host's recovery could not start again (here another process held its lock) was
     logged as "the next call retries", but nothing retried: the next call found it not running there, and it was
     unplaced as if it had exited, gone from `running()` with no error. It counts as running until a call starts it
-    again (AgentCrashed, saying to retry, while that fails; a stop of it is done), and its next call starts it, warm."""
+    again (AgentCrashed, saying to retry, while that fails; a stop of it is done), and its next call starts it, warm.
+    Its host dead-lettered each call that it found it did not run, though the cluster then started the agent and
+    delivered it, or the call raised: what the cluster delivers after recovering the host is no dead letter."""
     node = rt.nodes()[2]  # each test that kills a host kills another one, and one kills this one already
     a = spawn_where(rt, "unstarted", lambda n: n == node)
     peer = spawn_where(rt, "unstarted-peer", lambda n: n == node)
@@ -702,6 +706,8 @@ def test_an_agent_its_hosts_recovery_could_not_start_again_is_started_by_its_nex
             os.close(fd)
     after = a.ask("Back?", turn_id="unstarted-back", **OPTS)
     assert after.cache == "warm" and rt.placement()[a.name] == node
+    # the host did not run it when each ask came, yet both were not dead letters: one delivered, one failed its caller
+    assert [d for d in rt.dead_letters if d.recipient == a.name] == []
     assert [r["turn_id"] for r in a.history() if r["role"] == "assistant"] == [first.turn_id, "unstarted-back"]
     with pytest.raises(UnknownAgent):
         rt.agent(peer.name)

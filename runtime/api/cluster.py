@@ -435,6 +435,11 @@ class ClusterRuntime:
         agent, after any wait there for the agent's restart: a cancellation meanwhile reaches the host
         (`NodeHost.signal` "call_off"), which then does not tell it, as one machine would not. One that comes
         while no host holds it (a recovery between two attempts) is kept here: the next attempt sends nothing.
+
+        A host that does not run the agent dead-letters the message at the last attempt only: after the first, the
+        cluster recovers the host and delivers it there, or raises AgentCrashed (a recovery could not start the agent
+        again: retry) or UnknownAgent (it was stopped meanwhile: no dead letter, as for a message sent once it has
+        stopped, which `_index` refuses).
         """
         kind, data, callbacks = _envelope(message)
         tell = getattr(future, "tell", None)
@@ -446,7 +451,8 @@ class ClusterRuntime:
                 tell.late = lambda host=self._hosts[index]: (called_off.set(), host.signal.remote(call_off, "call_off"))
             _begin_send(future, called_off.is_set())
             try:
-                key = self._call(index, "deliver", name, kind, data, future is not None, callbacks, call_off)
+                key = self._call(index, "deliver", name, kind, data, future is not None, callbacks, call_off,
+                                 attempt == 1)
                 break
             except NodeDown:
                 self._recover(index)

@@ -1305,16 +1305,18 @@ class Runtime:
             pass
         return False
 
-    def _deliver(self, name, message, future):
+    def _deliver(self, name, message, future, dead_letter: bool = True):
         """Tell `message` to agent `name`'s current actor; an AgentCrashed here carries the turn id of `future`.
 
         For an agent that is not running it raises UnknownAgent; a message (a turn, a note, a reset) also goes to
-        the dead letters, a question (`History`, `Lookup`) does not: its caller has the answer, the error."""
+        the dead letters, a question (`History`, `Lookup`) does not: its caller has the answer, the error. Without
+        `dead_letter` a message does not either: its caller may still deliver it (a cluster, once it has started the
+        agent again)."""
         turn_id = getattr(future, "turn_id", None)
         try:
             ref = self._ref(name, turn_id)
         except UnknownAgent as e:
-            if not isinstance(message, (History, Lookup)):  # a question, not a message: its caller gets the error
+            if dead_letter and not isinstance(message, (History, Lookup)):  # a question's caller gets the error
                 self._env.dead_letter(name, message, str(e))
             raise
         _begin_send(future)  # its asyncio call may have been cancelled while this waited

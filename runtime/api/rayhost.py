@@ -196,11 +196,11 @@ class HostedRuntime(Runtime):
             self._release_if_exited(name)
         return names
 
-    def _deliver(self, name, message, future):
+    def _deliver(self, name, message, future, dead_letter: bool = True):
         """`Runtime._deliver`; an agent found gone (UnknownAgent: it exited and was not restarted) lets go of its
         lock."""
         try:
-            super()._deliver(name, message, future)
+            super()._deliver(name, message, future, dead_letter)
         except UnknownAgent:
             self._release_if_exited(name)
             raise
@@ -279,7 +279,7 @@ class NodeHost:
         return outcome(lambda: (self.rt.spawn(name, system, restart, reset=reset, timeout=timeout), self.incarnation)[1])
 
     def deliver(self, name: str, kind: str, data, answer: bool = True, callbacks: tuple = (),
-                call_off: str | None = None) -> tuple:
+                call_off: str | None = None, dead_letter: bool = True) -> tuple:
         """Put one envelope (`KINDS`: ask / note / reset payload, or a lookup's turn id) in agent `name`'s mailbox.
 
         Returns ("ok", key) once it is there: with `answer`, `wait(key)` answers it
@@ -290,14 +290,17 @@ class NodeHost:
         `signal(call_off, "call_off")` before the envelope is told to the agent (it may
         wait for the agent's restart) calls it off: then it raises CancelledError and
         nothing is sent. So does such a signal that Ray ran here before this call, up to
-        EARLY_CALL_OFF_S earlier (Ray does not order the calls to a host).
+        EARLY_CALL_OFF_S earlier (Ray does not order the calls to a host). For an agent
+        not running here it raises UnknownAgent, and the envelope goes to this host's dead
+        letters if `dead_letter` (`Runtime._deliver`): a caller that may then deliver it
+        elsewhere passes False.
         """
         try:
-            return outcome(self._deliver, name, kind, data, answer, tuple(callbacks), call_off)
+            return outcome(self._deliver, name, kind, data, answer, tuple(callbacks), call_off, dead_letter)
         except asyncio.CancelledError as e:  # called off: a BaseException, which `outcome` leaves alone
             return "error", pack_error(e)
 
-    def _deliver(self, name, kind, data, answer, callbacks, call_off):
+    def _deliver(self, name, kind, data, answer, callbacks, call_off, dead_letter):
         if kind not in KINDS:
             raise ValueError(f"unknown envelope kind {kind!r}; one of {KINDS}")
         unknown = set(callbacks) - set(CALLBACKS)
@@ -324,7 +327,7 @@ class NodeHost:
             if called_off:
                 tell.call_off()
         try:
-            self.rt._deliver(name, envelope, future)
+            self.rt._deliver(name, envelope, future, dead_letter)
         except BaseException:
             self.futures.pop(key, None)
             self.streams.pop(key, None)
