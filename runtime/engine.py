@@ -68,11 +68,17 @@ SHORT_TAIL = 16
 
 @dataclass(frozen=True)
 class Sampling:
-    """How to pick tokens: temperature 0 is greedy; `seed` makes sampling reproducible."""
+    """How to pick tokens: temperature 0 is greedy, and so is top_p 0 (its nucleus holds the single most likely
+    token); otherwise seeded top-p sampling, `seed` making it reproducible."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        """Whether every token is the most likely one: temperature 0 or top_p 0 (then `seed` plays no part)."""
+        return self.temperature <= 0 or self.top_p <= 0
 
 
 @dataclass
@@ -482,7 +488,7 @@ class Engine:
             row.admitted = now
             row.pending = list(row.turn.tokens)
             row.detok = AnchoredDetokenizer(self.tokenizer, row.turn.tokens[-1])  # spelled in context
-            if row.turn.sampling.temperature > 0:
+            if not row.turn.sampling.greedy:
                 row.key = mx.random.key(row.turn.sampling.seed)
             self.prefilling.append(row)
         self.peak_admitted = max(self.peak_admitted, self.active())
@@ -706,12 +712,12 @@ class Engine:
     def _sample(self, rows, logits):
         """The next token of every row (a lazy array): greedy, or seeded top-p sampling (finished rows: greedy)."""
         greedy = mx.argmax(logits, axis=-1)
-        if all(r.turn.sampling.temperature <= 0 or r.finished for r in rows):
+        if all(r.turn.sampling.greedy or r.finished for r in rows):
             return greedy
         picks = []
         for i, r in enumerate(rows):
             s = r.turn.sampling
-            if s.temperature <= 0 or r.finished:
+            if s.greedy or r.finished:
                 picks.append(greedy[i])
                 continue
             r.key, sub = mx.random.split(r.key)

@@ -210,7 +210,8 @@ TURN_OPTIONS = options({
     "max_tokens": (st.integers(1, 4096), st.sampled_from([0, -1, 10**9, 4097, "3", 2.0])),
     "temperature": (st.one_of(st.sampled_from([0.0, 1]), st.floats(0, 5)),
                     st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.floats(max_value=-1e-9))),
-    "top_p": (st.one_of(st.just(1), st.floats(1e-6, 1)), st.one_of(st.floats(-1, 0), st.floats(1.0001, 2))),
+    "top_p": (st.one_of(st.sampled_from([0, 1]), st.floats(0, 1)),
+              st.one_of(st.floats(-1, 0, exclude_max=True), st.floats(1.0001, 2))),
     "seed": (st.integers(0, 2**31), st.integers(-5, -1)),
     "stop": (st.one_of(st.just(()), st.text(min_size=1, max_size=3), st.lists(st.text(min_size=1, max_size=3), max_size=2)),
              st.lists(st.one_of(st.just(""), ANY), min_size=1, max_size=2)),
@@ -237,7 +238,7 @@ def turn_valid(o, positions: int) -> bool:
     return (isinstance(o["text"], str) and o["text"] != ""
             and is_int(get("max_tokens", 128)) and 1 <= get("max_tokens", 128) < positions
             and is_real(get("temperature", 0.0)) and get("temperature", 0.0) >= 0
-            and is_real(get("top_p", 1.0)) and 0 < get("top_p", 1.0) <= 1
+            and is_real(get("top_p", 1.0)) and 0 <= get("top_p", 1.0) <= 1
             and is_int(get("seed", 0)) and get("seed", 0) >= 0
             and isinstance(stops, (list, tuple)) and all(isinstance(s, str) and s for s in stops)
             and (timeout is None or (is_real(timeout) and timeout > 0))

@@ -476,6 +476,16 @@ def test_a_temperature_too_small_for_float32_samples_greedily(llama, temperature
     assert solo(llama, cold).tokens == greedy
 
 
+@pytest.mark.parametrize("seed", [3, 4])
+def test_top_p_0_decodes_greedily_whatever_the_temperature_and_seed(llama, seed):
+    """The nucleus of top_p 0 is the single most likely token: the turn decodes as at temperature 0."""
+    model, tokenizer, spec, opts = llama
+    prompt = encode(tokenizer, "sample me something")
+    greedy = solo(llama, Turn("g", "g", None, prompt, max_tokens=12)).tokens
+    turn = Turn("t", "t", None, prompt, Sampling(temperature=2.0, top_p=0.0, seed=seed), max_tokens=12)
+    assert solo(llama, turn).tokens == greedy
+
+
 def test_sampling_never_draws_a_nan_logit_and_takes_an_infinite_one_as_the_largest():
     """Logits from a float16 model can overflow to +inf, or a broken one give NaN: shifting by the maximum made
     every logit NaN then (inf - inf), and the draw returned token 0 whatever the logits said."""

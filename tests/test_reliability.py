@@ -469,7 +469,7 @@ BAD_OPTIONS = [
     (dict(max_tokens=10**9), ValueError), (dict(max_tokens=0), ValueError), (dict(max_tokens=-1), ValueError),
     (dict(max_tokens="3"), TypeError), (dict(max_tokens=2.0), TypeError), (dict(max_tokens=True), TypeError),
     (dict(temperature=float("nan")), ValueError), (dict(temperature=-1), ValueError),
-    (dict(top_p=0), ValueError), (dict(top_p=1.5), ValueError), (dict(seed=-1, temperature=0.7), ValueError),
+    (dict(top_p=-0.1), ValueError), (dict(top_p=1.5), ValueError), (dict(seed=-1, temperature=0.7), ValueError),
     (dict(stop=[None]), TypeError), (dict(stop=("",)), ValueError), (dict(stop=3), TypeError),
     (dict(timeout=0), ValueError), (dict(timeout=float("nan")), ValueError), (dict(timeout=-5), ValueError),
     (dict(text=b"bytes"), TypeError), (dict(text=""), ValueError), (dict(sender="../x"), ValueError),

@@ -135,7 +135,8 @@ BAD = [
     ({"messages": [{"role": "user", "content": "hi"}], "temperature": 3}, "temperature"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": "many"}, "max_completion_tokens"),
-    ({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, "top_p"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_p": -0.1}, "top_p"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_p": 1.5}, "top_p"),
     # json.loads takes NaN and every comparison with it is False: it passed to the Runtime after an agent spawned
     ({"messages": [{"role": "user", "content": "hi"}], "temperature": float("nan")}, "temperature"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_p": float("nan")}, "top_p"),
@@ -1159,6 +1160,25 @@ def test_sampling_fields_the_server_cannot_honour_are_refused_not_ignored(served
         "model": "kvactors-tiny", "max_tokens": 2, "messages": hi, "logit_bias": {}, "frequency_penalty": 0,
         "presence_penalty": 0.0})
     assert status == 200
+
+
+def test_top_p_0_picks_the_most_likely_token_over_http_and_in_python(served):
+    """OpenAI's top_p runs from 0 to 1, and clients send 0 to ask for greedy decoding: it was refused with a 400.
+    The nucleus of top_p 0 holds the single most likely token, so the turn decodes greedily whatever the
+    temperature and seed, in a request as in `ask`."""
+    client, hi = served.client(), [{"role": "user", "content": "Pick a word."}]
+
+    def text(agent, **options):
+        reply = client.chat.completions.create(model="kvactors-tiny", messages=hi, max_tokens=6,
+                                               extra_headers={"X-Agent-Id": agent}, **options)
+        return reply.choices[0].message.content
+
+    greedy = text("top-p-greedy", temperature=0)
+    assert text("top-p-zero-a", temperature=1.5, top_p=0, seed=1) == greedy
+    assert text("top-p-zero-b", temperature=1.5, top_p=0, seed=2) == greedy
+    asked = [served.rt.spawn(name).ask("Pick a word.", max_tokens=6, **options).text
+             for name, options in (("py-greedy", {}), ("py-top-p-zero", dict(temperature=1.5, top_p=0, seed=9)))]
+    assert asked[1] == asked[0]
 
 
 @pytest.mark.parametrize("method,path", [("GET", "/health"), ("GET", "/v1/agents"), ("GET", "/v1/agents/nobody"),

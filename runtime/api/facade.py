@@ -513,7 +513,7 @@ class AgentRef:
         """Queue a turn on `text`; return a future of its `Reply` (`await` it in asyncio code).
 
         `max_tokens`: tokens to generate at most. `temperature` (0: greedy), `top_p`
-        and `seed` pick the tokens; `stop` ends the reply before the first of these
+        (0: greedy too) and `seed` pick the tokens; `stop` ends the reply before the first of these
         strings. The future raises AgentCrashed (with the turn id) if the agent crashes
         in the turn, TurnTimeout `timeout` seconds after this call (None disables the
         watchdog; the wait behind the agent's earlier work counts: a turn whose time ran
@@ -1654,12 +1654,21 @@ def wait_thread_gone(thread: threading.Thread, timeout: float = 10.0) -> None:
         time.sleep(0.001)
 
 
+def check_top_p(top_p) -> None:
+    """Raise InvalidArgumentType unless `top_p` is an int or a float, and InvalidArgument unless it is in [0, 1]:
+    the probability mass of the most likely tokens a turn samples from, 1 all of them and 0 the single most likely
+    one (greedy decoding, as OpenAI's clients mean by it; `engine.Sampling.greedy`)."""
+    _number("top_p", top_p)
+    if not 0 <= top_p <= 1:  # NaN fails it too
+        raise InvalidArgument(f"top_p must be in [0, 1] (0: greedy), got {shown(top_p)}")
+
+
 def check_turn_options(text, max_tokens, temperature, top_p, seed, stop, timeout, max_context=None) -> tuple:
     """Check a turn's options; return `stop` as a tuple of strings.
 
     Raises TypeError for a wrong type and ValueError for a value out of range:
     `text` a non-empty str; `max_tokens` an int >= 1 (and at most `max_context`, the
-    model's positions, when known); `temperature` finite and >= 0; `top_p` in (0, 1];
+    model's positions, when known); `temperature` finite and >= 0; `top_p` in [0, 1] (`check_top_p`);
     `seed` an int in [0, 2**64); `stop` one non-empty str or an iterable of them; `timeout`
     None or a finite number > 0.
     """
@@ -1675,9 +1684,7 @@ def check_turn_options(text, max_tokens, temperature, top_p, seed, stop, timeout
     _number("temperature", temperature)
     if not (_finite(temperature) and temperature >= 0):
         raise InvalidArgument(f"temperature must be finite and >= 0, got {shown(temperature)}")
-    _number("top_p", top_p)
-    if not 0 < top_p <= 1:
-        raise InvalidArgument(f"top_p must be in (0, 1], got {shown(top_p)}")
+    check_top_p(top_p)
     _number("seed", seed, int)
     if not 0 <= seed < 2**64:
         raise InvalidArgument(f"seed must be in [0, 2**64), got {shown(seed)}")

@@ -59,7 +59,7 @@ from runtime import (AgentCrashed, AgentStopped, ChatTemplateError, JournalError
                      RuntimeEscalated, SystemPromptChanged, SystemPromptTooLong, TurnNotSaved, TurnTimeout, TurnTooLarge,
                      TurnTooLong, UnknownAgent, WaitTimeout)
 from runtime.api.facade import (_number as _check_number, _positive, check_conversation_fits, check_room,
-                                check_unicode)
+                                check_top_p, check_unicode)
 from runtime.errors import InvalidArgument, InvalidArgumentType, KvactorsError, shown
 from runtime.store import InvalidAgentId, check_agent_id, conversation_prompt
 
@@ -132,14 +132,29 @@ class ChatRequest:
     include_usage: bool = False
 
 
-def _number(body, name, lo, hi, default, lo_open=False):
+def _number(body, name, lo, hi, default):
     value = body.get(name)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise bad(f"{name} must be a number, got {type(value).__name__}", name, "invalid_type")
-    if not (lo < value if lo_open else lo <= value) or not value <= hi:  # NaN (which json.loads takes) fails both
-        raise bad(f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {shown(value)}", name)
+    if not lo <= value <= hi:  # NaN (which json.loads takes) fails it
+        raise bad(f"{name} must be in [{lo}, {hi}], got {shown(value)}", name)
+    return value
+
+
+def _checked(body, name, check, default):
+    """`body[name]` (`default` where absent or null) if `check`, the Python API's validator of that option, takes
+    it; else a 400 about `name`."""
+    value = body.get(name)
+    if value is None:
+        return default
+    try:
+        check(value)
+    except InvalidArgumentType as e:
+        raise bad(str(e), name, "invalid_type") from None
+    except InvalidArgument as e:
+        raise bad(str(e), name) from None
     return value
 
 
@@ -237,7 +252,7 @@ def parse_chat(body, agent_header: str | None = None) -> ChatRequest:
     maxes = [_integer(body, k, 1, 1 << 20) for k in ("max_completion_tokens", "max_tokens")]
     req.max_tokens = next((m for m in maxes if m is not None), None)
     req.temperature = float(_number(body, "temperature", 0, 2, 1.0))
-    req.top_p = float(_number(body, "top_p", 0, 1, 1.0, lo_open=True))
+    req.top_p = float(_checked(body, "top_p", check_top_p, 1.0))  # 0: greedy, as in `ask`
     seed = _integer(body, "seed", 0, (1 << 63) - 1)
     req.seed = secrets.randbits(63) if seed is None else seed  # unseeded sampling varies, as OpenAI's does
     stop = body.get("stop")
