@@ -349,6 +349,20 @@ def test_native_agent_routes_spawn_send_to_history_and_forget(served):
     assert served.request("POST", "/v1/agents", {"name": "no/slashes"})[0] == 400
 
 
+def test_spawn_takes_a_null_system_as_no_system_prompt(served):
+    """JSON null is an absent field everywhere else in the server's bodies; `"system": null` got a 400."""
+    status, agent, _ = served.request("POST", "/v1/agents", {"name": "nullsys", "system": None})
+    assert status == 200 and agent["system"] == "" and agent["messages"] == []
+    served.request("POST", "/v1/chat/completions", {"model": "kvactors-tiny", "max_tokens": 2,
+                                                    "messages": [{"role": "system", "content": "Be brief."},
+                                                                 {"role": "user", "content": "hi"}]},
+                   {"X-Agent-Id": "nullsys"})
+    status, agent, _ = served.request("POST", "/v1/agents", {"name": "nullsys", "system": None})
+    assert status == 200 and agent["system"] == "Be brief."  # resumed under its own prompt, as with none given
+    status, answer, _ = served.request("POST", "/v1/agents", {"name": "nullsys2", "system": 3})
+    assert status == 400 and answer["error"]["param"] == "system"
+
+
 def test_a_system_prompt_that_fills_the_model_is_refused_with_400_and_no_agent(served):
     """A system prompt whose tokens leave no room for a turn was taken by POST /v1/agents and by a chat request
     (stored, then every turn refused); it is now refused first, as the context length it exceeds."""

@@ -799,9 +799,11 @@ def routes(server: Server) -> list[Route]:
         body = await _json(request, server.body_limit)
         if not isinstance(body, dict) or not isinstance(body.get("name"), str):
             raise bad("give the agent a name: {\"name\": \"alice\", \"system\": \"...\"}", "name", "invalid_type")
-        system = body.get("system", "")
+        system = body.get("system")
+        if system is None:  # absent or null: no system prompt (a stored agent resumes under its own)
+            system = ""
         if not isinstance(system, str):
-            raise bad("system must be a string", "system", "invalid_type")
+            raise bad("system must be a string or null", "system", "invalid_type")
         try:
             name = check_agent_id(body["name"])
         except InvalidAgentId as e:
