@@ -363,6 +363,24 @@ def test_spawn_takes_a_null_system_as_no_system_prompt(served):
     assert status == 400 and answer["error"]["param"] == "system"
 
 
+def test_send_to_honours_the_chat_routes_options_and_refuses_what_it_cannot_honour(served):
+    """send_to passed five of the chat route's fields on and dropped the rest unread: max_completion_tokens was
+    ignored, and stream, logit_bias or n > 1 were answered with a 200 as if honoured."""
+    for name in ("opt-sender", "opt-receiver"):
+        served.request("POST", "/v1/agents", {"name": name})
+    path = "/v1/agents/opt-sender/send_to"
+    status, sent, _ = served.request("POST", path, {"to": "opt-receiver", "content": "hello", "max_completion_tokens": 1,
+                                                    "max_tokens": 3})  # as on the chat route, the newer name wins
+    assert status == 200 and sent["usage"]["completion_tokens"] == 1, sent
+    for field, value in (("stream", True), ("logit_bias", {"42": -100}), ("n", 2), ("tools", [{"type": "function"}]),
+                         ("stream_options", {"include_usage": True})):
+        status, answer, _ = served.request("POST", path, {"to": "opt-receiver", "content": "hi", field: value})
+        assert status == 400 and answer["error"]["param"] == field, (field, answer)
+    status, sent, _ = served.request("POST", path, {"to": "opt-receiver", "content": "hi", "max_tokens": 1,
+                                                    "stream": False, "logit_bias": {}, "n": 1})
+    assert status == 200 and sent["usage"]["completion_tokens"] == 1
+
+
 def test_a_system_prompt_that_fills_the_model_is_refused_with_400_and_no_agent(served):
     """A system prompt whose tokens leave no room for a turn was taken by POST /v1/agents and by a chat request
     (stored, then every turn refused); it is now refused first, as the context length it exceeds."""

@@ -840,8 +840,12 @@ def routes(server: Server) -> list[Route]:
         content = body.get("content")
         if not isinstance(content, str) or not content:
             raise bad("content must be a non-empty string", "content")
-        req = parse_chat({"model": server.model_id, "messages": [{"role": "user", "content": content}],
-                          **{k: body[k] for k in ("max_tokens", "temperature", "top_p", "seed", "stop") if k in body}})
+        # the chat route's options, checked as there (what it refuses is refused here too), but one message
+        options = {k: v for k, v in body.items() if k not in ("to", "content")}
+        req = parse_chat({**options, "model": server.model_id, "messages": [{"role": "user", "content": content}]})
+        if req.stream:
+            raise bad("send_to answers with one JSON object and does not stream: leave stream out or false", "stream",
+                      "unsupported_parameter")
         await known(name)  # a misspelt name is a 404, as for GET, not a new agent
         await known(to, "to")
         first, second = sorted((name, to))
