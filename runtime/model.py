@@ -221,7 +221,8 @@ def resolve_model_path(model: str | Path | None) -> Path:
     `huggingface_hub.snapshot_download` if not cached, which needs network access); or None for the default: the
     model named by $KVACTORS_MODEL if set, else the embedded SmolLM2-135M-Instruct
     (`default_model_file`). Raises ModelLoadError (DefaultModelMissing when the
-    default's package is not installed; GGUFError for a GGUF that cannot be converted), and InvalidArgument for an
+    default's package is not installed; GGUFError for a GGUF that cannot be converted; a plain one, not OSError,
+    for a name the file system cannot look up, such as one longer than it takes), and InvalidArgument for an
     empty or blank str (as a path it would name the current folder: "." names that one).
     """
     if model is None:
@@ -232,15 +233,21 @@ def resolve_model_path(model: str | Path | None) -> Path:
         raise InvalidArgument(f"model is empty ({model!r}): give a model folder, a .gguf file, a Hugging Face id or "
                               "'tiny', or None (no --model) for the default")
     path = Path(model).expanduser()
-    if str(model) == TINY and not path.exists():
+    try:
+        here = path.exists()
+    except OSError as e:  # a name longer than the file system takes, a folder on the way that cannot be searched
+        raise ModelLoadError(f"cannot find model {model!r}: the file system cannot look it up as a path "
+                             f"({os.strerror(e.errno) if e.errno else e}); give a model folder or .gguf file it can "
+                             "read, a Hugging Face id, or 'tiny'") from e
+    if str(model) == TINY and not here:
         from runtime.tiny import tiny_llama_path
 
         return tiny_llama_path()
-    if path.suffix.lower() == ".gguf" and path.is_file():
+    if here and path.suffix.lower() == ".gguf" and path.is_file():
         from runtime.gguf import gguf_model_path
 
         return gguf_model_path(path)
-    if path.exists():
+    if here:
         return path
     from huggingface_hub import snapshot_download
 

@@ -312,6 +312,14 @@ def test_load_model_default_and_errors(tmp_path):
         load_model(5)
 
 
+@pytest.mark.parametrize("name", ["m" * 5000, "org/" + "m" * 300, "m" * 300 + ".gguf"])
+def test_a_model_name_the_file_system_cannot_look_up_is_a_model_load_error(name):
+    """A name longer than the file system takes raised a bare OSError ("File name too long") from the check of
+    whether it is a local path."""
+    with pytest.raises(ModelLoadError, match="cannot find model.*give a"):
+        load_model(name)
+
+
 def test_a_broken_model_folder_is_a_model_load_error_naming_the_folder(tmp_path):
     """Whatever fails inside mlx-lm (a config that is not JSON, missing or cut weights, no tokenizer, an unknown
     architecture), the caller gets ModelLoadError with the folder and the cause."""
