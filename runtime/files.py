@@ -71,15 +71,17 @@ class AgentInUse(KvactorsError, RuntimeError):
 
 
 def check_agent_id(agent: str) -> str:
-    """Return `agent` if it is a valid id (`[A-Za-z0-9][A-Za-z0-9._-]{0,127}`, not MODEL_FILE's name, which
-    lies beside the agent folders), else raise InvalidAgentId."""
+    """Return `agent` if it is a valid id (`[A-Za-z0-9][A-Za-z0-9._-]{0,127}`, not MODEL_FILE's name in any case:
+    that file lies beside the agent folders, and a case-insensitive file system takes MODEL.json for it), else
+    raise InvalidAgentId."""
     if not isinstance(agent, str) or not AGENT_ID.fullmatch(agent):
         raise InvalidAgentId(
             f"invalid agent id {agent!r}: use 1-128 characters from A-Z a-z 0-9 . _ -, starting with a letter or digit"
         )
-    if agent == MODEL_FILE:
-        raise InvalidAgentId(f"invalid agent id {agent!r}: the store keeps a file of that name beside the agents' "
-                             "folders; choose another name")
+    if agent.lower() == MODEL_FILE:  # ids are ASCII: lower() is the case folding of every file system
+        raise InvalidAgentId(f"invalid agent id {agent!r}: the store keeps a file named {MODEL_FILE!r} beside the "
+                             "agents' folders (a case-insensitive file system takes the two for one); choose another "
+                             "name")
     return agent
 
 

@@ -279,6 +279,16 @@ def test_ids_that_differ_only_in_case_are_refused_running_or_stored(tmp_path):
         assert rt.spawn("alice").history() == []
 
 
+@pytest.mark.parametrize("name", ["MODEL.json", "Model.Json"])
+def test_an_id_that_differs_from_the_stores_own_file_only_in_case_is_refused(tmp_path, name):
+    """The store keeps model.json beside the agents' folders: an agent MODEL.json got a folder beside it, which a
+    case-insensitive file system (macOS's) takes for that file."""
+    with Runtime(model=None, cache_dir=tmp_path) as rt:
+        with pytest.raises(store.InvalidAgentId, match="the store keeps a file named 'model.json'"):
+            rt.spawn(name)
+        assert rt.running() == [] and not [p for p in tmp_path.glob("*/*") if p.name.lower() == "model.json" and p.is_dir()]
+
+
 def test_hot_budget_zero_makes_every_turn_warm_with_the_same_output(tmp_path):
     texts = ["Plan a bake sale.", "Go on.", "Who bakes?"]
     with Runtime(model=None, cache_dir=tmp_path / "hot") as rt:

@@ -681,7 +681,8 @@ def test_bad_records_are_refused():
 # ---------------------------------------------------------------- ids, permissions, files
 
 
-BAD_IDS = ["", ".", "..", "../x", "a/../../b", "/etc", "a/b", "a\\b", "-a", ".hidden", "_a", "a b", "a\n", "a\x00b", "é", "a" * 129, None, 3, "model.json"]
+BAD_IDS = ["", ".", "..", "../x", "a/../../b", "/etc", "a/b", "a\\b", "-a", ".hidden", "_a", "a b", "a\n", "a\x00b", "é", "a" * 129, None, 3, "model.json",
+           "MODEL.json", "Model.Json"]  # a case-insensitive file system takes these for the store's model.json
 
 
 @pytest.mark.parametrize("agent", BAD_IDS)
