@@ -11,7 +11,8 @@ The table gives every round and each version's median; pin the process to one CP
 
 With `--chunk TOKENS` it times hot prefill chunks instead (`benchmarks.hot_chunk`'s pieces: a
 chunk of TOKENS tokens after the cache, as `--batches` turns share it, to its end, median of 5
-runs after 2, and for one turn the host's share of it: build and queue).
+runs after 2, and for one turn the host's share of it: build and queue). `--cuda-calls` (CUDA, the
+`cupti-python` package) also writes the CUDA calls the host made in each version's rounds (`calls_table`).
 
     python -m benchmarks.module_ab --model llama-8b-shape --copy old_q4sdpa.py \\
         --module runtime.q4sdpa --names q4_decode_sdpa --context 3072 --batches 5,8
@@ -21,13 +22,16 @@ runs after 2, and for one turn the host's share of it: build and queue).
 
 from __future__ import annotations
 
+import collections
 import importlib
 import statistics
+import time
 
 import mlx.core as mx
 
 from benchmarks.anatomy import pipelined, split, step
 from benchmarks.common import bench_parser, environment, load_bench_model, write_results
+from benchmarks.cuda_calls import CudaCalls
 from benchmarks.hot_chunk import chunk_runner, shared_runner, timed_runs
 from benchmarks.profile import prefilled
 from benchmarks.q4sdpa_tune import load_copy
@@ -55,6 +59,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=6, help="rounds of both versions, alternating which goes first")
     ap.add_argument("--chunk", type=int, default=0,
                     help="time hot prefill chunks of this many tokens, shared by each of --batches turns, instead")
+    ap.add_argument("--cuda-calls", action="store_true",
+                    help="also trace the CUDA calls the host makes (CUPTI, `benchmarks.cuda_calls`) and write each "
+                         "version's per round and batch to <name>-cuda-calls.md")
     args = ap.parse_args(argv)
     env = environment()
     print(env, flush=True)
@@ -64,21 +71,28 @@ def main(argv=None) -> int:
     route = route_for(spec, None)
     cache = prefilled(model, spec, "dequant", args.context, seed=1)
     batches = [int(x) for x in args.batches.split(",")]
-    rows = []
+    rows, windows = [], collections.defaultdict(list)  # (version, batch) -> the rounds' (start, end), for --cuda-calls
+    trace = CudaCalls().start() if args.cuda_calls else None
     for r in range(args.rounds + 1):  # round 0 compiles both versions' kernels and is left out
         for version in (("new", "old") if r % 2 else ("old", "new")):
             before = swapped(module, copy, names) if version == "old" else None
             try:
                 for b in batches:
+                    t0 = time.perf_counter()
                     times = (chunk_times if args.chunk else step_times)(model, spec, route, cache, b, args.chunk)
                     row = dict(round=r, version=version, batch=b, **times)
                     print(row, flush=True)
                     if r:
                         rows.append(row)
+                        windows[version, b].append((t0, time.perf_counter()))
             finally:
                 if before:
                     for n, value in before.items():
                         setattr(module, n, value)
+    if trace is not None:
+        trace.stop()
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"{args.name or 'module_ab'}-cuda-calls.md").write_text(calls_table(trace, windows))
     columns = CHUNK_COLUMNS if args.chunk else COLUMNS
     for version in ("old", "new"):
         for b in batches:
@@ -93,6 +107,21 @@ def main(argv=None) -> int:
                   notes=f"{args.module}.{args.names} from {args.copy} (old) against the tree's (new); route {route}, "
                         f"KV scheme {spec.kv_scheme.name}, context {args.context}; per round and batch: {measured}")
     return 0
+
+
+def calls_table(trace, windows, top: int = 12) -> str:
+    """A markdown table of the `top` CUDA calls by time for each (version, batch) of `windows` (its rounds' (start,
+    end) on `time.perf_counter`'s clock), summed over the rounds and given per round: calls and milliseconds."""
+    lines = ["| version | batch | thread | function | calls a round | ms a round |", "|---|---|---|---|---|---|"]
+    for (version, batch), spans in sorted(windows.items()):
+        total = collections.defaultdict(lambda: [0, 0.0])
+        for start, end in spans:
+            for key, (n, ms) in trace.totals(start, end).items():
+                total[key][0] += n
+                total[key][1] += ms
+        for (thread, name), (n, ms) in sorted(total.items(), key=lambda kv: -kv[1][1])[:top]:
+            lines.append(f"| {version} | {batch} | {thread} | {name} | {n / len(spans):.1f} | {ms / len(spans):.3f} |")
+    return "\n".join(lines) + "\n"
 
 
 def step_times(model, spec, route, cache, rows: int, _chunk: int) -> dict:

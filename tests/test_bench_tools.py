@@ -305,3 +305,27 @@ def test_module_ab_times_hot_chunks_with_the_copy_in_the_old_rounds_only(tmp_pat
     assert medians == [("old", 1), ("old", 2), ("new", 1), ("new", 2)]
     assert all(r["chunk_ms"] > 0 for r in rows)
     assert all((r["host_ms"] is not None) == (r["batch"] == 1) for r in rows)
+
+
+def test_module_ab_calls_table_gives_each_versions_calls_a_round_by_time():
+    """The CUDA calls of each version's rounds, summed over its windows and given per round, the longest first
+    (a recorded trace stands in for CUPTI's, which exists only on CUDA)."""
+    from benchmarks.module_ab import calls_table
+
+    class Trace:
+        records = [(0.5, "engine", "cuMemAllocAsync", 2, 4.0), (0.6, "engine", "cuGraphLaunch", 1, 1.0),
+                   (1.5, "engine", "cuMemAllocAsync", 4, 8.0), (2.5, "engine", "cuGraphLaunch", 3, 3.0)]
+
+        def totals(self, start, end):
+            out = {}
+            for when, thread, name, n, ms in self.records:
+                if start <= when <= end:
+                    entry = out.setdefault((thread, name), [0, 0.0])
+                    entry[0] += n
+                    entry[1] += ms
+            return out
+
+    table = calls_table(Trace(), {("new", 1): [(0, 1), (2, 3)], ("old", 1): [(1, 2)]}).splitlines()
+    assert table[2:] == ["| new | 1 | engine | cuMemAllocAsync | 1.0 | 2.000 |",
+                         "| new | 1 | engine | cuGraphLaunch | 2.0 | 2.000 |",
+                         "| old | 1 | engine | cuMemAllocAsync | 4.0 | 8.000 |"]
