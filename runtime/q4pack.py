@@ -140,9 +140,9 @@ _LOCATE_INTO = """
 """
 
 _kernels = {}  # in place or not -> the kernel
-_launches = {}  # (shape, dtype, scheme[, buffer shapes]) -> the launch arguments: made once, looked up per call
-_runs = {}  # the same keys of pack_kv_into -> its call as a compiled function of its inputs (`compiled_launch`)
-# (a decode step makes 32)
+_launches = {}  # pack_kv's (shape, dtype, scheme) -> the launch arguments: made once, looked up per call
+_runs = {}  # pack_kv_into's (shapes, dtypes, scheme, buffer shapes, rope) -> its call as a compiled function of its
+# inputs (`compiled_launch`), its launch arguments checked and made once: looked up per call (a decode step makes 32)
 
 
 def serves(scheme: KVScheme, keys, values) -> bool:
@@ -190,15 +190,13 @@ def pack_kv_into(keys, values, scheme: KVScheme, key_buffers, value_buffers, end
     """
     key = (keys.shape, values.shape, keys.dtype, values.dtype, scheme,
            tuple((x.shape, x.dtype) for x in (*key_buffers, *value_buffers)), rope is not None)
-    args = _launches.get(key)
-    if args is None:
-        args = _launches[key] = _launch_into(keys, values, scheme, key_buffers, value_buffers, rope)
     W, N = key_buffers[0].shape[2], keys.shape[2]
     check_rope(rope, keys.shape[0], keys.shape[3])
     if not N <= end <= W:
         raise ValueError(f"pack_kv_into writes columns [end - {N}, end) of buffers {W} wide; got end {end}")
     run = _runs.get(key)
-    if run is None:
+    if run is None:  # ValueError for buffers the kernel does not write, before any kernel is made
+        args = _launch_into(keys, values, scheme, key_buffers, value_buffers, rope)
         run = _runs[key] = compiled_launch(_kernel(True), args, 0)
     positions, inv_freq = rope if rope is not None else no_rope()
     return run(keys, values, *key_buffers, *value_buffers, q4sdpa.meta(end, 0, 1), positions, inv_freq)
