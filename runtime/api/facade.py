@@ -102,6 +102,12 @@ def never_fits(runtime, chars: int, reserved: int) -> bool:
     return bool(longest and positions) and chars > (positions - reserved) * longest
 
 
+def message_chars(text: str, sender: str | None = None) -> int:
+    """The characters a message puts in the prompt, as `actors.agent.render_messages` renders it: a user message's
+    sender with its text ("sender: text"; the separator left out, so the count never overstates), else the text."""
+    return len(text) + len(sender or "")
+
+
 def check_conversation_fits(runtime, what: str, messages: int, chars: int, reserved: int, leaving: str) -> None:
     """Raise InvalidArgument if a conversation (`what`, the subject of the message) of `messages` messages holding
     `chars` characters in all can never fit the model's positions with `reserved` of them left (`leaving` says for
@@ -773,7 +779,7 @@ class AgentRef:
             raise InvalidArgument("a note needs a non-empty text")
         if sender is not None and not isinstance(sender, str):
             raise InvalidArgumentType(f"sender must be a str or None, got {type(sender).__name__}")
-        chars = len(text) + len(sender or "")  # rendered as "sender: text" (`render_messages`)
+        chars = message_chars(text, sender)
         if never_fits(self.runtime, chars, 1):
             raise InvalidArgument(f"the note has {chars} characters with its sender: more tokens, whatever they are, "
                                   f"than the model's {self.runtime.max_context} positions leave for it; shorten it")
@@ -829,9 +835,8 @@ class AgentRef:
         if system is not None:
             check_unicode("system", system)
             self.runtime._check_system_fits(system)
-        # every record ends up in the next turn's prompt, a user message's sender with its text (`render_messages`):
-        # a conversation that can never fit would fail every later turn
-        chars = sum(len(r["text"]) + len(r["role"] == "user" and r["sender"] or "") for r in clean)
+        # every record ends up in the next turn's prompt: a conversation that can never fit would fail every later turn
+        chars = sum(message_chars(r["text"], r["sender"] if r["role"] == "user" else None) for r in clean)
         check_conversation_fits(self.runtime, "the conversation", len(clean), chars + len(system or ""), 2,
                                 "a message and a token of reply; drop or shorten records")
         future = ReplyFuture()

@@ -59,7 +59,7 @@ from runtime import (AgentCrashed, AgentStopped, ChatTemplateError, JournalError
                      RuntimeEscalated, SystemPromptChanged, SystemPromptTooLong, TurnNotSaved, TurnTimeout, TurnTooLarge,
                      TurnTooLong, UnknownAgent, WaitTimeout)
 from runtime.api.facade import (_number as _check_number, _positive, check_conversation_fits, check_room,
-                                check_top_p, check_unicode)
+                                check_top_p, check_unicode, message_chars)
 from runtime.errors import InvalidArgument, InvalidArgumentType, KvactorsError, shown
 from runtime.store import InvalidAgentId, check_agent_id, conversation_prompt
 
@@ -336,7 +336,7 @@ def check_messages_fit(rt: Runtime, req: ChatRequest, max_tokens: int) -> None:
     with `max_tokens`, whatever the agent holds: every message of it ends up in the conversation, a user's name
     with its text (`facade.check_conversation_fits`). Checked before anything
     runs: the agent would take each earlier message as a note first (tens of thousands took tens of seconds)."""
-    chars = sum(len(text) + len(sender or "") for _, text, sender in req.messages) + len(req.system or "")
+    chars = sum(message_chars(text, sender) for _, text, sender in req.messages) + len(req.system or "")
     try:
         check_conversation_fits(rt, "the request", len(req.messages), chars, max_tokens, f"max_tokens {max_tokens}")
     except InvalidArgument as e:
