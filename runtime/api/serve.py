@@ -343,6 +343,13 @@ def check_messages_fit(rt: Runtime, req: ChatRequest, max_tokens: int) -> None:
         raise bad(f"{e}; send fewer or shorter messages", "messages", "context_length_exceeded") from None
 
 
+async def sent_off_loop(send, *args, **kwargs):
+    """What the future `send(*args, **kwargs)` returns gives (a reset's or a turn's), the call made in a thread of
+    the loop's executor: a send waits while its agent restarts (up to RESTART_WAIT_S seconds), and every other
+    request is served meanwhile, as `ask_async` sends."""
+    return await (await asyncio.to_thread(send, *args, **kwargs))
+
+
 def failure(task: asyncio.Task) -> BaseException | None:
     """What a done turn task failed with: its exception, RuntimeClosed where it was cancelled (the server
     stopping), None where it returned."""
@@ -529,7 +536,7 @@ class Server:
                     elif wrote:  # the request's earlier messages leave no trace either: a corrected resend is not doubled
                         # and its system prompt neither: a history without a system record says none (""), and
                         # reset(history) alone would keep the one the request's reset set
-                        await (await asyncio.to_thread(ref.reset, history, system=conversation_prompt(history)))
+                        await sent_off_loop(ref.reset, history, system=conversation_prompt(history))
                 except Exception as undo:  # noqa: BLE001 - the client's answer is the refusal; this is the log's
                     log.warning("agent %s keeps what a refused request began: undoing it failed: %r", name, undo)
                 raise
@@ -541,7 +548,7 @@ class Server:
         Each message is sent in a thread, as `ask_async` and `astream` send theirs: sending waits while the agent
         restarts (up to RESTART_WAIT_S seconds), and every other request is served meanwhile."""
         if plan.reset is not None:
-            await (await asyncio.to_thread(ref.reset, plan.reset, system=plan.system))
+            await sent_off_loop(ref.reset, plan.reset, system=plan.system)
         for text, sender in plan.notes:
             if text:
                 await asyncio.to_thread(ref.note, text, sender)
@@ -851,8 +858,8 @@ def routes(server: Server) -> list[Route]:
         first, second = sorted((name, to))
         async with server.lock(first), server.lock(second):
             sender, receiver = await server.agent(name), await server.agent(to)
-            # sent in a thread: sending waits while `to` restarts (`server.agent` does not wait for it)
-            reply = await (await asyncio.to_thread(sender.send_to, receiver, content, **server.options(req)))
+            # `to` may restart meanwhile: `server.agent` does not wait for it, the send does
+            reply = await sent_off_loop(sender.send_to, receiver, content, **server.options(req))
         return JSONResponse({"from": name, "to": to, "content": reply.text, "finish_reason": reply.finish_reason,
                              "usage": server.usage(reply), "kvactors": server.kvactors_info(reply)},
                             headers={"X-Agent-Id": to, "X-KV-Cache": reply.cache})
