@@ -149,7 +149,7 @@ class ClusterRuntime:
         self._serial = itertools.count()
         self._restart: dict[str, str] = {}  # agent -> its restart type
         self._stopping: dict[str, int] = {}  # agent -> the host where its stop ran past its wait (`_on_host_of`)
-        self._unstarted: dict[str, None] = {}  # placed agents that a recovery could not start again (`_recover`)
+        self._unstarted: set[str] = set()  # placed agents that a recovery could not start again (`_recover`)
         self._hosts: list = []
         self._info: list[dict] = []
         self._dead: set[int] = set()
@@ -234,7 +234,7 @@ class ClusterRuntime:
                         if attempt:  # its host was recovered, without it, as it started it there
                             raise NodeDown(index, f"it was restarted as it started agent {name!r}")
                     with self._lock:
-                        self._pending.pop(name, None)
+                        self._pending.pop(name, None)  # not counted by `_least_loaded` as it picks again
                         self._pending[name] = index = self._spawn_host(name)
             finally:
                 with self._lock:
@@ -583,7 +583,7 @@ class ClusterRuntime:
         except BaseException as e:
             if restart is not None and not isinstance(e, (WaitTimeout, UnknownAgent)):
                 if self._place_running(name, index, incarnation, restart) and unstarted:
-                    self._unstarted[name] = None  # placed back as it was: still to be started again
+                    self._unstarted.add(name)  # placed back as it was: still to be started again
             raise
 
     def _on_host_of(self, name, index, method, *args):
@@ -677,13 +677,13 @@ class ClusterRuntime:
 
     def _place(self, name, index):
         self._where[name] = index
-        self._unstarted.pop(name, None)
+        self._unstarted.discard(name)
         self._serials[name] = next(self._serial)
         self._ray.get(self._directory.set.remote(name, self._hosts[index]))
 
     def _unplace(self, name):
         self._names.pop(name, None)
-        self._unstarted.pop(name, None)
+        self._unstarted.discard(name)
         self._where.pop(name, None)
         self._serials.pop(name, None)
         self._restart.pop(name, None)
@@ -720,7 +720,7 @@ class ClusterRuntime:
                     self._call(target, "spawn", name, "", self._restart[name], False, 60.0)
                     self._place(name, target)
                 except Exception as e:  # noqa: BLE001 - one agent that cannot move must not strand the others
-                    self._unstarted[name] = None
+                    self._unstarted.add(name)
                     log.error("agent %s could not be started again on host %d (the next call on it tries again): "
                               "%s", name, target, e)
 
