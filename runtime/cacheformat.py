@@ -40,8 +40,8 @@ _DTYPES = {"U32": np.uint32, "F32": np.float32, "F16": np.float16, "BF16": np.ui
 _SCALE_HEADER = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
 
-class CacheError(KvactorsError):
-    """A stored cache cannot be used; re-prefill the agent from its journal."""
+class CacheError(KvactorsError, OSError):
+    """A stored cache cannot be used; re-prefill the agent from its journal. An OSError: a file's problem."""
 
 
 class CacheMissing(CacheError):

@@ -44,8 +44,9 @@ _HIGH = struct.Struct("<4sqI")  # magic, seq, crc32 of the 12 bytes before: 16 b
 _HIGH_MAGIC = b"kvhs"
 
 
-class JournalError(KvactorsError):
-    """A journal that cannot be read at all (another format, no permission); it is left untouched.
+class JournalError(KvactorsError, OSError):
+    """A journal that cannot be read at all (another format, no permission); it is left untouched. An OSError: a
+    file's problem.
 
     The agent it belongs to cannot work until the file is fixed or moved aside; other
     agents are not affected.

@@ -54,6 +54,19 @@ def test_errors_keep_their_builtin_base():
     for name, base in expect.items():
         assert issubclass(getattr(runtime, name), base), (name, base)
     assert not issubclass(KvactorsError, (ValueError, RuntimeError, OSError))
+    # a stored cache or journal that cannot be used is a file's problem, as gzip's BadGzipFile is
+    for name in ("CacheError", "CacheMissing", "CorruptCache", "ChecksumMismatch", "UnreadableCache", "JournalError"):
+        assert issubclass(getattr(runtime, name), OSError), name
+
+
+def test_every_error_has_a_builtin_base_that_says_its_kind():
+    """`except ValueError` (OSError, RuntimeError, ...) catches each kvactors error of that kind: none derives from
+    Exception alone, but the root and the mixin of advice, and ApiError, an HTTP answer the server's app raises
+    and answers itself."""
+    mixins = {"KvactorsError", "AdvisedError", "ApiError"}
+    for cls in _error_classes():
+        kinds = [k for k in cls.__mro__ if k.__module__ == "builtins" and k not in (Exception, BaseException, object)]
+        assert kinds or cls.__name__ in mixins, f"{cls.__module__}.{cls.__name__} has no builtin base but Exception"
 
 
 def test_a_bad_argument_is_a_kvactors_error_that_keeps_its_builtin_kind(tmp_path):
