@@ -13,11 +13,12 @@ requantized by MLX where the folder keeps quantized weights); types neither can
 read are refused with `UnsupportedGGUF` naming the type. The folder stores
 either `"float32"` weights (every tensor exactly dequantized: fastest on MLX's
 CPU build, where quantized matmuls with 16-bit activations are very slow) or
-`"quantized"` ones (the file's own 4/8-bit triplets, float16 elsewhere but for a
-tensor past float16's range, which keeps its own type: four to eight times
-smaller, for GPUs). `default_weights()` picks by device. BF16 tensors are read
-from their own bits, never through `mx.load`, which makes float16 of them:
-exact in a float32 folder.
+`"quantized"` ones (the file's own 4/8-bit triplets, other quantized types
+requantized from their float32 values, float16 elsewhere but for a tensor past
+float16's range, which keeps its own type, or float32 scales and biases where
+requantized: four to eight times smaller, for GPUs). `default_weights()` picks
+by device. BF16 tensors are read from their own bits, never through `mx.load`,
+which makes float16 of them: exact in a float32 folder.
 
 llama.cpp's converter permutes the rows of llama's `attn_q` and `attn_k` (its
 rope layout); the import undoes that by whole rows of weights, scales and biases.
@@ -195,8 +196,9 @@ def import_gguf(path: str | Path, out: str | Path, weights: str | None = None) -
     """Convert the GGUF file at `path` into a new mlx-lm model folder `out`; return `out`.
 
     `weights` is "float32" (exactly dequantized) or "quantized" (the file's 4/8-bit
-    triplets kept as they are, other tensors float16 but for one past float16's
-    range, which keeps its own type, exactly); None
+    triplets kept as they are, other quantized tensors requantized from their
+    float32 values, other tensors float16 but for one past float16's range, which
+    keeps its own type, exactly); None
     picks `default_weights()`. The folder is built in a temporary sibling and
     renamed into place, under the lock of `model.build_once` (reuse=False), so
     `out` either does not exist or is complete, even after a SIGKILL, and the
@@ -670,7 +672,7 @@ def _mlx_weights(tensors: dict, config: dict, arch: str, weights: str):
                    and a.ndim == 2 and a.shape[-1] % GROUP == 0)
         if requant:
             bits = 4 if qtype.startswith(("Q2", "Q3", "Q4", "IQ", "TQ", "MXFP4", "NVFP4")) else 8
-            w, scales, biases = mx.quantize(a.astype(mx.float16), group_size=GROUP, bits=bits)
+            w, scales, biases = _requantize(a, bits, name, qtype)
             out[target], out[f"{prefix}.scales"], out[f"{prefix}.biases"] = w, scales, biases
             layer_bits[prefix] = bits
             continue
@@ -686,6 +688,34 @@ def _mlx_weights(tensors: dict, config: dict, arch: str, weights: str):
     return out, quantization
 
 
+def _requantize(a, bits: int, name: str, qtype: str):
+    """(weight, scales, biases): the float32 tensor `a` (GGUF tensor `name` of type `qtype`, dequantized) in MLX's
+    affine format of `bits` bits, group `GROUP`.
+
+    Quantized from its float32 values, never a float16 copy of them, which made inf of a value past float16's range
+    (+-65504) and so inf or nan of its group's scales and biases. The scales and biases are float16, the quantized
+    folder's float type (`mx.quantize` gives them its input's type, float32 here), but a tensor whose scales or
+    biases float16 cannot hold keeps them float32, with a warning, as `_float_type` keeps a float tensor past
+    float16's range.
+    """
+    import mlx.core as mx
+
+    w, scales, biases = mx.quantize(a.astype(mx.float32), group_size=GROUP, bits=bits)
+    if not _past_float16(scales) and not _past_float16(biases):
+        return w, scales.astype(mx.float16), biases.astype(mx.float16)
+    log.warning("GGUF tensor %s (%s) holds values past float16's range (+-65504): the quantized folder keeps its "
+                "scales and biases as float32, which MLX computes the model in beside float16 (slower); convert "
+                "with weights='float32' (--weights float32) for a folder of one type", name, qtype)
+    return w, scales, biases
+
+
+def _past_float16(a) -> bool:
+    """Whether `a` holds a finite value that float16 makes inf of (one past +-65504)."""
+    import mlx.core as mx
+
+    return mx.any(mx.isinf(a.astype(mx.float16)) & ~mx.isinf(a)).item()
+
+
 def _float_type(a, weights: str, name: str, qtype: str):
     """The MLX type a folder of `weights` stores the float tensor `a` (GGUF tensor `name`, of type `qtype`) in.
 
@@ -698,7 +728,7 @@ def _float_type(a, weights: str, name: str, qtype: str):
 
     if weights == "float32":
         return mx.float32
-    if not mx.any(mx.isinf(a.astype(mx.float16)) & ~mx.isinf(a)).item():
+    if not _past_float16(a):
         return mx.float16
     log.warning("GGUF tensor %s (%s) holds values past float16's range (+-65504): the quantized folder keeps it "
                 "as %s, which MLX computes the model in float32 beside float16 (slower); convert with "

@@ -752,6 +752,61 @@ def test_a_quantized_folder_keeps_a_float_tensor_past_float16s_range_as_it_is(tm
     assert logits.shape[-1] == model.args.vocab_size and mx.all(mx.isfinite(logits)).item()
 
 
+def q4_k(a):
+    """Q4_K blocks (llama.cpp's block_q4_K, 256 values) of the float32 rows of `a`, which the gguf package reads but
+    cannot write: each block d * (q - 8), q of 4 bits, as every sub-block's 6-bit scale is 1 and its min 8 (dmin
+    = d)."""
+    blocks = a.reshape(-1, 256)
+    d = (np.abs(blocks).max(axis=1) / 8).astype(np.float16)
+    q = np.clip(np.round(blocks / d.astype(np.float32)[:, None]) + 8, 0, 15).astype(np.uint8).reshape(-1, 4, 2, 32)
+    out = np.zeros((len(blocks), 144), np.uint8)
+    out[:, 0:2] = out[:, 2:4] = d.view(np.uint8).reshape(-1, 2)  # d, dmin
+    out[:, 4:16] = [1, 1, 1, 1, 8, 8, 8, 8, 0x81, 0x81, 0x81, 0x81]  # scales and mins, 6 bits each, packed
+    out[:, 16:] = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)  # 64 values a chunk: low nibbles, then high
+    return out.reshape(a.shape[0], -1)
+
+
+def assert_within_quantization_error(layer, source, bits):
+    """`layer` (an mlx-lm QuantizedLinear) holds `source` (float32) in `bits` bits: each value finite and within
+    1.5 quantization steps (its group's range / (2**bits - 1)) of the source's (MLX's affine grid puts a level on
+    0, so it does not round to the nearest of min-to-max levels: its error passes half a step)."""
+    got = np.array(mx.dequantize(layer.weight, layer.scales, layer.biases, group_size=32, bits=bits).astype(mx.float32))
+    assert layer.bits == bits and np.isfinite(got).all()
+    groups = source.reshape(source.shape[0], -1, 32)
+    step = (groups.max(axis=-1) - groups.min(axis=-1)) / (2**bits - 1)
+    error = np.abs(got - source).reshape(groups.shape).max(axis=-1)
+    assert (error <= 1.5 * step + 1e-3).all(), (error / step).max()
+
+
+def test_a_requantized_tensor_past_float16s_range_stays_finite_and_close(tmp_path, small, caplog):
+    """A quantized folder requantizes the tensors of types MLX cannot read (Q4_K to 4 bits, Q5_0 to 8) from their
+    dequantization, which it cast to float16 first: a weight of 1e5 became inf, and its group's scales and biases
+    inf or nan, so the model's logits were nan. It is quantized from its float32 values, and its scales and biases
+    stay float32 where float16 cannot hold them, with a warning; a tensor within float16's range keeps float16 ones."""
+    rng = np.random.default_rng(0)
+    down = rng.standard_normal((128, 256)).astype(np.float32) / 16
+    down[0, 0] = 1e5
+    up = rng.standard_normal((256, 128)).astype(np.float32) / 16
+    up[3, 5] = -1e5
+    data = {"blk.0.ffn_down.weight": (q4_k(down), Q.Q4_K), "blk.0.ffn_up.weight": (quants.quantize(up, Q.Q5_0), Q.Q5_0)}
+    source = {name: quants.dequantize(d, t).reshape(d.shape[0], -1) for name, (d, t) in data.items()}
+    assert abs(source["blk.0.ffn_down.weight"][0, 0] - 1e5) < 2e4 and source["blk.0.ffn_up.weight"][3, 5] < -9e4
+    rewrite(small["Q5_0"], tmp_path / "m.gguf", tensors=data)  # a file MLX cannot read: each tensor requantized
+    with caplog.at_level("WARNING", logger="runtime.gguf"):
+        out = import_gguf(tmp_path / "m.gguf", tmp_path / "q", "quantized")
+    model, tok = mlx_lm.load(str(out))
+    layer = model.model.layers[0]
+    for param, name, bits in ((layer.mlp.down_proj, "blk.0.ffn_down.weight", 4),
+                              (layer.mlp.up_proj, "blk.0.ffn_up.weight", 8)):
+        assert_within_quantization_error(param, source[name], bits)
+        assert param.scales.dtype == param.biases.dtype == mx.float32, name
+    logits = model(mx.array([tok.encode("hello")]))
+    assert logits.shape[-1] == model.args.vocab_size and mx.all(mx.isfinite(logits)).item()
+    assert layer.self_attn.q_proj.scales.dtype == mx.float16  # within range: the folder's float type
+    warned = [r.getMessage() for r in caplog.records if "past float16's range" in r.getMessage()]
+    assert sorted(w.split()[2] for w in warned) == sorted(data), warned
+
+
 @pytest.mark.parametrize("key", ["eos", "eot", "eom", "bos", "unknown"])
 def test_a_special_token_id_outside_the_vocabulary_is_refused_at_import_by_its_metadata_key(tmp_path, small, key):
     """Copied into config.json unchecked, an eos, eot or eom id past the vocabulary made a folder that load_model then
