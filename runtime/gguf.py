@@ -8,9 +8,11 @@ reuses the folder afterwards; `load_model` calls it for any `.gguf` path.
 
 Weights. Q4_0, Q4_1 and Q8_0 tensors are MLX affine triplets (4 or 8 bits,
 group 32, along the input dimension) exactly, so `mx.load` reads them without
-loss. Other quantization types are dequantized with the `gguf` package (and
-requantized by MLX where the folder keeps quantized weights); types neither can
-read are refused with `UnsupportedGGUF` naming the type. The folder stores
+loss (but for a Q4_0 or Q8_0 block past float16's range, whose bias MLX makes
+inf). Other quantization types, and those blocks' tensors, are dequantized with
+the `gguf` package, never through the float16 `mx.load` makes of some of them
+(and requantized by MLX where the folder keeps quantized weights); types neither
+can read are refused with `UnsupportedGGUF` naming the type. The folder stores
 either `"float32"` weights (every tensor exactly dequantized: fastest on MLX's
 CPU build, where quantized matmuls with 16-bit activations are very slow) or
 `"quantized"` ones (the file's own 4/8-bit triplets, other quantized types
@@ -459,14 +461,16 @@ def _f32(x) -> float:
 def _read(path: Path) -> tuple[dict, dict]:
     """(metadata as plain Python values, tensors) of the GGUF file at `path`, once `_open` has checked it.
 
-    tensors: name -> (kind, value, bits, type). Kind "quant": an MLX (weight,
-    scales, biases) triplet of `bits` bits, as `mx.load` returns Q4_0 / Q4_1 /
-    Q8_0 exactly; kind "float": one float array. When `mx.load` cannot read every
-    tensor (a quantization type MLX lacks), or must not be given the file (a 64-bit
-    float value in its metadata, which crashes MLX's parser), every tensor is read by
-    the gguf package instead and dequantized to float32 (kind "dequant", with its type).
-    BF16 tensors are read by neither: `mx.load` turns them into float16, losing range
-    and precision, so their bits are taken as they are (`_bfloat16`; kind "float").
+    tensors: name -> (kind, value, bits, type), in the file's order. Kind "quant": an
+    MLX (weight, scales, biases) triplet of `bits` bits, as `mx.load` returns Q4_0 /
+    Q4_1 / Q8_0 exactly; kind "float": one float array, F32 or F16 as `mx.load`
+    returns it. What `mx.load` does not read exactly (`_exactly_loaded`) is read by
+    the gguf package instead and dequantized to float32 (kind "dequant", with its
+    type): every tensor where `mx.load` cannot read the file (a quantization type MLX
+    lacks) or must not be given it (a 64-bit float value in its metadata, which
+    crashes MLX's parser). BF16 tensors are read by neither: `mx.load` turns them
+    into float16, losing range and precision, so their bits are taken as they are
+    (`_bfloat16`; kind "float").
     """
     import mlx.core as mx
 
@@ -486,30 +490,45 @@ def _read(path: Path) -> tuple[dict, dict]:
             loaded = mx.load(str(path))
         except Exception:  # noqa: BLE001 - MLX refuses whole files with a type it lacks
             loaded = {}
-    bf16 = {t.name: ("float", _bfloat16(t), None, "BF16") for t in reader.tensors if t.tensor_type.name == "BF16"}
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    tensors = _exactly_loaded(loaded, types)
+    for t in reader.tensors:
+        if t.name in tensors:
+            continue
+        if t.tensor_type.name == "BF16":
+            tensors[t.name] = ("float", _bfloat16(t), None, "BF16")
+            continue
+        try:
+            tensors[t.name] = ("dequant", _dequantize(t, t.tensor_type.name), None, t.tensor_type.name)
+        except (ValueError, IndexError) as e:  # its data shorter than its shape: the file was cut short
+            raise _unreadable(path, f"tensor {t.name}: {e}") from e
+    return meta, {name: tensors[name] for name in types}  # in the file's order
+
+
+def _exactly_loaded(loaded: dict, types: dict) -> dict:
+    """The tensors of `loaded` (what `mx.load` read of a file whose tensors are of `types`, by name) that it read
+    exactly, as `_read` gives them: the F32 and F16 tensors (kind "float") and the Q4_0, Q4_1 and Q8_0 triplets
+    (kind "quant") whose scales and biases are finite.
+
+    Not the rest: MLX makes float16 of the other types it reads (Q4_K, Q6_K...), which rounds them and makes inf
+    of a value past float16's range (+-65504), and of BF16; and it computes the biases of Q4_0 and Q8_0 blocks (-8
+    and -128 times their scale) in float16, inf for a block past that range.
+    """
+    import mlx.core as mx
+
     tensors = {}
     for name, w in loaded.items():
         stem = name.removesuffix(".weight")
         if name.endswith((".scales", ".biases")) and stem.rpartition(".")[0] + ".weight" in loaded:
             continue
         if f"{stem}.scales" in loaded:
-            scales = loaded[f"{stem}.scales"]
-            bits = 32 * w.shape[-1] // (scales.shape[-1] * GROUP)
-            tensors[name] = ("quant", (w, scales, loaded[f"{stem}.biases"]), bits, f"{bits}-bit")
-        else:
-            tensors[name] = ("float", w, None, str(w.dtype))
-    tensors.update(bf16)
-    if set(tensors) == {t.name for t in reader.tensors}:
-        return meta, tensors
-    tensors = dict(bf16)
-    for t in reader.tensors:
-        if t.name in bf16:
-            continue
-        try:
-            tensors[t.name] = ("dequant", _dequantize(t, t.tensor_type.name), None, t.tensor_type.name)
-        except (ValueError, IndexError) as e:  # its data shorter than its shape: the file was cut short
-            raise _unreadable(path, f"tensor {t.name}: {e}") from e
-    return meta, tensors
+            scales, biases = loaded[f"{stem}.scales"], loaded[f"{stem}.biases"]
+            if mx.all(mx.isfinite(scales)).item() and mx.all(mx.isfinite(biases)).item():
+                bits = 32 * w.shape[-1] // (scales.shape[-1] * GROUP)
+                tensors[name] = ("quant", (w, scales, biases), bits, f"{bits}-bit")
+        elif types.get(name) in ("F32", "F16"):
+            tensors[name] = ("float", w, None, types[name])
+    return tensors
 
 
 def _open(path: Path):
@@ -594,7 +613,7 @@ def _unreadable(path: Path, why: str) -> GGUFError:
 
 
 def _dequantize(tensor, qtype: str):
-    """A float32 MLX array of a GGUF tensor that `mx.load` cannot read, via the gguf package."""
+    """A float32 MLX array of a GGUF tensor that `mx.load` cannot read exactly, via the gguf package."""
     import mlx.core as mx
     import numpy as np
     from gguf import quants

@@ -21,9 +21,11 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import mlx_lm
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
@@ -805,6 +807,41 @@ def test_a_requantized_tensor_past_float16s_range_stays_finite_and_close(tmp_pat
     assert layer.self_attn.q_proj.scales.dtype == mx.float16  # within range: the folder's float type
     warned = [r.getMessage() for r in caplog.records if "past float16's range" in r.getMessage()]
     assert sorted(w.split()[2] for w in warned) == sorted(data), warned
+
+
+def test_tensors_mlx_reads_through_float16_are_read_by_the_gguf_package(tmp_path, small):
+    """MLX's GGUF reader, where it reads a file, makes float16 of some of it: Q4_K tensors (and the other types it
+    converts rather than maps) whole, rounded, and inf past float16's range (+-65504); and the biases of Q8_0 and
+    Q4_0 blocks, -128 and -8 times their scale, inf for a block past that range. Even a float32 folder held inf
+    and rounded values. Such tensors are read by the gguf package: a float32 folder holds their exact
+    dequantization, a quantized one requantizes them from it, finite and close, and the logits are finite."""
+    rng = np.random.default_rng(0)
+
+    def weight(rows, cols, big):
+        a = rng.standard_normal((rows, cols)).astype(np.float32) / 16
+        a[1, 2] = big
+        return a
+
+    cases = {  # gguf name: (mlx-lm layer path, data, type, bits requantized to)
+        "blk.0.ffn_down.weight": ("layers.0.mlp.down_proj", q4_k(weight(128, 256, 1e5)), Q.Q4_K, 4),
+        "blk.1.ffn_down.weight": ("layers.1.mlp.down_proj", q4_k(weight(128, 256, 0.5)), Q.Q4_K, 4),  # in range
+        "blk.0.ffn_up.weight": ("layers.0.mlp.up_proj", quants.quantize(weight(256, 128, -1e5), Q.Q8_0), Q.Q8_0, 8),
+        "blk.0.attn_v.weight": ("layers.0.self_attn.v_proj", quants.quantize(weight(128, 128, 1e5), Q.Q4_0), Q.Q4_0,
+                                4),
+    }
+    source = {name: quants.dequantize(d, t).reshape(d.shape[0], -1) for name, (_, d, t, _) in cases.items()}
+    rewrite(small["Q8_0"], tmp_path / "m.gguf", tensors={name: (d, t) for name, (_, d, t, _) in cases.items()})
+    exact = folder_weights(import_gguf(tmp_path / "m.gguf", tmp_path / "f32", "float32"))
+    for name, (path, *_) in cases.items():
+        assert np.array_equal(exact[f"model.{path}.weight"], source[name]), name
+    model, tok = mlx_lm.load(str(tmp_path / "f32"))
+    assert mx.all(mx.isfinite(model(mx.array([tok.encode("hello")])))).item()
+    model, tok = mlx_lm.load(str(import_gguf(tmp_path / "m.gguf", tmp_path / "q", "quantized")))
+    layers = dict(tree_flatten(model.model.leaf_modules(), is_leaf=lambda m: isinstance(m, nn.Module)))
+    for name, (path, _, _, bits) in cases.items():
+        assert_within_quantization_error(layers[path], source[name], bits)
+    logits = model(mx.array([tok.encode("hello")]))
+    assert logits.shape[-1] == model.args.vocab_size and mx.all(mx.isfinite(logits)).item()
 
 
 @pytest.mark.parametrize("key", ["eos", "eot", "eom", "bos", "unknown"])
