@@ -20,7 +20,9 @@ requantized from their float32 values, float16 elsewhere but for a tensor past
 float16's range, which keeps its own type, or float32 scales and biases where
 requantized: four to eight times smaller, for GPUs). `default_weights()` picks
 by device. BF16 tensors are read from their own bits, never through `mx.load`,
-which makes float16 of them: exact in a float32 folder.
+which makes float16 of them: exact in a float32 folder. config.json's
+torch_dtype names the type the float weights are stored in (float32 where a
+quantized folder keeps some past float16's range: `_torch_dtype`).
 
 llama.cpp's converter permutes the rows of llama's `attn_q` and `attn_k` (its
 rope layout); the import undoes that by whole rows of weights, scales and biases.
@@ -244,7 +246,7 @@ def _converter(path: Path, weights: str):
     mlx_weights, quantization = _mlx_weights(tensors, config, arch, weights)
     if quantization:
         config["quantization"] = quantization
-    config["torch_dtype"] = "float32" if weights == "float32" else "float16"
+    config["torch_dtype"] = _torch_dtype(mlx_weights)
 
     import mlx.core as mx
 
@@ -753,6 +755,17 @@ def _float_type(a, weights: str, name: str, qtype: str):
                 "as %s, which MLX computes the model in float32 beside float16 (slower); convert with "
                 "weights='float32' (--weights float32) for a folder of one type", name, qtype, a.dtype)
     return a.dtype
+
+
+def _torch_dtype(weights: dict) -> str:
+    """config.json's torch_dtype for a folder of `weights` (name -> MLX array): the one float type its float arrays
+    (scales and biases included) are stored in, or "float32" where they are of several (float16 beside a tensor
+    kept as bfloat16 or float32 past float16's range), which holds each of them exactly and which MLX computes such
+    a model in. mlx-lm's convert casts a model's float weights to it by default; `mlx_lm.load` does not read it."""
+    import mlx.core as mx
+
+    types = {a.dtype for a in weights.values() if mx.issubdtype(a.dtype, mx.floating)}
+    return str(types.pop()).removeprefix("mlx.core.") if len(types) == 1 else "float32"
 
 
 def _tokenizer(meta: dict, path: Path):

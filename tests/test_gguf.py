@@ -844,6 +844,35 @@ def test_tensors_mlx_reads_through_float16_are_read_by_the_gguf_package(tmp_path
     assert logits.shape[-1] == model.args.vocab_size and mx.all(mx.isfinite(logits)).item()
 
 
+def float_types(folder):
+    """The names of the float types of the arrays in `folder`'s model.safetensors."""
+    return {str(a.dtype).removeprefix("mlx.core.") for a in mx.load(str(folder / "model.safetensors")).values()
+            if mx.issubdtype(a.dtype, mx.floating)}
+
+
+def test_config_names_the_type_the_float_weights_are_stored_in(tmp_path, small):
+    """config.json said torch_dtype float16 for every quantized folder, also for one that keeps a tensor past
+    float16's range as bfloat16 (or float32), and mlx-lm's convert casts a model's float weights to that type by
+    default, making inf of that tensor. It names the folder's one float type, or float32, which holds each of
+    several exactly (and which MLX computes such a model in)."""
+    from mlx_lm.convert import convert
+
+    for weights, dtype in (("float32", "float32"), ("quantized", "float16")):
+        out = import_gguf(small["Q8_0"], tmp_path / weights, weights)
+        assert float_types(out) == {dtype} and json.loads((out / "config.json").read_text())["torch_dtype"] == dtype
+    down = np.random.default_rng(0).standard_normal((128, 256)).astype(np.float32) / 16
+    down[0, 0] = 1e5
+    data = quants.quantize(down, Q.BF16)
+    rewrite(small["Q8_0"], tmp_path / "m.gguf", tensors={"blk.0.ffn_down.weight": (data, Q.BF16)})
+    out = import_gguf(tmp_path / "m.gguf", tmp_path / "mixed", "quantized")
+    assert float_types(out) == {"float16", "bfloat16"}
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "float32"
+    convert(str(out), str(tmp_path / "converted"))  # the float weights cast to torch_dtype
+    model, tok = mlx_lm.load(str(tmp_path / "converted"))
+    assert model.model.layers[0].mlp.down_proj.weight[0, 0].item() == quants.dequantize(data[:1], Q.BF16)[0, 0]
+    assert mx.all(mx.isfinite(model(mx.array([tok.encode("hello")])))).item()
+
+
 @pytest.mark.parametrize("key", ["eos", "eot", "eom", "bos", "unknown"])
 def test_a_special_token_id_outside_the_vocabulary_is_refused_at_import_by_its_metadata_key(tmp_path, small, key):
     """Copied into config.json unchecked, an eos, eot or eom id past the vocabulary made a folder that load_model then
