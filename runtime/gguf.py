@@ -3,7 +3,7 @@
 `import_gguf(file, out)` writes a folder that the real `mlx_lm.load` reads:
 config.json, model.safetensors, tokenizer.json, tokenizer_config.json and
 chat_template.jinja. `gguf_model_path(file)` does it once per file into the
-model cache (`$KVACTORS_HOME/models/gguf-<sha256 of the file>-<weights>`) and
+model cache (`$KVACTORS_HOME/models/gguf-<sha256 of the file>-<weights>-c<CONVERSION>`) and
 reuses the folder afterwards; `load_model` calls it for any `.gguf` path.
 
 Weights. Q4_0, Q4_1 and Q8_0 tensors are MLX affine triplets (4 or 8 bits,
@@ -80,6 +80,8 @@ __all__ = [
 WEIGHTS = ("float32", "quantized")
 ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 GROUP = 32  # GGUF's block size for Q4_0 / Q4_1 / Q8_0
+CONVERSION = 2  # in the model cache's folder names: raised when a conversion's output changes, so that folders an
+# earlier rule converted are converted again, not reused (2: nothing through float16 that it rounds or overflows)
 
 # Names of llama.cpp tensors (before ".weight" / ".bias") as mlx-lm names them.
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -176,9 +178,10 @@ def file_digest(path: str | Path) -> str:
 def gguf_model_path(path: str | Path, weights: str | None = None) -> Path:
     """The mlx-lm folder converted from the GGUF file at `path`, converting it on first use.
 
-    The folder is `$KVACTORS_HOME/models/gguf-<first 16 hex of the file's SHA-256>-<weights>`
+    The folder is `$KVACTORS_HOME/models/gguf-<first 16 hex of the file's SHA-256>-<weights>-c<CONVERSION>`
     (`weights`: "float32" or "quantized"; None: `default_weights()`), so a changed
-    file gets a new folder and an unchanged one is converted once. Concurrent
+    file gets a new folder and an unchanged one is converted once, and again when the
+    conversion's rules change (`CONVERSION`; the older folder is left as it was). Concurrent
     first use is safe (the loser of the rename uses the winner's folder). Raises
     GGUFError / UnsupportedGGUF as `import_gguf` does.
     """
@@ -189,7 +192,7 @@ def gguf_model_path(path: str | Path, weights: str | None = None) -> Path:
         digest = file_digest(path)
     except OSError as e:
         raise _cannot_read(path, e) from e
-    out = kvactors_home() / "models" / f"gguf-{digest[:16]}-{weights}"
+    out = kvactors_home() / "models" / f"gguf-{digest[:16]}-{weights}-c{CONVERSION}"
     try:
         return build_once(out, lambda out: _converter(path, weights)(out))  # one conversion at a time
     except OSError as e:

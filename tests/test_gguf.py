@@ -288,6 +288,20 @@ def test_model_cache_converts_each_file_once_keyed_by_its_hash(tmp_path, tiny):
     assert gguf_model_path(tmp_path / "a.gguf", "quantized") != first
 
 
+def test_a_folder_an_earlier_conversion_rule_made_is_converted_again(tmp_path, tiny):
+    """A model cache folder converted before the rules changed (it might hold what float16 overflowed) is not reused:
+    the file is converted again into a folder of the current rule's name, and the old one is left as it was."""
+    from runtime import gguf
+
+    write_gguf(tmp_path / "a.gguf", tiny["llama"], Q.Q8_0)
+    current = gguf_model_path(tmp_path / "a.gguf", "float32")
+    old = current.with_name(current.name.removesuffix(f"-c{gguf.CONVERSION}"))  # as folders were named before
+    shutil.copytree(current, old)
+    shutil.rmtree(current)
+    assert gguf_model_path(tmp_path / "a.gguf", "float32") == current and current != old
+    assert (current / "model.safetensors").is_file() and (old / "model.safetensors").is_file()
+
+
 def test_runtime_takes_a_gguf_file(tmp_path, tiny):
     from runtime import Runtime
 
