@@ -16,10 +16,11 @@ import sys
 import threading
 import time
 
+import msgpack
 import pytest
 
-from runtime import (AgentCrashed, AgentInUse, CacheDirInUse, CallbackFailed, InvalidArgument, KvactorsError, RayMissing,
-                     Runtime, SystemPromptChanged, SystemPromptTooLong, UnknownAgent, WaitTimeout)
+from runtime import (AgentCrashed, AgentInUse, AgentRef, CacheDirInUse, CallbackFailed, InvalidArgument, KvactorsError,
+                     RayMissing, Runtime, SystemPromptChanged, SystemPromptTooLong, UnknownAgent, WaitTimeout)
 from runtime import store
 from runtime.api import testing
 
@@ -268,6 +269,41 @@ def test_errors_cross_nodes_with_their_types(rt):
         rt.spawn("errs", system="Another prompt.")
     assert isinstance(e.value, (KvactorsError, ValueError)) and e.value.stored == "Be brief."
     assert "errs" not in rt.running()
+
+
+def test_a_message_to_an_agent_that_is_not_running_is_a_dead_letter_as_on_one_machine(rt, tmp_path):
+    """A send, send_to, note or reset to an agent that was not running (stopped, or never spawned) raised UnknownAgent
+    on a cluster, as on one machine, but left no dead letter, where one machine records one for each: the cluster
+    records it, to the same recipient, with the same message, and the error the caller got as its reason. A question
+    (result, history) leaves none, as on one machine."""
+
+    def fields(message) -> dict:  # a cluster gives a message as plain data, one machine as its envelope
+        message = message if isinstance(message, dict) else msgpack.unpackb(message.payload)
+        return {k: message.get(k) for k in ("text", "sender", "system", "records")}
+
+    def play(runtime):
+        a, b = runtime.spawn("letter-a", system="Be brief."), runtime.spawn("letter-b", system="Be brief.")
+        a.stop()
+        nobody = AgentRef(runtime, "letter-nobody")
+        reasons = []
+        for call in (lambda: a.send("Sent.", **OPTS), lambda: b.send_to(a, "Sent to.", **OPTS),
+                     lambda: a.note("Noted.", sender="letter-b"), lambda: a.reset([], system="Be terse."),
+                     lambda: nobody.send("Boo.", **OPTS)):
+            with pytest.raises(UnknownAgent) as e:
+                call()
+            reasons.append(str(e.value))
+        for question in (lambda: a.result("letter-a-1"), a.history, nobody.history):
+            with pytest.raises(UnknownAgent):
+                question()
+        letters = [d for d in runtime.dead_letters if d.recipient in (a.name, nobody.name)]
+        assert [d.reason for d in letters] == reasons
+        b.stop()
+        return [(d.recipient, fields(d.message)) for d in letters]
+
+    on_cluster = play(rt)
+    with Runtime(model="tiny", cache_dir=tmp_path) as local:
+        on_one = play(local)
+    assert on_cluster == on_one and len(on_one) == 5
 
 
 def test_reset_refuses_token_ids_past_the_vocabulary_in_the_caller_as_on_one_machine(rt, tmp_path):

@@ -150,6 +150,8 @@ class ClusterRuntime:
         self._restart: dict[str, str] = {}  # agent -> its restart type
         self._stopping: dict[str, int] = {}  # agent -> the host where its stop ran past its wait (`_on_host_of`)
         self._unstarted: set[str] = set()  # placed agents that a recovery could not start again (`_recover`)
+        self._letters: list[DeadLetter] = []  # what `_deliver` found undeliverable (`_dead_letter`)
+        self._letters_lock = threading.Lock()
         self._hosts: list = []
         self._info: list[dict] = []
         self._dead: set[int] = set()
@@ -393,8 +395,13 @@ class ClusterRuntime:
 
     @property
     def dead_letters(self) -> list[DeadLetter]:
-        """Undeliverable messages of every live host, oldest first (a note's payload decoded)."""
-        return sorted((d for letters in self._each_live_host("dead_letters") for d in letters), key=lambda d: d.at)
+        """Undeliverable messages, oldest first, as plain data (`rayhost.plain_message`: a payload decoded): those of
+        every live host (notes forwarded to an agent that was gone, an agent's notes left when it stopped) and those
+        sent here to an agent that was not running (`_deliver`)."""
+        with self._letters_lock:
+            letters = list(self._letters)
+        letters += [d for on_host in self._each_live_host("dead_letters") for d in on_host]
+        return sorted(letters, key=lambda d: d.at)
 
     # -- life cycle ------------------------------------------------------------------
 
@@ -436,29 +443,31 @@ class ClusterRuntime:
         (`NodeHost.signal` "call_off"), which then does not tell it, as one machine would not. One that comes
         while no host holds it (a recovery between two attempts) is kept here: the next attempt sends nothing.
 
-        A host that does not run the agent dead-letters the message at the last attempt only: after the first, the
-        cluster recovers the host and delivers it there, or raises AgentCrashed (a recovery could not start the agent
-        again: retry) or UnknownAgent (it was stopped meanwhile: no dead letter, as for a message sent once it has
-        stopped, which `_index` refuses).
+        A message to an agent that is not running (`_index` refuses it; or it was stopped meanwhile, or exited on its
+        host) raises UnknownAgent and is a dead letter, recorded here (`_dead_letter`), as `Runtime._deliver` records
+        it: its hosts are told not to, since a host that does not run the agent may be asked again. After a first
+        host that did not run it, the cluster recovers the host and delivers it there, or raises AgentCrashed (a
+        recovery could not start the agent again: retry, no dead letter, as one machine raises it for an agent that
+        does not come back from a restart).
         """
         kind, data, callbacks = _envelope(message)
         tell = getattr(future, "tell", None)
         call_off = None if tell is None else uuid.uuid4().hex  # the host's name for this send, to call it off
         called_off = threading.Event()  # a cancellation once the send had begun: no attempt sends it again
         for attempt in range(2):
-            index = self._index(name)
+            index = self._placed(name, message)
             if tell is not None:
                 tell.late = lambda host=self._hosts[index]: (called_off.set(), host.signal.remote(call_off, "call_off"))
             _begin_send(future, called_off.is_set())
             try:
-                key = self._call(index, "deliver", name, kind, data, future is not None, callbacks, call_off,
-                                 attempt == 1)
+                key = self._call(index, "deliver", name, kind, data, future is not None, callbacks, call_off, False)
                 break
             except NodeDown:
                 self._recover(index)
-            except UnknownAgent:  # the host restarted without it: start it there again
+            except UnknownAgent as e:  # the host restarted without it: start it there again
                 if attempt or name not in self._names:
                     self._actor_alive(name)  # or it exited there: unplaced, not started again by a recovery
+                    self._dead_letter(name, message, e)
                     raise
                 self._recover(index)
                 if name in self._unstarted:
@@ -655,6 +664,26 @@ class ClusterRuntime:
         if status == "error":
             raise rayhost.unpack_error(value)
         return value
+
+    def _placed(self, name, message) -> int:
+        """`_index(name)`, the host of agent `name` that `message` goes to; a message that it refuses (UnknownAgent:
+        the agent is not running) is a dead letter (`_dead_letter`)."""
+        try:
+            return self._index(name)
+        except UnknownAgent as e:
+            self._dead_letter(name, message, e)
+            raise
+
+    def _dead_letter(self, name, message, error: UnknownAgent) -> None:
+        """Record `message` (an AgentRef envelope) to agent `name`, which `error` says is not running, as a dead
+        letter (`dead_letters`), as `Runtime._deliver` does: to `name`, the message (as plain data, as a host gives
+        it), `str(error)` as the reason, and a warning logged. A question (a `Lookup`) is not one: its caller has the
+        answer, the error."""
+        if isinstance(message, Lookup):
+            return
+        log.warning("dead letter to %s: %s", name, error)
+        with self._letters_lock:
+            self._letters.append(DeadLetter(name, rayhost.plain_message(message), str(error)))
 
     def _index(self, name) -> int:
         self._check_running()

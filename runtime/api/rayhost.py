@@ -292,8 +292,8 @@ class NodeHost:
         nothing is sent. So does such a signal that Ray ran here before this call, up to
         EARLY_CALL_OFF_S earlier (Ray does not order the calls to a host). For an agent
         not running here it raises UnknownAgent, and the envelope goes to this host's dead
-        letters if `dead_letter` (`Runtime._deliver`): a caller that may then deliver it
-        elsewhere passes False.
+        letters if `dead_letter` (`Runtime._deliver`): a caller that records the dead letter
+        itself (`ClusterRuntime._deliver`, which may yet deliver it elsewhere) passes False.
         """
         try:
             return outcome(self._deliver, name, kind, data, answer, tuple(callbacks), call_off, dead_letter)
@@ -442,7 +442,8 @@ class NodeHost:
 
     def dead_letters(self) -> tuple:
         """This host's dead letters, as plain data (a note's payload decoded)."""
-        return outcome(lambda: [DeadLetter(d.recipient, _plain(d.message), d.reason, d.at) for d in self.rt.dead_letters])
+        return outcome(lambda: [DeadLetter(d.recipient, plain_message(d.message), d.reason, d.at)
+                                for d in self.rt.dead_letters])
 
     def shutdown(self) -> tuple:
         """Stop every agent here, flush every write, stop the batcher (`Runtime.shutdown`)."""
@@ -482,8 +483,9 @@ class NodeHost:
             future.set(reply)
 
 
-def _plain(message):
-    """A dead letter's message as plain data: a note's payload decoded; anything else as its repr."""
+def plain_message(message):
+    """A dead letter's message as plain data, as hosts and `ClusterRuntime` give it: an envelope's (or a note's)
+    payload decoded; anything else as its repr."""
     payload = getattr(message, "payload", message)
     if isinstance(payload, bytes):
         try:
