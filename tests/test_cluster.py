@@ -306,6 +306,24 @@ def test_a_message_to_an_agent_that_is_not_running_is_a_dead_letter_as_on_one_ma
     assert on_cluster == on_one and len(on_one) == 5
 
 
+def test_a_reply_forwarded_to_an_agent_gone_from_its_host_is_one_dead_letter(rt):
+    """The copy of a send_to reply that the replying agent's host forwards to the sender's host, where the sender had
+    exited (a temporary agent that crashed), was dead-lettered twice: by the host that found it gone, and by the host
+    that forwarded it. It is one dead letter, as on one machine, and the caller still gets the reply."""
+    gone = rt.spawn("forward-gone", system="Be brief.", restart="temporary")
+    node = rt.placement()[gone.name]
+    peer = spawn_where(rt, "forward-peer", lambda n: n != node)
+    testing.inject_crash(gone)
+    with pytest.raises(AgentCrashed):
+        gone.ask("Crash.", **OPTS)
+    # no call asks its host about it: the cluster still takes it for placed there, and forwards the reply there
+    reply = gone.send_to(peer, "A reply to a sender that is gone.", **OPTS).get(timeout=120)
+    assert reply.agent == peer.name
+    letters = [d for d in rt.dead_letters if d.recipient == gone.name]
+    assert [(d.message["sender"], d.message["text"]) for d in letters] == [(peer.name, reply.text)]
+    peer.stop()
+
+
 def test_reset_refuses_token_ids_past_the_vocabulary_in_the_caller_as_on_one_machine(rt, tmp_path):
     """An id past the embedding reached the host's engine, which refused the turn: the agent crashed instead of
     the reset raising in the caller."""

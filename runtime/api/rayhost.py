@@ -293,7 +293,8 @@ class NodeHost:
         EARLY_CALL_OFF_S earlier (Ray does not order the calls to a host). For an agent
         not running here it raises UnknownAgent, and the envelope goes to this host's dead
         letters if `dead_letter` (`Runtime._deliver`): a caller that records the dead letter
-        itself (`ClusterRuntime._deliver`, which may yet deliver it elsewhere) passes False.
+        itself (`ClusterRuntime._deliver`, which may yet deliver it elsewhere, and a host that
+        forwards a note, `_forward_now`) passes False.
         """
         try:
             return outcome(self._deliver, name, kind, data, answer, tuple(callbacks), call_off, dead_letter)
@@ -453,19 +454,26 @@ class NodeHost:
     # -- notes to agents on other hosts
 
     def _forward(self, name, payload, future, reply):
+        """`Env.forward`: deliver note `payload` to agent `name` on the host that runs it, after the notes this host
+        forwarded before it; `future` (a send_to reply's) gets `reply` once the note is durable there, or dead-lettered.
+        An undeliverable note is one dead letter, here (`_forward_now`)."""
         try:
             self.forwarder.submit(self._forward_now, name, payload, future, reply)
         except RuntimeError:  # shutting down
             self._undeliverable(name, payload, future, reply, "the host is shutting down")
 
     def _forward_now(self, name, payload, future, reply):
+        """`_forward`, on the forwarder's thread. A host that does not run agent `name` (the directory is behind: it
+        exited there, or moved) is told not to dead-letter the note, as this host does (`_undeliverable`); a note the
+        agent took and then dropped (it stopped before recording it) is dead-lettered there alone, and answered."""
         import ray
 
         try:
             host = ray.get(self.directory.lookup.remote(name), timeout=self.rt._env.io_timeout)
             if host is None:
                 raise UnknownAgent(f"no running agent named {name!r} in the cluster")
-            status, key = ray.get(host.deliver.remote(name, "note", payload), timeout=self.rt._env.io_timeout)
+            status, key = ray.get(host.deliver.remote(name, "note", payload, dead_letter=False),
+                                  timeout=self.rt._env.io_timeout)
             if status == "error":
                 raise unpack_error(key)
             status, value = ray.get(host.wait.remote(key), timeout=self.rt._env.io_timeout)
