@@ -784,6 +784,26 @@ def test_a_host_process_killed_is_restarted_by_ray_and_its_agents_reload_warm(rt
 
 
 @pytest.mark.slow
+def test_history_of_an_agent_whose_hosts_process_died_recovers_the_host_as_an_ask_does(rt):
+    """history() of an agent whose host's process had died raised NodeDown (or UnknownAgent, from the process Ray
+    restarted without the agent), where an ask recovers the host and starts the agent again there: history() does
+    the same, and answers with the agent's conversation, reloaded from the shared folder."""
+    # each test that kills a host kills another one (each twice so far), and phoenix's once more: Ray restarts a
+    # host max_restarts (3) times
+    phoenix = rt.placement().get("phoenix")
+    node = next(n for n in rt.nodes() if n != phoenix)
+    a = spawn_where(rt, "history-down", lambda n: n == node)
+    first = a.ask("Hello?", **OPTS)
+    before = a.history()
+    os.kill(testing.host_pid(rt, node), 9)
+    after = a.history()  # was NodeDown
+    assert _turns(after) == _turns(before)
+    assert [r["turn_id"] for r in after if r["role"] == "assistant"] == [first.turn_id]
+    assert rt.placement()[a.name] == node  # restarted in place, the agent with it
+    a.stop()
+
+
+@pytest.mark.slow
 def test_a_node_killed_mid_conversation_its_agents_come_back_warm_elsewhere(rt, cluster, shared):
     head = cluster.head_node.node_id
     refs = [rt.spawn(f"kill{i}", system="Be brief.") for i in range(3)]

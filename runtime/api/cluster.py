@@ -443,41 +443,33 @@ class ClusterRuntime:
         (`NodeHost.signal` "call_off"), which then does not tell it, as one machine would not. One that comes
         while no host holds it (a recovery between two attempts) is kept here: the next attempt sends nothing.
 
-        A message to an agent that is not running (`_index` refuses it; or it was stopped meanwhile, or exited on its
-        host) raises UnknownAgent and is a dead letter, recorded here (`_dead_letter`), as `Runtime._deliver` records
-        it: its hosts are told not to, since a host that does not run the agent may be asked again. After a first
-        host that did not run it, the cluster recovers the host and delivers it there, or raises AgentCrashed (a
-        recovery could not start the agent again: retry, no dead letter, as one machine raises it for an agent that
-        does not come back from a restart).
+        A host that failed, or did not run the agent, is recovered and the message delivered again
+        (`_on_agent_host`); AgentCrashed (retry) when that does not reach the agent: no dead letter, as one machine
+        raises it for an agent that does not come back from a restart. A message to an agent that is not running
+        (`_index` refuses it; or it was stopped meanwhile, or exited on its host) raises UnknownAgent and is a dead
+        letter, recorded here (`_dead_letter`), as `Runtime._deliver` records it: its hosts are told not to, since a
+        host that does not run the agent may be asked again.
         """
         kind, data, callbacks = _envelope(message)
         tell = getattr(future, "tell", None)
         call_off = None if tell is None else uuid.uuid4().hex  # the host's name for this send, to call it off
         called_off = threading.Event()  # a cancellation once the send had begun: no attempt sends it again
-        for attempt in range(2):
-            index = self._placed(name, message)
+
+        def send(index):
             if tell is not None:
                 tell.late = lambda host=self._hosts[index]: (called_off.set(), host.signal.remote(call_off, "call_off"))
             _begin_send(future, called_off.is_set())
             try:
-                key = self._call(index, "deliver", name, kind, data, future is not None, callbacks, call_off, False)
-                break
-            except NodeDown:
-                self._recover(index)
-            except UnknownAgent as e:  # the host restarted without it: start it there again
-                if attempt or name not in self._names:
-                    self._actor_alive(name)  # or it exited there: unplaced, not started again by a recovery
-                    self._dead_letter(name, message, e)
-                    raise
-                self._recover(index)
-                if name in self._unstarted:
-                    raise AgentCrashed(_turn_id(message), f"agent {name!r} could not be started again on a node "
-                                                          "(see the log); retry") from None
+                return self._call(index, "deliver", name, kind, data, future is not None, callbacks, call_off, False)
             finally:
                 if tell is not None:  # no host holds the send now: a cancellation is kept for the next attempt
                     tell.late = called_off.set
-        else:
-            raise AgentCrashed(_turn_id(message), f"agent {name!r} could not be reached on its node; retry")
+
+        try:
+            index, key = self._on_agent_host(name, _turn_id(message), send)
+        except UnknownAgent as e:
+            self._dead_letter(name, message, e)
+            raise
         if future is None:
             return
         turn_id = _turn_id(message)
@@ -527,7 +519,9 @@ class ClusterRuntime:
         raise rayhost.ClusterError(f"the events of turn {_turn_id(message)} ended without its outcome")
 
     def _history(self, name, timeout):
-        return self._call(self._index(name), "history", name, timeout)
+        """Agent `name`'s conversation (`AgentRef.history`) from its host; a host that failed or was restarted is
+        recovered first, as for a message to the agent (`_on_agent_host`): the agent answers from where it runs then."""
+        return self._on_agent_host(name, None, lambda index: self._call(index, "history", name, timeout))[1]
 
     def _check_system_fits(self, system: str) -> None:
         """Raise SystemPromptTooLong here if `system` leaves the model no room for a turn: a host checks it, with
@@ -665,14 +659,32 @@ class ClusterRuntime:
             raise rayhost.unpack_error(value)
         return value
 
-    def _placed(self, name, message) -> int:
-        """`_index(name)`, the host of agent `name` that `message` goes to; a message that it refuses (UnknownAgent:
-        the agent is not running) is a dead letter (`_dead_letter`)."""
-        try:
-            return self._index(name)
-        except UnknownAgent as e:
-            self._dead_letter(name, message, e)
-            raise
+    def _on_agent_host(self, name, turn_id, call) -> tuple:
+        """(host index, `call(index)`): `call` run for agent `name` on its host, as every call to a running agent runs
+        (a message: `_deliver`; a question: `_history`).
+
+        A host that does not answer (NodeDown), or answers that it does not run the agent (UnknownAgent: Ray restarted
+        its process, and the agent died with it), is recovered (`_recover`: the agent starts again, there or on
+        another host), and `call` runs once more, on the agent's host then. Raises UnknownAgent if the agent is not
+        running (`_index`), was stopped meanwhile, exited on its host (then unplaced: no recovery starts it again), or
+        its host does not run it after a recovery; AgentCrashed carrying `turn_id` (retry) if a recovery could not
+        start it again, or its host did not answer twice.
+        """
+        for attempt in range(2):
+            index = self._index(name)
+            try:
+                return index, call(index)
+            except NodeDown:
+                self._recover(index)
+            except UnknownAgent:
+                if attempt or name not in self._names:
+                    self._actor_alive(name)  # or it exited there: unplaced, not started again by a recovery
+                    raise
+                self._recover(index)
+                if name in self._unstarted:
+                    raise AgentCrashed(turn_id, f"agent {name!r} could not be started again on a node (see the log); "
+                                                "retry") from None
+        raise AgentCrashed(turn_id, f"agent {name!r} could not be reached on its node; retry")
 
     def _dead_letter(self, name, message, error: UnknownAgent) -> None:
         """Record `message` (an AgentRef envelope) to agent `name`, which `error` says is not running, as a dead
@@ -727,7 +739,7 @@ class ClusterRuntime:
         durable state from the shared folder. As it was (a passing failure): only its
         agents that a recovery could not start again start there. An agent whose start
         fails stays placed, to be started again by the next recovery of its host, which
-        the next call on it runs (`_deliver`). Callers wait meanwhile (the placement lock).
+        the next call on it runs (`_on_agent_host`). Callers wait meanwhile (the placement lock).
         """
         with self._lock:
             if self._closed:
