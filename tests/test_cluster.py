@@ -20,7 +20,7 @@ import msgpack
 import pytest
 
 from runtime import (AgentCrashed, AgentInUse, AgentRef, CacheDirInUse, CallbackFailed, InvalidArgument, KvactorsError,
-                     RayMissing, Runtime, SystemPromptChanged, SystemPromptTooLong, UnknownAgent, WaitTimeout)
+                     NodeDown, RayMissing, Runtime, SystemPromptChanged, SystemPromptTooLong, UnknownAgent, WaitTimeout)
 from runtime import store
 from runtime.api import testing
 
@@ -322,6 +322,30 @@ def test_a_reply_forwarded_to_an_agent_gone_from_its_host_is_one_dead_letter(rt)
     letters = [d for d in rt.dead_letters if d.recipient == gone.name]
     assert [(d.message["sender"], d.message["text"]) for d in letters] == [(peer.name, reply.text)]
     peer.stop()
+
+
+def test_forget_says_whether_the_agent_was_stored_when_its_hosts_answer_was_lost(rt, monkeypatch):
+    """A forget whose host did not answer (Ray reported it unavailable: NodeDown) asks the host once more. When the
+    host had deleted the agent's files before its answer was lost, the second ask found nothing stored, and forget
+    returned False for the agent it had just forgotten. It says whether the agent was stored when it began, as on
+    one machine; a forget again finds nothing."""
+    name = "forgotten-unanswered"
+    a = rt.spawn(name, system="Be brief.")
+    a.ask("Hello?", **OPTS)
+    call, lost = rt._call, []
+
+    def answer_lost(index, method, *args):  # the host runs the call; its first answer to a forget never comes back
+        value = call(index, method, *args)
+        if method == "forget" and not lost:
+            lost.append(index)
+            raise NodeDown(index, "ActorUnavailableError")
+        return value
+
+    monkeypatch.setattr(rt, "_call", answer_lost)
+    assert rt.forget(name) is True  # was False
+    monkeypatch.undo()
+    assert lost and not rt.stored(name) and name not in rt.running()
+    assert rt.forget(name) is False
 
 
 def test_reset_refuses_token_ids_past_the_vocabulary_in_the_caller_as_on_one_machine(rt, tmp_path):

@@ -343,13 +343,15 @@ class ClusterRuntime:
 
         As `Runtime.forget`: WaitTimeout if the agent's stop (or another wait) takes more than `timeout` seconds;
         the stop goes on, and the files stay until a call again finds it done. Only calls on this name wait for it
-        (`_leave`).
+        (`_leave`). Whether any were stored is whether they were when this call began, as the shared folder says
+        here: a host asked again (`_leave`), after one that deleted them failed to answer, finds none.
         """
         self._check_running()
         store.check_agent_id(name)
         _positive("timeout", timeout)
         with self._name_held(name, timeout):
-            return self._leave(name, "forget", timeout)
+            stored = self.stored(name)  # before any host deletes a file of it
+            return self._leave(name, "forget", timeout) or stored
 
     def stored(self, name: str) -> bool:
         """Whether agent `name` has a journal or cache in `cache_dir` (running or not)."""
@@ -545,7 +547,9 @@ class ClusterRuntime:
         A host that does not answer (NodeDown), or answers UnknownAgent, is recovered as for any other call
         (`_recover`). If its process died (Ray restarted it, or its node is gone), the agent's actor died with it,
         its lock with it, and its files are on the shared disk: the stop is done, and a forget deletes the files on
-        a live host. If the host lives on as it was, it is asked once more (NodeDown again reaches the caller).
+        a live host. If the host lives on as it was, it is asked once more (NodeDown again reaches the caller). A
+        forget asked again may find the files gone, deleted by the call that failed: `forget` says whether they were
+        stored.
         An error that says nothing of the agent's stop (not a WaitTimeout, `_on_host_of`, nor UnknownAgent: it was
         not running there) from a host that lives on as it was places the agent back there. A stop of an agent that a
         recovery could not start again (`_recover`) is done at once: it runs nowhere.
