@@ -314,8 +314,13 @@ class CompiledBlock(llama.TransformerBlock):
     saves six primitives a layer (each costs the host 5-15 us; the residuals' adds are
     bitwise as before) and may change a product's last bits, as `qgemv.qgemv_parts`
     says; each row's result stays bitwise the same in any batch. For a short chunk
-    (`qgemm`'s rows) q/k/v are one product launch and one sum launch, and gate and up
-    another pair (`qgemm.qgemm_parts`): four launches a layer fewer. A short chunk's
+    (`qgemm`'s rows) q/k/v are one product launch and one sum launch, which writes them
+    in the heads' layout attention takes (no copies to make them contiguous), gate and up
+    one product launch (their K is not split, so the product writes them: no sum launch),
+    and the output and down projections add their residuals in their sum launches
+    (`qgemm.qgemm_parts`, `qgemm.qgemm`'s `add`): five launches a layer fewer than a
+    product and a sum launch per pair, two copies and two adds, each result bitwise as
+    before. A short chunk's
     forward is launched (`mx.async_eval`) after every CHUNK_LAUNCH-th block, so the
     device runs the first blocks while the host builds the rest (a decode step is
     pipelined by the engine instead); the results are the same bits.
@@ -388,11 +393,10 @@ class CompiledBlock(llama.TransformerBlock):
             heads = (attn.n_heads, attn.n_kv_heads, attn.n_kv_heads)
             shapes = [(B, n, L, m["weight"].shape[0] // n) for n, m in zip(heads, parts)]
             queries, keys, values = qgemv.qgemv_parts(h, [_packed(m) for m in parts], attn.q_proj.group_size, shapes)
-        elif _gemm_fused(parts, h):  # a short chunk: one product launch and one sum launch for the three
-            q, k, v = qgemm.qgemm_parts(h, [_packed(m) for m in parts], attn.q_proj.group_size)
-            queries = q.reshape(B, L, attn.n_heads, -1).transpose(0, 2, 1, 3)
-            keys = k.reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-            values = v.reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        elif _gemm_fused(parts, h) and _whole_heads(attn):  # a short chunk: one product and one sum launch for
+            # the three, written in the heads' layout (no copies to make the heads' rows contiguous)
+            queries, keys, values = qgemm.qgemm_parts(h, [_packed(m) for m in parts], attn.q_proj.group_size,
+                                                      head_dim=attn.head_dim)
         else:
             queries = attn.q_proj(h).reshape(B, L, attn.n_heads, -1).transpose(0, 2, 1, 3)
             keys = attn.k_proj(h).reshape(B, L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
@@ -418,7 +422,7 @@ class CompiledBlock(llama.TransformerBlock):
             return _linear_plus(mlp.down_proj, gated, h)
         if type(mlp) is llama.MLP and _gemm_fused((mlp.gate_proj, mlp.up_proj), h_norm):
             gate, up = qgemm.qgemm_parts(h_norm, [_packed(mlp.gate_proj), _packed(mlp.up_proj)], mlp.gate_proj.group_size)
-            return h + mlp.down_proj(llama.swiglu(gate, up))
+            return _linear_plus(mlp.down_proj, llama.swiglu(gate, up), h)
         return h + mlp(h_norm)
 
 
@@ -469,10 +473,21 @@ def _probed_frequencies(rope, head_dim: int):
 
 
 def _linear_plus(module, x, residual):
-    """`residual + module(x)`: one GEMV launch where it serves the module (`qgemv.qgemv`'s `add`)."""
+    """`residual + module(x)`: the residual added in the GEMV's launch where it serves the module (`qgemv.qgemv`'s
+    `add`), in the short chunk's product's (`qgemm.qgemm`'s `add`) where that serves it; bitwise the same."""
     if _fused((module,), x):
         return qgemv.qgemv(x, *_packed(module), module.group_size, add=residual)
+    if _gemm_fused((module,), x):
+        return qgemm.qgemm(x, *_packed(module), module.group_size, add=residual)
     return residual + module(x)
+
+
+def _whole_heads(attn) -> bool:
+    """Whether llama attention `attn`'s q/k/v projections are its heads of `head_dim` each, which a short chunk's
+    product writes in the heads' layout (`qgemm.qgemm_parts`' head_dim)."""
+    d = attn.head_dim
+    return (d % 4 == 0 and attn.q_proj["weight"].shape[0] == attn.n_heads * d
+            and attn.k_proj["weight"].shape[0] == attn.v_proj["weight"].shape[0] == attn.n_kv_heads * d)
 
 
 

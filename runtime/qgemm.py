@@ -30,7 +30,11 @@ an H200 this took a layer's seven products at 64 rows from 377 to 330 us, at
 the weights two or three steps ahead instead was slower. S
 follows from the weight's shape alone (`splits`: as many as fit one wave of
 blocks); each block writes its float32 sums to its own slice of a scratch array,
-and a second launch adds the S slices in split order and rounds to x's type.
+and a second launch adds the S slices in split order and rounds to x's type
+(where S is 1, the product launch rounds and writes its sums itself: one launch).
+The launch that writes the result can add a residual to it (`add`, bitwise as a
+separate add of MLX's) and write q/k/v in the heads' layout attention takes
+(`head_dim`): each a launch of MLX's fewer, which a short chunk's host time counts.
 
 Each output is summed in one fixed order (steps of K in order within a split,
 then splits in order) from its own row of x and the weights, whatever the
@@ -150,18 +154,36 @@ _GEMM = r"""
     #undef FETCH_W
     #undef FETCH_X
     #undef PUT
-    // C fragment: acc[mt] = (col na, row 2t), (na, 2t + 1), (nb, 2t), (nb, 2t + 1), rows + m0 + 8 mt
-    float* pz = pout + (size_t)z * M * N;
+    // C fragment: acc[mt] = (col na, row 2t), (na, 2t + 1), (nb, 2t), (nb, 2t + 1), rows + m0 + 8 mt.
+    // Output (m, n) lies at at(m, n): row-major (M, N), or, where HD > 0, in the heads' layout (B, N / HD, L, HD)
+    // of x (B, L, K). With S = 1 the sums are the outputs (rounded to T, RESIDUAL added); else split z's slice
+    // of the float32 partial sums, laid out as the outputs.
+    const int L = x_ndim >= 2 ? x_shape[x_ndim - 2] : M;
+    auto at = [&](int m, int n) -> size_t {
+        if constexpr (HD == 0) {
+            return (size_t)m * N + n;
+        } else {
+            return (size_t)(m / L) * L * N + (size_t)(n / HD) * L * HD + (size_t)(m % L) * HD + n % HD;
+        }
+    };
+    auto* pz = pout + (S == 1 ? 0 : (size_t)z * M * N);
+    auto put = [&](int m, int n, float v) {
+        if constexpr (S == 1) {
+            pz[at(m, n)] = static_cast<T>(v) RESIDUAL;
+        } else {
+            pz[at(m, n)] = v;
+        }
+    };
     #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
         const int m = m0 + 8 * mt + 2 * t;
         if (na < N) {
-            if (m < M) pz[(size_t)m * N + na] = acc[mt][0];
-            if (m + 1 < M) pz[(size_t)(m + 1) * N + na] = acc[mt][1];
+            if (m < M) put(m, na, acc[mt][0]);
+            if (m + 1 < M) put(m + 1, na, acc[mt][1]);
         }
         if (nb < N) {
-            if (m < M) pz[(size_t)m * N + nb] = acc[mt][2];
-            if (m + 1 < M) pz[(size_t)(m + 1) * N + nb] = acc[mt][3];
+            if (m < M) put(m, nb, acc[mt][2]);
+            if (m + 1 < M) put(m + 1, nb, acc[mt][3]);
         }
     }
 """
@@ -183,10 +205,10 @@ _SUM = r"""
         v.z += u.z;
         v.w += u.w;
     }
-    y[i] = static_cast<T>(v.x);
-    y[i + 1] = static_cast<T>(v.y);
-    y[i + 2] = static_cast<T>(v.z);
-    y[i + 3] = static_cast<T>(v.w);
+    y[i] = static_cast<T>(v.x) RESIDUAL0;
+    y[i + 1] = static_cast<T>(v.y) RESIDUAL1;
+    y[i + 2] = static_cast<T>(v.z) RESIDUAL2;
+    y[i + 3] = static_cast<T>(v.w) RESIDUAL3;
 """
 
 # weight i's blocks follow weight i - 1's: (column tiles) x S each
@@ -194,7 +216,7 @@ _PICK_GEMM = """int blk = blockIdx.x;
     const unsigned int* wq = w0;
     const unsigned short* sp = reinterpret_cast<const unsigned short*>(s0);
     const unsigned short* bp = reinterpret_cast<const unsigned short*>(b0);
-    float* pout = part0;
+    auto* pout = part0;  // float partial sums, or T outputs where S = 1
     int N = w0_shape[0];"""
 _PICK_GEMM_NEXT = """
     if (blk >= (N + 127) / 128 * S) {{  // past weight {j}'s blocks
@@ -226,7 +248,7 @@ __device__ __forceinline__ uint4 nibble_order(uint4 v) {
 }
 """
 
-_kernels = {}  # (BF, weights) -> (product kernel, sum kernel)
+_kernels = {}  # (BF, weights, add) -> (product kernel, sum kernel)
 
 _TWO_BLOCKS = qgemv.launch_bounds(THREADS, 2)  # two blocks a multiprocessor: at most 128 registers a thread
 
@@ -247,24 +269,33 @@ def splits(n: int, k: int) -> int:
     return max(1, min(k // STEP // MIN_STEPS, WAVE // tiles))
 
 
-def qgemm(x, w, scales, biases, group_size: int):
-    """`x @ dequantize(w, scales, biases).T` for x (..., K) of any number of rows, on CUDA.
+def qgemm(x, w, scales, biases, group_size: int, add=None):
+    """`x @ dequantize(w, scales, biases).T` for x (..., K) of any number of rows, on CUDA; plus `add` (an
+    array of the result's shape and dtype, a residual connection), in the same launches, bitwise as
+    `add + qgemm(...)`.
 
     Returns (..., N) in x's dtype. Each row's result is bitwise independent of the
     other rows (see the module docstring). Raises ValueError where `supports` does
-    not hold; group_size is 32, 64 or 128 (`qgemv.supports_weights`).
+    not hold, or for an `add` of another shape or dtype; group_size is 32, 64 or 128
+    (`qgemv.supports_weights`).
     """
-    return qgemm_parts(x, [(w, scales, biases)], group_size)[0]
+    return qgemm_parts(x, [(w, scales, biases)], group_size, add=add)[0]
 
 
-def qgemm_parts(x, weights, group_size: int) -> list:
+def qgemm_parts(x, weights, group_size: int, add=None, head_dim: int = 0) -> list:
     """`x @ dequantize(w).T` for each (w, scales, biases) in `weights` (1 to 3, one K), in one product launch
-    and one sum launch: a layer's q/k/v, or its gate and up.
+    and one sum launch: a layer's q/k/v, or its gate and up. Where `splits` gives one slice of K, the product
+    launch writes the results itself: no sum launch.
 
     As `qgemm` for each weight, but the split of K follows the weights' shapes together
     (`splits` of their summed N), so a part may differ in its last bits from `qgemm` of
     that weight alone; each row's result is still bitwise the same in any chunk.
-    Returns a list of (..., N_i) in x's dtype. ValueError as `qgemm`'s, or for more than 3.
+    `add`: as `qgemm`'s, for one weight. `head_dim` (x of shape (B, L, K)): each result
+    as attention takes it, (B, N_i / head_dim, L, head_dim), its heads' rows contiguous:
+    the same values as `y.reshape(B, L, -1, head_dim).transpose(0, 2, 1, 3)`, with no copy
+    to make them contiguous. Returns a list of (..., N_i) in x's dtype, or those.
+    ValueError as `qgemm`'s, for more than 3 weights, for `add` with more than one, for a
+    `head_dim` that x's shape, or an N_i, does not allow, or for both.
     """
     if not 1 <= len(weights) <= 3:
         raise ValueError(f"qgemm_parts takes 1 to 3 weights; got {len(weights)}")
@@ -274,34 +305,64 @@ def qgemm_parts(x, weights, group_size: int) -> list:
                              f"of 4, and 16-bit x and scales of one type; got x {tuple(x.shape)} {x.dtype}, weight "
                              f"{tuple(w.shape)}, group {group_size}, scales {scales.dtype}")
     k, n = x.shape[-1], [w.shape[0] for w, _, _ in weights]
+    shapes = _result_shapes(x, n, add, head_dim)
     rows = x.size // k
     s = splits(sum(n), k)
-    gemm, add = _kernels_for(int(x.dtype == mx.bfloat16), len(weights))
+    gemm, total = _kernels_for(int(x.dtype == mx.bfloat16), len(weights), add is not None)
     blocks = sum(-(-ni // COLUMNS) for ni in n) * s
-    parts = gemm(inputs=[x, *(a for part in weights for a in part)], output_shapes=[(s, rows, ni) for ni in n],
-                 output_dtypes=[mx.float32] * len(n),
-                 template=[("T", x.dtype), ("G", group_size), ("S", s), ("MT", min(ROWS // 8, -(-rows // 8)))],
-                 grid=(blocks * THREADS, -(-rows // ROWS), 1), threadgroup=(THREADS, 1, 1))
+    extra = [] if add is None else [add]
+    template = [("T", x.dtype), ("G", group_size), ("S", s), ("MT", min(ROWS // 8, -(-rows // 8))), ("HD", head_dim)]
+    launch = dict(template=template, grid=(blocks * THREADS, -(-rows // ROWS), 1), threadgroup=(THREADS, 1, 1))
+    if s == 1:  # the product launch writes the results
+        return gemm(inputs=[x, *(a for part in weights for a in part), *extra], output_shapes=shapes,
+                    output_dtypes=[x.dtype] * len(n), **launch)
+    parts = gemm(inputs=[x, *(a for part in weights for a in part), *extra],
+                 output_shapes=[(s, rows, ni) for ni in n], output_dtypes=[mx.float32] * len(n), **launch)
     quads = rows * sum(n) // 4
-    return add(inputs=parts, output_shapes=[(*x.shape[:-1], ni) for ni in n], output_dtypes=[x.dtype] * len(n),
-               template=[("T", x.dtype), ("S", s)], grid=(-(-quads // 256) * 256, 1, 1), threadgroup=(256, 1, 1))
+    return total(inputs=parts + extra, output_shapes=shapes, output_dtypes=[x.dtype] * len(n),
+                 template=[("T", x.dtype), ("S", s)], grid=(-(-quads // 256) * 256, 1, 1), threadgroup=(256, 1, 1))
 
 
-def product_kernel(bf: int, parts: int) -> tuple[str, str, list, list]:
-    """(header, body, input names, output names) of the product kernel for `parts` weights, bf16 (`bf` 1) or f16."""
+def _result_shapes(x, n: list, add, head_dim: int) -> list:
+    """The shapes `qgemm_parts` returns for x and weights of N `n`, after checking `add` and `head_dim`."""
+    plain = [(*x.shape[:-1], ni) for ni in n]
+    if add is not None:
+        if len(n) != 1 or head_dim:
+            raise ValueError("qgemm_parts adds `add` to the result of one weight, in its plain layout")
+        if tuple(add.shape) != plain[0] or add.dtype != x.dtype:
+            raise ValueError(f"add must have the result's shape {plain[0]} and dtype {x.dtype}; got "
+                             f"{tuple(add.shape)} {add.dtype}")
+    if not head_dim:
+        return plain
+    if x.ndim != 3 or head_dim % 4 or any(ni % head_dim for ni in n):
+        raise ValueError(f"head_dim needs x of shape (B, L, K) and outputs of whole heads, a multiple of 4 wide; "
+                         f"got x {tuple(x.shape)}, outputs {n}, head_dim {head_dim}")
+    B, L, _ = x.shape
+    return [(B, ni // head_dim, L, head_dim) for ni in n]
+
+
+def product_kernel(bf: int, parts: int, add: bool = False) -> tuple[str, str, list, list]:
+    """(header, body, input names, output names) of the product kernel for `parts` weights, bf16 (`bf` 1) or f16,
+    with a residual `add` input (one weight) or not."""
     header = f"#define BF {bf}\n" + _TWO_BLOCKS + qgemv.DEVICE_HELPERS + _NIBBLE_ORDER
-    body = _GEMM.replace("PICK", _PICK_GEMM + "".join(_PICK_GEMM_NEXT.format(i=i, j=i - 1) for i in range(1, parts)))
-    return header, body, ["x"] + [f"{a}{i}" for i in range(parts) for a in "wsb"], [f"part{i}" for i in range(parts)]
+    body = (_GEMM.replace("PICK", _PICK_GEMM + "".join(_PICK_GEMM_NEXT.format(i=i, j=i - 1) for i in range(1, parts)))
+            .replace("RESIDUAL", "+ add[(size_t)m * N + n]" if add else ""))
+    inputs = ["x"] + [f"{a}{i}" for i in range(parts) for a in "wsb"] + (["add"] if add else [])
+    return header, body, inputs, [f"part{i}" for i in range(parts)]
 
 
-def _kernels_for(bf: int, parts: int):
-    key = (bf, parts)
+def _kernels_for(bf: int, parts: int, add: bool):
+    """(product kernel, sum kernel) for `parts` weights, bf16 (`bf` 1) or f16, adding a residual or not."""
+    key = (bf, parts, add)
     if key not in _kernels:
-        header, gemm, inputs, outputs = product_kernel(bf, parts)
+        header, gemm, inputs, outputs = product_kernel(bf, parts, add)
         total = _SUM.replace("PICK", _PICK_SUM + "".join(_PICK_SUM_NEXT.format(i=i) for i in range(1, parts)))
+        for j in range(4):
+            total = total.replace(f"RESIDUAL{j}", f"+ add[i + {j}]" if add else "")
+        name = f"p{parts}{'add' if add else ''}"
         _kernels[key] = (
-            qgemv.cuda_kernel(f"kvactors_qgemm4_tc{bf}_p{parts}", inputs, outputs, gemm, header=header),
-            qgemv.cuda_kernel(f"kvactors_qgemm4_sum{bf}_p{parts}", [f"part{i}" for i in range(parts)],
-                              [f"y{i}" for i in range(parts)], total),
+            qgemv.cuda_kernel(f"kvactors_qgemm4_tc{bf}_{name}", inputs, outputs, gemm, header=header),
+            qgemv.cuda_kernel(f"kvactors_qgemm4_sum{bf}_{name}", [f"part{i}" for i in range(parts)]
+                              + (["add"] if add else []), [f"y{i}" for i in range(parts)], total),
         )
     return _kernels[key]

@@ -95,6 +95,51 @@ def test_qgemm_parts_match_float32_in_one_launch_and_each_row_is_the_same_in_any
         qgemm.qgemm_parts(x, packed * 2, group)
 
 
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("n", [4096, 28672])  # K split in 8 slices (a sum launch), and not split (the product's)
+def test_qgemm_adds_a_residual_bitwise_as_a_separate_add(n, dtype):
+    """`add` (a residual) is added where the result is written, bitwise as MLX adds it after the product."""
+    k = 4096
+    assert (qgemm.splits(n, k) == 1) == (n == 28672)
+    packed = tuple(a.astype(dtype) if a.dtype != mx.uint32 else a for a in weights(n, k, 64, seed=7))
+    x = mx.random.normal((2, 40, k), key=mx.random.key(8)).astype(dtype)
+    residual = mx.random.normal((2, 40, n), key=mx.random.key(9)).astype(dtype)
+    got = qgemm.qgemm(x, *packed, 64, add=residual)
+    assert got.shape == (2, 40, n) and got.dtype == dtype
+    assert mx.array_equal(got, residual + qgemm.qgemm(x, *packed, 64)).item()
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("ns,head_dim", [((4096, 1024, 1024), 128), ((2048, 512, 512), 64), ((14336, 14336), 128)])
+def test_qgemm_parts_write_the_heads_layout_attention_takes(ns, head_dim, dtype):
+    """With head_dim, each result is (B, N / head_dim, L, head_dim), bitwise the plain result's heads transposed,
+    whether K is split (a sum launch writes it) or not (the product launch does: the last case)."""
+    k = 4096
+    packed = [tuple(a.astype(dtype) if a.dtype != mx.uint32 else a for a in weights(n, k, 64, seed=10 + i))
+              for i, n in enumerate(ns)]
+    x = mx.random.normal((3, 24, k), key=mx.random.key(11)).astype(dtype)
+    plain = qgemm.qgemm_parts(x, packed, 64)
+    heads = qgemm.qgemm_parts(x, packed, 64, head_dim=head_dim)
+    for y, h, n in zip(plain, heads, ns):
+        assert h.shape == (3, n // head_dim, 24, head_dim) and h.dtype == dtype
+        assert mx.array_equal(h, y.reshape(3, 24, n // head_dim, head_dim).transpose(0, 2, 1, 3)).item()
+
+
+def test_qgemm_refuses_a_residual_or_heads_layout_it_cannot_write():
+    packed = weights(256, 128, 64)
+    x = mx.zeros((2, 20, 128), mx.bfloat16)
+    with pytest.raises(ValueError, match="one weight"):
+        qgemm.qgemm_parts(x, [packed, packed], 64, add=mx.zeros((2, 20, 256), mx.bfloat16))
+    with pytest.raises(ValueError, match="shape"):
+        qgemm.qgemm(x, *packed, 64, add=mx.zeros((2, 20, 128), mx.bfloat16))
+    with pytest.raises(ValueError, match="dtype"):
+        qgemm.qgemm(x, *packed, 64, add=mx.zeros((2, 20, 256), mx.float16))
+    with pytest.raises(ValueError, match="head_dim"):
+        qgemm.qgemm_parts(x.reshape(40, 128), [packed], 64, head_dim=64)  # no (B, L) to lay the heads in
+    with pytest.raises(ValueError, match="head_dim"):
+        qgemm.qgemm_parts(x, [packed], 64, head_dim=96)  # 256 outputs are no whole heads of 96
+
+
 def test_qgemm_refuses_what_it_cannot_read():
     packed = weights(96, 128, 64)
     with pytest.raises(ValueError, match="multiple of 64"):

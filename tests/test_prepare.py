@@ -380,8 +380,9 @@ def test_a_chunk_between_decode_and_dense_sizes_multiplies_through_qgemm(tiny_mo
 
 @pytest.mark.skipif(not qgemv.available(), reason="CUDA only")
 def test_a_compiled_block_runs_a_short_chunks_qkv_and_gate_up_as_one_launch_each(tiny_model_path, monkeypatch):
-    """In a compiled llama block, a chunk of qgemm's size takes q/k/v through one `qgemm_parts` launch and
-    gate/up through another, with logits as the uncompiled blocks' separate products give them (bf16)."""
+    """In a compiled llama block, a chunk of qgemm's size takes q/k/v through one `qgemm_parts` launch, written in
+    the heads' layout, and gate/up through another, and the output and down projections add their residuals in
+    their own launches, with logits as the uncompiled blocks' separate products give them (bf16)."""
     from runtime import attention, qgemm
     from runtime.model import ModelCacheSpec
     from runtime.q4cache import merge_caches
@@ -393,11 +394,15 @@ def test_a_compiled_block_runs_a_short_chunks_qkv_and_gate_up_as_one_launch_each
     tokens = mx.random.randint(3, 500, (2, 40), key=mx.random.key(6))
     want = model(tokens, cache=merge_caches(spec, [None, None], "q4kernel")).astype(mx.float32)
     prepare_model(model)  # now with the compiled blocks
-    calls = []
-    parts = qgemm.qgemm_parts
-    monkeypatch.setattr(qgemm, "qgemm_parts", lambda x, w, g: calls.append(len(w)) or parts(x, w, g))
+    calls, added = [], []
+    parts, single = qgemm.qgemm_parts, qgemm.qgemm
+    monkeypatch.setattr(qgemm, "qgemm_parts",
+                        lambda x, w, g, **kw: calls.append((len(w), kw.get("head_dim", 0))) or parts(x, w, g, **kw))
+    monkeypatch.setattr(qgemm, "qgemm", lambda x, *a, **kw: added.append("add" in kw) or single(x, *a, **kw))
     got = model(tokens, cache=merge_caches(spec, [None, None], "q4kernel")).astype(mx.float32)
-    assert calls.count(3) == calls.count(2) == len(model.layers)
+    head_dim = model.layers[0].self_attn.head_dim
+    assert calls.count((3, head_dim)) == calls.count((2, 0)) == len(model.layers)  # (and qgemm's own, one weight)
+    assert added.count(True) == 2 * len(model.layers)  # the output and down projections, with their residuals
     assert (mx.abs(got - want).max() / mx.abs(want).max()).item() < 2e-2
 
 
