@@ -863,7 +863,8 @@ class Runtime:
     """Agents on one model; see the module docstring. Use as a context manager.
 
     model: folder, .gguf file, Hugging Face id or "tiny"; None: the default (SmolLM2-135M-Instruct, or $KVACTORS_MODEL).
-    cache_dir: where caches and journals live (per model fingerprint, per agent).
+    cache_dir: where caches and journals live (per model fingerprint, per agent); None: DEFAULT_CACHE_DIR,
+    ~/.cache/kvactors/agents (not under $KVACTORS_HOME, which holds models).
     kv_scheme: how the KV cache is quantized, a `runtime.kvscheme` name such as
     "k6v4-g64-hadamard" (None: the model's default, `kvscheme.default_scheme`).
     kv_bits (4 or 8) / kv_group_size (32, 64 or 128) instead pick the unrotated
