@@ -144,9 +144,9 @@ class SystemPromptTooLong(AdvisedError, ValueError):
     it was refused by its length in characters, before tokenizing) and `limit` the model's positions."""
 
     def __init__(self, tokens: int | None, chars: int, limit: int, advice: str = ": shorten it"):
-        size = f"{tokens} tokens" if tokens is not None else f"{chars} characters, more tokens whatever they are,"
-        super().__init__(f"the system prompt is {size} of the model's {limit} positions and leaves none for a "
-                         f"message and a reply", advice)
+        size = (f"{tokens} tokens of the model's {limit} positions and" if tokens is not None else
+                f"{chars} characters: more tokens, whatever they are, than the model's {limit} positions, so it")
+        super().__init__(f"the system prompt is {size} leaves none for a message and a reply", advice)
         self.tokens, self.chars, self.limit = tokens, chars, limit
 
 
