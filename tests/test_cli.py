@@ -37,6 +37,18 @@ def test_help_lists_the_commands():
         assert command in out.stdout
 
 
+def test_every_option_of_every_command_says_what_it_does():
+    """`kvactors serve --help` listed --log-level with its choices and nothing else."""
+    import argparse
+
+    from runtime.api.cli import build_parser
+
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for name, command in commands.items():
+        for action in command._actions:
+            assert action.help, f"kvactors {name} {'/'.join(action.option_strings) or action.dest} has no help text"
+
+
 def test_demo_takes_kv_bits_or_a_kv_scheme_not_both():
     out = kvactors("demo", "--kv-bits", "8", "--kv-scheme", "k4v4-g64")
     assert out.returncode == 2 and "not allowed with argument" in out.stderr

@@ -173,7 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "memory: at once (default: %(default)s)")
     srv.add_argument("--max-batch", type=int, default=16, help="turns decoded together at most (default: %(default)s)")
     srv.add_argument("--turn-timeout", type=float, default=600.0, help="seconds a turn may take (default: %(default)s)")
-    srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                     help="uvicorn's log level: its startup, request and shutdown lines (default: %(default)s)")
     srv.set_defaults(func=_serve)
 
     ins = sub.add_parser(
