@@ -626,6 +626,11 @@ def _safe_row(folder: Path) -> list[str]:
         return [folder.name, "-", "-", "-", f"cannot inspect the folder: {type(e).__name__}: {e}{fix}"]
 
 
+def counted(n: int, noun: str) -> str:
+    """'1 agent', '3 agents': `n` and `noun`, plural but for one."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def _table(rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
@@ -643,7 +648,7 @@ def check_cache_folder(root: Path) -> Path:
     if not path.exists():
         raise NotAFolder(f"{path} is a symbolic link to {os.readlink(path)!r}, which does not exist{held}: make the "
                          "folder it points to, or give another cache folder")
-    raise NotAFolder(f"{path} is a file, not a cache folder{held}: give a folder, made if missing")
+    raise NotAFolder(f"{path} is a file, not a cache folder{held}: give a folder instead")
 
 
 def inspect_table(cache_dir) -> str:
@@ -694,4 +699,4 @@ def _model_table(model: Path) -> list[str]:
     rows = [["agent", "tokens", "on disk", "last turn", "health"]] + [_safe_row(a) for a in sorted(agents)]
     name = recorded_model(model)
     title = f"{name} ({model.name})" if name else model.name
-    return [f"model {title} ({len(agents)} agents)\n{_table(rows)}"]
+    return [f"model {title} ({counted(len(agents), 'agent')})\n{_table(rows)}"]

@@ -97,7 +97,7 @@ def test_inspect_shows_stored_agents_and_their_health(tmp_path):
         model_id, fingerprint = rt.spec.model_id, rt.spec.fingerprint
     out = kvactors("inspect", tmp_path)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith(f"model {model_id} ({fingerprint}) (1 agents)")  # the persistence actor recorded it
+    assert out.stdout.startswith(f"model {model_id} ({fingerprint}) (1 agent)")  # the persistence actor recorded it
     row = next(line for line in out.stdout.splitlines() if line.startswith("archivist"))
     assert row.split()[-1] == "ok"
     cache_file = next(tmp_path.glob("*/archivist/cache.safetensors"))
@@ -149,7 +149,7 @@ def test_prune_deletes_idle_caches_keeps_their_journals_and_says_what_it_freed(t
     assert rows == [line.replace("would delete", "deleted") for line in dry.stdout.splitlines()[:-1]]  # the same list
     assert len(rows) == 1 and rows[0].startswith(f"{old.parent.name}/old: deleted ")
     assert sorted(rows[0].split(": deleted ")[1].rsplit(" (", 1)[0].split(", ")) == sorted(cache)
-    assert f"({sum(cache.values())} bytes) freed" in summary and "1 agents" in summary, summary
+    assert f"({sum(cache.values())} bytes) freed" in summary and "1 agent idle" in summary, summary
     assert f"({sum(cache.values())} bytes) would be freed" in dry.stdout.splitlines()[-1]
     assert sorted(os.listdir(old)) == ["journal.msgpack", "journal.seq"]  # the history stays
     assert files(recent) == before_recent  # not idle long enough: untouched

@@ -851,16 +851,16 @@ def test_inspect_names_the_model_recorded_beside_its_fingerprint(tmp_path):
     saved(tmp_path, agent="alice")
     model_dir = tmp_path / SPEC.fingerprint
     assert store.recorded_model(model_dir) is None
-    assert store.inspect_table(tmp_path).startswith(f"model {SPEC.fingerprint} (1 agents)")  # older folders
+    assert store.inspect_table(tmp_path).startswith(f"model {SPEC.fingerprint} (1 agent)")  # older folders
     assert store.record_model(model_dir, "org/Some-Model") is True
     assert store.record_model(model_dir, "another") is False  # the first record stays
     assert json.loads((model_dir / store.MODEL_FILE).read_text()) == {"model_id": "org/Some-Model"}
     assert oct((model_dir / store.MODEL_FILE).stat().st_mode & 0o777) == "0o600"
-    assert store.inspect_table(tmp_path).startswith(f"model org/Some-Model ({SPEC.fingerprint}) (1 agents)")
+    assert store.inspect_table(tmp_path).startswith(f"model org/Some-Model ({SPEC.fingerprint}) (1 agent)")
     assert [f.name for f in store.agent_folders(tmp_path)] == ["alice"]  # the file is no agent
     (model_dir / store.MODEL_FILE).write_text("not json")
     assert store.recorded_model(model_dir) is None
-    assert store.inspect_table(tmp_path).startswith(f"model {SPEC.fingerprint} (1 agents)")
+    assert store.inspect_table(tmp_path).startswith(f"model {SPEC.fingerprint} (1 agent)")
 
 
 def test_stored_agent_summarizes_the_current_conversation(tmp_path):

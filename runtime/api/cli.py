@@ -62,7 +62,7 @@ def duration_s(text: str) -> float:
 
 
 def _prune(args) -> int:
-    from runtime.store import CacheDirInUse, check_cache_folder, human_bytes, lock_cache_dir, prune_agents
+    from runtime.store import CacheDirInUse, check_cache_folder, counted, human_bytes, lock_cache_dir, prune_agents
 
     if not args.cache_dir:  # as inspect says
         raise ValueError("cache_dir is empty: give a folder, or leave it out for the default")
@@ -90,7 +90,7 @@ def _prune(args) -> int:
     done = [p for p in pruned if p.paths and not p.error]
     failed = [p for p in pruned if p.error]
     freed = sum(p.nbytes for p in pruned)
-    print(f"{verb} the caches of {len(done)} agents idle over {args.older_than}: "
+    print(f"{verb} the caches of {counted(len(done), 'agent')} idle over {args.older_than}: "
           f"{human_bytes(freed)} ({freed} bytes) {'would be ' if args.dry_run else ''}freed; journals kept"
           + (f"; {len(failed)} folders could not be pruned (the warnings say why)" if failed else ""))
     return 1 if failed else 0
