@@ -897,6 +897,46 @@ def test_a_second_stop_signal_stops_the_server_without_waiting_for_a_turn_whose_
     assert replies_stored(tmp_path, "long") == 0
 
 
+SLOW_SHUTDOWN = """
+import sys
+from runtime import Runtime
+from runtime.api.serve import signals_end_shutdown
+from runtime.api.testing import park_supervisor
+
+with signals_end_shutdown() as shutting_down, Runtime("tiny", cache_dir=sys.argv[1]) as rt:
+    rt.spawn("a").ask("hi", max_tokens=4)
+    park_supervisor(rt, hold_s=60)  # the shutdown waits for the agents' supervisor: a minute at most
+    shutting_down()
+    print("shutting down", flush=True)
+print("shut down", flush=True)
+"""
+
+
+@STOP_SIGNALS
+def test_a_signal_while_the_runtime_shuts_down_ends_the_process_at_once_without_a_traceback(tmp_path, stop):
+    """As `kvactors serve` shuts its Runtime down (uvicorn stopped), a signal ends the process as that signal does by
+    default, at once, with one line that says nothing answered is lost: not a KeyboardInterrupt's traceback out of
+    the shutdown (then the exit hook's shutdown waiting again), nor SIGTERM's silent end. The Runtime here is a real
+    one whose shutdown waits for a parked supervisor; the agent's answered turn is in its journal after."""
+    from runtime.api.serve import ENDED_IN_SHUTDOWN
+
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_SHUTDOWN, str(tmp_path)], env={**os.environ,
+                            "PYTHONPATH": str(ROOT)}, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "shutting down\n", proc.stderr.read()
+        time.sleep(0.5)  # inside the shutdown's wait
+        proc.send_signal(stop)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == -stop and "shut down" not in out, (out, err)
+    assert ENDED_IN_SHUTDOWN.strip() in err and "Traceback" not in err, err
+    with Runtime("tiny", cache_dir=tmp_path) as rt:
+        assert {a.name: a.turns for a in rt.agents()} == {"a": 1}
+
+
 # -- the mapping of a request onto an agent's history (no server) ---------------------------------
 
 

@@ -150,8 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "agent routes under /v1/agents. A request's agent is named by the X-Agent-Id header, or "
                     "derived from its user field, system prompt and first user message. Ctrl-C or SIGTERM stops it: "
                     "it takes no new request and waits for the turns still running; a second Ctrl-C or SIGTERM stops "
-                    "it at once, those turns unfinished and not saved (a streamed one may keep what it had sent). "
-                    "Every turn already answered is saved either way.",
+                    "it at once, those turns unfinished and not saved (a streamed one may keep what it had sent), as does "
+                    "one while the agents' state is being saved after that. Every turn already answered is saved "
+                    "either way.",
     )
     srv.add_argument("--model", default=None,
                      help="model folder, .gguf file, Hugging Face id or 'tiny' (default: $KVACTORS_MODEL if set, "

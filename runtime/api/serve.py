@@ -928,15 +928,16 @@ def serve(model=None, cache_dir=None, host: str = "127.0.0.1", port: int = 8000,
           log_level: str = "info", **runtime_options) -> int:
     """Run `kvactors serve`: a Runtime on `model` over `cache_dir`, served by uvicorn until a stop signal (see
     `run_uvicorn`). Once the Runtime has shut down, the process ends by the first signal it got (`end_by_signal`),
-    after a warning that says what was cut short if a second one forced the stop. Returns 0 if it stopped
-    otherwise."""
+    after a warning that says what was cut short if a second one forced the stop; a signal while the Runtime shuts
+    down ends it at once (`signals_end_shutdown`). Returns 0 if it stopped otherwise."""
     import uvicorn
 
     check_server_options(max_agents, default_max_tokens, turn_timeout, api_key)  # before the model loads
     sock = bind_socket(host, port)
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         log.warning("serving on %s without --api-key: anyone who can reach it can use and forget your agents", host)
-    with sock, Runtime(model=model, cache_dir=cache_dir, **runtime_options) as rt:
+    with sock, signals_end_shutdown() as shutting_down, Runtime(model=model, cache_dir=cache_dir,
+                                                                  **runtime_options) as rt:
         server = Server(rt, model_id(model), api_key=api_key, max_agents=max_agents,
                         default_max_tokens=default_max_tokens, turn_timeout=turn_timeout)
         config = uvicorn.Config(build_app(server), log_level=log_level)  # sets up uvicorn's loggers
@@ -944,11 +945,42 @@ def serve(model=None, cache_dir=None, host: str = "127.0.0.1", port: int = 8000,
         logging.getLogger("uvicorn.error").info("kvactors serving %s on http://%s:%d (press CTRL+C to quit)",
                                                 server.model_id, f"[{bound}]" if ":" in bound else bound, bound_port)
         stopped_by = run_uvicorn(config, sock)
+        shutting_down()  # the Runtime's shutdown comes next
     if not stopped_by:
         return 0
     if len(stopped_by) > 1:  # said once the Runtime has shut down, which saved every turn it had answered
         logging.getLogger("uvicorn.error").warning(FORCED_STOP)
     return end_by_signal(stopped_by[0])
+
+
+ENDED_IN_SHUTDOWN = ("kvactors serve: stopped by a signal while the Runtime shut down: every turn already answered is "
+                     "saved; a cache file not yet written is rebuilt from its journal at the agent's next turn\n")
+
+
+@contextlib.contextmanager
+def signals_end_shutdown():
+    """For a `with` block around a Runtime: yields `arm`, which makes SIGINT and SIGTERM, from then until the block
+    ends (the Runtime's shutdown included, when this block holds it), end the process at once as that signal does
+    by default, after one line on standard error (`ENDED_IN_SHUTDOWN`), instead of raising KeyboardInterrupt
+    (a traceback out of the shutdown, then the exit hook's shutdown waiting again) or meeting a handler that is
+    gone (uvicorn's). Nothing is lost by it: every answered turn is in its journal. The handlers before are back
+    when the block ends. Off the main thread, where handlers cannot be set, `arm` does nothing."""
+    previous = {}
+
+    def end_now(sig: int, frame) -> None:
+        with contextlib.suppress(OSError):
+            os.write(2, ENDED_IN_SHUTDOWN.encode())  # a signal handler's write: no buffer that may be mid-use
+        end_by_signal(sig)
+
+    def arm() -> None:
+        if threading.current_thread() is threading.main_thread():
+            previous.update((sig, signal.signal(sig, end_now)) for sig in (signal.SIGINT, signal.SIGTERM))
+
+    try:
+        yield arm
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 FORCED_STOP = ("forced stop (a second signal): the requests still open were cut short; a turn that had not finished "
