@@ -897,6 +897,36 @@ def test_a_second_stop_signal_stops_the_server_without_waiting_for_a_turn_whose_
     assert replies_stored(tmp_path, "long") == 0
 
 
+def test_drain_waits_for_the_background_tasks_and_a_forced_stop_ends_the_wait(served):
+    """`Server.drain` (the app's shutdown) waits for what `background` started, a task it starts while waiting
+    included; after `force_stop` (a second signal) it returns at once, leaving what runs to the loop's close."""
+    server = Server(served.rt, "kvactors-tiny")
+
+    async def run():
+        ended = []
+
+        async def later():
+            await asyncio.sleep(0.3)
+            server.background(asyncio.sleep(0.2)).add_done_callback(lambda _: ended.append("second"))
+
+        server.background(later())
+        t0 = time.monotonic()
+        await server.drain()
+        waited = time.monotonic() - t0
+        stuck = server.background(asyncio.sleep(60))
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.3, server.force_stop)
+        t1 = time.monotonic()
+        await asyncio.wait_for(server.drain(), 10)
+        forced = time.monotonic() - t1
+        stuck.cancel()
+        return ended, waited, forced
+
+    ended, waited, forced = asyncio.run(run())
+    assert ended == ["second"] and waited >= 0.5
+    assert 0.3 <= forced < 2
+
+
 SLOW_SHUTDOWN = """
 import sys
 from runtime import Runtime

@@ -47,6 +47,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from starlette.applications import Starlette
@@ -405,6 +406,7 @@ class Server:
         self._used: OrderedDict[str, None] = OrderedDict()
         self._spawning = asyncio.Lock()
         self._tasks: set = set()
+        self._forced = False  # a forced stop: `drain` waits no more (`force_stop`)
         self.cancelled = 0  # streamed turns cut short because their client hung up
         self.body_limit = body_limit(rt)
 
@@ -576,10 +578,19 @@ class Server:
 
     async def drain(self) -> None:
         """Return once every task `background` started has ended, those started while waiting included (a turn
-        whose end stops idle agents). The app awaits it as it shuts down, once no request is left: the event loop
-        then closes with none of them midway, and the Runtime shuts down after them."""
-        while self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        whose end stops idle agents), or at once after `force_stop`. The app awaits it as it shuts down, once no
+        request is left: the event loop then closes with none of them midway (but for a forced stop, whose tasks
+        are cancelled as it closes), and the Runtime shuts down after them."""
+        if self._tasks and not self._forced:
+            log.info("Waiting for %d turn(s) or agent stop(s) to end. (CTRL+C again to stop without them)",
+                     len(self._tasks))
+        while self._tasks and not self._forced:
+            await asyncio.wait(set(self._tasks), timeout=0.1)  # a failure is logged by `background`'s callback
+
+    def force_stop(self) -> None:
+        """A forced stop (a second signal, `run_uvicorn`): `drain` waits for nothing more. Safe in a signal
+        handler: it sets an attribute, which `drain` reads at least every 0.1 s."""
+        self._forced = True
 
     # -- responses ------------------------------------------------------------------
 
@@ -944,7 +955,7 @@ def serve(model=None, cache_dir=None, host: str = "127.0.0.1", port: int = 8000,
         bound, bound_port = sock.getsockname()[:2]
         logging.getLogger("uvicorn.error").info("kvactors serving %s on http://%s:%d (press CTRL+C to quit)",
                                                 server.model_id, f"[{bound}]" if ":" in bound else bound, bound_port)
-        stopped_by = run_uvicorn(config, sock)
+        stopped_by = run_uvicorn(config, sock, server.force_stop)
         shutting_down()  # the Runtime's shutdown comes next
     if not stopped_by:
         return 0
@@ -988,14 +999,16 @@ FORCED_STOP = ("forced stop (a second signal): the requests still open were cut 
                "turn already answered is saved")
 
 
-def run_uvicorn(config, sock: socket.socket) -> list[int]:
+def run_uvicorn(config, sock: socket.socket, on_force: Callable[[], None] | None = None) -> list[int]:
     """Serve `config` (a uvicorn.Config) on `sock` until a stop signal, and return the signals received, in order
     (none: it stopped otherwise). SIGINT (Ctrl-C) and SIGTERM alike: the first stops it gracefully (no new
     connection, the requests still open waited for, then the app's lifespan shutdown); a second, of either kind,
     forces it: nothing more is waited for, and the tasks still running are cancelled as uvicorn's event loop
     closes; what uvicorn would log of those cancellations (a traceback each) is not logged. The signals are not
     raised again as uvicorn does once it has stopped (a SIGINT would then be a KeyboardInterrupt and its
-    traceback): the caller ends as they say.
+    traceback): the caller ends as they say. `on_force`, called (in the signal handler) when a second signal
+    forces the stop, ends what the app itself waits for as it shuts down (`Server.force_stop`), which uvicorn's
+    flags do not reach.
 
     The one place that relies on uvicorn's signal handling: its `Server.handle_exit(sig, frame)`, the handler it
     installs for SIGINT and SIGTERM, and the flags `should_exit` and `force_exit` that its shutdown reads."""
@@ -1010,6 +1023,8 @@ def run_uvicorn(config, sock: socket.socket) -> list[int]:
         if server.should_exit:  # SIGINT or SIGTERM alike (uvicorn forces on a second SIGINT only)
             server.force_exit = True
             errors.disabled = True  # an attribute set: safe in a signal handler, where logging is not
+            if on_force is not None:
+                on_force()
         else:
             server.should_exit = True
 
