@@ -20,7 +20,8 @@ import msgpack
 import pytest
 
 from runtime import (AgentCrashed, AgentInUse, AgentRef, CacheDirInUse, CallbackFailed, InvalidArgument, KvactorsError,
-                     NodeDown, RayMissing, Runtime, SystemPromptChanged, SystemPromptTooLong, UnknownAgent, WaitTimeout)
+                     NodeDown, RayMissing, Runtime, SystemPromptChanged, SystemPromptTooLong, TurnTimeout, UnknownAgent,
+                     WaitTimeout)
 from runtime import store
 from runtime.api import testing
 
@@ -33,6 +34,7 @@ NODE = dict(num_cpus=2, object_store_memory=128 << 20)
 HEAD = dict(NODE, include_dashboard=False,
             _system_config={"health_check_period_ms": 1000, "health_check_failure_threshold": 10})
 OPTS = dict(max_tokens=4, timeout=120)
+LONG = dict(max_tokens=3800, timeout=300)  # a turn of many seconds on the tiny model: its agent is busy meanwhile
 
 
 @pytest.fixture(scope="module")
@@ -322,6 +324,54 @@ def test_a_reply_forwarded_to_an_agent_gone_from_its_host_is_one_dead_letter(rt)
     letters = [d for d in rt.dead_letters if d.recipient == gone.name]
     assert [(d.message["sender"], d.message["text"]) for d in letters] == [(peer.name, reply.text)]
     peer.stop()
+
+
+def still_busy(long) -> None:
+    """Fail unless `long` (a LONG turn's future) is still unanswered: its agent is still in that turn."""
+    with pytest.raises(TurnTimeout):
+        long.get(timeout=0)
+
+
+def test_a_reply_forwarded_to_a_busy_agent_is_recorded_after_its_turn_and_is_no_dead_letter(cluster, tmp_path):
+    """The host that forwarded the copy of a send_to reply waited io_timeout for the sender, busy in a long turn, to
+    record it, then dead-lettered it and resolved the future, though the copy was still queued there and was recorded
+    after the turn: one message both dead-lettered and delivered. As on one machine, the copies wait for the turn,
+    are recorded in the order they were sent, and their futures resolve then; no dead letter."""
+    with Runtime(model="tiny", cache_dir=tmp_path, cluster="ray", io_timeout=1.0) as quick:
+        busy = quick.spawn("forward-busy", system="Be brief.")
+        peer = spawn_where(quick, "forward-busy-peer", lambda n: n != quick.placement()[busy.name])
+        long = busy.send("Tell me a long story.", **LONG)
+        copies = [busy.send_to(peer, f"Reply {i} to a busy sender.", **OPTS) for i in range(3)]
+        time.sleep(5)  # five times io_timeout: every copy has reached the busy agent's host
+        still_busy(long)
+        for copy in copies:
+            with pytest.raises(TurnTimeout):
+                copy.get(timeout=0)  # it resolves once the busy agent has recorded its copy
+        assert [d for d in quick.dead_letters if d.recipient == busy.name] == []
+        long.get(timeout=300)
+        replies = [copy.get(timeout=120) for copy in copies]
+        assert _turns(busy.history())[-3:] == [("user", r.text, peer.name) for r in replies]
+        assert [d for d in quick.dead_letters if d.recipient == busy.name] == []
+
+
+def test_a_reply_forwarded_to_a_busy_agent_holds_up_no_other_forward(rt):
+    """A host forwarded one note at a time and waited (up to io_timeout, 60 s) for each to be recorded: while the
+    sender of one was busy in a long turn, every copy of a reply that host forwarded next, to any agent on any host,
+    waited behind it. Another agent's copy is recorded, and its send_to future resolves, while the first waits."""
+    busy = rt.spawn("forward-held", system="Be brief.")
+    node = rt.placement()[busy.name]
+    peer = spawn_where(rt, "forward-held-peer", lambda n: n != node)  # its host forwards both copies
+    other = spawn_where(rt, "forward-held-other", lambda n: n not in (node, rt.placement()[peer.name]))
+    long = busy.send("Tell me a long story.", **LONG)
+    held = busy.send_to(peer, "A reply to a busy sender.", **OPTS)
+    reply = other.send_to(peer, "A reply to an idle sender.", **OPTS).get(timeout=60)
+    still_busy(long)  # `other`'s copy did not wait for the busy agent's turn
+    assert _turns(other.history())[-1] == ("user", reply.text, peer.name)
+    long.get(timeout=300)
+    assert _turns(busy.history())[-1] == ("user", held.get(timeout=120).text, peer.name)
+    assert [d for d in rt.dead_letters if d.recipient in (busy.name, other.name)] == []
+    for ref in (busy, peer, other):
+        ref.stop()
 
 
 def test_forget_says_whether_the_agent_was_stored_when_its_hosts_answer_was_lost(rt, monkeypatch):

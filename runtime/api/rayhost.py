@@ -13,7 +13,8 @@ Between hosts, `HostedRuntime` differs from a Runtime of one machine in two ways
   so that many hosts share the folder, one agent name has one live actor, and no
   Runtime of one machine writes there meanwhile;
 - a note to an agent that is not here (a `send_to` reply to its sender) is forwarded
-  to the host that runs it, in the order this host's agents sent them.
+  to the host that runs it, in the order this host's agents sent them; the wait for
+  the agent to record it (after its turn in progress, if any) holds up no other note.
 
 A turn with callbacks (`on_token`, `on_progress`, `cancel`: `AgentRef.stream` and
 `astream` give them) runs here with callbacks of this host's (`_Streamed`) that queue
@@ -41,7 +42,9 @@ import queue
 import threading
 import time
 import uuid
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import msgpack
 
@@ -261,6 +264,10 @@ class NodeHost:
         self.early_call_offs: dict[str, float] = {}  # call-off key -> when it came, finding no send (`signal`)
         self.sends_lock = threading.Lock()  # `sends` and `early_call_offs`: a send and its call-off meet once
         self.forwarder = ThreadPoolExecutor(1, thread_name_prefix="kvactors-forward")  # one: in send order
+        # forwarded notes' outcomes (`_settle`); never shut down: one may come after `shutdown`
+        self.settler = ThreadPoolExecutor(1, thread_name_prefix="kvactors-settle")
+        self.unsettled: dict[str, deque] = {}  # agent -> the `_Forwarded` notes it has not recorded yet, oldest first
+        self.unsettled_lock = threading.Lock()
 
     def info(self) -> tuple:
         """("ok", {incarnation, node_id, gpus, pid, fingerprint, max_context, longest_token_chars, vocab_size}): who and
@@ -455,40 +462,114 @@ class NodeHost:
 
     def _forward(self, name, payload, future, reply):
         """`Env.forward`: deliver note `payload` to agent `name` on the host that runs it, after the notes this host
-        forwarded before it; `future` (a send_to reply's) gets `reply` once the note is durable there, or dead-lettered.
-        An undeliverable note is one dead letter, here (`_forward_now`)."""
+        forwarded before it; `future` (a send_to reply's) gets `reply` once the note is durable there, or dead-lettered,
+        as on one machine however long the agent's turn in progress takes; the notes forwarded after it do not wait for
+        that. An undeliverable note is one dead letter, here (`_forward_now`, `_settle`) or there."""
         try:
             self.forwarder.submit(self._forward_now, name, payload, future, reply)
         except RuntimeError:  # shutting down
             self._undeliverable(name, payload, future, reply, "the host is shutting down")
 
     def _forward_now(self, name, payload, future, reply):
-        """`_forward`, on the forwarder's thread. A host that does not run agent `name` (the directory is behind: it
-        exited there, or moved) is told not to dead-letter the note, as this host does (`_undeliverable`); a note the
-        agent took and then dropped (it stopped before recording it) is dead-lettered there alone, and answered."""
+        """`_forward`, on the forwarder's thread: find the host of agent `name` and put the note in the agent's mailbox
+        there; then `_await_durable` waits for it beside the forwards after it. A host that does not run agent `name`
+        (the directory is behind: it exited there, or moved) is told not to dead-letter the note, as this host does
+        (`_undeliverable`). The delivery has no timeout: one given up on here could still reach the agent, and the
+        note would be both delivered and dead-lettered (Ray raises if the host dies)."""
         import ray
 
         try:
             host = ray.get(self.directory.lookup.remote(name), timeout=self.rt._env.io_timeout)
             if host is None:
                 raise UnknownAgent(f"no running agent named {name!r} in the cluster")
-            status, key = ray.get(host.deliver.remote(name, "note", payload, dead_letter=False),
-                                  timeout=self.rt._env.io_timeout)
+            status, key = ray.get(host.deliver.remote(name, "note", payload, dead_letter=False))
             if status == "error":
                 raise unpack_error(key)
-            status, value = ray.get(host.wait.remote(key), timeout=self.rt._env.io_timeout)
-            if status == "error":
-                raise unpack_error(value)
         except Exception as e:  # noqa: BLE001 - an undeliverable note is a dead letter, never lost silently
             self._undeliverable(name, payload, future, reply, f"forwarding to its node failed: {e}")
             return
-        if future is not None:
-            future.set(reply)
+        self._await_durable(_Forwarded(name, payload, future, reply, host, key))
+
+    def _await_durable(self, note):
+        """Settle `note` (a `_Forwarded`, in its agent's mailbox) once the agent has recorded it, or dropped it
+        (dead-lettered there), with no timeout: an agent records notes between its turns. One note per agent is waited
+        for at a time (`_wait_durable`), the oldest: the agent takes them in the order they were delivered, so each
+        wait holds one thread of the agent's host, whatever the number of notes, and none here."""
+        with self.unsettled_lock:
+            waiting = self.unsettled.setdefault(note.name, deque())
+            waiting.append(note)
+            if len(waiting) > 1:
+                return  # `_settle` waits for it after the notes before it
+        self._wait_durable(note)
+
+    def _wait_durable(self, note):
+        """Ask `note`'s host to answer once the note is durable (`wait`), and `_settle` it then on the settler's
+        thread: Ray calls back on a thread of its own, where a call to Ray never returns."""
+        try:
+            done = note.host.wait.remote(note.key).future()
+        except Exception as e:  # noqa: BLE001 - the note is settled as undeliverable: `_settle` raises it again
+            self._on_settler(note, _raiser(e))
+            return
+        done.add_done_callback(lambda done: self._on_settler(note, done.result))
+
+    def _on_settler(self, note, result):
+        try:
+            self.settler.submit(self._settle, note, result)
+        except RuntimeError:  # the process is exiting: settle it here rather than lose it
+            self._settle(note, result)
+
+    def _settle(self, note, result):
+        """Resolve forwarded `note` by `result()`, its host's `wait` answer: ("ok", _) once the agent recorded it or
+        dead-lettered it there; an error (its host died, or restarted, before that) dead-letters it here. Then wait
+        for the agent's next note, if any."""
+        try:
+            status, value = result()
+            if status == "error":
+                raise unpack_error(value)
+        except Exception as e:  # noqa: BLE001 - an undeliverable note is a dead letter, never lost silently
+            self._undeliverable(note.name, note.payload, note.future, note.reply, f"forwarding to its node failed: {e}")
+        else:
+            if note.future is not None:
+                note.future.set(note.reply)
+        finally:
+            following = self._settled(note)
+            if following is not None:
+                self._wait_durable(following)
+
+    def _settled(self, note):
+        """Take settled `note`, the oldest, off its agent's unsettled notes; the next one, or None."""
+        with self.unsettled_lock:
+            waiting = self.unsettled[note.name]
+            waiting.popleft()
+            if waiting:
+                return waiting[0]
+            del self.unsettled[note.name]
+            return None
 
     def _undeliverable(self, name, payload, future, reply, why):
         self.rt._env.dead_letter(name, payload, why)
         if future is not None:
             future.set(reply)
+
+
+@dataclass(frozen=True)
+class _Forwarded:
+    """A note this host forwarded (`NodeHost._forward`), in agent `name`'s mailbox on `host` under `key` (`deliver`),
+    until the agent records it; then `future` gets `reply`."""
+
+    name: str
+    payload: bytes
+    future: object
+    reply: object
+    host: object
+    key: str
+
+
+def _raiser(error):
+    """A `result` callable for `NodeHost._settle` that raises `error`."""
+    def result():
+        raise error
+    return result
 
 
 def plain_message(message):
