@@ -330,7 +330,8 @@ def continued(tokenizer, held, rendered: chat.Rendered):
     """How a cache holding `held` (a `CacheMeta`: token ids, their ends, the text they spell) serves `rendered`:
     (tokens to feed, kept ids, kept ends, kept text), or None where it serves nothing (start over). Kept ids
     are the cache's first tokens (cut back to them), fed tokens what follows (`prefix.match_prefix`)."""
-    match = prefix.match_prefix(held.text, held.token_ids, held.token_ends, rendered.text, spans=rendered.spans)
+    match = prefix.match_prefix(held.text, held.token_ids, held.token_ends, rendered.text, spans=rendered.spans,
+                                held_spans=held.spans)
     if match.kind == prefix.COLD:
         return None
     fed = list(match.refeed) + (chat.encode(tokenizer, rendered, match.start) if match.suffix else [])
@@ -349,11 +350,12 @@ def continued_held(tokenizer, held, rendered: chat.Rendered, spec=None):
 
 
 def held_after(tokenizer, rendered: str, keep_ids, keep_ends, keep_text: str, fed, generated, reply: str,
-               cached: int, seq: int, turn_id: str | None) -> store.CacheMeta:
+               cached: int, seq: int, turn_id: str | None, spans=()) -> store.CacheMeta:
     """What a turn's cache holds: kept tokens + fed tokens + generated tokens but the last (`cached` in all).
 
     Its text is the prompt `rendered` + the `reply`'s text, the very text the next render
-    appends (the engine spells replies as `prefix.token_ends` does). A cached token
+    appends (the engine spells replies as `prefix.token_ends` does); its spans are the prompt's
+    message texts (`spans`, `chat.Rendered.spans`: none known where empty) and the reply. A cached token
     whose text lies past that text (after a stop string) gets end -1, so the next
     turn's prefix match cuts the cache before it.
     """
@@ -366,7 +368,8 @@ def held_after(tokenizer, rendered: str, keep_ids, keep_ends, keep_text: str, fe
         kept = [e if e <= limit else -1 for e in kept]
     new = prefix.token_ends(tokenizer, new_ids, len(keep_text), keep_ids[-1] if keep_ids else None)
     ends = (kept + [e if e <= limit else -1 for e in new])[: len(ids)]
-    return store.CacheMeta(seq=seq, token_ids=ids, token_ends=ends, text=text, turn_id=turn_id)
+    held = tuple(spans) + (((len(rendered), limit),) if reply else ()) if spans else None
+    return store.CacheMeta(seq=seq, token_ids=ids, token_ends=ends, text=text, turn_id=turn_id, spans=held)
 
 
 def replayed(tokenizer, system: str, records, spec=None, held=None):
@@ -391,7 +394,7 @@ def replayed(tokenizer, system: str, records, spec=None, held=None):
             continue
         cached = len(keep_ids) + len(fed) + len(generated) - 1
         held = held_after(tokenizer, rendered.text, keep_ids, keep_ends, keep_text, fed, generated, r["text"], cached,
-                          r["seq"], r.get("turn_id"))
+                          r["seq"], r.get("turn_id"), rendered.spans)
     return held
 
 
@@ -660,7 +663,7 @@ class AgentActor(SupervisedActor):
             return
         cache, tokens, label, keep_ids, keep_ends, keep_text = self._reuse(rendered)
         reuse = None if cache is None else (self.meta.seq, len(keep_ids))  # lets the store write a delta
-        item.pending = dict(user=user, rendered=rendered.text, label=label, keep_ids=keep_ids,
+        item.pending = dict(user=user, rendered=rendered.text, spans=rendered.spans, label=label, keep_ids=keep_ids,
                             keep_ends=keep_ends, keep_text=keep_text, fed=tokens, reuse=reuse)
         max_tokens = msg["max_tokens"]
         need, limit = len(keep_ids) + len(tokens) + max_tokens, self.env.max_context
@@ -845,7 +848,7 @@ class AgentActor(SupervisedActor):
     def _cache_meta(self, p, result, seq) -> store.CacheMeta:
         """What the returned cache holds (`held_after`)."""
         return held_after(self.env.tokenizer, p["rendered"], p["keep_ids"], p["keep_ends"], p["keep_text"], p["fed"],
-                          result.tokens, result.text, result.cached_tokens, seq, result.turn_id)
+                          result.tokens, result.text, result.cached_tokens, seq, result.turn_id, p["spans"])
 
     # -- persistence ------------------------------------------------------------------
 

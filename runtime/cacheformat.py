@@ -6,7 +6,7 @@ order. The header's `__metadata__` holds `format` ("kvactors-q4-cache"),
 `format_version` ("1"), `meta` (JSON: fingerprint (the `model_tag`), kv_bits (the keys'), kv_value_bits,
 kv_group_size, kv_rotation (the `KVScheme`; a file without the last two is an unrotated
 one of kv_bits for keys and values), dtype, n_layers, n_tokens, lengths, seq, turn_id,
-text, token_ids, token_ends, created, and in a delta file `delta`: see
+text, spans (absent where not known), token_ids, token_ends, created, and in a delta file `delta`: see
 `runtime.cachechain`) and `checksum` ("crc32:<hex>" over the meta string, then every
 tensor's name, dtype, shape and crc32 of its bytes, in name order).
 
@@ -141,6 +141,7 @@ def encode_file(host: HostCache, meta: CacheMeta, fingerprint: str, delta: dict 
         "seq": int(meta.seq),
         "turn_id": meta.turn_id,
         "text": meta.text,
+        **({"spans": [list(s) for s in meta.spans]} if meta.spans is not None else {}),
     })
     tail = _json({"created": meta.created or time.time(), **({"delta": delta} if delta is not None else {})})
     # json.dumps of the whole dict, its two long lists of ints encoded apart (`_ints_json`)
@@ -253,6 +254,7 @@ def decode_file(data, spec=None) -> tuple[HostCache, CacheMeta, str, dict | None
         meta = CacheMeta(
             int(m["seq"]), list(m["token_ids"]), list(m["token_ends"]), str(m["text"]),
             m["turn_id"], float(m["created"]), str(m["fingerprint"]),
+            None if m.get("spans") is None else tuple(tuple(s) for s in m["spans"]),
         )
         checksum = info["checksum"]
         delta = m.get("delta")

@@ -8,7 +8,10 @@ of shape (1, kv_heads, tokens, ...): packed words uint32, scales and biases in t
 activation dtype (float32, float16, or bfloat16 held as its raw uint16 bits, so they
 round-trip exactly). `token_ends[i]` is the character offset in `text` where token i's
 text ends, or -1 when token i ends inside a character (its bytes are completed by a
-later token): prefix matching only cuts where it is >= 0.
+later token): prefix matching only cuts where it is >= 0. `spans` are the [start, end)
+ranges of message text in `text` (`runtime.chat.Rendered.spans`, the reply's own
+included), tokenized as text while the rest is the chat template's: the same characters
+as another rendering's are the same tokens only where both have the same spans.
 """
 
 from __future__ import annotations
@@ -84,7 +87,9 @@ class CacheMeta:
     """What the cached tokens are: `token_ids`, the `text` they spell, where each ends.
 
     `seq` is the agent's turn sequence number the cache reflects (the journal record
-    with the same seq is the last one included); `token_ends` as in the module doc.
+    with the same seq is the last one included); `token_ends` and `spans` as in the module
+    doc. `spans` is None where they are not known (a cache written before they were
+    recorded, or a rendering whose message texts could not be told apart from the template's).
     """
 
     seq: int
@@ -94,6 +99,7 @@ class CacheMeta:
     turn_id: str | None = None
     created: float = field(default=0.0, compare=False)
     fingerprint: str = field(default="", compare=False)  # set when loaded
+    spans: tuple | None = None
 
 
 def tensor_name(layer: int, kind: str, part: str) -> str:
@@ -357,7 +363,13 @@ def trim_host(host: HostCache, meta: CacheMeta, keep: int) -> tuple[HostCache, C
     end = max([0, *meta.token_ends[:keep]])
     trimmed = replace(host, tensors=tensors, n_tokens=keep, lengths=lengths if host.lengths and keep else ())
     ids, ends = meta.token_ids[:keep], meta.token_ends[:keep]
-    return trimmed, replace(meta, token_ids=ids, token_ends=ends, text=meta.text[:end])
+    spans = cut_spans(meta.spans, end)
+    return trimmed, replace(meta, token_ids=ids, token_ends=ends, text=meta.text[:end], spans=spans)
+
+
+def cut_spans(spans, end: int) -> tuple | None:
+    """`spans` (None: unknown) of a text cut at offset `end`: those that start before it, ending by it."""
+    return None if spans is None else tuple((a, min(b, end)) for a, b in spans if a < end)
 
 
 def trim_cache(cache, keep: int) -> list:
@@ -437,7 +449,8 @@ def _name_table(n_layers: int) -> tuple[tuple[tuple[str, ...], ...], frozenset]:
 
 
 def _check_meta(meta: CacheMeta, n_tokens: int) -> None:
-    """Raise ValueError unless `meta` has `n_tokens` ids and ends, its ends (those >= 0) in order and within its text.
+    """Raise ValueError unless `meta` has `n_tokens` ids and ends, its ends (those >= 0) in order and within its text,
+    and its spans (if known) non-empty, in order and within its text.
 
     In numpy: every cache write checks the whole conversation's ends, and a Python loop
     over them held the GIL (which the engine's thread waits for) a millisecond per 3K tokens.
@@ -450,3 +463,15 @@ def _check_meta(meta: CacheMeta, n_tokens: int) -> None:
     if valid.size and (valid[-1] > len(meta.text) or (valid[1:] < valid[:-1]).any()):  # in order: the last is the most
         bad = np.flatnonzero((np.diff(valid, prepend=0) < 0) | (valid > len(meta.text)))
         raise ValueError(f"token end {int(valid[bad[0]])} out of order or past the text ({len(meta.text)} chars)")
+    if meta.spans is not None:
+        _check_spans(meta.spans, len(meta.text))
+
+
+def _check_spans(spans, length: int) -> None:
+    """Raise ValueError unless `spans` are non-empty [start, end) pairs of ints, in order, not overlapping, within
+    `length`."""
+    at = 0
+    for span in spans:
+        if len(span) != 2 or not all(type(x) is int for x in span) or not at <= span[0] < span[1] <= length:
+            raise ValueError(f"message span {span!r} is empty, out of order or past the text ({length} chars)")
+        at = span[1]

@@ -20,6 +20,13 @@ reuse that is there. The outcomes:
 
 Cuts happen only at token boundaries recorded in the metadata: `token_ends[i]` is the
 character offset where token i's text ends, -1 where it ends inside a character.
+
+Equal characters are not always equal tokens: message text is tokenized as text and the
+chat template's as special tokens (`runtime.chat`), so a message that spells the
+template's markers renders the very characters of another conversation's turns. Where
+both the cache and the new text say where their message texts lie (`spans`), the texts
+count as equal only up to the first place where those segments differ (`first_split`):
+what follows is treated as a divergence there.
 """
 
 from __future__ import annotations
@@ -83,8 +90,26 @@ def segment_start(spans, at: int, end: int) -> int:
     return at if at == end else before
 
 
+def first_split(held_spans, spans, limit: int, end: int) -> int | None:
+    """The first offset up to `limit` where a cached text (message texts at `held_spans`) and a new one (of length
+    `end`, message texts at `spans`) that agree on their characters up to there do not both start or end a
+    segment (a message text, or the template's text between two; the new text's end ends one), or None where
+    their segments agree (or either's spans are not known: None or empty)."""
+    if not held_spans or not spans:
+        return None
+    new = {x for s in spans for x in s if x <= limit} | ({end} if end <= limit else set())
+    differ = {x for s in held_spans for x in s if x <= limit} ^ new
+    return min(differ - {end}, default=None)
+
+
+def last_shared(spans, at: int) -> int:
+    """The last segment start before offset `at` (a message text's start or end in `spans`, or 0): where segments
+    that agree up to `at` can be cut so that what follows is tokenized as a cold turn tokenizes it."""
+    return max([0, *(x for s in spans for x in s if x < at)])
+
+
 def match_prefix(cached_text: str, token_ids, token_ends, new_text: str, threshold: float = DEFAULT_THRESHOLD,
-                 spans=None) -> Match:
+                 spans=None, held_spans=None) -> Match:
     """Decide how much of a cache (`token_ids` spelling `cached_text`) serves `new_text`.
 
     Returns a `Match` of kind EXACT, EXTEND, DIVERGE or COLD (see the module doc).
@@ -92,7 +117,9 @@ def match_prefix(cached_text: str, token_ids, token_ends, new_text: str, thresho
     the end of `cached_text` is only reused up to its last recorded boundary. With `spans` (where the message
     texts lie in `new_text`, `chat.Rendered.spans`), a cut where the texts differ goes back to the start of the
     segment it falls in (`segment_start`): the cached tokens of a message the new text changed were split as
-    the old text was, not as the new one is.
+    the old text was, not as the new one is. With `held_spans` too (those of `cached_text`), texts whose
+    segments differ (`first_split`) are cut back to the last segment start before the difference (`last_shared`):
+    a message that spells the template's markers never reuses cached markers, nor the other way round.
     """
     n = len(token_ids)
     if len(token_ends) != n:
@@ -101,16 +128,20 @@ def match_prefix(cached_text: str, token_ids, token_ends, new_text: str, thresho
     if n == 0 or not cached_text:
         return cold
     whole = token_ends[-1] == len(cached_text)
-    if whole and new_text == cached_text:
+    extends = new_text.startswith(cached_text)
+    common = len(cached_text) if extends else common_prefix_len(cached_text, new_text)
+    split = first_split(held_spans, spans, common, len(new_text))
+    if whole and split is None and new_text == cached_text:
         return Match(EXACT, n - 1, len(new_text), "", (int(token_ids[-1]),))
-    if whole and new_text.startswith(cached_text):
+    if whole and split is None and extends:
         return Match(EXTEND, n, len(cached_text), new_text[len(cached_text) :])
-    common = common_prefix_len(cached_text, new_text)
     if common < threshold * len(cached_text):
         return cold
     limit = common
     if spans and common < len(cached_text):
         limit = segment_start(spans, common, len(new_text))
+    if split is not None:
+        limit = min(limit, last_shared(spans, split))
     keep = last_boundary(token_ends, limit)
     if keep == 0:
         return cold

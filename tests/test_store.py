@@ -245,6 +245,23 @@ def test_the_metas_token_ends_are_checked_in_order_and_within_the_text(ends, tex
             _check_meta(meta, len(ends))
 
 
+def test_the_message_spans_round_trip_through_the_file_are_cut_with_the_text_and_checked(tmp_path):
+    """A cache's message spans come back from its file as they went in (a file without them loads with None:
+    not known), a cut of the cache cuts them with its text, and spans out of order or past the text are refused."""
+    from dataclasses import replace
+
+    host, meta = store.cache_to_host(q4_cache(8)), replace(meta_for(8), spans=((1, 3), (5, 8)))
+    store.save_cache(tmp_path, SPEC, "a", host, meta)
+    assert store.load_cache(tmp_path, SPEC, "a")[1].spans == ((1, 3), (5, 8))
+    store.save_cache(tmp_path, SPEC, "b", host, meta_for(8))
+    assert store.load_cache(tmp_path, SPEC, "b")[1].spans is None
+    assert store.trim_host(host, meta, 6)[1].spans == ((1, 3), (5, 6))
+    assert store.trim_host(host, meta, 4)[1].spans == ((1, 3),)
+    for bad in (((3, 1),), ((1, 3), (2, 4)), ((5, 9),), ((1, 1),)):
+        with pytest.raises(ValueError, match="message span"):
+            store.save_cache(tmp_path, SPEC, "c", host, replace(meta, spans=bad))
+
+
 def test_a_host_cache_with_a_missing_renamed_mistyped_or_short_tensor_is_refused():
     """`_check_host` (every write runs it) names what is wrong: a tensor missing or unexpected, a dtype, a length."""
     host = store.cache_to_host(q4_cache(6, dtype=mx.bfloat16))
