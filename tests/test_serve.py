@@ -496,6 +496,29 @@ def test_a_named_agent_takes_only_the_new_message_and_a_changed_system_prompt_st
     assert history["system"] == "another persona" and len(history["messages"]) == 2
 
 
+def test_an_edited_resend_keeps_the_tokens_of_the_replies_it_repeats(served):
+    """A client that edits its last message is reset to its messages: the replies it repeats keep the tokens they
+    were generated as, so the turn answers as an agent that re-prefills that history (no cache) answers it."""
+    client = served.client()
+    ask = lambda messages: client.chat.completions.create(  # noqa: E731
+        model="kvactors-tiny", messages=messages, max_tokens=6, temperature=0)
+    messages = [SYSTEM, {"role": "user", "content": "Edit me 🙂 ☃."}]
+    first = ask(messages)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "Go."}]
+    ask(messages)
+    ref = served.rt.agent(extra(first)["agent"])
+    replied = [r["tokens"] for r in ref.history() if r["role"] == "assistant"]
+    messages[-1] = {"role": "user", "content": "Go on."}
+    edited = ask(messages)
+    assert extra(edited)["cache"] == "hot"
+    history = ref.history()
+    assert [r.get("tokens") for r in history if r["role"] == "assistant"][0] == replied[0]
+    cold = served.rt.spawn("edited-cold", system=SYSTEM["content"])
+    cold.reset([r for r in history[:-2] if r["role"] != "system"]).get(timeout=60)
+    again = cold.ask("Go on.", max_tokens=6)
+    assert again.cache == "cold" and again.tokens == history[-1]["tokens"]
+
+
 def test_a_client_that_leaves_mid_stream_cancels_its_turn(served):
     req = urllib.request.Request(served.url + "/v1/chat/completions", method="POST", headers={
         "Content-Type": "application/json", "X-Agent-Id": "leaver"}, data=json.dumps({

@@ -329,7 +329,20 @@ def plan_turn(history: list[dict], req: ChatRequest, named: bool) -> Plan:
     if tail is not None:
         return Plan(last[1], last[2], tuple((m[1], m[2]) for m in tail[:-1]))
     records = [{"role": r, "text": t, "sender": s} for r, t, s in req.messages[:-1]]
-    return Plan(last[1], last[2], (), records, req.system if new_system else None)
+    return Plan(last[1], last[2], (), repeated_tokens(records, history), req.system if new_system else None)
+
+
+def repeated_tokens(records: list[dict], history: list[dict]) -> list[dict]:
+    """`records` (a reset's), each reply of their start that repeats `history` (the agent's conversation, journal
+    records) message for message keeping the tokens it was generated as: a turn that re-prefills the new
+    conversation then feeds those replies as the kept cache holds them, not their text tokenized again."""
+    for new, (role, text, sender), old in zip(records, _pairs(history),
+                                               [r for r in history if r["role"] in ("user", "assistant")]):
+        if (new["role"], new["text"], new["sender"]) != (role, text, sender):
+            break
+        if role == "assistant" and old.get("tokens"):
+            new["tokens"] = list(old["tokens"])
+    return records
 
 
 def check_messages_fit(rt: Runtime, req: ChatRequest, max_tokens: int) -> None:
