@@ -318,9 +318,9 @@ class CompiledBlock(llama.TransformerBlock):
     in the heads' layout attention takes (no copies to make them contiguous), gate and up
     one product launch (their K is not split, so the product writes them: no sum launch),
     and the output and down projections add their residuals in their sum launches
-    (`qgemm.qgemm_parts`, `qgemm.qgemm`'s `add`): five launches a layer fewer than a
-    product and a sum launch per pair, two copies and two adds, each result bitwise as
-    before. A short chunk's
+    (`qgemm.qgemm_parts`, `qgemm.qgemm`'s `add`): seven launches a layer for the products
+    where there were twelve (a product and a sum launch for each of the four, two adds and
+    two copies), each result bitwise as before. A short chunk's
     forward is launched (`mx.async_eval`) after every CHUNK_LAUNCH-th block, so the
     device runs the first blocks while the host builds the rest (a decode step is
     pipelined by the engine instead); the results are the same bits.
