@@ -474,10 +474,11 @@ def _probed_frequencies(rope, head_dim: int):
 
 def _linear_plus(module, x, residual):
     """`residual + module(x)`: the residual added in the GEMV's launch where it serves the module (`qgemv.qgemv`'s
-    `add`), in the short chunk's product's (`qgemm.qgemm`'s `add`) where that serves it; bitwise the same."""
-    if _fused((module,), x):
+    `add`), in the short chunk's product's (`qgemm.qgemm`'s `add`) where that serves it; bitwise the same. A
+    residual of another dtype than x's (a float32 stream beside 16-bit products) is added as MLX adds it."""
+    if residual.dtype == x.dtype and _fused((module,), x):
         return qgemv.qgemv(x, *_packed(module), module.group_size, add=residual)
-    if _gemm_fused((module,), x):
+    if residual.dtype == x.dtype and _gemm_fused((module,), x):
         return qgemm.qgemm(x, *_packed(module), module.group_size, add=residual)
     return residual + module(x)
 
