@@ -466,7 +466,8 @@ def _f32(x) -> float:
 def _read(path: Path) -> tuple[dict, dict]:
     """(metadata as plain Python values, tensors) of the GGUF file at `path`, once `_open` has checked it.
 
-    tensors: name -> (kind, value, bits, type), in the file's order. Kind "quant": an
+    tensors: name -> (kind, value, bits, type), in the order conversions have always
+    written them (`_earlier_order`). Kind "quant": an
     MLX (weight, scales, biases) triplet of `bits` bits, as `mx.load` returns Q4_0 /
     Q4_1 / Q8_0 exactly; kind "float": one float array, F32 or F16 as `mx.load`
     returns it. What `mx.load` does not read exactly (`_exactly_loaded`) is read by
@@ -507,7 +508,17 @@ def _read(path: Path) -> tuple[dict, dict]:
             tensors[t.name] = ("dequant", _dequantize(t, t.tensor_type.name), None, t.tensor_type.name)
         except (ValueError, IndexError) as e:  # its data shorter than its shape: the file was cut short
             raise _unreadable(path, f"tensor {t.name}: {e}") from e
-    return meta, {name: tensors[name] for name in types}  # in the file's order
+    return meta, {name: tensors[name] for name in _earlier_order(loaded, types)}
+
+
+def _earlier_order(loaded: dict, types: dict) -> list:
+    """The names of a file's tensors (`types`, in the file's order) in the order conversions before `CONVERSION` 2 put
+    them in the folder: mx.load's (`loaded`) where it read them all, else BF16 tensors first, then the file's order.
+    The order lays out model.safetensors, whose sampled bytes name the model's agents (`model.fingerprint`): a file
+    converted again into the same values must get the same bytes, or the agents stored for it are not found."""
+    if loaded and set(types) <= set(loaded):
+        return [name for name in loaded if name in types]
+    return sorted(types, key=lambda name: types[name] != "BF16")  # stable: the file's order within each
 
 
 def _exactly_loaded(loaded: dict, types: dict) -> dict:

@@ -302,6 +302,36 @@ def test_a_folder_an_earlier_conversion_rule_made_is_converted_again(tmp_path, t
     assert (current / "model.safetensors").is_file() and (old / "model.safetensors").is_file()
 
 
+@pytest.mark.parametrize("weights", ["float32", "quantized"])
+@pytest.mark.parametrize("qtype", [Q.F32, Q.Q4_1, Q.Q8_0])
+def test_a_file_mlx_reads_exactly_converts_to_the_bytes_an_earlier_conversion_wrote(tmp_path, tiny, qtype, weights):
+    """A model's agents are stored under its fingerprint, which samples the bytes of model.safetensors. A file whose
+    tensors MLX reads exactly (F32, Q4_1, Q8_0: no value changed when the conversion's version was raised) is
+    converted again into the folder of the new version's name: it must write the very bytes the earlier conversion
+    wrote, its tensors laid out in the order mx.load lists them. Laid out in the file's order, the default model
+    (a Q4_1 file) got another fingerprint, and no agent stored for it before was found."""
+    from runtime.gguf import _mlx_name
+    from runtime.model import fingerprint
+
+    write_gguf(tmp_path / "m.gguf", tiny["llama"], qtype)
+    out = import_gguf(tmp_path / "m.gguf", tmp_path / "m", weights)
+    converted = mx.load(str(out / "model.safetensors"))
+    order = []
+    for name in mx.load(str(tmp_path / "m.gguf")):  # the earlier conversion's order: mx.load's
+        if not name.endswith((".scales", ".biases")):
+            stem = _mlx_name(name).rpartition(".")[0]
+            order += [_mlx_name(name)] + [f"{stem}.{part}" for part in ("scales", "biases") if f"{stem}.{part}" in converted]
+    assert sorted(order) == sorted(converted)
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    for f in out.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, earlier / f.name)
+    mx.save_safetensors(str(earlier / "model.safetensors"), {k: converted[k] for k in order}, {"format": "mlx"})
+    assert (out / "model.safetensors").read_bytes() == (earlier / "model.safetensors").read_bytes()
+    assert fingerprint(out) == fingerprint(earlier)
+
+
 def test_runtime_takes_a_gguf_file(tmp_path, tiny):
     from runtime import Runtime
 
