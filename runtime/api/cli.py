@@ -92,7 +92,7 @@ def _prune(args) -> int:
     freed = sum(p.nbytes for p in pruned)
     print(f"{verb} the caches of {counted(len(done), 'agent')} idle over {args.older_than}: "
           f"{human_bytes(freed)} ({freed} bytes) {'would be ' if args.dry_run else ''}freed; journals kept"
-          + (f"; {len(failed)} folders could not be pruned (the warnings say why)" if failed else ""))
+          + (f"; {counted(len(failed), 'folder')} could not be pruned (the warnings say why)" if failed else ""))
     return 1 if failed else 0
 
 
