@@ -581,7 +581,12 @@ def _take_lock(lock: Path) -> int:
     import fcntl
 
     while True:
-        lock.parent.mkdir(parents=True, exist_ok=True)  # again after a wait: a holder whose build failed removed it
+        try:  # again after a wait: a holder whose build failed removes the folders it made, maybe meanwhile
+            lock.parent.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:  # there at the mkdir, gone at its check: removed meanwhile, unless a file is there
+            if lock.parent.exists() and not lock.parent.is_dir():
+                raise
+            continue
         try:
             fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
         except FileNotFoundError:
