@@ -176,18 +176,25 @@ def make_dirs(folder: Path) -> list[Path]:
 def make_missing(folder: Path, mode: int = 0o777) -> list[Path]:
     """Create `folder` and those of its parents that are missing, each with `mode` (less the umask), as
     `mkdir -p` does; return the folders this call created, outermost first (one another process made meanwhile
-    is not among them). FileExistsError where a file is in the way."""
-    missing = list(itertools.takewhile(lambda d: not d.is_dir(), (folder, *folder.parents)))
+    is not among them). FileExistsError where a file (or a link) is in the way. A folder on the way that another
+    process removes meanwhile (a failed write's `remove_empty`) is made again."""
     made = []
-    for d in reversed(missing):
-        try:
-            d.mkdir(mode)
-        except FileExistsError:
-            if not d.is_dir():
-                raise
-            continue
-        made.append(d)
-    return made
+    while True:
+        missing = list(itertools.takewhile(lambda d: not d.is_dir(), (folder, *folder.parents)))
+        for d in reversed(missing):
+            try:
+                d.mkdir(mode)
+            except FileExistsError:
+                if d.is_dir():
+                    continue  # another made it
+                if os.path.lexists(d):
+                    raise
+                break  # there at the mkdir, gone at this check: removed meanwhile, start over
+            except FileNotFoundError:
+                break  # a folder above it removed meanwhile: start over
+            made.append(d)
+        else:
+            return made
 
 
 def remove_empty(folders: list[Path]) -> None:

@@ -581,12 +581,7 @@ def _take_lock(lock: Path) -> int:
     import fcntl
 
     while True:
-        try:  # again after a wait: a holder whose build failed removes the folders it made, maybe meanwhile
-            lock.parent.mkdir(parents=True, exist_ok=True)
-        except FileExistsError:  # there at the mkdir, gone at its check: removed meanwhile, unless a file is there
-            if lock.parent.exists() and not lock.parent.is_dir():
-                raise
-            continue
+        make_missing(lock.parent)  # again after a wait: a holder whose build failed removed the folders it made
         try:
             fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
         except FileNotFoundError:
