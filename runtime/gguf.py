@@ -53,6 +53,7 @@ which no folder this import writes holds exactly.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -194,7 +195,7 @@ def gguf_model_path(path: str | Path, weights: str | None = None) -> Path:
         raise _cannot_read(path, e) from e
     out = kvactors_home() / "models" / f"gguf-{digest[:16]}-{weights}-c{CONVERSION}"
     try:
-        return build_once(out, lambda out: _converter(path, weights)(out))  # one conversion at a time
+        return build_once(out, functools.partial(_convert, path, weights))  # one conversion at a time
     except OSError as e:
         raise _cannot_write(out, e) from e
 
@@ -226,16 +227,16 @@ def import_gguf(path: str | Path, out: str | Path, weights: str | None = None) -
     refuse_existing(out)  # before reading the file; `build_once` checks again, under the lock
     _check_head(path)  # a file that is missing, unreadable or no GGUF is said at once, not after a wait for the lock
     try:  # read and converted under the lock: an import waiting for another into `out` never converts for nothing
-        return build_once(out, lambda out: _converter(path, weights)(out), reuse=False)
+        return build_once(out, functools.partial(_convert, path, weights), reuse=False)
     except FileExistsError:
         raise
     except OSError as e:  # the lock beside `out`
         raise _cannot_write(out, e) from e
 
 
-def _converter(path: Path, weights: str):
-    """Read, check and convert the GGUF file at `path` (as `import_gguf`); return `write(out)`, which writes the
-    model folder `out` through `new_model_folder`."""
+def _convert(path: Path, weights: str, out: Path) -> None:
+    """Read, check and convert the GGUF file at `path` (as `import_gguf`) into the model folder `out`, written
+    through `new_model_folder`."""
     meta, tensors = _read(path)
     _check_metadata(meta, path)
     arch = meta.get("general.architecture")
@@ -253,25 +254,22 @@ def _converter(path: Path, weights: str):
 
     import mlx.core as mx
 
-    def write(out: Path) -> None:
-        try:
-            with new_model_folder(out) as tmp:
-                (tmp / "config.json").write_text(json.dumps(config, indent=2))
-                mx.save_safetensors(str(tmp / "model.safetensors"), mlx_weights, {"format": "mlx"})
-                (tmp / "tokenizer.json").write_text(tokenizer_json)
-                (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
-                if template:
-                    (tmp / "chat_template.jinja").write_text(template)
-                marker = {"source": str(path), "name": meta.get("general.name"), "weights": weights}
-                (tmp / COMPLETE_MARKER).write_text(json.dumps(marker))
-        except OSError as e:
-            if isinstance(e, FileExistsError) and out.exists():
-                raise  # another process made `out` meanwhile
-            raise _cannot_write(out, e) from e
-        except RuntimeError as e:  # MLX reports a failed write (a full disk) as a RuntimeError
-            raise _cannot_write(out, e) from e
-
-    return write
+    try:
+        with new_model_folder(out) as tmp:
+            (tmp / "config.json").write_text(json.dumps(config, indent=2))
+            mx.save_safetensors(str(tmp / "model.safetensors"), mlx_weights, {"format": "mlx"})
+            (tmp / "tokenizer.json").write_text(tokenizer_json)
+            (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+            if template:
+                (tmp / "chat_template.jinja").write_text(template)
+            marker = {"source": str(path), "name": meta.get("general.name"), "weights": weights}
+            (tmp / COMPLETE_MARKER).write_text(json.dumps(marker))
+    except OSError as e:
+        if isinstance(e, FileExistsError) and out.exists():
+            raise  # another process made `out` meanwhile
+        raise _cannot_write(out, e) from e
+    except RuntimeError as e:  # MLX reports a failed write (a full disk) as a RuntimeError
+        raise _cannot_write(out, e) from e
 
 
 def _check_file(path: Path) -> None:
@@ -738,9 +736,7 @@ def _requantize(a, bits: int, name: str, qtype: str):
     w, scales, biases = mx.quantize(a.astype(mx.float32), group_size=GROUP, bits=bits)
     if not _past_float16(scales) and not _past_float16(biases):
         return w, scales.astype(mx.float16), biases.astype(mx.float16)
-    log.warning("GGUF tensor %s (%s) holds values past float16's range (+-65504): the quantized folder keeps its "
-                "scales and biases as float32, which MLX computes the model in beside float16 (slower); convert "
-                "with weights='float32' (--weights float32) for a folder of one type", name, qtype)
+    _warn_kept(name, qtype, "its scales and biases as float32")
     return w, scales, biases
 
 
@@ -749,6 +745,14 @@ def _past_float16(a) -> bool:
     import mlx.core as mx
 
     return mx.any(mx.isinf(a.astype(mx.float16)) & ~mx.isinf(a)).item()
+
+
+def _warn_kept(name: str, qtype: str, kept: str) -> None:
+    """Warn that GGUF tensor `name` (of type `qtype`), past float16's range, is `kept` in a wider type in a quantized
+    folder (`_float_type`, `_requantize`)."""
+    log.warning("GGUF tensor %s (%s) holds values past float16's range (+-65504): the quantized folder keeps %s, "
+                "which MLX computes the model in float32 beside float16 (slower); convert with weights='float32' "
+                "(--weights float32) for a folder of one type", name, qtype, kept)
 
 
 def _float_type(a, weights: str, name: str, qtype: str):
@@ -765,9 +769,7 @@ def _float_type(a, weights: str, name: str, qtype: str):
         return mx.float32
     if not _past_float16(a):
         return mx.float16
-    log.warning("GGUF tensor %s (%s) holds values past float16's range (+-65504): the quantized folder keeps it "
-                "as %s, which MLX computes the model in float32 beside float16 (slower); convert with "
-                "weights='float32' (--weights float32) for a folder of one type", name, qtype, a.dtype)
+    _warn_kept(name, qtype, f"it as {str(a.dtype).removeprefix('mlx.core.')}")
     return a.dtype
 
 
