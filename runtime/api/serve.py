@@ -303,9 +303,18 @@ class Plan:
     system: str | None = None  # a new system prompt (with reset), or None to keep it
 
 
+def _messages(history: list[dict]) -> list[dict]:
+    """The user and assistant records of `history` (journal records), in order."""
+    return [r for r in history if r["role"] in ("user", "assistant")]
+
+
+def _pair(record: dict) -> tuple:
+    """A message record as a request's message: (role, text, sender), the sender a user's only."""
+    return record["role"], record["text"], record.get("sender") if record["role"] == "user" else None
+
+
 def _pairs(history: list[dict]) -> list:
-    return [(r["role"], r["text"], r.get("sender") if r["role"] == "user" else None)
-            for r in history if r["role"] in ("user", "assistant")]
+    return [_pair(r) for r in _messages(history)]
 
 
 def plan_turn(history: list[dict], req: ChatRequest, named: bool) -> Plan:
@@ -336,11 +345,10 @@ def repeated_tokens(records: list[dict], history: list[dict]) -> list[dict]:
     """`records` (a reset's), each reply of their start that repeats `history` (the agent's conversation, journal
     records) message for message keeping the tokens it was generated as: a turn that re-prefills the new
     conversation then feeds those replies as the kept cache holds them, not their text tokenized again."""
-    for new, (role, text, sender), old in zip(records, _pairs(history),
-                                               [r for r in history if r["role"] in ("user", "assistant")]):
-        if (new["role"], new["text"], new["sender"]) != (role, text, sender):
+    for new, old in zip(records, _messages(history)):
+        if (new["role"], new["text"], new["sender"]) != _pair(old):
             break
-        if role == "assistant" and old.get("tokens"):
+        if old["role"] == "assistant" and old.get("tokens"):
             new["tokens"] = list(old["tokens"])
     return records
 
@@ -1012,7 +1020,7 @@ FORCED_STOP = ("forced stop (a second signal): the requests still open were cut 
                "turn already answered is saved")
 
 
-def run_uvicorn(config, sock: socket.socket, on_force: Callable[[], None] | None = None) -> list[int]:
+def run_uvicorn(config, sock: socket.socket, on_force: Callable[[], None]) -> list[int]:
     """Serve `config` (a uvicorn.Config) on `sock` until a stop signal, and return the signals received, in order
     (none: it stopped otherwise). SIGINT (Ctrl-C) and SIGTERM alike: the first stops it gracefully (no new
     connection, the requests still open waited for, then the app's lifespan shutdown); a second, of either kind,
@@ -1036,8 +1044,7 @@ def run_uvicorn(config, sock: socket.socket, on_force: Callable[[], None] | None
         if server.should_exit:  # SIGINT or SIGTERM alike (uvicorn forces on a second SIGINT only)
             server.force_exit = True
             errors.disabled = True  # an attribute set: safe in a signal handler, where logging is not
-            if on_force is not None:
-                on_force()
+            on_force()
         else:
             server.should_exit = True
 
