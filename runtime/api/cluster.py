@@ -449,8 +449,8 @@ class ClusterRuntime:
         (`_on_agent_host`); AgentCrashed (retry) when that does not reach the agent: no dead letter, as one machine
         raises it for an agent that does not come back from a restart. A message to an agent that is not running
         (`_index` refuses it; or it was stopped meanwhile, or exited on its host) raises UnknownAgent and is a dead
-        letter, recorded here (`_dead_letter`), as `Runtime._deliver` records it: its hosts are told not to, since a
-        host that does not run the agent may be asked again.
+        letter, recorded here (`_dead_letter`), as `Runtime._deliver` records it: a host records none (`NodeHost.deliver`),
+        since a host that does not run the agent may be asked again.
         """
         kind, data, callbacks = _envelope(message)
         tell = getattr(future, "tell", None)
@@ -462,7 +462,7 @@ class ClusterRuntime:
                 tell.late = lambda host=self._hosts[index]: (called_off.set(), host.signal.remote(call_off, "call_off"))
             _begin_send(future, called_off.is_set())
             try:
-                return self._call(index, "deliver", name, kind, data, future is not None, callbacks, call_off, False)
+                return self._call(index, "deliver", name, kind, data, future is not None, callbacks, call_off)
             finally:
                 if tell is not None:  # no host holds the send now: a cancellation is kept for the next attempt
                     tell.late = called_off.set

@@ -286,7 +286,7 @@ class NodeHost:
         return outcome(lambda: (self.rt.spawn(name, system, restart, reset=reset, timeout=timeout), self.incarnation)[1])
 
     def deliver(self, name: str, kind: str, data, answer: bool = True, callbacks: tuple = (),
-                call_off: str | None = None, dead_letter: bool = True) -> tuple:
+                call_off: str | None = None) -> tuple:
         """Put one envelope (`KINDS`: ask / note / reset payload, or a lookup's turn id) in agent `name`'s mailbox.
 
         Returns ("ok", key) once it is there: with `answer`, `wait(key)` answers it
@@ -298,17 +298,16 @@ class NodeHost:
         wait for the agent's restart) calls it off: then it raises CancelledError and
         nothing is sent. So does such a signal that Ray ran here before this call, up to
         EARLY_CALL_OFF_S earlier (Ray does not order the calls to a host). For an agent
-        not running here it raises UnknownAgent, and the envelope goes to this host's dead
-        letters if `dead_letter` (`Runtime._deliver`): a caller that records the dead letter
-        itself (`ClusterRuntime._deliver`, which may yet deliver it elsewhere, and a host that
-        forwards a note, `_forward_now`) passes False.
+        not running here it raises UnknownAgent, and the envelope goes to no dead letters
+        here: its caller records it where it finds it undeliverable (`ClusterRuntime._deliver`,
+        which may yet deliver it elsewhere, and a host that forwards a note, `_forward_now`).
         """
         try:
-            return outcome(self._deliver, name, kind, data, answer, tuple(callbacks), call_off, dead_letter)
+            return outcome(self._deliver, name, kind, data, answer, tuple(callbacks), call_off)
         except asyncio.CancelledError as e:  # called off: a BaseException, which `outcome` leaves alone
             return "error", pack_error(e)
 
-    def _deliver(self, name, kind, data, answer, callbacks, call_off, dead_letter):
+    def _deliver(self, name, kind, data, answer, callbacks, call_off):
         if kind not in KINDS:
             raise ValueError(f"unknown envelope kind {kind!r}; one of {KINDS}")
         unknown = set(callbacks) - set(CALLBACKS)
@@ -335,7 +334,7 @@ class NodeHost:
             if called_off:
                 tell.call_off()
         try:
-            self.rt._deliver(name, envelope, future, dead_letter)
+            self.rt._deliver(name, envelope, future, dead_letter=False)
         except BaseException:
             self.futures.pop(key, None)
             self.streams.pop(key, None)
@@ -473,7 +472,7 @@ class NodeHost:
     def _forward_now(self, name, payload, future, reply):
         """`_forward`, on the forwarder's thread: find the host of agent `name` and put the note in the agent's mailbox
         there; then `_await_durable` waits for it beside the forwards after it. A host that does not run agent `name`
-        (the directory is behind: it exited there, or moved) is told not to dead-letter the note, as this host does
+        (the directory is behind: it exited there, or moved) records no dead letter (`deliver`): this host does
         (`_undeliverable`). The delivery has no timeout: one given up on here could still reach the agent, and the
         note would be both delivered and dead-lettered (Ray raises if the host dies)."""
         import ray
@@ -482,7 +481,7 @@ class NodeHost:
             host = ray.get(self.directory.lookup.remote(name), timeout=self.rt._env.io_timeout)
             if host is None:
                 raise UnknownAgent(f"no running agent named {name!r} in the cluster")
-            status, key = ray.get(host.deliver.remote(name, "note", payload, dead_letter=False))
+            status, key = ray.get(host.deliver.remote(name, "note", payload))
             if status == "error":
                 raise unpack_error(key)
         except Exception as e:  # noqa: BLE001 - an undeliverable note is a dead letter, never lost silently
