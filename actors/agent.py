@@ -368,7 +368,9 @@ def held_after(tokenizer, rendered: str, keep_ids, keep_ends, keep_text: str, fe
         kept = [e if e <= limit else -1 for e in kept]
     new = prefix.token_ends(tokenizer, new_ids, len(keep_text), keep_ids[-1] if keep_ids else None)
     ends = (kept + [e if e <= limit else -1 for e in new])[: len(ids)]
-    held = tuple(spans) + (((len(rendered), limit),) if reply else ()) if spans else None
+    held = None  # no spans known
+    if spans:
+        held = (*spans, (len(rendered), limit)) if reply else tuple(spans)
     return store.CacheMeta(seq=seq, token_ids=ids, token_ends=ends, text=text, turn_id=turn_id, spans=held)
 
 
