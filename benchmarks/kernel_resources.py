@@ -38,6 +38,8 @@ from benchmarks.kernel_call import CUDA_TYPES, baked_source
 from benchmarks.q4sdpa_tune import load_copy
 from runtime import q4sdpa
 
+# the qgemm product kernel's template as `--qgemm` compiles it: bf16, group 64, 4 splits, 64 rows, plain layout
+QGEMM_TEMPLATE = [("T", mx.bfloat16), ("G", 64), ("S", 4), ("MT", 8), ("HD", 0)]
 _MLX_HEADER = '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
 _DTYPES = {  # each input's and output's dtype, with T the queries' (qgemm's: the input's)
     "kw": mx.uint32, "vw": mx.uint32, "after": mx.uint32, "start": mx.int32, "meta": mx.int32, "pos": mx.int32,
@@ -183,8 +185,7 @@ def main(argv=None) -> int:
                 failed += _compiled(lib, text, tag, name, args)
     for path in [p for p in args.qgemm.split(",") if p]:
         header, body, inputs, outputs = load_copy(path).product_kernel(1, 1)
-        template = [("T", mx.bfloat16), ("G", 64), ("S", 4), ("MT", 8)]
-        text = source("kvactors_qgemm", (inputs, outputs), body, template, mx.bfloat16, header)
+        text = source("kvactors_qgemm", (inputs, outputs), body, QGEMM_TEMPLATE, mx.bfloat16, header)
         failed += _compiled(lib, text, Path(path).stem, "product", args)
     return 1 if failed else 0
 

@@ -3,6 +3,7 @@ cannot exist, so `CudaCalls` reads a stand-in `cupti` module that hands it recor
 
 import csv
 import os
+import re
 import sys
 import threading
 import time
@@ -181,12 +182,11 @@ def test_kernel_resources_writes_qgemm_s_product_kernel_as_mlx_does():
     them, the weight as uint32 words, its scales and biases and the input of T, float32 partial sums."""
     import mlx.core as mx
 
-    from benchmarks.kernel_resources import source
+    from benchmarks.kernel_resources import QGEMM_TEMPLATE, source
     from runtime import qgemm
 
     header, body, inputs, outputs = qgemm.product_kernel(1, 2)
-    text = source("k", (inputs, outputs), body, [("T", mx.bfloat16), ("G", 64), ("S", 4), ("MT", 8)], mx.bfloat16,
-                  header)
+    text = source("k", (inputs, outputs), body, QGEMM_TEMPLATE, mx.bfloat16, header)
     at = text.index("__global__ void k(")
     signature = text[at:text.index(") {", at)]
     assert signature.index("const __nv_bfloat16* x,") < signature.index("const __grid_constant__ Shape x_shape,") \
