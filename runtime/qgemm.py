@@ -15,19 +15,21 @@ way against 1,363 us (`benchmarks.prefill_gemm`, results/h100/qgemm-2026-11-25).
 
 How: tensor cores as in `qgemv` (the weight is the 16-row operand of
 `mma.m16n8k16`, dequantized two nibbles at a time straight into fragment
-layout; the input rows are its 8 columns, read in the order the nibbles land
-in). A block of 8 warps owns 128 output columns (a 16-row tile of the weight
-per warp) and 64 input rows (a launch's second grid dimension walks the rows
-64 at a time), over 1/S of K in steps of 64. Its warps share each step's
-slice of the input through shared memory (double buffered, stored in the
-nibbles' order), so the input is read from L2 once per 128 columns. Each
-thread loads the next step's weights while the current one is multiplied, and
-the input two steps ahead (stored when a step ends, so its load has a whole
-step to arrive); scales and biases are kept as loaded and replicated where they
-are used. Launch bounds hold a thread to 128 registers, two blocks an SM. On
-an H200 this took a layer's seven products at 64 rows from 377 to 330 us, at
-256 rows from 873 to 769 (`benchmarks/results/h200/qgemm-2026-11-28`); loading
-the weights two or three steps ahead instead was slower. S
+layout; the input rows are its 8 columns). A block of 4 warps owns 128 output
+columns (two 16-row tiles of the weight per warp, so each input fragment read
+from shared memory feeds two products) and 64 input rows (a launch's second
+grid dimension walks the rows 64 at a time), over 1/S of K in steps of 64.
+`cp.async` copies each step's input and weights into a ring of three steps in
+shared memory, two steps ahead, with no registers on the way; so the weights'
+nibbles are taken in their own order (a byte's two nibbles as one pair, as the
+input's elements lie) and the input is stored as it is. Scales and biases are
+loaded a step ahead and replicated where they are used; each accumulator's
+next product comes 8 products after its last. Launch bounds give a thread up to
+255 registers (it takes 182-188), two blocks an SM. On an H200 this took a layer's
+seven products at 64 rows from 322 to 284 us of device time and at 256 rows from
+760 to 676 us against the kernel before it (8 warps of one 16-row tile each,
+input staged through registers: shared memory's bandwidth, 85% busy, bound it;
+`benchmarks/results/h200/qgemm-ring-2026-11-29`). S
 follows from the weight's shape alone (`splits`: as many as fit one wave of
 blocks); each block writes its float32 sums to its own slice of a scratch array,
 and a second launch adds the S slices in split order and rounds to x's type
@@ -53,11 +55,12 @@ import mlx.core as mx
 
 from runtime import qgemv
 
-COLUMNS = 128  # output columns a block owns: 8 warps, a 16-row weight tile each
+COLUMNS = 128  # output columns a block owns: 4 warps, two 16-row weight tiles each
 ROWS = 64  # input rows a block multiplies: 8 columns of 8 of mma.m16n8k16
-THREADS = 256  # threads a block: 8 warps
+THREADS = 128  # threads a block: 4 warps
+BLOCKS = 2  # blocks a multiprocessor by launch bounds (at most 255 registers a thread: the kernel takes 182-188)
 STEP = 64  # elements of K a block's warps multiply between two barriers
-WAVE = 264  # blocks resident at once on an H100 (132 SMs, two blocks each): `splits` stays within one wave
+WAVE = 132 * BLOCKS  # blocks resident at once on an H100 (132 SMs): `splits` stays within one wave
 MIN_STEPS = 4  # steps of K a block takes at least (its loads overlap only within a split)
 
 _GEMM = r"""
@@ -75,89 +78,118 @@ _GEMM = r"""
     const int m0 = blockIdx.y * 64;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int na = tile * 128 + warp * 16 + g, nb = na + 8;  // rows g and g + 8 of this warp's A fragments
-    // two steps' input: 64 rows of 64 elements (8 x 16 bytes, in nibble order) and 16 bytes of padding,
-    // so that the 8 lanes of a 16-byte access phase hit distinct banks
-    __shared__ uint4 xs[2][64][9];
-    // this thread's share of a step's input: row r, 16-byte columns c and c + 1
-    const int r = threadIdx.x >> 2, c = (threadIdx.x & 3) * 2;
-    const bool live = m0 + r < M;
-    const uint4* xrow = reinterpret_cast<const uint4*>(x) + (size_t)(live ? m0 + r : 0) * (K / 8);
-    // the next step's weights of this lane (words of row na (0, 1) and nb (2, 3); the rows' scale and bias as
-    // loaded, 16 bits: replicated where they are used, so no instruction waits for the load before it is needed;
-    // rows past N keep zeros) and the step after's input of this thread (zeros past M)
-    unsigned int wr[4] = {0, 0, 0, 0}, sr[4] = {0, 0, 0, 0};
-    uint4 xq[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
-    float acc[MT][4];  // MT: tiles of 8 rows a block multiplies (8, or fewer where the call has fewer rows)
+    // this warp's 32 columns: two A tiles of 16 rows, lane rows g and g + 8 of each
+    const int n0 = tile * 128 + warp * 32;
+    // a ring of STAGES steps, each copied in whole by cp.async: 64 rows of input (64 elements: 8 x 16 bytes and
+    // 16 bytes of padding, so that the 8 lanes of a 16-byte access phase hit distinct banks) and the block's 128
+    // rows of weights (64 nibbles, 32 bytes)
+    __shared__ uint4 xs[STAGES][64][9];
+    __shared__ uint4 ws[STAGES][128][2];
+    // this thread's 16-byte pieces of a step: input rows xr + 16 u (u = 0..3), column xc; weight rows wr0 + 64 u
+    // (u = 0, 1), half wh
+    const int xr = threadIdx.x >> 3, xc = threadIdx.x & 7, wr0 = threadIdx.x >> 1, wh = threadIdx.x & 1;
+    auto fetch = [&](int step, int buf) {  // queue step's input and weights into buf (zeros past M and N)
+        #pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const bool ok = m0 + xr + 16 * u < M;
+            copy16(&xs[buf][xr + 16 * u][xc], x + (size_t)(ok ? m0 + xr + 16 * u : 0) * K + step * 64 + xc * 8, ok);
+        }
+        #pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            const int n = tile * 128 + wr0 + 64 * u;
+            copy16(&ws[buf][wr0 + 64 * u][wh], wq + (size_t)(n < N ? n : 0) * wpr + step * 8 + wh * 4, n < N);
+        }
+    };
+    // this lane's scale and bias of rows n0 + 8 i + g (i = 0..3: tile i / 2, its row g + 8 (i % 2)) for a step,
+    // 16 bits as loaded (rows past N keep zeros): loaded a step ahead, replicated where they are used
+    unsigned int sr[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    auto fetch_scales = [&](int step) {
+        const int kg = (step * 64 + t * 16) / G;
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int n = n0 + 8 * i + g;
+            if (n < N) {
+                sr[2 * i] = sp[(size_t)n * gpr + kg];
+                sr[2 * i + 1] = bp[(size_t)n * gpr + kg];
+            }
+        }
+    };
+    float acc[2][MT][4];  // MT: tiles of 8 rows a block multiplies (8, or fewer where the call has fewer rows)
     #pragma unroll
-    for (int i = 0; i < MT; ++i) {
-        acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+    for (int i = 0; i < 2; ++i) {
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            acc[i][mt][0] = acc[i][mt][1] = acc[i][mt][2] = acc[i][mt][3] = 0.0f;
+        }
     }
-    #define FETCH_W(step) {                                                                 \
-        const int kw = (step) * 64 + t * 16;  /* this lane's 16 elements of the weights */  \
-        if (na < N) {                                                                       \
-            load_words<2>(wr, wq + (size_t)na * wpr + kw / 8);                              \
-            sr[0] = sp[(size_t)na * gpr + kw / G];                                          \
-            sr[1] = bp[(size_t)na * gpr + kw / G];                                          \
-        }                                                                                   \
-        if (nb < N) {                                                                       \
-            load_words<2>(wr + 2, wq + (size_t)nb * wpr + kw / 8);                          \
-            sr[2] = sp[(size_t)nb * gpr + kw / G];                                          \
-            sr[3] = bp[(size_t)nb * gpr + kw / G];                                          \
-        }                                                                                   \
+    #pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i) {
+        if (first + i < last) fetch(first + i, i);
+        copy_commit();
     }
-    #define FETCH_X(step) {                                                                 \
-        if (live) {                                                                         \
-            xq[0] = xrow[(step) * 8 + c];                                                   \
-            xq[1] = xrow[(step) * 8 + c + 1];                                               \
-        }                                                                                   \
-    }
-    #define PUT(buf) {                                                                      \
-        xs[buf][r][c] = nibble_order(xq[0]);                                                \
-        xs[buf][r][c + 1] = nibble_order(xq[1]);                                            \
-    }
-    FETCH_W(first);
-    FETCH_X(first);
-    PUT(0);
-    if (first + 1 < last) FETCH_X(first + 1);  // a whole step to arrive in
-    __syncthreads();
+    fetch_scales(first);
     for (int step = first; step < last; ++step) {
-        const int buf = (step - first) & 1;
-        // the 16-bit scale and bias in both halves of a word
-        const unsigned int sa = __byte_perm(sr[0], 0, 0x1010), ba = __byte_perm(sr[1], 0, 0x1010);
-        const unsigned int sb = __byte_perm(sr[2], 0, 0x1010), bb = __byte_perm(sr[3], 0, 0x1010);
-        unsigned int a[4][4];  // product j: word j / 2's nibbles (2 sub, 2 sub + 4) and (2 sub + 1, 2 sub + 5), sub = j % 2
+        const int buf = (step - first) % STAGES;
+        copy_wait<STAGES - 2>();  // this thread's copies of the step have landed
+        __syncthreads();          // and every thread's; all are done with the step before, whose buffer is refilled
+        if (step + STAGES - 1 < last) fetch(step + STAGES - 1, (step - first + STAGES - 1) % STAGES);
+        copy_commit();
+        unsigned int sc[8];  // the 16-bit scales and biases in both halves of a word
         #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int shift = (j & 1) * 8;
-            a[j][0] = dequant2(wr[j >> 1] >> shift, sa, ba);
-            a[j][1] = dequant2(wr[2 + (j >> 1)] >> shift, sb, bb);
-            a[j][2] = dequant2(wr[j >> 1] >> (shift + 4), sa, ba);
-            a[j][3] = dequant2(wr[2 + (j >> 1)] >> (shift + 4), sb, bb);
+        for (int i = 0; i < 8; ++i) {
+            sc[i] = __byte_perm(sr[i], 0, 0x1010);
         }
-        const bool more = step + 1 < last;
-        if (more) FETCH_W(step + 1);
+        if (step + 1 < last) fetch_scales(step + 1);
+        // this lane's 16 elements of K (two words) of rows n0 + 8 i + g, as the scales
+        uint2 wr[4];
         #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {  // rows past M are zeros (a bound per tile costs 36 registers)
-            const uint4 v0 = xs[buf][8 * mt + g][2 * t], v1 = xs[buf][8 * mt + g][2 * t + 1];
-            mma16816(acc[mt], a[0], v0.x, v0.y);
-            mma16816(acc[mt], a[1], v0.z, v0.w);
-            mma16816(acc[mt], a[2], v1.x, v1.y);
-            mma16816(acc[mt], a[3], v1.z, v1.w);
+        for (int i = 0; i < 4; ++i) {
+            wr[i] = reinterpret_cast<const uint2*>(ws[buf][warp * 32 + 8 * i + g])[t];
         }
-        if (more) {
-            PUT(buf ^ 1);
-            if (step + 2 < last) FETCH_X(step + 2);
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {  // word h of each row: elements 16 t + 8 h .. + 7 of the step
+            unsigned int a[2][2][4];  // [tile][product jj: bytes 2 jj and 2 jj + 1 of the word][A fragment]
+            #pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const unsigned int qa = h ? wr[2 * i].y : wr[2 * i].x, qb = h ? wr[2 * i + 1].y : wr[2 * i + 1].x;
+                #pragma unroll
+                for (int jj = 0; jj < 2; ++jj) {
+                    // byte_perm: byte b of q (its low nibble: element 2 b) and of q >> 4 (element 2 b + 1)
+                    const int lo = 0x0400 + 0x101 * (2 * jj), hi = lo + 0x101;
+                    a[i][jj][0] = dequant2<true>(__byte_perm(qa, qa >> 4, lo), sc[4 * i], sc[4 * i + 1]);
+                    a[i][jj][1] = dequant2<true>(__byte_perm(qb, qb >> 4, lo), sc[4 * i + 2], sc[4 * i + 3]);
+                    a[i][jj][2] = dequant2<true>(__byte_perm(qa, qa >> 4, hi), sc[4 * i], sc[4 * i + 1]);
+                    a[i][jj][3] = dequant2<true>(__byte_perm(qb, qb >> 4, hi), sc[4 * i + 2], sc[4 * i + 3]);
+                }
+            }
+            // four tiles of 8 rows at a time (rows past M are zeros), the products in an order in which each
+            // accumulator's next product comes 8 products after its last (an mma's result takes that long)
+            #pragma unroll
+            for (int m4 = 0; m4 < MT; m4 += 4) {
+                uint4 v[4];  // elements 16 t + 8 h .. + 7 of rows 8 (m4 + q) + g
+                #pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    if (m4 + q < MT) v[q] = xs[buf][8 * (m4 + q) + g][2 * t + h];
+                }
+                #pragma unroll
+                for (int jj = 0; jj < 2; ++jj) {
+                    #pragma unroll
+                    for (int q = 0; q < 4; ++q) {
+                        #pragma unroll
+                        for (int i = 0; i < 2; ++i) {
+                            if (m4 + q < MT) {
+                                mma16816(acc[i][m4 + q], a[i][jj], jj ? v[q].z : v[q].x, jj ? v[q].w : v[q].y);
+                            }
+                        }
+                    }
+                }
+            }
         }
-        __syncthreads();
     }
-    #undef FETCH_W
-    #undef FETCH_X
-    #undef PUT
-    // C fragment: acc[mt] = (col na, row 2t), (na, 2t + 1), (nb, 2t), (nb, 2t + 1), rows + m0 + 8 mt.
-    // Output (m, n) lies at at(m, n): row-major (M, N), or, where HD > 0, in the heads' layout (B, N / HD, L, HD)
-    // of x (B, L, K). With S = 1 the sums are the outputs (rounded to T, RESIDUAL added); else split z's slice
-    // of the float32 partial sums, laid out as the outputs.
+    // C fragment: acc[i][mt] = (col na, row 2t), (na, 2t + 1), (nb, 2t), (nb, 2t + 1), na = n0 + 16 i + g,
+    // nb = na + 8, rows + m0 + 8 mt. Output (m, n) lies at at(m, n): row-major (M, N), or, where HD > 0, in the
+    // heads' layout (B, N / HD, L, HD) of x (B, L, K). With S = 1 the sums are the outputs (rounded to T,
+    // RESIDUAL added); else split z's slice of the float32 partial sums, laid out as the outputs.
     const int L = x_ndim >= 2 ? x_shape[x_ndim - 2] : M;
     auto at = [&](int m, int n) -> size_t {
         if constexpr (HD == 0) {
@@ -175,15 +207,19 @@ _GEMM = r"""
         }
     };
     #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-        const int m = m0 + 8 * mt + 2 * t;
-        if (na < N) {
-            if (m < M) put(m, na, acc[mt][0]);
-            if (m + 1 < M) put(m + 1, na, acc[mt][1]);
-        }
-        if (nb < N) {
-            if (m < M) put(m, nb, acc[mt][2]);
-            if (m + 1 < M) put(m + 1, nb, acc[mt][3]);
+    for (int i = 0; i < 2; ++i) {
+        const int na = n0 + 16 * i + g, nb = na + 8;
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            const int m = m0 + 8 * mt + 2 * t;
+            if (na < N) {
+                if (m < M) put(m, na, acc[i][mt][0]);
+                if (m + 1 < M) put(m + 1, na, acc[i][mt][1]);
+            }
+            if (nb < N) {
+                if (m < M) put(m, nb, acc[i][mt][2]);
+                if (m + 1 < M) put(m + 1, nb, acc[i][mt][3]);
+            }
         }
     }
 """
@@ -239,18 +275,26 @@ _PICK_SUM_NEXT = """
         total = (size_t)part{i}_shape[1] * part{i}_shape[2];
     }}"""
 
-_NIBBLE_ORDER = r"""
-// 8 consecutive 16-bit values x0..x7 as (x0, x4), (x1, x5), (x2, x6), (x3, x7): the order in which
-// dequant2 puts a word's nibbles into mma16816's A fragment (see qgemv's B fragments)
-__device__ __forceinline__ uint4 nibble_order(uint4 v) {
-    return make_uint4(__byte_perm(v.x, v.z, 0x5410), __byte_perm(v.x, v.z, 0x7632),
-                      __byte_perm(v.y, v.w, 0x5410), __byte_perm(v.y, v.w, 0x7632));
+_ASYNC_COPY = r"""
+#define STAGES 3
+// 16 bytes from global to shared memory, in the background (zeros where !ok); copy_commit closes a group of
+// copies, copy_wait<n> waits until at most n of this thread's groups are in flight
+__device__ __forceinline__ void copy16(void* to, const void* from, bool ok) {
+    const unsigned int s = static_cast<unsigned int>(__cvta_generic_to_shared(to));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(from), "r"(ok ? 16 : 0));
+}
+__device__ __forceinline__ void copy_commit() {
+    asm volatile("cp.async.commit_group;");
+}
+template <int n>
+__device__ __forceinline__ void copy_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(n));
 }
 """
 
 _kernels = {}  # (BF, weights, add) -> (product kernel, sum kernel)
 
-_TWO_BLOCKS = qgemv.launch_bounds(THREADS, 2)  # two blocks a multiprocessor: at most 128 registers a thread
+_BOUNDS = qgemv.launch_bounds(THREADS, BLOCKS)
 
 
 def supports(x, w, scales, group_size: int) -> bool:
@@ -344,7 +388,7 @@ def _result_shapes(x, n: list, add, head_dim: int) -> list:
 def product_kernel(bf: int, parts: int, add: bool = False) -> tuple[str, str, list, list]:
     """(header, body, input names, output names) of the product kernel for `parts` weights, bf16 (`bf` 1) or f16,
     with a residual `add` input (one weight) or not."""
-    header = f"#define BF {bf}\n" + _TWO_BLOCKS + qgemv.DEVICE_HELPERS + _NIBBLE_ORDER
+    header = f"#define BF {bf}\n" + _BOUNDS + qgemv.DEVICE_HELPERS + _ASYNC_COPY
     body = (_GEMM.replace("PICK", _PICK_GEMM + "".join(_PICK_GEMM_NEXT.format(i=i, j=i - 1) for i in range(1, parts)))
             .replace("RESIDUAL", "+ add[(size_t)m * N + n]" if add else ""))
     inputs = ["x"] + [f"{a}{i}" for i in range(parts) for a in "wsb"] + (["add"] if add else [])

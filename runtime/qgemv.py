@@ -269,15 +269,26 @@ DEVICE_HELPERS = r"""
 // (lo, hi) 4-bit values at bits [0, 4) and [16, 20) of x, as a 16-bit pair times s plus b
 // (s, b: a 16-bit value in both halves): under a magic exponent the pair is 128 + q (bf16)
 // or 1024 + q (f16) exactly, one exact subtraction gives q, one fused multiply-add q s + b.
+// ONE_LOP: the mask and the magic exponent in one instruction (lop3 with both in registers, which
+// the kernel then keeps) instead of two with immediates: the same bits.
+template <bool ONE_LOP = false>
 __device__ __forceinline__ unsigned int dequant2(unsigned int x, unsigned int s, unsigned int b) {
     unsigned int y, r;
 #if BF
-    y = (x & 0x000F000Fu) | 0x43004300u;
+    constexpr unsigned int MAGIC = 0x43004300u;
+#else
+    constexpr unsigned int MAGIC = 0x64006400u;
+#endif
+    if constexpr (ONE_LOP) {
+        asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(y) : "r"(x), "r"(0x000F000Fu), "r"(MAGIC));  // (x & m) | c
+    } else {
+        y = (x & 0x000F000Fu) | MAGIC;
+    }
+#if BF
     asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(y) : "r"(y), "r"(0x3F803F80u), "r"(0xC300C300u));
     asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(y), "r"(s), "r"(b));
 #else
-    y = (x & 0x000F000Fu) | 0x64006400u;
-    asm("sub.f16x2 %0, %1, %2;" : "=r"(y) : "r"(y), "r"(0x64006400u));
+    asm("sub.f16x2 %0, %1, %2;" : "=r"(y) : "r"(y), "r"(MAGIC));
     asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(y), "r"(s), "r"(b));
 #endif
     return r;

@@ -194,6 +194,9 @@ def test_kernel_resources_writes_qgemm_s_product_kernel_as_mlx_does():
         < signature.index("const __nv_bfloat16* s0,") < signature.index("const uint32_t* w1,")
     assert "x_strides" not in signature and signature.rstrip().endswith("float* part1")
     assert "#define BF 1\n" in text and "  constexpr int MT = 8;\n" in text
+    # every template argument the body reads is given (a missing one fails NVRTC's compile)
+    assert {name for name in ("T", "G", "S", "MT", "HD") if re.search(rf"\b{name}\b", body)} \
+        == {name for name, _ in QGEMM_TEMPLATE}
 
 
 def test_sass_stalls_splits_a_kernel_at_its_largest_loop_and_counts_samples_by_region(tmp_path):
@@ -329,3 +332,17 @@ def test_module_ab_calls_table_gives_each_versions_calls_a_round_by_time():
     assert table[2:] == ["| new | 1 | engine | cuMemAllocAsync | 1.0 | 2.000 |",
                          "| new | 1 | engine | cuGraphLaunch | 2.0 | 2.000 |",
                          "| old | 1 | engine | cuMemAllocAsync | 4.0 | 8.000 |"]
+
+
+def test_qgemm_ab_says_same_only_for_equal_bits_and_else_the_largest_relative_difference():
+    """`benchmarks.qgemm_ab`'s comparison of a version's outputs with the reference's: 'same' only where every
+    array is bitwise equal; else the largest |difference| over the largest |reference|, over all arrays."""
+    import mlx.core as mx
+
+    from benchmarks.qgemm_ab import difference
+
+    want = [mx.array([1.0, -4.0], mx.bfloat16), mx.array([2.0, 0.5], mx.bfloat16)]
+    assert difference([mx.array(a) for a in want], want) == "same"
+    got = [mx.array([1.0, -4.0], mx.bfloat16), mx.array([2.0, 0.25], mx.bfloat16)]  # 0.25 off, largest |want| 2
+    assert difference(got, want) == "1.2e-01"
+    assert difference([mx.array([1.0, -4.5], mx.bfloat16), want[1]], want) == "1.2e-01"  # 0.5 off over 4
