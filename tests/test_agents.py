@@ -785,6 +785,24 @@ def test_a_stopped_agent_is_unknown_and_messages_to_it_are_dead_letters(rt):
     assert all(d.reason for d in letters)
 
 
+def test_dead_letters_keep_the_newest_and_say_once_that_older_ones_are_dropped(rt, monkeypatch, caplog):
+    """Undeliverable messages are kept in memory for inspection, so they are bounded: past
+    `DEAD_LETTERS_KEPT` the oldest go, counted, with one warning saying so (not one per letter)."""
+    from runtime.api import facade
+
+    monkeypatch.setattr(facade, "DEAD_LETTERS_KEPT", 3)
+    letters = facade.DeadLetters()
+    ghost = AgentRef(rt, "never-spawned")
+    monkeypatch.setattr(rt._env, "dead_letters", letters)
+    with caplog.at_level(logging.WARNING):
+        for i in range(7):
+            with pytest.raises(UnknownAgent):
+                ghost.send(f"Boo {i}.")
+    assert [note_of(d)["text"] for d in rt.dead_letters] == ["Boo 4.", "Boo 5.", "Boo 6."]
+    assert letters.dropped == 4
+    assert sum("dead letters" in r.getMessage() and "dropped" in r.getMessage() for r in caplog.records) == 1
+
+
 def test_result_of_a_stopped_agent_raises_unknown_agent_and_leaves_no_dead_letter(rt, caplog):
     """A lookup is a question, as a history request is: asked of an agent that is not running, result() raises the
     UnknownAgent history() raises, and records no dead letter (each call appended one, with a warning logged)."""

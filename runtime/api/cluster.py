@@ -66,8 +66,9 @@ import uuid
 from actors.agent import AgentCrashed, Ask, Lookup, Note, Reset, UnknownAgent
 from runtime import store
 from runtime.api import rayhost
-from runtime.api.facade import (AgentInfo, AgentRef, DeadLetter, Runtime, RuntimeClosed, WaitTimeout, _begin_send,
-                                _check_options, _choice, _positive, cache_folder, not_running, shutdown_on_exit)
+from runtime.api.facade import (AgentInfo, AgentRef, DeadLetter, DeadLetters, Runtime, RuntimeClosed, WaitTimeout,
+                                _begin_send, _check_options, _choice, _positive, cache_folder, not_running,
+                                shutdown_on_exit)
 from runtime.engine import CallbackFailed, passes_through
 from runtime.errors import InvalidArgument, InvalidArgumentType, KvactorsError
 from runtime.kvscheme import from_options as scheme_from_options
@@ -150,8 +151,7 @@ class ClusterRuntime:
         self._restart: dict[str, str] = {}  # agent -> its restart type
         self._stopping: dict[str, int] = {}  # agent -> the host where its stop ran past its wait (`_on_host_of`)
         self._unstarted: set[str] = set()  # placed agents that a recovery could not start again (`_recover`)
-        self._letters: list[DeadLetter] = []  # what `_deliver` found undeliverable (`_dead_letter`)
-        self._letters_lock = threading.Lock()
+        self._letters = DeadLetters()  # what `_deliver` found undeliverable (`_dead_letter`)
         self._hosts: list = []
         self._info: list[dict] = []
         self._dead: set[int] = set()
@@ -399,9 +399,9 @@ class ClusterRuntime:
     def dead_letters(self) -> list[DeadLetter]:
         """Undeliverable messages, oldest first, as plain data (`rayhost.plain_message`: a payload decoded): those of
         every live host (notes forwarded to an agent that was gone, an agent's notes left when it stopped) and those
-        sent here to an agent that was not running (`_deliver`)."""
-        with self._letters_lock:
-            letters = list(self._letters)
+        sent here to an agent that was not running (`_deliver`); each host, and this runtime, keeps its newest
+        `DEAD_LETTERS_KEPT` (`runtime.api.facade`)."""
+        letters = self._letters.snapshot()
         letters += [d for on_host in self._each_live_host("dead_letters") for d in on_host]
         return sorted(letters, key=lambda d: d.at)
 
@@ -697,9 +697,7 @@ class ClusterRuntime:
         answer, the error."""
         if isinstance(message, Lookup):
             return
-        log.warning("dead letter to %s: %s", name, error)
-        with self._letters_lock:
-            self._letters.append(DeadLetter(name, rayhost.plain_message(message), str(error)))
+        self._letters.record(name, rayhost.plain_message(message), str(error))
 
     def _index(self, name) -> int:
         self._check_running()

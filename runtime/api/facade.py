@@ -13,6 +13,7 @@ name: an `AgentRef` stays valid across restarts of the actor behind it.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import inspect
 import logging
@@ -197,6 +198,36 @@ class DeadLetter:
     at: float = field(default_factory=time.time)
 
 
+DEAD_LETTERS_KEPT = 1000  # dead letters a runtime keeps in memory, the newest; older ones are dropped
+
+
+class DeadLetters:
+    """Undeliverable messages (`DeadLetter`), the newest `DEAD_LETTERS_KEPT` of them, oldest first: memory stays
+    bounded however many a long run makes; `dropped` counts those let go (one warning says so). Thread-safe."""
+
+    def __init__(self):
+        self._letters: collections.deque[DeadLetter] = collections.deque(maxlen=DEAD_LETTERS_KEPT)
+        self.dropped = 0
+        self._lock = threading.Lock()
+
+    def record(self, recipient: str, message, reason: str) -> None:
+        """Keep a dead letter of `message` to `recipient` and log it (a warning); where the deque is full, the
+        oldest goes."""
+        log.warning("dead letter to %s: %s", recipient, reason)
+        with self._lock:
+            if len(self._letters) == self._letters.maxlen:
+                self.dropped += 1
+                if self.dropped == 1:
+                    log.warning("more than %d dead letters: the oldest are dropped from now on",
+                                self._letters.maxlen)
+            self._letters.append(DeadLetter(recipient, message, reason))
+
+    def snapshot(self) -> list[DeadLetter]:
+        """The dead letters kept, oldest first."""
+        with self._lock:
+            return list(self._letters)
+
+
 class Env:
     """What all agents of one runtime share. Thread-safe; agents read it, never block on it."""
 
@@ -206,7 +237,7 @@ class Env:
         self.max_context = max_context  # the model's positions (None: unknown): a longer turn is refused
         self.hot = store.HotCaches(hot_budget)
         self.refs: dict[str, pykka.ActorRef] = {}  # name -> current actor (agents and services)
-        self.dead_letters: list[DeadLetter] = []
+        self.dead_letters = DeadLetters()
         self.deadlines = Deadlines("kvactors-watchdog")  # every turn's timeout, on one thread
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # notified when a ref is registered
@@ -304,10 +335,8 @@ class Env:
                 future.set(reply)
 
     def dead_letter(self, recipient: str, message, reason: str) -> None:
-        """Record an undeliverable message (inspect `Runtime.dead_letters`) and log it."""
-        log.warning("dead letter to %s: %s", recipient, reason)
-        with self._lock:
-            self.dead_letters.append(DeadLetter(recipient, message, reason))
+        """Record an undeliverable message (inspect `Runtime.dead_letters`) and log it (`DeadLetters.record`)."""
+        self.dead_letters.record(recipient, message, reason)
 
 
 class ReplyFuture(pykka.ThreadingFuture):
@@ -1188,8 +1217,9 @@ class Runtime:
 
     @property
     def dead_letters(self) -> list[DeadLetter]:
-        """Messages that could not be delivered, oldest first."""
-        return list(self._env.dead_letters)
+        """Messages that could not be delivered, oldest first: the newest `DEAD_LETTERS_KEPT` (1000); older ones
+        are dropped, with a warning logged the first time."""
+        return self._env.dead_letters.snapshot()
 
     # -- life cycle ------------------------------------------------------------------
 
