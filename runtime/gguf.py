@@ -182,7 +182,8 @@ def gguf_model_path(path: str | Path, weights: str | None = None) -> Path:
     The folder is `$KVACTORS_HOME/models/gguf-<first 16 hex of the file's SHA-256>-<weights>-c<CONVERSION>`
     (`weights`: "float32" or "quantized"; None: `default_weights()`), so a changed
     file gets a new folder and an unchanged one is converted once, and again when the
-    conversion's rules change (`CONVERSION`; the older folder is left as it was). Concurrent
+    conversion's rules change (`CONVERSION`; the older folder is left as it was, and a
+    warning at the new conversion names it, to delete). Concurrent
     first use is safe (the loser of the rename uses the winner's folder). Raises
     GGUFError / UnsupportedGGUF as `import_gguf` does.
     """
@@ -194,10 +195,25 @@ def gguf_model_path(path: str | Path, weights: str | None = None) -> Path:
     except OSError as e:
         raise _cannot_read(path, e) from e
     out = kvactors_home() / "models" / f"gguf-{digest[:16]}-{weights}-c{CONVERSION}"
+    fresh = not out.exists()
     try:
-        return build_once(out, functools.partial(_convert, path, weights))  # one conversion at a time
+        built = build_once(out, functools.partial(_convert, path, weights))  # one conversion at a time
     except OSError as e:
         raise _cannot_write(out, e) from e
+    if fresh:
+        _say_superseded(out)
+    return built
+
+
+def _say_superseded(out: Path) -> None:
+    """Warn, once a model cache folder `out` (`...-c<CONVERSION>`) was converted, of the folders of the same file and
+    weights an earlier conversion rule made beside it: no longer used, left for the user to delete (another
+    process of an older version may still read one)."""
+    stem = out.name.removesuffix(f"-c{CONVERSION}")
+    for old in [out.with_name(stem)] + [out.with_name(f"{stem}-c{k}") for k in range(2, CONVERSION)]:
+        if old.is_dir():
+            log.warning("%s was converted by an earlier version's rules and is no longer used; %s replaces it. "
+                        "Delete it to free its space (rm -r %s) once no older kvactors runs on it", old, out.name, old)
 
 
 def import_gguf(path: str | Path, out: str | Path, weights: str | None = None) -> Path:

@@ -9,6 +9,7 @@ same logits, through the real `mlx_lm.load`.
 
 import contextlib
 import json
+import logging
 import os
 import resource
 import shutil
@@ -288,9 +289,10 @@ def test_model_cache_converts_each_file_once_keyed_by_its_hash(tmp_path, tiny):
     assert gguf_model_path(tmp_path / "a.gguf", "quantized") != first
 
 
-def test_a_folder_an_earlier_conversion_rule_made_is_converted_again(tmp_path, tiny):
+def test_a_folder_an_earlier_conversion_rule_made_is_converted_again(tmp_path, tiny, caplog):
     """A model cache folder converted before the rules changed (it might hold what float16 overflowed) is not reused:
-    the file is converted again into a folder of the current rule's name, and the old one is left as it was."""
+    the file is converted again into a folder of the current rule's name, and the old one is left as it was, with
+    one warning (at the conversion, not at each use after) that names it as no longer used, to delete."""
     from runtime import gguf
 
     write_gguf(tmp_path / "a.gguf", tiny["llama"], Q.Q8_0)
@@ -298,8 +300,16 @@ def test_a_folder_an_earlier_conversion_rule_made_is_converted_again(tmp_path, t
     old = current.with_name(current.name.removesuffix(f"-c{gguf.CONVERSION}"))  # as folders were named before
     shutil.copytree(current, old)
     shutil.rmtree(current)
-    assert gguf_model_path(tmp_path / "a.gguf", "float32") == current and current != old
+    with caplog.at_level(logging.WARNING, logger="runtime.gguf"):
+        assert gguf_model_path(tmp_path / "a.gguf", "float32") == current and current != old
+        assert gguf_model_path(tmp_path / "a.gguf", "float32") == current
     assert (current / "model.safetensors").is_file() and (old / "model.safetensors").is_file()
+    said = [r.getMessage() for r in caplog.records if "no longer used" in r.getMessage()]
+    assert len(said) == 1 and f"rm -r {old}" in said[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="runtime.gguf"):
+        gguf_model_path(tmp_path / "a.gguf", "quantized")  # no earlier folder of these weights: nothing said
+    assert not [r for r in caplog.records if "no longer used" in r.getMessage()]
 
 
 @pytest.mark.parametrize("weights", ["float32", "quantized"])
