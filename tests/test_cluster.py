@@ -374,6 +374,27 @@ def test_a_reply_forwarded_to_a_busy_agent_holds_up_no_other_forward(rt):
         ref.stop()
 
 
+def test_turns_in_flight_past_a_hosts_call_threads_hold_up_no_other_call_there(cluster, tmp_path, monkeypatch):
+    """A turn in flight waits on its host (`NodeHost.wait`) until its agent answers. Those waits took the host's call
+    threads (HOST_THREADS), so with that many turns in flight there, every other call to that host (another agent's
+    turn, a note, a spawn, a stop) waited until one of the turns ended. They now wait in a group of their own."""
+    from runtime.api import cluster as cluster_mod
+
+    monkeypatch.setattr(cluster_mod, "HOST_THREADS", 2)
+    with Runtime(model="tiny", cache_dir=tmp_path, cluster="ray") as small:
+        first = spawn_where(small, "threads-busy-a", lambda n: True)
+        node = small.placement()[first.name]
+        busy = [first, spawn_where(small, "threads-busy-b", lambda n: n == node)]
+        quick = spawn_where(small, "threads-quick", lambda n: n == node)
+        longs = [ref.send("Tell me a long story.", max_tokens=1500, timeout=300) for ref in busy]
+        reply = quick.ask("Hello.", **OPTS)
+        for long in longs:
+            still_busy(long)  # the quick turn did not wait for a long one to end
+        assert quick.history()[-1]["text"] == reply.text
+        for long in longs:
+            long.get(timeout=300)
+
+
 def test_forget_says_whether_the_agent_was_stored_when_its_hosts_answer_was_lost(rt, monkeypatch):
     """A forget whose host did not answer (Ray reported it unavailable: NodeDown) asks the host once more. When the
     host had deleted the agent's files before its answer was lost, the second ask found nothing stored, and forget

@@ -350,7 +350,8 @@ class NodeHost:
 
         Yields ("token", piece) and ("progress", done, total) in the order the turn's
         callbacks were called, then ("end", outcome): ("ok", the Reply) or ("error",
-        packed), as `wait` answers. Only ("end", error) for an unknown key.
+        packed), as `wait` answers. Only ("end", error) for an unknown key. Called in the
+        "waits" concurrency group, as `wait`.
         """
         streamed = self.streams.get(key)
         if streamed is None:
@@ -403,7 +404,8 @@ class NodeHost:
         kept[key] = now
 
     def wait(self, key: str) -> tuple:
-        """("ok", the answer) to the envelope `deliver` returned `key` for, once the agent gives it; or ("error", ...)."""
+        """("ok", the answer) to the envelope `deliver` returned `key` for, once the agent gives it; or ("error", ...).
+        Called in the "waits" concurrency group (as `events`), whose threads no other call takes."""
         future = self.futures.get(key)
         if future is None:
             return "error", pack_error(ClusterError(f"no envelope {key} on this host (it restarted meanwhile)"))
@@ -493,7 +495,8 @@ class NodeHost:
         """Settle `note` (a `_Forwarded`, in its agent's mailbox) once the agent has recorded it, or dropped it
         (dead-lettered there), with no timeout: an agent records notes between its turns. One note per agent is waited
         for at a time (`_wait_durable`), the oldest: the agent takes them in the order they were delivered, so each
-        wait holds one thread of the agent's host, whatever the number of notes, and none here."""
+        wait holds one of the agent's host's wait threads (`cluster.WAIT_THREADS`, apart from its call threads),
+        whatever the number of notes, and none here."""
         with self.unsettled_lock:
             waiting = self.unsettled.setdefault(note.name, deque())
             waiting.append(note)
@@ -505,7 +508,7 @@ class NodeHost:
         """Ask `note`'s host to answer once the note is durable (`wait`), and `_settle` it then on the settler's
         thread: Ray calls back on a thread of its own, where a call to Ray never returns."""
         try:
-            done = note.host.wait.remote(note.key).future()
+            done = note.host.wait.options(concurrency_group="waits").remote(note.key).future()
         except Exception as e:  # noqa: BLE001 - the note is settled as undeliverable: `_settle` raises it again
             self._on_settler(note, _raiser(e))
             return
