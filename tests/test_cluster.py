@@ -395,6 +395,37 @@ def test_turns_in_flight_past_a_hosts_call_threads_hold_up_no_other_call_there(c
             long.get(timeout=300)
 
 
+def test_a_hosts_recovery_holds_up_no_call_on_another_agent(rt, monkeypatch):
+    """A recovery waits up to RECOVER_S for a failed host to answer again, then starts its agents again; it held the
+    placement lock throughout, so every call on every agent of the cluster waited for it. Now calls on the agents
+    of other hosts, and a spawn, go on meanwhile; a call on one of the host's own agents waits for its recovery."""
+    a = rt.spawn("recover-held-a", system="Be brief.")
+    b = spawn_where(rt, "recover-held-b", lambda n: n != rt.placement()[a.name])
+    index = rt._index(a.name)
+    probe, probing, release = rt._probe, threading.Event(), threading.Event()
+
+    def slow_probe(i):
+        probing.set()
+        release.wait(30)
+        return probe(i)
+
+    monkeypatch.setattr(rt, "_probe", slow_probe)
+    recovery = threading.Thread(target=rt._recover, args=(index,))
+    recovery.start()
+    try:
+        assert probing.wait(10)
+        reply = b.ask("Hello.", **OPTS)  # waited for the recovery: here, until slow_probe gave up waiting
+        assert b.history()[-1]["text"] == reply.text
+        other = rt.spawn("recover-held-new", system="Be brief.")
+        assert recovery.is_alive()
+    finally:
+        release.set()
+        recovery.join(60)
+    assert a.ask("Hello again.", **OPTS).text  # its host answered as it was: a passing failure, nothing moved
+    for ref in (a, b, other):
+        ref.stop()
+
+
 def test_forget_says_whether_the_agent_was_stored_when_its_hosts_answer_was_lost(rt, monkeypatch):
     """A forget whose host did not answer (Ray reported it unavailable: NodeDown) asks the host once more. When the
     host had deleted the agent's files before its answer was lost, the second ask found nothing stored, and forget

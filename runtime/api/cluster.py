@@ -157,6 +157,7 @@ class ClusterRuntime:
         self._hosts: list = []
         self._info: list[dict] = []
         self._dead: set[int] = set()
+        self._recovering: dict[int, threading.Lock] = {}  # host -> held while it is recovered (`_recover`)
         self._connect(address)
         try:
             self._start_hosts(model, runtime_options)
@@ -743,31 +744,62 @@ class ClusterRuntime:
         durable state from the shared folder. As it was (a passing failure): only its
         agents that a recovery could not start again start there. An agent whose start
         fails stays placed, to be started again by the next recovery of its host, which
-        the next call on it runs (`_on_agent_host`). Callers wait meanwhile (the placement lock).
+        the next call on it runs (`_on_agent_host`). One recovery of a host runs at a time:
+        a call on one of its agents that failed meanwhile waits for it, then finds its agent
+        placed anew; calls on the agents of other hosts, and spawns, go on (the placement
+        lock is held only while the tables change).
         """
         with self._lock:
-            if self._closed:
-                return
-            names = [n for n, i in self._where.items() if i == index]
-            if index not in self._dead:
+            recovering = self._recovering.setdefault(index, threading.Lock())
+        with recovering:
+            with self._lock:
+                if self._closed:
+                    return
+                placed = {n: self._serials[n] for n, i in self._where.items() if i == index}
+                dead = index in self._dead
+            if not dead:
                 info = self._probe(index)
-                if info is None:
-                    log.warning("host %d (node %s) is dead: moving its agents", index, self._info[index]["node_id"])
-                    self._dead.add(index)
-                elif info["incarnation"] == self._info[index]["incarnation"]:
-                    names = [n for n in names if n in self._unstarted]  # a passing failure: the others run there
-                else:
-                    log.warning("host %d was restarted by Ray: starting its agents again", index)
-                    self._info[index] = info
-            for name in names:
-                target = self._least_loaded() if index in self._dead else index
-                try:
-                    self._call(target, "spawn", name, "", self._restart[name], False, 60.0)
-                    self._place(name, target)
-                except Exception as e:  # noqa: BLE001 - one agent that cannot move must not strand the others
+                with self._lock:
+                    if info is None:
+                        log.warning("host %d (node %s) is dead: moving its agents", index, self._info[index]["node_id"])
+                        self._dead.add(index)
+                    elif info["incarnation"] == self._info[index]["incarnation"]:
+                        placed = {n: s for n, s in placed.items() if n in self._unstarted}  # the others run there
+                    else:
+                        log.warning("host %d was restarted by Ray: starting its agents again", index)
+                        self._info[index] = info
+            for name, serial in placed.items():
+                self._start_again(name, serial, index)
+
+    def _start_again(self, name, serial, index) -> None:
+        """Start agent `name`, placed (`serial`) on host `index` that a recovery found restarted or dead, again: there,
+        or on the live host with the fewest agents where `index` is dead; unless it was stopped, or placed anew,
+        meanwhile. A start that fails leaves it placed and unstarted (its next call tries again)."""
+        with self._lock:
+            if self._closed or self._serials.get(name) != serial:
+                return
+            restart = self._restart[name]
+        target = self._least_loaded() if index in self._dead else index
+        try:
+            self._call(target, "spawn", name, "", restart, False, 60.0)
+        except Exception as e:  # noqa: BLE001 - one agent that cannot move must not strand the others
+            with self._lock:
+                if self._serials.get(name) == serial:
                     self._unstarted.add(name)
-                    log.error("agent %s could not be started again on host %d (the next call on it tries again): "
-                              "%s", name, target, e)
+            log.error("agent %s could not be started again on host %d (the next call on it tries again): %s",
+                      name, target, e)
+            return
+        with self._lock:
+            if self._serials.get(name) == serial:
+                self._place(name, target)
+                return
+        try:  # stopped (or spawned anew) as it started: the copy started here is not wanted
+            self._call(target, "stop", name)
+        except UnknownAgent:
+            pass  # the stop that unplaced it reached it there first
+        except Exception as e:  # noqa: BLE001 - a host that failed meanwhile: its recovery finds nothing placed
+            log.warning("agent %s, stopped as a recovery started it again on host %d, may still run there: %s",
+                        name, target, e)
 
     def _probe(self, index) -> dict | None:
         """Host `index`'s info once it answers; None once Ray reports it dead or after RECOVER_S."""
