@@ -77,8 +77,9 @@ log = logging.getLogger(__name__)
 CLUSTERS = ("ray",)
 RECOVER_S = 60.0  # how long a host that Ray reports unavailable may take to come back or be reported dead
 HOST_THREADS = 64  # a host's concurrent calls but for the waits below
-WAIT_THREADS = 1024  # a host's concurrent waits for an agent's answer (`NodeHost.wait`, `events`): one a turn in
-# flight there and one a forwarded note's recipient, in a group of their own, so that they never hold up a call
+WAIT_THREADS = 256  # a host's concurrent waits for an agent's answer (`NodeHost.wait`, `events`): one a turn in
+# flight there and one a forwarded note's recipient, in a group of their own, so that they never hold up a call;
+# past that many, waits queue (Ray makes a group's threads at the host's start: 1,024 took 1,100 threads a host)
 
 
 class RayMissing(KvactorsError, ImportError):
@@ -782,6 +783,10 @@ class ClusterRuntime:
         target = self._least_loaded() if index in self._dead else index
         try:
             self._call(target, "spawn", name, "", restart, False, 60.0)
+            with self._lock:
+                if self._serials.get(name) == serial:
+                    self._place(name, target)  # the directory's update may fail too
+                    return
         except Exception as e:  # noqa: BLE001 - one agent that cannot move must not strand the others
             with self._lock:
                 if self._serials.get(name) == serial:
@@ -789,10 +794,6 @@ class ClusterRuntime:
             log.error("agent %s could not be started again on host %d (the next call on it tries again): %s",
                       name, target, e)
             return
-        with self._lock:
-            if self._serials.get(name) == serial:
-                self._place(name, target)
-                return
         try:  # stopped (or spawned anew) as it started: the copy started here is not wanted
             self._call(target, "stop", name)
         except UnknownAgent:
