@@ -426,6 +426,31 @@ def test_a_hosts_recovery_holds_up_no_call_on_another_agent(rt, monkeypatch):
         ref.stop()
 
 
+def test_an_agent_stopped_while_its_host_is_recovered_is_not_started_again(cluster, tmp_path, monkeypatch):
+    """A recovery no longer holds the placement lock while it waits for its host, so a stop can run meanwhile: of the
+    agents placed on the host when the recovery began, it starts again those still placed, not a stopped one."""
+    with Runtime(model="tiny", cache_dir=tmp_path, cluster="ray") as small:
+        gone = small.spawn("recover-stop-gone", system="Be brief.")
+        index = small._index(gone.name)
+        kept = spawn_where(small, "recover-stop-kept", lambda n: n == small.placement()[gone.name])
+        started, call = [], small._call
+
+        def spy(i, method, *args):
+            if method == "spawn":
+                started.append(args[0])
+            return call(i, method, *args)
+
+        def probe_as_restarted(i):  # a stop while the host is probed; then it answers as a new incarnation
+            gone.stop()
+            return dict(small._info[i], incarnation="another")
+
+        monkeypatch.setattr(small, "_call", spy)
+        monkeypatch.setattr(small, "_probe", probe_as_restarted)
+        small._recover(index)
+        assert started == [kept.name]
+        assert gone.name not in small.running()
+
+
 def test_forget_says_whether_the_agent_was_stored_when_its_hosts_answer_was_lost(rt, monkeypatch):
     """A forget whose host did not answer (Ray reported it unavailable: NodeDown) asks the host once more. When the
     host had deleted the agent's files before its answer was lost, the second ask found nothing stored, and forget
