@@ -457,6 +457,7 @@ class ClusterRuntime:
         since a host that does not run the agent may be asked again.
         """
         kind, data, callbacks = _envelope(message)
+        turn_id = _turn_id(message)
         tell = getattr(future, "tell", None)
         call_off = None if tell is None else uuid.uuid4().hex  # the host's name for this send, to call it off
         called_off = threading.Event()  # a cancellation once the send had begun: no attempt sends it again
@@ -472,13 +473,12 @@ class ClusterRuntime:
                     tell.late = called_off.set
 
         try:
-            index, key = self._on_agent_host(name, _turn_id(message), send)
+            index, key = self._on_agent_host(name, turn_id, send)
         except UnknownAgent as e:
             self._dead_letter(name, message, e)
             raise
         if future is None:
             return
-        turn_id = _turn_id(message)
         if callbacks:
             threading.Thread(target=self._settle, args=(future, lambda: self._relay(index, key, message), name, index,
                                                         turn_id), daemon=True, name="kvactors-stream").start()
