@@ -221,6 +221,35 @@ def test_a_merge_with_leads_keeps_the_history_under_a_rows_padding_queries(route
         assert_same_packed(batch.extract(i), alone.extract(0))
 
 
+@pytest.mark.parametrize("lead", [None, [3, 0, 5]])
+def test_a_twin_is_what_merge_makes_of_the_same_rows_for_another_layer_less_its_buffers(lead):
+    """`twin` (a hot turn's layers after the first): every attribute as `merge` sets it but the buffers; its lists
+    its own; given the same buffers, it updates and hands rows out bitwise as the merged layer does."""
+    rows = [random_q4(T, seed=T) for T in (40, 300, 7)]
+    merged = BatchQuantizedKVCache.merge(rows, route="dequant", lead=lead, room=9)
+    again = BatchQuantizedKVCache.merge(rows, route="dequant", lead=lead, room=9)
+    twin = merged.twin()
+    assert set(vars(twin)) == set(vars(again)) and twin.keys is None and twin.values is None
+    for name, value in vars(again).items():
+        if name in ("keys", "values"):
+            continue
+        mine = getattr(twin, name)
+        if isinstance(value, mx.array):
+            assert mx.array_equal(mine, value).item(), name
+        else:
+            assert mine == value, name
+    assert twin._pads is not merged._pads and twin._bases is not merged._bases
+    assert lead is None or twin._lead is not merged._lead
+    twin.keys, twin.values = again.keys, again.values
+    k = mx.random.normal((3, 2, 7, 64), key=mx.random.key(5))
+    v = mx.random.normal((3, 2, 7, 64), key=mx.random.key(6))
+    merged.update_and_fetch(k, v)
+    twin.update_and_fetch(k, v)
+    assert_host_copies_match(twin)
+    for i in range(3):
+        assert_same_packed(twin.extract(i), merged.extract(i))
+
+
 def test_a_lead_is_at_most_a_rows_history_and_its_update_must_cover_it():
     rows = [random_q4(T, seed=T) for T in (10, 4)]
     with pytest.raises(Q4CacheError, match="lead must be 0 to the 4 tokens"):
