@@ -8,7 +8,8 @@ and compiles it for sm_90a with ptxas' report, so a change can be checked before
 session. It needs NVRTC (`libnvrtc.so` of CUDA 13, as in the `nvidia-cuda-nvrtc` wheel),
 the CUDA headers (the wheel's `include` folder has them) and MLX's device headers from
 MLX's source tree (`mlx/backend/cuda/device/`, which the MLX wheel embeds instead of
-shipping). A case is D/G/KEY_BITS/REP followed by flags: r (rotated), p (RoPE), f (prefill).
+shipping). A case is D/G/KEY_BITS/REP followed by flags: r (rotated), p (RoPE), f (prefill), t (the output
+laid out (B, L, heads, D): `flat`).
 
     python -m benchmarks.kernel_resources --nvrtc .../nvidia/cu13/lib/libnvrtc.so.13 \\
         --include MLX_SOURCE --include .../nvidia/cu13/include --cases 128/64/6/4/rp,128/64/4/4
@@ -146,7 +147,7 @@ def parse_case(text: str) -> dict:
     d, g, bits, rep, *flags = text.split("/")
     flags = flags[0] if flags else ""
     return dict(dtype=mx.bfloat16, D=int(d), group_size=int(g), key_bits=int(bits), rep=int(rep),
-                rotated="r" in flags, rope="p" in flags, prefill="f" in flags)
+                rotated="r" in flags, rope="p" in flags, prefill="f" in flags, flat="t" in flags)
 
 
 def main(argv=None) -> int:
@@ -155,7 +156,7 @@ def main(argv=None) -> int:
     parser.add_argument("--include", action="append", default=[],
                         help="an include folder: MLX's source tree, the CUDA headers (repeat the option)")
     parser.add_argument("--cases", default="128/64/6/4/rp,128/64/6/4/r,128/64/4/4,128/64/6/4/rf,64/32/6/1/f",
-                        help="comma-separated D/G/KEY_BITS/REP[/flags]: r rotated, p RoPE, f prefill")
+                        help="comma-separated D/G/KEY_BITS/REP[/flags]: r rotated, p RoPE, f prefill, t flat output")
     parser.add_argument("--cubin", type=Path, default=None,
                         help="folder to write each kernel's cubin in (CASE-KERNEL.cubin, the case's / as -), "
                         "for nvdisasm's SASS")

@@ -41,13 +41,16 @@ class RowRange:
     """A mask given as ranges, for decode steps and short prefill chunks (`q4sdpa.q4_decode_sdpa`): row b
     attends to columns [start[b], end) of whole packed buffers, each query causally up to its own column and
     only the last `window` of them when `window` > 0. `rope`: (positions, inv_freq) when the queries
-    are not yet rotated by RoPE and the kernel rotates them (`q4sdpa.q4_decode_sdpa`)."""
+    are not yet rotated by RoPE and the kernel rotates them (`q4sdpa.q4_decode_sdpa`). `flat`: the
+    output comes as (B, L, heads x head_dim), not (B, heads, L, head_dim) (`q4sdpa.q4_decode_sdpa`'s
+    `flat`): for a caller that asks, never for a model's own attention code."""
 
     start: mx.array
     end: int
     window: int
     meta: mx.array  # `q4sdpa.meta(end, window, queries)`, made once per step rather than once per layer
     rope: tuple | None = None
+    flat: bool = False
 
 
 def install() -> None:
@@ -107,12 +110,14 @@ def sdpa(queries, keys, values, scale, mask, group_size: int = 64, bits: int | K
     bits for keys and values, unrotated). Under a rotating scheme the keys and values
     are rotated, so the queries are rotated before and the output rotated back after,
     whatever the route. `mask` is None, "causal", or a boolean or additive array
-    broadcastable to (B, 1, L, S). `queries` is not modified.
+    broadcastable to (B, 1, L, S). `queries` is not modified. Returns (B, Hq, L, D), or (B, L, Hq * D)
+    for a `RowRange` mask that asks (`flat`).
     """
     scheme = bits if isinstance(bits, KVScheme) else plain(bits, group_size)
     if isinstance(mask, RowRange):  # the kernel rotates queries and output itself: no extra primitives per layer
         return q4sdpa.q4_decode_sdpa(queries, keys, values, mask.start, mask.end, scale, scheme.group_size,
-                                     mask.meta, mask.window, rotated=scheme.rotated, rope=mask.rope)
+                                     mask.meta, mask.window, rotated=scheme.rotated, rope=mask.rope,
+                                     flat=mask.flat)
     out = _routed_sdpa(rotate(queries, scheme), keys, values, scale, mask, scheme)
     return rotate(out, scheme)
 

@@ -316,11 +316,13 @@ class CompiledBlock(llama.TransformerBlock):
     says; each row's result stays bitwise the same in any batch. For a short chunk
     (`qgemm`'s rows) q/k/v are one product launch and one sum launch, which writes them
     in the heads' layout attention takes (no copies to make them contiguous), gate and up
-    one product launch (their K is not split, so the product writes them: no sum launch),
-    and the output and down projections add their residuals in their sum launches
-    (`qgemm.qgemm_parts`, `qgemm.qgemm`'s `add`): seven launches a layer for the products
-    where there were twelve (a product and a sum launch for each of the four, two adds and
-    two copies), each result bitwise as before. A short chunk's
+    one product launch that also takes SiLU and their product (`qgemm.qgemm_swiglu`; where
+    K is split, its sum launch does), attention writes its output as the output projection
+    takes it (`RowRange.flat`: no transposing copy), and the output and down projections add
+    their residuals in their sum launches (`qgemm.qgemm_parts`, `qgemm.qgemm`'s `add`): seven
+    launches a layer for the products and their neighbours where there were fourteen (a
+    product and a sum launch for each of the four, two adds, two copies, SiLU and the
+    attention output's copy), each result bitwise as before. A short chunk's
     forward is launched (`mx.async_eval`) after every CHUNK_LAUNCH-th block, so the
     device runs the first blocks while the host builds the rest (a decode step is
     pipelined by the engine instead); the results are the same bits.
@@ -340,6 +342,8 @@ class CompiledBlock(llama.TransformerBlock):
         else:
             queries, keys, values = graphs[0](x, cache.offset)
             keys, values = cache.update_and_fetch(keys, values)
+            if x.shape[1] > 1 and isinstance(mask, RowRange):  # a chunk on the kernel route: attention writes
+                mask = _flat_mask(mask)  # (B, L, heads x head_dim), as the output projection takes it
         out = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=attn.scale, mask=mask)
         out = graphs[1](out, x)
         if x.shape[1] > 1 and self.__dict__.get("_kvactors_index", 0) % CHUNK_LAUNCH == CHUNK_LAUNCH - 1:
@@ -404,7 +408,8 @@ class CompiledBlock(llama.TransformerBlock):
         return queries, keys, values
 
     def _after_cache(self, out, x):
-        """The block's output from attention's `out` (B, heads, L, head_dim) and the block's input `x`: mlx-lm's steps.
+        """The block's output from attention's `out` (B, heads, L, head_dim), or (B, L, heads x head_dim) where the
+        attention wrote it so (`RowRange.flat`), and the block's input `x`: mlx-lm's steps.
 
         Where the GEMV serves them: the output projection adds the residual in its
         launch (`qgemv.qgemv`'s `add`); the MLP's gate and up projections and the SiLU
@@ -412,8 +417,10 @@ class CompiledBlock(llama.TransformerBlock):
         second residual in its own.
         """
         B, L, _ = x.shape
-        # one query per row: the heads' transpose moves nothing
-        attended = out.reshape(B, L, -1) if L == 1 else out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+        if out.ndim == 3:
+            attended = out
+        else:  # one query per row: the heads' transpose moves nothing
+            attended = out.reshape(B, L, -1) if L == 1 else out.transpose(0, 2, 1, 3).reshape(B, L, -1)
         h = _linear_plus(self.self_attn.o_proj, attended, x)
         h_norm = self.post_attention_layernorm(h)
         mlp = self.mlp
@@ -421,9 +428,21 @@ class CompiledBlock(llama.TransformerBlock):
             gated = qgemv.qgemv_swiglu(h_norm, _packed(mlp.gate_proj), _packed(mlp.up_proj), mlp.gate_proj.group_size)
             return _linear_plus(mlp.down_proj, gated, h)
         if type(mlp) is llama.MLP and _gemm_fused((mlp.gate_proj, mlp.up_proj), h_norm):
-            gate, up = qgemm.qgemm_parts(h_norm, [_packed(mlp.gate_proj), _packed(mlp.up_proj)], mlp.gate_proj.group_size)
-            return _linear_plus(mlp.down_proj, llama.swiglu(gate, up), h)
+            gated = qgemm.qgemm_swiglu(h_norm, _packed(mlp.gate_proj), _packed(mlp.up_proj), mlp.gate_proj.group_size)
+            return _linear_plus(mlp.down_proj, gated, h)
         return h + mlp(h_norm)
+
+
+_flat = threading.local()  # .pair: the last (mask, its flat copy) of this thread (`_flat_mask`)
+
+
+def _flat_mask(mask: RowRange) -> RowRange:
+    """`mask` asking attention for its output as (B, L, heads x head_dim) (`RowRange.flat`): one copy a mask, which
+    a chunk's blocks share."""
+    pair = getattr(_flat, "pair", None)
+    if pair is None or pair[0] is not mask:
+        pair = _flat.pair = (mask, dataclasses.replace(mask, flat=True))
+    return pair[1]
 
 
 def record_decode(model, batch_sizes) -> int:

@@ -181,11 +181,15 @@ _KERNEL = r"""
     // tile row r: whether it holds a (query head, query) pair, and that pair's row of the outputs (B, Hq, QL, ...)
     auto has_query = [&](int r) { return r0 + r % RB < REP && ql0 + r / RB < QL; };
     auto out_row = [&](int r) { return (size_t)(b * Hq + h * REP + r0 + r % RB) * QL + ql0 + r / RB; };
+    // the same pair's row of `out`: (B, Hq, QL, D), or where FLAT (B, QL, Hq, D), a query's heads side by side
+    auto out_at = [&](int r) {
+        return FLAT ? (size_t)(b * QL + ql0 + r / RB) * Hq + h * REP + r0 + r % RB : out_row(r);
+    };
     if (first + c * chunk >= end) {  // a chunk past the row's keys (short rows use fewer): none is read
         if (c == 0) {  // a row without keys: its output is zeros
             for (int r = 0; r < NRV; ++r) {
                 if (!has_query(r)) continue;
-                for (int d = threadIdx.x; d < D; d += WARPS * 32) out[out_row(r) * D + d] = static_cast<T>(0.0f);
+                for (int d = threadIdx.x; d < D; d += WARPS * 32) out[out_at(r) * D + d] = static_cast<T>(0.0f);
             }
         }
         return;
@@ -580,7 +584,7 @@ _KERNEL = r"""
     constexpr int DL = D / 32, CB = CHUNKS < 8 ? CHUNKS : 8;
     for (int r = warp; r < NRV; r += WARPS) {
         if (!has_query(r)) continue;
-        const size_t o_ = out_row(r), base = o_ * nc;
+        const size_t base = out_row(r) * nc;
         const float mc = lane < mine ? __ldcg(pm + base + lane) : -INFINITY;
         const float lc = lane < mine ? __ldcg(pl + base + lane) : 0.0f;
         float M = mc;
@@ -622,8 +626,9 @@ _KERNEL = r"""
             #pragma unroll
             for (int j = 0; j < DL; ++j) A[j] *= static_cast<float>(static_cast<T>(1.0f / sqrtf(static_cast<float>(D))));
         }
+        const size_t to = out_at(r) * D + DL * lane;
         #pragma unroll
-        for (int j = 0; j < DL; ++j) out[o_ * D + DL * lane + j] = static_cast<T>(A[j]);
+        for (int j = 0; j < DL; ++j) out[to + j] = static_cast<T>(A[j]);
     }
 """
 
@@ -700,7 +705,7 @@ def _meta_block(block: int, window: int, queries: int):
 
 
 def q4_decode_sdpa(queries, keys, values, start, end: int, scale: float, group_size: int, meta_array=None,
-                   window: int = 0, rotated: bool = False, rope=None):
+                   window: int = 0, rotated: bool = False, rope=None, flat: bool = False):
     """Attention of L queries per row over packed keys (4 or 6 bits) and 4-bit values, row b over [start[b], end).
 
     queries (B, Hq, L, D) in float16 or bfloat16 with D 64 or 128 and 1 <= L <= MAX_QUERIES;
@@ -720,6 +725,8 @@ def q4_decode_sdpa(queries, keys, values, start, end: int, scale: float, group_s
     `q4pack.pack_kv_into` when it wrote the newest columns in place in this evaluation (the
     kernel takes it as an input, so that MLX runs the write first), or `block_counters`. `rope`: (positions, inv_freq) to rotate the queries by
     RoPE first, at row b's position positions[b], as `q4pack.pack_kv_into` rotates keys (decode only).
+    `flat`: return (B, L, Hq * D) instead, each query's heads side by side, as a model's output projection takes
+    them: the same values as `out.transpose(0, 2, 1, 3).reshape(B, L, -1)`, with no copy to make them so.
     """
     if len(keys) == 4:
         *keys, counters = keys
@@ -732,7 +739,7 @@ def q4_decode_sdpa(queries, keys, values, start, end: int, scale: float, group_s
     if meta_array is None:
         meta_array = meta(end, window, L)
     key = (B, Hq, L, keys[0].shape[1], D, keys[0].shape[-1], values[0].shape[-1], queries.dtype, group_size, scale,
-           bool(rotated), rope is not None)
+           bool(rotated), rope is not None, bool(flat))
     launch = _launches.get(key)
     if rope is not None:
         _check_rope(rope, B, D)
@@ -758,9 +765,9 @@ def _query_tiles(queries: int, rep: int) -> int:
     return -(-queries // (1 if rep >= HEADS else HEADS // rep))
 
 
-def _launch(B, Hq, L, Hkv, D, key_words, value_words, dtype, group_size, scale, rotated, rope):
+def _launch(B, Hq, L, Hkv, D, key_words, value_words, dtype, group_size, scale, rotated, rope, flat):
     """(the kernel's call as a function of its inputs, the counters it needs) for one shape of `q4_decode_sdpa`."""
-    args = launch_arguments(B, Hq, L, Hkv, D, key_words, value_words, dtype, group_size, scale, rotated, rope)
+    args = launch_arguments(B, Hq, L, Hkv, D, key_words, value_words, dtype, group_size, scale, rotated, rope, flat)
     return compiled_launch(kernel(), args, 3), counters_for(B, Hq, Hkv, L)
 
 
@@ -771,9 +778,10 @@ def kernel():
     return _kernels["q4_decode"]
 
 
-def launch_arguments(B, Hq, L, Hkv, D, key_words, value_words, dtype, group_size, scale, rotated, rope) -> dict:
+def launch_arguments(B, Hq, L, Hkv, D, key_words, value_words, dtype, group_size, scale, rotated, rope,
+                     flat: bool = False) -> dict:
     """The kernel's launch arguments (template, grid, threadgroup, output shapes and dtypes) for one shape of
-    `q4_decode_sdpa`; ValueError for a cache layout it does not read."""
+    `q4_decode_sdpa` (`flat`: its output as (B, L, Hq * D)); ValueError for a cache layout it does not read."""
     rep = Hq // Hkv
     key_bits, value_bits = key_words * 32 // D, value_words * 32 // D
     if not serves(key_bits, value_bits, D, group_size):
@@ -782,10 +790,11 @@ def launch_arguments(B, Hq, L, Hkv, D, key_words, value_words, dtype, group_size
                          f"group {group_size}")
     chunks = _chunks(L > 1)
     return dict(
-        template=templates(dtype, D, group_size, rep, key_bits, L > 1, rotated, rope, scale),
+        template=templates(dtype, D, group_size, rep, key_bits, L > 1, rotated, rope, scale, flat),
         grid=(chunks * WARPS * 32, _tiles_a_row(Hq, Hkv, L), B),
         threadgroup=(WARPS * 32, 1, 1),
-        output_shapes=[(B, Hq * L, chunks), (B, Hq * L, chunks), (B, Hq * L, chunks, D), (B, Hq, L, D)],
+        output_shapes=[(B, Hq * L, chunks), (B, Hq * L, chunks), (B, Hq * L, chunks, D),
+                       (B, L, Hq * D) if flat else (B, Hq, L, D)],
         output_dtypes=[mx.float32, mx.float32, mx.float32, dtype],
     )
 
@@ -796,17 +805,19 @@ KERNEL_NAMES = (["q", "kw", "ks", "kb", "vw", "vs", "vb", "start", "meta", "coun
 
 
 def templates(dtype, D: int, group_size: int, rep: int, key_bits: int, prefill: bool, rotated: bool, rope: bool,
-              scale: float = 1.0):
+              scale: float = 1.0, flat: bool = False):
     """The kernel's template arguments for queries of `dtype` and head dim `D` over a cache of `group_size` groups
     and `key_bits`-bit keys with `rep` query heads a kv head; `prefill`: more than one query a row; `scale`: the
-    scores' scale. At the module's launch settings (CHUNKS, MIN_CHUNK, WARPS, STAGES) as they are when called.
+    scores' scale; `flat`: the output laid out (B, L, Hq, D). At the module's launch settings (CHUNKS, MIN_CHUNK,
+    WARPS, STAGES) as they are when called.
 
     The scale is a constant of the compiled kernel (its float32 bits, SCALE), not an input: a parameter array that
     small would live in MLX-CUDA's pool for arrays of at most 8 bytes, in managed memory the GPU reads across
     PCIe, and each of a call's thousands of blocks waited for it (+17% at 16K x 8 rows on an H100)."""
     return [("T", dtype), ("D", D), ("G", group_size), ("REP", rep), ("RB", min(rep, HEADS)), ("KB", key_bits),
             ("CHUNKS", _chunks(prefill)), ("MIN_CHUNK", MIN_CHUNK), ("WARPS", WARPS), ("STAGES", STAGES),
-            ("ROT", rotated), ("ROPE", rope), ("PREFILL", prefill), ("SCALE", _scale_bits(dtype, D, scale, rotated))]
+            ("ROT", rotated), ("ROPE", rope), ("PREFILL", prefill), ("SCALE", _scale_bits(dtype, D, scale, rotated)),
+            ("FLAT", flat)]
 
 
 def _scale_bits(dtype, D: int, scale: float, rotated: bool) -> int:

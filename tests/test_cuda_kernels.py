@@ -96,6 +96,27 @@ def test_qgemm_parts_match_float32_in_one_launch_and_each_row_is_the_same_in_any
 
 
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("n,k,group", [(14336, 4096, 64), (1000, 640, 32), (1536, 576, 64), (100, 512, 128)])
+def test_qgemm_swiglu_is_bitwise_llama_swiglu_of_the_parts_and_each_row_the_same_in_any_chunk(n, k, group, dtype):
+    """silu(gate) up in the launch that writes it, K split (a sum launch writes it: all but the first case) or not,
+    bitwise as mlx-lm's `swiglu` of `qgemm_parts`' gate and up; N not a multiple of a block's 64 columns too."""
+    from mlx_lm.models.llama import swiglu
+
+    assert (qgemm.splits(2 * n, k) == 1) == (n == 14336)
+    gate, up = [tuple(a.astype(dtype) if a.dtype != mx.uint32 else a for a in weights(n, k, group, seed=20 + i))
+                for i in range(2)]
+    x = mx.random.normal((2, 75, k), key=mx.random.key(21)).astype(dtype)
+    got = qgemm.qgemm_swiglu(x, gate, up, group)
+    assert got.shape == (2, 75, n) and got.dtype == dtype
+    assert mx.array_equal(got, swiglu(*qgemm.qgemm_parts(x, [gate, up], group))).item()
+    flat = x.reshape(150, k)
+    for rows in (17, 64, 100):
+        assert mx.array_equal(qgemm.qgemm_swiglu(flat[:rows], gate, up, group), got.reshape(150, n)[:rows]).item()
+    with pytest.raises(ValueError, match="one shape"):
+        qgemm.qgemm_swiglu(x, gate, tuple(a[:-4] for a in up), group)
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 @pytest.mark.parametrize("n", [4096, 28672])  # K split in 8 slices (a sum launch), and not split (the product's)
 def test_qgemm_adds_a_residual_bitwise_as_a_separate_add(n, dtype):
     """`add` (a residual) is added where the result is written, bitwise as MLX adds it after the product."""
@@ -436,6 +457,23 @@ def test_q4_prefill_attention_with_a_window_gives_each_query_its_own_last_column
     poisoned = q4sdpa.q4_decode_sdpa(q, poison(kq, first, end), poison(vq, first, end), start, end, d ** -0.5, 64,
                                      window=window)
     assert mx.array_equal(poisoned, out).item()
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (9, 3, 64), (32, 1, 128)])  # GQA 4, 3, 32
+@pytest.mark.parametrize("n", [1, 5, 64, 300])
+def test_q4_attention_writes_its_output_flat_bitwise_as_the_heads_transposed(hq, hkv, d, n):
+    """`flat`: (B, L, Hq * D), bitwise the plain output's heads transposed, every element written (ragged rows, a
+    row without columns: zeros), rotated or not."""
+    b, end = 3, n + 900
+    kq, vq = packed_cache(b, hkv, end + 16, d, seed=n + hq)
+    start = mx.array([0, 400, end], dtype=mx.int32)  # the last row holds no columns: its output is zeros
+    q = mx.random.normal((b, hq, n, d), key=mx.random.key(n + 1)).astype(mx.bfloat16)
+    for rotated in (False, True):
+        plain = q4sdpa.q4_decode_sdpa(q, kq, vq, start, end, d ** -0.5, 64, rotated=rotated)
+        flat = q4sdpa.q4_decode_sdpa(q, kq, vq, start, end, d ** -0.5, 64, rotated=rotated, flat=True)
+        assert flat.shape == (b, n, hq * d) and flat.dtype == q.dtype
+        assert mx.array_equal(flat, plain.transpose(0, 2, 1, 3).reshape(b, n, -1)).item()
+        assert not mx.any(flat[2]).item() and mx.any(flat[:2]).item()
 
 
 def test_q4_prefill_attention_refuses_too_many_queries_and_rope():

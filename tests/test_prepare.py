@@ -381,9 +381,10 @@ def test_a_chunk_between_decode_and_dense_sizes_multiplies_through_qgemm(tiny_mo
 @pytest.mark.skipif(not qgemv.available(), reason="CUDA only")
 def test_a_compiled_block_runs_a_short_chunks_qkv_and_gate_up_as_one_launch_each(tiny_model_path, monkeypatch):
     """In a compiled llama block, a chunk of qgemm's size takes q/k/v through one `qgemm_parts` launch, written in
-    the heads' layout, and gate/up through another, and the output and down projections add their residuals in
-    their own launches, with logits as the uncompiled blocks' separate products give them (bf16)."""
-    from runtime import attention, qgemm
+    the heads' layout, and gate/up with their SiLU product through another (`qgemm_swiglu`), the output and down
+    projections add their residuals in their own launches, and attention writes its output as the output
+    projection takes it (`flat`), with logits as the uncompiled blocks' separate products give them (bf16)."""
+    from runtime import attention, q4sdpa, qgemm
     from runtime.model import ModelCacheSpec
     from runtime.q4cache import merge_caches
 
@@ -394,15 +395,23 @@ def test_a_compiled_block_runs_a_short_chunks_qkv_and_gate_up_as_one_launch_each
     tokens = mx.random.randint(3, 500, (2, 40), key=mx.random.key(6))
     want = model(tokens, cache=merge_caches(spec, [None, None], "q4kernel")).astype(mx.float32)
     prepare_model(model)  # now with the compiled blocks
-    calls, added = [], []
-    parts, single = qgemm.qgemm_parts, qgemm.qgemm
+    calls, added, flat = [], [], []
+    parts, single, gated, attend = qgemm.qgemm_parts, qgemm.qgemm, qgemm.qgemm_swiglu, q4sdpa.q4_decode_sdpa
     monkeypatch.setattr(qgemm, "qgemm_parts",
                         lambda x, w, g, **kw: calls.append((len(w), kw.get("head_dim", 0))) or parts(x, w, g, **kw))
     monkeypatch.setattr(qgemm, "qgemm", lambda x, *a, **kw: added.append("add" in kw) or single(x, *a, **kw))
-    got = model(tokens, cache=merge_caches(spec, [None, None], "q4kernel")).astype(mx.float32)
+    monkeypatch.setattr(qgemm, "qgemm_swiglu", lambda *a: calls.append("swiglu") or gated(*a))
+    monkeypatch.setattr(q4sdpa, "q4_decode_sdpa", lambda *a, **kw: flat.append(kw.get("flat")) or attend(*a, **kw))
+    # a chunk into a cache that holds tokens, as a hot turn's: attention on the packed cache (the kernel route)
+    cache = merge_caches(spec, [None, None], "q4kernel")
+    model(tokens[:, :24], cache=cache)
+    calls.clear(), added.clear(), flat.clear()
+    got = model(tokens[:, 24:], cache=cache).astype(mx.float32)
     head_dim = model.layers[0].self_attn.head_dim
-    assert calls.count((3, head_dim)) == calls.count((2, 0)) == len(model.layers)  # (and qgemm's own, one weight)
+    assert calls.count((3, head_dim)) == calls.count("swiglu") == len(model.layers)  # (and qgemm's own, one weight)
+    assert calls.count((2, 0)) == 0 and flat == [True] * len(model.layers)
     assert added.count(True) == 2 * len(model.layers)  # the output and down projections, with their residuals
+    want = want[:, 24:]
     assert (mx.abs(got - want).max() / mx.abs(want).max()).item() < 2e-2
 
 
