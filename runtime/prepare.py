@@ -12,8 +12,10 @@ a model loaded elsewhere in the process is untouched) to subclasses that:
 - multiply prefill-sized inputs (DENSE_ROWS rows or more) by the weight
   dequantized for the call, with MLX's 16-bit GEMM: on an H100, 8B shape, one
   layer's seven products at 2048 rows took 7.2 ms through MLX-CUDA's quantized
-  matmul and 2.0 ms this way; at 256 rows 1.03 against 0.89 ms; below that the
-  quantized kernel wins (`benchmarks/prefill_gemm.py`). The dequantized weight
+  matmul and 2.0 ms this way; at 256 rows 1.03 against 0.89 ms (`benchmarks/prefill_gemm.py`), but
+  `qgemm` (below) is faster still there: on an H200 a 256-token hot chunk took 26.5 ms through it
+  against 26.8 ms this way (six alternating rounds, each one faster), with the host done after 7.6
+  ms instead of 25.5 (`benchmarks/results/h200/chunk-fusion-2026-11-29`). The dequantized weight
   lives for one call (117 MB for a 14336x4096 layer), and at most DENSE_IN_FLIGHT
   plus DENSE_LAUNCH such products are queued on the device at once (`_bound_in_flight`).
 - send decode-sized inputs (1 to `qgemv.MAX_ROWS` rows) of 4-bit weights through
@@ -65,7 +67,7 @@ from runtime import qgemm, qgemv
 from runtime.attention import RowRange
 
 
-DENSE_ROWS = 256  # on CUDA, inputs of this many rows or more multiply the dequantized weight
+DENSE_ROWS = 257  # on CUDA, inputs of this many rows or more multiply the dequantized weight (256 measured: see above)
 DENSE_IN_FLIGHT = 14  # dense products queued on the device at most (two layers' worth)
 DENSE_LAUNCH = 7  # dense products launched together (a llama layer's seven): each launch has a fixed host cost
 CHUNK_LAUNCH = 4  # a short chunk's forward through compiled blocks is launched after every this many of them
