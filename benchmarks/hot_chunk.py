@@ -59,7 +59,7 @@ from benchmarks.profile import prefilled
 from runtime import hostcache, prepare
 from runtime.engine import Engine, Turn
 from runtime.prepare import last_logits
-from runtime.q4cache import layer_cache, merge_caches, route_for
+from runtime.q4cache import extract_cache, layer_cache, merge_caches, route_for
 
 COLUMNS = ["piece", "context", "tokens", "ms", "note"]
 
@@ -255,7 +255,9 @@ def main(argv=None) -> int:
     print(env, flush=True)
     model, tokenizer, spec = load_bench_model(args.model)
     route = route_for(spec, None)
-    agent = prefilled(model, spec, "dequant", args.context, seed=1)
+    # handed out as a turn hands a cache out (on the kernel route: every layer's row in one launch, a `HeldRow`),
+    # so that each chunk's merge is the engine's (one launch for a hot turn's 32 layers, not a launch a layer)
+    agent = extract_cache(merge_caches(spec, [prefilled(model, spec, "dequant", args.context, seed=1)], route), 0)
     mx.random.seed(2)
     tokens = mx.random.randint(3, model.args.vocab_size, (args.tokens,))
     rows = []
