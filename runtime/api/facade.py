@@ -1409,19 +1409,19 @@ class Runtime:
 
         Past that, WaitTimeout naming `call`: the stop goes on, the agent still counts as being stopped by the user,
         and the next stop, forget or spawn of the name (which holds `_name_held(name)`) waits for it again."""
+        waiting = False
         try:
             self._stops[name].get(timeout=wait_seconds(timeout))
         except pykka.Timeout:
+            waiting = True
             raise WaitTimeout(f"{call} waited {timeout:g} s for the supervisor to stop agent {name!r}, and it has not: "
                               "it is busy (such as stopping another agent whose thread is held up, e.g. by a done "
                               "callback that blocks); the stop goes on and the agent takes no more messages: call "
                               f"{call} again to wait longer") from None
-        except BaseException:
-            self._stops.pop(name)
-            self._env.stopping(name, on=False)
-            raise
-        self._stops.pop(name)
-        self._env.stopping(name, on=False)
+        finally:
+            if not waiting:  # the stop ended, or failed: either way it is over
+                self._stops.pop(name)
+                self._env.stopping(name, on=False)
         self._env.refs.pop(name, None)
         self._env.hot.discard(name)
 
