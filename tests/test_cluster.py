@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -371,6 +372,34 @@ def test_a_reply_forwarded_to_a_busy_agent_holds_up_no_other_forward(rt):
     assert _turns(busy.history())[-1] == ("user", held.get(timeout=120).text, peer.name)
     assert [d for d in rt.dead_letters if d.recipient in (busy.name, other.name)] == []
     for ref in (busy, peer, other):
+        ref.stop()
+
+
+def test_a_host_that_does_not_answer_holds_up_no_note_to_another_hosts_agents(rt):
+    """A host delivered the notes it forwarded one at a time, each delivery waiting (with no timeout: Ray raises if
+    the receiving host dies) for the receiving host to answer: one host alive but not answering (its process
+    stopped) held up every note forwarded after it, to any agent on any host. Now only the notes to its own agents
+    wait, and they are delivered, in order, once it answers again."""
+    peer = rt.spawn("hung-peer", system="Be brief.")
+    peer_node = rt.placement()[peer.name]
+    stuck = spawn_where(rt, "hung-sender", lambda n: n != peer_node)  # peer's host forwards both copies
+    stuck_node = rt.placement()[stuck.name]
+    other = spawn_where(rt, "hung-other", lambda n: n not in (peer_node, stuck_node))
+    pid = next(h["pid"] for h in rt.hosts() if h["node_id"] == stuck_node)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        held = [stuck.send_to(peer, f"Reply {i} to a sender whose host hangs.", **OPTS) for i in range(2)]
+        reply = other.send_to(peer, "A reply to a sender whose host answers.", **OPTS).get(timeout=60)
+        assert _turns(other.history())[-1] == ("user", reply.text, peer.name)
+        for copy in held:
+            with pytest.raises(TurnTimeout):
+                copy.get(timeout=0)  # its copy waits for the stopped host
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    replies = [copy.get(timeout=120) for copy in held]
+    assert _turns(stuck.history())[-2:] == [("user", r.text, peer.name) for r in replies]
+    assert [d for d in rt.dead_letters if d.recipient in (stuck.name, other.name)] == []
+    for ref in (peer, stuck, other):
         ref.stop()
 
 

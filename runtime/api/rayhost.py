@@ -14,7 +14,8 @@ Between hosts, `HostedRuntime` differs from a Runtime of one machine in two ways
   Runtime of one machine writes there meanwhile;
 - a note to an agent that is not here (a `send_to` reply to its sender) is forwarded
   to the host that runs it, in the order this host's agents sent them; the wait for
-  the agent to record it (after its turn in progress, if any) holds up no other note.
+  the agent to record it (after its turn in progress, if any) holds up no other note,
+  and a host that does not answer holds up only the notes to its own agents.
 
 A turn with callbacks (`on_token`, `on_progress`, `cancel`: `AgentRef.stream` and
 `astream` give them) runs here with callbacks of this host's (`_Streamed`) that queue
@@ -264,6 +265,9 @@ class NodeHost:
         self.early_call_offs: dict[str, float] = {}  # call-off key -> when it came, finding no send (`signal`)
         self.sends_lock = threading.Lock()  # `sends` and `early_call_offs`: a send and its call-off meet once
         self.forwarder = ThreadPoolExecutor(1, thread_name_prefix="kvactors-forward")  # one: in send order
+        # the forwarder's deliveries, one thread a receiving host (`_forward_now`): a host that does not answer holds
+        # up the notes to its own agents only; written by the forwarder's thread alone
+        self.deliverers: dict = {}  # the receiving host's actor handle -> its ThreadPoolExecutor(1)
         # forwarded notes' outcomes (`_settle`); never shut down: one may come after `shutdown`
         self.settler = ThreadPoolExecutor(1, thread_name_prefix="kvactors-settle")
         self.unsettled: dict[str, deque] = {}  # agent -> the `_Forwarded` notes it has not recorded yet, oldest first
@@ -456,14 +460,16 @@ class NodeHost:
 
     def shutdown(self) -> tuple:
         """Stop every agent here, flush every write, stop the batcher (`Runtime.shutdown`)."""
-        self.forwarder.shutdown(wait=True)
+        self.forwarder.shutdown(wait=True)  # then no delivery is handed on
+        for deliverer in self.deliverers.values():
+            deliverer.shutdown(wait=True)
         return outcome(self.rt.shutdown)
 
     # -- notes to agents on other hosts
 
     def _forward(self, name, payload, future, reply):
         """`Env.forward`: deliver note `payload` to agent `name` on the host that runs it, after the notes this host
-        forwarded before it; `future` (a send_to reply's) gets `reply` once the note is durable there, or dead-lettered,
+        forwarded to that host before it; `future` (a send_to reply's) gets `reply` once the note is durable there, or dead-lettered,
         as on one machine however long the agent's turn in progress takes; the notes forwarded after it do not wait for
         that. An undeliverable note is one dead letter, here (`_forward_now`, `_settle`) or there."""
         try:
@@ -472,17 +478,32 @@ class NodeHost:
             self._undeliverable(name, payload, future, reply, "the host is shutting down")
 
     def _forward_now(self, name, payload, future, reply):
-        """`_forward`, on the forwarder's thread: find the host of agent `name` and put the note in the agent's mailbox
-        there; then `_await_durable` waits for it beside the forwards after it. A host that does not run agent `name`
-        (the directory is behind: it exited there, or moved) records no dead letter (`deliver`): this host does
-        (`_undeliverable`). The delivery has no timeout: one given up on here could still reach the agent, and the
-        note would be both delivered and dead-lettered (Ray raises if the host dies)."""
+        """`_forward`, on the forwarder's thread: find the host of agent `name` (in send order) and hand the note to
+        that host's deliverer (`_deliver_now`)."""
         import ray
 
         try:
             host = ray.get(self.directory.lookup.remote(name), timeout=self.rt._env.io_timeout)
             if host is None:
                 raise UnknownAgent(f"no running agent named {name!r} in the cluster")
+        except Exception as e:  # noqa: BLE001 - an undeliverable note is a dead letter, never lost silently
+            self._undeliverable(name, payload, future, reply, f"forwarding to its node failed: {e}")
+            return
+        deliverer = self.deliverers.get(host)
+        if deliverer is None:
+            deliverer = self.deliverers[host] = ThreadPoolExecutor(1, thread_name_prefix="kvactors-deliver")
+        deliverer.submit(self._deliver_now, name, payload, future, reply, host)
+
+    def _deliver_now(self, name, payload, future, reply, host):
+        """On `host`'s deliverer, in the order the forwarder found them: put the note in agent `name`'s mailbox on
+        `host`; then `_await_durable` waits for it beside the forwards after it. A host that does not answer holds up
+        the notes to its agents only. A host that does not run agent `name` (the directory is behind: it exited
+        there, or moved) records no dead letter (`deliver`): this host does (`_undeliverable`). The delivery has no
+        timeout: one given up on here could still reach the agent, and the note would be both delivered and
+        dead-lettered (Ray raises if the host dies)."""
+        import ray
+
+        try:
             status, key = ray.get(host.deliver.remote(name, "note", payload))
             if status == "error":
                 raise unpack_error(key)
