@@ -327,6 +327,26 @@ def test_a_reply_forwarded_to_an_agent_gone_from_its_host_is_one_dead_letter(rt)
     peer.stop()
 
 
+def test_a_hosts_dead_letters_outlive_its_process_and_the_runtime(cluster, tmp_path):
+    """A host kept the dead letters it recorded in its own process, and `dead_letters` asked the live hosts: a host
+    whose process died took its letters with it, and after `shutdown` none were left. The cluster's directory keeps
+    a copy of each now, and the runtime keeps them past its shutdown, as one machine does."""
+    with Runtime(model="tiny", cache_dir=tmp_path, cluster="ray") as small:
+        gone = small.spawn("letters-gone", system="Be brief.", restart="temporary")
+        node = small.placement()[gone.name]
+        peer = spawn_where(small, "letters-peer", lambda n: n != node)
+        testing.inject_crash(gone)
+        with pytest.raises(AgentCrashed):
+            gone.ask("Crash.", **OPTS)
+        reply = gone.send_to(peer, "A reply to a sender that is gone.", **OPTS).get(timeout=120)  # its host records it
+        letters = [d for d in small.dead_letters if d.recipient == gone.name]
+        assert [(d.message["sender"], d.message["text"]) for d in letters] == [(peer.name, reply.text)]
+        os.kill(testing.host_pid(small, small.placement()[peer.name]), 9)
+        peer.ask("After.", **OPTS)  # Ray restarts the host's process: the agent is back, without the letter there
+        assert [d for d in small.dead_letters if d.recipient == gone.name] == letters
+    assert [d for d in small.dead_letters if d.recipient == gone.name] == letters
+
+
 def still_busy(long) -> None:
     """Fail unless `long` (a LONG turn's future) is still unanswered: its agent is still in that turn."""
     with pytest.raises(TurnTimeout):

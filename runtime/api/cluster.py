@@ -402,12 +402,28 @@ class ClusterRuntime:
     @property
     def dead_letters(self) -> list[DeadLetter]:
         """Undeliverable messages, oldest first, as plain data (`rayhost.plain_message`: a payload decoded): those of
-        every live host (notes forwarded to an agent that was gone, an agent's notes left when it stopped) and those
-        sent here to an agent that was not running (`_deliver`); each host, and this runtime, keeps its newest
-        `DEAD_LETTERS_KEPT` (`runtime.api.facade`)."""
-        letters = self._letters.snapshot()
-        letters += [d for on_host in self._each_live_host("dead_letters") for d in on_host]
-        return sorted(letters, key=lambda d: d.at)
+        every host (notes forwarded to an agent that was gone, an agent's notes left when it stopped), a host that has
+        died since among them (the directory keeps a copy of each: `rayhost.RelayedDeadLetters`), and those sent here
+        to an agent that was not running (`_deliver`); each host, the directory and this runtime keep their newest
+        `DEAD_LETTERS_KEPT` (`runtime.api.facade`). After `shutdown`, those there were when it stopped the hosts."""
+        on_hosts = getattr(self, "_hosts_letters", []) if self._closed else self._host_letters()
+        return sorted(self._letters.snapshot() + on_hosts, key=lambda d: d.at)
+
+    def _host_letters(self) -> list[DeadLetter]:
+        """The hosts' dead letters: every live host's, and the directory's copies of every host's, each once."""
+        on_hosts = [d for on_host in self._each_live_host("dead_letters") for d in on_host]
+        try:  # a copy of every host's letters, of hosts that died too (one just recorded may not be there yet)
+            copies = self._ray.get(self._directory.dead_letters.remote())
+        except Exception as e:  # noqa: BLE001 - the live hosts' letters are still the answer
+            log.warning("the directory did not give its copies of the hosts' dead letters: %s", e)
+            copies = []
+        letters, seen = [], {}
+        for d in on_hosts + copies:
+            same = seen.setdefault((d.recipient, d.reason, d.at), [])
+            if d.message not in same:  # a letter both a live host and the directory hold is one letter
+                same.append(d.message)
+                letters.append(d)
+        return letters
 
     # -- life cycle ------------------------------------------------------------------
 
@@ -423,6 +439,12 @@ class ClusterRuntime:
                     ray.get(host.shutdown.remote(), timeout=120)
                 except Exception as e:  # noqa: BLE001 - a dead host has nothing left to flush
                     log.warning("host %d did not shut down cleanly: %s", i, e)
+        if getattr(self, "_directory", None) is not None:
+            try:
+                self._hosts_letters = self._host_letters()  # what `dead_letters` gives from now on
+            except Exception as e:  # noqa: BLE001 - the hosts stop either way
+                log.warning("the hosts' dead letters could not be kept past the shutdown: %s", e)
+        for host in self._hosts:
             _kill(ray, host)
         if getattr(self, "_directory", None) is not None:
             _kill(ray, self._directory)

@@ -210,17 +210,22 @@ class DeadLetters:
         self.dropped = 0
         self._lock = threading.Lock()
 
-    def record(self, recipient: str, message, reason: str) -> None:
-        """Keep a dead letter of `message` to `recipient` and log it (a warning); where the deque is full, the
-        oldest goes."""
+    def record(self, recipient: str, message, reason: str) -> DeadLetter:
+        """Keep a dead letter of `message` to `recipient` and log it (a warning); return it."""
         log.warning("dead letter to %s: %s", recipient, reason)
+        letter = DeadLetter(recipient, message, reason)
+        self.keep(letter)
+        return letter
+
+    def keep(self, letter: DeadLetter) -> None:
+        """Keep `letter` as it is (logged where it was recorded); where the deque is full, the oldest goes."""
         with self._lock:
             if len(self._letters) == self._letters.maxlen:
                 self.dropped += 1
                 if self.dropped == 1:
                     log.warning("more than %d dead letters: the oldest are dropped from now on",
                                 self._letters.maxlen)
-            self._letters.append(DeadLetter(recipient, message, reason))
+            self._letters.append(letter)
 
     def snapshot(self) -> list[DeadLetter]:
         """The dead letters kept, oldest first."""

@@ -51,7 +51,7 @@ import msgpack
 
 from actors.agent import Ask, Lookup, Note, Reset, UnknownAgent
 from runtime import store
-from runtime.api.facade import DeadLetter, ReplyFuture, Runtime, WaitTimeout, _BeginOrCallOff, _positive
+from runtime.api.facade import DeadLetter, DeadLetters, ReplyFuture, Runtime, WaitTimeout, _BeginOrCallOff, _positive
 from runtime.engine import CallbackFailed
 from runtime.errors import KvactorsError
 
@@ -259,6 +259,7 @@ class NodeHost:
         self.directory = ray.get_actor(directory)
         self.rt = HostedRuntime(model, cache_dir, **options)
         self.rt._env.forward = self._forward
+        self.rt._env.dead_letters = RelayedDeadLetters(self.directory)  # before any agent starts
         self.futures: dict[str, ReplyFuture] = {}
         self.streams: dict[str, _Streamed] = {}  # key -> a streamed turn's callbacks, until `events` ends
         self.sends: dict[str, _BeginOrCallOff] = {}  # call-off key -> a send that `deliver` has not yet told
@@ -455,8 +456,7 @@ class NodeHost:
 
     def dead_letters(self) -> tuple:
         """This host's dead letters, as plain data (a note's payload decoded)."""
-        return outcome(lambda: [DeadLetter(d.recipient, plain_message(d.message), d.reason, d.at)
-                                for d in self.rt.dead_letters])
+        return outcome(lambda: [plain_letter(d) for d in self.rt.dead_letters])
 
     def shutdown(self) -> tuple:
         """Stop every agent here, flush every write, stop the batcher (`Runtime.shutdown`)."""
@@ -607,11 +607,36 @@ def plain_message(message):
     return repr(message)
 
 
+def plain_letter(letter: DeadLetter) -> DeadLetter:
+    """`letter` with its message as plain data (`plain_message`), as it crosses Ray."""
+    return DeadLetter(letter.recipient, plain_message(letter.message), letter.reason, letter.at)
+
+
+class RelayedDeadLetters(DeadLetters):
+    """A host's dead letters, each also sent to the cluster's `Directory` as it is recorded (as plain data), which
+    keeps it past this host's process: `ClusterRuntime.dead_letters` lists a host's letters after the host died."""
+
+    def __init__(self, directory):
+        super().__init__()
+        self.directory = directory
+
+    def record(self, recipient: str, message, reason: str) -> DeadLetter:
+        """`DeadLetters.record`, and the letter sent to the directory (not waited for)."""
+        letter = super().record(recipient, message, reason)
+        try:
+            self.directory.keep_letter.remote(plain_letter(letter))
+        except Exception as e:  # noqa: BLE001 - the directory gone (its runtime is closing): this host still has it
+            log.warning("a dead letter to %s is kept on this host only: %s", recipient, e)
+        return letter
+
+
 class Directory:
-    """Agent name -> the host actor that runs it; a Ray actor of `ClusterRuntime`, read by hosts to forward notes."""
+    """Agent name -> the host actor that runs it, and every host's dead letters; a Ray actor of `ClusterRuntime`, read
+    by hosts to forward notes."""
 
     def __init__(self):
         self.hosts: dict[str, object] = {}
+        self.letters = DeadLetters()  # hosts' dead letters (`RelayedDeadLetters`), logged where they were recorded
 
     def set(self, name: str, host) -> None:
         """Agent `name` now runs on `host` (None: nowhere)."""
@@ -623,3 +648,11 @@ class Directory:
     def lookup(self, name: str):
         """The host of agent `name`, or None."""
         return self.hosts.get(name)
+
+    def keep_letter(self, letter: DeadLetter) -> None:
+        """Keep a host's dead letter (plain data) for `dead_letters`."""
+        self.letters.keep(letter)
+
+    def dead_letters(self) -> list[DeadLetter]:
+        """The hosts' dead letters kept here, in the order they came."""
+        return self.letters.snapshot()
