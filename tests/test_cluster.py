@@ -560,6 +560,33 @@ def test_reset_to_the_history_or_to_a_new_system_prompt_works_as_on_one_machine(
     assert str(there.value) == str(here.value)
 
 
+def test_a_system_prompts_check_passes_over_a_host_that_does_not_answer(rt, monkeypatch):
+    """A reset with a system prompt has a host check the prompt's room (the model's tokenizer is there): the least
+    loaded one only, so one that did not answer (NodeDown) failed the reset though any other host could check it.
+    The next host checks it now; NodeDown only when none answers."""
+    a = rt.spawn("fits-check", system="Be brief.")
+    first = rt._least_loaded()
+    real, asked, down = type(rt)._call, [], {first}
+
+    def call(self, index, method, *args):
+        if method == "check_system_fits":
+            asked.append(index)
+            if index in down:
+                raise NodeDown(index, "down for this test")
+        return real(self, index, method, *args)
+
+    monkeypatch.setattr(type(rt), "_call", call)
+    a.reset([], system="Be terse.").get(timeout=120)
+    assert asked[0] == first and len(asked) == 2 and _turns(a.history()) == [("system", "Be terse.", None)]
+    with pytest.raises(SystemPromptTooLong):  # the next host's answer, as the first would have given it
+        a.reset([], system="word " * rt.max_context)
+    down.update(range(len(rt._hosts)))
+    with pytest.raises(NodeDown):
+        a.reset([], system="Be terser.")
+    monkeypatch.undo()
+    a.stop()
+
+
 def test_streams_and_callbacks_give_what_one_machine_gives(rt, shared, tmp_path):
     """stream, astream, on_token and on_progress: the same pieces in the same order, the same progress and
     the same Replies as a local Runtime; the streamed turns are in the agent's journal on the shared folder."""

@@ -553,8 +553,15 @@ class ClusterRuntime:
 
     def _check_system_fits(self, system: str) -> None:
         """Raise SystemPromptTooLong here if `system` leaves the model no room for a turn: a host checks it, with
-        the model's tokenizer (`Runtime._check_system_fits`)."""
-        self._call(self._least_loaded(), "check_system_fits", system)
+        the model's tokenizer (`Runtime._check_system_fits`), the least loaded first; one that does not answer
+        (NodeDown) is passed over for the next, and the last one's NodeDown is raised."""
+        hosts = self._by_load()
+        for index in hosts:
+            try:
+                return self._call(index, "check_system_fits", system)
+            except NodeDown:
+                if index == hosts[-1]:
+                    raise
 
     def _stop_agent(self, name):
         """Stop running agent `name` (`AgentRef.stop`) on its host, which waits STOP_WAIT_S for it (`_leave`)."""
@@ -734,6 +741,11 @@ class ClusterRuntime:
 
     def _least_loaded(self) -> int:
         """The live host with the fewest agents, counting those that a spawn is starting there."""
+        return self._by_load()[0]
+
+    def _by_load(self) -> list[int]:
+        """The live hosts, those with the fewest agents (counting those that a spawn is starting there) first;
+        ClusterError if none is alive."""
         with self._lock:
             live = [i for i in range(len(self._hosts)) if i not in self._dead]
             if not live:
@@ -742,7 +754,7 @@ class ClusterRuntime:
             for i in [*self._where.values(), *self._pending.values()]:
                 if i in load:
                     load[i] += 1
-            return min(live, key=lambda i: (load[i], i))
+            return sorted(live, key=lambda i: (load[i], i))
 
     def _place(self, name, index):
         self._where[name] = index
