@@ -469,9 +469,9 @@ class NodeHost:
 
     def _forward(self, name, payload, future, reply):
         """`Env.forward`: deliver note `payload` to agent `name` on the host that runs it, after the notes this host
-        forwarded to that host before it; `future` (a send_to reply's) gets `reply` once the note is durable there, or dead-lettered,
-        as on one machine however long the agent's turn in progress takes; the notes forwarded after it do not wait for
-        that. An undeliverable note is one dead letter, here (`_forward_now`, `_settle`) or there."""
+        forwarded to that host before it; `future` (a send_to reply's) gets `reply` once the note is durable there, or
+        dead-lettered, as on one machine however long the agent's turn in progress takes; the notes forwarded after it
+        do not wait for that. An undeliverable note is one dead letter, here (`_forward_now`, `_settle`) or there."""
         try:
             self.forwarder.submit(self._forward_now, name, payload, future, reply)
         except RuntimeError:  # shutting down
