@@ -309,21 +309,28 @@ def test_a_message_to_an_agent_that_is_not_running_is_a_dead_letter_as_on_one_ma
     assert on_cluster == on_one and len(on_one) == 5
 
 
+def letter_to_a_gone_sender(runtime, prefix) -> tuple:
+    """(gone, peer, reply, letters): agent `prefix`-gone (temporary) crashes, then `peer`, on another host, answers
+    its send_to; the reply's copy, which peer's host forwards to gone's host (no call has asked that host about it,
+    so the cluster still takes it for placed there), is one dead letter, recorded by peer's host: `letters`."""
+    gone = runtime.spawn(f"{prefix}-gone", system="Be brief.", restart="temporary")
+    node = runtime.placement()[gone.name]
+    peer = spawn_where(runtime, f"{prefix}-peer", lambda n: n != node)
+    testing.inject_crash(gone)
+    with pytest.raises(AgentCrashed):
+        gone.ask("Crash.", **OPTS)
+    reply = gone.send_to(peer, "A reply to a sender that is gone.", **OPTS).get(timeout=120)
+    letters = [d for d in runtime.dead_letters if d.recipient == gone.name]
+    assert [(d.message["sender"], d.message["text"]) for d in letters] == [(peer.name, reply.text)]
+    return gone, peer, reply, letters
+
+
 def test_a_reply_forwarded_to_an_agent_gone_from_its_host_is_one_dead_letter(rt):
     """The copy of a send_to reply that the replying agent's host forwards to the sender's host, where the sender had
     exited (a temporary agent that crashed), was dead-lettered twice: by the host that found it gone, and by the host
     that forwarded it. It is one dead letter, as on one machine, and the caller still gets the reply."""
-    gone = rt.spawn("forward-gone", system="Be brief.", restart="temporary")
-    node = rt.placement()[gone.name]
-    peer = spawn_where(rt, "forward-peer", lambda n: n != node)
-    testing.inject_crash(gone)
-    with pytest.raises(AgentCrashed):
-        gone.ask("Crash.", **OPTS)
-    # no call asks its host about it: the cluster still takes it for placed there, and forwards the reply there
-    reply = gone.send_to(peer, "A reply to a sender that is gone.", **OPTS).get(timeout=120)
+    _, peer, reply, _ = letter_to_a_gone_sender(rt, "forward")
     assert reply.agent == peer.name
-    letters = [d for d in rt.dead_letters if d.recipient == gone.name]
-    assert [(d.message["sender"], d.message["text"]) for d in letters] == [(peer.name, reply.text)]
     peer.stop()
 
 
@@ -332,15 +339,7 @@ def test_a_hosts_dead_letters_outlive_its_process_and_the_runtime(cluster, tmp_p
     whose process died took its letters with it, and after `shutdown` none were left. The cluster's directory keeps
     a copy of each now, and the runtime keeps them past its shutdown, as one machine does."""
     with Runtime(model="tiny", cache_dir=tmp_path, cluster="ray") as small:
-        gone = small.spawn("letters-gone", system="Be brief.", restart="temporary")
-        node = small.placement()[gone.name]
-        peer = spawn_where(small, "letters-peer", lambda n: n != node)
-        testing.inject_crash(gone)
-        with pytest.raises(AgentCrashed):
-            gone.ask("Crash.", **OPTS)
-        reply = gone.send_to(peer, "A reply to a sender that is gone.", **OPTS).get(timeout=120)  # its host records it
-        letters = [d for d in small.dead_letters if d.recipient == gone.name]
-        assert [(d.message["sender"], d.message["text"]) for d in letters] == [(peer.name, reply.text)]
+        gone, peer, _, letters = letter_to_a_gone_sender(small, "letters")
         os.kill(testing.host_pid(small, small.placement()[peer.name]), 9)
         peer.ask("After.", **OPTS)  # Ray restarts the host's process: the agent is back, without the letter there
         assert [d for d in small.dead_letters if d.recipient == gone.name] == letters
