@@ -103,6 +103,9 @@ def test_prisoners_dilemma(env, tmp_path):
 def test_kvactors_demo(env, tmp_path):
     out = run(env, "-m", "runtime.api.cli", "demo", "--max-tokens", 4, "--cache-dir", tmp_path)
     assert agent_states(out) == {"alice": ["cold", "hot", "warm"], "bob": ["cold", "hot", "warm"]}
+    # what each Runtime found stored as it came up: nothing, then both on disk (warm) after the restart
+    assert re.findall(r"agents stored (.*), caches in", out) == [
+        "none yet", "alice (2 turns, cache warm), bob (2 turns, cache warm)"]
     assert re.search(r"^  alice +prefill \[#{20}\] (\d+)/\1 tok$", out, re.MULTILINE)  # the progress bar, full
     assert "nonsense" in out
     summary = out.strip().splitlines()[-1]

@@ -47,10 +47,11 @@ def run_demo(model=None, cache_dir=None, max_tokens: int = 16, kv_bits: int | No
         return bar
 
     def spawn(rt, t0):
+        # listed before the spawns, which load each stored cache into memory ("hot") for the agent's first turn
+        stored = ", ".join(f"{a.name} ({a.turns} turns, cache {a.cache})" for a in rt.agents()) or "none yet"
         agents = [rt.spawn(name, system=role) for name, role in AGENTS.items()]
-        listed = ", ".join(f"{a.name} ({a.turns} turns, cache {a.cache})" for a in rt.agents())
         print(f"runtime up in {time.perf_counter() - t0:.2f}s: model {rt.spec.model_id}, "
-              f"agents {listed}, caches in {cache_dir}")
+              f"agents stored {stored}, caches in {cache_dir}")
         return agents
 
     t0 = time.perf_counter()
