@@ -185,6 +185,11 @@ def test_prune_refuses_a_bad_duration_or_folder_in_one_line(tmp_path):
         assert out.returncode == 2 and out.stderr.splitlines() == [
             f"kvactors prune: bad duration {bad!r}: give seconds, or a number >= 0 with s, m, h or d after it "
             "(90, 30m, 12h, 30d)"], (bad, out.stderr)
+    for bad in ("-1d", "-5", "-.5h"):  # written apart, a negative value is the duration's to refuse, not argparse's
+        out = kvactors("prune", tmp_path, "--older-than", bad)
+        assert out.returncode == 2 and out.stderr.startswith(f"kvactors prune: bad duration {bad!r}"), out.stderr
+    out = kvactors("prune", tmp_path, "--older-than", "--dry-run")  # a missing value is still argparse's to say
+    assert out.returncode == 2 and "expected one argument" in out.stderr
     out = kvactors("prune", tmp_path / "missing", "--older-than", "1d")
     assert out.returncode == 2 and out.stderr == f"kvactors prune: {tmp_path / 'missing'}: no such folder\n", out.stderr
     assert not (tmp_path / "missing").exists()  # not made

@@ -7,6 +7,7 @@ import faulthandler
 import logging
 import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -227,6 +228,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _negative_values_joined(argv: list[str], option: str) -> list[str]:
+    """`argv` with `option VALUE` as `option=VALUE` where VALUE reads as a negative number ("-1d"), which argparse
+    takes for an option ("expected one argument"): then the value's own check says what is wrong with it."""
+    out = list(argv)
+    for i in range(len(out) - 2, -1, -1):
+        if out[i] == option and re.match(r"-[0-9.]", out[i + 1]):
+            out[i : i + 2] = [f"{option}={out[i + 1]}"]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `kvactors` console script; returns the process exit code."""
     argv = sys.argv[1:] if argv is None else argv
@@ -240,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["bench"]:  # everything after `bench` belongs to the benchmark driver
         return _bench(argparse.Namespace(bench_args=argv[1:]))
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_negative_values_joined(argv, "--older-than"))
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
