@@ -450,7 +450,8 @@ def _run(x, weights, group_size: int, add, head_dim: int, swiglu: bool) -> list:
                              f"of 4, and 16-bit x and scales of one type; got x {tuple(x.shape)} {x.dtype}, weight "
                              f"{tuple(w.shape)}, group {group_size}, scales {scales.dtype}")
     k, n = x.shape[-1], [w.shape[0] for w, _, _ in weights]
-    shapes = _result_shapes(x, n[:1] if swiglu else n, add, head_dim)
+    written = n[:1] if swiglu else n  # the results' N (swiglu: one, of the gate's and up's shape)
+    shapes = _result_shapes(x, written, add, head_dim)
     rows = x.size // k
     s = splits(sum(n), k)
     gemm, total = _kernels_for(int(x.dtype == mx.bfloat16), len(weights), add is not None, swiglu)
@@ -467,7 +468,7 @@ def _run(x, weights, group_size: int, add, head_dim: int, swiglu: bool) -> list:
         return gemm(inputs=inputs, output_shapes=shapes, output_dtypes=[x.dtype] * len(n), **launch)
     parts = gemm(inputs=inputs, output_shapes=[(s, rows, ni) for ni in n], output_dtypes=[mx.float32] * len(n),
                  **launch)
-    quads = rows * sum(n[:1] if swiglu else n) // 4
+    quads = rows * sum(written) // 4
     return total(inputs=parts + extra, output_shapes=shapes, output_dtypes=[x.dtype] * len(shapes),
                  template=[("T", x.dtype), ("S", s)], grid=(-(-quads // 256) * 256, 1, 1), threadgroup=(256, 1, 1))
 

@@ -155,6 +155,7 @@ class ClusterRuntime:
         self._stopping: dict[str, int] = {}  # agent -> the host where its stop ran past its wait (`_on_host_of`)
         self._unstarted: set[str] = set()  # placed agents that a recovery could not start again (`_recover`)
         self._letters = DeadLetters()  # what `_deliver` found undeliverable (`_dead_letter`)
+        self._hosts_letters: list[DeadLetter] = []  # the hosts' letters as `shutdown` found them (`dead_letters`)
         self._hosts: list = []
         self._info: list[dict] = []
         self._dead: set[int] = set()
@@ -406,7 +407,7 @@ class ClusterRuntime:
         died since among them (the directory keeps a copy of each: `rayhost.RelayedDeadLetters`), and those sent here
         to an agent that was not running (`_deliver`); each host, the directory and this runtime keep their newest
         `DEAD_LETTERS_KEPT` (`runtime.api.facade`). After `shutdown`, those there were when it stopped the hosts."""
-        on_hosts = getattr(self, "_hosts_letters", []) if self._closed else self._host_letters()
+        on_hosts = self._hosts_letters if self._closed else self._host_letters()
         return sorted(self._letters.snapshot() + on_hosts, key=lambda d: d.at)
 
     def _host_letters(self) -> list[DeadLetter]:
@@ -444,10 +445,9 @@ class ClusterRuntime:
                 self._hosts_letters = self._host_letters()  # what `dead_letters` gives from now on
             except Exception as e:  # noqa: BLE001 - the hosts stop either way
                 log.warning("the hosts' dead letters could not be kept past the shutdown: %s", e)
+            _kill(ray, self._directory)
         for host in self._hosts:
             _kill(ray, host)
-        if getattr(self, "_directory", None) is not None:
-            _kill(ray, self._directory)
         if self._owns_ray:
             ray.shutdown()
 
