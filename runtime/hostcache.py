@@ -17,7 +17,6 @@ as another rendering's are the same tokens only where both have the same spans.
 from __future__ import annotations
 
 import functools
-import threading
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -147,7 +146,7 @@ def _to_numpy(arrays: dict) -> dict:
     """Evaluated copies of MLX `arrays` as numpy arrays, moved off the device in pieces of about PIECE_BYTES.
 
     Each piece is gathered into one buffer on a stream of the copying thread's own
-    (`_copy_stream`), so it does not wait behind the engine's queued steps, and moved
+    (`q4cache.side_stream`), so it does not wait behind the engine's queued steps, and moved
     to the host without the GIL (`_piece_to_host`: on CUDA by the copy engine, else by
     an operation on MLX's CPU stream inside the evaluation); numpy then views the
     result. Asked for the buffer of a device array, MLX-CUDA would make that transfer
@@ -166,6 +165,8 @@ def _to_numpy(arrays: dict) -> dict:
     """
     import mlx.core as mx
 
+    from runtime.q4cache import side_stream
+
     groups, size = [[]], 0
     for name, x in arrays.items():
         if groups[-1] and size + x.nbytes > PIECE_BYTES:
@@ -173,7 +174,7 @@ def _to_numpy(arrays: dict) -> dict:
             size = 0
         groups[-1].append(name)
         size += x.nbytes
-    stream = _copy_stream()
+    stream = side_stream()
     out = {}
     for group in groups:
         if not group:
@@ -213,18 +214,6 @@ def _piece_to_host(gathered, stream) -> np.ndarray:
     blob = mx.add(gathered, mx.array(0, mx.uint8), stream=mx.cpu)
     mx.eval(blob)
     return np.asarray(blob)
-
-
-_streams = threading.local()
-
-
-def _copy_stream():
-    """The calling thread's own stream on the default device, made at its first copy (MLX streams are per thread)."""
-    import mlx.core as mx
-
-    if getattr(_streams, "stream", None) is None:
-        _streams.stream = mx.new_stream(mx.default_device())
-    return _streams.stream
 
 
 def _layers(cache) -> tuple[int, KVScheme, list[int]]:
@@ -326,12 +315,13 @@ def _to_device(host: HostCache, names: list) -> list:
     import mlx.core as mx
 
     from runtime import cudacopy
+    from runtime.q4cache import side_stream
 
     def dtype(name, a):
         return mx.bfloat16 if host.dtype == "bfloat16" and not name.endswith(".packed") else getattr(mx, a.dtype.name)
 
     tensors = [host.tensors[n] for n in names]
-    stream = _copy_stream()
+    stream = side_stream()
     if stream.device == mx.gpu and cudacopy.available():
         out = [None] * len(tensors)
         for group in cudacopy.groups([a.nbytes for a in tensors]):

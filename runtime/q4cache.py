@@ -179,11 +179,13 @@ class HeldRow:
     shape (layers, heads, columns, ...)), as `queue_rows` takes a row out of a batch in one launch.
 
     Each layer's tensors are views of these arrays, made the first time any layer's are read, all at
-    once, by the thread that reads them, which also queues them for evaluation (a view is evaluated by
-    the thread that made it; queued, not waited for, since on the engine's thread a wait would wait for
-    the decode step queued before): the engine's thread, which hands the row over, queues six arrays,
-    not a view a tensor of every layer (192 on the 8B shape, each an array MLX's evaluation handles on
-    its own).
+    once, by the thread that reads them: the engine's thread, which hands the row over, evaluates six
+    arrays, not a view a tensor of every layer (192 on the 8B shape, each an array MLX's evaluation
+    handles on its own). The views are evaluated and waited for on the reading thread's `side_stream`
+    before any thread sees them: the engine and the persistence actor read them at once (a hot turn's
+    merge, the last turn's write), and MLX (0.32) lets threads share only arrays whose evaluation is over
+    (two threads evaluating graphs over one array still queued crash the process). On that stream the
+    wait is for the views alone, not for the steps the engine's thread has queued on its own.
     """
 
     def __init__(self, arrays):
@@ -192,13 +194,26 @@ class HeldRow:
         self._lock = threading.Lock()
 
     def views(self) -> list:
-        """Per array, its views of each layer (shape (1, heads, columns, ...)), queued for evaluation."""
+        """Per array, its views of each layer (shape (1, heads, columns, ...)), evaluated."""
         with self._lock:
             if self._views is None:
-                views = [mx.split(x, x.shape[0], axis=0) for x in self.arrays]
-                mx.async_eval(views)
+                stream = side_stream()
+                views = [mx.split(x, x.shape[0], axis=0, stream=stream) for x in self.arrays]
+                mx.eval(views)
                 self._views = views
             return self._views
+
+
+_side = threading.local()
+
+
+def side_stream():
+    """The calling thread's own stream on the default device beside its default one, made at first use (MLX
+    streams are per thread): work evaluated there waits for nothing the thread queued on its default stream,
+    such as the engine's decode steps."""
+    if getattr(_side, "stream", None) is None:
+        _side.stream = mx.new_stream(mx.default_device())
+    return _side.stream
 
 
 def row_arrays(cache) -> list:

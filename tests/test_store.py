@@ -159,7 +159,7 @@ def test_caches_copied_from_several_threads_each_use_their_own_stream(monkeypatc
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    from runtime import hostcache
+    from runtime import hostcache, q4cache
 
     cache = q4_cache(100, dtype=mx.bfloat16, seed=5)
     monkeypatch.setattr(hostcache, "PIECE_BYTES", 900)  # 8 pieces
@@ -180,10 +180,10 @@ def test_caches_copied_from_several_threads_each_use_their_own_stream(monkeypatc
 
         def stream(_):
             together.wait()
-            return str(hostcache._copy_stream())
+            return str(q4cache.side_stream())
 
         streams = set(pool.map(stream, range(3)))
-    assert len(streams) == 3 and str(hostcache._copy_stream()) not in streams
+    assert len(streams) == 3 and str(q4cache.side_stream()) not in streams
     for host in copies:
         assert host.tensors.keys() == here.tensors.keys()
         assert all(np.array_equal(host.tensors[k], here.tensors[k]) for k in here.tensors)
