@@ -747,7 +747,7 @@ def test_a_held_rows_views_are_read_by_several_threads_at_once_without_a_crash(t
     script = tmp_path / "read_at_once.py"
     script.write_text(READ_AT_ONCE)
     done = subprocess.run([sys.executable, str(script), "2500"], capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
     assert done.returncode == 0 and done.stdout.split() == ["read", "2500"], (done.returncode, done.stderr[-2000:])
 
 
