@@ -19,6 +19,11 @@ os.environ["KVACTORS_MODEL"] = "tiny"
 # models then differ between batch sizes by about 1e-3, where the tests compare at float32 tolerances.
 # Read at MLX's first matmul; other backends ignore it.
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
+# Child Pythons the tests start (CLI runs, crash children, servers) import this checkout first and whatever the
+# runner's own path held after it (where MLX may come from).
+ROOT = str(Path(__file__).resolve().parents[1])
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [ROOT, *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != ROOT)])
 
 
 @pytest.fixture(scope="session", autouse=True)

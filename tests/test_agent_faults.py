@@ -4,7 +4,6 @@ engine step. Each promise: a clear error in the caller, no crash of a shared act
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -174,9 +173,7 @@ CHILD = textwrap.dedent("""
 
 
 def test_reset_refuses_token_ids_past_the_vocabulary_instead_of_crashing_the_process(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    p = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path)], env=env, capture_output=True, text=True,
-                       timeout=300)
+    p = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, f"rc {p.returncode}: {p.stdout[-500:]} {p.stderr[-1500:]}"
     assert "refused" in p.stdout
 

@@ -269,7 +269,7 @@ def test_a_native_crash_after_the_cli_started_prints_every_threads_python_stack(
     with no word of where: the CLI turns on faulthandler, so the Python stack of each thread is printed."""
     code = ("import ctypes, sys; from runtime.api import cli; "
             f"cli.main(['inspect', {str(tmp_path)!r}]); sys.stdout.flush(); ctypes.string_at(0)")
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ)
     env.pop("PYTHONFAULTHANDLER", None)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode != 0
@@ -281,7 +281,7 @@ def test_the_cli_runs_with_its_standard_error_closed(tmp_path):
     """A service manager may start `kvactors serve` with no standard error (2>&-): sys.stderr is then None, and
     faulthandler.enable() raised RuntimeError before any command ran."""
     code = f"import sys; from runtime.api import cli; sys.exit(cli.main(['inspect', {str(tmp_path)!r}]))"
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ)
     env.pop("PYTHONFAULTHANDLER", None)
     out = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                          env=env, timeout=120, pass_fds=(), preexec_fn=lambda: os.close(2))

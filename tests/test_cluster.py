@@ -711,7 +711,7 @@ def test_another_process_connects_by_address(cluster, tmp_path):
             "with Runtime(model='tiny', cache_dir=sys.argv[2], address=sys.argv[1]) as rt:\n"
             "    print(rt.spawn('remote', system='Be brief.').ask('Hi', max_tokens=2, timeout=120).cache, len(rt.nodes()))\n")
     out = subprocess.run([sys.executable, "-c", code, cluster.address, str(tmp_path)], check=True, capture_output=True,
-                         text=True, timeout=240, env={**os.environ, "PYTHONPATH": os.getcwd()})
+                         text=True, timeout=240)
     assert out.stdout.split()[-2:] == ["cold", "3"], out.stdout[-2000:]
 
 
@@ -730,7 +730,7 @@ def test_ray_missing_says_what_to_install(monkeypatch, tmp_path):
 def test_ray_is_imported_only_when_a_cluster_is_asked_for():
     code = ("import sys, runtime; from runtime import Runtime, ClusterRuntime, RayMissing, NodeDown; "
             "import runtime.api.rayhost; assert 'ray' not in sys.modules, 'ray imported'")
-    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def in_thread(call) -> tuple[threading.Thread, list]:

@@ -721,7 +721,7 @@ def test_import_gguf_command_says_what_is_wrong_in_one_line(tmp_path, small):
     for args in (["bad.gguf", "out"], ["folder.gguf", "out"], ["bad.gguf"]):
         run = subprocess.run([sys.executable, "-m", "runtime.api.cli", "import-gguf", *args], capture_output=True,
                              text=True, timeout=120, cwd=tmp_path,
-                             env={**os.environ, "PYTHONPATH": str(ROOT), "KVACTORS_HOME": str(tmp_path / "home")})
+                             env={**os.environ, "KVACTORS_HOME": str(tmp_path / "home")})
         assert run.returncode == 2 and "Traceback" not in run.stderr, (args, run.returncode, run.stderr[-2000:])
         assert len(run.stderr.strip().splitlines()) == 1 and run.stderr.startswith("kvactors import-gguf: "), run.stderr
     assert not (tmp_path / "out").exists()
@@ -734,7 +734,7 @@ def test_metadata_of_64_bit_floats_is_read_without_crashing(tmp_path, small):
     rewrite(small["Q8_0"], tmp_path / "m.gguf", meta=meta)
     code = "import sys; from runtime.gguf import import_gguf; import_gguf(sys.argv[1], sys.argv[2], 'float32')"
     run = subprocess.run([sys.executable, "-c", code, str(tmp_path / "m.gguf"), str(tmp_path / "m")],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
     import_gguf(small["Q8_0"], tmp_path / "plain", "float32")
     assert folder_weights(tmp_path / "m").keys() == folder_weights(tmp_path / "plain").keys()
@@ -749,7 +749,7 @@ def test_a_damaged_layer_count_is_refused_at_once(tmp_path, small):
     code = ("import sys\nfrom runtime.gguf import import_gguf, GGUFError\n"
             "try: import_gguf(sys.argv[1], sys.argv[2], 'float32')\nexcept GGUFError as e: print(e)\n")
     run = subprocess.run([sys.executable, "-c", code, str(tmp_path / "m.gguf"), str(tmp_path / "m")],
-                         capture_output=True, text=True, timeout=60, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "tensors missing" in run.stdout and "blk.2." in run.stdout, run.stdout
     assert not (tmp_path / "m").exists()

@@ -5,7 +5,6 @@ costs about 0.1-0.2 s on a 2-core CPU, so the turns are few and short.
 """
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -132,7 +131,7 @@ def test_cold_hot_warm_and_restart_continue_token_identically(tmp_path, smol):
     with Runtime(model=GGUF, cache_dir=tmp_path / "cold") as rt:
         cold = rt.spawn("x", system=ALICE).ask(q2, max_tokens=n)
     out = subprocess.run([sys.executable, "-c", RESTART, str(GGUF), str(tmp_path / "restart"), ALICE, q2, str(n)],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     state, *tokens = out.stdout.split()
     assert (warm.cache, cold.cache, state) == ("warm", "cold", "warm")

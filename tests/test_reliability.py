@@ -452,7 +452,7 @@ def test_a_real_full_disk_loses_no_acknowledged_turn(tmp_path):
     mount = tmp_path / "mnt"
     mount.mkdir()
     proc = subprocess.run(["unshare", "-rm", sys.executable, str(TESTS / "disk_full_child.py"), str(mount)],
-                          capture_output=True, text=True, timeout=300, env=dict(os.environ))
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["not_saved"] > 0  # the disk really was full for some appends

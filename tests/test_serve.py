@@ -3,7 +3,6 @@
 import asyncio
 import json
 import logging
-import os
 import signal
 import socket
 import subprocess
@@ -189,8 +188,7 @@ def test_an_api_key_no_client_can_send_is_refused_at_start(served, tmp_path):
     finally:
         s.close()
     out = subprocess.run([sys.executable, "-m", "runtime.api.cli", "serve", "--model", tmp_path / "no-model",
-                          "--api-key", ""], capture_output=True, text=True, timeout=120, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          "--api-key", ""], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 2 and "api_key is empty" in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
@@ -786,9 +784,8 @@ def test_the_command_line_server_checks_the_api_key(tmp_path):
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-m", "runtime.api.cli", "serve", "--cache-dir", str(tmp_path), "--port",
-                             str(port), "--api-key", "sesame", "--log-level", "warning"], env=env, cwd=ROOT,
+                             str(port), "--api-key", "sesame", "--log-level", "warning"], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -822,7 +819,7 @@ class ServeProcess:
         self.port = sock.getsockname()[1]
         sock.close()
         self.proc = subprocess.Popen([sys.executable, "-m", "runtime.api.cli", "serve", "--cache-dir", str(cache_dir),
-                                      "--port", str(self.port)], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                                      "--port", str(self.port)],
                                      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines = []
 
@@ -973,8 +970,8 @@ def test_a_signal_while_the_runtime_shuts_down_ends_the_process_at_once_without_
     one whose shutdown waits for a parked supervisor; the agent's answered turn is in its journal after."""
     from runtime.api.serve import ENDED_IN_SHUTDOWN
 
-    proc = subprocess.Popen([sys.executable, "-c", SLOW_SHUTDOWN, str(tmp_path)], env={**os.environ,
-                            "PYTHONPATH": str(ROOT)}, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_SHUTDOWN, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline() == "shutting down\n", proc.stderr.read()
         time.sleep(0.5)  # inside the shutdown's wait
