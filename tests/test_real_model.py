@@ -167,16 +167,23 @@ def greedy(model, prompt, cache, n):
 
 
 def test_the_default_kv_scheme_answers_as_the_unquantized_cache(smol):
-    """Greedy answers through the default scheme's cache match a 16-bit cache where plain Q4 g64 did not."""
+    """Greedy answers through the default scheme's cache match an unquantized cache where plain Q4 g64 did not.
+
+    Float32 weights and activations on every device, so that only the cache's quantization differs: the folder a
+    GPU converts by default is 16-bit, where the first question's second token is a near tie (unquantized "The
+    play" by 0.23 over "The story" on an H200) that the quantized cache's rounding flips (by 0.03); there the
+    scheme's quality is measured by perplexity (`benchmarks.quality`: 1.0046x the unquantized cache's on an H100).
+    """
     from mlx_lm.models.cache import make_prompt_cache
 
     from runtime import attention
+    from runtime.gguf import gguf_model_path
     from runtime.kvscheme import default_scheme, plain
     from runtime.model import load_model
     from runtime.q4cache import make_batch_cache
 
     attention.install()
-    model, tok, spec = load_model(GGUF)
+    model, tok, spec = load_model(gguf_model_path(GGUF, weights="float32"))
     assert spec.kv_scheme == default_scheme()
     system = "You are a helpful assistant. Answer briefly."
     for question in ("Who wrote Romeo and Juliet?", "What is the boiling point of water in Celsius?"):
