@@ -687,13 +687,21 @@ def meta(end: int, window: int, queries: int):
     step's 32 layers share one, and so does `q4pack.pack_kv_into` (which reads `end`) with
     the layers without a window. It is a view of a row of an array made for META_BLOCK
     consecutive ends at once (making an array from host data cost an H100's host 200 us a
-    step, a row's view 3 us), and a view is evaluated by the thread that made it.
+    step, a row's view 3 us), and a view is evaluated by the thread that made it. Threads are told apart by a
+    token of their own, not by their id, which the system gives again once a thread has ended: a batcher
+    restarted on a new thread would get its predecessor's views, made on a stream it does not have.
     """
-    return _meta_row(end, window, queries, threading.get_ident())
+    token = getattr(_threads, "token", None)
+    if token is None:
+        token = _threads.token = object()
+    return _meta_row(end, window, queries, token)
+
+
+_threads = threading.local()
 
 
 @functools.lru_cache(maxsize=16)
-def _meta_row(end: int, window: int, queries: int, thread: int):
+def _meta_row(end: int, window: int, queries: int, thread: object):
     return _meta_block(end // META_BLOCK, window, queries)[end % META_BLOCK]
 
 

@@ -572,6 +572,34 @@ def test_kernel_parameters_are_shared_per_step_and_per_thread():
     assert other["m"] is not first and other["v"] == [130, 0, 1]
 
 
+def test_kernel_parameters_of_an_ended_thread_never_reach_a_thread_given_its_id_again():
+    """The system gives an ended thread's id to a new thread (as to a batcher restarted on a new thread): a thread
+    that made parameters and ended without evaluating them (a forward that raised) leaves nothing the next thread
+    with its id gets; that one's arrays are its own, which it evaluates on its stream (another thread's raise)."""
+    import threading
+
+    from runtime import q4sdpa
+
+    first, outcomes = {}, []
+
+    def turn():
+        made = q4sdpa.meta(4099, 0, 1)
+        if threading.get_ident() not in first:
+            first[threading.get_ident()] = made  # left unevaluated
+            return
+        try:
+            outcomes.append((made is not first[threading.get_ident()], made.tolist()))
+        except RuntimeError as e:
+            outcomes.append((False, str(e)))
+
+    for _ in range(200):
+        thread = threading.Thread(target=turn)
+        thread.start()
+        thread.join()
+        if outcomes:
+            break
+    assert outcomes == [(True, [4099, 0, 1])]
+
 
 def test_gather_columns_refuses_plans_outside_the_tensors():
     """`q4columns.gather` checks its arguments before it launches anything (so this runs anywhere)."""
