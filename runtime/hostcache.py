@@ -307,7 +307,7 @@ def _to_device(host: HostCache, names: list) -> list:
     """MLX arrays of `host.tensors[name]` for `names` (scales and biases in `host.dtype`), not yet evaluated.
 
     On CUDA the copy engine fills device buffers (`cudacopy.to_device`, allocated on this
-    thread's copy stream; one per `cudacopy.MAX_BYTES`), and each array is a view of one:
+    thread's side stream, `q4cache.side_stream`; one per `cudacopy.MAX_BYTES`), and each array is a view of one:
     `mx.array` from numpy would copy into fresh managed memory a tensor at a time with the
     GIL held (an agent reloading a 16K-token cache held it for tens of milliseconds,
     stopping the engine's thread) and the GPU's first read would then migrate the pages.
