@@ -484,9 +484,9 @@ def _read(path: Path) -> tuple[dict, dict]:
     written them (`_earlier_order`). Kind "quant": an
     MLX (weight, scales, biases) triplet of `bits` bits, as `mx.load` returns Q4_0 /
     Q4_1 / Q8_0 exactly; kind "float": one float array, F32 or F16 as `mx.load`
-    returns it. What `mx.load` does not read exactly (`_exactly_loaded`) is read by
-    the gguf package instead and dequantized to float32 (kind "dequant", with its
-    type): every tensor where `mx.load` cannot read the file (a quantization type MLX
+    returns it. What `mx.load` does not read exactly (`_exactly_loaded`) is left to
+    the gguf package to dequantize to float32 when it is converted (kind "dequant", a
+    `_Dequantized`, with its type): every tensor where `mx.load` cannot read the file (a quantization type MLX
     lacks) or must not be given it (a 64-bit float value in its metadata, which
     crashes MLX's parser). BF16 tensors are read by neither: `mx.load` turns them
     into float16, losing range and precision, so their bits are taken as they are
@@ -518,10 +518,7 @@ def _read(path: Path) -> tuple[dict, dict]:
         if t.tensor_type.name == "BF16":
             tensors[t.name] = ("float", _bfloat16(t), None, "BF16")
             continue
-        try:
-            tensors[t.name] = ("dequant", _dequantize(t, t.tensor_type.name), None, t.tensor_type.name)
-        except (ValueError, IndexError) as e:  # its data shorter than its shape: the file was cut short
-            raise _unreadable(path, f"tensor {t.name}: {e}") from e
+        tensors[t.name] = ("dequant", _Dequantized(t, path), None, t.tensor_type.name)
     return meta, {name: tensors[name] for name in _earlier_order(loaded, types)}
 
 
@@ -642,6 +639,23 @@ def _unreadable(path: Path, why: str) -> GGUFError:
                      "or convert the model again")
 
 
+class _Dequantized:
+    """A GGUF tensor that the gguf package dequantizes (`_dequantize`) when `_mlx_weights` converts it, not before:
+    it converts one at a time, so a quantized folder's conversion never holds all of a file's float32 values at
+    once (a K-quant 8B model's are 32 GB). `shape` is the MLX array's."""
+
+    def __init__(self, tensor, path: Path):
+        self.tensor, self.path = tensor, path
+        self.shape = tuple(int(d) for d in reversed(tensor.shape))
+
+    def load(self):
+        """The float32 MLX array; GGUFError where the file was cut short within the tensor's data."""
+        try:
+            return _dequantize(self.tensor, self.tensor.tensor_type.name)
+        except (ValueError, IndexError) as e:  # its data shorter than its shape: the file was cut short
+            raise _unreadable(self.path, f"tensor {self.tensor.name}: {e}") from e
+
+
 def _dequantize(tensor, qtype: str):
     """A float32 MLX array of a GGUF tensor that `mx.load` cannot read exactly, via the gguf package."""
     import mlx.core as mx
@@ -715,7 +729,7 @@ def _mlx_weights(tensors: dict, config: dict, arch: str, weights: str):
             w, scales, biases = value
             a = mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32), group_size=GROUP, bits=bits)
         else:
-            a = value
+            a = value.load() if kind == "dequant" else value
         a = fix(a)
         requant = (weights == "quantized" and kind == "dequant" and qtype not in _FLOAT_TYPES
                    and a.ndim == 2 and a.shape[-1] % GROUP == 0)
@@ -724,8 +738,10 @@ def _mlx_weights(tensors: dict, config: dict, arch: str, weights: str):
             w, scales, biases = _requantize(a, bits, name, qtype)
             out[target], out[f"{prefix}.scales"], out[f"{prefix}.biases"] = w, scales, biases
             layer_bits[prefix] = bits
-            continue
-        out[target] = a.astype(_float_type(a, weights, name, qtype))
+        else:
+            out[target] = a.astype(_float_type(a, weights, name, qtype))
+        if kind == "dequant":  # its float32 values freed before the next tensor's are made
+            mx.eval([out[k] for k in (target, f"{prefix}.scales", f"{prefix}.biases") if k in out])
     mx.eval(out)
     if not layer_bits:
         return out, None
