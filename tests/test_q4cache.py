@@ -598,6 +598,8 @@ def test_kernel_parameters_of_an_ended_thread_never_reach_a_thread_given_its_id_
         thread.join()
         if outcomes:
             break
+    if not outcomes:
+        pytest.skip("this system gave no ended thread's id to a new one in 200 threads")
     assert outcomes == [(True, [4099, 0, 1])]
 
 
