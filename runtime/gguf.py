@@ -176,8 +176,9 @@ def file_digest(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def gguf_model_path(path: str | Path, weights: str | None = None) -> Path:
-    """The mlx-lm folder converted from the GGUF file at `path`, converting it on first use.
+def gguf_model_path(path: str | Path, weights: str | None = None, progress=None) -> Path:
+    """The mlx-lm folder converted from the GGUF file at `path`, converting it on first use (`progress`, if given,
+    called as `progress(done, total)` after each of its tensors is converted).
 
     The folder is `$KVACTORS_HOME/models/gguf-<first 16 hex of the file's SHA-256>-<weights>-c<CONVERSION>`
     (`weights`: "float32" or "quantized"; None: `default_weights()`), so a changed
@@ -197,7 +198,7 @@ def gguf_model_path(path: str | Path, weights: str | None = None) -> Path:
     out = kvactors_home() / "models" / f"gguf-{digest[:16]}-{weights}-c{CONVERSION}"
     fresh = not out.exists()
     try:
-        built = build_once(out, functools.partial(_convert, path, weights))  # one conversion at a time
+        built = build_once(out, functools.partial(_convert, path, weights, progress=progress))  # one at a time
     except OSError as e:
         raise _cannot_write(out, e) from e
     if fresh:
@@ -216,8 +217,9 @@ def _say_superseded(out: Path) -> None:
                         "Delete it to free its space (rm -r %s) once no older kvactors runs on it", old, out.name, old)
 
 
-def import_gguf(path: str | Path, out: str | Path, weights: str | None = None) -> Path:
-    """Convert the GGUF file at `path` into a new mlx-lm model folder `out`; return `out`.
+def import_gguf(path: str | Path, out: str | Path, weights: str | None = None, progress=None) -> Path:
+    """Convert the GGUF file at `path` into a new mlx-lm model folder `out`; return `out`. `progress`, if given, is
+    called as `progress(done, total)` after each of the file's tensors is converted.
 
     `weights` is "float32" (exactly dequantized) or "quantized" (the file's 4/8-bit
     triplets kept as they are, other quantized tensors requantized from their
@@ -243,16 +245,16 @@ def import_gguf(path: str | Path, out: str | Path, weights: str | None = None) -
     refuse_existing(out)  # before reading the file; `build_once` checks again, under the lock
     _check_head(path)  # a file that is missing, unreadable or no GGUF is said at once, not after a wait for the lock
     try:  # read and converted under the lock: an import waiting for another into `out` never converts for nothing
-        return build_once(out, functools.partial(_convert, path, weights), reuse=False)
+        return build_once(out, functools.partial(_convert, path, weights, progress=progress), reuse=False)
     except FileExistsError:
         raise
     except OSError as e:  # the lock beside `out`
         raise _cannot_write(out, e) from e
 
 
-def _convert(path: Path, weights: str, out: Path) -> None:
-    """Read, check and convert the GGUF file at `path` (as `import_gguf`) into the model folder `out`, written
-    through `new_model_folder`."""
+def _convert(path: Path, weights: str, out: Path, progress=None) -> None:
+    """Read, check and convert the GGUF file at `path` (as `import_gguf`, `progress` too) into the model folder
+    `out`, written through `new_model_folder`."""
     meta, tensors = _read(path)
     _check_metadata(meta, path)
     arch = meta.get("general.architecture")
@@ -263,7 +265,7 @@ def _convert(path: Path, weights: str, out: Path) -> None:
     tokenizer_json, tokenizer_config, template = _tokenizer(meta, path)
     _check_tensors(tensors, config, path)
     _check_token_ids(meta, config, path)
-    mlx_weights, quantization = _mlx_weights(tensors, config, arch, weights)
+    mlx_weights, quantization = _mlx_weights(tensors, config, arch, weights, progress)
     if quantization:
         config["quantization"] = quantization
     config["torch_dtype"] = _torch_dtype(mlx_weights)
@@ -709,40 +711,20 @@ def _unpermute(a, n_heads: int):
     return a.reshape(n_heads, half, 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
 
 
-def _mlx_weights(tensors: dict, config: dict, arch: str, weights: str):
-    """(mlx-lm weights dict, quantization config or None) for the chosen `weights` kind."""
+def _mlx_weights(tensors: dict, config: dict, arch: str, weights: str, progress=None):
+    """(mlx-lm weights dict, quantization config or None) for the chosen `weights` kind: a tensor at a time, each
+    evaluated before the next is read (a dequantized one's float32 values then freed), `progress(done, total)`
+    after each."""
     import mlx.core as mx
 
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     out, layer_bits = {}, {}
-    for name, (kind, value, bits, qtype) in tensors.items():
-        target = _mlx_name(name)
-        role = name.split(".")[-2] if name.startswith("blk.") else None
-        fix = (lambda a: _unpermute(a, heads[role])) if arch == "llama" and role in heads else (lambda a: a)
-        prefix = target.rpartition(".")[0]
-        if kind == "quant" and weights == "quantized":
-            w, scales, biases = (fix(a) for a in value)
-            out[target], out[f"{prefix}.scales"], out[f"{prefix}.biases"] = w, scales, biases
-            layer_bits[prefix] = bits
-            continue
-        if kind == "quant":
-            w, scales, biases = value
-            a = mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32), group_size=GROUP, bits=bits)
-        else:
-            a = value.load() if kind == "dequant" else value
-        a = fix(a)
-        requant = (weights == "quantized" and kind == "dequant" and qtype not in _FLOAT_TYPES
-                   and a.ndim == 2 and a.shape[-1] % GROUP == 0)
-        if requant:
-            bits = 4 if qtype.startswith(("Q2", "Q3", "Q4", "IQ", "TQ", "MXFP4", "NVFP4")) else 8
-            w, scales, biases = _requantize(a, bits, name, qtype)
-            out[target], out[f"{prefix}.scales"], out[f"{prefix}.biases"] = w, scales, biases
-            layer_bits[prefix] = bits
-        else:
-            out[target] = a.astype(_float_type(a, weights, name, qtype))
-        if kind == "dequant":  # its float32 values freed before the next tensor's are made
-            mx.eval([out[k] for k in (target, f"{prefix}.scales", f"{prefix}.biases") if k in out])
-    mx.eval(out)
+    for done, (name, entry) in enumerate(tensors.items(), 1):
+        made = _mlx_weight(name, *entry, heads, arch, weights, layer_bits)
+        mx.eval(list(made.values()))
+        out.update(made)
+        if progress is not None:
+            progress(done, len(tensors))
     if not layer_bits:
         return out, None
     common = max(set(layer_bits.values()), key=list(layer_bits.values()).count)
@@ -751,6 +733,33 @@ def _mlx_weights(tensors: dict, config: dict, arch: str, weights: str):
         if bits != common:
             quantization[prefix] = {"group_size": GROUP, "bits": bits, "mode": "affine"}
     return out, quantization
+
+
+def _mlx_weight(name: str, kind: str, value, bits, qtype: str, heads: dict, arch: str, weights: str,
+                layer_bits: dict) -> dict:
+    """{mlx-lm name: array} of GGUF tensor `name` (`_read`'s entry: kind, value, bits, type) in a folder of
+    `weights`, not yet evaluated; a quantized one's bits recorded in `layer_bits` under its module's name."""
+    import mlx.core as mx
+
+    target = _mlx_name(name)
+    role = name.split(".")[-2] if name.startswith("blk.") else None
+    fix = (lambda a: _unpermute(a, heads[role])) if arch == "llama" and role in heads else (lambda a: a)
+    prefix = target.rpartition(".")[0]
+    if kind == "quant" and weights == "quantized":
+        layer_bits[prefix] = bits
+        return dict(zip((target, f"{prefix}.scales", f"{prefix}.biases"), (fix(a) for a in value)))
+    if kind == "quant":
+        w, scales, biases = value
+        a = mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32), group_size=GROUP, bits=bits)
+    else:
+        a = value.load() if kind == "dequant" else value
+    a = fix(a)
+    if (weights == "quantized" and kind == "dequant" and qtype not in _FLOAT_TYPES and a.ndim == 2
+            and a.shape[-1] % GROUP == 0):
+        layer_bits[prefix] = 4 if qtype.startswith(("Q2", "Q3", "Q4", "IQ", "TQ", "MXFP4", "NVFP4")) else 8
+        return dict(zip((target, f"{prefix}.scales", f"{prefix}.biases"),
+                        _requantize(a, layer_bits[prefix], name, qtype)))
+    return {target: a.astype(_float_type(a, weights, name, qtype))}
 
 
 def _requantize(a, bits: int, name: str, qtype: str):

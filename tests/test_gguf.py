@@ -361,6 +361,10 @@ def test_import_gguf_command(tmp_path, tiny):
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == str(tmp_path / "out")
     assert mlx_lm.load(str(tmp_path / "out"))[0].model.layers[0].self_attn.q_proj.bits == 4
+    tensors = len(gguf.GGUFReader(str(tmp_path / "m.gguf")).tensors)
+    said = [line for line in run.stderr.splitlines() if line.startswith("kvactors: converting")]  # at its first
+    # tensor and its last (a quick conversion)
+    assert said == [f"kvactors: converting m.gguf: {n}/{tensors} tensors" for n in (1, tensors)], run.stderr
     again = subprocess.run([sys.executable, "-m", "runtime.api.cli", "import-gguf", tmp_path / "m.gguf", tmp_path / "out"],
                            capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert again.returncode == 2 and "already exists" in again.stderr and "Traceback" not in again.stderr

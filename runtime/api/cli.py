@@ -9,6 +9,7 @@ import math
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 from runtime.errors import KvactorsError
@@ -100,12 +101,27 @@ def _prune(args) -> int:
 def _import_gguf(args) -> int:
     from runtime.gguf import gguf_model_path, import_gguf
 
+    progress = _conversion_progress(Path(args.file).name)
     if args.out is None:
-        out = gguf_model_path(args.file, args.weights)
+        out = gguf_model_path(args.file, args.weights, progress)
     else:
-        out = import_gguf(args.file, args.out, args.weights)
+        out = import_gguf(args.file, args.out, args.weights, progress)
     print(out)
     return 0
+
+
+def _conversion_progress(name: str, every_s: float = 2.0):
+    """A `progress(done, total)` for a GGUF conversion that says on stderr how far it is: at its first tensor, then
+    at most every `every_s` seconds, and at its last."""
+    said = [-math.inf]
+
+    def progress(done: int, total: int) -> None:
+        now = time.monotonic()
+        if done == total or now - said[0] >= every_s:
+            said[0] = now
+            print(f"kvactors: converting {name}: {done}/{total} tensors", file=sys.stderr, flush=True)
+
+    return progress
 
 
 def _bench(args) -> int:
@@ -208,7 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     imp = sub.add_parser(
         "import-gguf", help="convert a GGUF file (llama, qwen2) into an mlx-lm model folder",
         description="Converts FILE into the mlx-lm folder OUT (default: the model cache under $KVACTORS_HOME/models, "
-                    "where Runtime(model=FILE) finds the folder of this machine's default --weights) and prints the folder. "
+                    "where Runtime(model=FILE) finds the folder of this machine's default --weights) and prints the folder; "
+                    "how far the conversion is goes to standard error (tensors converted, every 2 s and at the end). "
                     "Runtime(model=FILE) converts on first use by itself. OUT must not exist: an existing one is "
                     "refused and left as it is. The folder appears only once complete; a conversion killed midway "
                     "leaves no OUT, and the next one into OUT removes what it left. Of two conversions into one OUT "
