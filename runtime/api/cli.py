@@ -117,6 +117,8 @@ def _conversion_progress(name: str, every_s: float = 2.0):
 
     def progress(done: int, total: int) -> None:
         now = time.monotonic()
+        if sys.stderr is None:  # started with standard error closed: print would write to standard output
+            return
         if done == total or now - said[0] >= every_s:
             said[0] = now
             print(f"kvactors: converting {name}: {done}/{total} tensors", file=sys.stderr, flush=True)
