@@ -60,6 +60,8 @@ import logging
 import math
 import re
 import stat
+import sys
+import time
 from pathlib import Path
 
 from runtime.errors import shown
@@ -204,6 +206,23 @@ def gguf_model_path(path: str | Path, weights: str | None = None, progress=None)
     if fresh:
         _say_superseded(out)
     return built
+
+
+def stderr_progress(name: str, every_s: float = 2.0):
+    """A `progress(done, total)` for the conversion of GGUF file `name` that says on standard error how far it is
+    ("kvactors: converting NAME: done/total tensors"): at its first tensor, then at most every `every_s` seconds,
+    and at its last; nowhere where standard error is closed (print would write to standard output)."""
+    said = [-math.inf]
+
+    def progress(done: int, total: int) -> None:
+        now = time.monotonic()
+        if sys.stderr is None:
+            return
+        if done == total or now - said[0] >= every_s:
+            said[0] = now
+            print(f"kvactors: converting {name}: {done}/{total} tensors", file=sys.stderr, flush=True)
+
+    return progress
 
 
 def _say_superseded(out: Path) -> None:

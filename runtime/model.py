@@ -244,9 +244,9 @@ def resolve_model_path(model: str | Path | None) -> Path:
 
         return tiny_llama_path()
     if here and path.suffix.lower() == ".gguf" and path.is_file():
-        from runtime.gguf import gguf_model_path
+        from runtime.gguf import gguf_model_path, stderr_progress
 
-        return gguf_model_path(path)
+        return gguf_model_path(path, progress=stderr_progress(path.name))  # a first use converts: say how far
     if here:
         return path
     from huggingface_hub import snapshot_download

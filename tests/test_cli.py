@@ -292,16 +292,16 @@ def test_conversion_progress_goes_to_standard_error_and_nowhere_else(monkeypatch
     """import-gguf's progress lines: on standard error at the first tensor, the last, and not more often than asked;
     with standard error closed (2>&-: sys.stderr is None, where print would write to standard output, which a
     script reads for the folder) nowhere."""
-    from runtime.api import cli
+    from runtime.gguf import stderr_progress
 
-    progress = cli._conversion_progress("m.gguf", every_s=3600)
+    progress = stderr_progress("m.gguf", every_s=3600)
     for done in range(1, 6):
         progress(done, 5)
     out = capsys.readouterr()
     assert out.out == "" and out.err.splitlines() == ["kvactors: converting m.gguf: 1/5 tensors",
                                                       "kvactors: converting m.gguf: 5/5 tensors"]
     monkeypatch.setattr(sys, "stderr", None)
-    quiet = cli._conversion_progress("m.gguf")
+    quiet = stderr_progress("m.gguf")
     quiet(1, 1)
     monkeypatch.undo()
     assert capsys.readouterr().out == ""

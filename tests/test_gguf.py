@@ -342,16 +342,22 @@ def test_a_file_mlx_reads_exactly_converts_to_the_bytes_an_earlier_conversion_wr
     assert fingerprint(out) == fingerprint(earlier)
 
 
-def test_runtime_takes_a_gguf_file(tmp_path, tiny):
+def test_runtime_takes_a_gguf_file(tmp_path, tiny, capfd):
+    """A first use converts the file, saying how far on standard error; later uses take the folder, silently."""
     from runtime import Runtime
 
-    write_gguf(tmp_path / "m.gguf", tiny["llama"], Q.Q8_0)
+    write_gguf(tmp_path / "plain.gguf", tiny["llama"], Q.Q8_0)  # as other tests convert it: bytes of its own here
+    rewrite(tmp_path / "plain.gguf", tmp_path / "m.gguf", meta={"general.name": ("runtime", V.STRING)})
     _, _, spec = load_model(tmp_path / "m.gguf")
     assert spec.model_id == str(gguf_model_path(tmp_path / "m.gguf"))
+    tensors = len(gguf.GGUFReader(str(tmp_path / "m.gguf")).tensors)
+    said = [line for line in capfd.readouterr().err.splitlines() if line.startswith("kvactors: converting")]
+    assert said == [f"kvactors: converting m.gguf: {n}/{tensors} tensors" for n in (1, tensors)]
     with Runtime(model=tmp_path / "m.gguf", cache_dir=tmp_path / "agents") as rt:
         agent = rt.spawn("reader")
         assert agent.ask("hello", max_tokens=3).cache == "cold"
         assert agent.ask("again", max_tokens=3).cache == "hot"
+    assert "kvactors: converting" not in capfd.readouterr().err
 
 
 def test_import_gguf_command(tmp_path, tiny):

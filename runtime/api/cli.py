@@ -9,7 +9,6 @@ import math
 import os
 import re
 import sys
-import time
 from pathlib import Path
 
 from runtime.errors import KvactorsError
@@ -99,31 +98,15 @@ def _prune(args) -> int:
 
 
 def _import_gguf(args) -> int:
-    from runtime.gguf import gguf_model_path, import_gguf
+    from runtime.gguf import gguf_model_path, import_gguf, stderr_progress
 
-    progress = _conversion_progress(Path(args.file).name)
+    progress = stderr_progress(Path(args.file).name)
     if args.out is None:
         out = gguf_model_path(args.file, args.weights, progress)
     else:
         out = import_gguf(args.file, args.out, args.weights, progress)
     print(out)
     return 0
-
-
-def _conversion_progress(name: str, every_s: float = 2.0):
-    """A `progress(done, total)` for a GGUF conversion that says on stderr how far it is: at its first tensor, then
-    at most every `every_s` seconds, and at its last."""
-    said = [-math.inf]
-
-    def progress(done: int, total: int) -> None:
-        now = time.monotonic()
-        if sys.stderr is None:  # started with standard error closed: print would write to standard output
-            return
-        if done == total or now - said[0] >= every_s:
-            said[0] = now
-            print(f"kvactors: converting {name}: {done}/{total} tensors", file=sys.stderr, flush=True)
-
-    return progress
 
 
 def _bench(args) -> int:
