@@ -211,16 +211,19 @@ def gguf_model_path(path: str | Path, weights: str | None = None, progress=None)
 def stderr_progress(name: str, every_s: float = 2.0):
     """A `progress(done, total)` for the conversion of GGUF file `name` that says on standard error how far it is
     ("kvactors: converting NAME: done/total tensors"): at its first tensor, then at most every `every_s` seconds,
-    and at its last; nowhere where standard error is closed (print would write to standard output)."""
+    and at its last; nowhere where standard error is closed (print would write to standard output), and a line it
+    cannot write (a broken pipe, a full disk) is left unsaid rather than fail the conversion."""
     said = [-math.inf]
 
     def progress(done: int, total: int) -> None:
         now = time.monotonic()
-        if sys.stderr is None:
+        if sys.stderr is None or not (done == total or now - said[0] >= every_s):
             return
-        if done == total or now - said[0] >= every_s:
-            said[0] = now
+        said[0] = now
+        try:
             print(f"kvactors: converting {name}: {done}/{total} tensors", file=sys.stderr, flush=True)
+        except (OSError, ValueError):  # a broken pipe, a full or closed stream: the conversion goes on unsaid
+            pass
 
     return progress
 
@@ -666,8 +669,17 @@ class _Dequantized:
     once (a K-quant 8B model's are 32 GB). `shape` is the MLX array's."""
 
     def __init__(self, tensor, path: Path):
+        """UnsupportedGGUF at once where the gguf package cannot dequantize the tensor's type (tried on one block of
+        zeros, not the file's data), not after the tensors before it were converted."""
+        import numpy as np
+        from gguf import GGML_QUANT_SIZES, quants
+
         self.tensor, self.path = tensor, path
         self.shape = tuple(int(d) for d in reversed(tensor.shape))
+        try:
+            quants.dequantize(np.zeros((1, GGML_QUANT_SIZES[tensor.tensor_type][1]), np.uint8), tensor.tensor_type)
+        except NotImplementedError as e:
+            raise _no_reader(tensor) from e
 
     def load(self):
         """The float32 MLX array; GGUFError where the file was cut short within the tensor's data."""
@@ -686,12 +698,17 @@ def _dequantize(tensor, qtype: str):
     try:
         data = quants.dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError as e:
-        raise UnsupportedGGUF(
-            f"tensor {tensor.name} uses quantization type {qtype}, which neither MLX nor the gguf "
-            f"package can read; convert the model with another type (e.g. Q4_0, Q4_1, Q8_0, Q4_K, F16)"
-        ) from e
+        raise _no_reader(tensor, qtype) from e
     shape = tuple(int(d) for d in reversed(tensor.shape))
     return mx.array(np.ascontiguousarray(data, dtype=np.float32).reshape(shape))
+
+
+def _no_reader(tensor, qtype: str | None = None) -> UnsupportedGGUF:
+    """The error for GGUF tensor `tensor`, whose type (`qtype`, by default its own) neither MLX nor the gguf package
+    reads."""
+    return UnsupportedGGUF(
+        f"tensor {tensor.name} uses quantization type {qtype or tensor.tensor_type.name}, which neither MLX nor the "
+        f"gguf package can read; convert the model with another type (e.g. Q4_0, Q4_1, Q8_0, Q4_K, F16)")
 
 
 def _bfloat16(tensor):
@@ -732,8 +749,8 @@ def _unpermute(a, n_heads: int):
 
 def _mlx_weights(tensors: dict, config: dict, arch: str, weights: str, progress=None):
     """(mlx-lm weights dict, quantization config or None) for the chosen `weights` kind: a tensor at a time, each
-    evaluated before the next is read (a dequantized one's float32 values then freed), `progress(done, total)`
-    after each."""
+    evaluated before the next is read (in a quantized folder a requantized one's float32 values are then freed),
+    `progress(done, total)` after each."""
     import mlx.core as mx
 
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}

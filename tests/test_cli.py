@@ -291,7 +291,8 @@ def test_the_cli_runs_with_its_standard_error_closed(tmp_path):
 def test_conversion_progress_goes_to_standard_error_and_nowhere_else(monkeypatch, capsys):
     """import-gguf's progress lines: on standard error at the first tensor, the last, and not more often than asked;
     with standard error closed (2>&-: sys.stderr is None, where print would write to standard output, which a
-    script reads for the folder) nowhere."""
+    script reads for the folder) nowhere; where a line cannot be written (a broken pipe), left unsaid, not raised
+    into the conversion."""
     from runtime.gguf import stderr_progress
 
     progress = stderr_progress("m.gguf", every_s=3600)
@@ -305,4 +306,14 @@ def test_conversion_progress_goes_to_standard_error_and_nowhere_else(monkeypatch
     quiet(1, 1)
     monkeypatch.undo()
     assert capsys.readouterr().out == ""
+
+    class Broken:  # a pipe whose reader went away, a full disk
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(sys, "stderr", Broken())
+    stderr_progress("m.gguf")(1, 1)  # the conversion goes on: nothing raised
 

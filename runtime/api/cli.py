@@ -210,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
         "import-gguf", help="convert a GGUF file (llama, qwen2) into an mlx-lm model folder",
         description="Converts FILE into the mlx-lm folder OUT (default: the model cache under $KVACTORS_HOME/models, "
                     "where Runtime(model=FILE) finds the folder of this machine's default --weights) and prints the folder; "
-                    "how far the conversion is goes to standard error (tensors converted, every 2 s and at the end). "
+                    "how far the conversion is goes to standard error (tensors converted: at the first, every 2 s, and at the end). "
                     "Runtime(model=FILE) converts on first use by itself. OUT must not exist: an existing one is "
                     "refused and left as it is. The folder appears only once complete; a conversion killed midway "
                     "leaves no OUT, and the next one into OUT removes what it left. Of two conversions into one OUT "
