@@ -664,9 +664,9 @@ def _unreadable(path: Path, why: str) -> GGUFError:
 
 
 class _Dequantized:
-    """A GGUF tensor that the gguf package dequantizes (`_dequantize`) when `_mlx_weights` converts it, not before:
-    it converts one at a time, so a quantized folder's conversion never holds all of a file's float32 values at
-    once (a K-quant 8B model's are 32 GB). `shape` is the MLX array's."""
+    """A GGUF tensor that the gguf package dequantizes to float32 when `_mlx_weights` converts it, not before: it
+    converts one at a time, so a quantized folder's conversion never holds all of a file's float32 values at once (a
+    K-quant 8B model's are 32 GB). `shape` is the MLX array's."""
 
     def __init__(self, tensor, path: Path):
         """UnsupportedGGUF at once where the gguf package cannot dequantize the tensor's type (tried on one block of
@@ -679,36 +679,22 @@ class _Dequantized:
         try:
             quants.dequantize(np.zeros((1, GGML_QUANT_SIZES[tensor.tensor_type][1]), np.uint8), tensor.tensor_type)
         except NotImplementedError as e:
-            raise _no_reader(tensor) from e
+            raise UnsupportedGGUF(
+                f"tensor {tensor.name} uses quantization type {tensor.tensor_type.name}, which neither MLX nor the "
+                f"gguf package can read; convert the model with another type (e.g. Q4_0, Q4_1, Q8_0, Q4_K, F16)"
+            ) from e
 
     def load(self):
         """The float32 MLX array; GGUFError where the file was cut short within the tensor's data."""
+        import mlx.core as mx
+        import numpy as np
+        from gguf import quants
+
         try:
-            return _dequantize(self.tensor, self.tensor.tensor_type.name)
+            data = quants.dequantize(self.tensor.data, self.tensor.tensor_type)
+            return mx.array(np.ascontiguousarray(data, dtype=np.float32).reshape(self.shape))
         except (ValueError, IndexError) as e:  # its data shorter than its shape: the file was cut short
             raise _unreadable(self.path, f"tensor {self.tensor.name}: {e}") from e
-
-
-def _dequantize(tensor, qtype: str):
-    """A float32 MLX array of a GGUF tensor that `mx.load` cannot read exactly, via the gguf package."""
-    import mlx.core as mx
-    import numpy as np
-    from gguf import quants
-
-    try:
-        data = quants.dequantize(tensor.data, tensor.tensor_type)
-    except NotImplementedError as e:
-        raise _no_reader(tensor, qtype) from e
-    shape = tuple(int(d) for d in reversed(tensor.shape))
-    return mx.array(np.ascontiguousarray(data, dtype=np.float32).reshape(shape))
-
-
-def _no_reader(tensor, qtype: str | None = None) -> UnsupportedGGUF:
-    """The error for GGUF tensor `tensor`, whose type (`qtype`, by default its own) neither MLX nor the gguf package
-    reads."""
-    return UnsupportedGGUF(
-        f"tensor {tensor.name} uses quantization type {qtype or tensor.tensor_type.name}, which neither MLX nor the "
-        f"gguf package can read; convert the model with another type (e.g. Q4_0, Q4_1, Q8_0, Q4_K, F16)")
 
 
 def _bfloat16(tensor):
