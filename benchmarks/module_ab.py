@@ -41,12 +41,22 @@ COLUMNS = ["round", "version", "batch", "build_ms", "launch_ms", "wait_ms", "pip
 CHUNK_COLUMNS = ["round", "version", "batch", "chunk_ms", "host_ms"]
 
 
-def swapped(module, copy, names):
-    """The module's current values of `names`, after setting each to the copy's."""
+def swapped(module, copy, names, model):
+    """The module's current values of `names`, after setting each to the copy's; the model's compiled blocks
+    forget the graphs they recorded (`forget_graphs`)."""
     before = {n: getattr(module, n) for n in names}
     for n in names:
         setattr(module, n, getattr(copy, n))
+    forget_graphs(model)
     return before
+
+
+def forget_graphs(model) -> None:
+    """Drop the graphs the model's compiled blocks recorded (`prepare.CompiledBlock`), so that the next call
+    records them again with the module functions as they are now: a recorded graph replays the kernels the
+    functions chose when it was recorded (swapping `runtime.qgemm._run` alone would change nothing)."""
+    for _, m in model.named_modules():
+        m.__dict__.pop("_kvactors_graphs", None)
 
 
 def main(argv=None) -> int:
@@ -75,7 +85,7 @@ def main(argv=None) -> int:
     trace = CudaCalls().start() if args.cuda_calls else None
     for r in range(args.rounds + 1):  # round 0 compiles both versions' kernels and is left out
         for version in (("new", "old") if r % 2 else ("old", "new")):
-            before = swapped(module, copy, names) if version == "old" else None
+            before = swapped(module, copy, names, model) if version == "old" else None
             try:
                 for b in batches:
                     t0 = time.perf_counter()
@@ -89,6 +99,7 @@ def main(argv=None) -> int:
                 if before:
                     for n, value in before.items():
                         setattr(module, n, value)
+                    forget_graphs(model)
     if trace is not None:
         trace.stop()
         args.out.mkdir(parents=True, exist_ok=True)

@@ -310,6 +310,23 @@ def test_module_ab_times_hot_chunks_with_the_copy_in_the_old_rounds_only(tmp_pat
     assert all((r["host_ms"] is not None) == (r["batch"] == 1) for r in rows)
 
 
+def test_module_ab_makes_compiled_blocks_record_their_graphs_again_after_a_swap(tiny_model_path):
+    """A compiled block replays the kernels its functions chose when it recorded its graphs, so a swap of a
+    function it calls (runtime.qgemm's) must make it record them again: `forget_graphs` drops them."""
+    import mlx_lm
+
+    from benchmarks.module_ab import forget_graphs
+    from runtime.prepare import CompiledBlock, compile_blocks
+
+    model, _ = mlx_lm.load(str(tiny_model_path("llama")))
+    assert compile_blocks(model) == len(model.layers)
+    blocks = [layer for layer in model.layers if isinstance(layer, CompiledBlock)]
+    recorded = [block._graphs() for block in blocks]
+    assert all(block._graphs() is graphs for block, graphs in zip(blocks, recorded))  # kept while nothing swaps
+    forget_graphs(model)
+    assert all(block._graphs() is not graphs for block, graphs in zip(blocks, recorded))
+
+
 def test_module_ab_calls_table_gives_each_versions_calls_a_round_by_time():
     """The CUDA calls of each version's rounds, summed over its windows and given per round, the longest first
     (a recorded trace stands in for CUPTI's, which exists only on CUDA)."""
