@@ -10,10 +10,15 @@ benchmark does that work for a conversation that grows by --new rows a write fro
 tokens on (the 8B shape's cache layout; the rows copied out of a cache that holds the turn
 before them too, as an agent's cache does), while a second thread sleeps 0.2 ms at a time and records how much longer each
 sleep took: its waits for the GIL. Per context: milliseconds a write and by part (the copy,
-the checks, the encoding), and the longest and the 99th-percentile wait.
+the checks, the encoding), and the longest and the 99th-percentile wait. `--layout` picks the
+cache's: arrays a layer (`per-layer`, as a turn's cache is on the CPU route) or every layer a
+view of one row's six arrays (`held-row`, `q4cache.HeldRow`: a turn's cache on CUDA's kernel
+route, which `cache_to_host` copies through the six arrays). Compare layouts in separate
+processes: in one, the layout measured second runs slower by the allocations its sizes miss in
+MLX's buffer cache (on a CPU, 14-15 against 7-8 ms a copy, whichever is second).
 
     python -m benchmarks.write_gil                                   # any machine
-    python -m benchmarks.write_gil --contexts 4096,32768 --new 264
+    python -m benchmarks.write_gil --contexts 4096,32768 --new 264 --layout held-row
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from benchmarks.common import bench_parser, environment, ranked, write_results
 from runtime.cacheformat import encode_file
 from runtime.hostcache import CacheMeta, HostCache, cache_to_host, check_cache
 
-COLUMNS = ["context", "new", "write_ms", "copy_ms", "check_ms", "encode_ms", "longest_wait_ms", "p99_wait_ms"]
+COLUMNS = ["context", "layout", "new", "write_ms", "copy_ms", "check_ms", "encode_ms", "longest_wait_ms", "p99_wait_ms"]
 TICK = 0.0002  # the waiting thread's sleep
 
 
@@ -70,6 +75,23 @@ def new_rows(n: int, layers: int = 32, heads: int = 8, dim: int = 128, bits: int
     return out
 
 
+def held(rows) -> list:
+    """`rows` (from `new_rows`) as a turn's cache is on CUDA's kernel route: every layer a view of one `HeldRow`
+    of six arrays (layers, heads, tokens, ...)."""
+    from runtime.kvscheme import KVScheme
+    from runtime.q4cache import HeldRow, layer_cache
+
+    arrays = [mx.concatenate([(*c.keys, *c.values)[j] for c in rows]) for j in range(6)]
+    mx.eval(arrays)
+    row, out = HeldRow(arrays), []
+    for n, c in enumerate(rows):
+        layer = layer_cache(KVScheme(c.bits, c.bits, c.group_size, "none"))
+        layer.hold(row, n)
+        layer.offset = c.offset
+        out.append(layer)
+    return out
+
+
 def write(rows, context: int, meta: CacheMeta) -> tuple[float, float, float]:
     """(copy, check, encode) seconds of one delta write at the end of a `context`-token conversation: the second
     half of `rows` (a cache holding the turn before it too), copied as a turn's delta is (`cache_to_host` from
@@ -93,9 +115,9 @@ def conversation(tokens: int, seq: int) -> CacheMeta:
                      token_ends=list(range(1, tokens + 1)), text="x" * tokens, turn_id=f"t{seq}")
 
 
-def measure(rows, context: int, writes: int) -> dict:
+def measure(rows, context: int, writes: int, layout: str) -> dict:
     """One row of the table: `writes` writes of a conversation that grows by a turn's rows from `context`
-    tokens on, timed, with a second thread's GIL waits."""
+    tokens on, timed, with a second thread's GIL waits; `layout` names the cache's."""
     new = rows[0].offset // 2
     metas = [conversation(context + i * new, i + 1) for i in range(writes + 1)]
     write(rows, context, metas[0])  # warm
@@ -103,7 +125,7 @@ def measure(rows, context: int, writes: int) -> dict:
         parts = [write(rows, len(meta.token_ids), meta) for meta in metas[1:]]
     ms = [statistics.median(p[k] for p in parts) * 1e3 for k in range(3)]
     waits = sorted(gil.waits)
-    return dict(context=context, new=new, write_ms=round(sum(ms), 2), copy_ms=round(ms[0], 2),
+    return dict(context=context, layout=layout, new=new, write_ms=round(sum(ms), 2), copy_ms=round(ms[0], 2),
                 check_ms=round(ms[1], 2), encode_ms=round(ms[2], 2), longest_wait_ms=round(waits[-1] * 1e3, 2),
                 p99_wait_ms=round(ranked(waits, 0.99) * 1e3, 2))
 
@@ -113,11 +135,14 @@ def main(argv=None):
     p.add_argument("--contexts", default="1024,4096,16384,32768", help="conversation lengths in tokens")
     p.add_argument("--new", type=int, default=264, help="rows a turn adds (the delta)")
     p.add_argument("--writes", type=int, default=10, help="writes timed per context")
+    p.add_argument("--layout", choices=("per-layer", "held-row"), default="per-layer",
+                   help="the cache's layout (default: %(default)s; see above)")
     args = p.parse_args(argv)
     env = environment()
     print(env)
     rows = new_rows(2 * args.new)  # the turn before and this one: a delta copies the second half
-    out = [measure(rows, int(c), args.writes) for c in args.contexts.split(",")]
+    cache = held(rows) if args.layout == "held-row" else rows
+    out = [measure(cache, int(c), args.writes, args.layout) for c in args.contexts.split(",")]
     notes = (f"a delta of {args.new} rows (32 layers, 8 kv heads, head dim 128, 4-bit keys and values, bf16 scales) "
              f"written after each of {args.writes} turns of a conversation from each context on; medians; waits: a second thread's "
              f"sleeps of {TICK * 1e3} ms, less the sleep. --model is not used.")

@@ -121,12 +121,20 @@ def cache_to_host(cache, start: int = 0) -> HostCache:
     are dropped. Raises ValueError for layers that disagree in scheme, length or
     dtype, or a `start` outside [0, n_tokens).
     """
+    from runtime.q4cache import held_row
+
     n_tokens, scheme, stored = _layers(cache)
     if start and not 0 < start < n_tokens:
         raise ValueError(f"cannot copy from position {start} of {n_tokens} cached tokens")
     arrays, dtype, lengths = {}, "float32", []
     table = _name_table(len(cache))[0]
-    for i, layer in enumerate(cache if n_tokens else ()):
+    held = held_row(cache) if n_tokens else None
+    if held is not None:  # every layer a view of one row's six arrays, holding the same tokens
+        row, tokens = held
+        lengths = [min(n_tokens - start, tokens)] * len(cache)
+        dtype = str(row.arrays[1].dtype).removeprefix("mlx.core.")
+        tensors = _held_to_numpy(row, tokens, lengths[0], table)
+    for i, layer in enumerate(cache if n_tokens and held is None else ()):
         rows = min(n_tokens - start, stored[i])
         lengths.append(rows)
         dtype = str(layer.keys[1].dtype).removeprefix("mlx.core.")
@@ -134,12 +142,30 @@ def cache_to_host(cache, start: int = 0) -> HostCache:
             if (stored[i] - rows, stored[i]) != (0, x.shape[-2]):
                 x = x[..., stored[i] - rows: stored[i], :]  # a view: `_to_numpy` copies it when it flattens it
             arrays[name] = x
-    tensors = _to_numpy(arrays)
+    if held is None:
+        tensors = _to_numpy(arrays)
     lengths = () if all(n == n_tokens for n in lengths) else tuple(lengths)
     host = HostCache(tensors, dtype, scheme.key_bits, scheme.group_size, len(cache), n_tokens, lengths,
                      scheme.value_bits, scheme.rotation)
     _check_host(host)
     return host
+
+
+def _held_to_numpy(row, tokens: int, rows: int, table) -> dict:
+    """Each layer's six tensors (names `table`) of a cache every layer of which is a view of `HeldRow` `row`,
+    holding `tokens` columns: the last `rows` of them, as numpy views of copies of the row's six arrays.
+
+    The arrays leave the device a range of layers at a time (each range's six slices about PIECE_BYTES, as
+    `_to_numpy` moves them): a copy of the 8B shape's 32 layers builds, evaluates and flattens six slices a
+    piece rather than one per tensor (192), host work the writer does beside the engine's next turn.
+    """
+    layer_bytes = sum(x.nbytes // (x.shape[0] * max(x.shape[2], 1)) for x in row.arrays) * rows
+    per = max(1, PIECE_BYTES // max(layer_bytes, 1))  # layers a piece
+    columns = slice(tokens - rows, tokens)
+    flat = _to_numpy({(j, a): x[a: a + per, :, columns] for a in range(0, len(table), per)
+                      for j, x in enumerate(row.arrays)})
+    return {name: flat[j, i - i % per][i % per: i % per + 1]
+            for i, names in enumerate(table) for j, name in enumerate(names)}
 
 
 def _to_numpy(arrays: dict) -> dict:

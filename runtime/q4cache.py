@@ -136,7 +136,7 @@ class AgentKVCache(QuantizedKVCache):
 
     def __init__(self, group_size: int = 64, bits: int = 4, value_bits: int | None = None, rotation: str = "none"):
         self._held = None  # (HeldRow, layer) until this layer's views are first read: see `hold`
-        self._origin = None  # (HeldRow, layer) it was handed out as, kept: see `_held_row`
+        self._origin = None  # (HeldRow, layer) it was handed out as, kept: see `held_row`
         super().__init__(group_size=group_size, bits=bits)
         self.value_bits = bits if value_bits is None else value_bits
         self.rotation = rotation
@@ -1062,12 +1062,12 @@ def merge_caches(spec, agent_caches, route: str | None = None, lead=None, room: 
     """Merge per-agent caches (each a per-layer list of QuantizedKVCache, or None) into a batch.
 
     `lead` (per row) and `room`: as `BatchQuantizedKVCache.merge` takes them (every layer the same).
-    One agent's cache that a turn handed out whole (`_held_row`) is copied from every layer in one
+    One agent's cache that a turn handed out whole (`held_row`) is copied from every layer in one
     `q4columns.gather` launch (a hot turn's merge), each layer's buffers a view of one buffer a tensor,
     and its layers after the first of each `keep` are that one's twins (`BatchQuantizedKVCache.twin`).
     """
     route = route_for(spec, route)
-    row, tokens = (_held_row(agent_caches[0]) if route == "q4kernel" and len(agent_caches) == 1 else None) or (None, 0)
+    row, tokens = (held_row(agent_caches[0]) if route == "q4kernel" and len(agent_caches) == 1 else None) or (None, 0)
     batch, first = [], {}  # a held row's first layer of each `keep`, whose twins the others are (`twin`)
     for layer in range(spec.n_layers):
         keep = _keep(spec, layer)
@@ -1078,22 +1078,23 @@ def merge_caches(spec, agent_caches, route: str | None = None, lead=None, room: 
             [None if c is None else c[layer] for c in agent_caches], spec.kv_scheme, route,
             keep, not spec.has_sinks, lead, room, fill=row is None,
         ))
-        if row is not None:  # every layer holds the same tokens at the same positions (`_held_row`)
+        if row is not None:  # every layer holds the same tokens at the same positions (`held_row`)
             first[keep] = batch[-1]
     if row is not None:
         keys, values = q4columns.gather([(row.arrays[:3], row.arrays[3:])],
                                         [(0, n, 0, tokens, 0) for n in range(len(batch))],
-                                        _allocation(tokens, room), checked=True)  # `_held_row` checked them
+                                        _allocation(tokens, room), checked=True)  # `held_row` checked them
         parts = [mx.split(x, len(batch), axis=0) for x in (*keys, *values)]
         for n, layer in enumerate(batch):
             layer.keys, layer.values = tuple(x[n] for x in parts[:3]), tuple(x[n] for x in parts[3:])
     return batch
 
 
-def _held_row(cache):
+def held_row(cache):
     """(The `HeldRow` whose layer n every layer n of per-agent `cache` is, the tokens every layer holds) where the
     cache is as a turn handed it out and unchanged since (its arrays or their views, every layer holding the same
-    tokens), so that one launch can copy them all; else None."""
+    tokens), so that one launch can copy them all (a merge) and a copy to the host can read six arrays rather than
+    six a layer (`hostcache.cache_to_host`); else None."""
     if not cache or len(cache) < 2:
         return None
     origin = getattr(cache[0], "_origin", None)

@@ -778,10 +778,10 @@ def test_a_held_rows_views_are_read_by_several_threads_at_once_without_a_crash(t
 
 
 def test_held_row_finds_a_row_handed_out_whole_with_its_tokens_and_nothing_else():
-    """`_held_row` (which lets a merge copy every layer in one launch) gives (the row, the tokens every layer
-    holds) for layers that hold one `HeldRow` in order, unchanged; None once a layer holds another array, fewer
-    tokens, another row's layer, or for a single layer."""
-    from runtime.q4cache import _held_row, layer_cache
+    """`held_row` (which lets a merge copy every layer in one launch, and a copy to the host read six arrays)
+    gives (the row, the tokens every layer holds) for layers that hold one `HeldRow` in order, unchanged; None
+    once a layer holds another array, fewer tokens, another row's layer, or for a single layer."""
+    from runtime.q4cache import held_row, layer_cache
 
     layers, scheme = 3, KVScheme(6, 4, 64, "none")
 
@@ -794,14 +794,48 @@ def test_held_row_finds_a_row_handed_out_whole_with_its_tokens_and_nothing_else(
         return row, caches
 
     row, caches = handed_out()
-    assert _held_row(caches) == (row, 40)
-    assert _held_row(caches[:1]) is None and _held_row([]) is None
+    assert held_row(caches) == (row, 40)
+    assert held_row(caches[:1]) is None and held_row([]) is None
     _, changed = handed_out()
     changed[1].keys = tuple(mx.array(x) for x in changed[1].keys)  # the same bits in new arrays
-    assert _held_row(changed) is None
+    assert held_row(changed) is None
     _, shorter = handed_out()
     shorter[2].offset = 39
-    assert _held_row(shorter) is None
+    assert held_row(shorter) is None
     _, swapped = handed_out()
     swapped[0], swapped[1] = swapped[1], swapped[0]
-    assert _held_row(swapped) is None
+    assert held_row(swapped) is None
+
+
+@pytest.mark.parametrize("piece_bytes", [8 << 20, 20_000])  # every layer in one piece; a layer or two a piece
+def test_a_held_rows_copy_to_the_host_reads_its_six_arrays_and_gives_every_layers_bytes(piece_bytes, monkeypatch):
+    """A cache every layer of which is a view of one `HeldRow` (a turn's cache as handed out) leaves the device
+    through slices of the row's six arrays, six a piece, not six a layer; the copy is byte for byte the one
+    made a layer at a time, whole or from a position on, with spare columns past the tokens."""
+    from runtime import hostcache
+    from runtime.q4cache import layer_cache
+
+    layers, scheme, columns, tokens = 5, KVScheme(6, 4, 64, "none"), 48, 40
+    arrays = [mx.random.randint(0, 1 << 30, (layers, 2, columns, c)).astype(t)  # head dim 64, one group a row
+              for c, t in ((12, mx.uint32), (1, mx.bfloat16), (1, mx.bfloat16),
+                           (8, mx.uint32), (1, mx.bfloat16), (1, mx.bfloat16))]
+    mx.eval(arrays)
+    row, held = HeldRow(arrays), [layer_cache(scheme) for _ in range(layers)]
+    plain_layers = [layer_cache(scheme) for _ in range(layers)]
+    for n, (c, p) in enumerate(zip(held, plain_layers)):
+        c.hold(row, n)
+        p.keys, p.values = tuple(mx.array(x[n: n + 1]) for x in arrays[:3]), tuple(mx.array(x[n: n + 1])
+                                                                                  for x in arrays[3:])
+        c.offset = p.offset = tokens
+    monkeypatch.setattr(hostcache, "PIECE_BYTES", piece_bytes)
+    seen, to_numpy = [], hostcache._to_numpy
+    monkeypatch.setattr(hostcache, "_to_numpy", lambda a: seen.append(len(a)) or to_numpy(a))
+    for start in (0, 25):
+        seen.clear()
+        got, want = hostcache.cache_to_host(held, start), hostcache.cache_to_host(plain_layers, start)
+        assert seen == [6 * -(-layers // max(1, piece_bytes // (got.nbytes // layers))), 6 * layers]
+        assert (got.dtype, got.n_layers, got.n_tokens, got.lengths) == (want.dtype, want.n_layers, want.n_tokens,
+                                                                         want.lengths)
+        assert got.tensors.keys() == want.tensors.keys()
+        for name, x in want.tensors.items():
+            assert got.tensors[name].shape == x.shape and got.tensors[name].tobytes() == x.tobytes(), name
