@@ -157,7 +157,8 @@ def _held_to_numpy(row, tokens: int, rows: int, table) -> dict:
 
     The arrays leave the device a range of layers at a time (each range's six slices about PIECE_BYTES, as
     `_to_numpy` moves them): a copy of the 8B shape's 32 layers builds, evaluates and flattens six slices a
-    piece rather than one per tensor (192), host work the writer does beside the engine's next turn.
+    piece rather than one per tensor (192), host work the writer does beside the engine's next turn. Called
+    after `q4cache.held_row`, which made the row's views (see `q4cache.HeldRow`).
     """
     layer_bytes = sum(x.nbytes // (x.shape[0] * max(x.shape[2], 1)) for x in row.arrays) * rows
     per = max(1, PIECE_BYTES // max(layer_bytes, 1))  # layers a piece

@@ -185,7 +185,9 @@ class HeldRow:
     before any thread sees them: the engine and the persistence actor read them at once (a hot turn's
     merge, the last turn's write), and MLX (0.32) lets threads share only arrays whose evaluation is over
     (two threads evaluating graphs over one array still queued crash the process). On that stream the
-    wait is for the views alone, not for the steps the engine's thread has queued on its own.
+    wait is for the views alone, not for the steps the engine's thread has queued on its own. A graph over
+    the six arrays themselves is built only after `views` (as `held_row` makes sure): the first evaluation
+    over them lets go of the graph that made them (MLX detaches it), which two threads must not do at once.
     """
 
     def __init__(self, arrays):
