@@ -195,7 +195,7 @@ class ClusterRuntime:
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)  # dies with us only
         self._directory = ray.remote(rayhost.Directory).options(num_cpus=0, name=directory,
                                                                 scheduling_strategy=here).remote()
-        host_class = ray.remote(concurrency_groups={"waits": WAIT_THREADS})(rayhost.NodeHost)
+        host_class = ray.remote(concurrency_groups={rayhost.WAITS: WAIT_THREADS})(rayhost.NodeHost)
         for node in sorted((n for n in ray.nodes() if n["Alive"]), key=lambda n: n["NodeID"]):
             gpus = int(node["Resources"].get("GPU", 0))
             for _ in range(max(1, gpus)):
@@ -505,7 +505,7 @@ class ClusterRuntime:
             threading.Thread(target=self._settle, args=(future, lambda: self._relay(index, key, message), name, index,
                                                         turn_id), daemon=True, name="kvactors-stream").start()
         else:  # Ray calls back on its own thread, where a call that waits for Ray never returns: settle on ours
-            ref = self._hosts[index].wait.options(concurrency_group="waits").remote(key)
+            ref = self._hosts[index].wait.options(concurrency_group=rayhost.WAITS).remote(key)
             ref.future().add_done_callback(lambda done: threading.Thread(
                 target=self._settle, args=(future, done.result, name, index, turn_id), daemon=True,
                 name="kvactors-settle").start())
@@ -519,7 +519,7 @@ class ClusterRuntime:
         finished there: then its reply stands.
         """
         host, failure, cancelled = self._hosts[index], None, False
-        for ref in host.events.options(num_returns="streaming", concurrency_group="waits").remote(key):
+        for ref in host.events.options(num_returns="streaming", concurrency_group=rayhost.WAITS).remote(key):
             event = self._ray.get(ref)
             if event[0] == "end":
                 if failure is not None and event[1][0] != "ok":  # a turn that finished first stands, as on one machine

@@ -62,6 +62,7 @@ SIGNALS = ("cancel", "fail", "call_off")  # what `NodeHost.signal` tells a strea
 NAME_POLL_S = 0.01  # how long `HostedRuntime._release_if_exited` waits for a call that holds the name: it is left to it
 EARLY_CALL_OFF_S = 60.0  # how long a host keeps a call-off that found no send, for a delivery that comes after it
 EARLY_CALL_OFFS = 1024  # how many such call-offs a host keeps at most (the oldest go first)
+WAITS = "waits"  # the concurrency group of the calls that wait for a turn (`wait`, `events`): threads of their own
 
 
 class ClusterError(KvactorsError, RuntimeError):
@@ -356,7 +357,7 @@ class NodeHost:
         Yields ("token", piece) and ("progress", done, total) in the order the turn's
         callbacks were called, then ("end", outcome): ("ok", the Reply) or ("error",
         packed), as `wait` answers. Only ("end", error) for an unknown key. Called in the
-        "waits" concurrency group, as `wait`.
+        `WAITS` concurrency group, as `wait`.
         """
         streamed = self.streams.get(key)
         if streamed is None:
@@ -410,7 +411,7 @@ class NodeHost:
 
     def wait(self, key: str) -> tuple:
         """("ok", the answer) to the envelope `deliver` returned `key` for, once the agent gives it; or ("error", ...).
-        Called in the "waits" concurrency group (as `events`), whose threads no other call takes."""
+        Called in the `WAITS` concurrency group (as `events`), whose threads no other call takes."""
         future = self.futures.get(key)
         if future is None:
             return "error", pack_error(ClusterError(f"no envelope {key} on this host (it restarted meanwhile)"))
@@ -529,7 +530,7 @@ class NodeHost:
         """Ask `note`'s host to answer once the note is durable (`wait`), and `_settle` it then on the settler's
         thread: Ray calls back on a thread of its own, where a call to Ray never returns."""
         try:
-            done = note.host.wait.options(concurrency_group="waits").remote(note.key).future()
+            done = note.host.wait.options(concurrency_group=WAITS).remote(note.key).future()
         except Exception as e:  # noqa: BLE001 - the note is settled as undeliverable: `_settle` raises it again
             self._on_settler(note, _raiser(e))
             return
