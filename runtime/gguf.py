@@ -685,16 +685,27 @@ class _Dequantized:
             ) from e
 
     def load(self):
-        """The float32 MLX array; GGUFError where the file was cut short within the tensor's data."""
+        """The float32 MLX array; GGUFError where the file was cut short within the tensor's data, or since it was
+        opened: the tensor's bytes are read from the file now, not through the reader's memory map, where a page
+        past a file's new end kills the process (SIGBUS) when touched."""
         import mlx.core as mx
         import numpy as np
         from gguf import quants
 
+        t = self.tensor
         try:
-            data = quants.dequantize(self.tensor.data, self.tensor.tensor_type)
+            with open(self.path, "rb") as f:
+                f.seek(t.data_offset)
+                raw = f.read(t.n_bytes)
+        except OSError as e:
+            raise _cannot_read(self.path, e) from e
+        if len(raw) != t.n_bytes:
+            raise _unreadable(self.path, f"tensor {t.name}: the file ends within its data (changed while converted?)")
+        try:  # as the reader lays it out: its dtype and shape, not its (mapped) data
+            data = quants.dequantize(np.frombuffer(raw, t.data.dtype).reshape(t.data.shape), t.tensor_type)
             return mx.array(np.ascontiguousarray(data, dtype=np.float32).reshape(self.shape))
         except (ValueError, IndexError) as e:  # its data shorter than its shape: the file was cut short
-            raise _unreadable(self.path, f"tensor {self.tensor.name}: {e}") from e
+            raise _unreadable(self.path, f"tensor {t.name}: {e}") from e
 
 
 def _bfloat16(tensor):

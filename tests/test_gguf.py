@@ -1062,3 +1062,34 @@ def test_a_file_the_gguf_package_dequantizes_converts_a_tensor_at_a_time(tmp_pat
                           capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
     assert int(done.stdout.split()[-1]) < total / 2, (int(done.stdout.split()[-1]) / 1e6, total / 1e6)
+
+
+CUT_SINCE_READ = """
+import sys
+from pathlib import Path
+from runtime import gguf
+
+path = Path(sys.argv[1])
+meta, tensors = gguf._read(path)
+later = [value for kind, value, _, _ in tensors.values() if kind == "dequant"]
+with open(path, "r+b") as f:
+    f.truncate(path.stat().st_size // 2)  # cut short after it was read, before its tensors are converted
+try:
+    for tensor in later:
+        tensor.load()
+except gguf.GGUFError as e:
+    print("GGUFError:", e)
+"""
+
+
+def test_a_file_cut_short_while_its_tensors_are_converted_is_a_clear_error_not_a_crash(tmp_path, small):
+    """A tensor the gguf package dequantizes is read when its turn comes (one at a time: the conversion's peak);
+    a file cut short since it was opened (rewritten, a download restarted) is then a GGUFError that says so.
+    Read through the reader's memory map instead, a page past the file's new end kills the process (SIGBUS)."""
+    path = tmp_path / "Q5_0.gguf"
+    shutil.copy(small["Q5_0"], path)
+    script = tmp_path / "cut.py"
+    script.write_text(CUT_SINCE_READ)
+    done = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.startswith("GGUFError:") and "the file ends within its data" in done.stdout, done.stdout
