@@ -126,7 +126,7 @@ def cache_to_host(cache, start: int = 0) -> HostCache:
     n_tokens, scheme, stored = _layers(cache)
     if start and not 0 < start < n_tokens:
         raise ValueError(f"cannot copy from position {start} of {n_tokens} cached tokens")
-    arrays, dtype, lengths = {}, "float32", []
+    dtype, lengths = "float32", []
     table = _name_table(len(cache))[0]
     held = held_row(cache) if n_tokens else None
     if held is not None:  # every layer a view of one row's six arrays, holding the same tokens
@@ -134,15 +134,16 @@ def cache_to_host(cache, start: int = 0) -> HostCache:
         lengths = [min(n_tokens - start, tokens)] * len(cache)
         dtype = str(row.arrays[1].dtype).removeprefix("mlx.core.")
         tensors = _held_to_numpy(row, tokens, lengths[0], table)
-    for i, layer in enumerate(cache if n_tokens and held is None else ()):
-        rows = min(n_tokens - start, stored[i])
-        lengths.append(rows)
-        dtype = str(layer.keys[1].dtype).removeprefix("mlx.core.")
-        for name, x in zip(table[i], (*layer.keys, *layer.values)):
-            if (stored[i] - rows, stored[i]) != (0, x.shape[-2]):
-                x = x[..., stored[i] - rows: stored[i], :]  # a view: `_to_numpy` copies it when it flattens it
-            arrays[name] = x
-    if held is None:
+    else:
+        arrays = {}
+        for i, layer in enumerate(cache if n_tokens else ()):
+            rows = min(n_tokens - start, stored[i])
+            lengths.append(rows)
+            dtype = str(layer.keys[1].dtype).removeprefix("mlx.core.")
+            for name, x in zip(table[i], (*layer.keys, *layer.values)):
+                if (stored[i] - rows, stored[i]) != (0, x.shape[-2]):
+                    x = x[..., stored[i] - rows: stored[i], :]  # a view: `_to_numpy` copies it when it flattens it
+                arrays[name] = x
         tensors = _to_numpy(arrays)
     lengths = () if all(n == n_tokens for n in lengths) else tuple(lengths)
     host = HostCache(tensors, dtype, scheme.key_bits, scheme.group_size, len(cache), n_tokens, lengths,
