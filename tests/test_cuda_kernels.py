@@ -764,6 +764,41 @@ def test_rows_taken_from_every_layer_at_once_match_mlx_ops_and_merge_back(monkey
         assert all(x.shape == y.shape and mx.array_equal(x, y).item() for x, y in zip((*kk, *kv), (*dk, *dv)))
 
 
+def test_a_handed_out_cache_leaves_the_device_through_its_six_arrays_byte_for_byte(monkeypatch):
+    """The writer's copy of an agent's cache as a turn handed it out on the "q4kernel" route (`queue_rows`: a
+    `HeldRow`) slices the row's six arrays, six a piece (`hostcache.cache_to_host`): byte for byte the copy a
+    layer at a time of the same arrays, whole and from a position on, in one piece and in several."""
+    from runtime import attention, hostcache, q4cache
+    from runtime.kvscheme import parse
+    from runtime.q4cache import AgentKVCache, BatchQuantizedKVCache
+
+    attention.install()
+    scheme, layers = parse("k6v4-g64-hadamard"), 4
+    source = [BatchQuantizedKVCache.merge([agent(scheme, 300, 10 * n), agent(scheme, 120, 10 * n + 5)], scheme,
+                                          "q4kernel", room=9) for n in range(layers)]
+    handed = q4cache.queue_rows(source, [1], drop=2)[0]
+    mx.eval(q4cache.row_arrays(handed))
+    assert q4cache.held_row(handed) is not None
+    apart = []  # the same arrays, a layer's own: copied a layer at a time
+    for c in handed:
+        a = AgentKVCache(64, 6, 4, "hadamard")
+        a.keys, a.values = tuple(mx.array(x * 1) for x in c.keys), tuple(mx.array(x * 1) for x in c.values)
+        a.offset = c.offset
+        apart.append(a)
+    mx.eval([(a.keys, a.values) for a in apart])
+    seen, to_numpy = [], hostcache._to_numpy
+    monkeypatch.setattr(hostcache, "_to_numpy", lambda arrays: seen.append(len(arrays)) or to_numpy(arrays))
+    for piece in (8 << 20, 30_000):
+        monkeypatch.setattr(hostcache, "PIECE_BYTES", piece)
+        for start in (0, 100):
+            seen.clear()
+            got, want = hostcache.cache_to_host(handed, start), hostcache.cache_to_host(apart, start)
+            assert seen[1] == 6 * layers and seen[0] % 6 == 0 and seen[0] <= seen[1]
+            assert (got.dtype, got.n_tokens, got.lengths) == (want.dtype, want.n_tokens, want.lengths)
+            for name, x in want.tensors.items():
+                assert got.tensors[name].shape == x.shape and got.tensors[name].tobytes() == x.tobytes(), name
+
+
 def test_a_handed_out_cache_merges_back_in_one_launch_and_takes_writes_as_a_batch_of_its_own(monkeypatch):
     """A hot turn's merge: an agent's cache as a turn handed it out (`queue_rows`: one buffer a tensor for every
     layer) is copied from every layer in one gather launch into views of one buffer a tensor, bit for bit what a
