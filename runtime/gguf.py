@@ -704,7 +704,7 @@ class _Dequantized:
         try:  # as the reader lays it out: its dtype and shape, not its (mapped) data
             data = quants.dequantize(np.frombuffer(raw, t.data.dtype).reshape(t.data.shape), t.tensor_type)
             return mx.array(np.ascontiguousarray(data, dtype=np.float32).reshape(self.shape))
-        except (ValueError, IndexError) as e:  # its data shorter than its shape: the file was cut short
+        except (ValueError, IndexError) as e:  # bytes its type's blocks do not fit (all were read): the file is damaged
             raise _unreadable(self.path, f"tensor {t.name}: {e}") from e
 
 

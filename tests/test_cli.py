@@ -316,4 +316,3 @@ def test_conversion_progress_goes_to_standard_error_and_nowhere_else(monkeypatch
 
     monkeypatch.setattr(sys, "stderr", Broken())
     stderr_progress("m.gguf")(1, 1)  # the conversion goes on: nothing raised
-
